@@ -1,0 +1,2 @@
+//! Block storage backends for the target: memory, null, file and block device through io_uring.
+#![forbid(unsafe_code)]

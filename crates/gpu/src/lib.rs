@@ -1,0 +1,2 @@
+//! CUDA device memory, pinned staging, streams and dma-buf export through cudarc with dynamic loading.
+#![forbid(unsafe_code)]

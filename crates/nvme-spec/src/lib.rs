@@ -1,0 +1,2 @@
+//! NVMe and NVMe-oF wire formats: no I/O, no unsafe.
+#![forbid(unsafe_code)]

@@ -1,0 +1,2 @@
+//! CUDA kernels (scatter, verify) for GPU-side data movement, compiled at run time.
+#![forbid(unsafe_code)]
