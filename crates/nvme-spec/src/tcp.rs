@@ -1,0 +1,1 @@
+//! NVMe/TCP PDU headers (NVMe TCP Transport Specification).
