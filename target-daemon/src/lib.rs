@@ -1,2 +1,33 @@
-//! The nvmeof-direct NVMe-oF target: subsystems, controllers, command handlers, transports, and the nvmeof-targetd daemon.
+//! The nvmeof-direct NVMe-over-Fabrics target.
+//!
+//! Exports namespaces (memory, null, files, block devices) of NVM subsystems over NVMe/TCP to
+//! any standard host: the Linux kernel's `nvme-tcp`, SPDK's host, and the nvmeof-direct
+//! initiator. The discovery service answers on every listener and on dedicated discovery
+//! listeners.
+//!
+//! Layers, from the wire inwards:
+//! - [`tcp`]: one task per connection on a reactor thread; bytes become PDUs through the
+//!   sans-IO `nvmf-tcp` engine; data moves by C2HData and R2T/H2CData.
+//! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
+//!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
+//! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
+//!   discovery log page.
+//! - [`io`]: runs data-plane requests against `blockdev` backends.
+//! - [`target`] and [`reactor`]: listeners, thread-per-core reactors, orderly shutdown.
+//!
+//! This crate never panics on input from the network: every malformed command gets an NVMe
+//! status, and every protocol violation a TermReq and a closed connection.
 #![forbid(unsafe_code)]
+
+pub mod config;
+pub mod controller;
+pub mod discovery;
+pub mod io;
+pub mod queue;
+pub mod reactor;
+pub mod subsystem;
+pub mod target;
+pub mod tcp;
+
+pub use config::Config;
+pub use target::{RunningTarget, Target};

@@ -1,0 +1,176 @@
+//! `nvmeof-targetd`: the nvmeof-direct NVMe-oF target daemon.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use blockdev::BackendSpec;
+use clap::{Parser, ValueEnum};
+use nvmeof_target::config::{Config, DEFAULT_NQN, ListenAddr};
+use nvmeof_target::{RunningTarget, Target};
+use tracing::{error, info, warn};
+
+/// Log output formats.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Export block storage as NVMe namespaces over NVMe/TCP.
+///
+/// With no arguments, serves a 1 GiB memory namespace in subsystem
+/// nqn.2026-11.io.nvmeof-direct:default on tcp://127.0.0.1:4420 to any host, with the discovery
+/// service on the same port. Try it with the Linux host:
+///   nvme discover -t tcp -a 127.0.0.1 -s 4420
+///   nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2026-11.io.nvmeof-direct:default
+#[derive(Debug, Parser)]
+#[command(name = "nvmeof-targetd", version, verbatim_doc_comment)]
+struct Args {
+    /// TOML configuration file (subsystems, namespaces, listeners, allowed hosts, limits).
+    /// See deploy/nvmeof-targetd.toml for an annotated example.
+    #[arg(short, long, value_name = "FILE", conflicts_with_all = ["listen", "subsystem", "namespace", "allow_any_host", "host"])]
+    config: Option<PathBuf>,
+
+    /// Listen on this address (repeatable), e.g. tcp://0.0.0.0:4420.
+    #[arg(short, long, value_name = "tcp://ADDR:PORT")]
+    listen: Vec<ListenAddr>,
+
+    /// NQN of the subsystem to export.
+    #[arg(short, long, value_name = "NQN")]
+    subsystem: Option<String>,
+
+    /// A namespace (repeatable, NSIDs from 1 in order): mem:SIZE, null:SIZE,
+    /// file:PATH[,size=SIZE] or bdev:PATH. SIZE takes K, M, G, T suffixes (powers of 1024).
+    #[arg(short, long, value_name = "SPEC")]
+    namespace: Vec<BackendSpec>,
+
+    /// Let any host connect (the default when no --host is given).
+    #[arg(long)]
+    allow_any_host: bool,
+
+    /// Allow this host NQN (repeatable); other hosts are refused with Connect Invalid Host.
+    #[arg(long, value_name = "NQN")]
+    host: Vec<String>,
+
+    /// Data-plane threads (default: the config's value, else one per core).
+    #[arg(long, value_name = "N")]
+    reactors: Option<usize>,
+
+    /// Check the configuration, open the backends, bind the listeners, then exit.
+    #[arg(long)]
+    check: bool,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn load_config(args: &Args) -> anyhow::Result<Config> {
+    let mut cfg = if let Some(path) = &args.config {
+        Config::from_file(path)?
+    } else if args.listen.is_empty()
+        && args.subsystem.is_none()
+        && args.namespace.is_empty()
+        && args.host.is_empty()
+        && !args.allow_any_host
+    {
+        info!("no configuration given: serving the embedded default");
+        Config::embedded_default()
+    } else {
+        let listen = if args.listen.is_empty() {
+            vec![nvmeof_target::config::DEFAULT_LISTEN.parse()?]
+        } else {
+            args.listen.clone()
+        };
+        let namespaces = if args.namespace.is_empty() {
+            vec![nvmeof_target::config::DEFAULT_NAMESPACE.parse()?]
+        } else {
+            args.namespace.clone()
+        };
+        let nqn = args.subsystem.as_deref().unwrap_or(DEFAULT_NQN);
+        let any = args.allow_any_host || args.host.is_empty();
+        Config::quick(&listen, nqn, &namespaces, any, &args.host)?
+    };
+    if let Some(n) = args.reactors {
+        cfg.target.reactors = n;
+    }
+    for s in &cfg.subsystems {
+        if s.allow_any_host {
+            warn!(subsystem = %s.nqn, "any host may connect to this subsystem");
+        }
+    }
+    Ok(cfg)
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = load_config(&args)?;
+    let (target, listeners) = Target::build(&cfg)?;
+    if args.check {
+        println!(
+            "configuration OK: {} subsystem(s), {} listener(s)",
+            target.subsystems.len(),
+            listeners.len()
+        );
+        return Ok(());
+    }
+    let running = RunningTarget::start(target, listeners)?;
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+    info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot install SIGTERM handler")?;
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM received"),
+        r = tokio::signal::ctrl_c() => {
+            r.context("cannot wait for SIGINT")?;
+            info!("SIGINT received");
+        }
+    }
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    let failures = running.shutdown().await;
+    if failures > 0 {
+        anyhow::bail!("{failures} namespace(s) failed to flush at shutdown");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging(args.log_format);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("nvmeof-control")
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nvmeof-targetd: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e:#}");
+            eprintln!("nvmeof-targetd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

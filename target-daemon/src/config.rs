@@ -1,0 +1,478 @@
+//! The daemon's configuration: a TOML file, quick-start flags, and the embedded default.
+//!
+//! ```toml
+//! [target]
+//! reactors = 2                      # data-plane threads (default: one per core)
+//!
+//! [[listener]]
+//! address = "tcp://0.0.0.0:4420"
+//!
+//! [discovery]
+//! listen = ["tcp://0.0.0.0:8009"]   # dedicated discovery listeners (also served on every I/O listener)
+//!
+//! [[subsystem]]
+//! nqn = "nqn.2026-11.io.nvmeof-direct:ssd0"
+//! allow_any_host = false
+//! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
+//!
+//! [[subsystem.namespace]]
+//! backend = "file:/var/lib/nvmeof/ns1.img,size=10G"
+//! ```
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::str::FromStr;
+
+use blockdev::BackendSpec;
+use serde::Deserialize;
+
+/// NQN of the subsystem served when no configuration is given.
+pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
+/// Listener used when no configuration is given.
+pub const DEFAULT_LISTEN: &str = "tcp://127.0.0.1:4420";
+/// Namespace used when no configuration is given.
+pub const DEFAULT_NAMESPACE: &str = "mem:1G";
+
+/// Configuration errors, each with a one-line explanation.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML did not parse or did not match the schema.
+    #[error("invalid config: {0}")]
+    Toml(#[from] toml::de::Error),
+    /// A semantic error.
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// A transport address such as `tcp://127.0.0.1:4420` or `rdma://192.168.1.2:4420`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenAddr {
+    /// Transport.
+    pub transport: Transport,
+    /// Socket address.
+    pub addr: SocketAddr,
+}
+
+/// Transport kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// NVMe/TCP.
+    Tcp,
+    /// NVMe/RDMA.
+    Rdma,
+}
+
+impl FromStr for ListenAddr {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (transport, rest) = if let Some(r) = s.strip_prefix("tcp://") {
+            (Transport::Tcp, r)
+        } else if let Some(r) = s.strip_prefix("rdma://") {
+            (Transport::Rdma, r)
+        } else {
+            return Err(ConfigError::Invalid(format!(
+                "listener {s:?}: expected tcp://ADDR:PORT or rdma://ADDR:PORT"
+            )));
+        };
+        let addr = rest.parse::<SocketAddr>().map_err(|e| {
+            ConfigError::Invalid(format!("listener {s:?}: {e} (IPv6 needs [ADDR]:PORT)"))
+        })?;
+        Ok(ListenAddr { transport, addr })
+    }
+}
+
+impl std::fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = match self.transport {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        };
+        write!(f, "{t}://{}", self.addr)
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenAddr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The whole configuration.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Daemon-wide settings.
+    #[serde(default)]
+    pub target: TargetSettings,
+    /// I/O listeners (they also answer discovery).
+    #[serde(default, rename = "listener")]
+    pub listeners: Vec<ListenerConfig>,
+    /// Dedicated discovery listeners.
+    #[serde(default)]
+    pub discovery: DiscoveryConfig,
+    /// Exported subsystems.
+    #[serde(default, rename = "subsystem")]
+    pub subsystems: Vec<SubsystemConfig>,
+}
+
+/// Daemon-wide settings and limits.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TargetSettings {
+    /// Data-plane threads; 0 = one per available core.
+    pub reactors: usize,
+    /// Maximum I/O queues per controller.
+    pub max_io_queues: u16,
+    /// Maximum queue depth (entries) per queue.
+    pub max_queue_depth: u16,
+    /// Maximum data transfer size in KiB (a power of two, at least 4).
+    pub mdts_kib: u32,
+    /// In-capsule data accepted on I/O queues, in bytes.
+    pub in_capsule_data: u32,
+    /// Largest C2HData PDU payload in bytes.
+    pub max_c2h_data: u32,
+    /// Keep alive timeout granted when the host asks for none on an I/O controller, in ms.
+    pub default_kato_ms: u32,
+}
+
+impl Default for TargetSettings {
+    fn default() -> Self {
+        TargetSettings {
+            reactors: 0,
+            max_io_queues: 64,
+            max_queue_depth: 128,
+            mdts_kib: 1024,
+            in_capsule_data: 8192,
+            max_c2h_data: 128 * 1024,
+            default_kato_ms: 120_000,
+        }
+    }
+}
+
+/// One listener.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerConfig {
+    /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
+    pub address: ListenAddr,
+}
+
+/// Discovery settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Dedicated discovery listeners (conventionally port 8009).
+    #[serde(default)]
+    pub listen: Vec<ListenAddr>,
+}
+
+/// One subsystem.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubsystemConfig {
+    /// The subsystem NQN.
+    pub nqn: String,
+    /// Serial number (default: derived from the NQN, stable across restarts).
+    #[serde(default)]
+    pub serial: Option<String>,
+    /// Model number.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Accept any host NQN.
+    #[serde(default)]
+    pub allow_any_host: bool,
+    /// Host NQNs allowed to connect (when `allow_any_host` is false).
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Namespaces, NSIDs assigned in order from 1 unless given.
+    #[serde(default, rename = "namespace")]
+    pub namespaces: Vec<NamespaceConfig>,
+}
+
+fn default_model() -> String {
+    "nvmeof-direct".to_string()
+}
+
+/// One namespace.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamespaceConfig {
+    /// Namespace ID (default: position + 1).
+    #[serde(default)]
+    pub nsid: Option<u32>,
+    /// The backend: `mem:SIZE`, `null:SIZE`, `file:PATH[,size=SIZE]`, `bdev:PATH`.
+    pub backend: BackendSpec,
+    /// Namespace UUID override (default: derived from subsystem NQN and NSID).
+    #[serde(default)]
+    pub uuid: Option<String>,
+}
+
+impl Config {
+    /// Parses and validates a TOML document.
+    pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(s)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads, parses and validates a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let s = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&s)
+    }
+
+    /// The configuration of the quick start: one subsystem, given listeners and namespaces.
+    pub fn quick(
+        listen: &[ListenAddr],
+        nqn: &str,
+        namespaces: &[BackendSpec],
+        allow_any_host: bool,
+        hosts: &[String],
+    ) -> Result<Self, ConfigError> {
+        let cfg = Config {
+            target: TargetSettings::default(),
+            listeners: listen
+                .iter()
+                .map(|a| ListenerConfig { address: a.clone() })
+                .collect(),
+            discovery: DiscoveryConfig::default(),
+            subsystems: vec![SubsystemConfig {
+                nqn: nqn.to_string(),
+                serial: None,
+                model: default_model(),
+                allow_any_host,
+                hosts: hosts.to_vec(),
+                namespaces: namespaces
+                    .iter()
+                    .map(|b| NamespaceConfig {
+                        nsid: None,
+                        backend: b.clone(),
+                        uuid: None,
+                    })
+                    .collect(),
+            }],
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The embedded default: a 1 GiB memory namespace on tcp://127.0.0.1:4420, any host.
+    pub fn embedded_default() -> Self {
+        let listen: ListenAddr = DEFAULT_LISTEN.parse().unwrap_or(ListenAddr {
+            transport: Transport::Tcp,
+            addr: SocketAddr::from(([127, 0, 0, 1], 4420)),
+        });
+        let ns: BackendSpec = DEFAULT_NAMESPACE
+            .parse()
+            .unwrap_or(BackendSpec::Memory {
+                size: 1 << 30,
+                block_size: blockdev::DEFAULT_BLOCK_SIZE,
+            });
+        Config::quick(&[listen], DEFAULT_NQN, &[ns], true, &[]).unwrap_or_else(|_| Config {
+            target: TargetSettings::default(),
+            listeners: vec![],
+            discovery: DiscoveryConfig::default(),
+            subsystems: vec![],
+        })
+    }
+
+    /// Checks cross-field rules.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.listeners.is_empty() && self.discovery.listen.is_empty() {
+            return bad("no listener configured".into());
+        }
+        let t = &self.target;
+        if t.mdts_kib < 4 || !t.mdts_kib.is_power_of_two() || t.mdts_kib > 32 * 1024 {
+            return bad(format!(
+                "target.mdts_kib = {}: must be a power of two between 4 and 32768",
+                t.mdts_kib
+            ));
+        }
+        if t.max_queue_depth < 2 || t.max_queue_depth > 4096 {
+            return bad(format!(
+                "target.max_queue_depth = {}: must be 2..=4096",
+                t.max_queue_depth
+            ));
+        }
+        if t.max_io_queues == 0 || t.max_io_queues > 1024 {
+            return bad(format!(
+                "target.max_io_queues = {}: must be 1..=1024",
+                t.max_io_queues
+            ));
+        }
+        if t.in_capsule_data % 16 != 0 || t.in_capsule_data > 1 << 20 {
+            return bad(format!(
+                "target.in_capsule_data = {}: must be a multiple of 16, at most 1 MiB",
+                t.in_capsule_data
+            ));
+        }
+        if t.max_c2h_data < 4096 || t.max_c2h_data % 4 != 0 {
+            return bad(format!(
+                "target.max_c2h_data = {}: must be >= 4096 and a multiple of 4",
+                t.max_c2h_data
+            ));
+        }
+        let mut nqns = std::collections::HashSet::new();
+        for s in &self.subsystems {
+            if !valid_nqn(&s.nqn) {
+                return bad(format!(
+                    "subsystem nqn {:?}: must start with \"nqn.\" and be at most 223 bytes",
+                    s.nqn
+                ));
+            }
+            if s.nqn == nvme_spec::fabrics::DISCOVERY_NQN {
+                return bad("the discovery NQN cannot be used for a subsystem".into());
+            }
+            if !nqns.insert(&s.nqn) {
+                return bad(format!("subsystem {} is defined twice", s.nqn));
+            }
+            if !s.allow_any_host && s.hosts.is_empty() {
+                return bad(format!(
+                    "subsystem {}: no host may connect (set allow_any_host = true or list hosts)",
+                    s.nqn
+                ));
+            }
+            for h in &s.hosts {
+                if !valid_nqn(h) {
+                    return bad(format!("subsystem {}: host NQN {h:?} is invalid", s.nqn));
+                }
+            }
+            if s.model.len() > 40 {
+                return bad(format!("subsystem {}: model longer than 40 bytes", s.nqn));
+            }
+            if let Some(sn) = &s.serial {
+                if sn.len() > 20 || !sn.is_ascii() {
+                    return bad(format!(
+                        "subsystem {}: serial must be ASCII, at most 20 bytes",
+                        s.nqn
+                    ));
+                }
+            }
+            let mut ids = std::collections::HashSet::new();
+            for (i, ns) in s.namespaces.iter().enumerate() {
+                let id = ns.nsid.unwrap_or(i as u32 + 1);
+                if id == 0 || id == u32::MAX {
+                    return bad(format!("subsystem {}: invalid nsid {id}", s.nqn));
+                }
+                if !ids.insert(id) {
+                    return bad(format!("subsystem {}: nsid {id} used twice", s.nqn));
+                }
+                if let Some(u) = &ns.uuid {
+                    if parse_uuid(u).is_none() {
+                        return bad(format!("subsystem {}: invalid uuid {u:?}", s.nqn));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `s` looks like an NQN (NVMe Base 2.0 section 4.5: "nqn." prefix, at most 223 bytes).
+pub fn valid_nqn(s: &str) -> bool {
+    s.starts_with("nqn.") && s.len() <= 223 && s.is_ascii() && !s.contains(char::is_whitespace)
+}
+
+/// Parses a textual UUID (8-4-4-4-12 hex digits).
+pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let hex: String = s.chars().filter(|&c| c != '-').collect();
+    if hex.len() != 32 || s.len() != 36 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        let c = Config::embedded_default();
+        assert_eq!(c.listeners.len(), 1);
+        assert_eq!(c.subsystems[0].nqn, DEFAULT_NQN);
+        assert!(c.subsystems[0].allow_any_host);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn full_file() {
+        let c = Config::from_toml(
+            r#"
+            [target]
+            reactors = 2
+            [[listener]]
+            address = "tcp://0.0.0.0:4420"
+            [discovery]
+            listen = ["tcp://127.0.0.1:8009"]
+            [[subsystem]]
+            nqn = "nqn.2026-11.io.example:a"
+            hosts = ["nqn.2014-08.org.nvmexpress:uuid:1"]
+            [[subsystem.namespace]]
+            backend = "mem:64M"
+            [[subsystem.namespace]]
+            nsid = 7
+            backend = "null:1G"
+            uuid = "01234567-89ab-cdef-0123-456789abcdef"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.target.reactors, 2);
+        assert_eq!(c.subsystems[0].namespaces[1].nsid, Some(7));
+        assert_eq!(c.discovery.listen[0].addr.port(), 8009);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        for (doc, needle) in [
+            ("[[listener]]\naddress = \"udp://1.2.3.4:1\"", "expected tcp://"),
+            (
+                "[[listener]]\naddress = \"tcp://x\"\n",
+                "IPv6 needs",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"bad\"\nallow_any_host = true",
+                "must start with",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.a\"",
+                "no host may connect",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[target]\nmdts_kib = 3",
+                "power of two",
+            ),
+            ("[bogus]\n", "unknown field"),
+        ] {
+            let err = Config::from_toml(doc).unwrap_err().to_string();
+            assert!(err.contains(needle), "{doc:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn uuid_parse() {
+        assert_eq!(
+            parse_uuid("01234567-89ab-cdef-0123-456789abcdef").unwrap()[..2],
+            [0x01, 0x23]
+        );
+        assert!(parse_uuid("0123").is_none());
+    }
+}

@@ -1,0 +1,639 @@
+//! Controllers: per-host state created by a Connect on an admin queue, and the admin command set.
+//!
+//! A controller is shared by its admin queue and its I/O queues (which may live on other
+//! reactor threads). Its mutable state is touched only by admin-path commands, behind a mutex;
+//! the I/O path reads immutable fields and bumps per-controller relaxed counters.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
+use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
+use nvme_spec::identify::{
+    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES,
+    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list,
+    nidt, put_ascii_padded, put_nul_padded,
+};
+use nvme_spec::log::{ErrorLogEntry, SmartLog, u128_le};
+use nvme_spec::status::{generic, specific};
+use nvme_spec::{Cqe, IntoBytes, Sqe, Status, features};
+use blockdev::Backend;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, watch};
+
+use crate::discovery;
+use crate::subsystem::{FIRMWARE_REVISION, Subsystem};
+use crate::target::Target;
+
+/// Number of error log entries kept (ELPE + 1).
+pub const ERROR_LOG_ENTRIES: usize = 64;
+/// Asynchronous Event Requests held at once (AERL + 1).
+pub const MAX_AERS: usize = 4;
+/// Timeout reported in CAP.TO, in 500 ms units.
+const CAP_TIMEOUT_500MS: u8 = 30;
+
+/// What a controller exports.
+pub enum ControllerKind {
+    /// An I/O controller of an NVM subsystem.
+    Io(Arc<Subsystem>),
+    /// A discovery controller.
+    Discovery,
+}
+
+/// Mutable admin-path state.
+struct AdminState {
+    cc: u32,
+    csts: u32,
+    kato_ms: u32,
+    io_queues: u16,
+    queues_set: bool,
+    aec: u32,
+    aers: Vec<u16>,
+    errors: Vec<ErrorLogEntry>,
+    error_count: u64,
+}
+
+/// Counters for the SMART / health log, bumped by I/O queues.
+#[derive(Default)]
+pub struct IoCounters {
+    /// Read commands completed.
+    pub reads: AtomicU64,
+    /// Write commands completed.
+    pub writes: AtomicU64,
+    /// Bytes read.
+    pub bytes_read: AtomicU64,
+    /// Bytes written.
+    pub bytes_written: AtomicU64,
+    /// Commands completed with a media or internal error.
+    pub media_errors: AtomicU64,
+}
+
+/// A controller (NVMe-oF dynamic controller model).
+pub struct Controller {
+    /// Controller ID.
+    pub cntlid: u16,
+    /// What it exports.
+    pub kind: ControllerKind,
+    /// Host NQN from Connect.
+    pub hostnqn: String,
+    /// Host identifier from Connect.
+    pub hostid: [u8; 16],
+    /// The host's address on the admin queue.
+    pub peer: SocketAddr,
+    /// Submission queue size of the admin queue.
+    pub admin_sqsize: u32,
+    state: Mutex<AdminState>,
+    started: Instant,
+    last_keep_alive_ms: AtomicU64,
+    /// SMART counters.
+    pub counters: IoCounters,
+    /// Set when the controller is torn down; queues watch it.
+    shutdown_tx: watch::Sender<bool>,
+    torn_down: AtomicBool,
+    /// Completions produced outside the admin queue's request path (AERs).
+    events_tx: mpsc::UnboundedSender<Cqe>,
+}
+
+/// The admin queue's receiver for asynchronous completions.
+pub type EventReceiver = mpsc::UnboundedReceiver<Cqe>;
+
+/// The result of an admin command.
+pub enum AdminReply {
+    /// Complete now, optionally returning data to the host first.
+    Complete {
+        /// Completion status.
+        status: Status,
+        /// Completion DW0.
+        dw0: u32,
+        /// Data for the host (controller-to-host commands).
+        data: Option<Vec<u8>>,
+    },
+    /// The command is held (Asynchronous Event Request) and completes later through the
+    /// controller's event channel.
+    Held,
+}
+
+impl AdminReply {
+    fn ok(dw0: u32) -> Self {
+        AdminReply::Complete {
+            status: Status::SUCCESS,
+            dw0,
+            data: None,
+        }
+    }
+
+    fn err(status: Status) -> Self {
+        AdminReply::Complete {
+            status,
+            dw0: 0,
+            data: None,
+        }
+    }
+
+    fn data(data: Vec<u8>) -> Self {
+        AdminReply::Complete {
+            status: Status::SUCCESS,
+            dw0: 0,
+            data: Some(data),
+        }
+    }
+}
+
+/// Where a command arrived, for answers that depend on the listener (discovery).
+#[derive(Clone, Copy, Debug)]
+pub struct QueueOrigin {
+    /// Local address of the connection.
+    pub local: SocketAddr,
+    /// Remote address of the connection.
+    pub peer: SocketAddr,
+}
+
+impl Controller {
+    /// Creates a controller and the receiver its admin queue polls for asynchronous completions.
+    pub fn new(
+        cntlid: u16,
+        kind: ControllerKind,
+        hostnqn: String,
+        hostid: [u8; 16],
+        peer: SocketAddr,
+        admin_sqsize: u32,
+        kato_ms: u32,
+    ) -> (Arc<Self>, EventReceiver) {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let (shutdown_tx, _) = watch::channel(false);
+        let ctrl = Controller {
+            cntlid,
+            kind,
+            hostnqn,
+            hostid,
+            peer,
+            admin_sqsize,
+            state: Mutex::new(AdminState {
+                cc: 0,
+                csts: 0,
+                kato_ms,
+                io_queues: 0,
+                queues_set: false,
+                aec: 0,
+                aers: Vec::new(),
+                errors: Vec::new(),
+                error_count: 0,
+            }),
+            started: Instant::now(),
+            last_keep_alive_ms: AtomicU64::new(0),
+            counters: IoCounters::default(),
+            shutdown_tx,
+            torn_down: AtomicBool::new(false),
+            events_tx,
+        };
+        (Arc::new(ctrl), events_rx)
+    }
+
+    /// The subsystem of an I/O controller.
+    pub fn subsystem(&self) -> Option<&Arc<Subsystem>> {
+        match &self.kind {
+            ControllerKind::Io(s) => Some(s),
+            ControllerKind::Discovery => None,
+        }
+    }
+
+    /// The subsystem NQN this controller belongs to.
+    pub fn subnqn(&self) -> &str {
+        match &self.kind {
+            ControllerKind::Io(s) => &s.nqn,
+            ControllerKind::Discovery => nvme_spec::fabrics::DISCOVERY_NQN,
+        }
+    }
+
+    /// True for a discovery controller.
+    pub fn is_discovery(&self) -> bool {
+        matches!(self.kind, ControllerKind::Discovery)
+    }
+
+    /// A receiver that turns true when the controller is torn down.
+    pub fn subscribe_shutdown(&self) -> watch::Receiver<bool> {
+        self.shutdown_tx.subscribe()
+    }
+
+    /// Tears the controller down: its queues observe the shutdown and close. Idempotent.
+    /// Returns true the first time.
+    pub fn tear_down(&self) -> bool {
+        if self.torn_down.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.shutdown_tx.send_replace(true);
+        if let Some(s) = self.subsystem() {
+            s.remove_controller(self.cntlid);
+        }
+        true
+    }
+
+    /// Whether the controller has been torn down.
+    pub fn is_torn_down(&self) -> bool {
+        self.torn_down.load(Ordering::Acquire)
+    }
+
+    /// Number of I/O queues granted by Set Features Number of Queues.
+    pub fn io_queues(&self) -> u16 {
+        self.state.lock().io_queues
+    }
+
+    /// Whether CC.EN = 1 and CSTS.RDY = 1.
+    pub fn is_ready(&self) -> bool {
+        self.state.lock().csts & csts::RDY != 0
+    }
+
+    /// Records keep-alive activity.
+    pub fn keep_alive(&self) {
+        let now = self.started.elapsed().as_millis() as u64;
+        self.last_keep_alive_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// When the keep-alive timer expires (None when KATO is 0).
+    pub fn keep_alive_deadline(&self) -> Option<Instant> {
+        let kato = self.state.lock().kato_ms;
+        if kato == 0 {
+            return None;
+        }
+        let last = self.last_keep_alive_ms.load(Ordering::Relaxed);
+        Some(self.started + Duration::from_millis(last) + Duration::from_millis(u64::from(kato)))
+    }
+
+    /// Records a failed command in the error log.
+    pub fn log_error(&self, sqid: u16, sqe: &Sqe, status: Status, lba: u64) {
+        let mut st = self.state.lock();
+        st.error_count += 1;
+        let mut e = ErrorLogEntry::default();
+        e.error_count.set(st.error_count);
+        e.sqid.set(sqid);
+        e.cid.set(sqe.cid());
+        e.status.set(status.to_field() << 1);
+        e.param_error_location.set(0xFFFF);
+        e.lba.set(lba);
+        e.nsid.set(sqe.nsid.get());
+        e.trtype = nvme_spec::log::trtype::TCP;
+        if st.errors.len() == ERROR_LOG_ENTRIES {
+            st.errors.remove(0);
+        }
+        st.errors.push(e);
+    }
+
+    /// Completes one held Asynchronous Event Request with `dw0`, if one is held and the event is
+    /// enabled in `mask` (an Asynchronous Event Configuration bit; 0 = always).
+    pub fn raise_event(&self, mask: u32, dw0: u32) -> bool {
+        let mut st = self.state.lock();
+        if mask != 0 && st.aec & mask == 0 {
+            return false;
+        }
+        let Some(cid) = st.aers.pop() else {
+            return false;
+        };
+        drop(st);
+        self.events_tx
+            .send(Cqe::new(cid, Status::SUCCESS, dw0))
+            .is_ok()
+    }
+
+    /// Property Get.
+    pub fn property_get(&self, target: &Target, offset: u32, size8: bool) -> Result<u64, Status> {
+        let st = self.state.lock();
+        let invalid = Status::generic(generic::INVALID_FIELD).with_dnr();
+        match (offset, size8) {
+            (property::CAP, true) => {
+                let mqes = target.settings.max_queue_depth - 1;
+                Ok(Cap::new(mqes, CAP_TIMEOUT_500MS).0)
+            }
+            (property::VS, false) => Ok(u64::from(VERSION_1_4)),
+            (property::CC, false) => Ok(u64::from(st.cc)),
+            (property::CSTS, false) => Ok(u64::from(st.csts)),
+            _ => Err(invalid),
+        }
+    }
+
+    /// Property Set. Returns true when the write requested a shutdown (the caller flushes the
+    /// backends first; CSTS.SHST is already reported complete only after that flush).
+    pub fn property_set(&self, offset: u32, size8: bool, value: u64) -> Result<bool, Status> {
+        if offset != property::CC || size8 {
+            return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        }
+        let mut st = self.state.lock();
+        let new = Cc(value as u32);
+        let old = Cc(st.cc);
+        st.cc = value as u32;
+        if new.enabled() && !old.enabled() {
+            if new.iosqes() != 6 || new.iocqes() != 4 {
+                st.csts |= csts::CFS;
+            } else {
+                st.csts |= csts::RDY;
+            }
+        } else if !new.enabled() && old.enabled() {
+            st.csts &= !(csts::RDY | csts::SHST_MASK);
+        }
+        if new.shutdown() != 0 && old.shutdown() == 0 {
+            st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_COMPLETE;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Executes an admin command (fabrics commands are handled by the queue).
+    pub fn admin(
+        &self,
+        target: &Target,
+        origin: QueueOrigin,
+        sqe: &Sqe,
+        cmd: AdminCommand,
+    ) -> AdminReply {
+        let invalid_field = AdminReply::err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        // Every admin command counts as host activity for the keep-alive timer.
+        self.keep_alive();
+        match cmd {
+            AdminCommand::KeepAlive => AdminReply::ok(0),
+            AdminCommand::Identify(id) => self.identify(target, id),
+            AdminCommand::GetLogPage(glp) => self.get_log_page(target, origin, glp),
+            AdminCommand::SetFeatures { fid, save, cdw11 } => {
+                if save {
+                    return AdminReply::err(
+                        Status::specific(specific::FEATURE_NOT_SAVEABLE).with_dnr(),
+                    );
+                }
+                self.set_features(target, fid, cdw11)
+            }
+            AdminCommand::GetFeatures { fid, sel, .. } => {
+                if sel == 3 {
+                    // Supported capabilities: nothing saveable, nothing namespace specific;
+                    // changeable for the features Set Features accepts.
+                    let changeable = matches!(
+                        fid,
+                        features::NUMBER_OF_QUEUES
+                            | features::KEEP_ALIVE_TIMER
+                            | features::ASYNC_EVENT_CONFIG
+                            | features::VOLATILE_WRITE_CACHE
+                    );
+                    return AdminReply::ok(if changeable { 0b100 } else { 0 });
+                }
+                self.get_features(fid)
+            }
+            AdminCommand::AsyncEventRequest => {
+                let mut st = self.state.lock();
+                if st.aers.len() >= MAX_AERS {
+                    return AdminReply::err(Status::specific(specific::AER_LIMIT_EXCEEDED));
+                }
+                st.aers.push(sqe.cid());
+                AdminReply::Held
+            }
+            // Aborting is best effort; "not aborted" (DW0 bit 0) is always a legal answer and
+            // commands on this target complete promptly on their own.
+            AdminCommand::Abort { .. } => AdminReply::ok(1),
+            AdminCommand::Fabrics(_) => invalid_field,
+            AdminCommand::Unknown(_) => {
+                AdminReply::err(Status::generic(generic::INVALID_OPCODE).with_dnr())
+            }
+        }
+    }
+
+    fn identify(&self, target: &Target, id: Identify) -> AdminReply {
+        let invalid_field = AdminReply::err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        let invalid_ns = AdminReply::err(Status::generic(generic::INVALID_NAMESPACE).with_dnr());
+        let subsys = self.subsystem();
+        match id.cns {
+            cns::CONTROLLER => AdminReply::data(self.identify_controller(target).as_bytes().to_vec()),
+            _ if subsys.is_none() => invalid_field,
+            cns::NAMESPACE | cns::CS_INDEPENDENT_NAMESPACE | cns::NS_DESCRIPTORS | cns::CSI_NAMESPACE => {
+                let Some(s) = subsys else { return invalid_field };
+                if id.cns == cns::CSI_NAMESPACE && id.csi != 0 {
+                    return invalid_field;
+                }
+                if id.nsid == 0 || (id.nsid > s.max_nsid() && id.nsid != u32::MAX) {
+                    return invalid_ns;
+                }
+                let Some(ns) = s.namespaces.get(&id.nsid) else {
+                    // An allocated but inactive NSID: a zero-filled structure.
+                    if id.cns == cns::NS_DESCRIPTORS || id.nsid == u32::MAX {
+                        return invalid_ns;
+                    }
+                    return AdminReply::data(vec![0; 4096]);
+                };
+                match id.cns {
+                    cns::NAMESPACE => {
+                        let mut n = IdentifyNamespace::zeroed();
+                        n.nsze.set(ns.blocks);
+                        n.ncap.set(ns.blocks);
+                        n.nuse.set(ns.blocks);
+                        n.nlbaf = 0;
+                        n.flbas = 0;
+                        n.nmic = 1;
+                        n.dlfeat = if ns.backend.deallocate_reads_zeroes() { 0x1 } else { 0 };
+                        n.nguid = ns.nguid;
+                        n.eui64 = ns.eui64;
+                        n.lbaf[0].lbads = ns.block_shift as u8;
+                        AdminReply::data(n.as_bytes().to_vec())
+                    }
+                    cns::CS_INDEPENDENT_NAMESPACE => {
+                        let mut d = vec![0u8; 4096];
+                        d[1] = 1; // NMIC: may be shared
+                        d[14] = 1; // NSTAT: namespace ready
+                        AdminReply::data(d)
+                    }
+                    cns::NS_DESCRIPTORS => AdminReply::data(
+                        encode_ns_descriptors(&[
+                            (nidt::EUI64, &ns.eui64),
+                            (nidt::NGUID, &ns.nguid),
+                            (nidt::UUID, &ns.uuid),
+                            (nidt::CSI, &[0]),
+                        ])
+                        .to_vec(),
+                    ),
+                    _ => AdminReply::data(vec![0; 4096]),
+                }
+            }
+            cns::ACTIVE_NS_LIST | cns::CSI_ACTIVE_NS_LIST => {
+                let Some(s) = subsys else { return invalid_field };
+                if id.cns == cns::CSI_ACTIVE_NS_LIST && id.csi != 0 {
+                    return invalid_field;
+                }
+                if id.nsid >= 0xFFFF_FFFE {
+                    return invalid_ns;
+                }
+                AdminReply::data(encode_ns_list(s.namespaces.keys().copied(), id.nsid).to_vec())
+            }
+            cns::CSI_CONTROLLER => {
+                if id.csi != 0 {
+                    return invalid_field;
+                }
+                AdminReply::data(vec![0; 4096])
+            }
+            _ => invalid_field,
+        }
+    }
+
+    /// The Identify Controller structure of this controller.
+    pub fn identify_controller(&self, target: &Target) -> IdentifyController {
+        let t = &target.settings;
+        let mut c = IdentifyController::zeroed();
+        match &self.kind {
+            ControllerKind::Io(s) => {
+                put_ascii_padded(&mut c.sn, &s.serial);
+                put_ascii_padded(&mut c.mn, &s.model);
+                put_nul_padded(&mut c.subnqn, &s.nqn);
+                c.cntrltype = cntrltype::IO;
+                c.cmic = 0b10; // more than one controller may attach (multipath capable)
+                c.nn.set(s.max_nsid());
+                c.mnan.set(s.max_nsid());
+                c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
+                // Volatile write cache present; Flush with NSID FFFFFFFFh supported.
+                c.vwc = 0b111;
+            }
+            ControllerKind::Discovery => {
+                put_ascii_padded(&mut c.sn, &target.discovery_serial);
+                put_ascii_padded(&mut c.mn, "nvmeof-direct discovery");
+                put_nul_padded(&mut c.subnqn, nvme_spec::fabrics::DISCOVERY_NQN);
+                c.cntrltype = cntrltype::DISCOVERY;
+            }
+        }
+        put_ascii_padded(&mut c.fr, FIRMWARE_REVISION);
+        c.rab = 6;
+        c.mdts = (t.mdts_kib / 4).trailing_zeros() as u8;
+        c.cntlid.set(self.cntlid);
+        c.ver.set(VERSION_1_4);
+        c.ctratt.set(1); // 128-bit host identifier
+        c.acl = 3;
+        c.aerl = (MAX_AERS - 1) as u8;
+        c.lpa = LPA_EXTENDED;
+        c.elpe = (ERROR_LOG_ENTRIES - 1) as u8;
+        c.kas.set(1); // 100 ms granularity
+        c.sqes = 0x66;
+        c.cqes = 0x44;
+        c.maxcmd.set(t.max_queue_depth);
+        c.sgls.set(SGLS_SUPPORTED | SGLS_OFFSET | SGLS_TRANSPORT);
+        c.ioccsz.set((t.in_capsule_data + 64) / 16);
+        c.iorcsz.set(1);
+        c.icdoff.set(0);
+        c.msdbd = 1;
+        c
+    }
+
+    fn get_log_page(&self, target: &Target, origin: QueueOrigin, glp: GetLogPage) -> AdminReply {
+        let invalid_field = AdminReply::err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        if glp.offset % 4 != 0 {
+            return invalid_field;
+        }
+        let page: Vec<u8> = match (glp.lid, &self.kind) {
+            (log_id::DISCOVERY, ControllerKind::Discovery) => {
+                discovery::log_page(target, &self.hostnqn, origin.local)
+            }
+            (log_id::ERROR_INFO, _) => {
+                let st = self.state.lock();
+                let mut page = vec![0u8; ERROR_LOG_ENTRIES * 64];
+                for (slot, e) in page.chunks_exact_mut(64).zip(st.errors.iter().rev()) {
+                    slot.copy_from_slice(e.as_bytes());
+                }
+                page
+            }
+            (log_id::SMART, ControllerKind::Io(_)) => self.smart_log().as_bytes().to_vec(),
+            (log_id::FW_SLOT, ControllerKind::Io(_)) => {
+                let mut page = vec![0u8; 512];
+                page[0] = 1; // active slot 1
+                put_ascii_padded(&mut page[8..16], FIRMWARE_REVISION);
+                page
+            }
+            _ => {
+                return AdminReply::err(Status::specific(specific::INVALID_LOG_PAGE).with_dnr());
+            }
+        };
+        let Ok(offset) = usize::try_from(glp.offset) else {
+            return invalid_field;
+        };
+        if offset >= page.len() && !(offset == 0 && page.is_empty()) {
+            return invalid_field;
+        }
+        let len = usize::try_from(glp.len).unwrap_or(usize::MAX);
+        let mut out = vec![0u8; len.min(1 << 20)];
+        let avail = &page[offset..];
+        let n = avail.len().min(out.len());
+        out[..n].copy_from_slice(&avail[..n]);
+        AdminReply::data(out)
+    }
+
+    fn smart_log(&self) -> SmartLog {
+        let c = &self.counters;
+        let mut s = SmartLog::zeroed();
+        s.temperature.set(273 + 35);
+        s.avail_spare = 100;
+        s.spare_thresh = 10;
+        // Data units are thousands of 512-byte units, rounded up.
+        let units = |bytes: u64| u128::from(bytes.div_ceil(512 * 1000));
+        s.data_units_read = u128_le(units(c.bytes_read.load(Ordering::Relaxed)));
+        s.data_units_written = u128_le(units(c.bytes_written.load(Ordering::Relaxed)));
+        s.host_reads = u128_le(u128::from(c.reads.load(Ordering::Relaxed)));
+        s.host_writes = u128_le(u128::from(c.writes.load(Ordering::Relaxed)));
+        s.power_cycles = u128_le(1);
+        s.power_on_hours = u128_le(u128::from(self.started.elapsed().as_secs() / 3600));
+        s.media_errors = u128_le(u128::from(c.media_errors.load(Ordering::Relaxed)));
+        s.num_err_log_entries = u128_le(u128::from(self.state.lock().error_count));
+        s
+    }
+
+    fn set_features(&self, target: &Target, fid: u8, cdw11: u32) -> AdminReply {
+        let invalid_field = AdminReply::err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        let mut st = self.state.lock();
+        match fid {
+            features::NUMBER_OF_QUEUES if !self.is_discovery() => {
+                let nsqr = cdw11 & 0xFFFF;
+                let ncqr = cdw11 >> 16;
+                if nsqr == 0xFFFF || ncqr == 0xFFFF {
+                    return invalid_field;
+                }
+                if !st.queues_set {
+                    let want = (nsqr.min(ncqr) + 1).min(u32::from(target.settings.max_io_queues));
+                    st.io_queues = want as u16;
+                    st.queues_set = true;
+                }
+                let n = u32::from(st.io_queues - 1);
+                AdminReply::ok(n | (n << 16))
+            }
+            features::KEEP_ALIVE_TIMER => {
+                st.kato_ms = cdw11;
+                drop(st);
+                self.keep_alive();
+                AdminReply::ok(0)
+            }
+            features::ASYNC_EVENT_CONFIG => {
+                st.aec = cdw11;
+                AdminReply::ok(0)
+            }
+            features::VOLATILE_WRITE_CACHE if !self.is_discovery() => {
+                // The cache cannot be turned off; writes are made durable by Flush.
+                if cdw11 & 1 == 0 {
+                    return AdminReply::err(Status::specific(specific::FEATURE_NOT_CHANGEABLE));
+                }
+                AdminReply::ok(0)
+            }
+            _ => invalid_field,
+        }
+    }
+
+    fn get_features(&self, fid: u8) -> AdminReply {
+        let st = self.state.lock();
+        match fid {
+            features::NUMBER_OF_QUEUES if !self.is_discovery() => {
+                let n = u32::from(st.io_queues.max(1) - 1);
+                AdminReply::ok(n | (n << 16))
+            }
+            features::KEEP_ALIVE_TIMER => AdminReply::ok(st.kato_ms),
+            features::ASYNC_EVENT_CONFIG => AdminReply::ok(st.aec),
+            features::VOLATILE_WRITE_CACHE if !self.is_discovery() => AdminReply::ok(1),
+            features::ARBITRATION
+            | features::POWER_MANAGEMENT
+            | features::TEMPERATURE_THRESHOLD
+            | features::INTERRUPT_COALESCING
+                if !self.is_discovery() =>
+            {
+                AdminReply::ok(0)
+            }
+            _ => AdminReply::err(Status::generic(generic::INVALID_FIELD).with_dnr()),
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The discovery service: the discovery log page (log 0x70) a discovery controller returns.
+
+use std::net::{IpAddr, SocketAddr};
+
+use nvme_spec::IntoBytes;
+use nvme_spec::fabrics::DISCOVERY_NQN;
+use nvme_spec::identify::{put_ascii_padded, put_nul_padded};
+use nvme_spec::log::{DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, treq, trtype};
+
+use crate::config::{ListenAddr, Transport};
+use crate::target::Target;
+
+/// Admin submission queue size advertised in discovery entries.
+pub const DISCOVERY_ASQSZ: u16 = 32;
+
+fn entry(
+    listener: &ListenAddr,
+    portid: u16,
+    local: SocketAddr,
+    nqn: &str,
+    sub: u8,
+) -> DiscoveryLogEntry {
+    let mut e = DiscoveryLogEntry::zeroed();
+    e.trtype = match listener.transport {
+        Transport::Tcp => trtype::TCP,
+        Transport::Rdma => trtype::RDMA,
+    };
+    // A wildcard listener is reported with the address the host reached us on.
+    let ip: IpAddr = if listener.addr.ip().is_unspecified() {
+        local.ip()
+    } else {
+        listener.addr.ip()
+    };
+    e.adrfam = if ip.is_ipv4() {
+        adrfam::IPV4
+    } else {
+        adrfam::IPV6
+    };
+    e.subtype = sub;
+    e.treq = treq::SECURE_CHANNEL_NOT_REQUIRED | treq::SQ_FLOW_CONTROL_DISABLE;
+    e.portid.set(portid);
+    e.cntlid.set(0xFFFF);
+    e.asqsz.set(DISCOVERY_ASQSZ);
+    put_ascii_padded(&mut e.trsvcid, &listener.addr.port().to_string());
+    put_ascii_padded(&mut e.traddr, &ip.to_string());
+    put_nul_padded(&mut e.subnqn, nqn);
+    if listener.transport == Transport::Rdma {
+        e.tsas[0] = 1; // RDMA QP type: reliable connected
+        e.tsas[1] = 1; // RDMA provider type: not specified
+        e.tsas[2] = 1; // RDMA connection management: RDMA_CM
+    }
+    e
+}
+
+/// Builds the whole discovery log page for `hostnqn`, as seen from the local address `local`:
+/// every subsystem the host may connect to on every I/O listener, then the discovery service
+/// itself on every listener.
+pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
+    let mut entries: Vec<DiscoveryLogEntry> = Vec::new();
+    for (i, l) in target.io_listeners.iter().enumerate() {
+        let portid = i as u16 + 1;
+        for s in target.subsystems.values() {
+            if s.host_allowed(hostnqn) {
+                entries.push(entry(l, portid, local, &s.nqn, subtype::NVME));
+            }
+        }
+    }
+    let all = target.io_listeners.iter().chain(&target.discovery_listeners);
+    for (i, l) in all.enumerate() {
+        entries.push(entry(
+            l,
+            i as u16 + 1,
+            local,
+            DISCOVERY_NQN,
+            subtype::CURRENT_DISCOVERY,
+        ));
+    }
+    let mut hdr = DiscoveryLogHeader::zeroed();
+    hdr.genctr.set(target.discovery_genctr());
+    hdr.numrec.set(entries.len() as u64);
+    let mut page = Vec::with_capacity(1024 * (entries.len() + 1));
+    page.extend_from_slice(hdr.as_bytes());
+    for e in &entries {
+        page.extend_from_slice(e.as_bytes());
+    }
+    page
+}

@@ -1,0 +1,511 @@
+//! Transport-independent queue logic: Connect, properties, dispatch to the controller's admin
+//! command set, and validation of I/O commands into [`IoRequest`]s for the transport to run.
+//!
+//! A transport (TCP today) turns bytes into `(Sqe, in-capsule data)` pairs, calls
+//! [`QueueState::submit`], moves data as the returned [`Submit`] says, and sends exactly one
+//! completion per command built by [`QueueState::completion`].
+
+use std::sync::Arc;
+
+use nvme_spec::command::{AdminCommand, FabricsCommand, IoCommand, ReadWrite};
+use nvme_spec::fabrics::{
+    CONNECT_DATA_CNTLID_OFFSET, CONNECT_DATA_HOSTNQN_OFFSET, CONNECT_DATA_SUBNQN_OFFSET,
+    ConnectData, DISCOVERY_NQN, connect_invalid_param_dw0,
+};
+use nvme_spec::queue::{sgl_subtype, sgl_type};
+use nvme_spec::status::{generic, specific};
+use nvme_spec::{Cqe, Sqe, Status};
+use tracing::{debug, info};
+
+use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
+use crate::subsystem::Namespace;
+use crate::target::Target;
+
+/// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
+const SQE_QID_OFFSET: u16 = 42;
+/// Byte offset of SQSIZE in a Connect SQE.
+const SQE_SQSIZE_OFFSET: u16 = 44;
+
+/// Where the data of a host-to-controller command is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataSource {
+    /// In the command capsule.
+    InCapsule,
+    /// To be fetched from the host by the transport (R2T for TCP, RDMA READ for RDMA).
+    Host,
+}
+
+/// A validated data-plane request.
+pub struct IoRequest {
+    /// Command identifier.
+    pub cid: u16,
+    /// Namespace (None only for a Flush of every namespace).
+    pub ns: Option<Arc<Namespace>>,
+    /// What to do.
+    pub op: IoOp,
+}
+
+/// Data-plane operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoOp {
+    /// Read `len` bytes at block `lba` and return them to the host.
+    Read {
+        /// First block.
+        lba: u64,
+        /// Bytes.
+        len: usize,
+    },
+    /// Write `len` bytes at block `lba`.
+    Write {
+        /// First block.
+        lba: u64,
+        /// Bytes.
+        len: usize,
+        /// Where the data is.
+        src: DataSource,
+    },
+    /// Make written data durable.
+    Flush,
+    /// Write zeroes (optionally deallocating).
+    WriteZeroes {
+        /// First block.
+        lba: u64,
+        /// Blocks.
+        nlb: u32,
+        /// Deallocate instead of writing if possible.
+        deallocate: bool,
+    },
+    /// Dataset Management: the ranges in the command data (`ranges` 16-byte entries).
+    Dsm {
+        /// Number of ranges.
+        ranges: u16,
+        /// Where the range list is.
+        src: DataSource,
+        /// Deallocate the ranges (otherwise only hints, nothing to do).
+        deallocate: bool,
+    },
+}
+
+impl IoOp {
+    /// Bytes the host must send before the operation runs (0 if none or in the capsule).
+    pub fn host_data_len(&self) -> usize {
+        match *self {
+            IoOp::Write {
+                len,
+                src: DataSource::Host,
+                ..
+            } => len,
+            IoOp::Dsm {
+                ranges,
+                src: DataSource::Host,
+                ..
+            } => usize::from(ranges) * 16,
+            _ => 0,
+        }
+    }
+}
+
+/// What the transport must do with a submitted command.
+pub enum Submit {
+    /// Send this completion.
+    Complete(Cqe),
+    /// Send `data` to the host, then the completion.
+    CompleteWithData(Vec<u8>, Cqe),
+    /// Send this completion, then close the queue (Disconnect).
+    CompleteAndClose(Cqe),
+    /// Nothing now: the command completes later through the controller's event channel.
+    Held,
+    /// Run this data-plane request.
+    Io(IoRequest),
+}
+
+/// Per-queue (per-connection) state.
+pub struct QueueState {
+    /// The target.
+    pub target: Arc<Target>,
+    /// Addresses of the connection.
+    pub origin: QueueOrigin,
+    /// Queue ID once connected.
+    pub qid: u16,
+    /// Submission queue size once connected.
+    pub sqsize: u32,
+    /// The controller once connected.
+    pub ctrl: Option<Arc<Controller>>,
+    /// Whether the host disabled SQ flow control at Connect.
+    pub sq_flow_disabled: bool,
+    /// Asynchronous completions for an admin queue (taken by the transport after Connect).
+    pub events: Option<EventReceiver>,
+    sqhd: u32,
+    mdts_bytes: usize,
+}
+
+fn status_cqe(cid: u16, status: Status) -> Submit {
+    Submit::Complete(Cqe::new(cid, status, 0))
+}
+
+impl QueueState {
+    /// A new, unconnected queue.
+    pub fn new(target: Arc<Target>, origin: QueueOrigin) -> Self {
+        let mdts_bytes = target.settings.mdts_kib as usize * 1024;
+        QueueState {
+            target,
+            origin,
+            qid: 0,
+            sqsize: 0,
+            ctrl: None,
+            sq_flow_disabled: false,
+            events: None,
+            sqhd: 0,
+            mdts_bytes,
+        }
+    }
+
+    /// Largest data transfer accepted, in bytes.
+    pub fn mdts_bytes(&self) -> usize {
+        self.mdts_bytes
+    }
+
+    /// Builds the completion for `cid`, with the SQ head pointer and queue ID filled in.
+    pub fn completion(&self, cid: u16, status: Status, dw0: u32) -> Cqe {
+        let mut cqe = Cqe::new(cid, status, dw0);
+        cqe.sqhd.set(self.sqhd as u16);
+        cqe.sqid.set(self.qid);
+        cqe
+    }
+
+    /// Records a failed data-plane command (error log, counters).
+    pub fn record_error(&self, sqe: &Sqe, status: Status, lba: u64) {
+        if let Some(c) = &self.ctrl {
+            c.log_error(self.qid, sqe, status, lba);
+        }
+    }
+
+    /// Handles one command capsule.
+    pub fn submit(&mut self, sqe: &Sqe, icd: &[u8]) -> Submit {
+        if self.sqsize > 0 {
+            self.sqhd = (self.sqhd + 1) % self.sqsize;
+        }
+        let cid = sqe.cid();
+        let seq_error = || status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+        let Some(ctrl) = self.ctrl.clone() else {
+            return match (sqe.opcode, FabricsCommand::parse(sqe)) {
+                (nvme_spec::opcode::FABRICS, FabricsCommand::Connect(c)) => {
+                    self.connect(sqe, c, icd)
+                }
+                _ => seq_error(),
+            };
+        };
+        if ctrl.is_torn_down() {
+            return status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+        }
+        if self.qid == 0 {
+            match AdminCommand::parse(sqe) {
+                AdminCommand::Fabrics(f) => self.fabrics(&ctrl, cid, f),
+                cmd => match ctrl.admin(&self.target, self.origin, sqe, cmd) {
+                    AdminReply::Held => Submit::Held,
+                    AdminReply::Complete { status, dw0, data } => {
+                        if !status.is_success() {
+                            ctrl.log_error(0, sqe, status, 0);
+                        }
+                        let cqe = self.completion(cid, status, dw0);
+                        match data {
+                            Some(mut d) if status.is_success() => {
+                                // Never send more than the host's buffer holds.
+                                let room = sqe.dptr.data_length() as usize;
+                                d.truncate(room);
+                                if d.is_empty() {
+                                    Submit::Complete(cqe)
+                                } else {
+                                    Submit::CompleteWithData(d, cqe)
+                                }
+                            }
+                            _ => Submit::Complete(cqe),
+                        }
+                    }
+                },
+            }
+        } else {
+            match IoCommand::parse(sqe) {
+                IoCommand::Fabrics(f) => self.fabrics(&ctrl, cid, f),
+                cmd => match self.validate_io(&ctrl, sqe, cmd, icd) {
+                    Ok(req) => Submit::Io(req),
+                    Err(status) => {
+                        ctrl.log_error(self.qid, sqe, status, 0);
+                        Submit::Complete(self.completion(cid, status, 0))
+                    }
+                },
+            }
+        }
+    }
+
+    fn fabrics(&mut self, ctrl: &Arc<Controller>, cid: u16, f: FabricsCommand) -> Submit {
+        let invalid_field = Status::generic(generic::INVALID_FIELD).with_dnr();
+        match f {
+            FabricsCommand::Connect(_) => {
+                status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr())
+            }
+            FabricsCommand::PropertyGet { size8, offset } if self.qid == 0 => {
+                match ctrl.property_get(&self.target, offset, size8) {
+                    Ok(v) => {
+                        let mut cqe = self.completion(cid, Status::SUCCESS, v as u32);
+                        cqe.dw1.set((v >> 32) as u32);
+                        Submit::Complete(cqe)
+                    }
+                    Err(s) => Submit::Complete(self.completion(cid, s, 0)),
+                }
+            }
+            FabricsCommand::PropertySet {
+                size8,
+                offset,
+                value,
+            } if self.qid == 0 => match ctrl.property_set(offset, size8, value) {
+                Ok(shutdown) => {
+                    if shutdown {
+                        info!(
+                            cntlid = ctrl.cntlid,
+                            hostnqn = %ctrl.hostnqn,
+                            peer = %self.origin.peer,
+                            "controller shutdown requested by host"
+                        );
+                    }
+                    Submit::Complete(self.completion(cid, Status::SUCCESS, 0))
+                }
+                Err(s) => Submit::Complete(self.completion(cid, s, 0)),
+            },
+            FabricsCommand::Disconnect if self.qid != 0 => {
+                Submit::CompleteAndClose(self.completion(cid, Status::SUCCESS, 0))
+            }
+            FabricsCommand::Unknown(_) | FabricsCommand::AuthSend | FabricsCommand::AuthReceive => {
+                Submit::Complete(self.completion(
+                    cid,
+                    Status::generic(generic::INVALID_OPCODE).with_dnr(),
+                    0,
+                ))
+            }
+            _ => Submit::Complete(self.completion(cid, invalid_field, 0)),
+        }
+    }
+
+    fn connect(&mut self, sqe: &Sqe, c: nvme_spec::command::Connect, icd: &[u8]) -> Submit {
+        let cid = sqe.cid();
+        let t = Arc::clone(&self.target);
+        let invalid_param = |in_data: bool, off: u16| {
+            Submit::Complete(Cqe::new(
+                cid,
+                Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr(),
+                connect_invalid_param_dw0(in_data, off),
+            ))
+        };
+        if c.recfmt != 0 {
+            return status_cqe(
+                cid,
+                Status::specific(specific::CONNECT_INCOMPATIBLE_FORMAT).with_dnr(),
+            );
+        }
+        let Some(data) = ConnectData::parse(icd) else {
+            return status_cqe(cid, Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr());
+        };
+        let subnqn = data.subnqn();
+        let hostnqn = data.hostnqn();
+        if !crate::config::valid_nqn(&hostnqn) {
+            return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
+        }
+        let max_depth = u32::from(t.settings.max_queue_depth);
+        if c.sqsize < 2 || c.sqsize > max_depth {
+            return invalid_param(false, SQE_SQSIZE_OFFSET);
+        }
+        let peer = self.origin.peer;
+        if subnqn == DISCOVERY_NQN {
+            if c.qid != 0 {
+                return invalid_param(false, SQE_QID_OFFSET);
+            }
+            let cntlid = t.alloc_discovery_cntlid();
+            let kato = if c.kato_ms == 0 {
+                t.settings.default_kato_ms
+            } else {
+                c.kato_ms
+            };
+            let (ctrl, events) = Controller::new(
+                cntlid,
+                ControllerKind::Discovery,
+                hostnqn.clone(),
+                data.hostid,
+                peer,
+                c.sqsize,
+                kato,
+            );
+            ctrl.keep_alive();
+            info!(%hostnqn, %peer, cntlid, "discovery controller connected");
+            return self.connected(ctrl, Some(events), c, cid);
+        }
+        let Some(subsys) = t.subsystems.get(&subnqn).cloned() else {
+            info!(%hostnqn, %peer, %subnqn, "connect rejected: unknown subsystem");
+            return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
+        };
+        if !subsys.host_allowed(&hostnqn) {
+            info!(%hostnqn, %peer, %subnqn, "connect rejected: host not allowed");
+            return Submit::Complete(Cqe::new(
+                cid,
+                Status::specific(specific::CONNECT_INVALID_HOST).with_dnr(),
+                connect_invalid_param_dw0(true, CONNECT_DATA_HOSTNQN_OFFSET),
+            ));
+        }
+        if c.qid == 0 {
+            if data.cntlid.get() != 0xFFFF {
+                return invalid_param(true, CONNECT_DATA_CNTLID_OFFSET);
+            }
+            let Some(cntlid) = subsys.alloc_cntlid() else {
+                return status_cqe(cid, Status::specific(specific::CONNECT_CONTROLLER_BUSY));
+            };
+            let kato = if c.kato_ms == 0 {
+                t.settings.default_kato_ms
+            } else {
+                c.kato_ms
+            };
+            let (ctrl, events) = Controller::new(
+                cntlid,
+                ControllerKind::Io(Arc::clone(&subsys)),
+                hostnqn.clone(),
+                data.hostid,
+                peer,
+                c.sqsize,
+                kato,
+            );
+            ctrl.keep_alive();
+            subsys.add_controller(Arc::clone(&ctrl));
+            info!(%hostnqn, %peer, subnqn = %subsys.nqn, cntlid, kato_ms = kato, "controller connected");
+            return self.connected(ctrl, Some(events), c, cid);
+        }
+        let cntlid = data.cntlid.get();
+        let Some(ctrl) = subsys.controller(cntlid) else {
+            return invalid_param(true, CONNECT_DATA_CNTLID_OFFSET);
+        };
+        if ctrl.hostnqn != hostnqn {
+            return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
+        }
+        if !ctrl.is_ready() {
+            return status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+        }
+        if c.qid > ctrl.io_queues() {
+            return invalid_param(false, SQE_QID_OFFSET);
+        }
+        debug!(%hostnqn, %peer, cntlid, qid = c.qid, sqsize = c.sqsize, "I/O queue connected");
+        self.connected(ctrl, None, c, cid)
+    }
+
+    fn connected(
+        &mut self,
+        ctrl: Arc<Controller>,
+        events: Option<EventReceiver>,
+        c: nvme_spec::command::Connect,
+        cid: u16,
+    ) -> Submit {
+        self.qid = c.qid;
+        self.sqsize = c.sqsize;
+        self.sqhd = 1 % c.sqsize;
+        self.sq_flow_disabled = c.sq_flow_control_disabled();
+        let dw0 = u32::from(ctrl.cntlid);
+        self.ctrl = Some(ctrl);
+        self.events = events;
+        Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
+    }
+
+    fn namespace(&self, ctrl: &Controller, nsid: u32) -> Result<Arc<Namespace>, Status> {
+        ctrl.subsystem()
+            .and_then(|s| s.namespaces.get(&nsid).cloned())
+            .ok_or(Status::generic(generic::INVALID_NAMESPACE).with_dnr())
+    }
+
+    fn range(&self, ns: &Namespace, rw: &ReadWrite) -> Result<(), Status> {
+        match rw.slba.checked_add(u64::from(rw.nlb)) {
+            Some(end) if end <= ns.blocks => Ok(()),
+            _ => Err(Status::generic(generic::LBA_OUT_OF_RANGE).with_dnr()),
+        }
+    }
+
+    /// Checks the data pointer of a command moving `len` bytes; returns where host data is.
+    fn data_source(&self, sqe: &Sqe, len: usize, icd: &[u8], to_host: bool) -> Result<DataSource, Status> {
+        let sgl = sqe.dptr;
+        if sqe.psdt() == 0 {
+            return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+        }
+        if sgl.data_length() as usize != len {
+            return Err(Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr());
+        }
+        match (sgl.desc_type(), sgl.subtype()) {
+            (sgl_type::DATA_BLOCK, sgl_subtype::OFFSET) if !to_host => {
+                if sgl.address.get() != 0 || icd.len() != len {
+                    return Err(Status::generic(generic::SGL_OFFSET_INVALID).with_dnr());
+                }
+                Ok(DataSource::InCapsule)
+            }
+            (sgl_type::TRANSPORT_DATA_BLOCK, _) => {
+                if !icd.is_empty() {
+                    return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+                }
+                Ok(DataSource::Host)
+            }
+            _ => Err(Status::generic(generic::SGL_TYPE_INVALID).with_dnr()),
+        }
+    }
+
+    fn validate_io(&self, ctrl: &Controller, sqe: &Sqe, cmd: IoCommand, icd: &[u8]) -> Result<IoRequest, Status> {
+        let cid = sqe.cid();
+        if !ctrl.is_ready() {
+            return Err(Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+        }
+        let req = |ns, op| IoRequest { cid, ns, op };
+        match cmd {
+            IoCommand::Read(rw) | IoCommand::Write(rw) => {
+                let write = matches!(cmd, IoCommand::Write(_));
+                let ns = self.namespace(ctrl, rw.nsid)?;
+                self.range(&ns, &rw)?;
+                let len = (rw.nlb as usize) << ns.block_shift;
+                if len > self.mdts_bytes {
+                    return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+                }
+                let src = self.data_source(sqe, len, icd, !write)?;
+                let op = if write {
+                    IoOp::Write { lba: rw.slba, len, src }
+                } else {
+                    IoOp::Read { lba: rw.slba, len }
+                };
+                Ok(req(Some(ns), op))
+            }
+            IoCommand::Flush => {
+                if sqe.nsid.get() == u32::MAX {
+                    return Ok(req(None, IoOp::Flush));
+                }
+                let ns = self.namespace(ctrl, sqe.nsid.get())?;
+                Ok(req(Some(ns), IoOp::Flush))
+            }
+            IoCommand::WriteZeroes { range, deallocate } => {
+                let ns = self.namespace(ctrl, range.nsid)?;
+                self.range(&ns, &range)?;
+                Ok(req(
+                    Some(ns),
+                    IoOp::WriteZeroes {
+                        lba: range.slba,
+                        nlb: range.nlb,
+                        deallocate,
+                    },
+                ))
+            }
+            IoCommand::DatasetManagement { ranges, deallocate } => {
+                let ns = self.namespace(ctrl, sqe.nsid.get())?;
+                let src = self.data_source(sqe, usize::from(ranges) * 16, icd, false)?;
+                Ok(req(
+                    Some(ns),
+                    IoOp::Dsm {
+                        ranges,
+                        src,
+                        deallocate,
+                    },
+                ))
+            }
+            IoCommand::Unknown(_) | IoCommand::Fabrics(_) => {
+                Err(Status::generic(generic::INVALID_OPCODE).with_dnr())
+            }
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The target: subsystems, listeners, thread-per-core reactors, and orderly shutdown.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener as StdTcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use blockdev::Backend;
+use tokio::sync::{mpsc, watch};
+use tracing::{error, info, warn};
+
+use crate::config::{Config, ListenAddr, TargetSettings, Transport};
+use crate::subsystem::{Subsystem, stable_id128};
+
+/// Errors starting the target.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A backend could not be opened.
+    #[error("subsystem {nqn} namespace {index}: {source}")]
+    Backend {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace position in the configuration (1-based).
+        index: usize,
+        /// Cause.
+        source: blockdev::BackendError,
+    },
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A transport is not available in this build or on this host.
+    #[error("cannot listen on {addr}: {reason}")]
+    Transport {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// A reactor thread could not be started.
+    #[error("cannot start reactor thread: {0}")]
+    Reactor(std::io::Error),
+}
+
+/// The running target's shared state.
+pub struct Target {
+    /// Limits and sizes.
+    pub settings: TargetSettings,
+    /// Subsystems by NQN.
+    pub subsystems: BTreeMap<String, Arc<Subsystem>>,
+    /// I/O listeners with their bound addresses (they also serve discovery).
+    pub io_listeners: Vec<ListenAddr>,
+    /// Dedicated discovery listeners with their bound addresses.
+    pub discovery_listeners: Vec<ListenAddr>,
+    /// Serial number of the discovery controller.
+    pub discovery_serial: String,
+    genctr: AtomicU64,
+    next_discovery_cntlid: AtomicU16,
+    shutdown_tx: watch::Sender<bool>,
+    connections: AtomicUsize,
+}
+
+/// A bound listener ready to accept.
+pub struct BoundListener {
+    /// The address as bound (port resolved).
+    pub addr: ListenAddr,
+    /// The socket.
+    pub socket: StdTcpListener,
+}
+
+impl Target {
+    /// Opens every backend and binds every listener described by `cfg`.
+    pub fn build(cfg: &Config) -> Result<(Arc<Target>, Vec<BoundListener>), StartError> {
+        let mut subsystems = BTreeMap::new();
+        for s in &cfg.subsystems {
+            let mut backends = Vec::new();
+            for (i, ns) in s.namespaces.iter().enumerate() {
+                let b = blockdev::open(&ns.backend).map_err(|source| StartError::Backend {
+                    nqn: s.nqn.clone(),
+                    index: i + 1,
+                    source,
+                })?;
+                backends.push((Arc::new(b), ns.backend.to_string()));
+            }
+            let sub = Subsystem::new(s, backends);
+            for ns in sub.namespaces.values() {
+                info!(
+                    subsystem = %sub.nqn,
+                    nsid = ns.nsid,
+                    backend = %ns.description,
+                    blocks = ns.blocks,
+                    block_size = ns.block_size,
+                    "namespace ready"
+                );
+            }
+            subsystems.insert(s.nqn.clone(), Arc::new(sub));
+        }
+        let mut bound = Vec::new();
+        let mut io_listeners = Vec::new();
+        let mut discovery_listeners = Vec::new();
+        let wanted = cfg
+            .listeners
+            .iter()
+            .map(|l| (l.address.clone(), false))
+            .chain(cfg.discovery.listen.iter().map(|a| (a.clone(), true)));
+        for (addr, discovery_only) in wanted {
+            if addr.transport == Transport::Rdma {
+                return Err(StartError::Transport {
+                    addr: addr.to_string(),
+                    reason: "the NVMe/RDMA transport is not available in this build".into(),
+                });
+            }
+            let socket = bind(&addr)?;
+            let local = socket.local_addr().map_err(|source| StartError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+            let addr = ListenAddr {
+                transport: addr.transport,
+                addr: local,
+            };
+            if discovery_only {
+                discovery_listeners.push(addr.clone());
+            } else {
+                io_listeners.push(addr.clone());
+            }
+            bound.push(BoundListener { addr, socket });
+        }
+        let (shutdown_tx, _) = watch::channel(false);
+        let discovery_serial: String = stable_id128("discovery")[..10]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let target = Target {
+            settings: cfg.target.clone(),
+            subsystems,
+            io_listeners,
+            discovery_listeners,
+            discovery_serial,
+            genctr: AtomicU64::new(1),
+            next_discovery_cntlid: AtomicU16::new(1),
+            shutdown_tx,
+            connections: AtomicUsize::new(0),
+        };
+        Ok((Arc::new(target), bound))
+    }
+
+    /// The discovery log generation counter.
+    pub fn discovery_genctr(&self) -> u64 {
+        self.genctr.load(Ordering::Relaxed)
+    }
+
+    /// A controller ID for a new discovery controller.
+    pub fn alloc_discovery_cntlid(&self) -> u16 {
+        let id = self.next_discovery_cntlid.fetch_add(1, Ordering::Relaxed);
+        if id == 0 || id > 0xFFEF {
+            self.next_discovery_cntlid.store(2, Ordering::Relaxed);
+            1
+        } else {
+            id
+        }
+    }
+
+    /// A receiver that turns true when the target shuts down.
+    pub fn subscribe_shutdown(&self) -> watch::Receiver<bool> {
+        self.shutdown_tx.subscribe()
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        *self.shutdown_tx.borrow()
+    }
+
+    /// Number of open connections.
+    pub fn connection_count(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn connection_opened(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Flushes every namespace's backend, logging failures. Returns the number of failures.
+    pub async fn flush_all(&self) -> usize {
+        let mut failures = 0;
+        for s in self.subsystems.values() {
+            for ns in s.namespaces.values() {
+                if let Err(e) = ns.backend.flush().await {
+                    error!(subsystem = %s.nqn, nsid = ns.nsid, error = %e, "flush failed");
+                    failures += 1;
+                }
+            }
+        }
+        failures
+    }
+}
+
+fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
+    let err = |source| StartError::Bind {
+        addr: addr.to_string(),
+        source,
+    };
+    let domain = if addr.addr.is_ipv4() {
+        socket2::Domain::IPV4
+    } else {
+        socket2::Domain::IPV6
+    };
+    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None).map_err(err)?;
+    s.set_reuse_address(true).map_err(err)?;
+    if addr.addr.is_ipv6() {
+        s.set_only_v6(true).map_err(err)?;
+    }
+    s.bind(&addr.addr.into()).map_err(err)?;
+    s.listen(1024).map_err(err)?;
+    s.set_nonblocking(true).map_err(err)?;
+    Ok(s.into())
+}
+
+/// A handle to a running target.
+pub struct RunningTarget {
+    /// Shared state.
+    pub target: Arc<Target>,
+    reactors: Vec<std::thread::JoinHandle<()>>,
+    acceptors: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningTarget {
+    /// Starts reactors and accept loops on the current tokio runtime.
+    pub fn start(
+        target: Arc<Target>,
+        listeners: Vec<BoundListener>,
+    ) -> Result<RunningTarget, StartError> {
+        let n = match target.settings.reactors {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let mut senders = Vec::new();
+        let mut reactors = Vec::new();
+        for i in 0..n {
+            let (tx, rx) = mpsc::unbounded_channel();
+            senders.push(tx);
+            let t = Arc::clone(&target);
+            let handle = std::thread::Builder::new()
+                .name(format!("nvmeof-reactor-{i}"))
+                .spawn(move || crate::reactor::run(i, t, rx))
+                .map_err(StartError::Reactor)?;
+            reactors.push(handle);
+        }
+        let mut acceptors = Vec::new();
+        let next = Arc::new(AtomicUsize::new(0));
+        for l in listeners {
+            let listener = tokio::net::TcpListener::from_std(l.socket).map_err(|source| {
+                StartError::Bind {
+                    addr: l.addr.to_string(),
+                    source,
+                }
+            })?;
+            info!(listener = %l.addr, "listening");
+            let senders = senders.clone();
+            let next = Arc::clone(&next);
+            let mut shutdown = target.subscribe_shutdown();
+            acceptors.push(tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        r = listener.accept() => match r {
+                            Ok((stream, peer)) => {
+                                let stream = match stream.into_std() {
+                                    Ok(s) => s,
+                                    Err(e) => {
+                                        warn!(%peer, error = %e, "cannot hand connection to a reactor");
+                                        continue;
+                                    }
+                                };
+                                let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
+                                if senders[i].send(stream).is_err() {
+                                    break;
+                                }
+                            }
+                            Err(e) => {
+                                warn!(listener = %l.addr, error = %e, "accept failed");
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                        },
+                        _ = shutdown.changed() => break,
+                    }
+                }
+            }));
+        }
+        Ok(RunningTarget {
+            target,
+            reactors,
+            acceptors,
+        })
+    }
+
+    /// Stops accepting, lets connections finish their in-flight commands and close, then
+    /// flushes every backend. Returns the number of flush failures.
+    pub async fn shutdown(self) -> usize {
+        info!(
+            connections = self.target.connection_count(),
+            "shutting down: no new connections, completing in-flight commands"
+        );
+        self.target.shutdown_tx.send_replace(true);
+        for a in self.acceptors {
+            let _ = a.await;
+        }
+        let reactors = self.reactors;
+        let _ = tokio::task::spawn_blocking(move || {
+            for r in reactors {
+                let _ = r.join();
+            }
+        })
+        .await;
+        let failures = self.target.flush_all().await;
+        info!(flush_failures = failures, "shutdown complete");
+        failures
+    }
+}
