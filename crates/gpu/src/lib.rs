@@ -1,2 +1,50 @@
-//! CUDA device memory, pinned staging, streams and dma-buf export through cudarc with dynamic loading.
-#![forbid(unsafe_code)]
+//! CUDA device memory, pinned staging, streams and dma-buf export through cudarc with dynamic
+//! loading.
+//!
+//! This crate is the only place of the GPU data path that talks to the CUDA driver. It loads
+//! `libcuda.so` (and, for run-time compilation, `libnvrtc.so`) when first needed; on a machine
+//! without them every entry point returns a typed error
+//! ([`GpuError::DriverNotFound`], [`GpuError::NvrtcNotFound`]) instead of panicking, so code
+//! using it builds and runs everywhere.
+//!
+//! What it offers:
+//! - [`GpuContext`]: a device's primary context and its [`DeviceInfo`];
+//! - [`DeviceBuffer`] with byte-offset views [`DeviceSlice`] / [`DeviceSliceMut`] (any offset,
+//!   any length), blocking copies to and from host memory;
+//! - [`PinnedBuffer`]: page-locked host staging memory;
+//! - [`GpuStream`] / [`GpuEvent`] and asynchronous copies (`copy_h2d_async`, ...);
+//! - dma-buf export of device memory ([`DeviceSlice::export_dmabuf`] -> [`DmaBuf`]) for
+//!   `ibv_reg_dmabuf_mr`, and [`GpuContext::flush_gpudirect_rdma_writes`];
+//! - NVRTC compilation ([`compile`]), module loading and a checked, safe kernel launch
+//!   ([`Kernel::launch`] with [`LaunchArgs`]) under the bounded-buffer ABI described in
+//!   [`module`].
+//!
+//! Memory safety with asynchronous work: every allocation records the streams that use it, so
+//! dropping a buffer, or reading pinned memory on the host, first waits for the GPU work that
+//! touches it. Ordering *between* streams is the caller's job (events), as in CUDA.
+//!
+//! It must not contain NVMe or transport logic; it knows nothing about blocks or queues.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod context;
+mod dmabuf;
+mod driver;
+mod error;
+mod memory;
+pub mod module;
+mod stream;
+mod tracker;
+
+pub use context::{DeviceInfo, FlushScope, GpuContext, device_count};
+pub use dmabuf::{DmaBuf, dmabuf_export_range, host_page_size};
+pub use driver::{DriverInfo, MIN_DRIVER_VERSION, driver_available, ensure_driver};
+pub use error::{GpuError, GpuResult};
+pub use memory::{
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, PinnedBuffer, PinnedSlice,
+    PinnedSliceMut, check_range, resolve_range,
+};
+pub use module::{
+    CodeTarget, CompiledModule, Kernel, LaunchArgs, LaunchConfig, Module, ParamInfo, compile,
+    nvrtc_supported_archs, nvrtc_version, ptx_isa_version, select_code_target,
+};
+pub use stream::{GpuEvent, GpuStream};
