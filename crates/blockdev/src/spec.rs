@@ -1,0 +1,621 @@
+//! Backend specifications: the strings and TOML tables that name a backend.
+//!
+//! String form, as used on command lines and in configs:
+//!
+//! | spec | meaning |
+//! |---|---|
+//! | `mem:1G` | sparse memory namespace of 1 GiB, 4096-byte blocks |
+//! | `mem:1T,bs=512` | the same with 512-byte blocks |
+//! | `null:512M` | null backend (reads zeros, discards writes) |
+//! | `file:/path` | existing file; its length is the capacity |
+//! | `file:/path,size=10G` | the file, created with 10 GiB if missing or empty |
+//! | `bdev:/dev/nvme0n1` | block device; size and block size from the device |
+//!
+//! Sizes are bytes with an optional `K`, `M`, `G`, `T` or `P` suffix (powers of 1024; `KiB`,
+//! `KB` and lowercase are accepted too). File and block device specs also take
+//! `bs=N` (files only), `direct=on|off` (default on: `O_DIRECT`) and
+//! `engine=auto|uring|blocking` (default auto). A path ends at the first comma.
+//!
+//! In TOML a backend is either such a string or a table with a `kind` key:
+//!
+//! ```toml
+//! backend = "file:/var/lib/ns1.img,size=100G"
+//! # or
+//! [backend]
+//! kind = "mem"          # mem | null | file | bdev
+//! size = "1T"           # or a number of bytes
+//! block_size = 512
+//! ```
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The block size used when a memory, null or file spec names none.
+pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
+
+/// How a file backend submits its I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoEngine {
+    /// io_uring when the kernel allows it, else the blocking pool.
+    #[default]
+    Auto,
+    /// io_uring only; opening fails if io_uring is unavailable.
+    Uring,
+    /// Positional reads and writes on tokio's blocking thread pool.
+    Blocking,
+}
+
+impl IoEngine {
+    fn as_str(self) -> &'static str {
+        match self {
+            IoEngine::Auto => "auto",
+            IoEngine::Uring => "uring",
+            IoEngine::Blocking => "blocking",
+        }
+    }
+}
+
+impl FromStr for IoEngine {
+    type Err = SpecError;
+
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        match s {
+            "auto" => Ok(IoEngine::Auto),
+            "uring" | "io_uring" => Ok(IoEngine::Uring),
+            "blocking" | "threads" => Ok(IoEngine::Blocking),
+            _ => Err(SpecError::BadValue {
+                key: "engine".into(),
+                value: s.into(),
+            }),
+        }
+    }
+}
+
+/// A file or block device backend's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSpec {
+    /// Path of the file or device node.
+    pub path: PathBuf,
+    /// Create the file with this many bytes if it is missing or empty (files only).
+    pub create_size: Option<u64>,
+    /// Block size in bytes (files only; devices report their own). `None`: [`DEFAULT_BLOCK_SIZE`].
+    pub block_size: Option<u32>,
+    /// Open with `O_DIRECT` (falling back to buffered I/O where the file system refuses it).
+    pub direct: bool,
+    /// How I/O is submitted.
+    pub engine: IoEngine,
+}
+
+impl FileSpec {
+    /// A spec for `path` with every other setting at its default.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        FileSpec {
+            path: path.into(),
+            create_size: None,
+            block_size: None,
+            direct: true,
+            engine: IoEngine::Auto,
+        }
+    }
+}
+
+/// Which backend to open, and how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "SpecRepr", into = "String")]
+pub enum BackendSpec {
+    /// Sparse memory.
+    Memory {
+        /// Capacity in bytes.
+        size: u64,
+        /// Block size in bytes.
+        block_size: u32,
+    },
+    /// Reads return zeros, writes are discarded.
+    Null {
+        /// Capacity in bytes.
+        size: u64,
+        /// Block size in bytes.
+        block_size: u32,
+    },
+    /// A regular file (a block device named here is accepted too).
+    File(FileSpec),
+    /// A block device; size and block size come from the device.
+    Bdev(FileSpec),
+}
+
+/// An error in a backend spec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// The spec has no `kind:` prefix or names an unknown kind.
+    #[error("unknown backend kind in {0:?} (expected mem:, null:, file: or bdev:)")]
+    UnknownKind(String),
+    /// A size could not be parsed.
+    #[error("invalid size {0:?} (expected bytes with an optional K/M/G/T/P suffix)")]
+    BadSize(String),
+    /// An option is not known for this kind.
+    #[error("unknown option {0:?}")]
+    UnknownOption(String),
+    /// An option's value is invalid.
+    #[error("invalid value {value:?} for {key}")]
+    BadValue {
+        /// The option.
+        key: String,
+        /// The value given.
+        value: String,
+    },
+    /// A required part is missing.
+    #[error("missing {0}")]
+    Missing(&'static str),
+    /// Sizes and block size do not fit together.
+    #[error("{0}")]
+    Geometry(String),
+}
+
+/// Parses a size such as `4096`, `64K`, `1G`, `10GiB` or `2t` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, SpecError> {
+    let bad = || SpecError::BadSize(s.to_string());
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, suffix) = t.split_at(split);
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        "p" | "pb" | "pib" => 50,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Formats a byte count with the largest suffix that divides it exactly.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [(u32, &str); 5] = [(50, "P"), (40, "T"), (30, "G"), (20, "M"), (10, "K")];
+    for (shift, unit) in UNITS {
+        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// Checks that a block size is a power of two from 512 to 64 KiB.
+pub fn validate_block_size(block_size: u32) -> Result<(), SpecError> {
+    if block_size.is_power_of_two() && (512..=65536).contains(&block_size) {
+        Ok(())
+    } else {
+        Err(SpecError::BadValue {
+            key: "block size".into(),
+            value: block_size.to_string(),
+        })
+    }
+}
+
+fn validate_geometry(size: u64, block_size: u32) -> Result<(), SpecError> {
+    validate_block_size(block_size)?;
+    if size == 0 || size % u64::from(block_size) != 0 {
+        return Err(SpecError::Geometry(format!(
+            "size {size} is not a non-zero multiple of the block size {block_size}"
+        )));
+    }
+    Ok(())
+}
+
+fn parse_block_size(v: &str) -> Result<u32, SpecError> {
+    let bs = parse_size(v)?;
+    let bs = u32::try_from(bs).map_err(|_| SpecError::BadValue {
+        key: "bs".into(),
+        value: v.into(),
+    })?;
+    validate_block_size(bs)?;
+    Ok(bs)
+}
+
+fn parse_bool(key: &str, v: &str) -> Result<bool, SpecError> {
+    match v {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(SpecError::BadValue {
+            key: key.into(),
+            value: v.into(),
+        }),
+    }
+}
+
+impl BackendSpec {
+    /// Validates sizes and options that parsing alone does not check.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        match self {
+            BackendSpec::Memory { size, block_size } | BackendSpec::Null { size, block_size } => {
+                validate_geometry(*size, *block_size)
+            }
+            BackendSpec::File(f) => {
+                if f.path.as_os_str().is_empty() {
+                    return Err(SpecError::Missing("path"));
+                }
+                let bs = f.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
+                match f.create_size {
+                    Some(size) => validate_geometry(size, bs),
+                    None => validate_block_size(bs),
+                }
+            }
+            BackendSpec::Bdev(f) => {
+                if f.path.as_os_str().is_empty() {
+                    return Err(SpecError::Missing("path"));
+                }
+                if f.create_size.is_some() {
+                    return Err(SpecError::UnknownOption("size".into()));
+                }
+                if f.block_size.is_some() {
+                    return Err(SpecError::UnknownOption("bs".into()));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl FromStr for BackendSpec {
+    type Err = SpecError;
+
+    fn from_str(s: &str) -> Result<Self, SpecError> {
+        let (kind, rest) = s
+            .split_once(':')
+            .ok_or_else(|| SpecError::UnknownKind(s.to_string()))?;
+        let mut parts = rest.split(',');
+        let first = parts.next().unwrap_or("");
+        let options = parts.map(|opt| {
+            opt.split_once('=')
+                .ok_or_else(|| SpecError::UnknownOption(opt.to_string()))
+        });
+        let spec = match kind {
+            "mem" | "memory" | "null" => {
+                if first.is_empty() {
+                    return Err(SpecError::Missing("size"));
+                }
+                let size = parse_size(first)?;
+                let mut block_size = DEFAULT_BLOCK_SIZE;
+                for opt in options {
+                    match opt? {
+                        ("bs" | "block_size", v) => block_size = parse_block_size(v)?,
+                        (k, _) => return Err(SpecError::UnknownOption(k.to_string())),
+                    }
+                }
+                if kind == "null" {
+                    BackendSpec::Null { size, block_size }
+                } else {
+                    BackendSpec::Memory { size, block_size }
+                }
+            }
+            "file" | "bdev" => {
+                if first.is_empty() {
+                    return Err(SpecError::Missing("path"));
+                }
+                let mut f = FileSpec::new(first);
+                for opt in options {
+                    match opt? {
+                        ("size", v) if kind == "file" => f.create_size = Some(parse_size(v)?),
+                        ("bs" | "block_size", v) if kind == "file" => {
+                            f.block_size = Some(parse_block_size(v)?)
+                        }
+                        ("direct", v) => f.direct = parse_bool("direct", v)?,
+                        ("engine", v) => f.engine = v.parse()?,
+                        (k, _) => return Err(SpecError::UnknownOption(k.to_string())),
+                    }
+                }
+                if kind == "file" {
+                    BackendSpec::File(f)
+                } else {
+                    BackendSpec::Bdev(f)
+                }
+            }
+            _ => return Err(SpecError::UnknownKind(s.to_string())),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+impl fmt::Display for BackendSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fn file_opts(f: &mut fmt::Formatter<'_>, spec: &FileSpec) -> fmt::Result {
+            if let Some(size) = spec.create_size {
+                write!(f, ",size={}", format_size(size))?;
+            }
+            if let Some(bs) = spec.block_size {
+                write!(f, ",bs={bs}")?;
+            }
+            if !spec.direct {
+                f.write_str(",direct=off")?;
+            }
+            if spec.engine != IoEngine::Auto {
+                write!(f, ",engine={}", spec.engine.as_str())?;
+            }
+            Ok(())
+        }
+        match self {
+            BackendSpec::Memory { size, block_size } => {
+                write!(f, "mem:{},bs={block_size}", format_size(*size))
+            }
+            BackendSpec::Null { size, block_size } => {
+                write!(f, "null:{},bs={block_size}", format_size(*size))
+            }
+            BackendSpec::File(spec) => {
+                write!(f, "file:{}", spec.path.display())?;
+                file_opts(f, spec)
+            }
+            BackendSpec::Bdev(spec) => {
+                write!(f, "bdev:{}", spec.path.display())?;
+                file_opts(f, spec)
+            }
+        }
+    }
+}
+
+impl From<BackendSpec> for String {
+    fn from(spec: BackendSpec) -> String {
+        spec.to_string()
+    }
+}
+
+/// A size in a config: a number of bytes or a string with a suffix.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SizeRepr {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeRepr {
+    fn bytes(&self) -> Result<u64, SpecError> {
+        match self {
+            SizeRepr::Bytes(n) => Ok(*n),
+            SizeRepr::Text(s) => parse_size(s),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+enum TableSpec {
+    #[serde(alias = "memory")]
+    Mem {
+        size: SizeRepr,
+        block_size: Option<u32>,
+    },
+    Null {
+        size: SizeRepr,
+        block_size: Option<u32>,
+    },
+    File {
+        path: PathBuf,
+        #[serde(alias = "create_size")]
+        size: Option<SizeRepr>,
+        block_size: Option<u32>,
+        direct: Option<bool>,
+        engine: Option<IoEngine>,
+    },
+    Bdev {
+        path: PathBuf,
+        direct: Option<bool>,
+        engine: Option<IoEngine>,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SpecRepr {
+    Text(String),
+    Table(TableSpec),
+}
+
+impl TryFrom<SpecRepr> for BackendSpec {
+    type Error = SpecError;
+
+    fn try_from(repr: SpecRepr) -> Result<Self, SpecError> {
+        let spec = match repr {
+            SpecRepr::Text(s) => return s.parse(),
+            SpecRepr::Table(TableSpec::Mem { size, block_size }) => BackendSpec::Memory {
+                size: size.bytes()?,
+                block_size: block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+            },
+            SpecRepr::Table(TableSpec::Null { size, block_size }) => BackendSpec::Null {
+                size: size.bytes()?,
+                block_size: block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+            },
+            SpecRepr::Table(TableSpec::File {
+                path,
+                size,
+                block_size,
+                direct,
+                engine,
+            }) => BackendSpec::File(FileSpec {
+                path,
+                create_size: size.map(|s| s.bytes()).transpose()?,
+                block_size,
+                direct: direct.unwrap_or(true),
+                engine: engine.unwrap_or_default(),
+            }),
+            SpecRepr::Table(TableSpec::Bdev {
+                path,
+                direct,
+                engine,
+            }) => BackendSpec::Bdev(FileSpec {
+                direct: direct.unwrap_or(true),
+                engine: engine.unwrap_or_default(),
+                ..FileSpec::new(path)
+            }),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1K").unwrap(), 1024);
+        assert_eq!(parse_size("64k").unwrap(), 65536);
+        assert_eq!(parse_size("1M").unwrap(), 1 << 20);
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("10G").unwrap(), 10 << 30);
+        assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
+        assert_eq!(parse_size("1T").unwrap(), 1 << 40);
+        assert_eq!(parse_size("2P").unwrap(), 2 << 50);
+        for bad in ["", "G", "1X", "-1", "1.5G", "99999999999999999999", "16384P"] {
+            assert!(parse_size(bad).is_err(), "{bad:?} accepted");
+        }
+        assert_eq!(format_size(1 << 40), "1T");
+        assert_eq!(format_size(3 << 20), "3M");
+        assert_eq!(format_size(1536), "1536");
+        assert_eq!(format_size(0), "0");
+    }
+
+    #[test]
+    fn parse_kinds() {
+        assert_eq!(
+            "mem:1G".parse::<BackendSpec>().unwrap(),
+            BackendSpec::Memory {
+                size: 1 << 30,
+                block_size: 4096
+            }
+        );
+        assert_eq!(
+            "null:512M,bs=512".parse::<BackendSpec>().unwrap(),
+            BackendSpec::Null {
+                size: 512 << 20,
+                block_size: 512
+            }
+        );
+        assert_eq!(
+            "file:/tmp/x.img".parse::<BackendSpec>().unwrap(),
+            BackendSpec::File(FileSpec::new("/tmp/x.img"))
+        );
+        assert_eq!(
+            "file:/tmp/x.img,size=10G,bs=512,direct=off,engine=blocking"
+                .parse::<BackendSpec>()
+                .unwrap(),
+            BackendSpec::File(FileSpec {
+                path: "/tmp/x.img".into(),
+                create_size: Some(10 << 30),
+                block_size: Some(512),
+                direct: false,
+                engine: IoEngine::Blocking,
+            })
+        );
+        assert_eq!(
+            "bdev:/dev/nvme0n1".parse::<BackendSpec>().unwrap(),
+            BackendSpec::Bdev(FileSpec::new("/dev/nvme0n1"))
+        );
+    }
+
+    #[test]
+    fn parse_errors() {
+        for bad in [
+            "",
+            "1G",
+            "disk:/x",
+            "mem:",
+            "mem:0",
+            "mem:1000",
+            "mem:1G,bs=1000",
+            "mem:1G,bs=256",
+            "mem:1G,foo=1",
+            "mem:1G,bs",
+            "file:",
+            "file:/x,size=1001",
+            "file:/x,engine=magic",
+            "file:/x,direct=maybe",
+            "bdev:/dev/x,size=1G",
+            "bdev:/dev/x,bs=512",
+        ] {
+            assert!(bad.parse::<BackendSpec>().is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn display_round_trips() {
+        for s in [
+            "mem:1T,bs=512",
+            "null:512M,bs=4096",
+            "file:/a/b.img",
+            "file:/a/b.img,size=10G,bs=512,direct=off,engine=uring",
+            "bdev:/dev/nvme0n1,engine=blocking",
+        ] {
+            let spec: BackendSpec = s.parse().unwrap();
+            assert_eq!(spec.to_string(), s);
+            assert_eq!(spec.to_string().parse::<BackendSpec>().unwrap(), spec);
+        }
+    }
+
+    #[derive(Deserialize)]
+    struct Config {
+        backend: BackendSpec,
+    }
+
+    #[test]
+    fn toml_forms() {
+        let c: Config = toml::from_str(r#"backend = "mem:1G,bs=512""#).unwrap();
+        assert_eq!(
+            c.backend,
+            BackendSpec::Memory {
+                size: 1 << 30,
+                block_size: 512
+            }
+        );
+        let c: Config = toml::from_str(
+            "[backend]\nkind = \"file\"\npath = \"/srv/a.img\"\nsize = \"2G\"\nengine = \"blocking\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.backend,
+            BackendSpec::File(FileSpec {
+                create_size: Some(2 << 30),
+                engine: IoEngine::Blocking,
+                ..FileSpec::new("/srv/a.img")
+            })
+        );
+        let c: Config =
+            toml::from_str("[backend]\nkind = \"null\"\nsize = 1048576\nblock_size = 512\n")
+                .unwrap();
+        assert_eq!(
+            c.backend,
+            BackendSpec::Null {
+                size: 1 << 20,
+                block_size: 512
+            }
+        );
+        let c: Config = toml::from_str("[backend]\nkind = \"bdev\"\npath = \"/dev/sda\"\n").unwrap();
+        assert_eq!(c.backend, BackendSpec::Bdev(FileSpec::new("/dev/sda")));
+        for bad in [
+            "backend = \"mem:1Q\"",
+            "[backend]\nkind = \"mem\"\nsize = \"1G\"\nblock_size = 100\n",
+            "[backend]\nkind = \"mem\"\nsize = \"1G\"\nbogus = 1\n",
+            "[backend]\nkind = \"tape\"\n",
+        ] {
+            assert!(toml::from_str::<Config>(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn json_serializes_as_string() {
+        let spec: BackendSpec = "file:/x,size=1G".parse().unwrap();
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(json, "\"file:/x,size=1G\"");
+        let back: BackendSpec = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, spec);
+    }
+}
