@@ -1,2 +1,48 @@
 //! Sans-IO NVMe/TCP transport engine used by both the target and the host.
+//!
+//! This crate turns received bytes into protocol events and protocol requests into bytes to
+//! send, following the NVM Express TCP Transport Specification 1.0:
+//!
+//! - [`TargetConn`] is the controller side (used by the target daemon): it answers the ICReq,
+//!   delivers command capsules and H2CData checked against the R2Ts it sent, and encodes
+//!   CapsuleResp, C2HData and R2T PDUs.
+//! - [`HostConn`] is the host side (used by the initiator): it sends the ICReq, validates the
+//!   ICResp as the Linux host does, encodes CapsuleCmd and H2CData PDUs, and delivers
+//!   CapsuleResp, C2HData (in pieces, as it arrives) and R2Ts checked against the commands it
+//!   sent.
+//! - [`PduHeader`] and [`digest_bytes`]/[`DataDigest`] are the low-level encoders for callers
+//!   that gather header, payload and digest with one vectored write.
+//!
+//! Both sides check framing (HLEN, PDO, PLEN, flags), CRC32C header and data digests when
+//! negotiated, and the data-transfer sequencing rules. A fatal violation yields a
+//! [`ProtocolError`] carrying the Fatal Error Status and Fatal Error Information, with the
+//! matching TermReq (and the offending header) queued in the send buffer. Data digest errors
+//! are not fatal (section 3.5): they are reported as events and the connection continues.
+//!
+//! Receiving: read the socket into [`TargetConn::recv_buf`] and call
+//! [`TargetConn::commit_recv`] (or [`TargetConn::feed`] a slice), then call
+//! [`TargetConn::next_event`] until it returns `Ok(None)`. Event data borrows the receive
+//! buffer: no copy is made. Sending: write [`TargetConn::pending_send`] to the socket and
+//! report progress with [`TargetConn::consume_sent`]. The host side works the same way.
+//!
+//! What this crate must not do: perform I/O, spawn tasks, depend on an async runtime, read
+//! the clock, interpret NVMe commands beyond what the transport needs (the command
+//! identifier, and for the host the SGL1 length and data direction), or panic on any input.
+//! Buffers are allocated when a connection is created and reused; steady-state traffic does
+//! not allocate per PDU.
 #![forbid(unsafe_code)]
+
+mod digest;
+mod encode;
+mod error;
+mod host;
+mod rx;
+mod tagmap;
+mod target;
+
+pub use digest::{DataDigest, crc32c, digest_bytes};
+pub use encode::{Digests, MAX_HEADER_LEN, PduHeader, pda_alignment};
+pub use error::{ConfigError, ProtocolError, SendError};
+pub use host::{HostConfig, HostConn, HostEvent, HostParams};
+pub use nvme_spec::tcp::FatalErrorStatus;
+pub use target::{TargetConfig, TargetConn, TargetEvent, TargetParams};

@@ -1,0 +1,317 @@
+//! Receive buffer and common-header validation shared by both sides.
+
+use nvme_spec::tcp::{
+    CH_LEN, CommonHeader, DIGEST_LEN, PduType, TERM_REQ_HLEN, TERM_REQ_MAX_DATA, TERM_REQ_MAX_PLEN,
+    TermReqHeader, flags,
+};
+
+use crate::digest::{crc32c, read_digest};
+use crate::error::Violation;
+
+/// A receive buffer: bytes `start..end` of `buf` are received and not yet consumed.
+///
+/// The buffer is allocated once; it grows only when one PDU does not fit, and consumed bytes
+/// are reclaimed by moving the unconsumed tail to the front when room is needed.
+#[derive(Debug)]
+pub(crate) struct RecvBuffer {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl RecvBuffer {
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            buf: vec![0; capacity.max(CH_LEN)],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    /// The received, unconsumed bytes.
+    #[inline]
+    pub fn data(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    /// Number of received, unconsumed bytes.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Absolute position of the first unconsumed byte (for building event ranges).
+    #[inline]
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// The whole backing store, for slicing absolute ranges.
+    #[inline]
+    pub fn raw(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Marks `n` bytes as consumed.
+    #[inline]
+    pub fn consume(&mut self, n: usize) {
+        self.start += n.min(self.len());
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Drops everything received.
+    pub fn clear(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+
+    /// Free space after the received bytes: at least `min` bytes (at least 1), and enough
+    /// that `need` bytes counted from the first unconsumed byte fit.
+    pub fn spare(&mut self, min: usize, need: usize) -> &mut [u8] {
+        let min = min.max(1);
+        let used = self.len();
+        let want = (used + min).max(need);
+        if self.buf.len() - self.start < want || self.buf.len() - self.end < min {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.start = 0;
+                self.end = used;
+            }
+            if self.buf.len() < want {
+                let grown = want.max(self.buf.len() + self.buf.len() / 2);
+                self.buf.resize(grown, 0);
+            }
+        }
+        &mut self.buf[self.end..]
+    }
+
+    /// Marks `n` bytes written into [`spare`](Self::spare) as received. `n` is clamped to the
+    /// free space.
+    #[inline]
+    pub fn commit(&mut self, n: usize) {
+        self.end += n.min(self.buf.len() - self.end);
+    }
+
+    /// Appends `bytes` (copying).
+    pub fn extend(&mut self, bytes: &[u8]) {
+        let n = bytes.len();
+        let need = self.len() + n;
+        self.spare(n, need)[..n].copy_from_slice(bytes);
+        self.commit(n);
+    }
+}
+
+/// Which side is receiving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The controller receives host-to-controller PDUs.
+    Controller,
+    /// The host receives controller-to-host PDUs.
+    Host,
+}
+
+/// Layout of a received PDU, derived from its validated common header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Frame {
+    pub ty: PduType,
+    pub flags: u8,
+    /// HLEN.
+    pub hlen: usize,
+    /// HLEN plus the header digest, if any.
+    pub hdr_total: usize,
+    /// Offset of the PDU data from the start of the PDU.
+    pub data_off: usize,
+    /// Length of the PDU data (without digest).
+    pub data_len: usize,
+    /// A data digest follows the data.
+    pub ddgst: bool,
+    /// PLEN.
+    pub plen: usize,
+}
+
+/// Validates the common header of a PDU received on an established connection, checking
+/// fields in wire order so that FEI names the lowest invalid field.
+pub(crate) fn check_common_header(
+    ch: &CommonHeader,
+    side: Side,
+    hdgst: bool,
+    ddgst: bool,
+    rx_align: usize,
+) -> Result<Frame, Violation> {
+    let ty = ch
+        .pdu_type()
+        .map_err(|_| Violation::field(CommonHeader::OFFSET_PDU_TYPE, "reserved PDU type"))?;
+    if ty.is_controller_to_host() != (side == Side::Host) {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_PDU_TYPE,
+            "PDU type belongs to the other direction",
+        ));
+    }
+    let plen = ch.plen() as usize;
+    let hlen = usize::from(ch.hlen());
+    let pdo = usize::from(ch.pdo());
+    match ty {
+        PduType::IcReq | PduType::IcResp => {
+            return Err(Violation::sequence(
+                "connection initialization PDU on an established connection",
+            ));
+        }
+        PduType::H2cTermReq | PduType::C2hTermReq => {
+            // Section 3.5: a TermReq with a bad length is ignored and the connection closed.
+            if !(TERM_REQ_HLEN..=TERM_REQ_MAX_PLEN).contains(&plen) {
+                return Err(Violation::silent(
+                    CommonHeader::OFFSET_PLEN,
+                    "TermReq with invalid PLEN",
+                ));
+            }
+            if hlen != TERM_REQ_HLEN {
+                return Err(Violation::silent(
+                    CommonHeader::OFFSET_HLEN,
+                    "TermReq with invalid HLEN",
+                ));
+            }
+            return Ok(Frame {
+                ty,
+                flags: ch.flags(),
+                hlen,
+                hdr_total: TERM_REQ_HLEN,
+                data_off: TERM_REQ_HLEN,
+                data_len: plen - TERM_REQ_HLEN,
+                ddgst: false,
+                plen,
+            });
+        }
+        _ => {}
+    }
+
+    let fl = ch.flags();
+    let hd = if hdgst { DIGEST_LEN } else { 0 };
+    let full = ty.header_len() + hd;
+    let carries = ty.may_carry_data();
+    // Tentative amount of data (with its digest) for the flag check.
+    let data_total = if !carries {
+        0
+    } else if pdo == 0 {
+        plen.saturating_sub(full)
+    } else {
+        plen.saturating_sub(pdo)
+    };
+
+    // FLAGS.
+    if fl & !ty.defined_flags() != 0 {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_FLAGS,
+            "reserved flag set",
+        ));
+    }
+    let mut expect = 0;
+    if hdgst {
+        expect |= flags::HDGSTF;
+    }
+    if ddgst && carries && data_total > 0 {
+        expect |= flags::DDGSTF;
+    }
+    if fl & (flags::HDGSTF | flags::DDGSTF) != expect {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_FLAGS,
+            "digest flags do not match the negotiated digests",
+        ));
+    }
+    if ty == PduType::C2hData && fl & flags::SUCCESS != 0 && fl & flags::LAST_PDU == 0 {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_FLAGS,
+            "SUCCESS without LAST_PDU",
+        ));
+    }
+
+    // HLEN.
+    if hlen != ty.header_len() {
+        return Err(Violation::field(CommonHeader::OFFSET_HLEN, "invalid HLEN"));
+    }
+
+    // PDO.
+    if carries {
+        if pdo == 0 {
+            if plen > full {
+                return Err(Violation::field(
+                    CommonHeader::OFFSET_PDO,
+                    "PDU data without PDO",
+                ));
+            }
+        } else if pdo < full || pdo > plen || pdo % rx_align != 0 {
+            return Err(Violation::field(CommonHeader::OFFSET_PDO, "invalid PDO"));
+        }
+    } else if pdo != 0 {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_PDO,
+            "PDO set on a PDU without data",
+        ));
+    }
+
+    // PLEN.
+    if plen < full {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_PLEN,
+            "PLEN shorter than the header",
+        ));
+    }
+    if !carries && plen != full {
+        return Err(Violation::field(
+            CommonHeader::OFFSET_PLEN,
+            "PLEN does not match the header",
+        ));
+    }
+    let has_ddgst = fl & flags::DDGSTF != 0;
+    let data_len = if has_ddgst {
+        if data_total <= DIGEST_LEN {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_PLEN,
+                "PLEN too short for the data digest",
+            ));
+        }
+        data_total - DIGEST_LEN
+    } else {
+        data_total
+    };
+    Ok(Frame {
+        ty,
+        flags: fl,
+        hlen,
+        hdr_total: full,
+        data_off: if pdo == 0 { full } else { pdo },
+        data_len,
+        ddgst: has_ddgst,
+        plen,
+    })
+}
+
+/// Verifies the header digest of a PDU whose first `frame.hdr_total` bytes are in `pdu`.
+pub(crate) fn check_header_digest(pdu: &[u8], frame: &Frame) -> Result<(), Violation> {
+    if frame.hdr_total == frame.hlen {
+        return Ok(());
+    }
+    let received = read_digest(&pdu[frame.hlen..frame.hdr_total]);
+    if crc32c(&pdu[..frame.hlen]) != received {
+        return Err(Violation::new(
+            nvme_spec::tcp::FatalErrorStatus::HeaderDigestError,
+            received,
+            "header digest mismatch",
+        ));
+    }
+    Ok(())
+}
+
+/// How many bytes of the PDU at the front of `data` to echo in a TermReq: its header
+/// (HLEN bytes, at least the common header) as far as received, at most 128 bytes.
+pub(crate) fn offending_header_len(data: &[u8]) -> usize {
+    let hlen = data.get(2).map_or(CH_LEN, |&h| usize::from(h).max(CH_LEN));
+    hlen.min(data.len()).min(TERM_REQ_MAX_DATA)
+}
+
+/// Raw FES and FEI of a received TermReq.
+pub(crate) fn parse_term_req(pdu: &[u8]) -> (u16, u32) {
+    TermReqHeader::from_prefix(pdu).map_or((0, 0), |t| (t.fes_raw(), t.fei()))
+}

@@ -1,0 +1,769 @@
+//! Controller side of an NVMe/TCP connection, as used by a target.
+
+use core::ops::Range;
+
+use nvme_spec::tcp::{
+    CH_LEN, CapsuleCmdHeader, CommonHeader, DATA_PDU_HLEN, DIGEST_LEN, H2cDataHeader, IC_PDU_LEN,
+    IcReq, MAX_PDA, MIN_MAXH2CDATA, PFV_1_0, PduType, SQE_LEN, flags,
+};
+
+use crate::digest::{crc32c, read_digest};
+use crate::encode::{Digests, PduHeader, pda_alignment};
+use crate::error::{ConfigError, ProtocolError, SendError, Violation};
+use crate::rx::{
+    Frame, RecvBuffer, Side, check_common_header, check_header_digest, offending_header_len,
+    parse_term_req,
+};
+use crate::tagmap::{TagMap, tag_map};
+
+/// Largest PDO a peer can send (it is one byte).
+const MAX_PDO: usize = 255;
+
+/// Settings of the controller side of a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TargetConfig {
+    /// MAXH2CDATA advertised in the ICResp: the most data one H2CData PDU may carry.
+    /// At least 4096 and a multiple of 4.
+    pub maxh2cdata: u32,
+    /// Most in-capsule data accepted in one CapsuleCmd (8192 for admin queues; IOCCSZ*16-64
+    /// for I/O queues).
+    pub max_in_capsule_data: u32,
+    /// Whether header and data digests may be enabled. When false, an ICReq asking for
+    /// either is refused with a C2HTermReq (Unsupported Parameter).
+    pub allow_digests: bool,
+    /// [`TargetConn::send_c2h_data`] splits data into C2HData PDUs of at most this many bytes.
+    pub max_c2h_data: u32,
+    /// Initial size of the receive buffer in bytes (it is never smaller than the largest
+    /// PDU the configuration admits).
+    pub recv_buffer_size: usize,
+    /// Number of outstanding R2Ts to reserve room for (the queue depth is a good value).
+    pub max_outstanding_r2t: usize,
+}
+
+impl Default for TargetConfig {
+    fn default() -> Self {
+        Self {
+            maxh2cdata: 128 * 1024,
+            max_in_capsule_data: 8192,
+            allow_digests: true,
+            max_c2h_data: 128 * 1024,
+            recv_buffer_size: 256 * 1024,
+            max_outstanding_r2t: 128,
+        }
+    }
+}
+
+/// Connection parameters the host asked for in its ICReq and the controller accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetParams {
+    /// Digests in use.
+    pub digests: Digests,
+    /// HPDA: the host's data alignment for C2HData (0's based dwords).
+    pub hpda: u8,
+    /// MAXR2T: outstanding R2Ts per command the host supports, 0's based.
+    pub maxr2t: u32,
+}
+
+/// Something the host sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TargetEvent<'a> {
+    /// A valid ICReq arrived and the ICResp is queued: the connection is established.
+    Connected(TargetParams),
+    /// A command capsule, with its in-capsule data (empty if none).
+    Command {
+        /// The submission queue entry.
+        sqe: [u8; SQE_LEN],
+        /// In-capsule data, verified against its digest when data digests are on.
+        data: &'a [u8],
+    },
+    /// A command capsule whose in-capsule data failed its data digest. The command must be
+    /// completed with a Transient Transport Error status (section 3.5); the connection goes on.
+    CommandDataDigestError {
+        /// The submission queue entry.
+        sqe: [u8; SQE_LEN],
+    },
+    /// Data answering an R2T, checked against it (tag, command, offset, range, LAST_PDU).
+    H2CData {
+        /// Command identifier.
+        cccid: u16,
+        /// Transfer tag of the R2T.
+        ttag: u16,
+        /// Offset of `data` in the command's data buffer.
+        datao: u32,
+        /// The data, verified against its digest when data digests are on.
+        data: &'a [u8],
+        /// This PDU completes the R2T.
+        last: bool,
+    },
+    /// H2CData whose data failed its data digest. The transfer bookkeeping moved on as if
+    /// the data had arrived; the command must be failed with a Transient Transport Error
+    /// status once its transfer ends (section 3.5).
+    H2CDataDigestError {
+        /// Command identifier.
+        cccid: u16,
+        /// Transfer tag of the R2T.
+        ttag: u16,
+        /// Offset of the lost data in the command's data buffer.
+        datao: u32,
+        /// Length of the lost data.
+        datal: u32,
+        /// This PDU completed the R2T.
+        last: bool,
+    },
+    /// The host terminated the connection (H2CTermReq). Nothing more will be received;
+    /// the caller closes the connection.
+    TermReq {
+        /// Fatal error status as received (may be a reserved value).
+        fes: u16,
+        /// Fatal error information.
+        fei: u32,
+        /// The header the host was processing when it failed.
+        data: &'a [u8],
+    },
+}
+
+/// Connection state: one enum, advanced only by [`TargetConn::step`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum State {
+    /// Nothing but an ICReq (or an H2CTermReq) is acceptable.
+    AwaitIcReq,
+    /// ICReq/ICResp exchanged; `pending` holds a validated header whose data is still
+    /// arriving.
+    Established {
+        params: TargetParams,
+        pending: Option<Pending>,
+    },
+    /// A fatal error was found; a C2HTermReq may be queued.
+    Failed(ProtocolError),
+    /// The host sent an H2CTermReq.
+    Closed,
+}
+
+/// A validated PDU header waiting for the rest of its PDU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    frame: Frame,
+    kind: PendingKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PendingKind {
+    Command {
+        sqe: [u8; SQE_LEN],
+    },
+    H2c {
+        cccid: u16,
+        ttag: u16,
+        datao: u32,
+        datal: u32,
+        last: bool,
+    },
+}
+
+/// An outstanding R2T.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct R2tSlot {
+    cccid: u16,
+    start: u32,
+    next: u32,
+    end: u32,
+}
+
+/// An event as positions in the receive buffer, turned into a [`TargetEvent`] afterwards.
+enum Ev {
+    Connected(TargetParams),
+    Command {
+        sqe: [u8; SQE_LEN],
+        data: Range<usize>,
+    },
+    CommandDigest {
+        sqe: [u8; SQE_LEN],
+    },
+    H2c {
+        cccid: u16,
+        ttag: u16,
+        datao: u32,
+        data: Range<usize>,
+        last: bool,
+    },
+    H2cDigest {
+        cccid: u16,
+        ttag: u16,
+        datao: u32,
+        datal: u32,
+        last: bool,
+    },
+    TermReq {
+        fes: u16,
+        fei: u32,
+        data: Range<usize>,
+    },
+}
+
+/// The controller side of one NVMe/TCP connection: bytes in, [`TargetEvent`]s out, PDUs to
+/// send accumulated in a send buffer.
+#[derive(Debug)]
+pub struct TargetConn {
+    config: TargetConfig,
+    state: State,
+    rx: RecvBuffer,
+    /// Bytes the PDU at the front of the receive buffer needs in total (0 when unknown).
+    need: usize,
+    tx: Vec<u8>,
+    tx_pos: usize,
+    r2ts: TagMap<R2tSlot>,
+}
+
+impl TargetConn {
+    /// A connection waiting for the host's ICReq.
+    pub fn new(config: TargetConfig) -> Result<Self, ConfigError> {
+        if config.maxh2cdata < MIN_MAXH2CDATA || config.maxh2cdata % 4 != 0 {
+            return Err(ConfigError::MaxH2cData(config.maxh2cdata));
+        }
+        if config.max_c2h_data == 0 {
+            return Err(ConfigError::MaxC2hData);
+        }
+        let largest_data = config.maxh2cdata.max(config.max_in_capsule_data) as usize;
+        let largest_pdu = MAX_PDO + largest_data + DIGEST_LEN;
+        let rx = RecvBuffer::with_capacity(config.recv_buffer_size.max(largest_pdu));
+        let r2ts = tag_map(config.max_outstanding_r2t);
+        Ok(Self {
+            config,
+            state: State::AwaitIcReq,
+            rx,
+            need: 0,
+            tx: Vec::with_capacity(4096),
+            tx_pos: 0,
+            r2ts,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TargetConfig {
+        &self.config
+    }
+
+    /// The negotiated parameters once the connection is established.
+    pub fn params(&self) -> Option<TargetParams> {
+        match &self.state {
+            State::Established { params, .. } => Some(*params),
+            _ => None,
+        }
+    }
+
+    /// True after a fatal error or the host's TermReq: nothing more will be received.
+    pub fn is_closed(&self) -> bool {
+        matches!(self.state, State::Failed(_) | State::Closed)
+    }
+
+    /// Free space to read socket bytes into: at least `min` bytes, and enough for the whole
+    /// PDU being received. Pass the number of bytes written to [`commit_recv`](Self::commit_recv).
+    pub fn recv_buf(&mut self, min: usize) -> &mut [u8] {
+        self.rx.spare(min, self.need)
+    }
+
+    /// Marks `n` bytes written into [`recv_buf`](Self::recv_buf) as received (clamped to its
+    /// length).
+    pub fn commit_recv(&mut self, n: usize) {
+        self.rx.commit(n);
+    }
+
+    /// Copies received bytes in (convenient for tests and simple callers).
+    pub fn feed(&mut self, bytes: &[u8]) {
+        self.rx.extend(bytes);
+    }
+
+    /// Parses the next complete PDU in the receive buffer. `Ok(None)` means more bytes are
+    /// needed (or the connection is closed). On a fatal error a C2HTermReq is queued and the
+    /// same error is returned on every later call.
+    pub fn next_event(&mut self) -> Result<Option<TargetEvent<'_>>, ProtocolError> {
+        if let State::Failed(e) = &self.state {
+            return Err(e.clone());
+        }
+        match self.step() {
+            Ok(None) => Ok(None),
+            Ok(Some(ev)) => Ok(Some(self.materialize(ev))),
+            Err(v) => Err(self.fail(v)),
+        }
+    }
+
+    fn materialize(&self, ev: Ev) -> TargetEvent<'_> {
+        let raw = self.rx.raw();
+        let slice = |r: Range<usize>| raw.get(r).unwrap_or(&[]);
+        match ev {
+            Ev::Connected(p) => TargetEvent::Connected(p),
+            Ev::Command { sqe, data } => TargetEvent::Command {
+                sqe,
+                data: slice(data),
+            },
+            Ev::CommandDigest { sqe } => TargetEvent::CommandDataDigestError { sqe },
+            Ev::H2c {
+                cccid,
+                ttag,
+                datao,
+                data,
+                last,
+            } => TargetEvent::H2CData {
+                cccid,
+                ttag,
+                datao,
+                data: slice(data),
+                last,
+            },
+            Ev::H2cDigest {
+                cccid,
+                ttag,
+                datao,
+                datal,
+                last,
+            } => TargetEvent::H2CDataDigestError {
+                cccid,
+                ttag,
+                datao,
+                datal,
+                last,
+            },
+            Ev::TermReq { fes, fei, data } => TargetEvent::TermReq {
+                fes,
+                fei,
+                data: slice(data),
+            },
+        }
+    }
+
+    /// Records a fatal error, queues the C2HTermReq if one is due, and closes receiving.
+    fn fail(&mut self, v: Violation) -> ProtocolError {
+        if v.reply {
+            let data = self.rx.data();
+            let n = offending_header_len(data);
+            let hdr = PduHeader::term_req(PduType::C2hTermReq, v.fes, v.fei, n);
+            self.tx.extend_from_slice(hdr.as_bytes());
+            self.tx.extend_from_slice(&data[..n]);
+        }
+        let err = v.into_error(v.reply);
+        self.rx.clear();
+        self.need = 0;
+        self.state = State::Failed(err.clone());
+        err
+    }
+
+    /// The transition function: consumes at most one PDU from the receive buffer.
+    fn step(&mut self) -> Result<Option<Ev>, Violation> {
+        match &mut self.state {
+            State::Failed(_) | State::Closed => Ok(None),
+            State::AwaitIcReq => self.step_ic_req(),
+            State::Established { params, pending } => {
+                let params = *params;
+                let pending = pending.take();
+                self.step_established(params, pending)
+            }
+        }
+    }
+
+    fn step_ic_req(&mut self) -> Result<Option<Ev>, Violation> {
+        let Some(ch) = CommonHeader::from_prefix(self.rx.data()) else {
+            self.need = CH_LEN;
+            return Ok(None);
+        };
+        match ch.pdu_type() {
+            Ok(PduType::IcReq) => {}
+            Ok(PduType::H2cTermReq) => {
+                let frame = check_common_header(ch, Side::Controller, false, false, 4)?;
+                return Ok(self.complete_term_req(&frame));
+            }
+            Ok(t) if t.is_controller_to_host() => {
+                return Err(Violation::field(
+                    CommonHeader::OFFSET_PDU_TYPE,
+                    "PDU type belongs to the other direction",
+                ));
+            }
+            Ok(_) => return Err(Violation::sequence("the first PDU must be an ICReq")),
+            Err(_) => {
+                return Err(Violation::field(
+                    CommonHeader::OFFSET_PDU_TYPE,
+                    "reserved PDU type",
+                ));
+            }
+        }
+        if usize::from(ch.hlen()) != IC_PDU_LEN {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_HLEN,
+                "ICReq HLEN is not 128",
+            ));
+        }
+        if ch.plen() as usize != IC_PDU_LEN {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_PLEN,
+                "ICReq PLEN is not 128",
+            ));
+        }
+        let Some(req) = IcReq::from_prefix(self.rx.data()) else {
+            self.need = IC_PDU_LEN;
+            return Ok(None);
+        };
+        if req.pfv() != PFV_1_0 {
+            return Err(Violation::unsupported(
+                IcReq::OFFSET_PFV,
+                "unsupported PDU format version",
+            ));
+        }
+        if req.hpda() > MAX_PDA {
+            return Err(Violation::field(IcReq::OFFSET_HPDA, "HPDA out of range"));
+        }
+        let digests = Digests {
+            header: req.hdgst_enable(),
+            data: req.ddgst_enable(),
+        };
+        if (digests.header || digests.data) && !self.config.allow_digests {
+            return Err(Violation::unsupported(
+                IcReq::OFFSET_DGST,
+                "digests are not allowed",
+            ));
+        }
+        let params = TargetParams {
+            digests,
+            hpda: req.hpda(),
+            maxr2t: req.maxr2t(),
+        };
+        self.rx.consume(IC_PDU_LEN);
+        self.need = 0;
+        // Section 3.6.2.3: PFV 0, CPDA 0 (no alignment needed), the digests exactly as asked.
+        PduHeader::ic_resp(0, digests, self.config.maxh2cdata).append_to(&mut self.tx, &[]);
+        self.state = State::Established {
+            params,
+            pending: None,
+        };
+        Ok(Some(Ev::Connected(params)))
+    }
+
+    fn step_established(
+        &mut self,
+        params: TargetParams,
+        pending: Option<Pending>,
+    ) -> Result<Option<Ev>, Violation> {
+        let pending = match pending {
+            Some(p) => p,
+            None => match self.parse_header(params)? {
+                HeaderStep::NeedMore => return Ok(None),
+                HeaderStep::TermReq(frame) => return Ok(self.complete_term_req(&frame)),
+                HeaderStep::Pdu(p) => p,
+            },
+        };
+        let frame = pending.frame;
+        if self.rx.len() < frame.plen {
+            self.need = frame.plen;
+            self.set_pending(Some(pending));
+            return Ok(None);
+        }
+        self.need = 0;
+        let base = self.rx.start();
+        let data = base + frame.data_off..base + frame.data_off + frame.data_len;
+        let digest_ok = !frame.ddgst || {
+            let pdu = self.rx.data();
+            let d = frame.data_off..frame.data_off + frame.data_len;
+            crc32c(&pdu[d.clone()]) == read_digest(&pdu[d.end..d.end + DIGEST_LEN])
+        };
+        self.rx.consume(frame.plen);
+        let ev = match pending.kind {
+            PendingKind::Command { sqe } => {
+                if digest_ok {
+                    Ev::Command { sqe, data }
+                } else {
+                    Ev::CommandDigest { sqe }
+                }
+            }
+            PendingKind::H2c {
+                cccid,
+                ttag,
+                datao,
+                datal,
+                last,
+            } => {
+                if last {
+                    self.r2ts.remove(&ttag);
+                } else if let Some(slot) = self.r2ts.get_mut(&ttag) {
+                    slot.next = datao + datal;
+                }
+                if digest_ok {
+                    Ev::H2c {
+                        cccid,
+                        ttag,
+                        datao,
+                        data,
+                        last,
+                    }
+                } else {
+                    Ev::H2cDigest {
+                        cccid,
+                        ttag,
+                        datao,
+                        datal,
+                        last,
+                    }
+                }
+            }
+        };
+        Ok(Some(ev))
+    }
+
+    fn set_pending(&mut self, p: Option<Pending>) {
+        if let State::Established { pending, .. } = &mut self.state {
+            *pending = p;
+        }
+    }
+
+    /// Validates the header of the PDU at the front of the receive buffer.
+    fn parse_header(&mut self, params: TargetParams) -> Result<HeaderStep, Violation> {
+        let data = self.rx.data();
+        let Some(ch) = CommonHeader::from_prefix(data) else {
+            self.need = CH_LEN;
+            return Ok(HeaderStep::NeedMore);
+        };
+        let d = params.digests;
+        let frame = check_common_header(ch, Side::Controller, d.header, d.data, pda_alignment(0))?;
+        if frame.ty == PduType::H2cTermReq {
+            return Ok(HeaderStep::TermReq(frame));
+        }
+        if data.len() < frame.hdr_total {
+            self.need = frame.hdr_total;
+            return Ok(HeaderStep::NeedMore);
+        }
+        check_header_digest(data, &frame)?;
+        // Bound what must be buffered before waiting for the data.
+        match frame.ty {
+            PduType::CapsuleCmd if frame.data_len > self.config.max_in_capsule_data as usize => {
+                return Err(Violation::limit(
+                    "in-capsule data larger than the configured limit",
+                ));
+            }
+            PduType::H2cData if frame.data_len > self.config.maxh2cdata as usize => {
+                return Err(Violation::limit("H2CData longer than MAXH2CDATA"));
+            }
+            _ => {}
+        }
+        let kind = match frame.ty {
+            PduType::CapsuleCmd => {
+                let hdr = CapsuleCmdHeader::from_prefix(data).ok_or(Violation::field(
+                    CommonHeader::OFFSET_HLEN,
+                    "short CapsuleCmd header",
+                ))?;
+                PendingKind::Command { sqe: *hdr.sqe() }
+            }
+            PduType::H2cData => self.check_h2c(data, &frame)?,
+            // Every other type was refused by the common-header check.
+            _ => {
+                return Err(Violation::field(
+                    CommonHeader::OFFSET_PDU_TYPE,
+                    "unexpected PDU type",
+                ));
+            }
+        };
+        Ok(HeaderStep::Pdu(Pending { frame, kind }))
+    }
+
+    /// Checks an H2CData header against the R2T it answers (section 3.3.2.2).
+    fn check_h2c(&self, data: &[u8], frame: &Frame) -> Result<PendingKind, Violation> {
+        let hdr = H2cDataHeader::from_prefix(data).ok_or(Violation::field(
+            CommonHeader::OFFSET_HLEN,
+            "short H2CData header",
+        ))?;
+        debug_assert_eq!(frame.hlen, DATA_PDU_HLEN);
+        let (cccid, ttag, datao, datal) = (hdr.cccid(), hdr.ttag(), hdr.datao(), hdr.datal());
+        let Some(slot) = self.r2ts.get(&ttag) else {
+            return Err(Violation::field(
+                H2cDataHeader::OFFSET_TTAG,
+                "H2CData matches no outstanding R2T",
+            ));
+        };
+        if slot.cccid != cccid {
+            return Err(Violation::field(
+                H2cDataHeader::OFFSET_CCCID,
+                "H2CData CCCID differs from its R2T",
+            ));
+        }
+        if datal as usize != frame.data_len || datal == 0 {
+            return Err(Violation::field(
+                H2cDataHeader::OFFSET_DATAL,
+                "DATAL does not match PLEN",
+            ));
+        }
+        let end = datao.checked_add(datal);
+        if datao < slot.start || end.is_none_or(|e| e > slot.end) {
+            return Err(Violation::out_of_range("H2CData outside the R2T range"));
+        }
+        if datao != slot.next {
+            return Err(Violation::sequence(
+                "H2CData is not contiguous with the previous one",
+            ));
+        }
+        let last = frame.flags & flags::LAST_PDU != 0;
+        if last != (end == Some(slot.end)) {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_FLAGS,
+                "LAST_PDU must be set exactly on the PDU that ends the R2T",
+            ));
+        }
+        Ok(PendingKind::H2c {
+            cccid,
+            ttag,
+            datao,
+            datal,
+            last,
+        })
+    }
+
+    /// Completes a TermReq from the host once all of it is in the buffer.
+    fn complete_term_req(&mut self, frame: &Frame) -> Option<Ev> {
+        if self.rx.len() < frame.plen {
+            self.need = frame.plen;
+            return None;
+        }
+        let (fes, fei) = parse_term_req(self.rx.data());
+        let base = self.rx.start();
+        let data = base + frame.data_off..base + frame.plen;
+        self.rx.consume(frame.plen);
+        self.need = 0;
+        self.state = State::Closed;
+        Some(Ev::TermReq { fes, fei, data })
+    }
+
+    fn established(&self) -> Result<TargetParams, SendError> {
+        match &self.state {
+            State::Established { params, .. } => Ok(*params),
+            State::AwaitIcReq => Err(SendError::NotEstablished),
+            State::Failed(_) | State::Closed => Err(SendError::Closed),
+        }
+    }
+
+    /// Queues a CapsuleResp carrying `cqe`.
+    pub fn send_capsule_resp(&mut self, cqe: &[u8; 16]) -> Result<(), SendError> {
+        let p = self.established()?;
+        PduHeader::capsule_resp(p.digests, cqe).append_to(&mut self.tx, &[]);
+        Ok(())
+    }
+
+    /// Queues `data` (which lands at `datao` in the command's buffer) as C2HData PDUs of at
+    /// most `max_c2h_data` bytes. When `last` is set, the final PDU carries LAST_PDU, and
+    /// SUCCESS too if `success` is set: only allowed when SQ flow control is disabled, and
+    /// then no CapsuleResp may be sent for the command.
+    pub fn send_c2h_data(
+        &mut self,
+        cccid: u16,
+        datao: u32,
+        data: &[u8],
+        last: bool,
+        success: bool,
+    ) -> Result<(), SendError> {
+        let p = self.established()?;
+        if data.is_empty() {
+            return Err(SendError::EmptyData);
+        }
+        if success && !last {
+            return Err(SendError::SuccessWithoutLast);
+        }
+        let total = u32::try_from(data.len()).map_err(|_| SendError::TooLarge)?;
+        datao.checked_add(total).ok_or(SendError::TooLarge)?;
+        let max = self.config.max_c2h_data as usize;
+        let count = data.len().div_ceil(max);
+        for (i, chunk) in data.chunks(max).enumerate() {
+            let fin = i + 1 == count;
+            let off = datao + (i * max) as u32;
+            let hdr = PduHeader::c2h_data(
+                p.digests,
+                p.hpda,
+                cccid,
+                off,
+                chunk.len() as u32,
+                fin && last,
+                fin && success,
+            )?;
+            hdr.append_to(&mut self.tx, chunk);
+        }
+        Ok(())
+    }
+
+    /// Encodes only the header (with header digest and padding) of one C2HData PDU for the
+    /// negotiated parameters, for callers that send `header`, payload and data digest with
+    /// one vectored write. Flush [`pending_send`](Self::pending_send) first to keep PDUs in
+    /// order. A data digest ([`crate::digest_bytes`]) must follow the payload when
+    /// [`PduHeader::data_digest_len`] is not 0.
+    pub fn c2h_data_header(
+        &self,
+        cccid: u16,
+        datao: u32,
+        datal: u32,
+        last: bool,
+        success: bool,
+    ) -> Result<PduHeader, SendError> {
+        let p = self.established()?;
+        datao.checked_add(datal).ok_or(SendError::TooLarge)?;
+        PduHeader::c2h_data(p.digests, p.hpda, cccid, datao, datal, last, success)
+    }
+
+    /// Queues an R2T asking the host for `r2tl` bytes at `r2to` of command `cccid`, and
+    /// registers it so the H2CData PDUs that answer it are checked. `ttag` must not belong
+    /// to another outstanding R2T.
+    pub fn send_r2t(
+        &mut self,
+        cccid: u16,
+        ttag: u16,
+        r2to: u32,
+        r2tl: u32,
+    ) -> Result<(), SendError> {
+        let p = self.established()?;
+        if r2tl == 0 {
+            return Err(SendError::EmptyData);
+        }
+        let end = r2to.checked_add(r2tl).ok_or(SendError::TooLarge)?;
+        if self.r2ts.contains_key(&ttag) {
+            return Err(SendError::TagInUse(ttag));
+        }
+        let allowed = u64::from(p.maxr2t) + 1;
+        let outstanding = self.r2ts.values().filter(|s| s.cccid == cccid).count() as u64;
+        if outstanding >= allowed {
+            return Err(SendError::R2tLimit(cccid));
+        }
+        self.r2ts.insert(
+            ttag,
+            R2tSlot {
+                cccid,
+                start: r2to,
+                next: r2to,
+                end,
+            },
+        );
+        PduHeader::r2t(p.digests, cccid, ttag, r2to, r2tl).append_to(&mut self.tx, &[]);
+        Ok(())
+    }
+
+    /// Forgets the outstanding R2T `ttag` (for a command abandoned early). Returns whether
+    /// it was outstanding. H2CData for it that arrives later is a protocol error.
+    pub fn cancel_r2t(&mut self, ttag: u16) -> bool {
+        self.r2ts.remove(&ttag).is_some()
+    }
+
+    /// Number of R2Ts whose data has not fully arrived.
+    pub fn outstanding_r2ts(&self) -> usize {
+        self.r2ts.len()
+    }
+
+    /// Bytes queued for sending (ICResp, responses, data, R2Ts, a TermReq).
+    pub fn pending_send(&self) -> &[u8] {
+        &self.tx[self.tx_pos..]
+    }
+
+    /// Marks `n` bytes of [`pending_send`](Self::pending_send) as written to the socket.
+    pub fn consume_sent(&mut self, n: usize) {
+        self.tx_pos += n.min(self.tx.len() - self.tx_pos);
+        if self.tx_pos == self.tx.len() {
+            self.tx.clear();
+            self.tx_pos = 0;
+        }
+    }
+}
+
+enum HeaderStep {
+    NeedMore,
+    TermReq(Frame),
+    Pdu(Pending),
+}
