@@ -35,6 +35,7 @@
 mod digest;
 mod encode;
 mod error;
+pub mod fuzzing;
 mod host;
 mod rx;
 mod tagmap;

@@ -1,0 +1,304 @@
+//! Drivers shared by the fuzz targets (`fuzz/`) and the property tests: they push arbitrary
+//! bytes into a connection, split at arbitrary points, and answer events the way a real
+//! peer would (R2Ts for write commands, H2CData for R2Ts, commands on the host side) so that
+//! deep protocol states are reached.
+//!
+//! Input layout: byte 0 holds options (bit 0 header digest, bit 1 data digest, bit 2 digests
+//! allowed on the target, bit 3 start with a valid ICReq/ICResp), bytes 1..3 seed the split
+//! points, bytes 3..5 size the host's commands, and the rest is the byte stream.
+//!
+//! The drivers panic only when an engine invariant breaks: an event or error that
+//! contradicts the configuration, a missing or malformed TermReq after a fatal error, or a
+//! fatal error that is not repeated by the next call. Any panic inside the engine is a bug.
+
+use nvme_spec::tcp::{PduType, TERM_REQ_HLEN, TERM_REQ_MAX_PLEN, TermReqHeader};
+
+use crate::{
+    Digests, HostConfig, HostConn, HostEvent, PduHeader, ProtocolError, TargetConfig, TargetConn,
+    TargetEvent,
+};
+
+/// MAXH2CDATA used by the drivers.
+pub const FUZZ_MAXH2CDATA: u32 = 4096;
+/// In-capsule data limit used by the target driver.
+pub const FUZZ_MAX_ICD: u32 = 8192;
+
+/// Options decoded from the first input byte.
+#[derive(Debug, Clone, Copy)]
+struct Options {
+    digests: Digests,
+    allow_digests: bool,
+    handshake: bool,
+}
+
+fn options(b: u8) -> Options {
+    Options {
+        digests: Digests {
+            header: b & 1 != 0,
+            data: b & 2 != 0,
+        },
+        allow_digests: b & 4 != 0,
+        handshake: b & 8 != 0,
+    }
+}
+
+/// Splits the input into header bytes and stream; short inputs get zero defaults.
+fn parse_input(input: &[u8]) -> ([u8; 5], &[u8]) {
+    let mut head = [0u8; 5];
+    let n = input.len().min(5);
+    head[..n].copy_from_slice(&input[..n]);
+    (head, &input[n..])
+}
+
+/// Deterministic chunk sizes from a 16-bit seed (xorshift).
+struct Splitter(u32);
+
+impl Splitter {
+    fn next(&mut self, remaining: usize) -> usize {
+        let mut x = self.0 | 1;
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        self.0 = x;
+        // Mostly small pieces, sometimes everything that is left.
+        let n = if x % 8 == 0 {
+            remaining
+        } else {
+            (x % 97) as usize + 1
+        };
+        n.clamp(1, remaining.max(1))
+    }
+}
+
+/// Checks that an error is sticky and that the TermReq queued for it is well formed.
+fn check_failure(
+    err: &ProtocolError,
+    new_tx: &[u8],
+    expect_type: PduType,
+    again: Result<(), ProtocolError>,
+) {
+    assert_eq!(again, Err(err.clone()), "a fatal error must be repeated");
+    if err.term_req_queued {
+        let hdr = TermReqHeader::from_prefix(new_tx).expect("TermReq queued");
+        assert_eq!(hdr.common().pdu_type_raw(), expect_type as u8);
+        assert_eq!(hdr.common().plen() as usize, new_tx.len());
+        assert!((TERM_REQ_HLEN..=TERM_REQ_MAX_PLEN).contains(&new_tx.len()));
+        assert_eq!(hdr.fes_raw(), err.fes.code());
+        assert_eq!(hdr.fei(), err.fei);
+    } else {
+        assert!(
+            new_tx.is_empty(),
+            "no TermReq may answer a malformed TermReq"
+        );
+    }
+}
+
+/// Feeds `input` to a [`TargetConn`] as described in the module documentation.
+pub fn drive_target(input: &[u8]) {
+    let (head, stream) = parse_input(input);
+    let opt = options(head[0]);
+    let config = TargetConfig {
+        maxh2cdata: FUZZ_MAXH2CDATA,
+        max_in_capsule_data: FUZZ_MAX_ICD,
+        allow_digests: opt.allow_digests,
+        max_c2h_data: 1024,
+        recv_buffer_size: 512,
+        max_outstanding_r2t: 4,
+    };
+    let Ok(mut t) = TargetConn::new(config) else {
+        unreachable!("the driver configuration is valid")
+    };
+    if opt.handshake {
+        t.feed(PduHeader::ic_req(0, opt.digests, 0).as_bytes());
+    }
+    let mut split = Splitter(u32::from(u16::from_le_bytes([head[1], head[2]])));
+    let mut pos = 0;
+    let mut use_feed = false;
+    loop {
+        if t.is_closed() {
+            return;
+        }
+        let before = t.pending_send().len();
+        match target_events(&mut t) {
+            Ok(()) => {}
+            Err(e) => {
+                let new_tx = t.pending_send()[before..].to_vec();
+                let again = t.next_event().map(|_| ());
+                check_failure(&e, &new_tx, PduType::C2hTermReq, again);
+                return;
+            }
+        }
+        // Drain part of the send buffer, like a socket that takes what it can.
+        let pending = t.pending_send().len();
+        t.consume_sent(split.next(pending.max(1)).min(pending));
+        if pos >= stream.len() {
+            return;
+        }
+        let n = split.next(stream.len() - pos);
+        let piece = &stream[pos..pos + n];
+        pos += n;
+        use_feed = !use_feed;
+        if use_feed {
+            t.feed(piece);
+        } else {
+            let buf = t.recv_buf(n);
+            assert!(buf.len() >= n, "recv_buf must offer the requested room");
+            buf[..n].copy_from_slice(piece);
+            t.commit_recv(n);
+        }
+    }
+}
+
+fn target_events(t: &mut TargetConn) -> Result<(), ProtocolError> {
+    while let Some(ev) = t.next_event()? {
+        let mut reply: Option<(u16, u32, bool)> = None;
+        match ev {
+            TargetEvent::Connected(p) => assert!(p.hpda <= 31),
+            TargetEvent::Command { sqe, data } => {
+                assert!(data.len() <= FUZZ_MAX_ICD as usize);
+                let cid = u16::from_le_bytes([sqe[2], sqe[3]]);
+                let len = u32::from_le_bytes([sqe[32], sqe[33], sqe[34], sqe[35]]);
+                reply = Some((cid, len, data.is_empty()));
+            }
+            TargetEvent::CommandDataDigestError { .. } => {}
+            TargetEvent::H2CData { data, datao, .. } => {
+                assert!(!data.is_empty() && data.len() <= FUZZ_MAXH2CDATA as usize);
+                assert!(datao.checked_add(data.len() as u32).is_some());
+            }
+            TargetEvent::H2CDataDigestError { datal, .. } => {
+                assert!(datal > 0 && datal <= FUZZ_MAXH2CDATA);
+            }
+            TargetEvent::TermReq { data, .. } => {
+                assert!(data.len() <= 128);
+            }
+        }
+        if let Some((cid, len, no_icd)) = reply {
+            // Exercise the send paths: ask for write data, or return read data.
+            let len = len % 65_536;
+            if len > 0 && no_icd && cid % 2 == 0 {
+                let _ = t.send_r2t(cid, cid, 0, len);
+            } else if len > 0 && cid % 3 == 0 {
+                let data = vec![0xA5; len as usize];
+                assert!(t.send_c2h_data(cid, 0, &data, true, cid % 5 == 0).is_ok());
+            } else {
+                let mut cqe = [0u8; 16];
+                cqe[12..14].copy_from_slice(&cid.to_le_bytes());
+                assert!(t.send_capsule_resp(&cqe).is_ok());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Feeds `input` to a [`HostConn`] as described in the module documentation.
+pub fn drive_host(input: &[u8]) {
+    let (head, stream) = parse_input(input);
+    let opt = options(head[0]);
+    let config = HostConfig {
+        hdgst: opt.digests.header,
+        ddgst: opt.digests.data,
+        recv_buffer_size: 256,
+        max_outstanding_commands: 8,
+    };
+    let mut h = HostConn::new(config);
+    let sizes = (u32::from(head[3]) * 64 + 1, u32::from(head[4]) * 64 + 1);
+    if opt.handshake {
+        h.feed(PduHeader::ic_resp(0, opt.digests, FUZZ_MAXH2CDATA).as_bytes());
+    }
+    let mut split = Splitter(u32::from(u16::from_le_bytes([head[1], head[2]])));
+    let mut pos = 0;
+    let mut use_feed = false;
+    loop {
+        if h.is_closed() {
+            return;
+        }
+        let before = h.pending_send().len();
+        if let Err(e) = host_events(&mut h, sizes) {
+            let new_tx = h.pending_send()[before..].to_vec();
+            let again = h.next_event().map(|_| ());
+            check_failure(&e, &new_tx, PduType::H2cTermReq, again);
+            return;
+        }
+        let pending = h.pending_send().len();
+        h.consume_sent(split.next(pending.max(1)).min(pending));
+        if pos >= stream.len() {
+            return;
+        }
+        let n = split.next(stream.len() - pos);
+        let piece = &stream[pos..pos + n];
+        pos += n;
+        use_feed = !use_feed;
+        if use_feed {
+            h.feed(piece);
+        } else {
+            let buf = h.recv_buf(n);
+            assert!(buf.len() >= n, "recv_buf must offer the requested room");
+            buf[..n].copy_from_slice(piece);
+            h.commit_recv(n);
+        }
+    }
+}
+
+/// The commands the host driver sends once connected: (cid, opcode, SGL length, in-capsule data).
+pub fn fuzz_host_commands(read_len: u32, write_len: u32) -> [(u16, u8, u32, usize); 4] {
+    [
+        (0, 0x02, read_len, 0),
+        (1, 0x01, write_len, 0),
+        (2, 0x01, 16, 16),
+        (3, 0x00, 0, 0),
+    ]
+}
+
+/// A 64-byte SQE with the given opcode, command identifier and transport SGL length.
+pub fn fuzz_sqe(cid: u16, opcode: u8, sgl_len: u32) -> [u8; 64] {
+    let mut sqe = [0u8; 64];
+    sqe[0] = opcode;
+    sqe[1] = 0x40;
+    sqe[2..4].copy_from_slice(&cid.to_le_bytes());
+    sqe[32..36].copy_from_slice(&sgl_len.to_le_bytes());
+    sqe[39] = 0x5A;
+    sqe
+}
+
+fn host_events(h: &mut HostConn, sizes: (u32, u32)) -> Result<(), ProtocolError> {
+    loop {
+        let mut connected = false;
+        let mut r2t: Option<(u16, u16, u32, u32)> = None;
+        match h.next_event()? {
+            None => return Ok(()),
+            Some(HostEvent::Connected(p)) => {
+                assert_eq!(p.cpda, 0);
+                assert!(p.maxh2cdata >= 4096 && p.maxh2cdata % 4 == 0);
+                connected = true;
+            }
+            Some(HostEvent::CapsuleResp { .. }) => {}
+            Some(HostEvent::C2HData { data, datao, .. }) => {
+                assert!(!data.is_empty());
+                assert!(datao.checked_add(data.len() as u32).is_some());
+            }
+            Some(HostEvent::C2HDataDigestError { .. }) => {}
+            Some(HostEvent::R2T {
+                cccid,
+                ttag,
+                r2to,
+                r2tl,
+            }) => {
+                assert!(r2tl > 0);
+                r2t = Some((cccid, ttag, r2to, r2tl));
+            }
+            Some(HostEvent::TermReq { data, .. }) => assert!(data.len() <= 128),
+        }
+        if connected {
+            for (cid, opcode, len, icd) in fuzz_host_commands(sizes.0, sizes.1) {
+                let data = vec![0x5A; icd];
+                let sent = h.send_capsule_cmd(&fuzz_sqe(cid, opcode, len), &data);
+                assert!(sent.is_ok(), "{sent:?}");
+            }
+        }
+        if let Some((cccid, ttag, r2to, r2tl)) = r2t {
+            let data = vec![0x3C; r2tl as usize];
+            let sent = h.send_h2c_data(cccid, ttag, r2to, &data, true);
+            assert!(sent.is_ok(), "{sent:?}");
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! A full host <-> target conversation through the two engines, with the bytes handed over
+//! whole, one at a time, and in random pieces, with and without digests.
+
+mod common;
+
+use common::*;
+use nvmf_tcp::{Digests, HostConn, TargetConn};
+use proptest::prelude::*;
+
+const ALL_DIGESTS: [Digests; 4] = [
+    Digests {
+        header: false,
+        data: false,
+    },
+    Digests {
+        header: true,
+        data: false,
+    },
+    Digests {
+        header: false,
+        data: true,
+    },
+    Digests {
+        header: true,
+        data: true,
+    },
+];
+
+/// Write with in-capsule data, two reads (one split over several C2HData PDUs and calls,
+/// one ending with SUCCESS), a write through two R2Ts, and a command without data.
+fn conversation(d: Digests, split: Split<'_>) {
+    let (mut h, mut t) = connect(d, split);
+
+    // 1. Write with 600 bytes of in-capsule data.
+    let icd = pattern(600, 1);
+    let s1 = sqe(0x01, 1, SGL_ICD, 600);
+    h.send_capsule_cmd(&s1, &icd).unwrap();
+    let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+    assert_eq!(ev, vec![TEv::Command { sqe: s1, data: icd }]);
+    t.send_capsule_resp(&cqe(1, 0)).unwrap();
+    let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+    assert_eq!(ev, vec![HEv::CapsuleResp { cqe: cqe(1, 0) }]);
+
+    // 2. Read of 10000 bytes sent in two calls, split at 4096-byte C2HData PDUs.
+    let read = pattern(10_000, 2);
+    let s2 = sqe(0x02, 2, SGL_TCP, 10_000);
+    h.send_capsule_cmd(&s2, &[]).unwrap();
+    let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+    assert_eq!(
+        ev,
+        vec![TEv::Command {
+            sqe: s2,
+            data: vec![]
+        }]
+    );
+    t.send_c2h_data(2, 0, &read[..6000], false, false).unwrap();
+    t.send_c2h_data(2, 6000, &read[6000..], true, false)
+        .unwrap();
+    t.send_capsule_resp(&cqe(2, 7)).unwrap();
+    let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+    let (data, last, success) = collect_c2h(&ev, 2);
+    assert_eq!(data, read);
+    assert!(last && !success);
+    assert_eq!(ev.last(), Some(&HEv::CapsuleResp { cqe: cqe(2, 7) }));
+    assert_eq!(
+        ev.iter()
+            .filter(|e| matches!(e, HEv::C2h { last: true, .. }))
+            .count(),
+        1
+    );
+
+    // 3. Read of 5000 bytes completed by SUCCESS: no CapsuleResp.
+    let read3 = pattern(5000, 3);
+    h.send_capsule_cmd(&sqe(0x02, 3, SGL_TCP, 5000), &[])
+        .unwrap();
+    let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+    assert_eq!(ev.len(), 1);
+    t.send_c2h_data(3, 0, &read3, true, true).unwrap();
+    let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+    let (data, last, success) = collect_c2h(&ev, 3);
+    assert_eq!(data, read3);
+    assert!(last && success);
+    assert!(ev.iter().all(|e| matches!(e, HEv::C2h { .. })));
+
+    // 4. Write of 20000 bytes through two R2Ts (12000 then 8000 bytes).
+    let write = pattern(20_000, 4);
+    let s4 = sqe(0x01, 4, SGL_TCP, 20_000);
+    h.send_capsule_cmd(&s4, &[]).unwrap();
+    let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+    assert_eq!(
+        ev,
+        vec![TEv::Command {
+            sqe: s4,
+            data: vec![]
+        }]
+    );
+    let mut received = Vec::new();
+    for (ttag, r2to, r2tl) in [(9u16, 0u32, 12_000u32), (10, 12_000, 8000)] {
+        t.send_r2t(4, ttag, r2to, r2tl).unwrap();
+        let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+        assert_eq!(
+            ev,
+            vec![HEv::R2t {
+                cccid: 4,
+                ttag,
+                r2to,
+                r2tl
+            }]
+        );
+        let range = r2to as usize..(r2to + r2tl) as usize;
+        if ttag == 9 {
+            // One call, split by MAXH2CDATA (8192) into two PDUs.
+            h.send_h2c_data(4, ttag, r2to, &write[range], true).unwrap();
+        } else {
+            // Two calls.
+            let mid = range.start + 3000;
+            h.send_h2c_data(4, ttag, r2to, &write[range.start..mid], false)
+                .unwrap();
+            h.send_h2c_data(4, ttag, mid as u32, &write[mid..range.end], true)
+                .unwrap();
+        }
+        let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+        let mut lasts = 0;
+        for e in &ev {
+            let TEv::H2c {
+                cccid,
+                ttag: tt,
+                datao,
+                data,
+                last,
+            } = e
+            else {
+                panic!("unexpected event {e:?}")
+            };
+            assert_eq!((*cccid, *tt), (4, ttag));
+            assert_eq!(*datao as usize, received.len());
+            assert!(data.len() <= 8192);
+            received.extend_from_slice(data);
+            lasts += usize::from(*last);
+        }
+        assert_eq!(lasts, 1);
+        assert!(matches!(ev.last(), Some(TEv::H2c { last: true, .. })));
+    }
+    assert_eq!(received, write);
+    assert_eq!(t.outstanding_r2ts(), 0);
+    t.send_capsule_resp(&cqe(4, 0)).unwrap();
+    let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+    assert_eq!(ev, vec![HEv::CapsuleResp { cqe: cqe(4, 0) }]);
+
+    // 5. A command without data, and several PDUs in one delivery.
+    h.send_capsule_cmd(&sqe(0x00, 5, 0, 0), &[]).unwrap();
+    h.send_capsule_cmd(&sqe(0x00, 6, 0, 0), &[]).unwrap();
+    let ev = to_target(&mut t, &take_host_tx(&mut h), split);
+    assert_eq!(ev.len(), 2);
+    t.send_capsule_resp(&cqe(6, 0)).unwrap();
+    t.send_capsule_resp(&cqe(5, 0)).unwrap();
+    let ev = to_host(&mut h, &take_target_tx(&mut t), split);
+    assert_eq!(
+        ev,
+        vec![
+            HEv::CapsuleResp { cqe: cqe(6, 0) },
+            HEv::CapsuleResp { cqe: cqe(5, 0) }
+        ]
+    );
+
+    assert_eq!(h.outstanding_commands(), 0);
+    assert!(!h.is_closed() && !t.is_closed());
+    finish_clean(&mut h, &mut t);
+}
+
+fn finish_clean(h: &mut HostConn, t: &mut TargetConn) {
+    assert!(h.next_event().unwrap().is_none());
+    assert!(t.next_event().unwrap().is_none());
+    assert!(h.pending_send().is_empty() && t.pending_send().is_empty());
+}
+
+#[test]
+fn whole_buffers() {
+    for d in ALL_DIGESTS {
+        conversation(d, &mut |n| n);
+    }
+}
+
+#[test]
+fn one_byte_at_a_time() {
+    for d in ALL_DIGESTS {
+        conversation(d, &mut |_| 1);
+    }
+}
+
+#[test]
+fn odd_fixed_pieces() {
+    for d in ALL_DIGESTS {
+        for size in [3usize, 7, 23, 77, 1000] {
+            conversation(d, &mut |_| size);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn random_pieces(sizes in proptest::collection::vec(1usize..600, 1..64), d in 0usize..4) {
+        let mut i = 0;
+        conversation(ALL_DIGESTS[d], &mut |_| {
+            i += 1;
+            sizes[i % sizes.len()]
+        });
+    }
+}
