@@ -1,2 +1,31 @@
 //! CUDA kernels (scatter, verify) for GPU-side data movement, compiled at run time.
+//!
+//! The `.cu` sources in this crate's `src/` are embedded with `include_str!` and compiled with
+//! NVRTC when [`NvmfKernels::load`] runs, for the device's own architecture (CUBIN `sm_XX`, or
+//! PTX `compute_XX` when NVRTC does not know the device; see [`gpu::module`]). Kernels:
+//!
+//! - **scatter**: copy N staged blocks from one contiguous staging buffer in device memory to N
+//!   destination byte offsets (any alignment) of a device buffer;
+//! - **fill / verify**: write or check the seeded namespace [`pattern`] (each 8-byte word is a
+//!   hash of the seed and the word's namespace byte offset), reporting the number of wrong bytes
+//!   and the first wrong offset;
+//! - **checksum**: a position-keyed 64-bit [`checksum`] per region.
+//!
+//! The pattern and checksum are defined once in Rust ([`pattern`], [`checksum`]) and mirrored in
+//! `common.cuh`; the CPU versions are tested everywhere, the GPU versions against them on a GPU.
+//! Launches go through `gpu`'s checked launch API, so this crate has no `unsafe`.
 #![forbid(unsafe_code)]
+
+pub mod checksum;
+mod error;
+mod kernels;
+pub mod pattern;
+pub mod plan;
+
+pub use error::KernelError;
+pub use kernels::{
+    BuildInfo, COMMON_CUH, KernelWorkspace, NvmfKernels, SCATTER_CU, THREADS_PER_BLOCK, VERIFY_CU,
+    scatter_source, verify_source,
+};
+pub use pattern::VerifyReport;
+pub use plan::{ByteRange, CHUNK_SIZE, PatternRegion, ScatterCopy, WorkItem, WorkPlan};

@@ -1,0 +1,73 @@
+//! Errors of the kernel wrappers.
+
+use gpu::GpuError;
+
+/// Everything the kernel wrappers can reject or report.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// The GPU layer failed (no driver, no NVRTC, a CUDA error, ...).
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// A scatter copy reads outside the staging buffer.
+    #[error(
+        "copy {index}: source range at {offset} of {len} bytes exceeds the {size}-byte staging buffer"
+    )]
+    SourceOutOfBounds {
+        /// Index of the copy.
+        index: usize,
+        /// Source offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Staging buffer size.
+        size: u64,
+    },
+    /// A scatter copy writes outside the destination buffer.
+    #[error(
+        "copy {index}: destination range at {offset} of {len} bytes exceeds the {size}-byte destination"
+    )]
+    DestinationOutOfBounds {
+        /// Index of the copy.
+        index: usize,
+        /// Destination offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Destination size.
+        size: u64,
+    },
+    /// Two copies (or two fill regions) write the same bytes.
+    #[error("items {first} and {second} write overlapping bytes")]
+    OverlappingWrites {
+        /// Index of one item.
+        first: usize,
+        /// Index of the other item.
+        second: usize,
+    },
+    /// A pattern or checksum region lies outside the buffer.
+    #[error("region {index}: range at {offset} of {len} bytes exceeds the {size}-byte buffer")]
+    RegionOutOfBounds {
+        /// Index of the region.
+        index: usize,
+        /// Offset in the buffer.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Buffer size.
+        size: u64,
+    },
+    /// A region's namespace offsets overflow 64 bits.
+    #[error("region {index}: namespace offset {ns_offset} + {len} bytes overflows")]
+    NamespaceOverflow {
+        /// Index of the region.
+        index: usize,
+        /// Namespace offset.
+        ns_offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The number of chunks or the encoded work list does not fit in memory sizes.
+    #[error("work list too large")]
+    PlanTooLarge,
+}
