@@ -79,6 +79,8 @@ pub enum IoOp {
     Dsm {
         /// Number of ranges.
         ranges: u16,
+        /// Bytes of command data (at least `ranges` * 16; hosts may send a whole page).
+        len: usize,
         /// Where the range list is.
         src: DataSource,
         /// Deallocate the ranges (otherwise only hints, nothing to do).
@@ -96,10 +98,10 @@ impl IoOp {
                 ..
             } => len,
             IoOp::Dsm {
-                ranges,
+                len,
                 src: DataSource::Host,
                 ..
-            } => usize::from(ranges) * 16,
+            } => len,
             _ => 0,
         }
     }
@@ -493,11 +495,17 @@ impl QueueState {
             }
             IoCommand::DatasetManagement { ranges, deallocate } => {
                 let ns = self.namespace(ctrl, sqe.nsid.get())?;
-                let src = self.data_source(sqe, usize::from(ranges) * 16, icd, false)?;
+                // Hosts may transfer more than the ranges (Linux always sends 4 KiB).
+                let len = sqe.dptr.data_length() as usize;
+                if len < usize::from(ranges) * 16 || len > 4096 {
+                    return Err(Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr());
+                }
+                let src = self.data_source(sqe, len, icd, false)?;
                 Ok(req(
                     Some(ns),
                     IoOp::Dsm {
                         ranges,
+                        len,
                         src,
                         deallocate,
                     },
