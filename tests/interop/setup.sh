@@ -330,12 +330,15 @@ build_tool_segment() {
     pack "$st" "$name" "$hash"
 }
 
-build_tool_segment nvme "nvme-cli libnvme1 libc6" "/usr/sbin/nvme"
-build_tool_segment fio "fio libc6" "/usr/bin/fio"
+# glibc dlopen()s libgcc_s for thread exit/cancellation; ldd does not list it.
+LIBGCC_S=$(ldconfig -p | awk '/libgcc_s.so.1 .*x86-64/ {print $NF; exit}')
+[[ -n $LIBGCC_S ]] || die "libgcc_s.so.1 not found"
+build_tool_segment nvme "nvme-cli libnvme1 libc6 libgcc-s1" "/usr/sbin/nvme $LIBGCC_S"
+build_tool_segment fio "fio libc6 libgcc-s1" "/usr/bin/fio $LIBGCC_S"
 RXE_PROVIDER=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so 2>/dev/null | head -n1)
 [[ -n $RXE_PROVIDER ]] || die "rxe verbs provider not found (ibverbs-providers)"
-build_tool_segment rdma "iproute2 libibverbs1 librdmacm1 ibverbs-providers ibverbs-utils rdmacm-utils libc6" \
-    "/usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ibv_rc_pingpong /usr/bin/rping /usr/bin/ucmatose $RXE_PROVIDER" \
+build_tool_segment rdma "libgcc-s1 iproute2 libibverbs1 librdmacm1 ibverbs-providers ibverbs-utils rdmacm-utils libc6" \
+    "/usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ibv_rc_pingpong /usr/bin/rping /usr/bin/ucmatose $RXE_PROVIDER $LIBGCC_S" \
     "/etc/libibverbs.d/rxe.driver"
 
 # ---------------------------------------------------------------------------------------------
