@@ -261,17 +261,22 @@ impl QueueState {
                 offset,
                 value,
             } if self.qid == 0 => match ctrl.property_set(offset, size8, value) {
-                Ok(shutdown) => {
-                    if shutdown {
-                        info!(
-                            cntlid = ctrl.cntlid,
-                            hostnqn = %ctrl.hostnqn,
-                            peer = %self.origin.peer,
-                            "controller shutdown requested by host"
-                        );
-                    }
-                    Submit::Complete(self.completion(cid, Status::SUCCESS, 0))
+                Ok(true) => {
+                    debug!(
+                        cntlid = ctrl.cntlid,
+                        hostnqn = %ctrl.hostnqn,
+                        peer = %self.origin.peer,
+                        "controller shutdown requested by host: flushing"
+                    );
+                    // Completes once every namespace is flushed, before the host sees the
+                    // shutdown finish.
+                    Submit::Io(IoRequest {
+                        cid,
+                        ns: None,
+                        op: IoOp::Flush,
+                    })
                 }
+                Ok(false) => Submit::Complete(self.completion(cid, Status::SUCCESS, 0)),
                 Err(s) => Submit::Complete(self.completion(cid, s, 0)),
             },
             FabricsCommand::Disconnect if self.qid != 0 => {

@@ -1,2 +1,356 @@
-//! End-to-end tests with real processes and real peers (the Linux kernel host and target in a QEMU guest).
+//! Helpers for the end-to-end tests: find the built binaries, run `nvmeof-targetd` as a real
+//! process, speak raw NVMe/TCP to it (through the `nvmf-tcp` host engine or as hand-made bytes),
+//! and drive the QEMU guest that runs the Linux kernel's NVMe-oF host and target.
 #![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nvme_spec::fabrics::ConnectData;
+use nvme_spec::{Cqe, FabricsCommand, IntoBytes, SglDescriptor, Sqe};
+use nvmf_tcp::{HostConfig, HostConn, HostEvent};
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Path of a binary built by this workspace (next to the test executable's `deps` folder).
+/// Panics with a hint if it has not been built.
+pub fn bin_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe
+        .parent()
+        .and_then(|d| if d.ends_with("deps") { d.parent() } else { Some(d) })
+        .expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is not built: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// A TCP port that is free on 127.0.0.1 right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A running `nvmeof-targetd` process whose log is collected.
+pub struct TargetProcess {
+    child: Child,
+    log: Arc<Mutex<String>>,
+    /// Port of its first listener.
+    pub port: u16,
+}
+
+impl TargetProcess {
+    /// Starts `nvmeof-targetd ARGS` and waits (up to 20 s) for its readiness line.
+    pub fn spawn(args: &[&str], port: u16) -> Self {
+        let mut child = Command::new(bin_path("nvmeof-targetd"))
+            .args(args)
+            .env("NVMEOF_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn nvmeof-targetd");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let l = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("nvmeof-targetd ready") {
+                    let _ = tx.send(());
+                }
+                let mut g = l.lock().unwrap();
+                g.push_str(&line);
+                g.push('\n');
+            }
+        });
+        let ready = rx.recv_timeout(Duration::from_secs(20)).is_ok();
+        let mut t = TargetProcess { child, log, port };
+        assert!(ready, "nvmeof-targetd did not become ready:\n{}", t.log());
+        t
+    }
+
+    /// Starts a target on a free port exporting `namespaces` in `nqn` to any host.
+    pub fn quick(nqn: &str, namespaces: &[&str]) -> Self {
+        let port = free_port();
+        let listen = format!("tcp://127.0.0.1:{port}");
+        let mut args = vec!["--listen", &listen, "--subsystem", nqn, "--reactors", "2"];
+        for ns in namespaces {
+            args.push("--namespace");
+            args.push(ns);
+        }
+        Self::spawn(&args, port)
+    }
+
+    /// The address of its first listener.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// Everything it logged so far.
+    pub fn log(&mut self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Sends a signal (SIGTERM, SIGKILL...).
+    pub fn signal(&self, sig: i32) {
+        let _ = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.child.id().to_string())
+            .status();
+    }
+
+    /// Sends SIGTERM and waits for the exit status (up to 30 s).
+    pub fn terminate(mut self) -> (Option<i32>, String) {
+        self.signal(libc::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100));
+                return (st.code(), self.log());
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                return (None, self.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the process with SIGKILL (a crash) and reaps it.
+    pub fn crash(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What a raw host observed.
+#[derive(Debug)]
+pub enum Reply {
+    /// A completion, with the data that came before it.
+    Completion(Cqe, Vec<u8>),
+    /// C2HData with SUCCESS (no completion follows).
+    DataSuccess(Vec<u8>),
+    /// The controller sent a C2HTermReq with this FES.
+    TermReq(u16),
+    /// The connection closed.
+    Closed,
+}
+
+/// A minimal NVMe/TCP host for tests: one queue, one command at a time.
+pub struct RawHost {
+    /// The socket.
+    pub stream: TcpStream,
+    /// The engine.
+    pub conn: HostConn,
+}
+
+/// Host NQN the tests use.
+pub const TEST_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001";
+
+impl RawHost {
+    /// Opens a TCP connection without sending anything.
+    pub fn tcp(addr: SocketAddr) -> TcpStream {
+        let s = TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_nodelay(true).unwrap();
+        s
+    }
+
+    /// Connects and completes ICReq/ICResp.
+    pub fn connect(addr: SocketAddr, hdgst: bool, ddgst: bool) -> Self {
+        let stream = Self::tcp(addr);
+        let conn = HostConn::new(HostConfig {
+            hdgst,
+            ddgst,
+            ..HostConfig::default()
+        });
+        let mut h = RawHost { stream, conn };
+        h.flush();
+        loop {
+            h.fill();
+            if let Some(ev) = h.conn.next_event().expect("ICResp") {
+                assert!(matches!(ev, HostEvent::Connected(_)), "{ev:?}");
+                break;
+            }
+        }
+        h
+    }
+
+    fn flush(&mut self) {
+        while !self.conn.pending_send().is_empty() {
+            let n = self.stream.write(self.conn.pending_send()).expect("write");
+            self.conn.consume_sent(n);
+        }
+    }
+
+    /// Reads more bytes; returns false on EOF or error.
+    fn fill(&mut self) -> bool {
+        let buf = self.conn.recv_buf(65536);
+        match self.stream.read(buf) {
+            Ok(0) | Err(_) => false,
+            Ok(n) => {
+                self.conn.commit_recv(n);
+                true
+            }
+        }
+    }
+
+    /// Sends a command (with in-capsule data, and `h2c` answering any R2T) and waits for its
+    /// outcome.
+    pub fn command(&mut self, sqe: &Sqe, icd: &[u8], h2c: &[u8]) -> Reply {
+        if let Err(e) = self.conn.send_capsule_cmd(&sqe.to_array(), icd) {
+            panic!("cannot send command: {e}");
+        }
+        self.flush();
+        let mut data = Vec::new();
+        loop {
+            let ev = match self.conn.next_event() {
+                Ok(Some(ev)) => ev,
+                Ok(None) => {
+                    if !self.fill() {
+                        return Reply::Closed;
+                    }
+                    continue;
+                }
+                Err(e) => panic!("host engine error: {e}"),
+            };
+            match ev {
+                HostEvent::CapsuleResp { cqe } => return Reply::Completion(Cqe::from_array(&cqe), data),
+                HostEvent::C2HData {
+                    datao,
+                    data: d,
+                    success,
+                    last,
+                    ..
+                } => {
+                    let end = datao as usize + d.len();
+                    if data.len() < end {
+                        data.resize(end, 0);
+                    }
+                    data[datao as usize..end].copy_from_slice(d);
+                    if success && last {
+                        return Reply::DataSuccess(data);
+                    }
+                }
+                HostEvent::R2T {
+                    cccid,
+                    ttag,
+                    r2to,
+                    r2tl,
+                } => {
+                    let chunk = h2c[r2to as usize..(r2to + r2tl) as usize].to_vec();
+                    self.conn
+                        .send_h2c_data(cccid, ttag, r2to, &chunk, true)
+                        .expect("h2c");
+                    self.flush();
+                }
+                HostEvent::TermReq { fes, .. } => return Reply::TermReq(fes),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+
+    /// Fabrics Connect; returns the completion.
+    pub fn fabrics_connect(&mut self, subnqn: &str, hostnqn: &str, qid: u16, cntlid: u16) -> Cqe {
+        let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
+            recfmt: 0,
+            qid,
+            sqsize: 32,
+            cattr: 0,
+            kato_ms: 30_000,
+        })
+        .encode(1);
+        sqe.dptr = SglDescriptor::in_capsule(1024);
+        let data = ConnectData::new([7; 16], cntlid, subnqn, hostnqn);
+        match self.command(&sqe, data.as_bytes(), &[]) {
+            Reply::Completion(c, _) => c,
+            other => panic!("Connect: {other:?}"),
+        }
+    }
+
+    /// Connects an admin queue, enables the controller, and returns the controller ID.
+    pub fn admin(addr: SocketAddr, subnqn: &str) -> (Self, u16) {
+        let mut h = Self::connect(addr, false, false);
+        let c = h.fabrics_connect(subnqn, TEST_HOSTNQN, 0, 0xFFFF);
+        assert!(c.status().is_success(), "admin Connect: {}", c.status());
+        let cntlid = c.dw0.get() as u16;
+        let set = FabricsCommand::PropertySet {
+            size8: false,
+            offset: nvme_spec::fabrics::property::CC,
+            value: u64::from(nvme_spec::fabrics::Cc::enable_value()),
+        }
+        .encode(2);
+        match h.command(&set, &[], &[]) {
+            Reply::Completion(c, _) => assert!(c.status().is_success()),
+            other => panic!("Property Set: {other:?}"),
+        }
+        let nq = nvme_spec::command::build::set_features(3, nvme_spec::features::NUMBER_OF_QUEUES, 0x0003_0003);
+        match h.command(&nq, &[], &[]) {
+            Reply::Completion(c, _) => assert!(c.status().is_success()),
+            other => panic!("Set Features: {other:?}"),
+        }
+        (h, cntlid)
+    }
+
+    /// Connects I/O queue `qid` of controller `cntlid`.
+    pub fn io_queue(addr: SocketAddr, subnqn: &str, cntlid: u16, qid: u16) -> Self {
+        let mut h = Self::connect(addr, false, false);
+        let c = h.fabrics_connect(subnqn, TEST_HOSTNQN, qid, cntlid);
+        assert!(c.status().is_success(), "I/O Connect: {}", c.status());
+        h
+    }
+
+    /// Sends raw bytes.
+    pub fn send_raw(stream: &mut TcpStream, bytes: &[u8]) {
+        stream.write_all(bytes).expect("write");
+    }
+
+    /// Reads until EOF (or the read timeout) and returns what arrived.
+    pub fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.read(&mut buf) {
+                Ok(0) | Err(_) => return out,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+        }
+    }
+}
+
+/// Whether the kernel interop tests are enabled (`NVMEOF_INTEROP=1`, set by `.ci/run` after
+/// `tests/interop/setup.sh`).
+pub fn interop_enabled() -> bool {
+    std::env::var("NVMEOF_INTEROP").is_ok_and(|v| v == "1")
+}
+
+/// `tests/interop/guest.sh`.
+pub fn guest_sh() -> PathBuf {
+    workspace_root().join("tests/interop/guest.sh")
+}
