@@ -18,6 +18,43 @@ use crate::{
     TargetEvent,
 };
 
+/// What a driver run reached, so tests can check that generated input gets deep.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Coverage {
+    /// Connections established.
+    pub connected: usize,
+    /// Command capsules delivered to the target.
+    pub commands: usize,
+    /// H2CData PDUs delivered to the target.
+    pub h2c_data: usize,
+    /// C2HData pieces delivered to the host.
+    pub c2h_data: usize,
+    /// CapsuleResps delivered to the host.
+    pub capsule_resps: usize,
+    /// R2Ts delivered to the host.
+    pub r2ts: usize,
+    /// Non-fatal data digest errors reported.
+    pub digest_errors: usize,
+    /// TermReqs received from the peer.
+    pub term_reqs: usize,
+    /// Fatal protocol errors detected.
+    pub fatal_errors: usize,
+}
+
+impl core::ops::AddAssign for Coverage {
+    fn add_assign(&mut self, o: Self) {
+        self.connected += o.connected;
+        self.commands += o.commands;
+        self.h2c_data += o.h2c_data;
+        self.c2h_data += o.c2h_data;
+        self.capsule_resps += o.capsule_resps;
+        self.r2ts += o.r2ts;
+        self.digest_errors += o.digest_errors;
+        self.term_reqs += o.term_reqs;
+        self.fatal_errors += o.fatal_errors;
+    }
+}
+
 /// MAXH2CDATA used by the drivers.
 pub const FUZZ_MAXH2CDATA: u32 = 4096;
 /// In-capsule data limit used by the target driver.
@@ -94,7 +131,8 @@ fn check_failure(
 }
 
 /// Feeds `input` to a [`TargetConn`] as described in the module documentation.
-pub fn drive_target(input: &[u8]) {
+pub fn drive_target(input: &[u8]) -> Coverage {
+    let mut cov = Coverage::default();
     let (head, stream) = parse_input(input);
     let opt = options(head[0]);
     let config = TargetConfig {
@@ -116,23 +154,20 @@ pub fn drive_target(input: &[u8]) {
     let mut use_feed = false;
     loop {
         if t.is_closed() {
-            return;
+            return cov;
         }
-        let before = t.pending_send().len();
-        match target_events(&mut t) {
-            Ok(()) => {}
-            Err(e) => {
-                let new_tx = t.pending_send()[before..].to_vec();
-                let again = t.next_event().map(|_| ());
-                check_failure(&e, &new_tx, PduType::C2hTermReq, again);
-                return;
-            }
+        if let Err((e, before)) = target_events(&mut t, &mut cov) {
+            let new_tx = t.pending_send()[before..].to_vec();
+            let again = t.next_event().map(|_| ());
+            check_failure(&e, &new_tx, PduType::C2hTermReq, again);
+            cov.fatal_errors += 1;
+            return cov;
         }
         // Drain part of the send buffer, like a socket that takes what it can.
         let pending = t.pending_send().len();
         t.consume_sent(split.next(pending.max(1)).min(pending));
         if pos >= stream.len() {
-            return;
+            return cov;
         }
         let n = split.next(stream.len() - pos);
         let piece = &stream[pos..pos + n];
@@ -149,27 +184,40 @@ pub fn drive_target(input: &[u8]) {
     }
 }
 
-fn target_events(t: &mut TargetConn) -> Result<(), ProtocolError> {
-    while let Some(ev) = t.next_event()? {
+/// Handles events until more bytes are needed; on a fatal error returns it with the length
+/// of the send buffer just before the failing call.
+fn target_events(t: &mut TargetConn, cov: &mut Coverage) -> Result<(), (ProtocolError, usize)> {
+    loop {
+        let before = t.pending_send().len();
+        let Some(ev) = t.next_event().map_err(|e| (e, before))? else {
+            return Ok(());
+        };
         let mut reply: Option<(u16, u32, bool)> = None;
         match ev {
-            TargetEvent::Connected(p) => assert!(p.hpda <= 31),
+            TargetEvent::Connected(p) => {
+                assert!(p.hpda <= 31);
+                cov.connected += 1;
+            }
             TargetEvent::Command { sqe, data } => {
+                cov.commands += 1;
                 assert!(data.len() <= FUZZ_MAX_ICD as usize);
                 let cid = u16::from_le_bytes([sqe[2], sqe[3]]);
                 let len = u32::from_le_bytes([sqe[32], sqe[33], sqe[34], sqe[35]]);
                 reply = Some((cid, len, data.is_empty()));
             }
-            TargetEvent::CommandDataDigestError { .. } => {}
+            TargetEvent::CommandDataDigestError { .. } => cov.digest_errors += 1,
             TargetEvent::H2CData { data, datao, .. } => {
+                cov.h2c_data += 1;
                 assert!(!data.is_empty() && data.len() <= FUZZ_MAXH2CDATA as usize);
                 assert!(datao.checked_add(data.len() as u32).is_some());
             }
             TargetEvent::H2CDataDigestError { datal, .. } => {
                 assert!(datal > 0 && datal <= FUZZ_MAXH2CDATA);
+                cov.digest_errors += 1;
             }
             TargetEvent::TermReq { data, .. } => {
                 assert!(data.len() <= 128);
+                cov.term_reqs += 1;
             }
         }
         if let Some((cid, len, no_icd)) = reply {
@@ -187,11 +235,11 @@ fn target_events(t: &mut TargetConn) -> Result<(), ProtocolError> {
             }
         }
     }
-    Ok(())
 }
 
 /// Feeds `input` to a [`HostConn`] as described in the module documentation.
-pub fn drive_host(input: &[u8]) {
+pub fn drive_host(input: &[u8]) -> Coverage {
+    let mut cov = Coverage::default();
     let (head, stream) = parse_input(input);
     let opt = options(head[0]);
     let config = HostConfig {
@@ -210,19 +258,19 @@ pub fn drive_host(input: &[u8]) {
     let mut use_feed = false;
     loop {
         if h.is_closed() {
-            return;
+            return cov;
         }
-        let before = h.pending_send().len();
-        if let Err(e) = host_events(&mut h, sizes) {
+        if let Err((e, before)) = host_events(&mut h, sizes, &mut cov) {
             let new_tx = h.pending_send()[before..].to_vec();
             let again = h.next_event().map(|_| ());
             check_failure(&e, &new_tx, PduType::H2cTermReq, again);
-            return;
+            cov.fatal_errors += 1;
+            return cov;
         }
         let pending = h.pending_send().len();
         h.consume_sent(split.next(pending.max(1)).min(pending));
         if pos >= stream.len() {
-            return;
+            return cov;
         }
         let n = split.next(stream.len() - pos);
         let piece = &stream[pos..pos + n];
@@ -260,23 +308,32 @@ pub fn fuzz_sqe(cid: u16, opcode: u8, sgl_len: u32) -> [u8; 64] {
     sqe
 }
 
-fn host_events(h: &mut HostConn, sizes: (u32, u32)) -> Result<(), ProtocolError> {
+/// Handles events until more bytes are needed; on a fatal error returns it with the length
+/// of the send buffer just before the failing call.
+fn host_events(
+    h: &mut HostConn,
+    sizes: (u32, u32),
+    cov: &mut Coverage,
+) -> Result<(), (ProtocolError, usize)> {
     loop {
         let mut connected = false;
         let mut r2t: Option<(u16, u16, u32, u32)> = None;
-        match h.next_event()? {
+        let before = h.pending_send().len();
+        match h.next_event().map_err(|e| (e, before))? {
             None => return Ok(()),
             Some(HostEvent::Connected(p)) => {
                 assert_eq!(p.cpda, 0);
                 assert!(p.maxh2cdata >= 4096 && p.maxh2cdata % 4 == 0);
                 connected = true;
+                cov.connected += 1;
             }
-            Some(HostEvent::CapsuleResp { .. }) => {}
+            Some(HostEvent::CapsuleResp { .. }) => cov.capsule_resps += 1,
             Some(HostEvent::C2HData { data, datao, .. }) => {
+                cov.c2h_data += 1;
                 assert!(!data.is_empty());
                 assert!(datao.checked_add(data.len() as u32).is_some());
             }
-            Some(HostEvent::C2HDataDigestError { .. }) => {}
+            Some(HostEvent::C2HDataDigestError { .. }) => cov.digest_errors += 1,
             Some(HostEvent::R2T {
                 cccid,
                 ttag,
@@ -284,9 +341,13 @@ fn host_events(h: &mut HostConn, sizes: (u32, u32)) -> Result<(), ProtocolError>
                 r2tl,
             }) => {
                 assert!(r2tl > 0);
+                cov.r2ts += 1;
                 r2t = Some((cccid, ttag, r2to, r2tl));
             }
-            Some(HostEvent::TermReq { data, .. }) => assert!(data.len() <= 128),
+            Some(HostEvent::TermReq { data, .. }) => {
+                assert!(data.len() <= 128);
+                cov.term_reqs += 1;
+            }
         }
         if connected {
             for (cid, opcode, len, icd) in fuzz_host_commands(sizes.0, sizes.1) {
