@@ -1,0 +1,44 @@
+#!/bin/sh
+# Data survives a crash of nvmeof-targetd, and the kernel host reconnects to the restarted
+# daemon. The guest writes a random pattern through the kernel host, flushes, prints
+# DATA-WRITTEN and waits; the test (tests/tests/kernel_host.rs) then kills the daemon with
+# SIGKILL and starts it again on the same file; the host reconnects and the guest reads the
+# pattern back.
+#
+# Environment: TARGET_PORT, TARGET_NQN (required).
+. /usr/lib/interop/interop.sh
+
+: "${TARGET_ADDR:=10.0.2.2}"
+[ -n "$TARGET_PORT" ] && [ -n "$TARGET_NQN" ] || fail "TARGET_PORT and TARGET_NQN are required"
+
+step nvme connect -t tcp -a "$TARGET_ADDR" -s "$TARGET_PORT" -n "$TARGET_NQN" \
+    --reconnect-delay=1 --ctrl-loss-tmo=300 --keep-alive-tmo=5
+dev=$(nvme_wait_ns "$TARGET_NQN" 1) || fail "namespace 1 of $TARGET_NQN did not appear"
+ctrl=$(nvme_ctrl_for "$TARGET_NQN")
+state() { cat "/sys/class/nvme/$ctrl/state" 2>/dev/null; }
+
+step dd if=/dev/urandom of=/tmp/pattern bs=1M count=8
+want=$(md5sum </tmp/pattern | cut -d' ' -f1)
+step dd if=/tmp/pattern of="$dev" bs=1M seek=3 oflag=direct conv=fsync
+step nvme flush "$dev"
+log "pattern $want written at 3 MiB; state $(state)"
+echo "DATA-WRITTEN"
+
+# Wait for the controller to lose its connection, then to come back.
+i=0
+while [ "$(state)" = live ]; do
+    i=$((i + 1)); [ $i -lt 600 ] || fail "the controller never noticed the target going away"
+    sleep 0.2
+done
+log "controller state: $(state)"
+i=0
+while [ "$(state)" != live ]; do
+    i=$((i + 1)); [ $i -lt 900 ] || fail "the controller did not reconnect (state $(state))"
+    sleep 0.2
+done
+log "controller reconnected: $(state)"
+
+got=$(dd if="$dev" bs=1M skip=3 count=8 iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)
+[ "$got" = "$want" ] || fail "data after restart differs: $got != $want"
+step nvme disconnect -n "$TARGET_NQN"
+log "PASS: data written before the crash was read back after the restart"
