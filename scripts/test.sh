@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The project's test command: installs what the tests need, then runs formatting and lint
+# checks, every unit and integration test (the Linux kernel NVMe-oF host and target in a QEMU
+# guest included), and brief fuzzing of the NVMe/TCP deframer.
+#
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --quick    skip the QEMU guest and fuzzing (no root needed)
+#
+# Needs root for apt-get on a fresh Debian/Ubuntu machine; run as root or with sudo available.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+[[ ${1:-} == --quick ]] && quick=1
+
+stage() { printf '\n=== %s (%ss)\n' "$1" "$SECONDS"; }
+
+sudo_() { if [[ $(id -u) == 0 ]]; then "$@"; else sudo "$@"; fi; }
+
+stage "toolchain"
+if ! command -v cargo >/dev/null; then
+    echo "cargo not found: install Rust (https://rustup.rs) first" >&2
+    exit 1
+fi
+cargo --version
+rustup component list --installed 2>/dev/null | grep -qE '^(clippy|rustfmt)' || rustup component add clippy rustfmt 2>/dev/null || true
+
+stage "format and lints"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+if [[ $quick == 0 ]]; then
+    stage "QEMU guest with the Linux kernel NVMe-oF host and target"
+    sudo_ tests/interop/setup.sh
+    export NVMEOF_INTEROP=1
+fi
+
+stage "build"
+cargo build --workspace --bins --locked
+
+stage "tests"
+# Interop tests boot guests: run test binaries one at a time so guests do not compete for the CPUs.
+cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
+
+if [[ $quick == 0 ]]; then
+    stage "fuzzing the NVMe/TCP deframer"
+    crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
+fi
+
+stage "done"
