@@ -221,13 +221,23 @@ impl RawHost {
         }
     }
 
-    /// Sends a command (with in-capsule data, and `h2c` answering any R2T) and waits for its
-    /// outcome.
-    pub fn command(&mut self, sqe: &Sqe, icd: &[u8], h2c: &[u8]) -> Reply {
+    /// Sends a command without waiting for it.
+    pub fn submit(&mut self, sqe: &Sqe, icd: &[u8]) {
         if let Err(e) = self.conn.send_capsule_cmd(&sqe.to_array(), icd) {
             panic!("cannot send command: {e}");
         }
         self.flush();
+    }
+
+    /// Sends a command (with in-capsule data, and `h2c` answering any R2T) and waits for its
+    /// outcome.
+    pub fn command(&mut self, sqe: &Sqe, icd: &[u8], h2c: &[u8]) -> Reply {
+        self.submit(sqe, icd);
+        self.wait(h2c)
+    }
+
+    /// Waits for the next outcome (answering R2Ts with `h2c`).
+    pub fn wait(&mut self, h2c: &[u8]) -> Reply {
         let mut data = Vec::new();
         loop {
             let ev = match self.conn.next_event() {
@@ -276,14 +286,26 @@ impl RawHost {
         }
     }
 
-    /// Fabrics Connect; returns the completion.
+    /// Fabrics Connect with a 30 s keep alive timeout; returns the completion.
     pub fn fabrics_connect(&mut self, subnqn: &str, hostnqn: &str, qid: u16, cntlid: u16) -> Cqe {
+        self.fabrics_connect_kato(subnqn, hostnqn, qid, cntlid, 30_000)
+    }
+
+    /// Fabrics Connect with the given keep alive timeout; returns the completion.
+    pub fn fabrics_connect_kato(
+        &mut self,
+        subnqn: &str,
+        hostnqn: &str,
+        qid: u16,
+        cntlid: u16,
+        kato_ms: u32,
+    ) -> Cqe {
         let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
             recfmt: 0,
             qid,
             sqsize: 32,
             cattr: 0,
-            kato_ms: 30_000,
+            kato_ms,
         })
         .encode(1);
         sqe.dptr = SglDescriptor::in_capsule(1024);
