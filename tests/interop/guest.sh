@@ -147,6 +147,9 @@ cmd_boot() {
     mkdir -p "$(dirname "$log")"
     log=$(cd "$(dirname "$log")" && pwd)/$(basename "$log")
     rundir=$(mktemp -d "$CACHE/run/$name.XXXXXX")
+    # Keep the newest 200 default logs.
+    find "$CACHE/logs" -maxdepth 1 -name '*.log' -printf '%T@ %p\n' 2>/dev/null | sort -rn |
+        tail -n +201 | cut -d' ' -f2- | xargs -r rm -f
 
     # Per-run initramfs segment: /test.sh, /env, guest helpers, added files.
     local st=$rundir/staging item src dst kv
@@ -207,8 +210,14 @@ cmd_boot() {
     if [[ $mode == run ]]; then
         say "booting $INTEROP_KVER (TCG) with $(basename "$script"); console log: $log"
         qemu+=(-chardev "stdio,id=con0,signal=on,logfile=$log" -serial chardev:con0)
-        local rc=0
-        timeout --kill-after=10 "$timeout" "${qemu[@]}" "${qemu_extra[@]}" </dev/null || rc=$?
+        local rc=0 qpid
+        timeout --kill-after=10 "$timeout" "${qemu[@]}" "${qemu_extra[@]}" </dev/null &
+        qpid=$!
+        # If this script is interrupted, take the guest down with it.
+        # shellcheck disable=SC2064
+        trap "kill -TERM $qpid 2>/dev/null; wait $qpid 2>/dev/null || true; rm -rf '$rundir'; exit 130" INT TERM HUP
+        wait "$qpid" || rc=$?
+        trap - INT TERM HUP
         rm -rf "$rundir"
         finish_run "$log" "$rc" "$timeout" "$fail_on_trace"
         return $?

@@ -115,6 +115,7 @@ if [ "${GUEST_CONTROL:-0}" = 1 ] && [ -c /dev/ttyS1 ]; then
     ctl_pid=$!
 fi
 
+boot_lines=$(dmesg | wc -l)
 log "running /test.sh (kernel $KVER, uptime $(cut -d' ' -f1 /proc/uptime) s)"
 sh /test.sh </dev/null &
 test_pid=$!
@@ -132,7 +133,7 @@ if [ "$traces" -gt 0 ]; then
     printf '\nGUEST-KERNEL-TRACE %s\n' "$traces"
 fi
 if [ "$code" -ne 0 ]; then
-    echo "init: /test.sh exited with $code; last kernel messages:"
-    dmesg | tail -n 40
+    echo "init: /test.sh exited with $code; kernel messages since it started (last 60):"
+    dmesg | tail -n +$((boot_lines + 1)) | tail -n 60
 fi
 finish "$code"
