@@ -33,6 +33,7 @@ mod error;
 mod memory;
 pub mod module;
 mod stream;
+pub mod test_support;
 mod tracker;
 
 pub use context::{DeviceInfo, FlushScope, GpuContext, device_count};

@@ -572,8 +572,8 @@ impl<'a> LaunchArgs<'a> {
     }
 
     /// A writable buffer: adds two parameters, `unsigned char*` and its byte length
-    /// (`unsigned long long`).
-    pub fn buffer_mut(&mut self, slice: &mut DeviceSliceMut<'a>) -> &mut Self {
+    /// (`unsigned long long`). The view stays exclusively borrowed while the arguments live.
+    pub fn buffer_mut(&mut self, slice: &'a mut DeviceSliceMut<'_>) -> &mut Self {
         self.slots.push(Slot::U64(slice.device_ptr()));
         self.slots.push(Slot::U64(slice.len));
         self.buffers.push(slice.alloc);

@@ -1,0 +1,540 @@
+//! Kernel tests. `nvrtc_*` tests need only libnvrtc; `gpu_*` tests need a CUDA driver and a GPU.
+//! Each prints `SKIP <name>: skipped: ...` and passes when what it needs is missing (set
+//! NVMEOF_GPU_REQUIRE=1 to make that a failure).
+
+use gpu::{CodeTarget, GpuContext, GpuError, compile, ptx_isa_version, test_support::should_skip};
+use nvmeof_cuda_kernels::checksum::{checksum, checksum_finalize};
+use nvmeof_cuda_kernels::pattern::{pattern_vec, verify_pattern};
+use nvmeof_cuda_kernels::{
+    ByteRange, CHUNK_SIZE, KernelError, KernelWorkspace, NvmfKernels, PatternRegion, ScatterCopy,
+    scatter_source, verify_source,
+};
+
+struct Gpu {
+    ctx: GpuContext,
+    kernels: NvmfKernels,
+    ws: KernelWorkspace,
+}
+
+fn setup(name: &str) -> Option<Gpu> {
+    let ctx = match GpuContext::new(0) {
+        Ok(ctx) => ctx,
+        Err(e) if should_skip(name, &e) => return None,
+        Err(e) => panic!("{name}: cannot open GPU 0: {e}"),
+    };
+    let kernels = match NvmfKernels::load(&ctx) {
+        Ok(k) => k,
+        Err(KernelError::Gpu(e)) if should_skip(name, &e) => return None,
+        Err(e) => panic!("{name}: loading kernels failed: {e}"),
+    };
+    let stream = ctx.new_stream().unwrap();
+    let ws = KernelWorkspace::new(&stream).unwrap();
+    Some(Gpu { ctx, kernels, ws })
+}
+
+#[test]
+fn nvrtc_compiles_both_kernels() {
+    let name = "nvrtc_compiles_both_kernels";
+    let archs = match gpu::nvrtc_supported_archs() {
+        Ok(a) => a,
+        Err(e) if should_skip(name, &e) => return,
+        Err(e) => panic!("{e}"),
+    };
+    let version = gpu::nvrtc_version().unwrap();
+    println!("NVRTC {version:?}, architectures {archs:?}");
+    assert!(archs.contains(&90), "NVRTC without sm_90: {archs:?}");
+    for (src, file) in [
+        (scatter_source(), "nvmf_scatter.cu"),
+        (verify_source(), "nvmf_verify.cu"),
+    ] {
+        let cubin = compile(&src, file, CodeTarget::Cubin { arch: 90 }, &["-lineinfo"])
+            .unwrap_or_else(|e| panic!("{file} sm_90: {e}"));
+        assert!(cubin.image_len() > 0 && cubin.ptx().is_none());
+        let ptx = compile(&src, file, CodeTarget::Ptx { arch: 90 }, &[])
+            .unwrap_or_else(|e| panic!("{file} compute_90: {e}"));
+        let text = ptx.ptx().unwrap();
+        let isa = ptx_isa_version(text).unwrap();
+        println!(
+            "{file}: sm_90 CUBIN {} bytes, compute_90 PTX {} bytes, PTX ISA {}.{}{}",
+            cubin.image_len(),
+            ptx.image_len(),
+            isa.0,
+            isa.1,
+            if cubin.log().is_empty() {
+                String::new()
+            } else {
+                format!(", log: {}", cubin.log())
+            }
+        );
+        for k in [
+            "nvmf_scatter",
+            "nvmf_fill_pattern",
+            "nvmf_verify_pattern",
+            "nvmf_checksum",
+        ] {
+            if src.contains(&format!("void {k}(")) {
+                assert!(text.contains(&format!(".entry {k}(")), "{k} missing in PTX");
+            }
+        }
+        if version == (13, 0) {
+            // What CUDA 13.0 drivers (580) accept.
+            assert_eq!(isa, (9, 0));
+        }
+    }
+    assert!(matches!(
+        compile(
+            "__global__ void broken( {",
+            "broken.cu",
+            CodeTarget::Ptx { arch: 90 },
+            &[]
+        ),
+        Err(GpuError::Compile { .. })
+    ));
+}
+
+#[test]
+fn gpu_kernels_load_as_cubin_and_as_ptx() {
+    let name = "gpu_kernels_load_as_cubin_and_as_ptx";
+    let Some(mut g) = setup(name) else { return };
+    println!("default build: {:?}", g.kernels.build_info());
+    let arch = g.ctx.info().arch();
+    let ptx = NvmfKernels::load_for(&g.ctx, CodeTarget::Ptx { arch }).unwrap();
+    println!("PTX build (driver JIT): {:?}", ptx.build_info());
+    // The PTX-built kernels work too.
+    let mut staging = g.ctx.alloc(8192).unwrap();
+    staging.copy_from_host(&pattern_vec(1, 4096, 8192)).unwrap();
+    let mut dst = g.ctx.alloc_zeroed(8200).unwrap();
+    let copies = [
+        ScatterCopy {
+            src_offset: 0,
+            dst_offset: 4101,
+            len: 4096,
+        },
+        ScatterCopy {
+            src_offset: 4096,
+            dst_offset: 3,
+            len: 4096,
+        },
+    ];
+    ptx.scatter(
+        &mut g.ws,
+        &staging.as_slice(),
+        &mut dst.as_slice_mut(),
+        &copies,
+    )
+    .unwrap();
+    let regions = [
+        PatternRegion {
+            offset: 4101,
+            ns_offset: 4096,
+            len: 4096,
+        },
+        PatternRegion {
+            offset: 3,
+            ns_offset: 8192,
+            len: 4096,
+        },
+    ];
+    let report = ptx
+        .verify_pattern(&mut g.ws, &dst.as_slice(), &regions, 1)
+        .unwrap();
+    assert!(report.is_ok(), "{report:?}");
+}
+
+/// Scatters `count` blocks of `size` bytes from a staging buffer to shuffled destinations, with
+/// the source and destination offsets congruent to `src_mod` / `dst_mod` modulo 16, then checks
+/// the result on the GPU (verify kernel) and on the host (every byte, gaps included).
+fn scatter_case(g: &mut Gpu, size: u64, count: u64, src_mod: u64, dst_mod: u64) {
+    const SEED: u64 = 0xC0FF_EE00_D15E_A5E5;
+    const GAP_BYTE: u8 = 0xA5;
+    let src_stride = size + 16;
+    let dst_stride = size + 32;
+    let ns_of = |i: u64| (i * 7 + 3) * size;
+    let mut staging_host = vec![0u8; (count * src_stride + 16) as usize];
+    let mut copies = Vec::new();
+    let mut regions = Vec::new();
+    for i in 0..count {
+        let src_offset = i * src_stride + src_mod;
+        staging_host[src_offset as usize..(src_offset + size) as usize]
+            .copy_from_slice(&pattern_vec(SEED, ns_of(i), size as usize));
+        let slot = count - 1 - i; // reverse order
+        let dst_offset = slot * dst_stride + dst_mod;
+        copies.push(ScatterCopy {
+            src_offset,
+            dst_offset,
+            len: size,
+        });
+        regions.push(PatternRegion {
+            offset: dst_offset,
+            ns_offset: ns_of(i),
+            len: size,
+        });
+    }
+    let mut staging = g.ctx.alloc(staging_host.len()).unwrap();
+    staging.copy_from_host(&staging_host).unwrap();
+    let dst_len = (count * dst_stride + 16) as usize;
+    let mut dst = g.ctx.alloc(dst_len).unwrap();
+    dst.as_slice_mut().fill(GAP_BYTE).unwrap();
+
+    g.kernels
+        .scatter(
+            &mut g.ws,
+            &staging.as_slice(),
+            &mut dst.as_slice_mut(),
+            &copies,
+        )
+        .unwrap();
+    let report = g
+        .kernels
+        .verify_pattern(&mut g.ws, &dst.as_slice(), &regions, SEED)
+        .unwrap();
+    assert!(
+        report.is_ok(),
+        "size {size} src%16={src_mod} dst%16={dst_mod}: GPU verify {report:?}"
+    );
+
+    let host = dst.to_vec().unwrap();
+    let mut expected_owner = vec![usize::MAX; dst_len];
+    for (i, r) in regions.iter().enumerate() {
+        let got = &host[r.offset as usize..(r.offset + r.len) as usize];
+        let cpu = verify_pattern(SEED, r.ns_offset, got);
+        assert!(
+            cpu.is_ok(),
+            "size {size} src%16={src_mod} dst%16={dst_mod} block {i}: CPU verify {cpu:?}"
+        );
+        expected_owner[r.offset as usize..(r.offset + r.len) as usize].fill(i);
+    }
+    let stray = host
+        .iter()
+        .zip(&expected_owner)
+        .position(|(&b, &o)| o == usize::MAX && b != GAP_BYTE);
+    assert_eq!(stray, None, "byte written outside every destination");
+}
+
+#[test]
+fn gpu_scatter_sizes_aligned_and_unaligned() {
+    let Some(mut g) = setup("gpu_scatter_sizes_aligned_and_unaligned") else {
+        return;
+    };
+    // (source offset mod 16, destination offset mod 16): vector path, 4-byte path, funnel-shift
+    // path, equally misaligned.
+    let alignments = [(0, 0), (4, 0), (3, 7), (5, 5), (1, 15)];
+    for (size, count) in [
+        (512u64, 16u64),
+        (4096, 16),
+        (128 * 1024, 8),
+        (1 << 20, 4),
+        (16 << 20, 2),
+    ] {
+        for &(s, d) in &alignments {
+            scatter_case(&mut g, size, count, s, d);
+        }
+        println!("scatter {size} B x {count}: ok for (src%16, dst%16) in {alignments:?}");
+    }
+}
+
+#[test]
+fn gpu_scatter_many_blocks_and_throughput() {
+    let Some(mut g) = setup("gpu_scatter_many_blocks_and_throughput") else {
+        return;
+    };
+    const SEED: u64 = 77;
+    for (block, count) in [(4096u64, 4096u64), (512, 8192), (16 << 20, 4)] {
+        let total = block * count;
+        let mut staging = g.ctx.alloc(total as usize).unwrap();
+        let fill = [PatternRegion {
+            offset: 0,
+            ns_offset: 0,
+            len: total,
+        }];
+        g.kernels
+            .fill_pattern(&mut g.ws, &mut staging.as_slice_mut(), &fill, SEED)
+            .unwrap();
+        // Destination slot of block i: a fixed permutation (odd multiplier, power-of-two
+        // count), every block 3 bytes off alignment.
+        let stride = block + 8;
+        let mut dst = g.ctx.alloc((count * stride + 8) as usize).unwrap();
+        let perm = |i: u64| (i * 2_654_435_761) % count;
+        let mut copies = Vec::new();
+        let mut regions = Vec::new();
+        for i in 0..count {
+            let slot = perm(i);
+            copies.push(ScatterCopy {
+                src_offset: i * block,
+                dst_offset: slot * stride + 3,
+                len: block,
+            });
+            regions.push(PatternRegion {
+                offset: slot * stride + 3,
+                ns_offset: i * block,
+                len: block,
+            });
+        }
+        let stream = g.ws.stream().clone();
+        // Warm-up, then a timed run.
+        g.kernels
+            .scatter(
+                &mut g.ws,
+                &staging.as_slice(),
+                &mut dst.as_slice_mut(),
+                &copies,
+            )
+            .unwrap();
+        let start = stream.record_event().unwrap();
+        g.kernels
+            .scatter(
+                &mut g.ws,
+                &staging.as_slice(),
+                &mut dst.as_slice_mut(),
+                &copies,
+            )
+            .unwrap();
+        let end = stream.record_event().unwrap();
+        end.synchronize().unwrap();
+        let ms = start.elapsed_ms(&end).unwrap();
+        let report = g
+            .kernels
+            .verify_pattern(&mut g.ws, &dst.as_slice(), &regions, SEED)
+            .unwrap();
+        assert!(report.is_ok(), "{block} x {count}: {report:?}");
+        println!(
+            "scatter {count} x {block} B ({} MiB) to unaligned shuffled offsets: {ms:.3} ms, {:.1} GB/s copied",
+            total >> 20,
+            total as f64 / (ms as f64 * 1e6)
+        );
+    }
+}
+
+#[test]
+fn gpu_verify_detects_corruption() {
+    let Some(mut g) = setup("gpu_verify_detects_corruption") else {
+        return;
+    };
+    const SEED: u64 = 5;
+    let len = (1u64 << 20) + 100;
+    let mut buf = g.ctx.alloc_zeroed(len as usize + 16).unwrap();
+    // Region A: buffer offset 3, namespace offset 4096*5+1: device address and namespace offset
+    // differ modulo 8 (byte path). Region B: offset 9 mod 8 == ns 1 mod 8 (word path).
+    let a = PatternRegion {
+        offset: 3,
+        ns_offset: 4096 * 5 + 1,
+        len: 1 << 19,
+    };
+    let b = PatternRegion {
+        offset: 3 + (1 << 19) + 6,
+        ns_offset: 1 << 30 | 1,
+        len: len - (1 << 19) - 6,
+    };
+    assert_ne!(a.offset % 8, a.ns_offset % 8);
+    assert_eq!(b.offset % 8, b.ns_offset % 8);
+    g.kernels
+        .fill_pattern(&mut g.ws, &mut buf.as_slice_mut(), &[a, b], SEED)
+        .unwrap();
+    let clean = g
+        .kernels
+        .verify_pattern(&mut g.ws, &buf.as_slice(), &[a, b], SEED)
+        .unwrap();
+    assert!(clean.is_ok(), "{clean:?}");
+
+    let flips = [
+        a.offset + 100,
+        a.offset + a.len - 1,
+        b.offset + 5000,
+        b.offset + b.len - 1,
+    ];
+    for &at in &flips {
+        let mut one = buf.slice_mut(at as usize..at as usize + 1).unwrap();
+        let old = one.as_slice().to_vec().unwrap()[0];
+        one.copy_from_host(&[old ^ 0x81]).unwrap();
+    }
+    let report = g
+        .kernels
+        .verify_pattern(&mut g.ws, &buf.as_slice(), &[a, b], SEED)
+        .unwrap();
+    assert_eq!(report.mismatched_bytes, 4, "{report:?}");
+    assert_eq!(report.first_mismatch, Some(a.offset + 100));
+    let only_b = g
+        .kernels
+        .verify_pattern(&mut g.ws, &buf.as_slice(), &[b], SEED)
+        .unwrap();
+    assert_eq!(only_b.mismatched_bytes, 2);
+    assert_eq!(only_b.first_mismatch, Some(b.offset + 5000));
+    // The CPU verifier agrees.
+    let host = buf.to_vec().unwrap();
+    let cpu = verify_pattern(
+        SEED,
+        b.ns_offset,
+        &host[b.offset as usize..(b.offset + b.len) as usize],
+    );
+    assert_eq!(cpu.mismatched_bytes, 2);
+    assert_eq!(cpu.first_mismatch, Some(5000));
+    // Wrong seed / shifted namespace offset: nearly everything mismatches.
+    let wrong = g
+        .kernels
+        .verify_pattern(&mut g.ws, &buf.as_slice(), &[a], SEED + 1)
+        .unwrap();
+    assert!(wrong.mismatched_bytes > a.len * 9 / 10, "{wrong:?}");
+    let shifted = PatternRegion {
+        ns_offset: a.ns_offset + 512,
+        ..a
+    };
+    let wrong = g
+        .kernels
+        .verify_pattern(&mut g.ws, &buf.as_slice(), &[shifted], SEED)
+        .unwrap();
+    assert!(wrong.mismatched_bytes > a.len * 9 / 10, "{wrong:?}");
+}
+
+#[test]
+fn gpu_fill_and_checksum_match_cpu() {
+    let Some(mut g) = setup("gpu_fill_and_checksum_match_cpu") else {
+        return;
+    };
+    const SEED: u64 = 0xDEAD_BEEF;
+    let size = (3u64 << 20) + 77;
+    let mut buf = g.ctx.alloc_zeroed(size as usize).unwrap();
+    let regions = [
+        PatternRegion {
+            offset: 1,
+            ns_offset: 7,
+            len: 100,
+        },
+        PatternRegion {
+            offset: 200,
+            ns_offset: 512 * 1000,
+            len: CHUNK_SIZE * 3 + 5,
+        },
+        PatternRegion {
+            offset: 200 + CHUNK_SIZE * 3 + 5 + 11,
+            ns_offset: 12_345,
+            len: 2 << 20,
+        },
+    ];
+    g.kernels
+        .fill_pattern(&mut g.ws, &mut buf.as_slice_mut(), &regions, SEED)
+        .unwrap();
+    let host = buf.to_vec().unwrap();
+    let mut expected = vec![0u8; size as usize];
+    for r in &regions {
+        expected[r.offset as usize..(r.offset + r.len) as usize].copy_from_slice(&pattern_vec(
+            SEED,
+            r.ns_offset,
+            r.len as usize,
+        ));
+    }
+    assert!(host == expected, "GPU fill differs from the CPU pattern");
+
+    let ranges = [
+        ByteRange { offset: 0, len: 0 },
+        ByteRange { offset: 1, len: 1 },
+        ByteRange { offset: 3, len: 13 },
+        ByteRange {
+            offset: 8,
+            len: 4096,
+        },
+        ByteRange {
+            offset: 5,
+            len: CHUNK_SIZE * 2 + 3,
+        },
+        ByteRange {
+            offset: 0,
+            len: size,
+        },
+        ByteRange {
+            offset: 200,
+            len: size - 200,
+        },
+    ];
+    let gpu_sums = g
+        .kernels
+        .checksums(&mut g.ws, &buf.as_slice(), &ranges)
+        .unwrap();
+    for (r, &got) in ranges.iter().zip(&gpu_sums) {
+        let want = checksum(&host[r.offset as usize..(r.offset + r.len) as usize]);
+        assert_eq!(got, want, "checksum of {r:?}");
+    }
+    assert_eq!(gpu_sums[0], checksum_finalize(0, 0));
+    // Many small ranges at once (more outputs than the initial result buffer holds).
+    let many: Vec<ByteRange> = (0..2000)
+        .map(|i| ByteRange {
+            offset: i * 1000 + (i % 7),
+            len: 512 + (i % 13),
+        })
+        .collect();
+    let sums = g
+        .kernels
+        .checksums(&mut g.ws, &buf.as_slice(), &many)
+        .unwrap();
+    for (r, &got) in many.iter().zip(&sums) {
+        assert_eq!(
+            got,
+            checksum(&host[r.offset as usize..(r.offset + r.len) as usize])
+        );
+    }
+}
+
+#[test]
+fn gpu_kernel_wrappers_reject_bad_input() {
+    let Some(mut g) = setup("gpu_kernel_wrappers_reject_bad_input") else {
+        return;
+    };
+    let staging = g.ctx.alloc(4096).unwrap();
+    let mut dst = g.ctx.alloc_zeroed(4096).unwrap();
+    let oob = [ScatterCopy {
+        src_offset: 0,
+        dst_offset: 1,
+        len: 4096,
+    }];
+    assert!(matches!(
+        g.kernels.scatter(
+            &mut g.ws,
+            &staging.as_slice(),
+            &mut dst.as_slice_mut(),
+            &oob
+        ),
+        Err(KernelError::DestinationOutOfBounds { index: 0, .. })
+    ));
+    let overlap = [
+        ScatterCopy {
+            src_offset: 0,
+            dst_offset: 0,
+            len: 100,
+        },
+        ScatterCopy {
+            src_offset: 0,
+            dst_offset: 99,
+            len: 100,
+        },
+    ];
+    assert!(matches!(
+        g.kernels.scatter(
+            &mut g.ws,
+            &staging.as_slice(),
+            &mut dst.as_slice_mut(),
+            &overlap
+        ),
+        Err(KernelError::OverlappingWrites { .. })
+    ));
+    // Nothing was written by the rejected calls.
+    g.ws.synchronize().unwrap();
+    assert!(dst.to_vec().unwrap().iter().all(|&b| b == 0));
+    let region = [PatternRegion {
+        offset: 4000,
+        ns_offset: 0,
+        len: 100,
+    }];
+    assert!(matches!(
+        g.kernels
+            .verify_pattern(&mut g.ws, &dst.as_slice(), &region, 1),
+        Err(KernelError::RegionOutOfBounds { .. })
+    ));
+    // Empty work is fine.
+    let report = g
+        .kernels
+        .verify_pattern(&mut g.ws, &dst.as_slice(), &[], 1)
+        .unwrap();
+    assert!(report.is_ok());
+    g.kernels
+        .scatter(&mut g.ws, &staging.as_slice(), &mut dst.as_slice_mut(), &[])
+        .unwrap();
+}
