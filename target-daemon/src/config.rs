@@ -275,12 +275,10 @@ impl Config {
             transport: Transport::Tcp,
             addr: SocketAddr::from(([127, 0, 0, 1], 4420)),
         });
-        let ns: BackendSpec = DEFAULT_NAMESPACE
-            .parse()
-            .unwrap_or(BackendSpec::Memory {
-                size: 1 << 30,
-                block_size: blockdev::DEFAULT_BLOCK_SIZE,
-            });
+        let ns: BackendSpec = DEFAULT_NAMESPACE.parse().unwrap_or(BackendSpec::Memory {
+            size: 1 << 30,
+            block_size: blockdev::DEFAULT_BLOCK_SIZE,
+        });
         Config::quick(&[listen], DEFAULT_NQN, &[ns], true, &[]).unwrap_or_else(|_| Config {
             target: TargetSettings::default(),
             listeners: vec![],
@@ -443,11 +441,11 @@ mod tests {
     #[test]
     fn rejects_bad_input() {
         for (doc, needle) in [
-            ("[[listener]]\naddress = \"udp://1.2.3.4:1\"", "expected tcp://"),
             (
-                "[[listener]]\naddress = \"tcp://x\"\n",
-                "IPv6 needs",
+                "[[listener]]\naddress = \"udp://1.2.3.4:1\"",
+                "expected tcp://",
             ),
+            ("[[listener]]\naddress = \"tcp://x\"\n", "IPv6 needs"),
             (
                 "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"bad\"\nallow_any_host = true",
                 "must start with",

@@ -9,17 +9,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use blockdev::Backend;
 use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
-    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES,
-    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list,
-    nidt, put_ascii_padded, put_nul_padded,
+    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_OFFSET,
+    SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list, nidt,
+    put_ascii_padded, put_nul_padded,
 };
 use nvme_spec::log::{ErrorLogEntry, SmartLog, u128_le};
 use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, IntoBytes, Sqe, Status, features};
-use blockdev::Backend;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
@@ -399,10 +399,17 @@ impl Controller {
         let invalid_ns = AdminReply::err(Status::generic(generic::INVALID_NAMESPACE).with_dnr());
         let subsys = self.subsystem();
         match id.cns {
-            cns::CONTROLLER => AdminReply::data(self.identify_controller(target).as_bytes().to_vec()),
+            cns::CONTROLLER => {
+                AdminReply::data(self.identify_controller(target).as_bytes().to_vec())
+            }
             _ if subsys.is_none() => invalid_field,
-            cns::NAMESPACE | cns::CS_INDEPENDENT_NAMESPACE | cns::NS_DESCRIPTORS | cns::CSI_NAMESPACE => {
-                let Some(s) = subsys else { return invalid_field };
+            cns::NAMESPACE
+            | cns::CS_INDEPENDENT_NAMESPACE
+            | cns::NS_DESCRIPTORS
+            | cns::CSI_NAMESPACE => {
+                let Some(s) = subsys else {
+                    return invalid_field;
+                };
                 if id.cns == cns::CSI_NAMESPACE && id.csi != 0 {
                     return invalid_field;
                 }
@@ -425,7 +432,11 @@ impl Controller {
                         n.nlbaf = 0;
                         n.flbas = 0;
                         n.nmic = 1;
-                        n.dlfeat = if ns.backend.deallocate_reads_zeroes() { 0x1 } else { 0 };
+                        n.dlfeat = if ns.backend.deallocate_reads_zeroes() {
+                            0x1
+                        } else {
+                            0
+                        };
                         n.nguid = ns.nguid;
                         n.eui64 = ns.eui64;
                         n.lbaf[0].lbads = ns.block_shift as u8;
@@ -450,7 +461,9 @@ impl Controller {
                 }
             }
             cns::ACTIVE_NS_LIST | cns::CSI_ACTIVE_NS_LIST => {
-                let Some(s) = subsys else { return invalid_field };
+                let Some(s) = subsys else {
+                    return invalid_field;
+                };
                 if id.cns == cns::CSI_ACTIVE_NS_LIST && id.csi != 0 {
                     return invalid_field;
                 }

@@ -65,7 +65,10 @@ pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
             }
         }
     }
-    let all = target.io_listeners.iter().chain(&target.discovery_listeners);
+    let all = target
+        .io_listeners
+        .iter()
+        .chain(&target.discovery_listeners);
     for (i, l) in all.enumerate() {
         entries.push(entry(
             l,

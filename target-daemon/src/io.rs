@@ -132,7 +132,10 @@ mod tests {
         list[8..16].copy_from_slice(&100u64.to_le_bytes());
         list[20..24].copy_from_slice(&1u32.to_le_bytes());
         list[24..32].copy_from_slice(&107u64.to_le_bytes());
-        assert_eq!(parse_ranges(&list, 2, 108).unwrap(), vec![(100, 8), (107, 1)]);
+        assert_eq!(
+            parse_ranges(&list, 2, 108).unwrap(),
+            vec![(100, 8), (107, 1)]
+        );
         assert_eq!(
             parse_ranges(&list, 2, 107).unwrap_err(),
             Status::generic(generic::LBA_OUT_OF_RANGE).with_dnr()

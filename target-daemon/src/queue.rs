@@ -188,7 +188,12 @@ impl QueueState {
             self.sqhd = (self.sqhd + 1) % self.sqsize;
         }
         let cid = sqe.cid();
-        let seq_error = || status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+        let seq_error = || {
+            status_cqe(
+                cid,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            )
+        };
         let Some(ctrl) = self.ctrl.clone() else {
             return match (sqe.opcode, FabricsCommand::parse(sqe)) {
                 (nvme_spec::opcode::FABRICS, FabricsCommand::Connect(c)) => {
@@ -198,7 +203,10 @@ impl QueueState {
             };
         };
         if ctrl.is_torn_down() {
-            return status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+            return status_cqe(
+                cid,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            );
         }
         if self.qid == 0 {
             match AdminCommand::parse(sqe) {
@@ -243,9 +251,10 @@ impl QueueState {
     fn fabrics(&mut self, ctrl: &Arc<Controller>, cid: u16, f: FabricsCommand) -> Submit {
         let invalid_field = Status::generic(generic::INVALID_FIELD).with_dnr();
         match f {
-            FabricsCommand::Connect(_) => {
-                status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr())
-            }
+            FabricsCommand::Connect(_) => status_cqe(
+                cid,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            ),
             FabricsCommand::PropertyGet { size8, offset } if self.qid == 0 => {
                 match ctrl.property_get(&self.target, offset, size8) {
                     Ok(v) => {
@@ -310,7 +319,10 @@ impl QueueState {
             );
         }
         let Some(data) = ConnectData::parse(icd) else {
-            return status_cqe(cid, Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr());
+            return status_cqe(
+                cid,
+                Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+            );
         };
         let subnqn = data.subnqn();
         let hostnqn = data.hostnqn();
@@ -391,7 +403,10 @@ impl QueueState {
             return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
         }
         if !ctrl.is_ready() {
-            return status_cqe(cid, Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
+            return status_cqe(
+                cid,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            );
         }
         if c.qid > ctrl.io_queues() {
             return invalid_param(false, SQE_QID_OFFSET);
@@ -431,7 +446,13 @@ impl QueueState {
     }
 
     /// Checks the data pointer of a command moving `len` bytes; returns where host data is.
-    fn data_source(&self, sqe: &Sqe, len: usize, icd: &[u8], to_host: bool) -> Result<DataSource, Status> {
+    fn data_source(
+        &self,
+        sqe: &Sqe,
+        len: usize,
+        icd: &[u8],
+        to_host: bool,
+    ) -> Result<DataSource, Status> {
         let sgl = sqe.dptr;
         if sqe.psdt() == 0 {
             return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
@@ -456,7 +477,13 @@ impl QueueState {
         }
     }
 
-    fn validate_io(&self, ctrl: &Controller, sqe: &Sqe, cmd: IoCommand, icd: &[u8]) -> Result<IoRequest, Status> {
+    fn validate_io(
+        &self,
+        ctrl: &Controller,
+        sqe: &Sqe,
+        cmd: IoCommand,
+        icd: &[u8],
+    ) -> Result<IoRequest, Status> {
         let cid = sqe.cid();
         if !ctrl.is_ready() {
             return Err(Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
@@ -473,7 +500,11 @@ impl QueueState {
                 }
                 let src = self.data_source(sqe, len, icd, !write)?;
                 let op = if write {
-                    IoOp::Write { lba: rw.slba, len, src }
+                    IoOp::Write {
+                        lba: rw.slba,
+                        len,
+                        src,
+                    }
                 } else {
                     IoOp::Read { lba: rw.slba, len }
                 };

@@ -9,7 +9,11 @@ use tracing::{error, warn};
 use crate::target::Target;
 
 /// Runs reactor `index` until its connection channel closes and its connections have ended.
-pub fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<std::net::TcpStream>) {
+pub fn run(
+    index: usize,
+    target: Arc<Target>,
+    mut rx: mpsc::UnboundedReceiver<std::net::TcpStream>,
+) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -258,12 +258,11 @@ impl RunningTarget {
         let mut acceptors = Vec::new();
         let next = Arc::new(AtomicUsize::new(0));
         for l in listeners {
-            let listener = tokio::net::TcpListener::from_std(l.socket).map_err(|source| {
-                StartError::Bind {
+            let listener =
+                tokio::net::TcpListener::from_std(l.socket).map_err(|source| StartError::Bind {
                     addr: l.addr.to_string(),
                     source,
-                }
-            })?;
+                })?;
             info!(listener = %l.addr, "listening");
             let senders = senders.clone();
             let next = Arc::clone(&next);

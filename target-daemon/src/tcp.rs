@@ -174,7 +174,12 @@ impl Conn {
                 (false, true) => Some(Interest::WRITABLE),
                 (false, false) => None,
             };
-            let deadline = self.q.ctrl.as_ref().filter(|_| self.q.qid == 0).and_then(|c| c.keep_alive_deadline());
+            let deadline = self
+                .q
+                .ctrl
+                .as_ref()
+                .filter(|_| self.q.qid == 0)
+                .and_then(|c| c.keep_alive_deadline());
             tokio::select! {
                 biased;
                 Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.complete(done),
@@ -274,7 +279,18 @@ impl Conn {
                     // Copy in-capsule data out of the receive buffer only when needed.
                     let submit = self.q.submit(&sqe, data);
                     let icd = match &submit {
-                        Submit::Io(req) if matches!(req.op, IoOp::Write { src: DataSource::InCapsule, .. } | IoOp::Dsm { src: DataSource::InCapsule, .. }) => {
+                        Submit::Io(req)
+                            if matches!(
+                                req.op,
+                                IoOp::Write {
+                                    src: DataSource::InCapsule,
+                                    ..
+                                } | IoOp::Dsm {
+                                    src: DataSource::InCapsule,
+                                    ..
+                                }
+                            ) =>
+                        {
                             let mut b = self.pool.get(data.len());
                             b.copy_from_slice(data);
                             Some(b)
@@ -290,7 +306,13 @@ impl Conn {
                     let cqe = self.q.completion(sqe.cid(), status, 0);
                     self.respond(&cqe);
                 }
-                TargetEvent::H2CData { ttag, datao, data, last, .. } => {
+                TargetEvent::H2CData {
+                    ttag,
+                    datao,
+                    data,
+                    last,
+                    ..
+                } => {
                     if let Some(w) = self.writes.get_mut(&ttag) {
                         let off = datao as usize;
                         if let Some(dst) = w.buf.get_mut(off..off + data.len()) {
@@ -337,7 +359,15 @@ impl Conn {
                     let buf = self.pool.get(host_len);
                     match self.engine.send_r2t(cid, ttag, 0, host_len as u32) {
                         Ok(()) => {
-                            self.writes.insert(ttag, PendingWrite { req, sqe, buf, digest_error: false });
+                            self.writes.insert(
+                                ttag,
+                                PendingWrite {
+                                    req,
+                                    sqe,
+                                    buf,
+                                    digest_error: false,
+                                },
+                            );
                         }
                         Err(e) => {
                             debug!(error = %e, cid, "cannot queue R2T");
@@ -405,7 +435,12 @@ impl Conn {
         let inline = req.ns.as_ref().is_some_and(|ns| is_sync(&ns.backend));
         if inline {
             let done = match crate::io::execute(&ctrl, &req, buf).now_or_never() {
-                Some((status, buf)) => Done { req, sqe, status, buf },
+                Some((status, buf)) => Done {
+                    req,
+                    sqe,
+                    status,
+                    buf,
+                },
                 None => Done {
                     req,
                     sqe,
@@ -420,10 +455,17 @@ impl Conn {
     }
 
     fn complete(&mut self, done: Done) {
-        let Done { req, sqe, status, buf } = done;
+        let Done {
+            req,
+            sqe,
+            status,
+            buf,
+        } = done;
         if !status.is_success() {
             let lba = match req.op {
-                IoOp::Read { lba, .. } | IoOp::Write { lba, .. } | IoOp::WriteZeroes { lba, .. } => lba,
+                IoOp::Read { lba, .. }
+                | IoOp::Write { lba, .. }
+                | IoOp::WriteZeroes { lba, .. } => lba,
                 _ => 0,
             };
             self.q.record_error(&sqe, status, lba);
@@ -456,7 +498,9 @@ impl Conn {
         let ctrl: Option<Arc<Controller>> = self.q.ctrl.clone();
         let Some(ctrl) = ctrl else {
             match &reason {
-                Closed::Protocol(r) => warn!(%peer, reason = %r, "connection closed: protocol error"),
+                Closed::Protocol(r) => {
+                    warn!(%peer, reason = %r, "connection closed: protocol error")
+                }
                 Closed::Eof | Closed::Local(_) => debug!(%peer, "connection closed before Connect"),
                 other => info!(%peer, reason = ?other, "connection closed before Connect"),
             }
@@ -470,7 +514,10 @@ impl Conn {
             Closed::HostTermReq(fes) => format!("host sent TermReq (FES {fes:#x})"),
             Closed::Local(r) => (*r).to_string(),
         };
-        let error = matches!(reason, Closed::Io(_) | Closed::Protocol(_) | Closed::HostTermReq(_));
+        let error = matches!(
+            reason,
+            Closed::Io(_) | Closed::Protocol(_) | Closed::HostTermReq(_)
+        );
         if admin {
             ctrl.tear_down();
             if error {
@@ -488,5 +535,10 @@ impl Conn {
 
 async fn run_io(ctrl: Arc<Controller>, req: IoRequest, sqe: Sqe, buf: IoBuf) -> Done {
     let (status, buf) = crate::io::execute(&ctrl, &req, buf).await;
-    Done { req, sqe, status, buf }
+    Done {
+        req,
+        sqe,
+        status,
+        buf,
+    }
 }

@@ -25,7 +25,13 @@ pub fn bin_path(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     let dir = exe
         .parent()
-        .and_then(|d| if d.ends_with("deps") { d.parent() } else { Some(d) })
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
         .expect("target dir");
     let p = dir.join(name);
     assert!(
@@ -171,7 +177,8 @@ pub struct RawHost {
 }
 
 /// Host NQN the tests use.
-pub const TEST_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001";
+pub const TEST_HOSTNQN: &str =
+    "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001";
 
 impl RawHost {
     /// Opens a TCP connection without sending anything.
@@ -251,7 +258,9 @@ impl RawHost {
                 Err(e) => panic!("host engine error: {e}"),
             };
             match ev {
-                HostEvent::CapsuleResp { cqe } => return Reply::Completion(Cqe::from_array(&cqe), data),
+                HostEvent::CapsuleResp { cqe } => {
+                    return Reply::Completion(Cqe::from_array(&cqe), data);
+                }
                 HostEvent::C2HData {
                     datao,
                     data: d,
@@ -332,7 +341,11 @@ impl RawHost {
             Reply::Completion(c, _) => assert!(c.status().is_success()),
             other => panic!("Property Set: {other:?}"),
         }
-        let nq = nvme_spec::command::build::set_features(3, nvme_spec::features::NUMBER_OF_QUEUES, 0x0003_0003);
+        let nq = nvme_spec::command::build::set_features(
+            3,
+            nvme_spec::features::NUMBER_OF_QUEUES,
+            0x0003_0003,
+        );
         match h.command(&nq, &[], &[]) {
             Reply::Completion(c, _) => assert!(c.status().is_success()),
             other => panic!("Set Features: {other:?}"),

@@ -52,7 +52,11 @@ fn first_pdu_type(bytes: &[u8]) -> Option<u8> {
 
 fn fes_of_term_req(bytes: &[u8]) -> u16 {
     // C2HTermReq: CH (8) then FES (2 bytes).
-    assert_eq!(bytes.first(), Some(&0x03), "expected a C2HTermReq, got {bytes:02x?}");
+    assert_eq!(
+        bytes.first(),
+        Some(&0x03),
+        "expected a C2HTermReq, got {bytes:02x?}"
+    );
     u16::from_le_bytes([bytes[8], bytes[9]])
 }
 
@@ -101,9 +105,17 @@ fn wrong_header_digest_is_terminated_wrong_data_digest_fails_the_command() {
     let mut h = RawHost::connect(t.addr(), true, true);
     let sqe = build::keep_alive(9).to_array();
     let mut pdu = Vec::new();
-    PduHeader::capsule_cmd(Digests { header: true, data: true }, 0, &sqe, 0)
-        .unwrap()
-        .append_to(&mut pdu, &[]);
+    PduHeader::capsule_cmd(
+        Digests {
+            header: true,
+            data: true,
+        },
+        0,
+        &sqe,
+        0,
+    )
+    .unwrap()
+    .append_to(&mut pdu, &[]);
     let n = pdu.len();
     pdu[n - 1] ^= 0xFF;
     RawHost::send_raw(&mut h.stream, &pdu);
@@ -118,9 +130,17 @@ fn wrong_header_digest_is_terminated_wrong_data_digest_fails_the_command() {
     let mut w = build::read_write(true, 5, 1, 0, 1);
     w.dptr = SglDescriptor::in_capsule(4096);
     let mut pdu = Vec::new();
-    PduHeader::capsule_cmd(Digests { header: true, data: true }, 0, &w.to_array(), 4096)
-        .unwrap()
-        .append_to(&mut pdu, &data);
+    PduHeader::capsule_cmd(
+        Digests {
+            header: true,
+            data: true,
+        },
+        0,
+        &w.to_array(),
+        4096,
+    )
+    .unwrap()
+    .append_to(&mut pdu, &data);
     let n = pdu.len();
     pdu[n - 1] ^= 0xFF; // corrupt the data digest
     // Keep the engine's bookkeeping in step: it never saw this command.
@@ -129,7 +149,10 @@ fn wrong_header_digest_is_terminated_wrong_data_digest_fails_the_command() {
     std::io::Read::read_exact(&mut io.stream, &mut buf[..28]).unwrap();
     assert_eq!(buf[0], 0x05, "CapsuleResp");
     let cqe = Cqe::from_array(buf[8..24].try_into().unwrap());
-    assert_eq!(cqe.status(), Status::generic(generic::TRANSIENT_TRANSPORT_ERROR));
+    assert_eq!(
+        cqe.status(),
+        Status::generic(generic::TRANSIENT_TRANSPORT_ERROR)
+    );
     // The admin queue still works.
     assert!(status(admin.command(&build::keep_alive(20), &[], &[])).is_success());
 }
@@ -139,16 +162,31 @@ fn refused_connects() {
     let port = nvmeof_tests::free_port();
     let listen = format!("tcp://127.0.0.1:{port}");
     let t = TargetProcess::spawn(
-        &["--listen", &listen, "--subsystem", NQN, "--namespace", "mem:16M", "--host", "nqn.2014-08.org.example:someone-else"],
+        &[
+            "--listen",
+            &listen,
+            "--subsystem",
+            NQN,
+            "--namespace",
+            "mem:16M",
+            "--host",
+            "nqn.2014-08.org.example:someone-else",
+        ],
         port,
     );
     let mut h = RawHost::connect(t.addr(), false, false);
     let c = h.fabrics_connect("nqn.2026-11.io.nvmeof-direct:nope", TEST_HOSTNQN, 0, 0xFFFF);
-    assert_eq!(c.status(), Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr());
+    assert_eq!(
+        c.status(),
+        Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr()
+    );
     assert_eq!(c.dw0.get(), 1 | (256 << 16), "IATTR data, IPO subnqn");
     let mut h = RawHost::connect(t.addr(), false, false);
     let c = h.fabrics_connect(NQN, TEST_HOSTNQN, 0, 0xFFFF);
-    assert_eq!(c.status(), Status::specific(specific::CONNECT_INVALID_HOST).with_dnr());
+    assert_eq!(
+        c.status(),
+        Status::specific(specific::CONNECT_INVALID_HOST).with_dnr()
+    );
     // An I/O queue for a controller that does not exist.
     let mut h = RawHost::connect(t.addr(), false, false);
     let c = h.fabrics_connect(NQN, "nqn.2014-08.org.example:someone-else", 1, 77);
@@ -176,23 +214,44 @@ fn invalid_io_gets_status_and_nothing_is_lost() {
 
     let dnr = |sc| Status::generic(sc).with_dnr();
     // LBA out of range.
-    assert_eq!(status(io.command(&read_sqe(3, 1, blocks - 1, 2, 4096), &[], &[])), dnr(generic::LBA_OUT_OF_RANGE));
+    assert_eq!(
+        status(io.command(&read_sqe(3, 1, blocks - 1, 2, 4096), &[], &[])),
+        dnr(generic::LBA_OUT_OF_RANGE)
+    );
     // Oversized transfer (MDTS is 1 MiB).
-    assert_eq!(status(io.command(&read_sqe(4, 1, 0, 512, 4096), &[], &[])), dnr(generic::INVALID_FIELD));
+    assert_eq!(
+        status(io.command(&read_sqe(4, 1, 0, 512, 4096), &[], &[])),
+        dnr(generic::INVALID_FIELD)
+    );
     // Unknown namespace.
-    assert_eq!(status(io.command(&read_sqe(5, 9, 0, 1, 4096), &[], &[])), dnr(generic::INVALID_NAMESPACE));
+    assert_eq!(
+        status(io.command(&read_sqe(5, 9, 0, 1, 4096), &[], &[])),
+        dnr(generic::INVALID_NAMESPACE)
+    );
     // SGL length that does not match the block count.
-    assert_eq!(status(io.command(&read_sqe(6, 1, 0, 2, 512), &[], &[])), dnr(generic::DATA_SGL_LENGTH_INVALID));
+    assert_eq!(
+        status(io.command(&read_sqe(6, 1, 0, 2, 512), &[], &[])),
+        dnr(generic::DATA_SGL_LENGTH_INVALID)
+    );
     // Unknown I/O and admin opcodes.
     let mut unk = build::flush(7, 1);
     unk.opcode = 0x99;
-    assert_eq!(status(io.command(&unk, &[], &[])), dnr(generic::INVALID_OPCODE));
+    assert_eq!(
+        status(io.command(&unk, &[], &[])),
+        dnr(generic::INVALID_OPCODE)
+    );
     let mut unk = build::keep_alive(8);
     unk.opcode = 0xC5;
-    assert_eq!(status(admin.command(&unk, &[], &[])), dnr(generic::INVALID_OPCODE));
+    assert_eq!(
+        status(admin.command(&unk, &[], &[])),
+        dnr(generic::INVALID_OPCODE)
+    );
     // Unknown log page, invalid identify CNS.
     let glp = build::get_log_page(9, 0x42, 0, 512, 0);
-    assert_eq!(status(admin.command(&glp, &[], &[])), Status::specific(specific::INVALID_LOG_PAGE).with_dnr());
+    assert_eq!(
+        status(admin.command(&glp, &[], &[])),
+        Status::specific(specific::INVALID_LOG_PAGE).with_dnr()
+    );
     // H2CData for which no R2T was sent: fatal for that connection only.
     let mut rogue = RawHost::io_queue(t.addr(), NQN, cntlid, 2);
     let mut pdu = Vec::new();

@@ -34,14 +34,25 @@ fn discovery_entries(addr: std::net::SocketAddr) -> Vec<DiscoveryLogEntry> {
     let mut h = RawHost::connect(addr, false, false);
     let c = h.fabrics_connect(DISCOVERY_NQN, TEST_HOSTNQN, 0, 0xFFFF);
     assert!(c.status().is_success(), "{}", c.status());
-    let id = ok_data(h.command(&data_cmd(build::identify(2, cns::CONTROLLER, 0), 4096), &[], &[]));
+    let id = ok_data(h.command(
+        &data_cmd(build::identify(2, cns::CONTROLLER, 0), 4096),
+        &[],
+        &[],
+    ));
     let id = IdentifyController::read_from_bytes(&id).unwrap();
     assert_eq!(id.cntrltype, 2, "discovery controller");
-    let hdr = ok_data(h.command(&data_cmd(build::get_log_page(3, log_id::DISCOVERY, 0, 1024, 0), 1024), &[], &[]));
+    let hdr = ok_data(h.command(
+        &data_cmd(build::get_log_page(3, log_id::DISCOVERY, 0, 1024, 0), 1024),
+        &[],
+        &[],
+    ));
     let hdr = DiscoveryLogHeader::read_from_bytes(&hdr).unwrap();
     let n = hdr.numrec.get() as u32;
     let page = ok_data(h.command(
-        &data_cmd(build::get_log_page(4, log_id::DISCOVERY, 0, 1024 * n, 1024), 1024 * n),
+        &data_cmd(
+            build::get_log_page(4, log_id::DISCOVERY, 0, 1024 * n, 1024),
+            1024 * n,
+        ),
         &[],
         &[],
     ));
@@ -52,7 +63,11 @@ fn discovery_entries(addr: std::net::SocketAddr) -> Vec<DiscoveryLogEntry> {
 
 fn identify_ns(addr: std::net::SocketAddr, nqn: &str) -> IdentifyNamespace {
     let (mut h, _) = RawHost::admin(addr, nqn);
-    let d = ok_data(h.command(&data_cmd(build::identify(9, cns::NAMESPACE, 1), 4096), &[], &[]));
+    let d = ok_data(h.command(
+        &data_cmd(build::identify(9, cns::NAMESPACE, 1), 4096),
+        &[],
+        &[],
+    ));
     IdentifyNamespace::read_from_bytes(&d).unwrap()
 }
 
@@ -62,12 +77,19 @@ fn no_arguments_serves_the_embedded_default() {
     let entries = discovery_entries(t.addr());
     let nqns: Vec<String> = entries.iter().map(|e| get_trimmed(&e.subnqn)).collect();
     assert!(nqns.contains(&DEFAULT_NQN.to_string()), "{nqns:?}");
-    let e = entries.iter().find(|e| get_trimmed(&e.subnqn) == DEFAULT_NQN).unwrap();
+    let e = entries
+        .iter()
+        .find(|e| get_trimmed(&e.subnqn) == DEFAULT_NQN)
+        .unwrap();
     assert_eq!(get_trimmed(&e.traddr), "127.0.0.1");
     assert_eq!(get_trimmed(&e.trsvcid), "4420");
     assert_eq!(e.trtype, 3);
     let ns = identify_ns(t.addr(), DEFAULT_NQN);
-    assert_eq!(ns.nsze.get() * u64::from(ns.block_size()), 1 << 30, "1 GiB namespace");
+    assert_eq!(
+        ns.nsze.get() * u64::from(ns.block_size()),
+        1 << 30,
+        "1 GiB namespace"
+    );
     let (code, log) = t.terminate();
     assert_eq!(code, Some(0), "{log}");
     assert!(log.contains("shutdown complete"), "{log}");
@@ -110,8 +132,15 @@ backend = "mem:1G"
         .arg("--check")
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("configuration OK: 2 subsystem(s), 2 listener(s)"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("configuration OK: 2 subsystem(s), 2 listener(s)")
+    );
 
     let t = TargetProcess::spawn(&["--config", cfg.to_str().unwrap()], port);
     // The dedicated discovery listener shows only what this host may see, on the I/O port.
@@ -125,12 +154,26 @@ backend = "mem:1G"
     drop(t);
 
     // Bad configurations: one clear line, non-zero exit.
-    std::fs::write(&cfg, "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.x\"\n").unwrap();
-    let out = Command::new(bin_path("nvmeof-targetd")).arg("-c").arg(&cfg).output().unwrap();
+    std::fs::write(
+        &cfg,
+        "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.x\"\n",
+    )
+    .unwrap();
+    let out = Command::new(bin_path("nvmeof-targetd"))
+        .arg("-c")
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("nvmeof-targetd: invalid config: subsystem nqn.x: no host may connect"), "{err}");
-    let out = Command::new(bin_path("nvmeof-targetd")).args(["--namespace", "file:/nonexistent/dir/x.img"]).output().unwrap();
+    assert!(
+        err.contains("nvmeof-targetd: invalid config: subsystem nqn.x: no host may connect"),
+        "{err}"
+    );
+    let out = Command::new(bin_path("nvmeof-targetd"))
+        .args(["--namespace", "file:/nonexistent/dir/x.img"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open /nonexistent/dir/x.img"));
 }
@@ -161,7 +204,10 @@ fn sigterm_keeps_acknowledged_writes_and_identity_is_stable() {
     let mut f = std::fs::File::open(&img).unwrap();
     std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(32 * 4096)).unwrap();
     f.read_exact(&mut on_disk).unwrap();
-    assert!(on_disk == data, "acknowledged write not in the file after SIGTERM");
+    assert!(
+        on_disk == data,
+        "acknowledged write not in the file after SIGTERM"
+    );
 
     let t = TargetProcess::spawn(&args, port);
     let after = identify_ns(t.addr(), nqn);
@@ -186,7 +232,10 @@ fn keep_alive_timeout_tears_the_controller_down() {
     }
     // Then silence: the controller is torn down and the connection closed.
     std::thread::sleep(Duration::from_millis(2500));
-    admin.stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    admin
+        .stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
     assert!(RawHost::read_to_close(&mut admin.stream).is_empty());
     let mut t = t;
     let log = t.log();

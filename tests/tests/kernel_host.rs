@@ -85,7 +85,13 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
     let t = TargetProcess::spawn(&args, port);
     let log = dir.path().join("console.log");
     let start = Command::new(guest_sh())
-        .args(["start", "--ready-marker", "DATA-WRITTEN", "--timeout", "600"])
+        .args([
+            "start",
+            "--ready-marker",
+            "DATA-WRITTEN",
+            "--timeout",
+            "600",
+        ])
         .arg("--log")
         .arg(&log)
         .arg("--env")
@@ -96,7 +102,11 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
         .output()
         .expect("guest.sh start");
     let console = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(start.status.success(), "guest did not write its data:\n{console}\n{}", String::from_utf8_lossy(&start.stderr));
+    assert!(
+        start.status.success(),
+        "guest did not write its data:\n{console}\n{}",
+        String::from_utf8_lossy(&start.stderr)
+    );
     let pidfile = String::from_utf8_lossy(&start.stdout).trim().to_string();
 
     // Crash: no shutdown, no flush beyond what the host's Flush already made durable.
@@ -115,6 +125,9 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
         "guest failed:\n{console}\ntarget log after restart:\n{}",
         t.log()
     );
-    assert!(console.contains("PASS: data written before the crash"), "{console}");
+    assert!(
+        console.contains("PASS: data written before the crash"),
+        "{console}"
+    );
     assert!(t.log().contains("controller connected"));
 }
