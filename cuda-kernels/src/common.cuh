@@ -63,6 +63,21 @@ struct nvmf_work {
     nvmf_u64 first_chunk;
 };
 
+// Work is distributed per warp: each warp takes whole chunks, its 32 lanes share a chunk.
+#define NVMF_WARP_SIZE 32ULL
+
+__device__ __forceinline__ nvmf_u64 nvmf_lane() {
+    return (nvmf_u64)(threadIdx.x & 31u);
+}
+
+__device__ __forceinline__ nvmf_u64 nvmf_first_warp() {
+    return (nvmf_u64)blockIdx.x * (nvmf_u64)(blockDim.x / 32u) + (nvmf_u64)(threadIdx.x / 32u);
+}
+
+__device__ __forceinline__ nvmf_u64 nvmf_warp_stride() {
+    return (nvmf_u64)gridDim.x * (nvmf_u64)(blockDim.x / 32u);
+}
+
 __device__ __forceinline__ bool nvmf_in_bounds(nvmf_u64 off, nvmf_u64 len, nvmf_u64 size) {
     return off <= size && len <= size - off;
 }

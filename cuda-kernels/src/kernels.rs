@@ -20,9 +20,12 @@ pub const SCATTER_CU: &str = include_str!("scatter.cu");
 /// The fill / verify / checksum kernel source (needs [`COMMON_CUH`] in front).
 pub const VERIFY_CU: &str = include_str!("verify.cu");
 
-/// Threads per block of every launch (a multiple of the warp size, which the checksum
-/// reduction relies on).
+/// Threads per block of every launch: 8 warps, each working on its own chunks (the kernels
+/// distribute work per warp, so this must be a multiple of 32).
 pub const THREADS_PER_BLOCK: u32 = 256;
+
+const WARPS_PER_BLOCK: u64 = THREADS_PER_BLOCK as u64 / 32;
+const _: () = assert!(THREADS_PER_BLOCK % 32 == 0);
 
 /// The full translation unit of the scatter kernel.
 pub fn scatter_source() -> String {
@@ -96,7 +99,7 @@ impl NvmfKernels {
             .info()
             .multiprocessors
             .max(1)
-            .saturating_mul(16)
+            .saturating_mul(8)
             .min(i32::MAX as u32);
         Ok(NvmfKernels {
             ctx: ctx.clone(),
@@ -120,7 +123,9 @@ impl NvmfKernels {
     }
 
     fn config(&self, total_chunks: u64) -> LaunchConfig {
-        let blocks = total_chunks.clamp(1, u64::from(self.max_blocks)) as u32;
+        let blocks = total_chunks
+            .div_ceil(WARPS_PER_BLOCK)
+            .clamp(1, u64::from(self.max_blocks)) as u32;
         LaunchConfig::linear(blocks, THREADS_PER_BLOCK)
     }
 
@@ -303,7 +308,10 @@ fn u64_at(bytes: &[u8], index: usize) -> u64 {
 /// when needed. One workspace per stream that launches kernels.
 pub struct KernelWorkspace {
     stream: GpuStream,
-    staging: PinnedBuffer,
+    /// Two host staging buffers used in turn, so preparing the next work list only waits for
+    /// the upload before the previous one.
+    staging: [PinnedBuffer; 2],
+    next_staging: usize,
     items: DeviceBuffer,
     results: DeviceBuffer,
     results_host: PinnedBuffer,
@@ -328,7 +336,11 @@ impl KernelWorkspace {
         let ctx = stream.context();
         Ok(KernelWorkspace {
             stream: stream.clone(),
-            staging: ctx.alloc_pinned(INITIAL_ITEMS)?,
+            staging: [
+                ctx.alloc_pinned(INITIAL_ITEMS)?,
+                ctx.alloc_pinned(INITIAL_ITEMS)?,
+            ],
+            next_staging: 0,
             items: ctx.alloc(INITIAL_ITEMS)?,
             results: ctx.alloc(INITIAL_RESULTS)?,
             results_host: ctx.alloc_pinned(INITIAL_RESULTS)?,
@@ -352,7 +364,7 @@ impl KernelWorkspace {
         let cap = needed.max(self.items.len().saturating_mul(2));
         let ctx = self.stream.context();
         // Dropping the old buffers waits for the work that still uses them.
-        self.staging = ctx.alloc_pinned(cap)?;
+        self.staging = [ctx.alloc_pinned(cap)?, ctx.alloc_pinned(cap)?];
         self.items = ctx.alloc(cap)?;
         Ok(())
     }
@@ -372,9 +384,13 @@ impl KernelWorkspace {
     fn upload(&mut self, plan: &WorkPlan) -> Result<(), KernelError> {
         let n = plan.encoded_len();
         self.ensure_items(n)?;
-        // Waits until an earlier upload from the staging buffer has been consumed.
-        plan.encode_into(self.staging.as_mut_slice()?)?;
-        let src = self.staging.slice(..n)?;
+        // The device copy of the list is reused in stream order (the upload runs after the
+        // previous kernel); the host staging buffer alternates, and `as_mut_slice` waits until
+        // the upload that last read it has run.
+        let staging = &mut self.staging[self.next_staging];
+        self.next_staging = (self.next_staging + 1) % 2;
+        plan.encode_into(staging.as_mut_slice()?)?;
+        let src = staging.slice(..n)?;
         let mut dst = self.items.slice_mut(..n)?;
         self.stream.copy_h2d_async(&src, &mut dst)?;
         Ok(())

@@ -4,9 +4,9 @@
 
 use crate::error::KernelError;
 
-/// Bytes one thread block handles at a time. A multiple of 16 (vector copies) and of 8
-/// (checksum words).
-pub const CHUNK_SIZE: u64 = 32 * 1024;
+/// Bytes one warp handles at a time. A multiple of 16 (vector copies) and of 8 (checksum
+/// words); small enough that a single large item still spreads over every SM.
+pub const CHUNK_SIZE: u64 = 8 * 1024;
 
 /// One work item as the kernels read it (little-endian, 32 bytes, `nvmf_work` in CUDA).
 ///
@@ -76,7 +76,7 @@ impl WorkPlan {
         &self.items
     }
 
-    /// Total number of chunks (thread-block work units).
+    /// Total number of chunks (per-warp work units).
     pub fn total_chunks(&self) -> u64 {
         self.total_chunks
     }

@@ -1,17 +1,18 @@
 // Scatter: copy staged blocks from one contiguous staging buffer to their destinations.
 //
 // Work item: a = source offset in `src`, b = destination offset in `dst`, len = bytes.
-// Items are cut into chunks of `chunk_size` bytes; each thread block copies whole chunks, so
-// one large block and many small blocks both spread over the GPU. Destinations may start at any
+// Items are cut into chunks of `chunk_size` bytes; each warp copies whole chunks, so one large
+// block and many small blocks both spread over the GPU (a 512-byte block keeps one warp busy,
+// not a whole thread block). Destinations may start at any
 // byte offset: stores are 16-byte aligned on the destination, loads are realigned with funnel
 // shifts when the source has a different alignment.
 //
 // Requires common.cuh (prepended by the host).
 
-// Block-cooperative copy of n bytes with any source and destination alignment.
+// Warp-cooperative copy of n bytes with any source and destination alignment.
 __device__ void nvmf_copy_bytes(nvmf_u8* dst, const nvmf_u8* src, nvmf_u64 n) {
-    const nvmf_u64 tid = threadIdx.x;
-    const nvmf_u64 nthreads = blockDim.x;
+    const nvmf_u64 tid = nvmf_lane();
+    const nvmf_u64 nthreads = NVMF_WARP_SIZE;
 
     nvmf_u64 head = (16ULL - (((nvmf_u64)dst) & 15ULL)) & 15ULL;
     if (head > n) {
@@ -24,7 +25,7 @@ __device__ void nvmf_copy_bytes(nvmf_u8* dst, const nvmf_u8* src, nvmf_u64 n) {
     src += head;
     n -= head;
 
-    const nvmf_u64 nvec = n / 16ULL;
+    nvmf_u64 nvec = n / 16ULL;
     uint4* d4 = (uint4*)dst;
     const nvmf_u64 saddr = (nvmf_u64)src;
     if ((saddr & 15ULL) == 0) {
@@ -44,11 +45,24 @@ __device__ void nvmf_copy_bytes(nvmf_u8* dst, const nvmf_u8* src, nvmf_u64 n) {
             d4[i] = v;
         }
     } else {
-        // Aligned 32-bit loads around the source; every loaded word starts at a source byte
-        // that is part of the copy, so no load leaves the source range's words.
+        // Aligned 32-bit loads around the source, realigned with funnel shifts. Vector i loads
+        // the five words starting at (saddr & ~3) + 16 i. Only vectors whose five words lie
+        // inside the source range take this path: vector 0 (whose first word starts before
+        // src) is copied byte by byte, and vectors whose fifth word would end past src + n go
+        // to the byte loop below. So no byte outside [src, src + n) is read.
         const nvmf_u32* sw = (const nvmf_u32*)(saddr & ~3ULL);
         const nvmf_u32 shift = (nvmf_u32)((saddr & 3ULL) * 8ULL);
-        for (nvmf_u64 i = tid; i < nvec; i += nthreads) {
+        const nvmf_u64 reach = n + (saddr & 3ULL);
+        nvmf_u64 safe = reach >= 20ULL ? (reach - 20ULL) / 16ULL + 1ULL : 0ULL;
+        if (safe < nvec) {
+            nvec = safe;
+        }
+        if (nvec > 0) {
+            for (nvmf_u64 i = tid; i < 16ULL; i += nthreads) {
+                dst[i] = src[i];
+            }
+        }
+        for (nvmf_u64 i = 1ULL + tid; i < nvec; i += nthreads) {
             const nvmf_u32* p = sw + 4ULL * i;
             const nvmf_u32 w0 = p[0];
             const nvmf_u32 w1 = p[1];
@@ -80,7 +94,7 @@ extern "C" __global__ void nvmf_scatter(
     if (chunk_size == 0 || !nvmf_items(items_raw, items_len, &items, &count)) {
         return;
     }
-    for (nvmf_u64 chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    for (nvmf_u64 chunk = nvmf_first_warp(); chunk < total_chunks; chunk += nvmf_warp_stride()) {
         nvmf_work w;
         nvmf_u64 lo;
         nvmf_u64 n;

@@ -3,14 +3,14 @@
 // Work items for fill/verify: a = byte offset in the buffer, b = namespace byte offset of that
 // byte, len = bytes. For checksums: a = byte offset in the buffer, b = index of the output sum,
 // len = bytes. Items are cut into chunks of `chunk_size` bytes (a multiple of 8), one chunk per
-// thread block at a time.
+// warp at a time.
 //
 // Requires common.cuh (prepended by the host).
 
 // Writes the pattern into [p, p + n), whose first byte has namespace offset ns.
 __device__ void nvmf_fill_range(nvmf_u8* p, nvmf_u64 n, nvmf_u64 ns, nvmf_u64 seed) {
-    const nvmf_u64 tid = threadIdx.x;
-    const nvmf_u64 nthreads = blockDim.x;
+    const nvmf_u64 tid = nvmf_lane();
+    const nvmf_u64 nthreads = NVMF_WARP_SIZE;
     if ((((nvmf_u64)p) & 7ULL) == (ns & 7ULL)) {
         nvmf_u64 head = (8ULL - (ns & 7ULL)) & 7ULL;
         if (head > n) {
@@ -53,7 +53,7 @@ extern "C" __global__ void nvmf_fill_pattern(
     if (chunk_size == 0 || !nvmf_items(items_raw, items_len, &items, &count)) {
         return;
     }
-    for (nvmf_u64 chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    for (nvmf_u64 chunk = nvmf_first_warp(); chunk < total_chunks; chunk += nvmf_warp_stride()) {
         nvmf_work w;
         nvmf_u64 lo;
         nvmf_u64 n;
@@ -84,11 +84,11 @@ extern "C" __global__ void nvmf_verify_pattern(
     if (chunk_size == 0 || !nvmf_items(items_raw, items_len, &items, &count)) {
         return;
     }
-    const nvmf_u64 tid = threadIdx.x;
-    const nvmf_u64 nthreads = blockDim.x;
+    const nvmf_u64 tid = nvmf_lane();
+    const nvmf_u64 nthreads = NVMF_WARP_SIZE;
     nvmf_u64 bad = 0;
     nvmf_u64 first = ~0ULL;
-    for (nvmf_u64 chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    for (nvmf_u64 chunk = nvmf_first_warp(); chunk < total_chunks; chunk += nvmf_warp_stride()) {
         nvmf_work w;
         nvmf_u64 lo;
         nvmf_u64 n;
@@ -170,14 +170,14 @@ extern "C" __global__ void nvmf_checksum(
     }
     nvmf_u64* sums = (nvmf_u64*)sums_raw;
     const nvmf_u64 nsums = sums_len / 8ULL;
-    const nvmf_u64 tid = threadIdx.x;
-    const nvmf_u64 nthreads = blockDim.x;
-    for (nvmf_u64 chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
+    const nvmf_u64 tid = nvmf_lane();
+    const nvmf_u64 nthreads = NVMF_WARP_SIZE;
+    for (nvmf_u64 chunk = nvmf_first_warp(); chunk < total_chunks; chunk += nvmf_warp_stride()) {
         nvmf_work w;
         nvmf_u64 lo;
         nvmf_u64 n;
-        // Every thread of the block takes the same branches here (uniform per chunk), which the
-        // warp reduction below relies on.
+        // All lanes of the warp work on the same chunk and take the same branches here, which
+        // the warp reduction below relies on.
         if (!nvmf_chunk(items, count, chunk, chunk_size, &w, &lo, &n)) {
             continue;
         }
