@@ -269,3 +269,164 @@ impl PduHeader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::tcp::{
+        C2hDataHeader, CapsuleCmdHeader, CapsuleRespHeader, CommonHeader, H2cDataHeader, IcReq,
+        IcResp, R2tHeader, TermReqHeader,
+    };
+
+    use super::*;
+
+    const ALL: [Digests; 4] = [
+        Digests {
+            header: false,
+            data: false,
+        },
+        Digests {
+            header: true,
+            data: false,
+        },
+        Digests {
+            header: false,
+            data: true,
+        },
+        Digests {
+            header: true,
+            data: true,
+        },
+    ];
+
+    /// Encodes a whole PDU and checks the common-header layout, the header digest and the
+    /// data digest; returns the PDU.
+    fn whole(hdr: &PduHeader, data: &[u8], d: Digests, hlen: usize) -> Vec<u8> {
+        let mut pdu = Vec::new();
+        hdr.append_to(&mut pdu, data);
+        let ch = CommonHeader::from_prefix(&pdu).unwrap();
+        assert_eq!(usize::from(ch.hlen()), hlen);
+        assert_eq!(ch.plen() as usize, pdu.len());
+        assert_eq!(ch.hdgstf(), d.header);
+        if d.header {
+            assert_eq!(pdu[hlen..hlen + 4], digest_bytes(&pdu[..hlen]));
+        }
+        let has_ddgst = d.data && !data.is_empty();
+        assert_eq!(ch.ddgstf(), has_ddgst);
+        assert_eq!(hdr.data_digest_len(), if has_ddgst { 4 } else { 0 });
+        if data.is_empty() {
+            assert_eq!(ch.pdo(), 0);
+        } else {
+            let pdo = usize::from(ch.pdo());
+            assert_eq!(&pdu[pdo..pdo + data.len()], data);
+            if has_ddgst {
+                assert_eq!(pdu[pdo + data.len()..], digest_bytes(data));
+            }
+        }
+        pdu
+    }
+
+    #[test]
+    fn ic_pdus_round_trip() {
+        for d in ALL {
+            let h = PduHeader::ic_req(5, d, 3);
+            let pdu = whole(&h, &[], Digests::default(), 128);
+            let r = IcReq::from_prefix(&pdu).unwrap();
+            assert_eq!((r.pfv(), r.hpda(), r.maxr2t()), (0, 5, 3));
+            assert_eq!((r.hdgst_enable(), r.ddgst_enable()), (d.header, d.data));
+
+            let h = PduHeader::ic_resp(0, d, 65_536);
+            let pdu = whole(&h, &[], Digests::default(), 128);
+            let r = IcResp::from_prefix(&pdu).unwrap();
+            assert_eq!((r.pfv(), r.cpda(), r.maxh2cdata()), (0, 0, 65_536));
+            assert_eq!((r.hdgst_enable(), r.ddgst_enable()), (d.header, d.data));
+        }
+    }
+
+    #[test]
+    fn term_req_round_trip() {
+        for ty in [PduType::H2cTermReq, PduType::C2hTermReq] {
+            let h = PduHeader::term_req(ty, FatalErrorStatus::DataTransferOutOfRange, 77, 40);
+            let mut pdu = h.as_bytes().to_vec();
+            pdu.extend_from_slice(&[9; 40]);
+            let t = TermReqHeader::from_prefix(&pdu).unwrap();
+            assert_eq!(t.common().pdu_type(), Ok(ty));
+            assert_eq!(t.common().plen() as usize, pdu.len());
+            assert_eq!(
+                (t.fes(), t.fei()),
+                (Ok(FatalErrorStatus::DataTransferOutOfRange), 77)
+            );
+            assert_eq!(t.common().flags(), 0);
+        }
+    }
+
+    #[test]
+    fn capsule_pdus_round_trip() {
+        let sqe: [u8; 64] = core::array::from_fn(|i| i as u8);
+        let cqe: [u8; 16] = core::array::from_fn(|i| 0xF0 | i as u8);
+        for d in ALL {
+            for data in [&[][..], &[1, 2, 3, 4, 5][..]] {
+                let h = PduHeader::capsule_cmd(d, 0, &sqe, data.len()).unwrap();
+                let pdu = whole(&h, data, d, 72);
+                assert_eq!(CapsuleCmdHeader::from_prefix(&pdu).unwrap().sqe(), &sqe);
+                if !data.is_empty() {
+                    assert_eq!(usize::from(pdu[3]), 72 + if d.header { 4 } else { 0 });
+                }
+            }
+            let h = PduHeader::capsule_resp(d, &cqe);
+            let pdu = whole(&h, &[], d, 24);
+            assert_eq!(CapsuleRespHeader::from_prefix(&pdu).unwrap().cqe(), &cqe);
+        }
+    }
+
+    #[test]
+    fn data_pdus_round_trip() {
+        let data: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
+        for d in ALL {
+            for pda in [0u8, 3, 15, 31] {
+                let h = PduHeader::h2c_data(d, pda, 1, 2, 4096, 300, true).unwrap();
+                let pdu = whole(&h, &data, d, 24);
+                assert_eq!(usize::from(pdu[3]) % pda_alignment(pda), 0);
+                let x = H2cDataHeader::from_prefix(&pdu).unwrap();
+                assert_eq!(
+                    (x.cccid(), x.ttag(), x.datao(), x.datal()),
+                    (1, 2, 4096, 300)
+                );
+                assert!(x.common().last_pdu());
+
+                let h = PduHeader::c2h_data(d, pda, 3, 8192, 300, true, true).unwrap();
+                let pdu = whole(&h, &data, d, 24);
+                assert_eq!(usize::from(pdu[3]) % pda_alignment(pda), 0);
+                let x = C2hDataHeader::from_prefix(&pdu).unwrap();
+                assert_eq!((x.cccid(), x.datao(), x.datal()), (3, 8192, 300));
+                assert!(x.common().last_pdu() && x.common().success());
+            }
+            let h = PduHeader::r2t(d, 4, 5, 12_000, 8000);
+            let pdu = whole(&h, &[], d, 24);
+            let x = R2tHeader::from_prefix(&pdu).unwrap();
+            assert_eq!(
+                (x.cccid(), x.ttag(), x.r2to(), x.r2tl()),
+                (4, 5, 12_000, 8000)
+            );
+        }
+    }
+
+    #[test]
+    fn encoder_refusals() {
+        let d = Digests::default();
+        assert_eq!(
+            PduHeader::h2c_data(d, 0, 1, 1, 0, 0, true).unwrap_err(),
+            SendError::EmptyData
+        );
+        assert_eq!(
+            PduHeader::c2h_data(d, 0, 1, 0, 1, false, true).unwrap_err(),
+            SendError::SuccessWithoutLast
+        );
+        assert_eq!(
+            PduHeader::c2h_data(d, 0, 1, 0, u32::MAX, true, false).unwrap_err(),
+            SendError::TooLarge
+        );
+        assert_eq!(pda_alignment(0), 4);
+        assert_eq!(pda_alignment(31), 128);
+        assert_eq!(pda_alignment(200), 128);
+    }
+}

@@ -363,3 +363,99 @@ fn host_events(
         }
     }
 }
+
+/// Well-formed driver inputs that walk through whole conversations, used as the starting
+/// corpus of the fuzz targets: `(target_seeds, host_seeds)`. Each seed must run without a
+/// fatal error.
+pub fn seed_inputs() -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
+    let mut target_seeds = Vec::new();
+    let mut host_seeds = Vec::new();
+    for bits in 0u8..4 {
+        let d = Digests {
+            header: bits & 1 != 0,
+            data: bits & 2 != 0,
+        };
+        for handshake in [true, false] {
+            let opts = bits | 0x04 | if handshake { 0x08 } else { 0 };
+
+            // Target: ICReq, write with in-capsule data, write through an R2T answered by
+            // two H2CData PDUs, a read, then the host terminates.
+            let mut t = vec![opts, 0x34, 0x12, 0, 0];
+            if !handshake {
+                t.extend_from_slice(PduHeader::ic_req(0, d, 0).as_bytes());
+            }
+            let put = |out: &mut Vec<u8>, h: Result<PduHeader, crate::SendError>, data: &[u8]| {
+                if let Ok(h) = h {
+                    h.append_to(out, data);
+                }
+            };
+            put(
+                &mut t,
+                PduHeader::capsule_cmd(d, 0, &fuzz_sqe(1, 0x01, 100), 100),
+                &[1; 100],
+            );
+            put(
+                &mut t,
+                PduHeader::capsule_cmd(d, 0, &fuzz_sqe(2, 0x01, 6000), 0),
+                &[],
+            );
+            put(
+                &mut t,
+                PduHeader::h2c_data(d, 0, 2, 2, 0, 4096, false),
+                &[2; 4096],
+            );
+            put(
+                &mut t,
+                PduHeader::h2c_data(d, 0, 2, 2, 4096, 1904, true),
+                &[2; 1904],
+            );
+            put(
+                &mut t,
+                PduHeader::capsule_cmd(d, 0, &fuzz_sqe(3, 0x02, 5000), 0),
+                &[],
+            );
+            let term = PduHeader::term_req(
+                nvme_spec::tcp::PduType::H2cTermReq,
+                nvme_spec::tcp::FatalErrorStatus::PduSequenceError,
+                0,
+                8,
+            );
+            t.extend_from_slice(term.as_bytes());
+            t.extend_from_slice(&[0; 8]);
+            target_seeds.push(t);
+
+            // Host: ICResp, the read (command 0, 1281 bytes) in two C2HData PDUs, the write
+            // (command 1, 1921 bytes) through an R2T, responses for all four commands, then
+            // the controller terminates.
+            let mut h = vec![opts, 0x78, 0x56, 20, 30];
+            if !handshake {
+                h.extend_from_slice(PduHeader::ic_resp(0, d, FUZZ_MAXH2CDATA).as_bytes());
+            }
+            put(
+                &mut h,
+                PduHeader::c2h_data(d, 0, 0, 0, 1000, false, false),
+                &[3; 1000],
+            );
+            put(
+                &mut h,
+                PduHeader::c2h_data(d, 0, 0, 1000, 281, true, false),
+                &[3; 281],
+            );
+            put(&mut h, Ok(PduHeader::r2t(d, 1, 7, 0, 1921)), &[]);
+            for cid in 0..4u16 {
+                let mut cqe = [0u8; 16];
+                cqe[12..14].copy_from_slice(&cid.to_le_bytes());
+                put(&mut h, Ok(PduHeader::capsule_resp(d, &cqe)), &[]);
+            }
+            let term = PduHeader::term_req(
+                nvme_spec::tcp::PduType::C2hTermReq,
+                nvme_spec::tcp::FatalErrorStatus::HeaderDigestError,
+                0,
+                0,
+            );
+            h.extend_from_slice(term.as_bytes());
+            host_seeds.push(h);
+        }
+    }
+    (target_seeds, host_seeds)
+}

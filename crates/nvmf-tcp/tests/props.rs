@@ -311,3 +311,44 @@ fn near_valid_streams_reach_deep_states() {
         assert!(n > 0, "no {name} reached: target {target:?} host {host:?}");
     }
 }
+
+/// The fuzz seed corpus is a set of clean conversations that reach every normal event.
+/// With `NVMF_TCP_FUZZ_SEED_DIR` set, the seeds are also written there (one directory per
+/// fuzz target) for `fuzz/run-brief.sh`.
+#[test]
+fn fuzz_seeds_are_clean_conversations() {
+    let (target_seeds, host_seeds) = nvmf_tcp::fuzzing::seed_inputs();
+    assert_eq!((target_seeds.len(), host_seeds.len()), (8, 8));
+    for seed in &target_seeds {
+        let c = drive_target(seed);
+        assert_eq!(c.fatal_errors, 0, "{c:?}");
+        assert_eq!(
+            (c.connected, c.commands, c.h2c_data, c.term_reqs),
+            (1, 3, 2, 1),
+            "{c:?}"
+        );
+    }
+    for seed in &host_seeds {
+        let c = drive_host(seed);
+        assert_eq!(c.fatal_errors, 0, "{c:?}");
+        assert_eq!(
+            (c.connected, c.r2ts, c.capsule_resps, c.term_reqs),
+            (1, 1, 4, 1),
+            "{c:?}"
+        );
+        assert!(c.c2h_data >= 2, "{c:?}");
+    }
+    if let Some(dir) = std::env::var_os("NVMF_TCP_FUZZ_SEED_DIR") {
+        let dir = std::path::PathBuf::from(dir);
+        for (name, seeds) in [
+            ("deframe_target", &target_seeds),
+            ("deframe_host", &host_seeds),
+        ] {
+            let sub = dir.join(name);
+            std::fs::create_dir_all(&sub).unwrap();
+            for (i, seed) in seeds.iter().enumerate() {
+                std::fs::write(sub.join(format!("seed-{i}")), seed).unwrap();
+            }
+        }
+    }
+}
