@@ -69,6 +69,8 @@ impl Drop for DeviceAlloc {
         // SAFETY: `ptr` came from `cuMemAlloc_v2` in this context and is freed exactly once,
         // here, after all tracked uses completed.
         let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        // While `ctx` is still held: dropping it may destroy the context.
+        self.tracker.release();
     }
 }
 
@@ -592,6 +594,9 @@ impl Drop for PinnedBuffer {
         // SAFETY: the pointer came from `cuMemHostAlloc`, is freed once, after every tracked
         // copy completed, and no borrow of the buffer outlives `self`.
         let _ = unsafe { sys::cuMemFreeHost(self.ptr.as_ptr().cast()) };
+        // While `ctx` is still held: dropping it may destroy the context.
+        self.device_reads.release();
+        self.device_writes.release();
     }
 }
 

@@ -105,14 +105,23 @@ impl UseTracker {
         }
         Ok(())
     }
+
+    /// Destroys the events. Owners call this from their `Drop`, after waiting, while their
+    /// context is still alive (the context may be destroyed right after, when the owner's last
+    /// reference to it goes).
+    pub(crate) fn release(&mut self) {
+        for entry in self.entries.get_mut().drain(..) {
+            // SAFETY: the tracker owns its events; they are removed from the list, so none is
+            // used again.
+            let _ = unsafe { sys::cuEventDestroy_v2(entry.event) };
+        }
+    }
 }
 
 impl Drop for UseTracker {
     fn drop(&mut self) {
-        for entry in self.entries.get_mut().drain(..) {
-            // SAFETY: the tracker owns its events and is being dropped, so none is used again.
-            // Owners wait for the events before dropping the tracker.
-            let _ = unsafe { sys::cuEventDestroy_v2(entry.event) };
-        }
+        // Normally already empty (owners call `release`); this only covers owners that never
+        // got as far as their own `Drop`.
+        self.release();
     }
 }
