@@ -164,10 +164,13 @@ fn fits(offset: u64, len: u64, size: u64) -> bool {
     offset.checked_add(len).is_some_and(|end| end <= size)
 }
 
-/// Finds two overlapping non-empty ranges among `(offset, len, index)`.
+/// Finds two overlapping non-empty ranges among `(offset, len, index)`. Linear when the ranges
+/// come in ascending order (the usual layout of a batch), `O(n log n)` otherwise.
 fn find_overlap(mut ranges: Vec<(u64, u64, usize)>) -> Option<(usize, usize)> {
     ranges.retain(|r| r.1 > 0);
-    ranges.sort_unstable();
+    if !ranges.is_sorted() {
+        ranges.sort_unstable();
+    }
     ranges.windows(2).find_map(|w| {
         let (a, b) = (w[0], w[1]);
         // Ends cannot overflow: callers checked `fits` first.

@@ -239,7 +239,13 @@ fn gpu_scatter_many_blocks_and_throughput() {
         return;
     };
     const SEED: u64 = 77;
-    for (block, count) in [(4096u64, 4096u64), (512, 8192), (16 << 20, 4)] {
+    for (block, count, shuffled) in [
+        (4096u64, 4096u64, true),
+        (4096, 4096, false),
+        (512, 8192, true),
+        (512, 8192, false),
+        (16 << 20, 4, true),
+    ] {
         let total = block * count;
         let mut staging = g.ctx.alloc(total as usize).unwrap();
         let fill = [PatternRegion {
@@ -250,11 +256,17 @@ fn gpu_scatter_many_blocks_and_throughput() {
         g.kernels
             .fill_pattern(&mut g.ws, &mut staging.as_slice_mut(), &fill, SEED)
             .unwrap();
-        // Destination slot of block i: a fixed permutation (odd multiplier, power-of-two
-        // count), every block 3 bytes off alignment.
+        // Destination slot of block i: in order, or a fixed permutation (odd multiplier,
+        // power-of-two count); every block 3 bytes off alignment.
         let stride = block + 8;
         let mut dst = g.ctx.alloc((count * stride + 8) as usize).unwrap();
-        let perm = |i: u64| (i * 2_654_435_761) % count;
+        let perm = |i: u64| {
+            if shuffled {
+                (i * 2_654_435_761) % count
+            } else {
+                i
+            }
+        };
         let mut copies = Vec::new();
         let mut regions = Vec::new();
         for i in 0..count {
@@ -305,8 +317,9 @@ fn gpu_scatter_many_blocks_and_throughput() {
             .unwrap();
         assert!(report.is_ok(), "{block} x {count}: {report:?}");
         println!(
-            "scatter {count} x {block} B ({} MiB) to unaligned shuffled offsets: {ms:.3} ms per call on the stream ({:.1} GB/s copied), {wall_ms:.3} ms per call on the host",
+            "scatter {count} x {block} B ({} MiB) to unaligned {} offsets: {ms:.3} ms per call on the stream ({:.1} GB/s copied), {wall_ms:.3} ms per call on the host",
             total >> 20,
+            if shuffled { "shuffled" } else { "ascending" },
             total as f64 / (ms * 1e6)
         );
     }
