@@ -13,7 +13,8 @@
 #   INTEROP_KERNEL_PKG  exact kernel package to use (e.g. linux-image-6.1.0-56-amd64-unsigned)
 #
 # Result (paths recorded in $INTEROP_CACHE/guest.env, read by guest.sh):
-#   kernel/<kver>/root          extracted kernel package (vmlinuz, modules, depmod output)
+#   kernel/<kver>/              the kernel package, its vmlinuz and config, and the vmlinux
+#                               extracted from vmlinuz (booted directly through PVH)
 #   initrd/base.cpio.zst        busybox, /init, kernel modules (tests/interop/modules.list)
 #   initrd/nvme.cpio.zst        nvme-cli and its shared libraries
 #   initrd/fio.cpio.zst         fio and its shared libraries (large; only for --with-fio)
@@ -95,7 +96,7 @@ fi
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found after install"
 
 # ---------------------------------------------------------------------------------------------
-# 2. Guest kernel: Debian linux-image-6.1.*-amd64, extracted and depmod'ed
+# 2. Guest kernel: Debian linux-image-6.1.*-amd64 (unsigned flavour when offered)
 # ---------------------------------------------------------------------------------------------
 KDIR=$CACHE/kernel
 mkdir -p "$KDIR"
@@ -113,13 +114,18 @@ pick_kernel_pkg() {
     return 1
 }
 
+# Cached per kernel (kernel/<kver>/): PACKAGE, kernel.deb, vmlinuz, config, vmlinux. The module
+# tree (root/) is extracted from kernel.deb only while the base segment is being built.
 KVER=""
 if [[ $REFRESH_KERNEL == 0 && -z ${INTEROP_KERNEL_PKG:-} && -f $KDIR/CURRENT ]]; then
     KVER=$(cat "$KDIR/CURRENT")
-    if [[ ! -f $KDIR/$KVER/root/boot/vmlinuz-$KVER || ! -f $KDIR/$KVER/root/lib/modules/$KVER/modules.dep ]]; then
-        log "cached kernel $KVER is incomplete; fetching again"
-        KVER=""
-    fi
+    for f in PACKAGE kernel.deb vmlinuz config; do
+        if [[ ! -f $KDIR/$KVER/$f ]]; then
+            log "cached kernel $KVER is incomplete ($f); fetching again"
+            KVER=""
+            break
+        fi
+    done
 fi
 
 if [[ -z $KVER ]]; then
@@ -137,34 +143,47 @@ if [[ -z $KVER ]]; then
     KVER=${pkg#linux-image-}
     KVER=${KVER%-unsigned}
     log "kernel package: $pkg (kernel $KVER)"
-    dl=$KDIR/download
-    rm -rf "$dl" "$KDIR/$KVER"
-    mkdir -p "$dl"
-    (cd "$dl" && apt-get download -qq -o APT::Sandbox::User=root "$pkg" >&2) || die "apt-get download $pkg failed"
-    deb=$(ls "$dl"/*.deb)
-    mkdir -p "$KDIR/$KVER.tmp"
-    dpkg-deb -x "$deb" "$KDIR/$KVER.tmp/root"
-    [[ -f $KDIR/$KVER.tmp/root/boot/vmlinuz-$KVER ]] || die "$deb has no boot/vmlinuz-$KVER"
-    depmod -b "$KDIR/$KVER.tmp/root" "$KVER"
-    mv "$KDIR/$KVER.tmp" "$KDIR/$KVER"
-    echo "$pkg" >"$KDIR/$KVER/PACKAGE"
+    tmp=$KDIR/$KVER.tmp
+    rm -rf "$tmp" "$KDIR/$KVER"
+    mkdir -p "$tmp/download"
+    (cd "$tmp/download" && apt-get download -qq -o APT::Sandbox::User=root "$pkg" >&2) ||
+        die "apt-get download $pkg failed"
+    mv "$tmp"/download/*.deb "$tmp/kernel.deb"
+    rmdir "$tmp/download"
+    dpkg-deb --fsys-tarfile "$tmp/kernel.deb" |
+        tar -x -C "$tmp" --wildcards "./boot/vmlinuz-$KVER" "./boot/config-$KVER" ||
+        die "$pkg has no boot/vmlinuz-$KVER or boot/config-$KVER"
+    mv "$tmp/boot/vmlinuz-$KVER" "$tmp/vmlinuz"
+    mv "$tmp/boot/config-$KVER" "$tmp/config"
+    rmdir "$tmp/boot"
+    echo "$pkg" >"$tmp/PACKAGE"
+    mv "$tmp" "$KDIR/$KVER"
     echo "$KVER" >"$KDIR/CURRENT"
-    rm -rf "$dl"
-    # Older extracted kernels are of no further use.
+    # Other kernels are of no further use.
     for old in "$KDIR"/*/; do
         old=${old%/}
         [[ $(basename "$old") == "$KVER" ]] || rm -rf "$old"
     done
 fi
+KPKG=$(cat "$KDIR/$KVER/PACKAGE")
 KROOT=$KDIR/$KVER/root
-KPKG=$(cat "$KDIR/$KVER/PACKAGE" 2>/dev/null || echo "unknown")
 log "kernel $KVER ($KPKG)"
+
+# extract_kernel_tree: the package's files with modules.dep, at $KROOT (removed at the end).
+extract_kernel_tree() {
+    if [[ ! -f $KROOT/lib/modules/$KVER/modules.dep ]]; then
+        rm -rf "$KROOT"
+        mkdir -p "$KROOT"
+        dpkg-deb -x "$KDIR/$KVER/kernel.deb" "$KROOT"
+        depmod -b "$KROOT" "$KVER"
+    fi
+}
 
 # Uncompressed ELF vmlinux for QEMU's PVH boot (the kernel has CONFIG_PVH): skips SeaBIOS's
 # real-mode loader and the in-guest xz decompression, which takes ~4 s under TCG.
 VMLINUX=$KDIR/$KVER/vmlinux
-if [[ ! -f $VMLINUX ]]; then
-    if python3 - "$KROOT/boot/vmlinuz-$KVER" "$VMLINUX.tmp" <<'PY'
+if [[ ! -f $VMLINUX ]] && grep -q '^CONFIG_PVH=y' "$KDIR/$KVER/config"; then
+    if python3 - "$KDIR/$KVER/vmlinuz" "$VMLINUX.tmp" <<'PY'
 import lzma
 import sys
 
@@ -184,10 +203,10 @@ PY
         log "could not extract vmlinux; guest.sh will boot the bzImage (slower)"
     fi
 fi
-if [[ -f $VMLINUX ]] && grep -q '^CONFIG_PVH=y' "$KROOT/boot/config-$KVER"; then
+if [[ -f $VMLINUX ]]; then
     KERNEL_IMAGE=$VMLINUX
 else
-    KERNEL_IMAGE=$KROOT/boot/vmlinuz-$KVER
+    KERNEL_IMAGE=$KDIR/$KVER/vmlinuz
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +259,7 @@ base_hash=$(
 if up_to_date base "$base_hash"; then
     log "base.cpio.zst is up to date"
 else
+    extract_kernel_tree
     st=$(new_staging)
     ln -s usr/lib "$st/lib"
     ln -s usr/lib64 "$st/lib64"
@@ -352,5 +372,5 @@ INTEROP_KERNEL_IMAGE=$KERNEL_IMAGE
 INTEROP_INITRD_DIR=$IDIR
 EOF
 mv "$CACHE/guest.env.tmp" "$CACHE/guest.env"
-rm -rf "$CACHE"/staging.*
+rm -rf "$CACHE"/staging.* "$KROOT"
 log "ready in $(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s: $CACHE/guest.env"
