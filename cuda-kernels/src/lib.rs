@@ -29,3 +29,16 @@ pub use kernels::{
 };
 pub use pattern::VerifyReport;
 pub use plan::{ByteRange, CHUNK_SIZE, PatternRegion, ScatterCopy, WorkItem, WorkPlan};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        assert_send_sync::<NvmfKernels>();
+        assert_send_sync::<KernelWorkspace>();
+    }
+}

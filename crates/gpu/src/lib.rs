@@ -49,3 +49,36 @@ pub use module::{
     nvrtc_supported_archs, nvrtc_version, ptx_isa_version, select_code_target,
 };
 pub use stream::{GpuEvent, GpuStream};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        assert_send_sync::<GpuContext>();
+        assert_send_sync::<DeviceBuffer>();
+        assert_send_sync::<DeviceSlice<'static>>();
+        assert_send_sync::<PinnedBuffer>();
+        assert_send_sync::<GpuStream>();
+        assert_send_sync::<GpuEvent>();
+        assert_send_sync::<Module>();
+        assert_send_sync::<Kernel>();
+        assert_send_sync::<DmaBuf>();
+    }
+
+    #[test]
+    fn entry_points_fail_cleanly_without_a_driver() {
+        // On a machine without libcuda every entry point returns the typed error; with a driver
+        // this test has nothing to check.
+        if driver_available() {
+            return;
+        }
+        let err = GpuContext::new(0).unwrap_err();
+        assert!(err.is_unavailable(), "{err}");
+        assert_eq!(device_count().unwrap_err(), err);
+        assert_eq!(ensure_driver().unwrap_err(), err);
+    }
+}
