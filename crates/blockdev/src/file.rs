@@ -571,4 +571,215 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
     }
+
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::Poll;
+    use std::time::{Duration, Instant};
+
+    use crate::sys::uring::test_support::in_flight_on_current_ring;
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn pattern(tag: u8, len: usize) -> IoBuf {
+        let mut buf = IoBuf::new(len);
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = tag ^ (i % 251) as u8;
+        }
+        buf
+    }
+
+    /// Polls a future exactly once.
+    async fn poll_once<F: Future>(fut: &mut Pin<Box<F>>) -> Poll<F::Output> {
+        std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await
+    }
+
+    async fn wait_idle() {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while in_flight_on_current_ring().unwrap_or(0) > 0 {
+            assert!(Instant::now() < deadline, "I/O still in flight");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    const REGION: usize = 256 * 1024;
+
+    #[test]
+    fn dropped_write_futures_still_write_their_buffers() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 16 << 20)).unwrap();
+        assert_eq!(backend.engine(), FileEngine::Uring);
+        let bs = backend.block_size() as usize;
+        current_thread().block_on(async {
+            let mut pending = Vec::new();
+            for i in 0..32u8 {
+                let lba = (i as usize * REGION / bs) as u64;
+                let mut fut = Box::pin(backend.write(lba, pattern(i, REGION)));
+                assert!(poll_once(&mut fut).await.is_pending());
+                pending.push(fut);
+            }
+            assert!(in_flight_on_current_ring().unwrap() >= 32);
+            // Dropped before the driver even submitted them.
+            drop(pending);
+            // Churn the allocator: freed buffers would be reused and overwritten here.
+            let churn: Vec<IoBuf> = (0..64).map(|_| pattern(0xEE, REGION)).collect();
+            wait_idle().await;
+            drop(churn);
+            for i in 0..32u8 {
+                let lba = (i as usize * REGION / bs) as u64;
+                let (res, buf) = backend.read(lba, IoBuf::new(REGION)).await;
+                res.unwrap();
+                assert!(buf[..] == pattern(i, REGION)[..], "region {i} corrupted");
+            }
+        });
+    }
+
+    #[test]
+    fn dropped_read_futures_are_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 8 << 20)).unwrap();
+        current_thread().block_on(async {
+            let (res, _) = backend.write(0, pattern(7, 8 << 20)).await;
+            res.unwrap();
+            for round in 0..4 {
+                let mut pending = Vec::new();
+                for i in 0..64u64 {
+                    let mut fut = Box::pin(backend.read(i * 8 % 2048, IoBuf::new(32 * 1024)));
+                    assert!(poll_once(&mut fut).await.is_pending());
+                    pending.push(fut);
+                }
+                if round % 2 == 1 {
+                    // Let the driver submit first this time.
+                    tokio::task::yield_now().await;
+                }
+                drop(pending);
+                wait_idle().await;
+            }
+            let (res, buf) = backend.read(0, IoBuf::new(8 << 20)).await;
+            res.unwrap();
+            assert!(buf[..] == pattern(7, 8 << 20)[..]);
+        });
+    }
+
+    #[test]
+    fn runtime_shutdown_with_io_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend =
+            Arc::new(FileBackend::open(&spec(&dir.path().join("ns.img"), 8 << 20)).unwrap());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        for t in 0..8u64 {
+            let backend = backend.clone();
+            rt.spawn(async move {
+                // Runs until the runtime drops it, or refuses new I/O while shutting down.
+                loop {
+                    let (res, _) = backend.read(t * 64, IoBuf::new(64 * 1024)).await;
+                    if res.is_err() {
+                        break;
+                    }
+                    let (res, _) = backend.write(t * 64, pattern(t as u8, 64 * 1024)).await;
+                    if res.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        drop(rt);
+        // The backend still works in a new runtime.
+        current_thread().block_on(async {
+            let (res, buf) = backend.write(0, pattern(9, 4096)).await;
+            res.unwrap();
+            let (res, back) = backend.read(0, IoBuf::new(4096)).await;
+            res.unwrap();
+            assert!(back[..] == buf[..]);
+        });
+    }
+
+    #[test]
+    fn operation_outliving_its_runtime_completes() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 1 << 20)).unwrap();
+        current_thread().block_on(async {
+            let (res, _) = backend.write(0, pattern(3, 1 << 20)).await;
+            res.unwrap();
+        });
+        let rt1 = current_thread();
+        let mut fut = Box::pin(backend.read(0, IoBuf::new(1 << 20)));
+        rt1.block_on(async {
+            assert!(poll_once(&mut fut).await.is_pending());
+        });
+        // The driver of the ring the read went to is gone with its runtime.
+        drop(rt1);
+        let (res, buf) = current_thread().block_on(fut);
+        res.unwrap();
+        assert!(buf[..] == pattern(3, 1 << 20)[..]);
+    }
+
+    #[test]
+    fn outside_a_runtime_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 1 << 20)).unwrap();
+        // A minimal executor that is not tokio.
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut fut = Box::pin(backend.read(0, IoBuf::new(4096)));
+        match fut.as_mut().poll(&mut cx) {
+            Poll::Ready((Err(BackendError::NoRuntime), buf)) => assert_eq!(buf.len(), 4096),
+            other => panic!("unexpected {:?}", other.map(|(r, _)| r)),
+        }
+    }
+
+    #[test]
+    fn tmpfs_write_zeroes_falls_back_to_punching_holes() {
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("no /dev/shm here; skipped");
+            return;
+        };
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 1 << 20)).unwrap();
+        current_thread().block_on(async {
+            let (res, _) = backend.write(0, pattern(5, 1 << 20)).await;
+            res.unwrap();
+            backend.write_zeroes(1, 2).await.unwrap();
+            // tmpfs refuses FALLOC_FL_ZERO_RANGE but punches holes.
+            assert_eq!(backend.zero_method.load(Ordering::Relaxed), ZERO_PUNCH);
+            let (res, buf) = backend.read(0, IoBuf::new(4 * 4096)).await;
+            res.unwrap();
+            let expect = pattern(5, 1 << 20);
+            assert!(buf[..4096] == expect[..4096]);
+            assert!(buf[4096..3 * 4096].iter().all(|&b| b == 0));
+            assert!(buf[3 * 4096..] == expect[3 * 4096..4 * 4096]);
+        });
+    }
+
+    #[test]
+    fn write_zeroes_by_writing_when_fallocate_cannot() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = FileBackend::open(&spec(&dir.path().join("ns.img"), 4 << 20)).unwrap();
+        // As if the file system had refused both fallocate modes.
+        backend.zero_method.store(ZERO_WRITE, Ordering::Relaxed);
+        current_thread().block_on(async {
+            let (res, _) = backend.write(0, pattern(6, 4 << 20)).await;
+            res.unwrap();
+            // Longer than the zero buffer, so it takes several writes.
+            let blocks = (ZERO_BUF as u64 * 2 + 8192) / 4096;
+            backend.write_zeroes(1, blocks).await.unwrap();
+            let (res, buf) = backend.read(0, IoBuf::new(4 << 20)).await;
+            res.unwrap();
+            let expect = pattern(6, 4 << 20);
+            let end = (1 + blocks as usize) * 4096;
+            assert!(buf[..4096] == expect[..4096]);
+            assert!(buf[4096..end].iter().all(|&b| b == 0));
+            assert!(buf[end..] == expect[end..]);
+        });
+    }
 }
+

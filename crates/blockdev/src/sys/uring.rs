@@ -251,6 +251,11 @@ impl Ring {
         // the runtime drops the task before ever polling it.
         let guard = DriverGuard(ring.clone());
         handle.spawn(drive(guard, event_fd));
+        if !ring.driver_alive() {
+            // A runtime that is shutting down drops new tasks at once. Refuse new I/O rather
+            // than completing it inline, which would keep the task from ever yielding.
+            return Err(io::Error::other("the tokio runtime is shutting down"));
+        }
         Ok(ring)
     }
 
