@@ -43,8 +43,10 @@ stage "tests"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
 if [[ $quick == 0 ]]; then
-    stage "fuzzing the NVMe/TCP deframer"
+    stage "fuzzing: NVMe/TCP deframers, then the target's capsule handling"
     crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
+    (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run capsule -- \
+        -max_total_time="${FUZZ_SECONDS:-20}" -max_len=8192 -print_final_stats=1)
 fi
 
 stage "done"
