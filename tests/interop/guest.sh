@@ -247,6 +247,8 @@ EOF
     local pid
     pid=$(cat "$pidfile")
     echo "PID=$pid" >>"$pidfile.state"
+    # QEMU has loaded the initramfs into guest memory; the file is no longer needed.
+    rm -f "$initrd"
 
     local tail_pid=""
     if [[ $verbose == 1 ]]; then
@@ -348,6 +350,7 @@ cmd_stop() {
 
     if is_qemu_pid "$PID"; then
         # "stop" on the control port: /init sends SIGTERM to the guest script.
+        # shellcheck disable=SC2016
         timeout 5 sh -c 'printf "stop\n" >"$1"' _ "$RUNDIR/ctl.in" || true
         local deadline=$((SECONDS + grace))
         while is_qemu_pid "$PID" && ((SECONDS < deadline)); do

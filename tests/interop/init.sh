@@ -54,6 +54,7 @@ fi
 # Variables for the test script (written by guest.sh, already shell-quoted).
 if [ -f /env ]; then
     set -a
+    # shellcheck disable=SC1091
     . /env
     set +a
 fi

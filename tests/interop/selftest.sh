@@ -11,6 +11,7 @@
 #   soft-roce  rdma_rxe, `rdma link add`, ibv_devinfo, rping, NVMe/RDMA host<->target over rxe
 #
 #   tests/interop/selftest.sh [NAME...]     (default: all; run setup.sh first)
+# shellcheck disable=SC2317  # test functions are called through "$t"
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -66,7 +67,7 @@ icreq_case() {
     python3 "$HERE/tools/nvme_tcp_probe.py" --port "$port" || rc=1
     python3 "$HERE/tools/nvme_tcp_probe.py" --port "$port" --hdr-digest --data-digest || rc=1
     "$G" stop "$pidfile" || rc=1
-    return $rc
+    return "$rc"
 }
 
 icreq() {
@@ -77,13 +78,13 @@ two_guests_case() {
     local port pidfile rc=0 nqn=nqn.2014-08.org.nvmexpress:two-guests
     port=$("$G" free-port) || return 2
     pidfile=$("$G" start --ready-marker NVMET-READY --hostfwd "$port:4420" \
-        --env NVMET_NQN=$nqn --env NVMET_BACKEND=brd --log "$TMP/target.log" \
+        --env NVMET_NQN="$nqn" --env NVMET_BACKEND=brd --log "$TMP/target.log" \
         "$S/nvmet-target.sh") || return 1
-    "$G" run --with-fio --env TARGET_PORT="$port" --env TARGET_NQN=$nqn --env DIGESTS=both \
+    "$G" run --with-fio --env TARGET_PORT="$port" --env TARGET_NQN="$nqn" --env DIGESTS=both \
         "$S/kernel-host-tcp.sh" || rc=1
     "$G" stop "$pidfile" || rc=1
     grep -a 'nvmet: creating nvm controller' "$TMP/target.log" || rc=1
-    return $rc
+    return "$rc"
 }
 
 two_guests() {

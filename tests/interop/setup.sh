@@ -144,7 +144,7 @@ if [[ -z $KVER ]]; then
     KVER=${KVER%-unsigned}
     log "kernel package: $pkg (kernel $KVER)"
     tmp=$KDIR/$KVER.tmp
-    rm -rf "$tmp" "$KDIR/$KVER"
+    rm -rf "$tmp" "${KDIR:?}/$KVER"
     mkdir -p "$tmp/download"
     (cd "$tmp/download" && apt-get download -qq -o APT::Sandbox::User=root "$pkg" >&2) ||
         die "apt-get download $pkg failed"
@@ -355,8 +355,9 @@ LIBGCC_S=$(ldconfig -p | awk '/libgcc_s.so.1 .*x86-64/ {print $NF; exit}')
 [[ -n $LIBGCC_S ]] || die "libgcc_s.so.1 not found"
 build_tool_segment nvme "nvme-cli libnvme1 libc6 libgcc-s1" "/usr/sbin/nvme $LIBGCC_S"
 build_tool_segment fio "fio libc6 libgcc-s1" "/usr/bin/fio $LIBGCC_S"
-RXE_PROVIDER=$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so 2>/dev/null | head -n1)
-[[ -n $RXE_PROVIDER ]] || die "rxe verbs provider not found (ibverbs-providers)"
+rxe=(/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so)
+RXE_PROVIDER=${rxe[0]}
+[[ -f $RXE_PROVIDER ]] || die "rxe verbs provider not found (ibverbs-providers)"
 build_tool_segment rdma "libgcc-s1 iproute2 libibverbs1 librdmacm1 ibverbs-providers ibverbs-utils rdmacm-utils libc6" \
     "/usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ibv_rc_pingpong /usr/bin/rping /usr/bin/ucmatose $RXE_PROVIDER $LIBGCC_S" \
     "/etc/libibverbs.d/rxe.driver"

@@ -10,6 +10,7 @@
 # DIGESTS (none|hdr|data|both, default none), NR_IO_QUEUES (kernel default if unset),
 # EXPECT_NS (number of namespaces to expect, default 1), FIO_SIZE (8M), DISCOVER (1: also run
 # nvme discover against the same port).
+# shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
 [ -n "${TARGET_NQN:-}" ] || fail "TARGET_NQN is not set"

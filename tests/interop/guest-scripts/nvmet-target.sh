@@ -14,6 +14,7 @@
 # NVMET_ALLOW_HOSTS, NVMET_MODEL, NVMET_SERIAL, NVMET_INLINE_DATA_SIZE (see nvmet_from_env in
 # /usr/lib/interop/interop.sh); READY_MARKER (default NVMET-READY). For rdma the guest needs
 # --with-rdma; Soft-RoCE is set up on eth0 first.
+# shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
 if [ "${NVMET_TRTYPE:-tcp}" = rdma ]; then

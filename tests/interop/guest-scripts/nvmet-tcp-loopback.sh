@@ -9,6 +9,7 @@
 # NVMET_BACKEND (file|brd|null_blk), NVMET_TRADDR (default 127.0.0.1) -- see nvmet_from_env in
 # /usr/lib/interop/interop.sh; FIO_SIZE (default 8M); FIO_BW=1 also measures sequential
 # throughput.
+# shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
 : "${NVMET_TRADDR:=127.0.0.1}" "${NVMET_PORT:=4420}" "${FIO_SIZE:=8M}"

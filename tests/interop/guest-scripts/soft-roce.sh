@@ -8,6 +8,7 @@
 #
 # Environment: ROCE_NVME (1), NVMET_PORT (4420), NVMET_NQN, NVMET_NS_SIZE_MB, NVMET_BACKEND,
 # FIO_SIZE (8M).
+# shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
 command -v rdma >/dev/null || fail "rdma tool missing (guest.sh --with-rdma)"

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Helpers shared by setup.sh and guest.sh to fill an initramfs staging directory.
 # Sourced by bash; callers define die().
 
