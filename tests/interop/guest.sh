@@ -36,7 +36,10 @@
 #   --ready-marker STRING         start: console text that means "ready"
 #   --kernel-log                  show all kernel messages on the console (loglevel=7)
 #   --append ARGS                 extra kernel command line arguments
-#   --qemu-arg ARG                extra QEMU argument (repeatable), e.g. for -device nvme
+#   --qemu-arg ARG                extra QEMU argument (repeatable)
+#   --nvme-disk FILE              attach an emulated NVMe PCIe controller backed by FILE (raw;
+#                                 repeatable); switches to q35 with an emulated Intel IOMMU
+#                                 (intel_iommu=on) so the guest can hand it to vfio-pci
 #   --fail-on-kernel-trace        fail when the guest kernel logged an oops/WARN/BUG trace
 #   --accel tcg|kvm               accelerator (default tcg, or $INTEROP_ACCEL)
 #   --verbose                     start: copy the console to stderr while waiting
@@ -96,7 +99,7 @@ cmd_boot() {
     local script="" marker="" log="" pidfile="" timeout="" mem=1024 smp=2 loglevel=4
     local with_fio=0 with_rdma=0 with_nvme=1 fail_on_trace=0 verbose=0
     local accel=${INTEROP_ACCEL:-tcg} append=""
-    local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=()
+    local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=() nvme_disks=()
 
     while [[ $# -gt 0 ]]; do
         case "$1" in
@@ -116,6 +119,7 @@ cmd_boot() {
         --kernel-log) loglevel=7 ;;
         --append) append="$append ${2:?}"; shift ;;
         --qemu-arg) qemu_extra+=("${2:?}"); shift ;;
+        --nvme-disk) nvme_disks+=("${2:?--nvme-disk needs a file}"); shift ;;
         --fail-on-kernel-trace) fail_on_trace=1 ;;
         --accel) accel=${2:?}; shift ;;
         --verbose) verbose=1 ;;
@@ -196,6 +200,21 @@ cmd_boot() {
         netdev="$netdev,hostfwd=tcp:127.0.0.1:${fwd%%:*}-:${fwd##*:}"
     done
 
+    # Emulated NVMe PCIe controllers behind an emulated IOMMU (for vfio-pci in the guest).
+    local -a nvme_args=()
+    if [[ ${#nvme_disks[@]} -gt 0 ]]; then
+        nvme_args+=(-machine q35 -device intel-iommu)
+        append="$append intel_iommu=on"
+        local i=0 disk
+        for disk in "${nvme_disks[@]}"; do
+            [[ -f $disk ]] || die "--nvme-disk $disk: not a file"
+            [[ $disk != *,* ]] || die "--nvme-disk $disk: commas are not allowed in the path"
+            nvme_args+=(-drive "file=$disk,if=none,id=nvm$i,format=raw")
+            nvme_args+=(-device "nvme,serial=nvmeof-interop-$i,drive=nvm$i")
+            i=$((i + 1))
+        done
+    fi
+
     local cmdline="console=ttyS0,115200 rdinit=/init panic=-1 loglevel=$loglevel"
     cmdline="$cmdline ipv6.disable=1 mitigations=off tsc=reliable no_timer_check$append"
 
@@ -205,6 +224,7 @@ cmd_boot() {
         -nodefaults -display none -no-reboot
         -kernel "$INTEROP_KERNEL_IMAGE" -initrd "$initrd" -append "$cmdline"
         -netdev "$netdev" -device "virtio-net-pci,netdev=net0,romfile="
+        "${nvme_args[@]}"
     )
 
     if [[ $mode == run ]]; then

@@ -9,6 +9,7 @@
 #   two-guests kernel host in one guest -> host 127.0.0.1 -> hostfwd -> kernel target in another
 #              guest (the path the project's target tests use, with the kernel in both roles)
 #   soft-roce  rdma_rxe, `rdma link add`, ibv_devinfo, rping, NVMe/RDMA host<->target over rxe
+#   nvme-pcie  QEMU's emulated NVMe PCIe controller: nvme driver, then vfio-pci behind a vIOMMU
 #
 #   tests/interop/selftest.sh [NAME...]     (default: all; run setup.sh first)
 # shellcheck disable=SC2317  # test functions are called through "$t"
@@ -96,7 +97,13 @@ soft_roce() {
         "$G" run --with-rdma --with-fio "$S/soft-roce.sh"
 }
 
-ALL=(harness loopback icreq two_guests soft_roce)
+nvme_pcie() {
+    truncate -s 64M "$TMP/nvme.img"
+    check "nvme-pcie: emulated controller, nvme driver, vfio-pci" 0 \
+        "$G" run --nvme-disk "$TMP/nvme.img" "$S/nvme-pcie-vfio.sh"
+}
+
+ALL=(harness loopback icreq two_guests soft_roce nvme_pcie)
 if [[ $# -gt 0 ]]; then
     SEL=("${@//-/_}")
 else
