@@ -288,7 +288,7 @@ mod tests {
     fn moving_keeps_address() {
         let buf = IoBuf::from_slice(b"hello");
         let p = buf.data_ptr();
-        let moved = vec![buf];
+        let moved = [Box::new(buf)];
         assert_eq!(moved[0].data_ptr(), p);
         assert_eq!(&moved[0][..], b"hello");
     }

@@ -118,7 +118,9 @@ fn choose_engine(wanted: IoEngine) -> Result<FileEngine, BackendError> {
         IoEngine::Blocking => Ok(FileEngine::Blocking),
         IoEngine::Uring => match uring::availability() {
             Ok(()) => Ok(FileEngine::Uring),
-            Err(e) => Err(BackendError::Config(format!("io_uring is unavailable: {e}"))),
+            Err(e) => Err(BackendError::Config(format!(
+                "io_uring is unavailable: {e}"
+            ))),
         },
         IoEngine::Auto => match uring::availability() {
             Ok(()) => Ok(FileEngine::Uring),
@@ -149,10 +151,7 @@ impl FileBackend {
 
     /// [`FileBackend::open`] with the `open` call replaceable, so tests can simulate file
     /// systems.
-    fn open_with(
-        spec: &FileSpec,
-        open: &Opener<'_>,
-    ) -> Result<Self, BackendError> {
+    fn open_with(spec: &FileSpec, open: &Opener<'_>) -> Result<Self, BackendError> {
         let path = spec.path.as_path();
         let engine = choose_engine(spec.engine)?;
         let (mut file, mut direct) =
@@ -455,7 +454,8 @@ impl Backend for FileBackend {
     async fn flush(&self) -> Result<(), BackendError> {
         match self.engine {
             FileEngine::Uring => {
-                let fut = uring::fdatasync(&self.file).map_err(|(e, _)| ring_error(IoOp::Flush, e))?;
+                let fut =
+                    uring::fdatasync(&self.file).map_err(|(e, _)| ring_error(IoOp::Flush, e))?;
                 let (res, _) = fut.await;
                 if res < 0 {
                     Err(BackendError::errno(IoOp::Flush, res))
@@ -465,7 +465,8 @@ impl Backend for FileBackend {
             }
             FileEngine::Blocking => {
                 let file = self.file.clone();
-                self.run_blocking(IoOp::Flush, move || file.sync_data()).await
+                self.run_blocking(IoOp::Flush, move || file.sync_data())
+                    .await
             }
         }
     }
@@ -782,4 +783,3 @@ mod tests {
         });
     }
 }
-

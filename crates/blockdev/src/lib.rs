@@ -146,10 +146,7 @@ pub(crate) fn check_transfer(
 ) -> Result<u64, BackendError> {
     let bs = block_size as usize;
     if len == 0 || len % bs != 0 {
-        return Err(BackendError::InvalidLength {
-            len,
-            block_size,
-        });
+        return Err(BackendError::InvalidLength { len, block_size });
     }
     check_range(lba, (len / bs) as u64, capacity)?;
     Ok(lba * u64::from(block_size))

@@ -75,8 +75,7 @@ impl MemoryBackend {
         block_size: u32,
         chunk_size: usize,
     ) -> Result<Self, BackendError> {
-        crate::validate_block_size(block_size)
-            .map_err(|e| BackendError::Config(e.to_string()))?;
+        crate::validate_block_size(block_size).map_err(|e| BackendError::Config(e.to_string()))?;
         if size == 0 || size % u64::from(block_size) != 0 {
             return Err(BackendError::Config(format!(
                 "size {size} is not a non-zero multiple of the block size {block_size}"
@@ -338,7 +337,11 @@ mod tests {
         assert_eq!(m.allocated_chunks(), 4);
         // Zero from the middle of chunk 0 to the middle of the last chunk.
         m.zero_sync(2048, (1 << 40) - 2048 - 2048);
-        assert_eq!(m.allocated_chunks(), 2, "the partial head and tail chunks stay");
+        assert_eq!(
+            m.allocated_chunks(),
+            2,
+            "the partial head and tail chunks stay"
+        );
         m.read_sync(0, &mut out);
         assert!(out[1024..2048].iter().all(|&b| b == 1));
         assert!(out[..1024].iter().all(|&b| b == 0));

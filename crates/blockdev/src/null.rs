@@ -15,8 +15,7 @@ pub struct NullBackend {
 impl NullBackend {
     /// Creates a null namespace of `size` bytes with `block_size`-byte blocks.
     pub fn new(size: u64, block_size: u32) -> Result<Self, BackendError> {
-        crate::validate_block_size(block_size)
-            .map_err(|e| BackendError::Config(e.to_string()))?;
+        crate::validate_block_size(block_size).map_err(|e| BackendError::Config(e.to_string()))?;
         if size == 0 || size % u64::from(block_size) != 0 {
             return Err(BackendError::Config(format!(
                 "size {size} is not a non-zero multiple of the block size {block_size}"

@@ -475,7 +475,15 @@ mod tests {
         assert_eq!(parse_size("10GiB").unwrap(), 10 << 30);
         assert_eq!(parse_size("1T").unwrap(), 1 << 40);
         assert_eq!(parse_size("2P").unwrap(), 2 << 50);
-        for bad in ["", "G", "1X", "-1", "1.5G", "99999999999999999999", "16384P"] {
+        for bad in [
+            "",
+            "G",
+            "1X",
+            "-1",
+            "1.5G",
+            "99999999999999999999",
+            "16384P",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad:?} accepted");
         }
         assert_eq!(format_size(1 << 40), "1T");
@@ -598,7 +606,8 @@ mod tests {
                 block_size: 512
             }
         );
-        let c: Config = toml::from_str("[backend]\nkind = \"bdev\"\npath = \"/dev/sda\"\n").unwrap();
+        let c: Config =
+            toml::from_str("[backend]\nkind = \"bdev\"\npath = \"/dev/sda\"\n").unwrap();
         assert_eq!(c.backend, BackendSpec::Bdev(FileSpec::new("/dev/sda")));
         for bad in [
             "backend = \"mem:1Q\"",

@@ -125,9 +125,7 @@ impl RingState {
             match self.uring.submit() {
                 Ok(_) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
-                {
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
                     // The kernel wants completions reaped first; entries stay queued and go
                     // with the next submission, which the next completion triggers.
                     self.reap();
@@ -446,7 +444,10 @@ pub(crate) fn read_at(
     start: usize,
     len: u32,
 ) -> Result<Op, SubmitError> {
-    if start.checked_add(len as usize).is_none_or(|end| end > buf.capacity()) {
+    if start
+        .checked_add(len as usize)
+        .is_none_or(|end| end > buf.capacity())
+    {
         return Err((einval(), Some(buf)));
     }
     submit(file, Some(buf), |fd, buf| match buf {
@@ -466,7 +467,10 @@ pub(crate) fn write_at(
     start: usize,
     len: u32,
 ) -> Result<Op, SubmitError> {
-    if start.checked_add(len as usize).is_none_or(|end| end > buf.capacity()) {
+    if start
+        .checked_add(len as usize)
+        .is_none_or(|end| end > buf.capacity())
+    {
         return Err((einval(), Some(buf)));
     }
     submit(file, Some(buf), |fd, buf| match buf {
