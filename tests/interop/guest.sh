@@ -59,7 +59,7 @@ die() {
 }
 say() { echo "guest.sh: $*" >&2; }
 usage() {
-    sed -n '2,50p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"
     exit "${1:-2}"
 }
 

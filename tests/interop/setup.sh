@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --refresh-kernel) REFRESH_KERNEL=1 ;;
     --rebuild) REBUILD=1 ;;
     -h | --help)
-        sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "${BASH_SOURCE[0]}"
         exit 0
         ;;
     *)
@@ -117,9 +117,13 @@ pick_kernel_pkg() {
 # Cached per kernel (kernel/<kver>/): PACKAGE, kernel.deb, vmlinuz, config, vmlinux. The module
 # tree (root/) is extracted from kernel.deb only while the base segment is being built.
 KVER=""
-if [[ $REFRESH_KERNEL == 0 && -z ${INTEROP_KERNEL_PKG:-} && -f $KDIR/CURRENT ]]; then
+if [[ $REFRESH_KERNEL == 0 && -f $KDIR/CURRENT ]]; then
     KVER=$(cat "$KDIR/CURRENT")
+    if [[ -n ${INTEROP_KERNEL_PKG:-} && $(cat "$KDIR/$KVER/PACKAGE" 2>/dev/null) != "$INTEROP_KERNEL_PKG" ]]; then
+        KVER=""
+    fi
     for f in PACKAGE kernel.deb vmlinuz config; do
+        [[ -n $KVER ]] || break
         if [[ ! -f $KDIR/$KVER/$f ]]; then
             log "cached kernel $KVER is incomplete ($f); fetching again"
             KVER=""
