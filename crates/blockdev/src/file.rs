@@ -114,15 +114,23 @@ fn open_with_fallback(
 }
 
 fn choose_engine(wanted: IoEngine) -> Result<FileEngine, BackendError> {
+    choose_engine_given(wanted, uring::availability())
+}
+
+/// Picks the engine given whether io_uring is available.
+fn choose_engine_given(
+    wanted: IoEngine,
+    availability: Result<(), &io::Error>,
+) -> Result<FileEngine, BackendError> {
     match wanted {
         IoEngine::Blocking => Ok(FileEngine::Blocking),
-        IoEngine::Uring => match uring::availability() {
+        IoEngine::Uring => match availability {
             Ok(()) => Ok(FileEngine::Uring),
             Err(e) => Err(BackendError::Config(format!(
                 "io_uring is unavailable: {e}"
             ))),
         },
-        IoEngine::Auto => match uring::availability() {
+        IoEngine::Auto => match availability {
             Ok(()) => Ok(FileEngine::Uring),
             Err(e) => {
                 static WARNED: AtomicBool = AtomicBool::new(false);
@@ -560,6 +568,34 @@ mod tests {
         assert!(!backend.is_direct());
         assert_eq!(*attempts.lock().unwrap(), vec![true, false]);
         assert_eq!(backend.num_blocks(), 256);
+    }
+
+    #[test]
+    fn engine_choice_falls_back_when_io_uring_is_unavailable() {
+        let enosys = io::Error::from_raw_os_error(libc::ENOSYS);
+        let eperm = io::Error::from_raw_os_error(libc::EPERM);
+        assert_eq!(
+            choose_engine_given(IoEngine::Auto, Ok(())).unwrap(),
+            FileEngine::Uring
+        );
+        assert_eq!(
+            choose_engine_given(IoEngine::Auto, Err(&enosys)).unwrap(),
+            FileEngine::Blocking
+        );
+        assert_eq!(
+            choose_engine_given(IoEngine::Auto, Err(&eperm)).unwrap(),
+            FileEngine::Blocking
+        );
+        assert!(matches!(
+            choose_engine_given(IoEngine::Uring, Err(&eperm)),
+            Err(BackendError::Config(_))
+        ));
+        assert_eq!(
+            choose_engine_given(IoEngine::Blocking, Ok(())).unwrap(),
+            FileEngine::Blocking
+        );
+        // This machine's kernel has io_uring.
+        assert!(uring::availability().is_ok());
     }
 
     #[test]
