@@ -302,7 +302,7 @@ impl FileBackend {
         start: usize,
         len: usize,
     ) -> (Result<usize, BackendError>, IoBuf) {
-        let capacity_len = buf.len();
+        let len_before = buf.len();
         let submitted = match op {
             IoOp::Read => uring::read_at(&self.file, pos, buf, start, len as u32),
             _ => uring::write_at(&self.file, pos, buf, start, len as u32),
@@ -310,13 +310,13 @@ impl FileBackend {
         let (res, back) = match submitted {
             Ok(fut) => fut.await,
             Err((e, back)) => {
-                let buf = back.unwrap_or_else(|| IoBuf::new(capacity_len));
+                let buf = back.unwrap_or_else(|| IoBuf::new(len_before));
                 return (Err(ring_error(op, e)), buf);
             }
         };
         // The buffer is always handed back unless the ring could not wait for the kernel and
         // had to keep it; the caller still gets a buffer of the same length.
-        let buf = back.unwrap_or_else(|| IoBuf::new(capacity_len));
+        let buf = back.unwrap_or_else(|| IoBuf::new(len_before));
         if res < 0 {
             (Err(BackendError::errno(op, res)), buf)
         } else {
