@@ -1,2 +1,80 @@
-//! The nvmeof-direct user-space NVMe-oF initiator library, the nvmeof CLI and the nvmeof-initd daemon.
+//! The nvmeof-direct user-space NVMe-over-Fabrics initiator (NVMe/TCP).
+//!
+//! A library for programs that read and write remote NVMe namespaces directly (data loaders,
+//! benchmarks), plus two binaries built on it: the `nvmeof` command line tool and the
+//! `nvmeof-initd` daemon that holds named attachments.
+//!
+//! - [`discover`] asks a discovery controller which subsystems exist and where.
+//! - [`Controller::connect`] sets up an association with an NVM subsystem: the admin queue
+//!   (Fabrics Connect, controller enable, Identify, Number of Queues), then N I/O queues, each
+//!   its own TCP connection driven by its own task. Keep Alive is sent every KATO/2, an
+//!   Asynchronous Event Request stays posted (a namespace change refreshes the namespace
+//!   list), and a lost connection is re-established with exponential backoff: reads in flight
+//!   are sent again, writes in flight fail with [`Error::Interrupted`] unless
+//!   [`ConnectOptions::retry_writes`] is set.
+//! - [`Namespace`] does the I/O: [`read`](Namespace::read), [`write`](Namespace::write),
+//!   [`flush`](Namespace::flush), [`write_zeroes`](Namespace::write_zeroes),
+//!   [`deallocate`](Namespace::deallocate). Transfers above the controller's MDTS are split
+//!   and reassembled; many commands are in flight per queue; small writes travel in the
+//!   command capsule, larger ones on R2T. Buffers are `&mut [u8]` / `&[u8]`, or any
+//!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
+//! - [`open_attached`] opens a namespace that `nvmeof-initd` holds under a name: the daemon
+//!   gives the connection parameters and the process makes its own queues, so data never
+//!   passes through the daemon.
+//!
+//! Every wait is bounded ([`Timeouts`]): a silent or broken target gives a typed [`Error`],
+//! never a hang. Errors from the controller carry the NVMe status and its name
+//! ([`Error::Status`]).
+//!
+//! # Example
+//!
+//! ```no_run
+//! use nvmeof_initiator::{ConnectOptions, Controller, HostIdentity, TargetAddr, default_state_dir};
+//!
+//! # async fn run() -> Result<(), nvmeof_initiator::Error> {
+//! let host = HostIdentity::load_or_create(&default_state_dir())?;
+//! let addr = TargetAddr::new("192.0.2.10", 4420);
+//! let mut opts = ConnectOptions::new(addr, "nqn.2026-11.io.nvmeof-direct:default", host);
+//! opts.io_queues = Some(4);
+//! let ctrl = Controller::connect(opts).await?;
+//! let ns = ctrl.namespace(1).await?;
+//!
+//! // Read 256 blocks starting at block 0 into a buffer.
+//! let mut buf = vec![0u8; 256 * ns.block_size() as usize];
+//! ns.read(0, &mut buf).await?;
+//!
+//! ctrl.disconnect().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! What this crate must not do: use `unsafe`, block a runtime thread, allocate per I/O on the
+//! data path in steady state, or panic on anything a target sends.
 #![forbid(unsafe_code)]
+
+mod controller;
+pub mod daemon;
+mod discovery;
+mod error;
+pub mod identity;
+mod info;
+mod namespace;
+mod options;
+mod queue;
+mod setup;
+
+pub use controller::{Controller, ControllerEvent, ControllerState};
+pub use daemon::{open_attached, open_attached_at};
+pub use discovery::{DiscoveryEntry, DiscoveryLog, discover};
+pub use error::{Error, fes_name};
+pub use identity::{HostIdentity, default_state_dir};
+pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
+pub use namespace::{BufferError, Namespace, ReadDest, WriteSource};
+pub use options::{
+    ConnectOptions, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions, QueuePolicy,
+    ReconnectPolicy, TargetAddr, Timeouts,
+};
+pub use queue::QueueStats;
+
+/// Re-export of the wire formats crate (Identify structures, status codes).
+pub use nvme_spec;

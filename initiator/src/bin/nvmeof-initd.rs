@@ -1,0 +1,571 @@
+//! `nvmeof-initd`: holds named NVMe-oF attachments, keeps them connected, reports their health,
+//! and serves the `nvmeof` CLI and local programs over a Unix socket.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Parser;
+use nvmeof_initiator::daemon::{
+    self, AttachParams, AttachmentStatus, DEFAULT_SOCKET, Request, Response,
+};
+use nvmeof_initiator::identity::{format_hostid, is_root};
+use nvmeof_initiator::{
+    Controller, ControllerEvent, ControllerState, HostIdentity, ReconnectPolicy,
+    default_state_dir,
+};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+const LONG_ABOUT: &str = "\
+Holds named NVMe-oF attachments for the nvmeof CLI and for programs using the
+nvmeof-initiator library.
+
+Each attachment (added with `nvmeof attach NAME -t tcp -a ADDRESS -s PORT -n NQN`) is a
+namespace of a subsystem that the daemon keeps connected: Keep Alive on the admin queue,
+reconnect with backoff after a lost connection, health reported by `nvmeof list`
+(connected / reconnecting / failed, with the last error). Attachments are stored in
+STATE_DIR/attachments.json and restored at start.
+
+Programs call nvmeof_initiator::open_attached(\"NAME\"): the daemon answers with the
+connection parameters and its host identity, and the program connects its own I/O queues,
+so data never passes through the daemon.
+
+The socket is created with mode 0660, owned by root and by --group when given: only root
+and members of that group can use it.";
+
+#[derive(Parser)]
+#[command(name = "nvmeof-initd", version, about = "NVMe-oF attachment daemon", long_about = LONG_ABOUT)]
+struct Args {
+    /// Unix socket to serve (default /run/nvmeof/initd.sock, or $NVMEOF_INITD_SOCKET).
+    #[arg(long, env = "NVMEOF_INITD_SOCKET", value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Directory for attachments.json and the host identity (default /var/lib/nvmeof for
+    /// root, else ~/.local/state/nvmeof).
+    #[arg(long, env = "NVMEOF_STATE_DIR", value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// Group allowed to use the socket (besides root).
+    #[arg(long, value_name = "GROUP")]
+    group: Option<String>,
+    /// Log format.
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
+}
+
+/// The state file.
+#[derive(Serialize, Deserialize, Default)]
+struct StateFile {
+    version: u32,
+    attachments: Vec<Stored>,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct Stored {
+    name: String,
+    params: AttachParams,
+}
+
+/// Health of one attachment, as reported.
+struct Health {
+    state: String,
+    last_error: Option<String>,
+    controller: Option<nvmeof_initiator::ControllerInfo>,
+    namespace: Option<nvmeof_initiator::NamespaceInfo>,
+}
+
+struct Attachment {
+    name: String,
+    params: AttachParams,
+    health: Mutex<Health>,
+    ctrl: Mutex<Option<Controller>>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Attachment {
+    fn status(&self) -> AttachmentStatus {
+        let h = self.health.lock();
+        AttachmentStatus {
+            name: self.name.clone(),
+            params: self.params.clone(),
+            state: h.state.clone(),
+            last_error: h.last_error.clone(),
+            controller: h.controller.clone(),
+            namespace: h.namespace.clone(),
+        }
+    }
+
+    fn set(&self, state: &str, err: Option<String>) {
+        let mut h = self.health.lock();
+        h.state = state.to_string();
+        if err.is_some() {
+            h.last_error = err;
+        }
+    }
+}
+
+struct Daemon {
+    state_file: PathBuf,
+    identity: HostIdentity,
+    attachments: tokio::sync::Mutex<BTreeMap<String, Arc<Attachment>>>,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter);
+    let _ = if args.log_format == "json" {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("nvmeof-initd: error: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!(
+                "nvmeof-initd: error: {}",
+                format!("{e:#}").replace('\n', " ")
+            );
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    let socket = args.socket.unwrap_or_else(|| {
+        if is_root() {
+            PathBuf::from(DEFAULT_SOCKET)
+        } else {
+            daemon::default_socket_path()
+        }
+    });
+    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("cannot create the state directory {}", state_dir.display()))?;
+    let identity = HostIdentity::load_or_create(&state_dir)?;
+    let gid = match &args.group {
+        Some(g) => Some(lookup_group(g)?),
+        None => None,
+    };
+    let listener = bind(&socket, gid)?;
+    let d = Arc::new(Daemon {
+        state_file: state_dir.join("attachments.json"),
+        identity,
+        attachments: tokio::sync::Mutex::new(BTreeMap::new()),
+    });
+    d.restore().await?;
+    info!(
+        socket = %socket.display(),
+        state_dir = %state_dir.display(),
+        hostnqn = %d.identity.hostnqn,
+        "nvmeof-initd ready"
+    );
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot watch SIGTERM")?;
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => {
+                    let d = Arc::clone(&d);
+                    tokio::spawn(async move { d.serve(stream).await });
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    info!("stopping: disconnecting attachments");
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    drop(listener);
+    let _ = std::fs::remove_file(&socket);
+    d.stop_all().await;
+    info!("stopped");
+    Ok(())
+}
+
+/// Finds a group ID in /etc/group.
+fn lookup_group(name: &str) -> Result<u32> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group").context("cannot read /etc/group")?;
+    for line in groups.lines() {
+        let mut f = line.split(':');
+        if f.next() == Some(name) {
+            if let Some(gid) = f.nth(1).and_then(|g| g.parse().ok()) {
+                return Ok(gid);
+            }
+        }
+    }
+    bail!("group {name:?} not found in /etc/group")
+}
+
+/// Binds the socket: refuses to replace a live daemon's socket, removes a stale one, sets mode
+/// 0660 and the group.
+fn bind(path: &Path, gid: Option<u32>) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        if !dir.as_os_str().is_empty() && !dir.exists() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!(
+                "{} is in use: another nvmeof-initd is running",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("cannot set the mode of {}", path.display()))?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(path, None, Some(gid))
+            .with_context(|| format!("cannot give {} to group {gid}", path.display()))?;
+    }
+    Ok(listener)
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+impl Daemon {
+    async fn restore(self: &Arc<Self>) -> Result<()> {
+        let text = match std::fs::read_to_string(&self.state_file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("cannot read {}", self.state_file.display()));
+            }
+        };
+        let state: StateFile = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a valid state file", self.state_file.display()))?;
+        let mut map = self.attachments.lock().await;
+        for s in state.attachments {
+            if !valid_name(&s.name) || map.contains_key(&s.name) {
+                warn!(name = %s.name, "skipping an invalid or duplicate stored attachment");
+                continue;
+            }
+            let a = Arc::new(Attachment {
+                name: s.name.clone(),
+                params: s.params,
+                health: Mutex::new(Health {
+                    state: "connecting".into(),
+                    last_error: None,
+                    controller: None,
+                    namespace: None,
+                }),
+                ctrl: Mutex::new(None),
+                task: Mutex::new(None),
+            });
+            info!(name = %a.name, subnqn = %a.params.subnqn, "restoring attachment");
+            let task = tokio::spawn(monitor(Arc::clone(&a), None));
+            *a.task.lock() = Some(task);
+            map.insert(s.name, a);
+        }
+        Ok(())
+    }
+
+    fn persist(&self, map: &BTreeMap<String, Arc<Attachment>>) -> Result<()> {
+        let state = StateFile {
+            version: 1,
+            attachments: map
+                .values()
+                .map(|a| Stored {
+                    name: a.name.clone(),
+                    params: a.params.clone(),
+                })
+                .collect(),
+        };
+        let text = serde_json::to_string_pretty(&state)?;
+        let tmp = self.state_file.with_extension("json.tmp");
+        std::fs::write(&tmp, text + "\n")
+            .and_then(|()| std::fs::rename(&tmp, &self.state_file))
+            .with_context(|| format!("cannot write {}", self.state_file.display()))
+    }
+
+    async fn serve(self: Arc<Self>, stream: UnixStream) {
+        let peer = stream.peer_cred().ok();
+        debug!(uid = peer.map(|c| c.uid()), "client connected");
+        let (r, mut w) = stream.into_split();
+        let mut reader = BufReader::new(r);
+        loop {
+            let mut line = String::new();
+            let n = match (&mut reader).take(1 << 20).read_line(&mut line).await {
+                Ok(n) => n,
+                Err(e) => {
+                    debug!(error = %e, "client read failed");
+                    return;
+                }
+            };
+            if n == 0 {
+                return;
+            }
+            let resp = match serde_json::from_str::<Request>(&line) {
+                Ok(req) => self.handle(req).await,
+                Err(e) => Response::error(format!("bad request: {e}")),
+            };
+            let mut out = serde_json::to_string(&resp)
+                .unwrap_or_else(|_| r#"{"ok":false,"error":"cannot encode the answer"}"#.into());
+            out.push('\n');
+            if w.write_all(out.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    async fn handle(self: &Arc<Self>, req: Request) -> Response {
+        match req {
+            Request::Ping => Response::ok(),
+            Request::List => {
+                let map = self.attachments.lock().await;
+                Response {
+                    ok: true,
+                    attachments: Some(map.values().map(|a| a.status()).collect()),
+                    ..Default::default()
+                }
+            }
+            Request::Get { name } => {
+                let map = self.attachments.lock().await;
+                match map.get(&name) {
+                    Some(a) => Response {
+                        ok: true,
+                        attachment: Some(a.status()),
+                        ..Default::default()
+                    },
+                    None => Response::error(format!("no attachment named {name:?}")),
+                }
+            }
+            Request::Detach { name } => match self.detach(&name).await {
+                Ok(()) => Response::ok(),
+                Err(e) => Response::error(format!("{e:#}")),
+            },
+            Request::Attach { name, params } => match self.attach(name, params).await {
+                Ok(status) => Response {
+                    ok: true,
+                    attachment: Some(status),
+                    ..Default::default()
+                },
+                Err(e) => Response::error(format!("{e:#}")),
+            },
+        }
+    }
+
+    async fn attach(self: &Arc<Self>, name: String, mut params: AttachParams) -> Result<AttachmentStatus> {
+        if !valid_name(&name) {
+            bail!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
+        }
+        if self.attachments.lock().await.contains_key(&name) {
+            bail!("an attachment named {name:?} exists already (detach it first)");
+        }
+        let host = params.identity(&self.identity)?;
+        params.hostnqn = Some(host.hostnqn.clone());
+        params.hostid = Some(format_hostid(&host.hostid));
+        let a = Arc::new(Attachment {
+            name: name.clone(),
+            params,
+            health: Mutex::new(Health {
+                state: "connecting".into(),
+                last_error: None,
+                controller: None,
+                namespace: None,
+            }),
+            ctrl: Mutex::new(None),
+            task: Mutex::new(None),
+        });
+        // The first connection must work: the user learns about mistakes now.
+        let ctrl = connect_once(&a)
+            .await
+            .with_context(|| format!("cannot attach {name}"))?;
+        let mut map = self.attachments.lock().await;
+        if map.contains_key(&name) {
+            let _ = ctrl.disconnect().await;
+            bail!("an attachment named {name:?} exists already");
+        }
+        map.insert(name.clone(), Arc::clone(&a));
+        if let Err(e) = self.persist(&map) {
+            map.remove(&name);
+            let _ = ctrl.disconnect().await;
+            return Err(e);
+        }
+        drop(map);
+        let task = tokio::spawn(monitor(Arc::clone(&a), Some(ctrl)));
+        *a.task.lock() = Some(task);
+        info!(name = %name, subnqn = %a.params.subnqn, nsid = a.params.nsid, "attached");
+        Ok(a.status())
+    }
+
+    async fn detach(&self, name: &str) -> Result<()> {
+        let a = {
+            let mut map = self.attachments.lock().await;
+            let a = map
+                .remove(name)
+                .ok_or_else(|| anyhow!("no attachment named {name:?}"))?;
+            self.persist(&map)?;
+            a
+        };
+        stop(&a).await;
+        info!(name = %name, "detached");
+        Ok(())
+    }
+
+    async fn stop_all(&self) {
+        let all: Vec<Arc<Attachment>> = self.attachments.lock().await.values().cloned().collect();
+        let mut set = tokio::task::JoinSet::new();
+        for a in all {
+            set.spawn(async move { stop(&a).await });
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), async {
+            while set.join_next().await.is_some() {}
+        })
+        .await;
+    }
+}
+
+async fn stop(a: &Attachment) {
+    if let Some(t) = a.task.lock().take() {
+        t.abort();
+    }
+    let ctrl = a.ctrl.lock().take();
+    if let Some(c) = ctrl {
+        if let Err(e) = c.disconnect().await {
+            debug!(name = %a.name, error = %e, "disconnect incomplete");
+        }
+    }
+}
+
+/// Connects the daemon's admin-only controller for an attachment and checks its namespace.
+async fn connect_once(a: &Attachment) -> Result<Controller> {
+    let host = HostIdentity::new(
+        a.params.hostnqn.as_deref().unwrap_or_default(),
+        a.params
+            .hostid
+            .as_deref()
+            .and_then(nvmeof_initiator::identity::parse_hostid)
+            .ok_or_else(|| anyhow!("attachment {} has no host ID", a.name))?,
+    )?;
+    let mut opts = a.params.connect_options(host)?;
+    // The daemon keeps the admin queue only; programs make their own I/O queues.
+    opts.io_queues = Some(0);
+    opts.reconnect = ReconnectPolicy {
+        initial_delay: Duration::from_millis(500),
+        max_delay: Duration::from_secs(10),
+        ctrl_loss_timeout: Some(Duration::from_secs(60)),
+    };
+    let ctrl = Controller::connect(opts).await?;
+    match ctrl.namespace_info(a.params.nsid).await {
+        Ok(ns) => {
+            let mut h = a.health.lock();
+            h.namespace = Some(ns);
+            h.controller = Some(ctrl.info());
+            h.state = "connected".into();
+            Ok(ctrl)
+        }
+        Err(e) => {
+            let _ = ctrl.clone().disconnect().await;
+            Err(e.into())
+        }
+    }
+}
+
+/// Keeps an attachment connected: mirrors the controller state into the health record, and
+/// when the controller gives up, starts over with a fresh connection after a pause.
+async fn monitor(a: Arc<Attachment>, first: Option<Controller>) {
+    let mut ctrl = first;
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let c = match ctrl.take() {
+            Some(c) => c,
+            None => match connect_once(&a).await {
+                Ok(c) => c,
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    warn!(name = %a.name, error = %msg, "connect failed");
+                    a.set("failed", Some(msg));
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(30));
+                    a.set("connecting", None);
+                    continue;
+                }
+            },
+        };
+        delay = Duration::from_secs(1);
+        *a.ctrl.lock() = Some(c.clone());
+        {
+            let mut h = a.health.lock();
+            h.state = "connected".into();
+            h.controller = Some(c.info());
+        }
+        let mut events = c.subscribe_events();
+        loop {
+            let state = c.state();
+            match &state {
+                ControllerState::Connected => {
+                    let mut h = a.health.lock();
+                    h.state = "connected".into();
+                    h.controller = Some(c.info());
+                }
+                ControllerState::Reconnecting { last_error, .. } => {
+                    a.set("reconnecting", Some(last_error.clone()));
+                }
+                ControllerState::Failed { error } => {
+                    warn!(name = %a.name, error = %error, "attachment failed; starting over");
+                    a.set("failed", Some(error.clone()));
+                    break;
+                }
+                ControllerState::Closed => return,
+            }
+            let changed = c.wait_for_state(Duration::from_secs(3600), |s| *s != state);
+            tokio::select! {
+                _ = changed => {}
+                ev = events.recv() => {
+                    if let Ok(ControllerEvent::NamespacesChanged { .. }) = ev {
+                        if let Ok(ns) = c.namespace_info(a.params.nsid).await {
+                            a.health.lock().namespace = Some(ns);
+                        }
+                    }
+                }
+            }
+        }
+        a.ctrl.lock().take();
+        let _ = c.disconnect().await;
+        tokio::time::sleep(delay).await;
+        a.set("connecting", None);
+    }
+}

@@ -1,0 +1,376 @@
+//! The protocol of `nvmeof-initd` and its client.
+//!
+//! `nvmeof-initd` holds named attachments: a subsystem, a namespace and connection settings,
+//! kept connected (admin queue with keep-alive, reconnect) and reported with their health.
+//! It listens on a Unix socket (default [`DEFAULT_SOCKET`], or `$NVMEOF_INITD_SOCKET`).
+//!
+//! The protocol is one JSON object per line in each direction: a [`Request`] (tagged by its
+//! `op` field), answered by one [`Response`].
+//!
+//! A process that wants the data of an attachment calls [`open_attached`]: it asks the
+//! daemon for the attachment's parameters (including the host identity the daemon uses), then
+//! connects its own controller and I/O queues, so the data path stays inside the process.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::identity::{is_root, parse_hostid};
+use crate::{
+    ConnectOptions, Controller, ControllerInfo, Error, HostIdentity, Namespace, NamespaceInfo,
+    TargetAddr,
+};
+
+/// The daemon's socket path when running as root.
+pub const DEFAULT_SOCKET: &str = "/run/nvmeof/initd.sock";
+/// Environment variable naming the daemon's socket (for the CLI, the daemon and the library).
+pub const SOCKET_ENV: &str = "NVMEOF_INITD_SOCKET";
+/// How long a request to the daemon may take (attach connects to the target first).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The daemon socket to use: `$NVMEOF_INITD_SOCKET`, else [`DEFAULT_SOCKET`] for root, else
+/// `$XDG_RUNTIME_DIR/nvmeof/initd.sock` when that variable is set, else [`DEFAULT_SOCKET`].
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os(SOCKET_ENV).filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    if !is_root() {
+        if let Some(x) = std::env::var_os("XDG_RUNTIME_DIR").filter(|x| !x.is_empty()) {
+            return PathBuf::from(x).join("nvmeof/initd.sock");
+        }
+    }
+    PathBuf::from(DEFAULT_SOCKET)
+}
+
+/// What an attachment connects to, and how.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachParams {
+    /// Transport: `tcp`.
+    pub transport: String,
+    /// Target address.
+    pub traddr: String,
+    /// Target port.
+    pub trsvcid: u16,
+    /// Subsystem NQN.
+    pub subnqn: String,
+    /// Namespace ID.
+    pub nsid: u32,
+    /// Host NQN (the daemon fills in its own when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostnqn: Option<String>,
+    /// Host identifier (the daemon fills in its own when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostid: Option<String>,
+    /// Header digests.
+    #[serde(default)]
+    pub hdr_digest: bool,
+    /// Data digests.
+    #[serde(default)]
+    pub data_digest: bool,
+    /// I/O queues for processes that open the attachment (default: one per core).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nr_io_queues: Option<u16>,
+    /// Entries per I/O queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_size: Option<u16>,
+    /// Keep alive timeout in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kato_ms: Option<u32>,
+}
+
+impl AttachParams {
+    /// The host identity these parameters name, or `fallback` for missing parts.
+    pub fn identity(&self, fallback: &HostIdentity) -> Result<HostIdentity, Error> {
+        let hostnqn = self.hostnqn.as_deref().unwrap_or(&fallback.hostnqn);
+        let hostid = match &self.hostid {
+            Some(s) => parse_hostid(s)
+                .ok_or_else(|| Error::InvalidArgument(format!("{s:?} is not a host ID (UUID)")))?,
+            None => fallback.hostid,
+        };
+        HostIdentity::new(hostnqn, hostid)
+    }
+
+    /// Connection settings for these parameters, with `host` as the identity.
+    pub fn connect_options(&self, host: HostIdentity) -> Result<ConnectOptions, Error> {
+        if self.transport != "tcp" {
+            return Err(Error::InvalidArgument(format!(
+                "transport {:?} is not supported (only tcp)",
+                self.transport
+            )));
+        }
+        let mut o = ConnectOptions::new(
+            TargetAddr::new(self.traddr.clone(), self.trsvcid),
+            self.subnqn.clone(),
+            host,
+        );
+        o.header_digest = self.hdr_digest;
+        o.data_digest = self.data_digest;
+        o.io_queues = self.nr_io_queues;
+        if let Some(q) = self.queue_size {
+            o.queue_depth = q;
+        }
+        if let Some(k) = self.kato_ms {
+            o.kato = Duration::from_millis(u64::from(k));
+        }
+        Ok(o)
+    }
+}
+
+/// A request to the daemon.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Adds an attachment (connects first; nothing is kept if that fails).
+    Attach {
+        /// Attachment name.
+        name: String,
+        /// Parameters.
+        params: AttachParams,
+    },
+    /// Removes an attachment and disconnects it.
+    Detach {
+        /// Attachment name.
+        name: String,
+    },
+    /// Lists the attachments.
+    List,
+    /// One attachment, with its parameters (for processes that open it).
+    Get {
+        /// Attachment name.
+        name: String,
+    },
+    /// Liveness check.
+    Ping,
+}
+
+/// Health and identity of an attachment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachmentStatus {
+    /// Attachment name.
+    pub name: String,
+    /// Parameters, with the host identity filled in.
+    pub params: AttachParams,
+    /// `connecting`, `connected`, `reconnecting` or `failed`.
+    pub state: String,
+    /// The last connection error, if any.
+    pub last_error: Option<String>,
+    /// The controller, once connected.
+    pub controller: Option<ControllerInfo>,
+    /// The namespace, once connected.
+    pub namespace: Option<NamespaceInfo>,
+}
+
+/// The daemon's answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Response {
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// What went wrong.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The attachment concerned (attach, get).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attachment: Option<AttachmentStatus>,
+    /// Every attachment (list).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attachments: Option<Vec<AttachmentStatus>>,
+}
+
+impl Response {
+    /// A failure answer.
+    pub fn error(msg: impl Into<String>) -> Self {
+        Response {
+            ok: false,
+            error: Some(msg.into()),
+            ..Default::default()
+        }
+    }
+
+    /// A success answer with nothing in it.
+    pub fn ok() -> Self {
+        Response {
+            ok: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// A connection to the daemon.
+pub struct DaemonClient {
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+    path: PathBuf,
+}
+
+impl DaemonClient {
+    /// Connects to the daemon's socket.
+    pub async fn connect(path: &Path) -> Result<Self, Error> {
+        let stream = tokio::time::timeout(Duration::from_secs(5), UnixStream::connect(path))
+            .await
+            .map_err(|_| Error::Daemon(format!("timed out connecting to {}", path.display())))?
+            .map_err(|e| {
+                Error::Daemon(format!(
+                    "cannot connect to {} ({e}); is nvmeof-initd running?",
+                    path.display()
+                ))
+            })?;
+        let (r, w) = stream.into_split();
+        Ok(DaemonClient {
+            reader: BufReader::new(r),
+            writer: w,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Sends a request and reads the answer. An answer with `ok: false` becomes
+    /// [`Error::Daemon`].
+    pub async fn request(&mut self, req: &Request) -> Result<Response, Error> {
+        let mut line = serde_json::to_string(req)
+            .map_err(|e| Error::Daemon(format!("cannot encode the request: {e}")))?;
+        line.push('\n');
+        let io = async {
+            self.writer.write_all(line.as_bytes()).await?;
+            let mut answer = String::new();
+            let n = self.reader.read_line(&mut answer).await?;
+            Ok::<_, std::io::Error>((n, answer))
+        };
+        let (n, answer) = tokio::time::timeout(REQUEST_TIMEOUT, io)
+            .await
+            .map_err(|_| Error::Daemon(format!("no answer from {}", self.path.display())))?
+            .map_err(|e| Error::Daemon(format!("{}: {e}", self.path.display())))?;
+        if n == 0 {
+            return Err(Error::Daemon(format!(
+                "{} closed the connection",
+                self.path.display()
+            )));
+        }
+        let resp: Response = serde_json::from_str(&answer)
+            .map_err(|e| Error::Daemon(format!("unreadable answer: {e}")))?;
+        if !resp.ok {
+            return Err(Error::Daemon(
+                resp.error.unwrap_or_else(|| "request failed".into()),
+            ));
+        }
+        Ok(resp)
+    }
+
+    /// Adds an attachment.
+    pub async fn attach(&mut self, name: &str, params: AttachParams) -> Result<AttachmentStatus, Error> {
+        let r = self
+            .request(&Request::Attach {
+                name: name.to_string(),
+                params,
+            })
+            .await?;
+        r.attachment
+            .ok_or_else(|| Error::Daemon("the answer has no attachment".into()))
+    }
+
+    /// Removes an attachment.
+    pub async fn detach(&mut self, name: &str) -> Result<(), Error> {
+        self.request(&Request::Detach {
+            name: name.to_string(),
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Lists the attachments.
+    pub async fn list(&mut self) -> Result<Vec<AttachmentStatus>, Error> {
+        Ok(self.request(&Request::List).await?.attachments.unwrap_or_default())
+    }
+
+    /// One attachment.
+    pub async fn get(&mut self, name: &str) -> Result<AttachmentStatus, Error> {
+        let r = self
+            .request(&Request::Get {
+                name: name.to_string(),
+            })
+            .await?;
+        r.attachment
+            .ok_or_else(|| Error::Daemon("the answer has no attachment".into()))
+    }
+}
+
+/// Asks the daemon at `socket` for attachment `name`; returns connection settings for it
+/// (with the daemon's host identity) and its namespace ID. Adjust the settings, then
+/// [`Controller::connect`].
+pub async fn attached_options(socket: &Path, name: &str) -> Result<(ConnectOptions, u32), Error> {
+    let mut c = DaemonClient::connect(socket).await?;
+    let a = c.get(name).await?;
+    let (Some(hostnqn), Some(hostid)) = (&a.params.hostnqn, &a.params.hostid) else {
+        return Err(Error::Daemon(format!(
+            "attachment {name} has no host identity"
+        )));
+    };
+    let id = parse_hostid(hostid)
+        .ok_or_else(|| Error::Daemon(format!("attachment {name} has a bad host ID")))?;
+    let host = HostIdentity::new(hostnqn, id)?;
+    Ok((a.params.connect_options(host)?, a.params.nsid))
+}
+
+/// Opens the namespace attached as `name` in `nvmeof-initd` (socket from
+/// [`default_socket_path`]): the daemon gives the parameters, this process connects its own
+/// controller and I/O queues.
+pub async fn open_attached(name: &str) -> Result<Namespace, Error> {
+    open_attached_at(&default_socket_path(), name).await
+}
+
+/// [`open_attached`] with an explicit daemon socket.
+pub async fn open_attached_at(socket: &Path, name: &str) -> Result<Namespace, Error> {
+    let (opts, nsid) = attached_options(socket, name).await?;
+    let ctrl = Controller::connect(opts).await?;
+    ctrl.namespace(nsid).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_wire_format() {
+        let r = Request::Detach { name: "a".into() };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"op":"detach","name":"a"}"#
+        );
+        let back: Request = serde_json::from_str(r#"{"op":"list"}"#).unwrap();
+        assert_eq!(back, Request::List);
+        let p = AttachParams {
+            transport: "tcp".into(),
+            traddr: "127.0.0.1".into(),
+            trsvcid: 4420,
+            subnqn: "nqn.x:y".into(),
+            nsid: 1,
+            hostnqn: None,
+            hostid: None,
+            hdr_digest: false,
+            data_digest: true,
+            nr_io_queues: Some(2),
+            queue_size: None,
+            kato_ms: None,
+        };
+        let s = serde_json::to_string(&Request::Attach {
+            name: "n".into(),
+            params: p.clone(),
+        })
+        .unwrap();
+        let back: Request = serde_json::from_str(&s).unwrap();
+        assert_eq!(
+            back,
+            Request::Attach {
+                name: "n".into(),
+                params: p.clone()
+            }
+        );
+        let o = p
+            .connect_options(HostIdentity::new("nqn.h:1", [1; 16]).unwrap())
+            .unwrap();
+        assert!(o.data_digest && !o.header_digest);
+        assert_eq!(o.io_queues, Some(2));
+    }
+}

@@ -1,0 +1,204 @@
+//! Discovery: ask a discovery controller which subsystems a host may connect to, and where.
+
+use nvme_spec::FromBytes;
+use nvme_spec::command::{cns, log_id};
+use nvme_spec::fabrics::{Cc, DISCOVERY_NQN, property};
+use nvme_spec::identify::{IdentifyController, get_trimmed};
+use nvme_spec::log::{DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, trtype};
+use serde::{Deserialize, Serialize};
+use tracing::debug;
+
+use crate::setup::SetupConn;
+use crate::{DiscoveryOptions, Error};
+
+/// Size of the header and of each entry of the discovery log page.
+const RECORD: u32 = 1024;
+/// Largest Get Log Page transfer used.
+const MAX_CHUNK: u32 = 64 * 1024;
+/// Records accepted at most (a sanity bound against a corrupt NUMREC).
+const MAX_RECORDS: u64 = 16 * 1024;
+
+/// One entry of the discovery log (NVMe-oF 1.1, Figure 39).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiscoveryEntry {
+    /// Transport type (3 = TCP, 1 = RDMA).
+    pub trtype: u8,
+    /// Address family (1 = IPv4, 2 = IPv6).
+    pub adrfam: u8,
+    /// Subsystem type (2 = NVM subsystem, 3 = current discovery subsystem, 1 = referral).
+    pub subtype: u8,
+    /// Transport requirements.
+    pub treq: u8,
+    /// Port ID.
+    pub portid: u16,
+    /// Controller ID (0xFFFF: dynamic).
+    pub cntlid: u16,
+    /// Admin max submission queue size.
+    pub asqsz: u16,
+    /// Entry flags.
+    pub eflags: u16,
+    /// Transport service ID (the port, as text).
+    pub trsvcid: String,
+    /// Transport address.
+    pub traddr: String,
+    /// Subsystem NQN.
+    pub subnqn: String,
+}
+
+impl DiscoveryEntry {
+    fn from_raw(e: &DiscoveryLogEntry) -> Self {
+        DiscoveryEntry {
+            trtype: e.trtype,
+            adrfam: e.adrfam,
+            subtype: e.subtype,
+            treq: e.treq,
+            portid: e.portid.get(),
+            cntlid: e.cntlid.get(),
+            asqsz: e.asqsz.get(),
+            eflags: e.eflags.get(),
+            trsvcid: get_trimmed(&e.trsvcid),
+            traddr: get_trimmed(&e.traddr),
+            subnqn: get_trimmed(&e.subnqn),
+        }
+    }
+
+    /// The transport type as nvme-cli names it.
+    pub fn trtype_name(&self) -> &'static str {
+        match self.trtype {
+            trtype::RDMA => "rdma",
+            trtype::FC => "fc",
+            trtype::TCP => "tcp",
+            254 => "loop",
+            _ => "unrecognized",
+        }
+    }
+
+    /// The address family as nvme-cli names it.
+    pub fn adrfam_name(&self) -> &'static str {
+        match self.adrfam {
+            adrfam::IPV4 => "ipv4",
+            adrfam::IPV6 => "ipv6",
+            3 => "infiniband",
+            4 => "fibre-channel",
+            254 => "loop",
+            _ => "unrecognized",
+        }
+    }
+
+    /// The subsystem type as nvme-cli names it.
+    pub fn subtype_name(&self) -> &'static str {
+        match self.subtype {
+            subtype::DISCOVERY_REFERRAL => "discovery subsystem referral",
+            subtype::NVME => "nvme subsystem",
+            subtype::CURRENT_DISCOVERY => "current discovery subsystem",
+            _ => "unrecognized",
+        }
+    }
+
+    /// The secure channel requirement as nvme-cli names it.
+    pub fn treq_name(&self) -> String {
+        let sc = match self.treq & 0b11 {
+            0 => "not specified",
+            1 => "required",
+            2 => "not required",
+            _ => "reserved",
+        };
+        if self.treq & 0b100 != 0 {
+            format!("{sc}, sq flow control disable supported")
+        } else {
+            sc.to_string()
+        }
+    }
+
+    /// The port number, if the service ID is a number.
+    pub fn port(&self) -> Option<u16> {
+        self.trsvcid.parse().ok()
+    }
+}
+
+/// A consistent copy of the discovery log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiscoveryLog {
+    /// Generation counter of the log that was read.
+    pub genctr: u64,
+    /// The entries.
+    pub entries: Vec<DiscoveryEntry>,
+}
+
+/// Connects to the discovery controller at `opts.addr`, reads the whole discovery log
+/// (header, then the entries in chunks by log page offset, then the header again, retrying
+/// when the generation counter changed in between), and disconnects.
+pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
+    let t = &opts.timeouts;
+    let digests = (opts.header_digest, opts.data_digest);
+    let mut c = SetupConn::open(&opts.addr, digests, 32, t.connect, t.admin).await?;
+    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host)
+        .await?;
+    let cap = c.property_get(property::CAP, true).await?;
+    let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
+    let cc = c.property_get(property::CC, false).await? as u32;
+    if !Cc(cc).enabled() {
+        c.enable(cap_to_ms, std::time::Duration::from_millis(500))
+            .await?;
+    }
+    let raw = c.identify(cns::CONTROLLER, 0).await?;
+    let id = IdentifyController::read_from_bytes(&raw)
+        .map_err(|_| Error::Refused("short Identify Controller data".into()))?;
+    let mpsmin = 4096u64 << ((cap >> 48) & 0xF);
+    let mut chunk = MAX_CHUNK;
+    if id.mdts != 0 {
+        chunk = chunk.min((mpsmin << id.mdts.min(20)).min(u64::from(MAX_CHUNK)) as u32);
+    }
+    let chunk = (chunk / RECORD).max(1) * RECORD;
+    let log = read_log(&mut c, chunk, opts.max_attempts.max(1)).await;
+    if let Err(e) = c.shutdown(t.shutdown).await {
+        debug!(error = %e, "discovery controller shutdown incomplete");
+    }
+    log
+}
+
+fn header(raw: &[u8]) -> Result<DiscoveryLogHeader, Error> {
+    DiscoveryLogHeader::read_from_prefix(raw)
+        .map(|(h, _)| h)
+        .map_err(|_| Error::Refused("short discovery log header".into()))
+}
+
+async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<DiscoveryLog, Error> {
+    for _ in 0..attempts {
+        let hdr = header(&c.get_log_page(log_id::DISCOVERY, RECORD, 0).await?)?;
+        let genctr = hdr.genctr.get();
+        let numrec = hdr.numrec.get();
+        if numrec > MAX_RECORDS {
+            return Err(Error::Refused(format!(
+                "the discovery log claims {numrec} records"
+            )));
+        }
+        let total = numrec * u64::from(RECORD);
+        let mut entries = Vec::with_capacity(numrec as usize);
+        let mut off = 0u64;
+        while off < total {
+            let n = (total - off).min(u64::from(chunk)) as u32;
+            let data = c
+                .get_log_page(log_id::DISCOVERY, n, u64::from(RECORD) + off)
+                .await?;
+            for rec in data.chunks_exact(RECORD as usize) {
+                if let Ok(e) = DiscoveryLogEntry::read_from_bytes(rec) {
+                    entries.push(DiscoveryEntry::from_raw(&e));
+                }
+            }
+            off += u64::from(n);
+        }
+        let again = header(&c.get_log_page(log_id::DISCOVERY, RECORD, 0).await?)?;
+        if again.genctr.get() == genctr {
+            return Ok(DiscoveryLog { genctr, entries });
+        }
+        debug!(
+            before = genctr,
+            after = again.genctr.get(),
+            "discovery log changed while reading; reading it again"
+        );
+    }
+    Err(Error::Refused(format!(
+        "the discovery log changed during each of {attempts} attempts to read it"
+    )))
+}

@@ -1,0 +1,248 @@
+//! Errors of the initiator.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvme_spec::Status;
+use nvmf_tcp::ProtocolError;
+
+/// Everything that can go wrong talking to an NVMe-oF target.
+///
+/// Errors are cheap to clone (sources are reference counted) because one connection failure
+/// is reported to every command that was waiting on it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The controller completed a command with an error status.
+    #[error("{command} failed: {status}")]
+    Status {
+        /// The command (for example "Read", "Identify", "Connect").
+        command: &'static str,
+        /// The completion status, with its Do Not Retry bit.
+        status: Status,
+        /// The specification's name of the status.
+        name: &'static str,
+    },
+    /// A wait took longer than its configured timeout.
+    #[error("timed out after {} ms waiting for {what}", after.as_millis())]
+    Timeout {
+        /// What was awaited.
+        what: &'static str,
+        /// The timeout that expired.
+        after: Duration,
+    },
+    /// The TCP connection could not be opened.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// Target address.
+        addr: String,
+        /// The socket error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// The connection broke (closed by the peer, socket error).
+    #[error("connection to {addr} lost: {reason}")]
+    ConnectionLost {
+        /// Target address.
+        addr: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The target violated the NVMe/TCP protocol; the connection was terminated.
+    #[error("NVMe/TCP protocol error from {addr}: {source}")]
+    Protocol {
+        /// Target address.
+        addr: String,
+        /// What the engine found.
+        #[source]
+        source: ProtocolError,
+    },
+    /// The target terminated the connection with a C2HTermReq.
+    #[error("target {addr} terminated the connection (C2HTermReq, FES {fes:#x}: {}, FEI {fei:#x})", fes_name(*fes))]
+    TermReq {
+        /// Target address.
+        addr: String,
+        /// Fatal error status.
+        fes: u16,
+        /// Fatal error information.
+        fei: u32,
+    },
+    /// A command that changes data was in flight when the connection was lost. It may or may
+    /// not have been applied by the target, so it was not retried (see
+    /// [`ConnectOptions::retry_writes`](crate::ConnectOptions::retry_writes)).
+    #[error(
+        "{command} was in flight when the connection to {addr} was lost ({reason}); it may or may not have been applied and was not retried"
+    )]
+    Interrupted {
+        /// The command.
+        command: &'static str,
+        /// Target address.
+        addr: String,
+        /// Why the connection was lost.
+        reason: String,
+    },
+    /// The controller could not be recovered after a connection loss and gave up.
+    #[error("controller at {addr} failed: {reason}")]
+    ControllerFailed {
+        /// Target address.
+        addr: String,
+        /// The last error seen while reconnecting.
+        reason: String,
+    },
+    /// The controller (or this queue) was closed by the host.
+    #[error("the controller is closed")]
+    Closed,
+    /// The target answered in a way this host does not accept (for example a controller ID
+    /// that differs from the Connect answer, or a subsystem NQN that was not asked for).
+    #[error("target refused: {0}")]
+    Refused(String),
+    /// A request from the caller that cannot be carried out.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A caller buffer (a [`ReadDest`](crate::ReadDest) or
+    /// [`WriteSource`](crate::WriteSource)) reported an error.
+    #[error("buffer error: {0}")]
+    Buffer(String),
+    /// The host identity (host NQN and host ID) could not be read or stored.
+    #[error("host identity: {0}")]
+    Identity(String),
+    /// The nvmeof-initd daemon could not be reached or refused a request.
+    #[error("nvmeof-initd: {0}")]
+    Daemon(String),
+}
+
+impl Error {
+    /// The NVMe status for a command that completed with an error status.
+    pub fn status(&self) -> Option<Status> {
+        match self {
+            Error::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// True for a timeout.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
+    }
+
+    /// True when the failure came from the connection rather than from the command itself.
+    pub fn is_transport(&self) -> bool {
+        matches!(
+            self,
+            Error::Connect { .. }
+                | Error::ConnectionLost { .. }
+                | Error::Protocol { .. }
+                | Error::TermReq { .. }
+                | Error::Interrupted { .. }
+                | Error::Timeout { .. }
+        )
+    }
+
+    pub(crate) fn status_of(command: &'static str, status: Status) -> Self {
+        Error::Status {
+            command,
+            status,
+            name: status.name(),
+        }
+    }
+
+    pub(crate) fn connect(addr: &str, e: std::io::Error) -> Self {
+        Error::Connect {
+            addr: addr.to_string(),
+            source: Arc::new(e),
+        }
+    }
+
+    pub(crate) fn lost(addr: &str, reason: impl Into<String>) -> Self {
+        Error::ConnectionLost {
+            addr: addr.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn timeout(what: &'static str, after: Duration) -> Self {
+        Error::Timeout { what, after }
+    }
+}
+
+/// Name of an NVMe/TCP Fatal Error Status value (NVMe/TCP 1.0, Figure 29).
+pub fn fes_name(fes: u16) -> &'static str {
+    match fes {
+        0x01 => "Invalid PDU Header Field",
+        0x02 => "PDU Sequence Error",
+        0x03 => "Header Digest Error",
+        0x04 => "Data Transfer Out of Range",
+        0x05 => "Data Transfer Limit Exceeded",
+        0x06 => "Unsupported Parameter",
+        _ => "reserved value",
+    }
+}
+
+/// The name of the command an SQE carries, for error messages.
+pub(crate) fn command_name(admin: bool, opcode: u8, fctype: u8) -> &'static str {
+    use nvme_spec::opcode::{FABRICS, admin as a, fctype as f, io};
+    if opcode == FABRICS {
+        return match fctype {
+            f::CONNECT => "Connect",
+            f::PROPERTY_GET => "Property Get",
+            f::PROPERTY_SET => "Property Set",
+            f::DISCONNECT => "Disconnect",
+            _ => "Fabrics command",
+        };
+    }
+    if admin {
+        match opcode {
+            a::GET_LOG_PAGE => "Get Log Page",
+            a::IDENTIFY => "Identify",
+            a::ABORT => "Abort",
+            a::SET_FEATURES => "Set Features",
+            a::GET_FEATURES => "Get Features",
+            a::ASYNC_EVENT_REQUEST => "Asynchronous Event Request",
+            a::KEEP_ALIVE => "Keep Alive",
+            _ => "Admin command",
+        }
+    } else {
+        match opcode {
+            io::READ => "Read",
+            io::WRITE => "Write",
+            io::FLUSH => "Flush",
+            io::WRITE_ZEROES => "Write Zeroes",
+            io::DATASET_MANAGEMENT => "Dataset Management",
+            io::COMPARE => "Compare",
+            _ => "I/O command",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme_spec::status::generic;
+
+    #[test]
+    fn status_error_carries_name() {
+        let e = Error::status_of(
+            "Read",
+            Status::generic(generic::LBA_OUT_OF_RANGE).with_dnr(),
+        );
+        assert_eq!(
+            e.status().map(|s| s.sc),
+            Some(generic::LBA_OUT_OF_RANGE)
+        );
+        let msg = e.to_string();
+        assert!(msg.contains("Read failed: LBA Out of Range"), "{msg}");
+        match e {
+            Error::Status { name, .. } => assert_eq!(name, "LBA Out of Range"),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn command_names() {
+        assert_eq!(command_name(false, 0x02, 0), "Read");
+        assert_eq!(command_name(true, 0x06, 0), "Identify");
+        assert_eq!(command_name(true, 0x7F, 0x01), "Connect");
+        assert_eq!(command_name(false, 0x7F, 0x08), "Disconnect");
+        assert_eq!(fes_name(2), "PDU Sequence Error");
+    }
+}

@@ -1,0 +1,403 @@
+//! I/O on a namespace: read, write, flush, write zeroes, deallocate.
+
+use std::collections::VecDeque;
+
+use nvme_spec::command::build;
+use nvme_spec::{Cqe, Sqe};
+
+use crate::controller::MAX_NLB;
+use crate::queue::{DataDir, Pending, QueueHandle, Request, Retry};
+use crate::{Controller, Error, NamespaceInfo};
+
+/// An error reported by a caller buffer.
+pub type BufferError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Where read data goes: host memory today; other memory (a GPU buffer staged through pinned
+/// host memory, for example) implements this trait too.
+///
+/// The initiator delivers each command's data with one `write_at` call per command, in
+/// completion order, so offsets arrive out of order when a transfer is split.
+pub trait ReadDest {
+    /// Size of the destination in bytes (the read length).
+    fn len(&self) -> usize;
+
+    /// Whether the destination is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stores `data` at byte `offset`.
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError>;
+}
+
+/// Where write data comes from: host memory today, other memory through this trait.
+pub trait WriteSource {
+    /// Size of the source in bytes (the write length).
+    fn len(&self) -> usize;
+
+    /// Whether the source is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `out.len()` bytes starting at byte `offset` into `out`.
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError>;
+}
+
+fn out_of_bounds() -> BufferError {
+    "offset outside the buffer".into()
+}
+
+impl ReadDest for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        self.get_mut(offset..offset + data.len())
+            .ok_or_else(out_of_bounds)?
+            .copy_from_slice(data);
+        Ok(())
+    }
+}
+
+impl ReadDest for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        self.as_mut_slice().write_at(offset, data)
+    }
+}
+
+impl WriteSource for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
+        out.copy_from_slice(self.get(offset..offset + out.len()).ok_or_else(out_of_bounds)?);
+        Ok(())
+    }
+}
+
+impl WriteSource for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
+        self.as_slice().read_at(offset, out)
+    }
+}
+
+fn buffer_error(e: BufferError) -> Error {
+    Error::Buffer(e.to_string())
+}
+
+/// A namespace of a connected controller. Cheap to clone; holds the controller open.
+///
+/// Transfers larger than the controller's maximum (MDTS) are split into several commands that
+/// are in flight together on one queue, and reassembled in the caller's buffer. Writes up to
+/// the in-capsule limit travel inside the command capsule; larger writes are sent when the
+/// controller asks for the data (R2T).
+#[derive(Clone, Debug)]
+pub struct Namespace {
+    ctrl: Controller,
+    info: NamespaceInfo,
+    shift: u32,
+    queue: Option<usize>,
+}
+
+impl Namespace {
+    pub(crate) fn new(ctrl: Controller, info: NamespaceInfo) -> Self {
+        let shift = info.block_size.trailing_zeros();
+        Namespace {
+            ctrl,
+            info,
+            shift,
+            queue: None,
+        }
+    }
+
+    /// Namespace ID.
+    pub fn nsid(&self) -> u32 {
+        self.info.nsid
+    }
+
+    /// Logical block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        self.info.block_size
+    }
+
+    /// Size in logical blocks (as of when this handle was made).
+    pub fn num_blocks(&self) -> u64 {
+        self.info.blocks
+    }
+
+    /// Size in bytes (as of when this handle was made).
+    pub fn size_bytes(&self) -> u64 {
+        self.info.size_bytes
+    }
+
+    /// What Identify Namespace reported.
+    pub fn info(&self) -> &NamespaceInfo {
+        &self.info
+    }
+
+    /// The controller.
+    pub fn controller(&self) -> &Controller {
+        &self.ctrl
+    }
+
+    /// A handle that sends every command to I/O queue `index` (modulo the number of queues),
+    /// instead of the queue chosen by the controller's queue policy.
+    pub fn on_queue(&self, index: usize) -> Namespace {
+        Namespace {
+            queue: Some(index),
+            ..self.clone()
+        }
+    }
+
+    fn queue(&self) -> Result<&QueueHandle, Error> {
+        self.ctrl.io_queue(self.queue)
+    }
+
+    /// Largest transfer per command, in bytes (a whole number of blocks).
+    fn max_chunk(&self) -> usize {
+        let max = u64::from(self.ctrl.shared().info_max_transfer());
+        let blocks = (max >> self.shift).clamp(1, MAX_NLB);
+        (blocks << self.shift) as usize
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), Error> {
+        if len == 0 || len % self.info.block_size as usize != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "transfer length {len} is not a non-zero multiple of the block size {}",
+                self.info.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn rw_request(&self, write: bool, lba: u64, len: usize) -> Request {
+        let nlb = (len >> self.shift) as u32;
+        let timeouts = &self.ctrl.shared().opts.timeouts;
+        Request {
+            sqe: build::read_write(write, 0, self.info.nsid, lba, nlb),
+            dir: if write {
+                DataDir::FromHost
+            } else {
+                DataDir::ToHost
+            },
+            len: len as u32,
+            retry: if write { Retry::Write } else { Retry::Always },
+            timeout: Some(timeouts.io),
+        }
+    }
+
+    fn plain_request(&self, sqe: Sqe, retry: Retry) -> Request {
+        Request {
+            sqe,
+            dir: DataDir::None,
+            len: 0,
+            retry,
+            timeout: Some(self.ctrl.shared().opts.timeouts.io),
+        }
+    }
+
+    /// Number of commands of one transfer kept in flight together.
+    fn window(q: &QueueHandle) -> usize {
+        (q.slots() / 2).clamp(1, 32)
+    }
+
+    /// Reads `buf.len()` bytes (a multiple of the block size) starting at block `lba`.
+    pub async fn read(&self, lba: u64, buf: &mut [u8]) -> Result<(), Error> {
+        self.read_into(lba, buf).await
+    }
+
+    /// Reads `dest.len()` bytes starting at block `lba` into any [`ReadDest`].
+    pub async fn read_into<D: ReadDest + ?Sized>(&self, lba: u64, dest: &mut D) -> Result<(), Error> {
+        let total = dest.len();
+        self.check_len(total)?;
+        let q = self.queue()?;
+        let max = self.max_chunk();
+        if total <= max {
+            let req = self.rw_request(false, lba, total);
+            let (_, r) = q
+                .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
+                .await?;
+            return r.map_err(buffer_error);
+        }
+        let window = Self::window(q);
+        let mut inflight: VecDeque<(usize, usize, Pending<'_>)> = VecDeque::with_capacity(window);
+        let mut off = 0usize;
+        while off < total || !inflight.is_empty() {
+            if off < total && inflight.len() < window {
+                let n = max.min(total - off);
+                let req = self.rw_request(false, lba + (off >> self.shift) as u64, n);
+                inflight.push_back((off, n, q.start(req, |_| Ok(())).await?));
+                off += n;
+                continue;
+            }
+            let Some((o, n, mut p)) = inflight.pop_front() else {
+                break;
+            };
+            let cqe = p.wait().await?;
+            check("Read", &cqe)?;
+            p.with_data(n, |d| dest.write_at(o, d))
+                .map_err(buffer_error)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `buf` (a multiple of the block size) starting at block `lba`.
+    ///
+    /// If a write of a split transfer fails, the others may still have been applied.
+    pub async fn write(&self, lba: u64, buf: &[u8]) -> Result<(), Error> {
+        self.write_from(lba, buf).await
+    }
+
+    /// Writes the whole of any [`WriteSource`] starting at block `lba`.
+    pub async fn write_from<S: WriteSource + ?Sized>(&self, lba: u64, src: &S) -> Result<(), Error> {
+        let total = src.len();
+        self.check_len(total)?;
+        let q = self.queue()?;
+        let max = self.max_chunk();
+        let fill = |off: usize| {
+            move |b: &mut [u8]| src.read_at(off, b).map_err(buffer_error)
+        };
+        if total <= max {
+            let req = self.rw_request(true, lba, total);
+            q.execute(req, fill(0), |_| ()).await?;
+            return Ok(());
+        }
+        let window = Self::window(q);
+        let mut inflight: VecDeque<Pending<'_>> = VecDeque::with_capacity(window);
+        let mut off = 0usize;
+        while off < total || !inflight.is_empty() {
+            if off < total && inflight.len() < window {
+                let n = max.min(total - off);
+                let req = self.rw_request(true, lba + (off >> self.shift) as u64, n);
+                inflight.push_back(q.start(req, fill(off)).await?);
+                off += n;
+                continue;
+            }
+            let Some(mut p) = inflight.pop_front() else {
+                break;
+            };
+            let cqe = p.wait().await?;
+            check("Write", &cqe)?;
+        }
+        Ok(())
+    }
+
+    /// Flush: makes data written to this namespace durable.
+    pub async fn flush(&self) -> Result<(), Error> {
+        let q = self.queue()?;
+        let req = self.plain_request(build::flush(0, self.info.nsid), Retry::Always);
+        q.execute(req, |_| Ok(()), |_| ()).await.map(|_| ())
+    }
+
+    /// Write Zeroes of `blocks` blocks starting at `lba` (several commands when more than
+    /// 65536 blocks). Fails with [`Error::InvalidArgument`] when the controller does not
+    /// support Write Zeroes.
+    pub async fn write_zeroes(&self, lba: u64, blocks: u64) -> Result<(), Error> {
+        if !self.ctrl.shared().info_flag(|i| i.write_zeroes) {
+            return Err(Error::InvalidArgument(
+                "the controller does not support Write Zeroes".into(),
+            ));
+        }
+        self.per_range(lba, blocks, MAX_NLB, |lba, n| {
+            build::write_zeroes(0, self.info.nsid, lba, n as u32, false)
+        })
+        .await
+    }
+
+    /// Deallocates (discards, trims) `blocks` blocks starting at `lba` with Dataset
+    /// Management. Fails with [`Error::InvalidArgument`] when the controller does not support
+    /// it.
+    pub async fn deallocate(&self, lba: u64, blocks: u64) -> Result<(), Error> {
+        let mut ranges = Vec::new();
+        let (mut l, mut left) = (lba, blocks);
+        while left > 0 {
+            let n = left.min(u64::from(u32::MAX)) as u32;
+            ranges.push((l, n));
+            l += u64::from(n);
+            left -= u64::from(n);
+        }
+        self.deallocate_ranges(&ranges).await
+    }
+
+    /// Deallocates several `(lba, blocks)` ranges (up to 256 per command).
+    pub async fn deallocate_ranges(&self, ranges: &[(u64, u32)]) -> Result<(), Error> {
+        if !self.ctrl.shared().info_flag(|i| i.dataset_management) {
+            return Err(Error::InvalidArgument(
+                "the controller does not support Dataset Management".into(),
+            ));
+        }
+        if ranges.is_empty() {
+            return Err(Error::InvalidArgument("no range to deallocate".into()));
+        }
+        let q = self.queue()?;
+        for chunk in ranges.chunks(256) {
+            let len = chunk.len() * 16;
+            let req = Request {
+                sqe: build::deallocate(0, self.info.nsid, chunk.len() as u16),
+                dir: DataDir::FromHost,
+                len: len as u32,
+                retry: Retry::Write,
+                timeout: Some(self.ctrl.shared().opts.timeouts.io),
+            };
+            let fill = |b: &mut [u8]| {
+                for (slot, &(lba, n)) in b.chunks_exact_mut(16).zip(chunk) {
+                    slot[0..4].fill(0);
+                    slot[4..8].copy_from_slice(&n.to_le_bytes());
+                    slot[8..16].copy_from_slice(&lba.to_le_bytes());
+                }
+                Ok(())
+            };
+            q.execute(req, fill, |_| ()).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends one command per `per`-block piece of a range, several in flight.
+    async fn per_range<F>(&self, lba: u64, blocks: u64, per: u64, sqe: F) -> Result<(), Error>
+    where
+        F: Fn(u64, u64) -> Sqe,
+    {
+        if blocks == 0 {
+            return Err(Error::InvalidArgument("the block count is 0".into()));
+        }
+        let q = self.queue()?;
+        let window = Self::window(q);
+        let mut inflight: VecDeque<Pending<'_>> = VecDeque::with_capacity(window.min(8));
+        let mut done = 0u64;
+        while done < blocks || !inflight.is_empty() {
+            if done < blocks && inflight.len() < window {
+                let n = per.min(blocks - done);
+                let req = self.plain_request(sqe(lba + done, n), Retry::Write);
+                inflight.push_back(q.start(req, |_| Ok(())).await?);
+                done += n;
+                continue;
+            }
+            let Some(mut p) = inflight.pop_front() else {
+                break;
+            };
+            let cqe = p.wait().await?;
+            check("Write Zeroes", &cqe)?;
+        }
+        Ok(())
+    }
+}
+
+fn check(command: &'static str, cqe: &Cqe) -> Result<(), Error> {
+    let st = cqe.status();
+    if st.is_success() {
+        Ok(())
+    } else {
+        Err(Error::status_of(command, st))
+    }
+}

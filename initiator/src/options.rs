@@ -1,0 +1,285 @@
+//! Connection settings.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::{Error, HostIdentity};
+
+/// The conventional NVMe-oF I/O port.
+pub const DEFAULT_PORT: u16 = 4420;
+/// The conventional NVMe-oF discovery port.
+pub const DEFAULT_DISCOVERY_PORT: u16 = 8009;
+
+/// A target's transport address: host name or IP address, and TCP port.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TargetAddr {
+    /// Host name or IP address (IPv6 without brackets).
+    pub host: String,
+    /// TCP port (the transport service ID).
+    pub port: u16,
+}
+
+impl TargetAddr {
+    /// An address from a host and a port.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        let host: String = host.into();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .map(str::to_string)
+            .unwrap_or(host);
+        TargetAddr { host, port }
+    }
+}
+
+impl fmt::Display for TargetAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl FromStr for TargetAddr {
+    type Err = Error;
+
+    /// Parses `HOST:PORT`, `[IPV6]:PORT`, or a bare host (port 4420).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = || Error::InvalidArgument(format!("{s:?} is not HOST:PORT"));
+        if let Some(rest) = s.strip_prefix('[') {
+            let (host, tail) = rest.split_once(']').ok_or_else(bad)?;
+            let port = match tail.strip_prefix(':') {
+                Some(p) => p.parse().map_err(|_| bad())?,
+                None if tail.is_empty() => DEFAULT_PORT,
+                None => return Err(bad()),
+            };
+            return Ok(TargetAddr::new(host, port));
+        }
+        match s.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => {
+                Ok(TargetAddr::new(h, p.parse().map_err(|_| bad())?))
+            }
+            _ if !s.is_empty() => Ok(TargetAddr::new(s, DEFAULT_PORT)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// How I/O commands pick an I/O queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueuePolicy {
+    /// Each thread sticks to one queue (threads are spread over the queues in the order they
+    /// first submit). No shared counter is touched per I/O.
+    #[default]
+    PerThread,
+    /// Every command goes to the next queue in turn.
+    RoundRobin,
+}
+
+/// When and how long to reconnect after a connection is lost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReconnectPolicy {
+    /// Delay before the first reconnect attempt; doubled after each failed attempt.
+    pub initial_delay: Duration,
+    /// Upper bound of the delay between attempts.
+    pub max_delay: Duration,
+    /// Give up (the controller fails and pending commands get an error) when the controller
+    /// could not be reconnected for this long. `None`: never give up.
+    pub ctrl_loss_timeout: Option<Duration>,
+}
+
+impl Default for ReconnectPolicy {
+    fn default() -> Self {
+        ReconnectPolicy {
+            initial_delay: Duration::from_millis(250),
+            max_delay: Duration::from_secs(10),
+            ctrl_loss_timeout: Some(Duration::from_secs(600)),
+        }
+    }
+}
+
+impl ReconnectPolicy {
+    /// No reconnect: the first connection loss fails the controller.
+    pub fn never() -> Self {
+        ReconnectPolicy {
+            initial_delay: Duration::ZERO,
+            max_delay: Duration::ZERO,
+            ctrl_loss_timeout: Some(Duration::ZERO),
+        }
+    }
+}
+
+/// Timeouts. Every wait of the initiator is bounded by one of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Opening the TCP connection and receiving the ICResp.
+    pub connect: Duration,
+    /// Each admin command (Connect, Property Get/Set, Identify, Get Log Page, Keep Alive…).
+    pub admin: Duration,
+    /// Each I/O command, from the moment it is handed to its queue until it completes
+    /// (including time spent waiting for a reconnect and a retry).
+    pub io: Duration,
+    /// Waiting for CSTS.SHST after a shutdown request at disconnect.
+    pub shutdown: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(10),
+            admin: Duration::from_secs(10),
+            io: Duration::from_secs(30),
+            shutdown: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Settings of a connection to an NVM subsystem.
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    /// Target address.
+    pub addr: TargetAddr,
+    /// Subsystem NQN.
+    pub subnqn: String,
+    /// Host identity.
+    pub host: HostIdentity,
+    /// Number of I/O queues to ask for; `None` = one per available core. The target may grant
+    /// fewer. 0 makes an admin-only connection.
+    pub io_queues: Option<u16>,
+    /// Entries per I/O queue to ask for; the controller's CAP.MQES + 1 caps it. One entry is
+    /// kept free, so `queue_depth - 1` commands are in flight per queue at most.
+    pub queue_depth: u16,
+    /// Keep alive timeout asked for at Connect; Keep Alive is sent every half of it.
+    pub kato: Duration,
+    /// Ask for NVMe/TCP header digests.
+    pub header_digest: bool,
+    /// Ask for NVMe/TCP data digests.
+    pub data_digest: bool,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Reconnect behaviour.
+    pub reconnect: ReconnectPolicy,
+    /// Retry writes (Write, Write Zeroes, Dataset Management) that were in flight when a
+    /// connection was lost. Off by default: such a write may already have been applied, and
+    /// replaying it later could overwrite newer data written by someone else. Reads and
+    /// flushes are always retried.
+    pub retry_writes: bool,
+    /// Largest transfer per command in bytes, on top of the controller's MDTS (`None`: the
+    /// MDTS, or 1 MiB when the controller reports no limit).
+    pub max_transfer: Option<u32>,
+    /// Queue selection for I/O.
+    pub queue_policy: QueuePolicy,
+}
+
+impl ConnectOptions {
+    /// Settings with the defaults: one I/O queue per core, 128 entries, KATO 5 s, no digests.
+    pub fn new(addr: TargetAddr, subnqn: impl Into<String>, host: HostIdentity) -> Self {
+        ConnectOptions {
+            addr,
+            subnqn: subnqn.into(),
+            host,
+            io_queues: None,
+            queue_depth: 128,
+            kato: Duration::from_secs(5),
+            header_digest: false,
+            data_digest: false,
+            timeouts: Timeouts::default(),
+            reconnect: ReconnectPolicy::default(),
+            retry_writes: false,
+            max_transfer: None,
+            queue_policy: QueuePolicy::default(),
+        }
+    }
+
+    pub(crate) fn wanted_io_queues(&self) -> u16 {
+        match self.io_queues {
+            Some(n) => n,
+            None => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(usize::from(u16::MAX - 1)) as u16,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if !crate::identity::valid_nqn(&self.subnqn) {
+            return Err(Error::InvalidArgument(format!(
+                "{:?} is not a valid subsystem NQN",
+                self.subnqn
+            )));
+        }
+        if self.queue_depth < 2 {
+            return Err(Error::InvalidArgument(
+                "queue depth must be at least 2".into(),
+            ));
+        }
+        if self.io_queues == Some(u16::MAX) {
+            return Err(Error::InvalidArgument("too many I/O queues".into()));
+        }
+        if self.kato.as_millis() > u128::from(u32::MAX) {
+            return Err(Error::InvalidArgument("keep alive timeout too large".into()));
+        }
+        if let Some(m) = self.max_transfer {
+            if m < 512 {
+                return Err(Error::InvalidArgument(
+                    "max transfer must be at least 512 bytes".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Settings of a discovery request.
+#[derive(Clone, Debug)]
+pub struct DiscoveryOptions {
+    /// Discovery controller address (conventionally port 8009, but any I/O port of most
+    /// targets answers too).
+    pub addr: TargetAddr,
+    /// Host identity (targets filter the log by host NQN).
+    pub host: HostIdentity,
+    /// Ask for header digests.
+    pub header_digest: bool,
+    /// Ask for data digests.
+    pub data_digest: bool,
+    /// Timeouts (connect and admin apply).
+    pub timeouts: Timeouts,
+    /// Attempts to read a consistent log (the generation counter must not change while the
+    /// entries are read).
+    pub max_attempts: u32,
+}
+
+impl DiscoveryOptions {
+    /// Default settings for `addr`.
+    pub fn new(addr: TargetAddr, host: HostIdentity) -> Self {
+        DiscoveryOptions {
+            addr,
+            host,
+            header_digest: false,
+            data_digest: false,
+            timeouts: Timeouts::default(),
+            max_attempts: 10,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_addresses() {
+        let a: TargetAddr = "127.0.0.1:4421".parse().unwrap();
+        assert_eq!(a, TargetAddr::new("127.0.0.1", 4421));
+        let a: TargetAddr = "[::1]:9".parse().unwrap();
+        assert_eq!(a.host, "::1");
+        assert_eq!(a.to_string(), "[::1]:9");
+        let a: TargetAddr = "example.com".parse().unwrap();
+        assert_eq!(a.port, DEFAULT_PORT);
+        assert!("host:notaport".parse::<TargetAddr>().is_err());
+        assert!("".parse::<TargetAddr>().is_err());
+        assert_eq!(TargetAddr::new("[fe80::1]", 1).host, "fe80::1");
+    }
+}

@@ -1,0 +1,973 @@
+//! Queues: one task per queue owns the TCP connection and the NVMe/TCP engine.
+//!
+//! A caller takes a command slot (a tag, which is also the command identifier on the wire),
+//! fills the slot's staging buffer, and hands the command to the queue task through a
+//! channel. The task gathers every command that is ready into the engine's send buffer and
+//! writes them with one `write`; it reads everything the socket has, copies read data into
+//! the slots' staging buffers, answers R2Ts, and on each completion stores the result in the
+//! slot and wakes that one caller.
+//!
+//! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
+//! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
+//! the task: a target that stops answering gives a timeout error, never a hang.
+//!
+//! When the connection is lost the task keeps reads (and everything idempotent) to resend on
+//! the next connection and fails writes with [`Error::Interrupted`] (unless writes may be
+//! retried); it reports the loss to the controller's supervisor, which reconnects and hands a
+//! new connection over.
+
+use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use nvme_spec::status::generic;
+use nvme_spec::{Cqe, SglDescriptor, Sqe, Status};
+use nvmf_tcp::{HostConn, HostEvent};
+use parking_lot::Mutex;
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::time::{Instant, MissedTickBehavior};
+
+use crate::Error;
+use crate::controller::SupMsg;
+use crate::error::command_name;
+use crate::setup::READ_CHUNK;
+
+/// A command is sent at most this many times (first try included) before its error is
+/// returned.
+const MAX_ATTEMPTS: u8 = 5;
+/// Submissions taken from the channel per wake-up.
+const SUBMIT_BATCH: usize = 256;
+
+/// Direction of a command's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DataDir {
+    /// No data.
+    None,
+    /// Controller to host (read).
+    ToHost,
+    /// Host to controller (write).
+    FromHost,
+}
+
+/// What happens to a command in flight when its connection is lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Resend it on the next connection (reads, Identify, Flush).
+    Always,
+    /// Fail it (Keep Alive, Asynchronous Event Request, properties).
+    Never,
+    /// A write: resend only when the caller allowed retrying writes.
+    Write,
+}
+
+/// A command as a caller hands it to a queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    /// The command; the command identifier and data pointer are filled in by the queue.
+    pub sqe: Sqe,
+    /// Data direction.
+    pub dir: DataDir,
+    /// Data length in bytes.
+    pub len: u32,
+    /// Behaviour across a connection loss.
+    pub retry: Retry,
+    /// Time allowed from submission to completion; `None` for no limit.
+    pub timeout: Option<Duration>,
+}
+
+struct Submission {
+    tag: u16,
+    req: Request,
+    buf: Vec<u8>,
+}
+
+/// A connected, initialized queue connection.
+pub(crate) struct Live {
+    pub stream: TcpStream,
+    pub engine: HostConn,
+    /// Largest write sent in the capsule.
+    pub icd_limit: usize,
+}
+
+/// Messages from the supervisor to a queue task.
+pub(crate) enum QueueCtl {
+    /// Use this connection (of association `generation`).
+    Attach(Box<Live>, u64),
+    /// Drop the connection (the supervisor is resetting the association); keep commands.
+    Detach,
+    /// Fail everything now and from now on.
+    Fail(Error),
+    /// Fail everything with [`Error::Closed`] and end the task.
+    Close,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Free,
+    Waiting,
+    Done,
+    Abandoned,
+}
+
+struct SlotState {
+    phase: Phase,
+    waker: Option<Waker>,
+    result: Option<Result<Cqe, Error>>,
+    buf: Vec<u8>,
+}
+
+/// Counters of one queue (relaxed atomics written by the queue task).
+#[derive(Default, Debug)]
+pub(crate) struct QueueCounters {
+    commands: AtomicU64,
+    in_capsule_writes: AtomicU64,
+    r2t_writes: AtomicU64,
+    r2ts: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
+    retries: AtomicU64,
+    timeouts: AtomicU64,
+    connections: AtomicU64,
+}
+
+/// A snapshot of a queue's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct QueueStats {
+    /// Queue ID (0 is the admin queue).
+    pub qid: u16,
+    /// Commands sent (a retried command counts once per send).
+    pub commands: u64,
+    /// Writes whose data travelled in the command capsule.
+    pub in_capsule_writes: u64,
+    /// Writes whose data was sent on R2T requests.
+    pub r2t_writes: u64,
+    /// R2T PDUs answered.
+    pub r2ts: u64,
+    /// Bytes received as read data.
+    pub bytes_read: u64,
+    /// Bytes sent as write data.
+    pub bytes_written: u64,
+    /// Commands resent after a connection loss or a transient transport error.
+    pub retries: u64,
+    /// Commands that timed out.
+    pub timeouts: u64,
+    /// Connections this queue has used.
+    pub connections: u64,
+}
+
+/// State shared by a queue's task and its callers.
+pub(crate) struct QueueShared {
+    qid: u16,
+    slots: Box<[Mutex<SlotState>]>,
+    free: Mutex<Vec<u16>>,
+    permits: Semaphore,
+    counters: QueueCounters,
+    closed_error: Mutex<Option<Error>>,
+}
+
+impl QueueShared {
+    fn release(&self, tag: u16) {
+        self.free.lock().push(tag);
+        self.permits.add_permits(1);
+    }
+
+    /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
+    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: Vec<u8>) {
+        let Some(slot) = self.slots.get(usize::from(tag)) else {
+            return;
+        };
+        let mut st = slot.lock();
+        st.buf = buf;
+        match st.phase {
+            Phase::Waiting => {
+                st.result = Some(result);
+                st.phase = Phase::Done;
+                let waker = st.waker.take();
+                drop(st);
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            }
+            Phase::Abandoned => {
+                st.phase = Phase::Free;
+                st.waker = None;
+                drop(st);
+                self.release(tag);
+            }
+            Phase::Free | Phase::Done => {}
+        }
+    }
+
+    fn stats(&self) -> QueueStats {
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        QueueStats {
+            qid: self.qid,
+            commands: g(&c.commands),
+            in_capsule_writes: g(&c.in_capsule_writes),
+            r2t_writes: g(&c.r2t_writes),
+            r2ts: g(&c.r2ts),
+            bytes_read: g(&c.bytes_read),
+            bytes_written: g(&c.bytes_written),
+            retries: g(&c.retries),
+            timeouts: g(&c.timeouts),
+            connections: g(&c.connections),
+        }
+    }
+}
+
+fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The caller side of a queue.
+pub(crate) struct QueueHandle {
+    shared: Arc<QueueShared>,
+    sub_tx: mpsc::UnboundedSender<Submission>,
+    ctl_tx: mpsc::UnboundedSender<QueueCtl>,
+}
+
+/// Settings of a queue task.
+pub(crate) struct QueueConfig {
+    pub qid: u16,
+    /// Command slots (commands in flight at most).
+    pub slots: u16,
+    pub addr: String,
+    pub retry_writes: bool,
+    /// How often deadlines are checked.
+    pub scan_period: Duration,
+}
+
+impl QueueHandle {
+    /// Creates a queue and spawns its task (on the current tokio runtime). The queue has no
+    /// connection until the supervisor attaches one; commands wait until then.
+    pub fn spawn(cfg: QueueConfig, report: mpsc::UnboundedSender<SupMsg>) -> QueueHandle {
+        let n = cfg.slots.max(1);
+        let slots: Vec<Mutex<SlotState>> = (0..n)
+            .map(|_| {
+                Mutex::new(SlotState {
+                    phase: Phase::Free,
+                    waker: None,
+                    result: None,
+                    buf: Vec::new(),
+                })
+            })
+            .collect();
+        let shared = Arc::new(QueueShared {
+            qid: cfg.qid,
+            slots: slots.into_boxed_slice(),
+            free: Mutex::new((0..n).rev().collect()),
+            permits: Semaphore::new(usize::from(n)),
+            counters: QueueCounters::default(),
+            closed_error: Mutex::new(None),
+        });
+        let (sub_tx, sub_rx) = mpsc::unbounded_channel();
+        let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
+        let task = Task {
+            live: None,
+            core: Core {
+                shared: Arc::clone(&shared),
+                addr: cfg.addr,
+                cmds: (0..n).map(|_| None).collect(),
+                waiting: VecDeque::with_capacity(usize::from(n)),
+                failed: None,
+                retry_writes: cfg.retry_writes,
+                now: Instant::now(),
+                admin: cfg.qid == 0,
+            },
+            sub_rx,
+            ctl_rx,
+            report,
+            generation: 0,
+            scan_period: cfg.scan_period,
+            batch: Vec::with_capacity(SUBMIT_BATCH),
+        };
+        tokio::spawn(task.run());
+        QueueHandle {
+            shared,
+            sub_tx,
+            ctl_tx,
+        }
+    }
+
+    /// Sends a control message to the task.
+    pub fn control(&self, msg: QueueCtl) {
+        let _ = self.ctl_tx.send(msg);
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> QueueStats {
+        self.shared.stats()
+    }
+
+    /// Number of command slots.
+    pub fn slots(&self) -> usize {
+        self.shared.slots.len()
+    }
+
+    fn closed_error(&self) -> Error {
+        self.shared.closed_error.lock().clone().unwrap_or(Error::Closed)
+    }
+
+    /// Takes a slot (waiting for one if all are busy), fills its buffer with `fill` for
+    /// host-to-controller data, and hands the command to the task.
+    pub async fn start<F>(&self, req: Request, fill: F) -> Result<Pending<'_>, Error>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(), Error>,
+    {
+        let permit = self
+            .shared
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| self.closed_error())?;
+        permit.forget();
+        let Some(tag) = self.shared.free.lock().pop() else {
+            self.shared.permits.add_permits(1);
+            return Err(Error::InvalidArgument(
+                "internal: no free command slot".into(),
+            ));
+        };
+        let slot = &self.shared.slots[usize::from(tag)];
+        let mut buf = {
+            let mut st = slot.lock();
+            st.phase = Phase::Waiting;
+            st.result = None;
+            std::mem::take(&mut st.buf)
+        };
+        let len = req.len as usize;
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        let pending = Pending {
+            shared: &self.shared,
+            tag,
+        };
+        if req.dir == DataDir::FromHost {
+            if let Err(e) = fill(&mut buf[..len]) {
+                self.shared.finish(tag, Err(e.clone()), buf);
+                return Err(e);
+            }
+        }
+        if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(Submission { tag, req, buf }) {
+            let e = self.closed_error();
+            self.shared.finish(tag, Err(e.clone()), s.buf);
+            return Err(e);
+        }
+        Ok(pending)
+    }
+
+    /// Runs one command to completion. A completion with an error status is an
+    /// [`Error::Status`]; read data is passed to `out` before the slot is released.
+    pub async fn execute<F, O, R>(&self, req: Request, fill: F, out: O) -> Result<(Cqe, R), Error>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(), Error>,
+        O: FnOnce(&[u8]) -> R,
+    {
+        let len = req.len as usize;
+        let admin = self.shared.qid == 0;
+        let name = command_name(admin, req.sqe.opcode, req.sqe.fctype());
+        let mut p = self.start(req, fill).await?;
+        let cqe = p.wait().await?;
+        let status = cqe.status();
+        if !status.is_success() {
+            return Err(Error::status_of(name, status));
+        }
+        let r = p.with_data(len, out);
+        Ok((cqe, r))
+    }
+}
+
+/// A command handed to a queue. Await [`wait`](Self::wait); then read data with
+/// [`with_data`](Self::with_data). Dropping it releases the slot (or, if the command is still
+/// in flight, lets the queue task release it when the command ends).
+pub(crate) struct Pending<'a> {
+    shared: &'a QueueShared,
+    tag: u16,
+}
+
+impl Pending<'_> {
+    fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Result<Cqe, Error>> {
+        let mut st = self.shared.slots[usize::from(self.tag)].lock();
+        match st.phase {
+            Phase::Done => Poll::Ready(st.result.take().unwrap_or(Err(Error::Closed))),
+            _ => {
+                if !st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    st.waker = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    /// Waits for the completion entry (any status) or a transport error.
+    pub async fn wait(&mut self) -> Result<Cqe, Error> {
+        std::future::poll_fn(|cx| self.poll_complete(cx)).await
+    }
+
+    /// Gives the first `len` bytes of the slot's buffer (the read data) to `f`.
+    pub fn with_data<R>(&self, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        let st = self.shared.slots[usize::from(self.tag)].lock();
+        let end = len.min(st.buf.len());
+        f(&st.buf[..end])
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut st = self.shared.slots[usize::from(self.tag)].lock();
+        match st.phase {
+            Phase::Done => {
+                st.phase = Phase::Free;
+                st.waker = None;
+                st.result = None;
+                drop(st);
+                self.shared.release(self.tag);
+            }
+            Phase::Waiting => {
+                st.phase = Phase::Abandoned;
+                st.waker = None;
+            }
+            Phase::Free | Phase::Abandoned => {}
+        }
+    }
+}
+
+/// A command owned by the queue task.
+struct Cmd {
+    req: Request,
+    buf: Vec<u8>,
+    deadline: Option<Instant>,
+    sent: bool,
+    digest_error: bool,
+    attempts: u8,
+}
+
+/// The task's command table and everything except the connection.
+struct Core {
+    shared: Arc<QueueShared>,
+    addr: String,
+    cmds: Vec<Option<Cmd>>,
+    /// Commands not sent on the current connection, in submission order.
+    waiting: VecDeque<u16>,
+    failed: Option<Error>,
+    retry_writes: bool,
+    now: Instant,
+    admin: bool,
+}
+
+struct Task {
+    live: Option<Live>,
+    core: Core,
+    sub_rx: mpsc::UnboundedReceiver<Submission>,
+    ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
+    report: mpsc::UnboundedSender<SupMsg>,
+    generation: u64,
+    scan_period: Duration,
+    batch: Vec<Submission>,
+}
+
+enum Wake {
+    Ctl(Option<QueueCtl>),
+    Submit(usize),
+    Ready(io::Result<tokio::io::Ready>),
+    Tick,
+}
+
+impl Core {
+    fn name(&self, req: &Request) -> &'static str {
+        command_name(self.admin, req.sqe.opcode, req.sqe.fctype())
+    }
+
+    fn retryable(&self, cmd: &Cmd) -> bool {
+        match cmd.req.retry {
+            Retry::Always => true,
+            Retry::Never => false,
+            Retry::Write => self.retry_writes,
+        }
+    }
+
+    /// Completes a command towards its caller.
+    fn complete(&mut self, tag: u16, result: Result<Cqe, Error>) {
+        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
+            return;
+        };
+        self.shared.finish(tag, result, cmd.buf);
+    }
+
+    /// Queues the capsule of command `tag` in the engine.
+    fn send(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
+        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        let c = &self.shared.counters;
+        let mut sqe = cmd.req.sqe;
+        sqe.cid.set(tag);
+        sqe.set_sgl();
+        let len = cmd.req.len as usize;
+        let in_capsule = cmd.req.dir == DataDir::FromHost && len > 0 && len <= live.icd_limit;
+        let data: &[u8] = if in_capsule {
+            sqe.dptr = SglDescriptor::in_capsule(cmd.req.len);
+            bump(&c.in_capsule_writes, 1);
+            bump(&c.bytes_written, len as u64);
+            &cmd.buf[..len]
+        } else {
+            let l = if cmd.req.dir == DataDir::None {
+                0
+            } else {
+                cmd.req.len
+            };
+            sqe.dptr = SglDescriptor::tcp_transport(l);
+            if cmd.req.dir == DataDir::FromHost && len > 0 {
+                bump(&c.r2t_writes, 1);
+            }
+            &[]
+        };
+        if cmd.attempts > 0 {
+            bump(&c.retries, 1);
+        }
+        cmd.sent = true;
+        cmd.digest_error = false;
+        cmd.attempts = cmd.attempts.saturating_add(1);
+        bump(&c.commands, 1);
+        live.engine
+            .send_capsule_cmd(&sqe.to_array(), data)
+            .map_err(|e| Error::lost(&self.addr, format!("cannot queue a command: {e}")))
+    }
+
+    /// Puts a command back at the head of the waiting list and sends it again if connected.
+    fn resend(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
+        live.engine.forget_command(tag);
+        self.send(live, tag)
+    }
+
+    fn on_submit(&mut self, live: Option<&mut Live>, s: Submission) -> Result<(), Error> {
+        if let Some(e) = &self.failed {
+            self.shared.finish(s.tag, Err(e.clone()), s.buf);
+            return Ok(());
+        }
+        let Some(entry) = self.cmds.get_mut(usize::from(s.tag)) else {
+            return Ok(());
+        };
+        *entry = Some(Cmd {
+            deadline: s.req.timeout.map(|t| self.now + t),
+            req: s.req,
+            buf: s.buf,
+            sent: false,
+            digest_error: false,
+            attempts: 0,
+        });
+        match live {
+            Some(live) if self.waiting.is_empty() => self.send(live, s.tag),
+            _ => {
+                self.waiting.push_back(s.tag);
+                Ok(())
+            }
+        }
+    }
+
+    /// Handles every event the engine can produce from the bytes received so far.
+    fn process(&mut self, live: &mut Live) -> Result<(), Error> {
+        loop {
+            let ev = match live.engine.next_event() {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return Ok(()),
+                Err(source) => {
+                    return Err(Error::Protocol {
+                        addr: self.addr.clone(),
+                        source,
+                    });
+                }
+            };
+            match ev {
+                HostEvent::CapsuleResp { cqe } => {
+                    let cqe = Cqe::from_array(&cqe);
+                    self.on_response(live, cqe)?;
+                }
+                HostEvent::C2HData {
+                    cccid,
+                    datao,
+                    data,
+                    last,
+                    success,
+                } => {
+                    if let Some(cmd) = self.cmds.get_mut(usize::from(cccid)).and_then(Option::as_mut)
+                    {
+                        let off = datao as usize;
+                        if let Some(dst) = cmd.buf.get_mut(off..off + data.len()) {
+                            dst.copy_from_slice(data);
+                        }
+                        bump(&self.shared.counters.bytes_read, data.len() as u64);
+                    }
+                    if last && success {
+                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                    }
+                }
+                HostEvent::C2HDataDigestError {
+                    cccid,
+                    last,
+                    success,
+                } => {
+                    if let Some(cmd) = self.cmds.get_mut(usize::from(cccid)).and_then(Option::as_mut)
+                    {
+                        cmd.digest_error = true;
+                    }
+                    if last && success {
+                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                    }
+                }
+                HostEvent::R2T {
+                    cccid,
+                    ttag,
+                    r2to,
+                    r2tl,
+                } => {
+                    let Some(cmd) = self.cmds.get(usize::from(cccid)).and_then(Option::as_ref)
+                    else {
+                        return Err(Error::lost(&self.addr, "R2T for an unknown command"));
+                    };
+                    let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
+                    let Some(data) = cmd.buf.get(start..end) else {
+                        return Err(Error::lost(&self.addr, "R2T outside the command data"));
+                    };
+                    live.engine
+                        .send_h2c_data(cccid, ttag, r2to, data, true)
+                        .map_err(|e| Error::lost(&self.addr, format!("cannot answer R2T: {e}")))?;
+                    bump(&self.shared.counters.r2ts, 1);
+                    bump(&self.shared.counters.bytes_written, u64::from(r2tl));
+                }
+                HostEvent::TermReq { fes, fei, .. } => {
+                    return Err(Error::TermReq {
+                        addr: self.addr.clone(),
+                        fes,
+                        fei,
+                    });
+                }
+                HostEvent::Connected(_) => {}
+            }
+        }
+    }
+
+    /// A completion arrived for `cqe.cid()`.
+    fn on_response(&mut self, live: &mut Live, mut cqe: Cqe) -> Result<(), Error> {
+        let tag = cqe.cid();
+        let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        if cmd.digest_error && cqe.status().is_success() {
+            cqe = Cqe::new(
+                tag,
+                Status::generic(generic::TRANSIENT_TRANSPORT_ERROR),
+                0,
+            );
+        }
+        let st = cqe.status();
+        let transient = st.sct == 0 && st.sc == generic::TRANSIENT_TRANSPORT_ERROR && !st.dnr;
+        if transient && self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
+            return self.resend(live, tag);
+        }
+        self.complete(tag, Ok(cqe));
+        Ok(())
+    }
+
+    /// The connection is gone: keep what may be resent, fail the rest.
+    fn connection_lost(&mut self, reason: &Error) {
+        let mut resend = Vec::new();
+        for tag in 0..self.cmds.len() {
+            let tag = tag as u16;
+            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
+                continue;
+            };
+            if !cmd.sent {
+                continue;
+            }
+            if self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
+                if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
+                    c.sent = false;
+                }
+                resend.push(tag);
+                continue;
+            }
+            let name = self.name(&cmd.req);
+            let err = if cmd.req.retry == Retry::Write {
+                Error::Interrupted {
+                    command: name,
+                    addr: self.addr.clone(),
+                    reason: reason.to_string(),
+                }
+            } else {
+                Error::lost(&self.addr, format!("{name} interrupted: {reason}"))
+            };
+            self.complete(tag, Err(err));
+        }
+        for tag in resend.into_iter().rev() {
+            self.waiting.push_front(tag);
+        }
+    }
+
+    /// Fails every command, sent or waiting.
+    fn fail_all(&mut self, err: &Error) {
+        self.waiting.clear();
+        for tag in 0..self.cmds.len() {
+            self.complete(tag as u16, Err(err.clone()));
+        }
+    }
+
+    /// Fails commands whose deadline passed. Returns true if one of them was on the wire
+    /// (the connection must then be reset: the target stopped answering).
+    fn scan_deadlines(&mut self, live: Option<&mut Live>) -> Option<Error> {
+        let now = self.now;
+        let mut on_wire: Option<Error> = None;
+        let mut live = live;
+        for tag in 0..self.cmds.len() {
+            let tag = tag as u16;
+            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
+                continue;
+            };
+            let Some(deadline) = cmd.deadline else {
+                continue;
+            };
+            if deadline > now {
+                continue;
+            }
+            let after = cmd.req.timeout.unwrap_or_default();
+            let name = self.name(&cmd.req);
+            let err = Error::timeout(name, after);
+            if cmd.sent {
+                if let Some(l) = live.as_deref_mut() {
+                    l.engine.forget_command(tag);
+                }
+                on_wire.get_or_insert_with(|| err.clone());
+            } else {
+                self.waiting.retain(|&t| t != tag);
+            }
+            bump(&self.shared.counters.timeouts, 1);
+            self.complete(tag, Err(err));
+        }
+        on_wire
+    }
+}
+
+impl Task {
+    async fn run(mut self) {
+        let mut tick = tokio::time::interval(self.scan_period);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut next_scan = Instant::now() + self.scan_period;
+        loop {
+            self.core.now = Instant::now();
+            if self.core.now >= next_scan {
+                next_scan = self.core.now + self.scan_period;
+                if let Some(err) = self.core.scan_deadlines(self.live.as_mut()) {
+                    self.lose(err);
+                }
+            }
+            if let Some(live) = self.live.as_mut() {
+                if let Err(e) = flush(live) {
+                    let err = Error::lost(&self.core.addr, format!("send failed: {e}"));
+                    self.lose(err);
+                    continue;
+                }
+            }
+            let interest = self.live.as_ref().map(|l| {
+                if l.engine.pending_send().is_empty() {
+                    Interest::READABLE
+                } else {
+                    Interest::READABLE | Interest::WRITABLE
+                }
+            });
+            let wake = {
+                let live = self.live.as_ref();
+                tokio::select! {
+                    biased;
+                    c = self.ctl_rx.recv() => Wake::Ctl(c),
+                    n = self.sub_rx.recv_many(&mut self.batch, SUBMIT_BATCH) => Wake::Submit(n),
+                    r = async {
+                        match (live, interest) {
+                            (Some(l), Some(i)) => l.stream.ready(i).await,
+                            _ => std::future::pending().await,
+                        }
+                    }, if live.is_some() => Wake::Ready(r),
+                    _ = tick.tick() => Wake::Tick,
+                }
+            };
+            self.core.now = Instant::now();
+            match wake {
+                Wake::Ctl(None) | Wake::Ctl(Some(QueueCtl::Close)) => {
+                    self.shutdown(Error::Closed);
+                    return;
+                }
+                Wake::Ctl(Some(msg)) => self.control(msg),
+                Wake::Submit(0) => {
+                    // Every handle is gone.
+                    self.shutdown(Error::Closed);
+                    return;
+                }
+                Wake::Submit(_) => {
+                    let mut batch = std::mem::take(&mut self.batch);
+                    let mut res = Ok(());
+                    for s in batch.drain(..) {
+                        if res.is_err() {
+                            // The connection failed mid-batch: queue the rest.
+                            let r = self.core.on_submit(None, s);
+                            debug_assert!(r.is_ok());
+                            continue;
+                        }
+                        res = self.core.on_submit(self.live.as_mut(), s);
+                    }
+                    self.batch = batch;
+                    if let Err(e) = res {
+                        self.lose(e);
+                    }
+                }
+                Wake::Ready(Ok(ready)) => {
+                    if ready.is_readable() {
+                        if let Err(e) = self.receive() {
+                            self.lose(e);
+                        }
+                    }
+                }
+                Wake::Ready(Err(e)) => {
+                    let err = Error::lost(&self.core.addr, format!("socket error: {e}"));
+                    self.lose(err);
+                }
+                Wake::Tick => {}
+            }
+        }
+    }
+
+    /// Reads what the socket has and handles it.
+    fn receive(&mut self) -> Result<(), Error> {
+        let Some(live) = self.live.as_mut() else {
+            return Ok(());
+        };
+        for _ in 0..8 {
+            let buf = live.engine.recv_buf(READ_CHUNK);
+            let want = buf.len();
+            match live.stream.try_read(buf) {
+                Ok(0) => {
+                    // Handle what arrived before the close (a TermReq explains it).
+                    self.core.process(live)?;
+                    return Err(Error::lost(
+                        &self.core.addr,
+                        "the target closed the connection",
+                    ));
+                }
+                Ok(n) => {
+                    live.engine.commit_recv(n);
+                    self.core.process(live)?;
+                    if n < want {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    return Err(Error::lost(
+                        &self.core.addr,
+                        format!("receive failed: {e}"),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn control(&mut self, msg: QueueCtl) {
+        match msg {
+            QueueCtl::Attach(live, generation) => {
+                if self.core.failed.is_some() {
+                    return;
+                }
+                self.live = None;
+                let mut live = *live;
+                self.generation = generation;
+                bump(&self.core.shared.counters.connections, 1);
+                let mut res = Ok(());
+                while let Some(tag) = self.core.waiting.pop_front() {
+                    res = self.core.send(&mut live, tag);
+                    if res.is_err() {
+                        break;
+                    }
+                }
+                let res = res.and_then(|()| self.core.process(&mut live));
+                self.live = Some(live);
+                if let Err(e) = res {
+                    self.lose(e);
+                }
+            }
+            QueueCtl::Detach => {
+                if self.live.take().is_some() {
+                    let reason = Error::lost(&self.core.addr, "controller reset");
+                    self.core.connection_lost(&reason);
+                }
+            }
+            QueueCtl::Fail(err) => {
+                self.live = None;
+                self.core.failed = Some(err.clone());
+                *self.core.shared.closed_error.lock() = Some(err.clone());
+                self.core.shared.permits.close();
+                self.core.fail_all(&err);
+            }
+            QueueCtl::Close => self.shutdown(Error::Closed),
+        }
+    }
+
+    /// Drops the connection after an error and tells the supervisor.
+    fn lose(&mut self, err: Error) {
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        // A protocol error leaves a TermReq to send; give it one try.
+        let _ = flush(&mut live);
+        drop(live);
+        self.core.connection_lost(&err);
+        let _ = self.report.send(SupMsg::QueueFailed {
+            qid: self.core.shared.qid,
+            generation: self.generation,
+            error: err,
+        });
+    }
+
+    fn shutdown(&mut self, err: Error) {
+        self.live = None;
+        if self.core.failed.is_none() {
+            self.core.failed = Some(err.clone());
+        }
+        {
+            let mut ce = self.core.shared.closed_error.lock();
+            if ce.is_none() {
+                *ce = Some(err.clone());
+            }
+        }
+        self.core.shared.permits.close();
+        self.sub_rx.close();
+        while let Ok(s) = self.sub_rx.try_recv() {
+            self.core.shared.finish(s.tag, Err(err.clone()), s.buf);
+        }
+        self.core.fail_all(&err);
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        // However the task ends (even when its runtime shuts down), no caller is left waiting.
+        self.shutdown(Error::Closed);
+    }
+}
+
+/// Writes as much of the engine's send buffer as the socket takes without blocking.
+fn flush(live: &mut Live) -> io::Result<()> {
+    while !live.engine.pending_send().is_empty() {
+        match live.stream.try_write(live.engine.pending_send()) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => live.engine.consume_sent(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,342 @@
+//! Connection set-up: TCP connect, ICReq/ICResp, and commands issued one at a time before a
+//! queue is handed to its I/O task (Fabrics Connect, properties, Identify, discovery).
+
+use std::time::Duration;
+
+use nvme_spec::fabrics::{ConnectData, csts, property};
+use nvme_spec::{Cqe, FabricsCommand, IntoBytes, SglDescriptor, Sqe, Status};
+use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout_at};
+
+use crate::error::command_name;
+use crate::{Error, HostIdentity, TargetAddr};
+
+/// Bytes asked of the socket per read.
+pub(crate) const READ_CHUNK: usize = 256 * 1024;
+/// Delay between two polls of CSTS.
+const CSTS_POLL: Duration = Duration::from_millis(20);
+
+/// A freshly opened queue connection driven one command at a time.
+pub(crate) struct SetupConn {
+    pub stream: TcpStream,
+    pub engine: HostConn,
+    pub params: HostParams,
+    pub addr: String,
+    admin_timeout: Duration,
+    next_cid: u16,
+    admin: bool,
+}
+
+impl SetupConn {
+    /// Opens the TCP connection and exchanges ICReq/ICResp, all within `connect_timeout`.
+    pub async fn open(
+        addr: &TargetAddr,
+        digests: (bool, bool),
+        depth: usize,
+        connect_timeout: Duration,
+        admin_timeout: Duration,
+    ) -> Result<Self, Error> {
+        let addr_s = addr.to_string();
+        let deadline = Instant::now() + connect_timeout;
+        let stream = match timeout_at(
+            deadline,
+            TcpStream::connect((addr.host.as_str(), addr.port)),
+        )
+        .await
+        {
+            Err(_) => return Err(Error::timeout("the TCP connection", connect_timeout)),
+            Ok(Err(e)) => return Err(Error::connect(&addr_s, e)),
+            Ok(Ok(s)) => s,
+        };
+        let _ = stream.set_nodelay(true);
+        let engine = HostConn::new(HostConfig {
+            hdgst: digests.0,
+            ddgst: digests.1,
+            recv_buffer_size: READ_CHUNK,
+            max_outstanding_commands: depth.max(2),
+        });
+        let mut c = SetupConn {
+            stream,
+            engine,
+            params: HostParams {
+                digests: nvmf_tcp::Digests::default(),
+                maxh2cdata: 0,
+                cpda: 0,
+            },
+            addr: addr_s,
+            admin_timeout,
+            next_cid: 0,
+            admin: true,
+        };
+        c.flush(deadline, "the ICResp", connect_timeout).await?;
+        loop {
+            match c.engine.next_event() {
+                Ok(Some(HostEvent::Connected(p))) => {
+                    c.params = p;
+                    return Ok(c);
+                }
+                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
+                    return Err(Error::TermReq {
+                        addr: c.addr.clone(),
+                        fes,
+                        fei,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => c.read_more(deadline, "the ICResp", connect_timeout).await?,
+                Err(source) => {
+                    c.flush_best_effort().await;
+                    return Err(Error::Protocol {
+                        addr: c.addr.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Writes everything queued in the engine.
+    async fn flush(
+        &mut self,
+        deadline: Instant,
+        what: &'static str,
+        t: Duration,
+    ) -> Result<(), Error> {
+        while !self.engine.pending_send().is_empty() {
+            let pending = self.engine.pending_send();
+            let n = match timeout_at(deadline, self.stream.write(pending)).await {
+                Err(_) => return Err(Error::timeout(what, t)),
+                Ok(Err(e)) => return Err(Error::lost(&self.addr, format!("send failed: {e}"))),
+                Ok(Ok(0)) => return Err(Error::lost(&self.addr, "send returned 0")),
+                Ok(Ok(n)) => n,
+            };
+            self.engine.consume_sent(n);
+        }
+        Ok(())
+    }
+
+    /// Sends a queued TermReq if the socket takes it at once.
+    async fn flush_best_effort(&mut self) {
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let _ = self.flush(deadline, "a TermReq", Duration::ZERO).await;
+    }
+
+    async fn read_more(
+        &mut self,
+        deadline: Instant,
+        what: &'static str,
+        t: Duration,
+    ) -> Result<(), Error> {
+        let buf = self.engine.recv_buf(64 * 1024);
+        match timeout_at(deadline, self.stream.read(buf)).await {
+            Err(_) => Err(Error::timeout(what, t)),
+            Ok(Err(e)) => Err(Error::lost(&self.addr, format!("receive failed: {e}"))),
+            Ok(Ok(0)) => Err(Error::lost(&self.addr, "the target closed the connection")),
+            Ok(Ok(n)) => {
+                self.engine.commit_recv(n);
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs one command: `data_out` travels in the capsule, `data_in` bytes are expected back.
+    /// A completion with an error status is returned as [`Error::Status`].
+    pub async fn command(
+        &mut self,
+        mut sqe: Sqe,
+        data_out: &[u8],
+        data_in: usize,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        let name = command_name(self.admin, sqe.opcode, sqe.fctype());
+        let cid = self.next_cid;
+        self.next_cid = self.next_cid.wrapping_add(1);
+        sqe.cid.set(cid);
+        sqe.set_sgl();
+        let len = u32::try_from(data_out.len().max(data_in))
+            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
+        sqe.dptr = if data_out.is_empty() {
+            SglDescriptor::tcp_transport(len)
+        } else {
+            SglDescriptor::in_capsule(len)
+        };
+        self.engine
+            .send_capsule_cmd(&sqe.to_array(), data_out)
+            .map_err(|e| Error::lost(&self.addr, format!("cannot send {name}: {e}")))?;
+        let t = self.admin_timeout;
+        let deadline = Instant::now() + t;
+        self.flush(deadline, name, t).await?;
+        let mut data = vec![0u8; data_in];
+        let mut digest_error = false;
+        loop {
+            match self.engine.next_event() {
+                Ok(Some(HostEvent::C2HData {
+                    cccid,
+                    datao,
+                    data: d,
+                    last,
+                    success,
+                })) if cccid == cid => {
+                    let off = datao as usize;
+                    if let Some(dst) = data.get_mut(off..off + d.len()) {
+                        dst.copy_from_slice(d);
+                    }
+                    if last && success {
+                        return Ok((Cqe::new(cid, Status::SUCCESS, 0), data));
+                    }
+                }
+                Ok(Some(HostEvent::C2HDataDigestError {
+                    cccid,
+                    last,
+                    success,
+                })) if cccid == cid => {
+                    digest_error = true;
+                    if last && success {
+                        return Err(digest_status(name));
+                    }
+                }
+                Ok(Some(HostEvent::CapsuleResp { cqe })) => {
+                    let cqe = Cqe::from_array(&cqe);
+                    if cqe.cid() != cid {
+                        continue;
+                    }
+                    let status = cqe.status();
+                    if !status.is_success() {
+                        return Err(Error::status_of(name, status));
+                    }
+                    if digest_error {
+                        return Err(digest_status(name));
+                    }
+                    return Ok((cqe, data));
+                }
+                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
+                    return Err(Error::TermReq {
+                        addr: self.addr.clone(),
+                        fes,
+                        fei,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => self.read_more(deadline, name, t).await?,
+                Err(source) => {
+                    self.flush_best_effort().await;
+                    return Err(Error::Protocol {
+                        addr: self.addr.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Fabrics Connect; returns the controller ID from the response.
+    pub async fn connect(
+        &mut self,
+        qid: u16,
+        sqsize: u32,
+        kato_ms: u32,
+        cntlid: u16,
+        subnqn: &str,
+        host: &HostIdentity,
+    ) -> Result<u16, Error> {
+        self.admin = qid == 0;
+        let cmd = FabricsCommand::Connect(nvme_spec::command::Connect {
+            recfmt: 0,
+            qid,
+            sqsize,
+            cattr: 0,
+            kato_ms,
+        });
+        let data = ConnectData::new(host.hostid, cntlid, subnqn, &host.hostnqn);
+        let (cqe, _) = self.command(cmd.encode(0), data.as_bytes(), 0).await?;
+        Ok((cqe.dw0.get() & 0xFFFF) as u16)
+    }
+
+    /// Property Get.
+    pub async fn property_get(&mut self, offset: u32, size8: bool) -> Result<u64, Error> {
+        let cmd = FabricsCommand::PropertyGet { size8, offset };
+        let (cqe, _) = self.command(cmd.encode(0), &[], 0).await?;
+        Ok(if size8 {
+            cqe.value64()
+        } else {
+            u64::from(cqe.dw0.get())
+        })
+    }
+
+    /// Property Set of a 4-byte property.
+    pub async fn property_set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
+        let cmd = FabricsCommand::PropertySet {
+            size8: false,
+            offset,
+            value: u64::from(value),
+        };
+        self.command(cmd.encode(0), &[], 0).await.map(|_| ())
+    }
+
+    /// Sets CC.EN and waits for CSTS.RDY, at most CAP.TO (and at least `min_wait`).
+    pub async fn enable(&mut self, cap_timeout_ms: u32, min_wait: Duration) -> Result<(), Error> {
+        self.property_set(property::CC, nvme_spec::fabrics::Cc::enable_value())
+            .await?;
+        let limit = Duration::from_millis(u64::from(cap_timeout_ms)).max(min_wait);
+        let deadline = Instant::now() + limit;
+        loop {
+            let v = self.property_get(property::CSTS, false).await? as u32;
+            if v & csts::CFS != 0 {
+                return Err(Error::Refused(
+                    "the controller reports a fatal status (CSTS.CFS) after enable".into(),
+                ));
+            }
+            if v & csts::RDY != 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout("CSTS.RDY after enabling the controller", limit));
+            }
+            tokio::time::sleep(CSTS_POLL).await;
+        }
+    }
+
+    /// Requests a normal shutdown (CC.SHN) and waits for CSTS.SHST, at most `limit`.
+    pub async fn shutdown(&mut self, limit: Duration) -> Result<(), Error> {
+        let cc = self.property_get(property::CC, false).await? as u32;
+        self.property_set(property::CC, nvme_spec::fabrics::Cc::shutdown_value(cc))
+            .await?;
+        let deadline = Instant::now() + limit;
+        loop {
+            let v = self.property_get(property::CSTS, false).await? as u32;
+            if v & csts::SHST_MASK == csts::SHST_COMPLETE {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
+            }
+            tokio::time::sleep(CSTS_POLL).await;
+        }
+    }
+
+    /// Identify with the given CNS and NSID (4096 bytes).
+    pub async fn identify(&mut self, cns: u8, nsid: u32) -> Result<Vec<u8>, Error> {
+        let sqe = nvme_spec::command::build::identify(0, cns, nsid);
+        self.command(sqe, &[], 4096).await.map(|(_, d)| d)
+    }
+
+    /// Set Features; returns completion DW0.
+    pub async fn set_features(&mut self, fid: u8, cdw11: u32) -> Result<u32, Error> {
+        let sqe = nvme_spec::command::build::set_features(0, fid, cdw11);
+        self.command(sqe, &[], 0).await.map(|(c, _)| c.dw0.get())
+    }
+
+    /// Get Log Page of `len` bytes at `offset`.
+    pub async fn get_log_page(&mut self, lid: u8, len: u32, offset: u64) -> Result<Vec<u8>, Error> {
+        let sqe = nvme_spec::command::build::get_log_page(0, lid, 0, len, offset);
+        self.command(sqe, &[], len as usize).await.map(|(_, d)| d)
+    }
+}
+
+fn digest_status(name: &'static str) -> Error {
+    Error::status_of(
+        name,
+        Status::generic(nvme_spec::status::generic::TRANSIENT_TRANSPORT_ERROR),
+    )
+}
