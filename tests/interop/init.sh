@@ -62,9 +62,10 @@ fi
 hostname "${GUEST_HOSTNAME:-nvmf-guest}"
 ip link set lo up
 
-# QEMU user-mode networking: the guest is 10.0.2.15, the host's loopback is 10.0.2.2.
-# Only the on-link /24 route is installed, so traffic to any other address fails locally
-# instead of leaving through QEMU's NAT.
+# QEMU user-mode networking: the guest is 10.0.2.15/24, the host's loopback is 10.0.2.2.
+# The only route is a host route to 10.0.2.2 (no default route, not even the /24 one), so
+# traffic to any other address (including slirp's DNS at 10.0.2.3) fails locally instead of
+# leaving through QEMU's NAT.
 i=0
 while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 100 ]; do
     sleep 0.05
@@ -73,6 +74,8 @@ done
 if [ -e /sys/class/net/eth0 ]; then
     ip addr add "${GUEST_IP:-10.0.2.15}/24" dev eth0
     ip link set eth0 up
+    ip route del 10.0.2.0/24 dev eth0 2>/dev/null
+    ip route add 10.0.2.2/32 dev eth0
 else
     log "eth0 did not appear (virtio_net not loaded?)"
 fi

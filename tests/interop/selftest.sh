@@ -47,6 +47,19 @@ harness() {
     cat >"$TMP/env.sh" <<'SCRIPT'
 [ "$A" = 'x y' ] && [ "$B" = "it's \$HOME" ] || { echo "env: A=$A B=$B"; exit 1; }
 SCRIPT
+    # Routing only: lookups, no packets sent.
+    cat >"$TMP/routes.sh" <<'SCRIPT'
+r=$(ip route)
+echo "routes: $r"
+[ "$(echo "$r" | tr -s ' ' | sed 's/ *$//')" = "10.0.2.2 dev eth0 scope link" ] || exit 1
+ip route get 10.0.2.2 || exit 1
+! ip route get 10.0.2.3 2>/dev/null || exit 1
+! ip route get 192.0.2.1 2>/dev/null || exit 1
+grep -q ' 10.0.2.15/24 ' /proc/net/fib_trie 2>/dev/null || ip addr show eth0 | grep -q 'inet 10.0.2.15/24' || exit 1
+[ -s /etc/nvme/hostnqn ] && [ -s /etc/nvme/hostid ] || exit 1
+grep -q "^nqn.2014-08.org.nvmexpress:uuid:$(cat /etc/nvme/hostid)$" /etc/nvme/hostnqn || exit 1
+SCRIPT
+    check "harness: guest routes and NVMe host identity" 0 "$G" run --no-nvme-cli "$TMP/routes.sh"
     check "harness: exit code" 7 "$G" run --no-nvme-cli "$TMP/exit7.sh"
     check "harness: --env quoting" 0 "$G" run --no-nvme-cli --env "A=x y" --env "B=it's \$HOME" "$TMP/env.sh"
     check "harness: timeout" 124 "$G" run --no-nvme-cli --timeout 15 "$TMP/hang.sh"
