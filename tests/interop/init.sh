@@ -59,6 +59,8 @@ if [ -f /env ]; then
     set +a
 fi
 
+# Fixed by QEMU user-mode networking; exported for the test script.
+export GUEST_IP=10.0.2.15
 hostname "${GUEST_HOSTNAME:-nvmf-guest}"
 ip link set lo up
 
@@ -72,7 +74,7 @@ while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 100 ]; do
     i=$((i + 1))
 done
 if [ -e /sys/class/net/eth0 ]; then
-    ip addr add "${GUEST_IP:-10.0.2.15}/24" dev eth0
+    ip addr add "$GUEST_IP/24" dev eth0
     ip link set eth0 up
     ip route del 10.0.2.0/24 dev eth0 2>/dev/null
     ip route add 10.0.2.2/32 dev eth0
