@@ -66,6 +66,10 @@ usage() {
 # shellcheck source=lib/initramfs.sh
 . "$HERE/lib/initramfs.sh"
 
+# Per-run directory removed when guest.sh exits (cleared once a background guest owns it).
+CLEANUP_DIR=""
+trap 'if [[ -n $CLEANUP_DIR ]]; then rm -rf "$CLEANUP_DIR"; fi' EXIT
+
 load_setup() {
     [[ -f $CACHE/guest.env ]] || die "guest not prepared: run tests/interop/setup.sh first"
     # shellcheck disable=SC1091
@@ -151,6 +155,7 @@ cmd_boot() {
     mkdir -p "$(dirname "$log")"
     log=$(cd "$(dirname "$log")" && pwd)/$(basename "$log")
     rundir=$(mktemp -d "$CACHE/run/$name.XXXXXX")
+    CLEANUP_DIR=$rundir
     # Keep the newest 200 default logs.
     find "$CACHE/logs" -maxdepth 1 -name '*.log' -printf '%T@ %p\n' 2>/dev/null | sort -rn |
         tail -n +201 | cut -d' ' -f2- | xargs -r rm -f
@@ -267,8 +272,10 @@ EOF
     local pid
     pid=$(cat "$pidfile")
     echo "PID=$pid" >>"$pidfile.state"
-    # QEMU has loaded the initramfs into guest memory; the file is no longer needed.
+    # QEMU has loaded the initramfs into guest memory; the file is no longer needed. The rest
+    # of the run directory (control FIFOs) belongs to the guest until `stop`.
     rm -f "$initrd"
+    CLEANUP_DIR=""
 
     local tail_pid=""
     if [[ $verbose == 1 ]]; then
