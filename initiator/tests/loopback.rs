@@ -1,0 +1,370 @@
+//! The initiator against our target, in process, over loopback TCP.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{NQN, TestTarget, host, options, pattern};
+use nvmeof_initiator::nvme_spec::fabrics::DISCOVERY_NQN;
+use nvmeof_initiator::nvme_spec::status::{generic, specific};
+use nvmeof_initiator::{
+    ControllerEvent, ControllerState, Controller, DiscoveryOptions, Error, discover,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_lists_the_subsystem() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let log = discover(&DiscoveryOptions::new(t.target_addr(), host()))
+        .await
+        .expect("discover");
+    let sub = log
+        .entries
+        .iter()
+        .find(|e| e.subnqn == NQN)
+        .expect("subsystem entry");
+    assert_eq!(sub.trtype_name(), "tcp");
+    assert_eq!(sub.adrfam_name(), "ipv4");
+    assert_eq!(sub.subtype_name(), "nvme subsystem");
+    assert_eq!(sub.traddr, "127.0.0.1");
+    assert_eq!(sub.port(), Some(t.addr.port()));
+    assert!(
+        log.entries
+            .iter()
+            .any(|e| e.subnqn == DISCOVERY_NQN && e.subtype_name() == "current discovery subsystem")
+    );
+    assert!(log.genctr >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_with_digests() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let mut o = DiscoveryOptions::new(t.target_addr(), host());
+    o.header_digest = true;
+    o.data_digest = true;
+    let log = discover(&o).await.expect("discover");
+    assert!(log.entries.iter().any(|e| e.subnqn == NQN));
+}
+
+/// Writes and reads back in-capsule-sized and R2T-sized transfers with every digest
+/// combination.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_read_back_with_and_without_digests() {
+    let t = TestTarget::start(&["mem:32M"], |_| {});
+    for (hd, dd) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut o = options(t.target_addr());
+        o.header_digest = hd;
+        o.data_digest = dd;
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let info = ctrl.info();
+        assert_eq!((info.header_digest, info.data_digest), (hd, dd));
+        assert_eq!(info.subnqn, NQN);
+        assert_eq!(info.io_queues, 2);
+        assert_eq!(info.in_capsule_data_bytes, 8192);
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        assert_eq!(ns.block_size(), 4096);
+        assert_eq!(ns.num_blocks(), 32 * 256);
+        let seed = u64::from(hd) * 2 + u64::from(dd) + 1;
+        // 4 KiB: in the capsule. 8 KiB: still in the capsule. 64 KiB and 1 MiB: R2T.
+        for (lba, blocks) in [(0u64, 1usize), (10, 2), (100, 16), (1000, 256)] {
+            let len = blocks * 4096;
+            let data = pattern(seed, lba * 4096, len);
+            ns.write(lba, &data).await.expect("write");
+            let mut back = vec![0u8; len];
+            ns.read(lba, &mut back).await.expect("read");
+            assert!(back == data, "mismatch at lba {lba} ({blocks} blocks), digests {hd}/{dd}");
+        }
+        let stats = ctrl.queue_stats();
+        let in_capsule: u64 = stats.iter().map(|s| s.in_capsule_writes).sum();
+        let r2t: u64 = stats.iter().map(|s| s.r2t_writes).sum();
+        assert_eq!(in_capsule, 2, "{stats:?}");
+        assert_eq!(r2t, 2, "{stats:?}");
+        assert!(stats.iter().map(|s| s.r2ts).sum::<u64>() >= 2);
+        ctrl.disconnect().await.expect("disconnect");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_queues_with_concurrent_io() {
+    let t = TestTarget::start(&["mem:64M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.io_queues = Some(4);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    assert_eq!(ctrl.io_queue_count(), 4);
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut tasks = Vec::new();
+    for w in 0..8u64 {
+        let ns = ns.on_queue(w as usize);
+        tasks.push(tokio::spawn(async move {
+            // Each worker owns 1024 blocks and keeps several commands in flight.
+            let base = w * 1024;
+            let mut futs = tokio::task::JoinSet::new();
+            for i in 0..16u64 {
+                let ns = ns.clone();
+                futs.spawn(async move {
+                    let lba = base + i * 64;
+                    let data = pattern(w, lba * 4096, 8 * 4096);
+                    ns.write(lba, &data).await?;
+                    let mut back = vec![0u8; data.len()];
+                    ns.read(lba, &mut back).await?;
+                    assert!(back == data, "worker {w} lba {lba}");
+                    Ok::<_, Error>(())
+                });
+            }
+            while let Some(r) = futs.join_next().await {
+                r.expect("task").expect("io");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let stats = ctrl.queue_stats();
+    assert_eq!(stats.len(), 5);
+    for s in &stats[1..] {
+        assert!(s.commands >= 64, "queue {} got {} commands", s.qid, s.commands);
+    }
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_larger_than_mdts_are_split() {
+    let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 16);
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    let info = ctrl.info();
+    assert_eq!(info.mdts_bytes, Some(16 * 1024));
+    assert_eq!(info.max_transfer_bytes, 16 * 1024);
+    let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+    let before = ctrl.queue_stats()[1].commands;
+    let len = (1 << 20) + 3 * 4096;
+    let data = pattern(7, 5 * 4096, len);
+    ns.write(5, &data).await.expect("write");
+    let mut back = vec![0u8; len];
+    ns.read(5, &mut back).await.expect("read");
+    assert!(back == data);
+    let after = ctrl.queue_stats()[1].commands;
+    // 1 MiB + 12 KiB in 16 KiB commands, written and read.
+    assert_eq!(after - before, 2 * 65);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_side_transfer_cap_splits_too() {
+    let t = TestTarget::start(&["mem:16M,bs=512"], |_| {});
+    let mut o = options(t.target_addr());
+    o.max_transfer = Some(8192);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    assert_eq!(ns.block_size(), 512);
+    let data = pattern(3, 512 * 3, 512 * 301);
+    ns.write(3, &data).await.expect("write");
+    let mut back = vec![0u8; data.len()];
+    ns.read(3, &mut back).await.expect("read");
+    assert!(back == data);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_write_zeroes_and_deallocate() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    let info = ctrl.info();
+    assert!(info.write_zeroes && info.dataset_management && info.volatile_write_cache);
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = pattern(11, 0, 64 * 4096);
+    ns.write(0, &data).await.expect("write");
+    ns.flush().await.expect("flush");
+
+    ns.write_zeroes(8, 8).await.expect("write zeroes");
+    let mut back = vec![0xAAu8; 64 * 4096];
+    ns.read(0, &mut back).await.expect("read");
+    assert!(back[..8 * 4096] == data[..8 * 4096]);
+    assert!(back[8 * 4096..16 * 4096].iter().all(|&b| b == 0));
+    assert!(back[16 * 4096..] == data[16 * 4096..]);
+
+    ns.deallocate(32, 16).await.expect("deallocate");
+    ns.deallocate_ranges(&[(50, 2), (60, 1)])
+        .await
+        .expect("deallocate ranges");
+    ns.read(0, &mut back).await.expect("read");
+    assert!(back[32 * 4096..48 * 4096].iter().all(|&b| b == 0));
+    assert!(back[48 * 4096..50 * 4096] == data[48 * 4096..50 * 4096]);
+    assert!(back[50 * 4096..52 * 4096].iter().all(|&b| b == 0));
+    assert!(back[60 * 4096..61 * 4096].iter().all(|&b| b == 0));
+    assert!(back[61 * 4096..] == data[61 * 4096..]);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_carry_the_status() {
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    assert_eq!(ns.num_blocks(), 256);
+
+    let mut buf = vec![0u8; 2 * 4096];
+    let e = ns.read(255, &mut buf).await.expect_err("out of range");
+    let st = e.status().expect("a status error");
+    assert_eq!((st.sct, st.sc), (0, generic::LBA_OUT_OF_RANGE));
+    assert!(st.dnr);
+    assert!(e.to_string().contains("Read failed: LBA Out of Range"), "{e}");
+    match &e {
+        Error::Status { name, command, .. } => {
+            assert_eq!(*name, "LBA Out of Range");
+            assert_eq!(*command, "Read");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let e = ns.write(256, &buf).await.expect_err("out of range");
+    assert_eq!(e.status().map(|s| s.sc), Some(generic::LBA_OUT_OF_RANGE));
+
+    let e = ctrl.namespace(99).await.expect_err("invalid namespace");
+    assert_eq!(e.status().map(|s| s.sc), Some(generic::INVALID_NAMESPACE));
+    assert!(e.to_string().contains("Identify failed: Invalid Namespace or Format"), "{e}");
+
+    let bogus = ctrl.namespace_unchecked(7, 4096, 100).expect("handle");
+    let e = bogus.read(0, &mut buf).await.expect_err("invalid namespace");
+    assert_eq!(e.status().map(|s| s.sc), Some(generic::INVALID_NAMESPACE));
+
+    let mut odd = vec![0u8; 1000];
+    assert!(matches!(
+        ns.read(0, &mut odd).await,
+        Err(Error::InvalidArgument(_))
+    ));
+
+    // The controller still works after all that.
+    ns.read(0, &mut buf).await.expect("read");
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_to_an_unknown_subsystem_is_refused() {
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.subnqn = "nqn.2026-11.io.nvmeof-direct:does-not-exist".into();
+    let e = Controller::connect(o).await.expect_err("refused");
+    let st = e.status().expect("status");
+    assert_eq!((st.sct, st.sc), (1, specific::CONNECT_INVALID_PARAMETERS));
+    assert!(e.to_string().starts_with("Connect failed: Connect Invalid Parameters"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_holds_an_idle_controller() {
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.kato = Duration::from_millis(2000);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let cntlid = ctrl.info().cntlid;
+    assert_eq!(ctrl.info().kato_ms, 2000);
+    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    assert!(sub.controller(cntlid).is_some());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Without Keep Alive the target would have torn the controller down after 2 s.
+    assert!(sub.controller(cntlid).is_some(), "controller torn down");
+    assert_eq!(ctrl.state(), ControllerState::Connected);
+    assert_eq!(ctrl.reconnects(), 0);
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut buf = vec![0u8; 4096];
+    ns.read(0, &mut buf).await.expect("read after idling");
+    assert!(ctrl.queue_stats()[0].commands >= 4, "keep alives were sent");
+    ctrl.disconnect().await.expect("disconnect");
+    let mut gone = false;
+    for _ in 0..100 {
+        if sub.controller(cntlid).is_none() {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(gone, "controller still present after disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_change_event_refreshes_the_list() {
+    let t = TestTarget::start(&["mem:1M", "mem:2M"], |_| {});
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    assert_eq!(ctrl.namespace_ids(), vec![1, 2]);
+    let mut events = ctrl.subscribe_events();
+    // Give the controller time to post its Asynchronous Event Request.
+    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let target_ctrl = sub.controller(ctrl.info().cntlid).expect("controller");
+    let dw0 = nvmeof_initiator::nvme_spec::features::aer_dw0(2, 0, 4);
+    let mut raised = false;
+    for _ in 0..50 {
+        if target_ctrl.raise_event(0, dw0) {
+            raised = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(raised, "no Asynchronous Event Request was held by the target");
+    let mut saw_async = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let ev = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("event in time")
+            .expect("event");
+        match ev {
+            ControllerEvent::AsyncEvent {
+                event_type, info, ..
+            } => {
+                assert_eq!((event_type, info), (2, 0));
+                saw_async = true;
+            }
+            ControllerEvent::NamespacesChanged { nsids } => {
+                assert!(saw_async);
+                assert_eq!(nsids, vec![1, 2]);
+                break;
+            }
+            ControllerEvent::Reconnected { .. } => panic!("unexpected reconnect"),
+        }
+    }
+    // A new request is posted for the next event.
+    let mut again = false;
+    for _ in 0..50 {
+        if target_ctrl.raise_event(0, dw0) {
+            again = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(again, "the Asynchronous Event Request was not posted again");
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_only_controller_and_dropping_handles() {
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.io_queues = Some(0);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    assert_eq!(ctrl.io_queue_count(), 0);
+    let id = ctrl.identify_controller().await.expect("identify");
+    assert_eq!(id.cntlid.get(), ctrl.info().cntlid);
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut buf = vec![0u8; 4096];
+    assert!(matches!(
+        ns.read(0, &mut buf).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    assert_eq!(sub.controller_count(), 1);
+    drop(ns);
+    drop(ctrl);
+    // The last handle gone, the controller disconnects in the background.
+    for _ in 0..100 {
+        if sub.controller_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("controller still connected after its handles were dropped");
+}

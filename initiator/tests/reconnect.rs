@@ -1,0 +1,205 @@
+//! Lost connections: target restarts, cut connections, retry policy for reads and writes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Mode, Proxy, TestTarget, options, pattern};
+use nvmeof_initiator::{Controller, ControllerState, Error};
+
+fn file_backend(dir: &std::path::Path) -> String {
+    format!("file:{},size=16M,direct=off", dir.join("ns1.img").display())
+}
+
+async fn wait_connected(ctrl: &Controller) {
+    ctrl.wait_for_state(Duration::from_secs(20), |s| *s == ControllerState::Connected)
+        .await
+        .expect("connected again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_the_target_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = file_backend(dir.path());
+    let mut t = TestTarget::start(&[&spec], |_| {});
+    let port_addr = t.addr;
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    let first_cntlid = ctrl.info().cntlid;
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = pattern(21, 0, 256 * 1024);
+    ns.write(0, &data).await.expect("write");
+    ns.flush().await.expect("flush");
+
+    t.shutdown().await;
+    ctrl.wait_for_state(Duration::from_secs(10), |s| {
+        matches!(s, ControllerState::Reconnecting { .. })
+    })
+    .await
+    .expect("the loss is noticed");
+
+    // A read issued while the target is down waits for the reconnect and then completes.
+    let reader = {
+        let ns = ns.clone();
+        tokio::spawn(async move {
+            let mut back = vec![0u8; 256 * 1024];
+            ns.read(0, &mut back).await.map(|()| back)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut t2 = TestTarget::start_on(port_addr, &[&spec], |_| {});
+    wait_connected(&ctrl).await;
+    let back = reader.await.expect("task").expect("read after restart");
+    assert!(back == data, "data read after the restart differs");
+    assert!(ctrl.reconnects() >= 1);
+    // The restarted target numbers controllers from scratch; the association is new anyway.
+    let _ = first_cntlid;
+    let mut again = vec![0u8; 4096];
+    ns.read(10, &mut again).await.expect("read");
+    assert!(again[..] == data[10 * 4096..11 * 4096]);
+    ctrl.disconnect().await.expect("disconnect");
+    t2.shutdown().await;
+}
+
+/// A write in flight when the connection is lost fails with `Interrupted`; a read in flight is
+/// sent again on the new connection and succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inflight_write_fails_and_inflight_read_is_retried() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let proxy = Proxy::start(t.addr).await;
+    let mut o = options(proxy.target_addr());
+    o.io_queues = Some(1);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = pattern(5, 0, 64 * 1024);
+    ns.write(0, &data).await.expect("write");
+
+    proxy.set_mode(Mode::Blackhole);
+    let writer = {
+        let ns = ns.clone();
+        tokio::spawn(async move { ns.write(100, &pattern(6, 0, 4096)).await })
+    };
+    let reader = {
+        let ns = ns.clone();
+        tokio::spawn(async move {
+            let mut back = vec![0u8; 64 * 1024];
+            ns.read(0, &mut back).await.map(|()| back)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer.is_finished() && !reader.is_finished());
+    proxy.set_mode(Mode::Forward);
+    proxy.kill_all();
+
+    let w = writer.await.expect("task");
+    match w {
+        Err(Error::Interrupted { command, .. }) => assert_eq!(command, "Write"),
+        other => panic!("expected an interrupted write, got {other:?}"),
+    }
+    let back = reader.await.expect("task").expect("read retried");
+    assert!(back == data);
+    wait_connected(&ctrl).await;
+    assert!(ctrl.reconnects() >= 1);
+    assert!(ctrl.queue_stats()[1].retries >= 1);
+    // The interrupted write never reached the target.
+    let mut blk = vec![0xFFu8; 4096];
+    ns.read(100, &mut blk).await.expect("read");
+    assert!(blk.iter().all(|&b| b == 0));
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_are_retried_when_allowed() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let proxy = Proxy::start(t.addr).await;
+    let mut o = options(proxy.target_addr());
+    o.io_queues = Some(1);
+    o.retry_writes = true;
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    proxy.set_mode(Mode::Blackhole);
+    let payload = pattern(8, 0, 64 * 1024);
+    let writer = {
+        let ns = ns.clone();
+        let payload = payload.clone();
+        tokio::spawn(async move { ns.write(200, &payload).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.set_mode(Mode::Forward);
+    proxy.kill_all();
+    writer.await.expect("task").expect("write retried");
+    let mut back = vec![0u8; payload.len()];
+    ns.read(200, &mut back).await.expect("read");
+    assert!(back == payload);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+/// The target stops answering after the connection is up: commands time out with a typed
+/// error, and the controller reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_target_gives_a_timeout() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let proxy = Proxy::start(t.addr).await;
+    let mut o = options(proxy.target_addr());
+    o.io_queues = Some(1);
+    o.timeouts.io = Duration::from_millis(800);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    proxy.set_mode(Mode::Blackhole);
+    let start = std::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let e = ns.read(0, &mut buf).await.expect_err("timeout");
+    let took = start.elapsed();
+    assert!(e.is_timeout(), "{e:?}");
+    assert!(e.to_string().contains("timed out after 800 ms waiting for Read"), "{e}");
+    assert!(took >= Duration::from_millis(700) && took < Duration::from_secs(3), "{took:?}");
+    proxy.set_mode(Mode::Forward);
+    wait_connected(&ctrl).await;
+    ns.read(0, &mut buf).await.expect("read after recovery");
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+/// The connection is cut in the middle of read data. With reconnects the read is retried
+/// transparently; without, it fails with a clean error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_cut_mid_transfer() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let proxy = Proxy::start(t.addr).await;
+    let data = pattern(9, 0, 512 * 1024);
+    {
+        let mut o = options(proxy.target_addr());
+        o.io_queues = Some(1);
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        ns.write(0, &data).await.expect("write");
+        let sent = proxy.to_host.load(std::sync::atomic::Ordering::SeqCst);
+        proxy
+            .cut_after
+            .store(sent + 100 * 1024, std::sync::atomic::Ordering::SeqCst);
+        let mut back = vec![0u8; data.len()];
+        ns.read(0, &mut back).await.expect("read retried after the cut");
+        assert!(back == data);
+        assert!(ctrl.reconnects() >= 1);
+        ctrl.disconnect().await.expect("disconnect");
+    }
+    {
+        let mut o = options(proxy.target_addr());
+        o.io_queues = Some(1);
+        o.reconnect = nvmeof_initiator::ReconnectPolicy::never();
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        let sent = proxy.to_host.load(std::sync::atomic::Ordering::SeqCst);
+        proxy
+            .cut_after
+            .store(sent + 100 * 1024, std::sync::atomic::Ordering::SeqCst);
+        let mut back = vec![0u8; data.len()];
+        let e = ns.read(0, &mut back).await.expect_err("no reconnect");
+        assert!(matches!(e, Error::ControllerFailed { .. }), "{e:?}");
+        assert!(matches!(ctrl.state(), ControllerState::Failed { .. }));
+        // Everything afterwards fails at once, with the same cause.
+        let e = ns.read(0, &mut back).await.expect_err("failed controller");
+        assert!(matches!(e, Error::ControllerFailed { .. }), "{e:?}");
+        ctrl.disconnect().await.expect("disconnect");
+    }
+}
