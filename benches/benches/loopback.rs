@@ -1,0 +1,73 @@
+//! An in-process loopback read: the initiator reads 4 KiB from our target over 127.0.0.1
+//! (QD1, one I/O queue, memory namespace). This is the full path of one I/O: host engine,
+//! socket, target reactor, queue logic, backend, C2HData, completion.
+//!
+//! `cargo bench -p nvmeof-bench --bench loopback`
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use nvmeof_bench::job::TcpTarget;
+use nvmeof_bench::fabric::{FabricTarget, TargetSpec};
+use nvmeof_bench::path::{IoPath, TcpPath, TcpSettings};
+
+fn loopback(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let spec = TargetSpec {
+        nqn: nvmeof_bench::job::DEFAULT_NQN.into(),
+        backend: "mem:64M".parse().expect("valid backend"),
+        namespaces: 1,
+        reactors: 1,
+        max_queue_depth: 128,
+        cpus: None,
+    };
+    let target = {
+        let _g = rt.enter();
+        FabricTarget::start(&TcpTarget::InProcess, &spec).expect("target starts")
+    };
+    let settings = TcpSettings {
+        addr: target.addr(),
+        nqn: spec.nqn.clone(),
+        queue_pairs: 1,
+        queue_depth: 32,
+        namespaces: 1,
+    };
+    let path = rt.block_on(TcpPath::connect(&settings)).expect("connects");
+    // Write the blocks once so reads return real data.
+    let mut buf = path.alloc(4096);
+    for i in 0..64u64 {
+        let (r, b) = rt.block_on(path.write(0, 0, i * 4096, buf));
+        r.expect("write");
+        buf = b;
+    }
+    let mut g = c.benchmark_group("loopback");
+    g.throughput(Throughput::Elements(1));
+    g.measurement_time(Duration::from_secs(5));
+    g.bench_function("tcp_read_4k_qd1", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut buf = path.alloc(4096);
+                let start = Instant::now();
+                for i in 0..iters {
+                    let (r, b) = path.read(0, 0, (i % 64) * 4096, buf).await;
+                    r.expect("read");
+                    buf = black_box(b);
+                }
+                start.elapsed()
+            })
+        })
+    });
+    g.finish();
+    rt.block_on(async {
+        let _ = path.disconnect().await;
+        target.stop().await;
+    });
+}
+
+criterion_group!(benches, loopback);
+criterion_main!(benches);

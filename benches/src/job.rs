@@ -1,0 +1,1147 @@
+//! Job files: what to run, in which modes, with which knobs.
+//!
+//! A job file is TOML with a `[global]` table of defaults and one `[[job]]` table per job.
+//! The knobs carry fio's names (`rw`, `rwmixread`, `bs`, `iodepth`, `numjobs`, `runtime`,
+//! `ramp_time`, `size`, `io_size`, `verify`). `rw`, `bs`, `iodepth`, `numjobs`, `queue_pairs`
+//! and `host_load` also take a list: the job then expands into one *point* per combination
+//! (a sweep), which is what latency-vs-load and scaling plots are drawn from.
+//!
+//! ```toml
+//! [global]
+//! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma
+//! backend = "mem:1G"         # the namespace kind, for DAS and for the in-process target
+//! runtime = "5s"
+//! ramp_time = "1s"
+//! verify = true
+//!
+//! [[job]]
+//! name = "4k-randread"
+//! rw = "randread"
+//! bs = "4k"
+//! iodepth = [1, 8, 32]       # three points
+//! ```
+//!
+//! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`,
+//! `target_reactors`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
+//! are accepted only in `[global]`.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use blockdev::BackendSpec;
+use serde::{Deserialize, Serialize};
+
+/// The smallest block size a job may use, in bytes.
+pub const MIN_BS: u64 = 512;
+/// The largest block size a job may use, in bytes.
+pub const MAX_BS: u64 = 1 << 20;
+/// The largest queue depth per worker.
+pub const MAX_IODEPTH: u32 = 4096;
+/// The largest number of workers.
+pub const MAX_NUMJOBS: u32 = 256;
+/// The largest number of I/O queue pairs.
+pub const MAX_QUEUE_PAIRS: u16 = 128;
+/// The largest number of namespaces.
+pub const MAX_NAMESPACES: u32 = 64;
+/// The subsystem NQN of the target the load generator starts.
+pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:bench";
+/// Seed of the verify pattern when a job names none.
+pub const DEFAULT_SEED: u64 = 0x6e76_6d65_6f66_0001;
+/// Measured duration when a job names neither `runtime` nor `io_size`.
+pub const DEFAULT_RUNTIME: Duration = Duration::from_secs(10);
+
+/// Errors in a job file or a command-line override.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The TOML did not parse or had an unknown key or a value of the wrong type.
+    #[error("job file: {0}")]
+    Toml(#[from] toml::de::Error),
+    /// The file could not be read.
+    #[error("cannot read job file {path}: {source}")]
+    Read {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A value is outside its allowed range or malformed.
+    #[error("{job}: {key}: {msg}")]
+    Invalid {
+        /// The job name (or `global`).
+        job: String,
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
+    /// The file defines no job.
+    #[error("the job file defines no [[job]]")]
+    NoJobs,
+}
+
+fn invalid(job: &str, key: &'static str, msg: impl Into<String>) -> JobError {
+    JobError::Invalid {
+        job: job.to_string(),
+        key,
+        msg: msg.into(),
+    }
+}
+
+/// The I/O pattern, with fio's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rw {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    RandRead,
+    /// Random writes.
+    RandWrite,
+    /// Random mixed reads and writes (`rwmixread` percent reads).
+    RandRw,
+    /// Sequential mixed reads and writes (`rwmixread` percent reads).
+    #[serde(alias = "rw")]
+    ReadWrite,
+}
+
+impl Rw {
+    /// Whether offsets are random.
+    pub fn is_random(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
+    }
+
+    /// Percent of I/Os that are reads, given the job's `rwmixread`.
+    pub fn read_percent(self, rwmixread: u8) -> u8 {
+        match self {
+            Rw::Read | Rw::RandRead => 100,
+            Rw::Write | Rw::RandWrite => 0,
+            Rw::RandRw | Rw::ReadWrite => rwmixread.min(100),
+        }
+    }
+
+    /// fio's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rw::Read => "read",
+            Rw::Write => "write",
+            Rw::RandRead => "randread",
+            Rw::RandWrite => "randwrite",
+            Rw::RandRw => "randrw",
+            Rw::ReadWrite => "readwrite",
+        }
+    }
+}
+
+impl fmt::Display for Rw {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Rw {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "read" => Ok(Rw::Read),
+            "write" => Ok(Rw::Write),
+            "randread" => Ok(Rw::RandRead),
+            "randwrite" => Ok(Rw::RandWrite),
+            "randrw" => Ok(Rw::RandRw),
+            "readwrite" | "rw" => Ok(Rw::ReadWrite),
+            _ => Err(format!(
+                "unknown rw {s:?} (read, write, randread, randwrite, randrw, readwrite)"
+            )),
+        }
+    }
+}
+
+/// Where read data goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Dest {
+    /// Host memory.
+    #[default]
+    Host,
+    /// GPU memory (not available in this build: the run fails with a clear error).
+    Gpu,
+}
+
+impl fmt::Display for Dest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dest::Host => "host",
+            Dest::Gpu => "gpu",
+        })
+    }
+}
+
+/// Whether the host runs the built-in CPU and memory-bandwidth load during the measurement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum HostLoad {
+    /// No extra load.
+    #[default]
+    Idle,
+    /// `load_threads` threads copying through `load_mem` bytes of memory.
+    Busy,
+}
+
+impl fmt::Display for HostLoad {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            HostLoad::Idle => "idle",
+            HostLoad::Busy => "busy",
+        })
+    }
+}
+
+/// How the `tcp` mode reaches a target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TcpTarget {
+    /// Our target, started inside the load generator's process.
+    InProcess,
+    /// Our target binary (`nvmeof-targetd`), started as a separate process.
+    Process(Option<PathBuf>),
+    /// Any NVMe/TCP target already running at this address.
+    Remote {
+        /// `HOST:PORT`.
+        addr: String,
+    },
+}
+
+/// A way of reaching the storage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    /// The backend directly, in-process, no network.
+    Das,
+    /// NVMe/TCP through the user-space initiator.
+    Tcp(TcpTarget),
+    /// NVMe/RDMA (accepted, not available in this build).
+    Rdma {
+        /// `HOST:PORT`, when given.
+        addr: Option<String>,
+    },
+}
+
+impl Mode {
+    /// The short name used in reports: `das`, `tcp`, `tcp-bin`, `tcp@HOST:PORT`, `rdma`.
+    pub fn label(&self) -> String {
+        match self {
+            Mode::Das => "das".into(),
+            Mode::Tcp(TcpTarget::InProcess) => "tcp".into(),
+            Mode::Tcp(TcpTarget::Process(_)) => "tcp-bin".into(),
+            Mode::Tcp(TcpTarget::Remote { addr }) => format!("tcp@{addr}"),
+            Mode::Rdma { addr: None } => "rdma".into(),
+            Mode::Rdma { addr: Some(a) } => format!("rdma@{a}"),
+        }
+    }
+
+    /// Whether this mode goes over a fabric.
+    pub fn is_fabric(&self) -> bool {
+        !matches!(self, Mode::Das)
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+
+    /// `das`, `tcp`, `tcp-bin`, `tcp-bin=PATH`, `tcp=HOST:PORT`, `rdma`, `rdma=HOST:PORT`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (kind, arg) = match s.split_once('=') {
+            Some((k, a)) => (k.trim(), Some(a.trim())),
+            None => (s.trim(), None),
+        };
+        let need_addr = |a: &str| -> Result<String, String> {
+            match a.rsplit_once(':') {
+                Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok() => Ok(a.to_string()),
+                _ => Err(format!("mode {s:?}: expected HOST:PORT after '='")),
+            }
+        };
+        match (kind, arg) {
+            ("das", None) => Ok(Mode::Das),
+            ("tcp", None) => Ok(Mode::Tcp(TcpTarget::InProcess)),
+            ("tcp", Some(a)) => Ok(Mode::Tcp(TcpTarget::Remote { addr: need_addr(a)? })),
+            ("tcp-bin", None) => Ok(Mode::Tcp(TcpTarget::Process(None))),
+            ("tcp-bin", Some(p)) if !p.is_empty() => {
+                Ok(Mode::Tcp(TcpTarget::Process(Some(PathBuf::from(p)))))
+            }
+            ("rdma", None) => Ok(Mode::Rdma { addr: None }),
+            ("rdma", Some(a)) => Ok(Mode::Rdma {
+                addr: Some(need_addr(a)?),
+            }),
+            _ => Err(format!(
+                "unknown mode {s:?} (das, tcp, tcp-bin[=PATH], tcp=HOST:PORT, rdma[=HOST:PORT])"
+            )),
+        }
+    }
+}
+
+/// A byte count written as a number or a string with a K/M/G suffix (powers of 1024).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bytes(pub u64);
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Repr {
+            N(u64),
+            S(String),
+        }
+        match Repr::deserialize(d)? {
+            Repr::N(n) => Ok(Bytes(n)),
+            Repr::S(s) => blockdev::parse_size(&s)
+                .map(Bytes)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration written as seconds (a number) or a string: `500ms`, `10s`, `2m`, `1h`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+/// Parses `500ms`, `10s`, `2m`, `1h`, `1.5s` or a bare number of seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("bad duration {s:?} (e.g. 500ms, 10s, 2m)"))?;
+    let secs = match unit.trim() {
+        "" | "s" | "sec" => n,
+        "ms" => n / 1e3,
+        "us" => n / 1e6,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("bad duration unit in {s:?} (ms, s, m, h)")),
+    };
+    if !secs.is_finite() || secs < 0.0 || secs > 1e7 {
+        return Err(format!("duration {s:?} out of range"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Repr {
+            N(f64),
+            S(String),
+        }
+        match Repr::deserialize(d)? {
+            Repr::N(n) => parse_duration(&n.to_string())
+                .map(Dur)
+                .map_err(serde::de::Error::custom),
+            Repr::S(s) => parse_duration(&s).map(Dur).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// One value or a list of values (a sweep).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    /// A single value.
+    One(T),
+    /// A sweep over these values, in order.
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    fn to_vec(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(v) => vec![v.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// The keys of `[global]` and `[[job]]` tables. Every key is optional; a job's value wins over
+/// the global one.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Section {
+    /// Job name (jobs only).
+    pub name: Option<String>,
+    /// Free text describing the run or the job.
+    pub description: Option<String>,
+    /// Modes to run side by side (global only).
+    pub modes: Option<Vec<String>>,
+    /// Backend of each namespace (global only).
+    pub backend: Option<BackendSpec>,
+    /// Number of namespaces (global only).
+    pub namespaces: Option<u32>,
+    /// Subsystem NQN for `tcp=HOST:PORT` targets (global only).
+    pub nqn: Option<String>,
+    /// Reactor threads of the target the load generator starts (global only).
+    pub target_reactors: Option<usize>,
+    /// Repeats of the whole run, for medians and spread (global only).
+    pub repeat: Option<u32>,
+    /// CPU list for the target's reactor threads or process, `taskset` syntax (global only).
+    pub target_cpus: Option<String>,
+    /// CPU list for the load generator's client threads (global only).
+    pub client_cpus: Option<String>,
+    /// CPU list for the busy-host load threads (global only).
+    pub load_cpus: Option<String>,
+    /// I/O pattern.
+    pub rw: Option<OneOrMany<Rw>>,
+    /// Percent reads of mixed patterns.
+    pub rwmixread: Option<u8>,
+    /// Block size.
+    pub bs: Option<OneOrMany<Bytes>>,
+    /// Outstanding I/Os per worker.
+    pub iodepth: Option<OneOrMany<u32>>,
+    /// Workers.
+    pub numjobs: Option<OneOrMany<u32>>,
+    /// I/O queue pairs of the fabric connection (workers are spread over them).
+    pub queue_pairs: Option<OneOrMany<u16>>,
+    /// Measured duration.
+    pub runtime: Option<Dur>,
+    /// Warm-up before measuring.
+    pub ramp_time: Option<Dur>,
+    /// Region of each namespace the job touches, from offset 0.
+    pub size: Option<Bytes>,
+    /// Bytes to transfer (all workers together) when no `runtime` is given.
+    pub io_size: Option<Bytes>,
+    /// Check a seeded pattern on every read.
+    pub verify: Option<bool>,
+    /// Seed of the verify pattern.
+    pub seed: Option<u64>,
+    /// Write the pattern over the region before a job that reads.
+    pub prefill: Option<bool>,
+    /// Destination of read data.
+    pub dest: Option<Dest>,
+    /// Idle or busy host.
+    pub host_load: Option<OneOrMany<HostLoad>>,
+    /// Threads of the busy-host load.
+    pub load_threads: Option<u32>,
+    /// Memory the busy-host load copies through (all threads together).
+    pub load_mem: Option<Bytes>,
+}
+
+/// A parsed job file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobFile {
+    /// Defaults for every job, and the run-wide keys.
+    #[serde(default)]
+    pub global: Section,
+    /// The jobs, run in order.
+    #[serde(default)]
+    pub job: Vec<Section>,
+}
+
+impl JobFile {
+    /// Parses a job file's text.
+    pub fn parse(text: &str) -> Result<JobFile, JobError> {
+        Ok(toml::from_str(text)?)
+    }
+
+    /// Reads and parses a job file.
+    pub fn load(path: &std::path::Path) -> Result<JobFile, JobError> {
+        let text = std::fs::read_to_string(path).map_err(|source| JobError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+}
+
+/// Settings given on the command line that replace the job file's.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// Replaces `modes`.
+    pub modes: Option<Vec<Mode>>,
+    /// Replaces `runtime` of every job.
+    pub runtime: Option<Duration>,
+    /// Replaces `ramp_time` of every job.
+    pub ramp_time: Option<Duration>,
+    /// Replaces `repeat`.
+    pub repeat: Option<u32>,
+    /// Replaces `verify` of every job.
+    pub verify: Option<bool>,
+    /// Replaces `backend`.
+    pub backend: Option<BackendSpec>,
+    /// Replaces `target_reactors`.
+    pub target_reactors: Option<usize>,
+    /// Replaces `target_cpus`.
+    pub target_cpus: Option<String>,
+    /// Replaces `client_cpus`.
+    pub client_cpus: Option<String>,
+    /// Replaces `nqn`.
+    pub nqn: Option<String>,
+    /// Makes plain `tcp` start this target binary as a process.
+    pub target_bin: Option<PathBuf>,
+    /// Makes plain `tcp` use the target at this `HOST:PORT`.
+    pub target_addr: Option<String>,
+    /// Replaces `host_load` of every job.
+    pub host_load: Option<HostLoad>,
+    /// Replaces `load_threads`.
+    pub load_threads: Option<u32>,
+}
+
+/// One fully resolved measurement point: a job with one value per swept knob.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Point {
+    /// The job's name.
+    pub job: String,
+    /// The job's description, if any.
+    pub description: Option<String>,
+    /// Which knobs the job sweeps (`iodepth`, `numjobs`, ...), for plots.
+    pub sweep: Vec<String>,
+    /// I/O pattern.
+    pub rw: Rw,
+    /// Percent reads.
+    pub rwmixread: u8,
+    /// Block size in bytes.
+    pub bs: u64,
+    /// Outstanding I/Os per worker.
+    pub iodepth: u32,
+    /// Workers.
+    pub numjobs: u32,
+    /// I/O queue pairs of the fabric connection.
+    pub queue_pairs: u16,
+    /// Measured duration (`None`: until `io_size` bytes are done).
+    #[serde(with = "opt_secs")]
+    pub runtime: Option<Duration>,
+    /// Warm-up.
+    #[serde(with = "secs")]
+    pub ramp_time: Duration,
+    /// Region per namespace in bytes (`None`: the whole namespace).
+    pub size: Option<u64>,
+    /// Bytes to transfer when there is no runtime.
+    pub io_size: Option<u64>,
+    /// Check every read against the pattern.
+    pub verify: bool,
+    /// Pattern seed.
+    pub seed: u64,
+    /// Prefill the region before reading.
+    pub prefill: bool,
+    /// Destination.
+    pub dest: Dest,
+    /// Idle or busy host.
+    pub host_load: HostLoad,
+    /// Busy-load threads.
+    pub load_threads: u32,
+    /// Busy-load memory in bytes.
+    pub load_mem: u64,
+}
+
+impl Point {
+    /// A short label: `randread 4k qd32 x1`, plus ` busy` on a busy host.
+    pub fn label(&self) -> String {
+        let mut s = format!(
+            "{} {} qd{} x{}",
+            self.rw,
+            short_size(self.bs),
+            self.iodepth,
+            self.numjobs
+        );
+        if self.queue_pairs != 1 || self.sweep.iter().any(|k| k == "queue_pairs") {
+            s.push_str(&format!(" qp{}", self.queue_pairs));
+        }
+        if matches!(self.rw, Rw::RandRw | Rw::ReadWrite) {
+            s.push_str(&format!(" r{}%", self.rwmixread));
+        }
+        if self.host_load == HostLoad::Busy {
+            s.push_str(" busy");
+        }
+        s
+    }
+
+    /// Whether the job issues reads.
+    pub fn reads(&self) -> bool {
+        self.rw.read_percent(self.rwmixread) > 0
+    }
+
+    /// Whether the job issues writes.
+    pub fn writes(&self) -> bool {
+        self.rw.read_percent(self.rwmixread) < 100
+    }
+}
+
+/// `4k`, `128k`, `1m`, `512`: block sizes as fio prints them.
+pub fn short_size(b: u64) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{}m", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{}k", b >> 10)
+    } else {
+        b.to_string()
+    }
+}
+
+mod secs {
+    use std::time::Duration;
+
+    pub fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+}
+
+mod opt_secs {
+    use std::time::Duration;
+
+    pub fn serialize<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&d.as_secs_f64()),
+            None => s.serialize_none(),
+        }
+    }
+}
+
+/// Everything a run needs: run-wide settings and the points to measure.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// What the run is (the job file's global description).
+    pub description: Option<String>,
+    /// Modes, run side by side for every point.
+    pub modes: Vec<Mode>,
+    /// The backend of each namespace (DAS, and the target the load generator starts).
+    pub backend: BackendSpec,
+    /// Namespaces.
+    pub namespaces: u32,
+    /// Subsystem NQN (remote targets; the started target uses [`DEFAULT_NQN`] unless set).
+    pub nqn: String,
+    /// Reactor threads of the target the load generator starts.
+    pub target_reactors: usize,
+    /// Repeats.
+    pub repeat: u32,
+    /// CPUs of the target.
+    pub target_cpus: Option<String>,
+    /// CPUs of the client threads.
+    pub client_cpus: Option<String>,
+    /// CPUs of the busy-host load.
+    pub load_cpus: Option<String>,
+    /// The points, in run order.
+    pub points: Vec<Point>,
+}
+
+fn check_cpu_list(job: &str, key: &'static str, v: &Option<String>) -> Result<(), JobError> {
+    if let Some(list) = v {
+        crate::cpu::parse_cpu_list(list).map_err(|e| invalid(job, key, e.to_string()))?;
+    }
+    Ok(())
+}
+
+impl Plan {
+    /// Resolves a job file and command-line overrides into a plan, checking every value.
+    pub fn resolve(file: &JobFile, ov: &Overrides) -> Result<Plan, JobError> {
+        let g = &file.global;
+        if g.name.is_some() {
+            return Err(invalid("global", "name", "names belong to [[job]] tables"));
+        }
+        if file.job.is_empty() {
+            return Err(JobError::NoJobs);
+        }
+        let modes = match &ov.modes {
+            Some(m) => m.clone(),
+            None => match &g.modes {
+                Some(list) => list
+                    .iter()
+                    .map(|s| s.parse::<Mode>().map_err(|e| invalid("global", "modes", e)))
+                    .collect::<Result<Vec<_>, _>>()?,
+                None => vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)],
+            },
+        };
+        if modes.is_empty() {
+            return Err(invalid("global", "modes", "at least one mode is needed"));
+        }
+        let modes: Vec<Mode> = modes
+            .into_iter()
+            .map(|m| match m {
+                Mode::Tcp(TcpTarget::InProcess) => {
+                    if let Some(addr) = &ov.target_addr {
+                        Mode::Tcp(TcpTarget::Remote { addr: addr.clone() })
+                    } else if let Some(bin) = &ov.target_bin {
+                        Mode::Tcp(TcpTarget::Process(Some(bin.clone())))
+                    } else {
+                        Mode::Tcp(TcpTarget::InProcess)
+                    }
+                }
+                Mode::Tcp(TcpTarget::Process(None)) if ov.target_bin.is_some() => {
+                    Mode::Tcp(TcpTarget::Process(ov.target_bin.clone()))
+                }
+                other => other,
+            })
+            .collect();
+        let mut labels: Vec<String> = modes.iter().map(Mode::label).collect();
+        labels.sort();
+        labels.dedup();
+        if labels.len() != modes.len() {
+            return Err(invalid("global", "modes", "a mode is listed twice"));
+        }
+        let backend = ov
+            .backend
+            .clone()
+            .or_else(|| g.backend.clone())
+            .unwrap_or(BackendSpec::Memory {
+                size: 1 << 30,
+                block_size: blockdev::DEFAULT_BLOCK_SIZE,
+            });
+        backend
+            .validate()
+            .map_err(|e| invalid("global", "backend", e.to_string()))?;
+        let namespaces = g.namespaces.unwrap_or(1);
+        if namespaces == 0 || namespaces > MAX_NAMESPACES {
+            return Err(invalid(
+                "global",
+                "namespaces",
+                format!("must be 1..={MAX_NAMESPACES}"),
+            ));
+        }
+        if namespaces > 1 && matches!(backend, BackendSpec::File(_) | BackendSpec::Bdev(_)) {
+            return Err(invalid(
+                "global",
+                "namespaces",
+                "several namespaces need a mem or null backend (one file cannot back several)",
+            ));
+        }
+        let target_reactors = ov.target_reactors.or(g.target_reactors).unwrap_or(1);
+        if target_reactors > 256 {
+            return Err(invalid("global", "target_reactors", "must be 0..=256"));
+        }
+        let repeat = ov.repeat.or(g.repeat).unwrap_or(1);
+        if repeat == 0 || repeat > 100 {
+            return Err(invalid("global", "repeat", "must be 1..=100"));
+        }
+        let nqn = ov
+            .nqn
+            .clone()
+            .or_else(|| g.nqn.clone())
+            .unwrap_or_else(|| DEFAULT_NQN.to_string());
+        if !nqn.starts_with("nqn.") || nqn.len() > 223 {
+            return Err(invalid(
+                "global",
+                "nqn",
+                "expected an NQN (nqn.YYYY-MM.reverse.domain:name, at most 223 bytes)",
+            ));
+        }
+        let target_cpus = ov.target_cpus.clone().or_else(|| g.target_cpus.clone());
+        let client_cpus = ov.client_cpus.clone().or_else(|| g.client_cpus.clone());
+        let load_cpus = g.load_cpus.clone();
+        check_cpu_list("global", "target_cpus", &target_cpus)?;
+        check_cpu_list("global", "client_cpus", &client_cpus)?;
+        check_cpu_list("global", "load_cpus", &load_cpus)?;
+
+        let mut points = Vec::new();
+        let mut names = Vec::new();
+        for (i, j) in file.job.iter().enumerate() {
+            let name = j.name.clone().unwrap_or_else(|| format!("job{}", i + 1));
+            if names.contains(&name) {
+                return Err(invalid(&name, "name", "two jobs have this name"));
+            }
+            names.push(name.clone());
+            for (key, set) in [
+                ("modes", j.modes.is_some()),
+                ("backend", j.backend.is_some()),
+                ("namespaces", j.namespaces.is_some()),
+                ("nqn", j.nqn.is_some()),
+                ("target_reactors", j.target_reactors.is_some()),
+                ("repeat", j.repeat.is_some()),
+                ("target_cpus", j.target_cpus.is_some()),
+                ("client_cpus", j.client_cpus.is_some()),
+                ("load_cpus", j.load_cpus.is_some()),
+            ] {
+                if set {
+                    return Err(invalid(&name, key, "may only be set in [global]"));
+                }
+            }
+            points.extend(expand(&name, g, j, ov)?);
+        }
+        Ok(Plan {
+            description: g.description.clone(),
+            modes,
+            backend,
+            namespaces,
+            nqn,
+            target_reactors,
+            repeat,
+            target_cpus,
+            client_cpus,
+            load_cpus,
+            points,
+        })
+    }
+
+    /// The largest region any point touches per namespace (`None`: a whole namespace).
+    pub fn max_region(&self) -> Option<u64> {
+        let mut max = Some(0u64);
+        for p in &self.points {
+            max = match (max, p.size) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                _ => None,
+            };
+        }
+        max
+    }
+}
+
+fn pick<T: Clone>(job: &Option<T>, global: &Option<T>) -> Option<T> {
+    job.clone().or_else(|| global.clone())
+}
+
+fn sweep<T: Clone>(
+    name: &str,
+    key: &'static str,
+    job: &Option<OneOrMany<T>>,
+    global: &Option<OneOrMany<T>>,
+    default: T,
+    swept: &mut Vec<String>,
+) -> Result<Vec<T>, JobError> {
+    let v = match pick(job, global) {
+        Some(v) => v.to_vec(),
+        None => vec![default],
+    };
+    if v.is_empty() {
+        return Err(invalid(name, key, "an empty list"));
+    }
+    if v.len() > 1 {
+        swept.push(key.to_string());
+    }
+    Ok(v)
+}
+
+fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Point>, JobError> {
+    let mut swept = Vec::new();
+    let rws = sweep(name, "rw", &j.rw, &g.rw, Rw::RandRead, &mut swept)?;
+    let bss = sweep(name, "bs", &j.bs, &g.bs, Bytes(4096), &mut swept)?;
+    let depths = sweep(name, "iodepth", &j.iodepth, &g.iodepth, 1, &mut swept)?;
+    let jobs = sweep(name, "numjobs", &j.numjobs, &g.numjobs, 1, &mut swept)?;
+    let qps = sweep(
+        name,
+        "queue_pairs",
+        &j.queue_pairs,
+        &g.queue_pairs,
+        1,
+        &mut swept,
+    )?;
+    let loads = match ov.host_load {
+        Some(l) => vec![l],
+        None => sweep(
+            name,
+            "host_load",
+            &j.host_load,
+            &g.host_load,
+            HostLoad::Idle,
+            &mut swept,
+        )?,
+    };
+    let rwmixread = pick(&j.rwmixread, &g.rwmixread).unwrap_or(50);
+    if rwmixread > 100 {
+        return Err(invalid(name, "rwmixread", "must be 0..=100"));
+    }
+    for b in &bss {
+        if b.0 < MIN_BS || b.0 > MAX_BS || b.0 % MIN_BS != 0 {
+            return Err(invalid(
+                name,
+                "bs",
+                format!("{} is not a multiple of 512 in 512..=1M", b.0),
+            ));
+        }
+    }
+    for &d in &depths {
+        if d == 0 || d > MAX_IODEPTH {
+            return Err(invalid(
+                name,
+                "iodepth",
+                format!("{d} not in 1..={MAX_IODEPTH}"),
+            ));
+        }
+    }
+    for &n in &jobs {
+        if n == 0 || n > MAX_NUMJOBS {
+            return Err(invalid(
+                name,
+                "numjobs",
+                format!("{n} not in 1..={MAX_NUMJOBS}"),
+            ));
+        }
+    }
+    for &q in &qps {
+        if q == 0 || q > MAX_QUEUE_PAIRS {
+            return Err(invalid(
+                name,
+                "queue_pairs",
+                format!("{q} not in 1..={MAX_QUEUE_PAIRS}"),
+            ));
+        }
+    }
+    let io_size = pick(&j.io_size, &g.io_size).map(|b| b.0);
+    let runtime = match ov.runtime {
+        Some(r) => Some(r),
+        None => match (pick(&j.runtime, &g.runtime), io_size) {
+            (Some(r), _) => Some(r.0),
+            (None, Some(_)) => None,
+            (None, None) => Some(DEFAULT_RUNTIME),
+        },
+    };
+    if runtime == Some(Duration::ZERO) {
+        return Err(invalid(name, "runtime", "must be more than zero"));
+    }
+    if io_size == Some(0) {
+        return Err(invalid(name, "io_size", "must be more than zero"));
+    }
+    let ramp_time = ov
+        .ramp_time
+        .or_else(|| pick(&j.ramp_time, &g.ramp_time).map(|d| d.0))
+        .unwrap_or(Duration::ZERO);
+    let size = pick(&j.size, &g.size).map(|b| b.0);
+    if let Some(s) = size {
+        if s == 0 || s % MIN_BS != 0 {
+            return Err(invalid(name, "size", "must be a non-zero multiple of 512"));
+        }
+        if let Some(b) = bss.iter().find(|b| b.0 > s) {
+            return Err(invalid(
+                name,
+                "size",
+                format!("smaller than the block size {}", b.0),
+            ));
+        }
+    }
+    let verify = ov
+        .verify
+        .or_else(|| pick(&j.verify, &g.verify))
+        .unwrap_or(true);
+    let seed = pick(&j.seed, &g.seed).unwrap_or(DEFAULT_SEED);
+    let prefill = pick(&j.prefill, &g.prefill).unwrap_or(true);
+    let dest = pick(&j.dest, &g.dest).unwrap_or_default();
+    let load_threads = ov
+        .load_threads
+        .or_else(|| pick(&j.load_threads, &g.load_threads))
+        .unwrap_or(1);
+    if load_threads == 0 || load_threads > 256 {
+        return Err(invalid(name, "load_threads", "must be 1..=256"));
+    }
+    let load_mem = pick(&j.load_mem, &g.load_mem).map_or(256 << 20, |b| b.0);
+    if !(1 << 20..=64 << 30).contains(&load_mem) {
+        return Err(invalid(name, "load_mem", "must be 1M..=64G"));
+    }
+    let description = pick(&j.description, &None);
+    let mut out = Vec::new();
+    for &rw in &rws {
+        for bs in &bss {
+            for &iodepth in &depths {
+                for &numjobs in &jobs {
+                    for &queue_pairs in &qps {
+                        for &host_load in &loads {
+                            out.push(Point {
+                                job: name.to_string(),
+                                description: description.clone(),
+                                sweep: swept.clone(),
+                                rw,
+                                rwmixread,
+                                bs: bs.0,
+                                iodepth,
+                                numjobs,
+                                queue_pairs,
+                                runtime,
+                                ramp_time,
+                                size,
+                                io_size,
+                                verify,
+                                seed,
+                                prefill,
+                                dest,
+                                host_load,
+                                load_threads,
+                                load_mem,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if out.len() > 10_000 {
+        return Err(invalid(name, "sweep", "more than 10000 points"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(text: &str) -> Result<Plan, JobError> {
+        Plan::resolve(&JobFile::parse(text)?, &Overrides::default())
+    }
+
+    #[test]
+    fn defaults_and_inheritance() {
+        let p = plan(
+            r#"
+            [global]
+            rw = "randread"
+            bs = "4k"
+            iodepth = 32
+            runtime = "2s"
+            ramp_time = "500ms"
+            [[job]]
+            name = "a"
+            [[job]]
+            name = "b"
+            bs = 131072
+            rw = "read"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(p.modes, vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)]);
+        assert_eq!(p.points.len(), 2);
+        let a = &p.points[0];
+        assert_eq!(
+            (a.rw, a.bs, a.iodepth, a.numjobs, a.queue_pairs),
+            (Rw::RandRead, 4096, 32, 1, 1)
+        );
+        assert_eq!(a.runtime, Some(Duration::from_secs(2)));
+        assert_eq!(a.ramp_time, Duration::from_millis(500));
+        assert!(a.verify && a.prefill);
+        let b = &p.points[1];
+        assert_eq!((b.rw, b.bs, b.iodepth), (Rw::Read, 128 * 1024, 32));
+        assert_eq!(b.label(), "read 128k qd32 x1");
+        assert!(b.sweep.is_empty());
+    }
+
+    #[test]
+    fn sweeps_expand_in_order() {
+        let p = plan(
+            r#"
+            [[job]]
+            name = "s"
+            iodepth = [1, 4]
+            numjobs = [1, 2, 3]
+            host_load = ["idle", "busy"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(p.points.len(), 12);
+        assert_eq!(p.points[0].sweep, vec!["iodepth", "numjobs", "host_load"]);
+        let order: Vec<(u32, u32, HostLoad)> = p
+            .points
+            .iter()
+            .map(|x| (x.iodepth, x.numjobs, x.host_load))
+            .collect();
+        assert_eq!(order[0], (1, 1, HostLoad::Idle));
+        assert_eq!(order[1], (1, 1, HostLoad::Busy));
+        assert_eq!(order[2], (1, 2, HostLoad::Idle));
+        assert_eq!(order[11], (4, 3, HostLoad::Busy));
+        assert!(p.points[1].label().ends_with(" busy"));
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        for (text, needle) in [
+            ("[[job]]\nbs = 1000", "bs"),
+            ("[[job]]\nbs = \"2M\"", "bs"),
+            ("[[job]]\nbs = 256", "bs"),
+            ("[[job]]\niodepth = 0", "iodepth"),
+            ("[[job]]\nnumjobs = 0", "numjobs"),
+            ("[[job]]\nrwmixread = 101", "rwmixread"),
+            ("[[job]]\nrw = \"sideways\"", "rw"),
+            ("[[job]]\nruntime = \"fast\"", "runtime"),
+            ("[[job]]\nbogus = 1", "bogus"),
+            ("[[job]]\nmodes = [\"das\"]", "only be set in [global]"),
+            ("[global]\nmodes = [\"ftp\"]\n[[job]]", "unknown mode"),
+            ("[global]\nmodes = [\"das\", \"das\"]\n[[job]]", "twice"),
+            ("[global]\nmodes = []\n[[job]]", "at least one"),
+            ("[global]\nnamespaces = 0\n[[job]]", "namespaces"),
+            ("[global]\ntarget_cpus = \"x\"\n[[job]]", "target_cpus"),
+            ("[[job]]\nname = \"a\"\n[[job]]\nname = \"a\"", "two jobs"),
+            ("[[job]]\nsize = \"4k\"\nbs = \"8k\"", "size"),
+            ("[[job]]\niodepth = []", "empty"),
+            ("[global]\nbackend = \"mem:0\"\n[[job]]", "backend"),
+            ("[global]\n", "no [[job]]"),
+        ] {
+            let err = plan(text).err().unwrap_or_else(|| panic!("accepted {text:?}"));
+            let msg = err.to_string();
+            assert!(msg.contains(needle), "{text:?}: {msg}");
+        }
+    }
+
+    #[test]
+    fn modes_parse_and_overrides_apply() {
+        assert_eq!("das".parse::<Mode>().unwrap(), Mode::Das);
+        assert_eq!(
+            "tcp=10.0.0.1:4420".parse::<Mode>().unwrap(),
+            Mode::Tcp(TcpTarget::Remote {
+                addr: "10.0.0.1:4420".into()
+            })
+        );
+        assert_eq!(
+            "tcp-bin".parse::<Mode>().unwrap(),
+            Mode::Tcp(TcpTarget::Process(None))
+        );
+        assert_eq!(
+            "rdma".parse::<Mode>().unwrap(),
+            Mode::Rdma { addr: None }
+        );
+        assert!("tcp=nohost".parse::<Mode>().is_err());
+        assert!("tcp=h:notaport".parse::<Mode>().is_err());
+        let file = JobFile::parse("[[job]]\nruntime = 9").unwrap();
+        let ov = Overrides {
+            target_addr: Some("127.0.0.1:4420".into()),
+            runtime: Some(Duration::from_millis(300)),
+            verify: Some(false),
+            ..Default::default()
+        };
+        let p = Plan::resolve(&file, &ov).unwrap();
+        assert_eq!(p.modes[1].label(), "tcp@127.0.0.1:4420");
+        assert_eq!(p.points[0].runtime, Some(Duration::from_millis(300)));
+        assert!(!p.points[0].verify);
+    }
+
+    #[test]
+    fn io_size_without_runtime_and_durations() {
+        let p = plan("[[job]]\nio_size = \"64M\"").unwrap();
+        assert_eq!(p.points[0].runtime, None);
+        assert_eq!(p.points[0].io_size, Some(64 << 20));
+        let p = plan("[[job]]").unwrap();
+        assert_eq!(p.points[0].runtime, Some(DEFAULT_RUNTIME));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("-1s").is_err());
+        assert!(parse_duration("1y").is_err());
+    }
+
+    #[test]
+    fn max_region() {
+        let p = plan("[[job]]\nsize = \"1M\"\n[[job]]\nsize = \"4M\"").unwrap();
+        assert_eq!(p.max_region(), Some(4 << 20));
+        let p = plan("[[job]]\nsize = \"1M\"\n[[job]]").unwrap();
+        assert_eq!(p.max_region(), None);
+    }
+
+    #[test]
+    fn shipped_job_files_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("jobs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_some_and(|x| x == "toml") {
+                let f = JobFile::load(&path).unwrap();
+                let p = Plan::resolve(&f, &Overrides::default())
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(!p.points.is_empty());
+                n += 1;
+            }
+        }
+        assert!(n >= 5, "expected the quick job and the four studies");
+    }
+}

@@ -1,0 +1,211 @@
+//! `nvmeof-bench`: runs a job file (or `--quick`) in several modes side by side and prints
+//! a markdown table; writes JSON (`--json`) and SVG plots (`--svg`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use nvmeof_bench::job::{HostLoad, JobFile, Mode, Overrides, Plan, parse_duration};
+use nvmeof_bench::run::{RunOptions, run};
+use nvmeof_bench::{QUICK_JOB, svg};
+
+/// DAS vs NVMe-oF load generator.
+///
+/// Runs every job of a TOML job file (see benches/jobs/) in each mode, side by side:
+///   das            the backend directly, in this process
+///   tcp            NVMe/TCP to our target started in this process
+///   tcp-bin[=PATH] NVMe/TCP to nvmeof-targetd started as a process
+///   tcp=HOST:PORT  NVMe/TCP to any target (with --nqn)
+///   rdma           accepted; not available in this build
+/// Examples:
+///   nvmeof-bench --quick
+///   nvmeof-bench benches/jobs/study1-das-vs-of.toml --json out.json --svg plots/
+///   nvmeof-bench job.toml --modes das,tcp --target 127.0.0.1:4420 --nqn nqn.2016-06.io.spdk:cnode1
+#[derive(Debug, Parser)]
+#[command(name = "nvmeof-bench", version, verbatim_doc_comment)]
+struct Args {
+    /// The job file (TOML).
+    #[arg(required_unless_present_any = ["quick", "print_quick_job"])]
+    job: Option<PathBuf>,
+
+    /// DAS vs NVMe/TCP loopback on a memory namespace, in well under a minute.
+    #[arg(long, conflicts_with = "job")]
+    quick: bool,
+
+    /// Print the job file --quick runs and exit.
+    #[arg(long)]
+    print_quick_job: bool,
+
+    /// Modes, comma-separated (replaces the job file's).
+    #[arg(long, value_delimiter = ',')]
+    modes: Option<Vec<Mode>>,
+
+    /// Plain `tcp` starts this target binary as a separate process.
+    #[arg(long, value_name = "PATH", conflicts_with = "target")]
+    target_bin: Option<PathBuf>,
+
+    /// Plain `tcp` uses the NVMe/TCP target at this address.
+    #[arg(long, value_name = "HOST:PORT")]
+    target: Option<String>,
+
+    /// Subsystem NQN (for --target and tcp=HOST:PORT).
+    #[arg(long)]
+    nqn: Option<String>,
+
+    /// Measured duration of every point (e.g. 10s, 500ms).
+    #[arg(long, value_parser = parse_duration)]
+    runtime: Option<Duration>,
+
+    /// Warm-up of every point.
+    #[arg(long, value_parser = parse_duration)]
+    ramp_time: Option<Duration>,
+
+    /// Repeat the whole run N times (medians and spread are reported).
+    #[arg(long)]
+    repeat: Option<u32>,
+
+    /// Do not check reads against the pattern.
+    #[arg(long)]
+    no_verify: bool,
+
+    /// Backend of each namespace (mem:1G, null:1G, file:PATH,size=1G, bdev:PATH).
+    #[arg(long)]
+    backend: Option<blockdev::BackendSpec>,
+
+    /// Reactor threads of the target the load generator starts.
+    #[arg(long)]
+    target_reactors: Option<usize>,
+
+    /// Pin the target (reactor threads or process) to these CPUs, e.g. 0.
+    #[arg(long, value_name = "LIST")]
+    target_cpus: Option<String>,
+
+    /// Pin the client threads to these CPUs, e.g. 1.
+    #[arg(long, value_name = "LIST")]
+    client_cpus: Option<String>,
+
+    /// Run every point on a busy host (the built-in CPU and memory-bandwidth load).
+    #[arg(long)]
+    busy: bool,
+
+    /// Threads of the busy-host load.
+    #[arg(long)]
+    load_threads: Option<u32>,
+
+    /// Write the JSON report here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+
+    /// Write SVG plots into this directory.
+    #[arg(long, value_name = "DIR")]
+    svg: Option<PathBuf>,
+
+    /// Write the markdown table here too.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<PathBuf>,
+
+    /// No per-measurement lines and no progress line on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let args = Args::parse();
+    match real_main(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("nvmeof-bench: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main(args: Args) -> anyhow::Result<bool> {
+    if args.print_quick_job {
+        print!("{QUICK_JOB}");
+        return Ok(true);
+    }
+    let (file, job_file) = if args.quick {
+        (JobFile::parse(QUICK_JOB)?, Some("(built-in --quick)".to_string()))
+    } else {
+        let path = args.job.clone().context("a job file is required")?;
+        (JobFile::load(&path)?, Some(path.display().to_string()))
+    };
+    let ov = Overrides {
+        modes: args.modes.clone(),
+        runtime: args.runtime,
+        ramp_time: args.ramp_time,
+        repeat: args.repeat,
+        verify: args.no_verify.then_some(false),
+        backend: args.backend.clone(),
+        target_reactors: args.target_reactors,
+        target_cpus: args.target_cpus.clone(),
+        client_cpus: args.client_cpus.clone(),
+        nqn: args.nqn.clone(),
+        target_bin: args.target_bin.clone(),
+        target_addr: args.target.clone(),
+        host_load: args.busy.then_some(HostLoad::Busy),
+        load_threads: args.load_threads,
+    };
+    let plan = Plan::resolve(&file, &ov)?;
+    if plan.modes.iter().any(|m| matches!(m, Mode::Tcp(_))) && args.target.is_some() {
+        // A remote target's namespaces are overwritten by the prefill: say so once.
+        if plan.points.iter().any(|p| p.writes() || (p.reads() && p.prefill)) {
+            eprintln!(
+                "nvmeof-bench: note: this job writes to the target at {} (prefill/verify \
+                 pattern or write jobs)",
+                args.target.as_deref().unwrap_or_default()
+            );
+        }
+    }
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let report = run(
+        &plan,
+        &RunOptions {
+            command,
+            job_file,
+            progress: !args.quiet,
+        },
+    )?;
+    let md = report.to_markdown();
+    println!("{md}");
+    if let Some(p) = &args.json {
+        std::fs::write(p, report.to_json())
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(p) = &args.markdown {
+        std::fs::write(p, &md).with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(dir) = &args.svg {
+        let paths = svg::write_plots(&report, dir)
+            .with_context(|| format!("cannot write plots into {}", dir.display()))?;
+        if !args.quiet {
+            for p in paths {
+                eprintln!("wrote {}", p.display());
+            }
+        }
+    }
+    if !report.all_ok() {
+        if report
+            .points
+            .iter()
+            .flat_map(|p| &p.results)
+            .any(|r| r.summary.verify_errors > 0)
+        {
+            bail!("verify errors: reads returned data that was not written");
+        }
+        eprintln!("nvmeof-bench: some measurements failed (see the table)");
+        return Ok(false);
+    }
+    Ok(true)
+}

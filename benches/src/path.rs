@@ -1,0 +1,300 @@
+//! I/O paths: how a worker reaches the storage in each mode.
+//!
+//! - [`DasPath`]: the `blockdev` backends directly, in this process (direct-attached storage,
+//!   the baseline every fabric mode is compared with).
+//! - [`TcpPath`]: NVMe/TCP through the `nvmeof-initiator` library, one controller association
+//!   with `queue_pairs` I/O queues; worker `w` uses queue `w % queue_pairs`.
+//!
+//! Both take and return owned buffers, so a worker keeps `iodepth` buffers and never
+//! allocates per I/O.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use blockdev::{AnyBackend, Backend, BackendSpec, IoBuf};
+use nvmeof_initiator::{
+    ConnectOptions, Controller, HostIdentity, Namespace, ReconnectPolicy, TargetAddr,
+};
+
+/// Host NQN the load generator connects with.
+pub const BENCH_HOSTNQN: &str =
+    "nqn.2014-08.org.nvmexpress:uuid:6e766d65-6f66-2d62-656e-636800000001";
+/// Host ID the load generator connects with.
+pub const BENCH_HOSTID: [u8; 16] = [
+    0x6e, 0x76, 0x6d, 0x65, 0x6f, 0x66, 0x2d, 0x62, 0x65, 0x6e, 0x63, 0x68, 0, 0, 0, 1,
+];
+
+/// An I/O failure of a path.
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    /// The backend failed (DAS).
+    #[error("backend: {0}")]
+    Backend(#[from] blockdev::BackendError),
+    /// The initiator failed (fabric modes).
+    #[error("initiator: {0}")]
+    Initiator(#[from] nvmeof_initiator::Error),
+    /// The namespaces are not what the job needs.
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// One namespace's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NsGeometry {
+    /// NSID (DAS: position + 1).
+    pub nsid: u32,
+    /// Bytes per block.
+    pub block_size: u32,
+    /// Capacity in bytes.
+    pub bytes: u64,
+}
+
+/// The I/O interface a worker drives.
+pub trait IoPath: Send + Sync + 'static {
+    /// A data buffer of this path.
+    type Buf: Send + 'static;
+
+    /// The namespaces, in order.
+    fn geometry(&self) -> &[NsGeometry];
+
+    /// A buffer of `len` bytes.
+    fn alloc(&self, len: usize) -> Self::Buf;
+
+    /// The buffer's bytes.
+    fn bytes(buf: &Self::Buf) -> &[u8];
+
+    /// The buffer's bytes, writable.
+    fn bytes_mut(buf: &mut Self::Buf) -> &mut [u8];
+
+    /// Reads `buf`'s length from namespace index `ns` at byte `offset`, on queue `queue`.
+    fn read(
+        &self,
+        queue: usize,
+        ns: usize,
+        offset: u64,
+        buf: Self::Buf,
+    ) -> impl Future<Output = (Result<(), PathError>, Self::Buf)> + Send;
+
+    /// Writes `buf` to namespace index `ns` at byte `offset`, on queue `queue`.
+    fn write(
+        &self,
+        queue: usize,
+        ns: usize,
+        offset: u64,
+        buf: Self::Buf,
+    ) -> impl Future<Output = (Result<(), PathError>, Self::Buf)> + Send;
+}
+
+/// The backends directly.
+pub struct DasPath {
+    backends: Vec<Arc<AnyBackend>>,
+    geometry: Vec<NsGeometry>,
+}
+
+impl DasPath {
+    /// Opens `count` backends of `spec`.
+    pub fn open(spec: &BackendSpec, count: u32) -> Result<DasPath, PathError> {
+        let mut backends = Vec::new();
+        let mut geometry = Vec::new();
+        for i in 0..count {
+            let b = blockdev::open(spec)?;
+            geometry.push(NsGeometry {
+                nsid: i + 1,
+                block_size: b.block_size(),
+                bytes: b.capacity_bytes(),
+            });
+            backends.push(Arc::new(b));
+        }
+        Ok(DasPath { backends, geometry })
+    }
+}
+
+impl IoPath for DasPath {
+    type Buf = IoBuf;
+
+    fn geometry(&self) -> &[NsGeometry] {
+        &self.geometry
+    }
+
+    fn alloc(&self, len: usize) -> IoBuf {
+        IoBuf::new(len)
+    }
+
+    fn bytes(buf: &IoBuf) -> &[u8] {
+        buf
+    }
+
+    fn bytes_mut(buf: &mut IoBuf) -> &mut [u8] {
+        buf
+    }
+
+    fn read(
+        &self,
+        _queue: usize,
+        ns: usize,
+        offset: u64,
+        buf: IoBuf,
+    ) -> impl Future<Output = (Result<(), PathError>, IoBuf)> + Send {
+        let b = &self.backends[ns];
+        let lba = offset / u64::from(self.geometry[ns].block_size);
+        async move {
+            let (r, buf) = b.read(lba, buf).await;
+            (r.map_err(PathError::from), buf)
+        }
+    }
+
+    fn write(
+        &self,
+        _queue: usize,
+        ns: usize,
+        offset: u64,
+        buf: IoBuf,
+    ) -> impl Future<Output = (Result<(), PathError>, IoBuf)> + Send {
+        let b = &self.backends[ns];
+        let lba = offset / u64::from(self.geometry[ns].block_size);
+        async move {
+            let (r, buf) = b.write(lba, buf).await;
+            (r.map_err(PathError::from), buf)
+        }
+    }
+}
+
+/// NVMe/TCP through the initiator.
+pub struct TcpPath {
+    ctrl: Option<Controller>,
+    /// `[queue][namespace]` handles pinned to their queue.
+    handles: Vec<Vec<Namespace>>,
+    geometry: Vec<NsGeometry>,
+}
+
+/// Connection settings of a [`TcpPath`].
+#[derive(Debug, Clone)]
+pub struct TcpSettings {
+    /// `HOST:PORT`.
+    pub addr: String,
+    /// Subsystem NQN.
+    pub nqn: String,
+    /// I/O queues to ask for.
+    pub queue_pairs: u16,
+    /// Entries per queue to ask for.
+    pub queue_depth: u16,
+    /// How many namespaces to use (NSIDs in the controller's order).
+    pub namespaces: u32,
+}
+
+impl TcpPath {
+    /// Connects to the subsystem and opens the first `namespaces` namespaces. Must run inside
+    /// the runtime that will drive the I/O (the initiator's queue tasks live there).
+    pub async fn connect(s: &TcpSettings) -> Result<TcpPath, PathError> {
+        let addr: TargetAddr = s
+            .addr
+            .parse()
+            .map_err(|e| PathError::Setup(format!("bad target address {}: {e}", s.addr)))?;
+        let host = HostIdentity::new(BENCH_HOSTNQN, BENCH_HOSTID)?;
+        let mut opts = ConnectOptions::new(addr, s.nqn.clone(), host);
+        opts.io_queues = Some(s.queue_pairs);
+        opts.queue_depth = s.queue_depth.max(2);
+        opts.reconnect = ReconnectPolicy::never();
+        opts.timeouts.io = Duration::from_secs(30);
+        let ctrl = Controller::connect(opts).await?;
+        let queues = ctrl.io_queue_count();
+        if queues < usize::from(s.queue_pairs) {
+            tracing::warn!(
+                asked = s.queue_pairs,
+                granted = queues,
+                "the target granted fewer I/O queues than asked for"
+            );
+        }
+        let nss = ctrl.namespaces().await?;
+        if nss.len() < s.namespaces as usize {
+            let have = nss.len();
+            let _ = ctrl.disconnect().await;
+            return Err(PathError::Setup(format!(
+                "the subsystem has {have} namespace(s), the job needs {}",
+                s.namespaces
+            )));
+        }
+        let nss: Vec<Namespace> = nss.into_iter().take(s.namespaces as usize).collect();
+        let geometry = nss
+            .iter()
+            .map(|n| NsGeometry {
+                nsid: n.nsid(),
+                block_size: n.block_size(),
+                bytes: n.size_bytes(),
+            })
+            .collect();
+        let handles = (0..queues.max(1))
+            .map(|q| nss.iter().map(|n| n.on_queue(q)).collect())
+            .collect();
+        Ok(TcpPath {
+            ctrl: Some(ctrl),
+            handles,
+            geometry,
+        })
+    }
+
+    /// I/O queues in use.
+    pub fn queues(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Disconnects gracefully.
+    pub async fn disconnect(mut self) -> Result<(), PathError> {
+        self.handles.clear();
+        if let Some(c) = self.ctrl.take() {
+            c.disconnect().await?;
+        }
+        Ok(())
+    }
+}
+
+impl IoPath for TcpPath {
+    type Buf = Vec<u8>;
+
+    fn geometry(&self) -> &[NsGeometry] {
+        &self.geometry
+    }
+
+    fn alloc(&self, len: usize) -> Vec<u8> {
+        vec![0u8; len]
+    }
+
+    fn bytes(buf: &Vec<u8>) -> &[u8] {
+        buf
+    }
+
+    fn bytes_mut(buf: &mut Vec<u8>) -> &mut [u8] {
+        buf
+    }
+
+    fn read(
+        &self,
+        queue: usize,
+        ns: usize,
+        offset: u64,
+        mut buf: Vec<u8>,
+    ) -> impl Future<Output = (Result<(), PathError>, Vec<u8>)> + Send {
+        let h = &self.handles[queue % self.handles.len()][ns];
+        let lba = offset / u64::from(self.geometry[ns].block_size);
+        async move {
+            let r = h.read(lba, &mut buf).await;
+            (r.map_err(PathError::from), buf)
+        }
+    }
+
+    fn write(
+        &self,
+        queue: usize,
+        ns: usize,
+        offset: u64,
+        buf: Vec<u8>,
+    ) -> impl Future<Output = (Result<(), PathError>, Vec<u8>)> + Send {
+        let h = &self.handles[queue % self.handles.len()][ns];
+        let lba = offset / u64::from(self.geometry[ns].block_size);
+        async move {
+            let r = h.write(lba, &buf).await;
+            (r.map_err(PathError::from), buf)
+        }
+    }
+}

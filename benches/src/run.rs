@@ -1,0 +1,720 @@
+//! The coordinator: runs every point of a plan in every mode, side by side, and builds the
+//! report.
+//!
+//! Order: for each repeat, for each point, for each mode. Interleaving the modes point by point
+//! keeps slow drifts of a shared machine from favouring one mode.
+//!
+//! Each measurement gets a fresh client runtime (a multi-thread tokio runtime with `numjobs`
+//! threads named `bench-client`, pinned to `client_cpus` when given); a fabric mode connects
+//! inside it, so the initiator's queue tasks run on the client threads. Targets the load
+//! generator starts live for the whole run on a small control runtime (`bench-ctl`), their
+//! data plane on their own reactor threads. DAS backends and fabric namespaces are prefilled
+//! with the verify pattern once, before the first point that reads.
+
+use std::io::{IsTerminal, Write as _};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::runtime::Runtime;
+
+use crate::cpu::{self, CpuSnapshot};
+use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
+use crate::hist::LatencyHist;
+use crate::job::{Dest, HostLoad, Mode, Plan, Point};
+use crate::load::BusyLoad;
+use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
+use crate::pattern::Pattern;
+use crate::report::{
+    CpuStats, DirStats, Machine, Measurement, ModeReport, NsSpread, NsStats, PlanInfo,
+    PointReport, Report, SCHEMA, Summary, fmt_si, now_utc,
+};
+use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
+
+/// Message of the `rdma` mode until the RDMA transport exists.
+pub const RDMA_UNAVAILABLE: &str = "NVMe/RDMA is not available in this build: the RDMA transport (crates/nvmf-rdma) has not landed yet";
+/// Message of the `gpu` destination until GPU reads exist.
+pub const GPU_UNAVAILABLE: &str = "destination gpu is not available in this build: the initiator has no GPU read path yet (dest = \"host\" works)";
+
+/// Errors that stop a whole run (a mode that cannot run is reported in its results instead).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A runtime or thread could not be created.
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
+/// How a run reports while it goes.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// The command line, for the report.
+    pub command: String,
+    /// The job file, for the report.
+    pub job_file: Option<String>,
+    /// Print a line per measurement on stderr (and a live progress line on a terminal).
+    pub progress: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Prefilled {
+    seed: u64,
+    bytes: u64,
+}
+
+enum ModeState {
+    Das {
+        path: Arc<DasPath>,
+        prefilled: Prefilled,
+    },
+    Tcp {
+        target: FabricTarget,
+        prefilled: Prefilled,
+    },
+    Unavailable(String),
+}
+
+struct Progress {
+    enabled: bool,
+    tty: bool,
+}
+
+impl Progress {
+    fn live(&self, mode: &str, label: &str, elapsed: f64, total: Option<f64>, shared: &Shared) {
+        if !(self.enabled && self.tty) {
+            return;
+        }
+        let ops = shared.ops.load(Ordering::Relaxed) as f64;
+        let bytes = shared.bytes.load(Ordering::Relaxed) as f64;
+        let rate = |v: f64| if elapsed > 0.0 { v / elapsed } else { 0.0 };
+        let t = match total {
+            Some(t) => format!("{elapsed:.1}/{t:.0}s"),
+            None => format!("{elapsed:.1}s"),
+        };
+        eprint!(
+            "\r\x1b[2K[{mode}] {label}  {t}  {} IOPS  {:.2} GB/s",
+            fmt_si(rate(ops)),
+            rate(bytes) / 1e9
+        );
+        let _ = std::io::stderr().flush();
+    }
+
+    fn done(&self, mode: &str, label: &str, m: &Measurement) {
+        if !self.enabled {
+            return;
+        }
+        if self.tty {
+            eprint!("\r\x1b[2K");
+        }
+        match &m.error {
+            Some(e) => eprintln!("[{mode}] {label}: {e}"),
+            None => eprintln!(
+                "[{mode}] {label}: {} IOPS, {:.3} GB/s, p50 {:.1} us, p99 {:.1} us{}",
+                fmt_si(m.all.iops),
+                m.all.gbps,
+                m.all.latency.p50_us,
+                m.all.latency.p99_us,
+                if m.verify_errors > 0 {
+                    format!(", {} VERIFY ERRORS", m.verify_errors)
+                } else {
+                    String::new()
+                }
+            ),
+        }
+    }
+}
+
+fn max_queue_depth(plan: &Plan) -> u16 {
+    let need = plan
+        .points
+        .iter()
+        .map(|p| {
+            let per_queue = p.numjobs.div_ceil(u32::from(p.queue_pairs));
+            u64::from(p.iodepth) * u64::from(per_queue) + 1
+        })
+        .max()
+        .unwrap_or(128);
+    need.clamp(128, 4096) as u16
+}
+
+/// Runs a plan and returns its report.
+pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
+    let started_utc = now_utc();
+    let progress = Progress {
+        enabled: opts.progress,
+        tty: std::io::stderr().is_terminal(),
+    };
+    let ctl = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-ctl")
+        .enable_all()
+        .build()?;
+    let spec = TargetSpec {
+        nqn: plan.nqn.clone(),
+        backend: plan.backend.clone(),
+        namespaces: plan.namespaces,
+        reactors: plan.target_reactors,
+        max_queue_depth: max_queue_depth(plan),
+        cpus: plan.target_cpus.clone(),
+    };
+    let mut states: Vec<ModeState> = plan
+        .modes
+        .iter()
+        .map(|m| match m {
+            Mode::Das => match DasPath::open(&plan.backend, plan.namespaces) {
+                Ok(p) => ModeState::Das {
+                    path: Arc::new(p),
+                    prefilled: Prefilled::default(),
+                },
+                Err(e) => ModeState::Unavailable(format!("cannot open the backend: {e}")),
+            },
+            Mode::Tcp(kind) => {
+                let _guard = ctl.enter();
+                match FabricTarget::start(kind, &spec) {
+                    Ok(target) => ModeState::Tcp {
+                        target,
+                        prefilled: Prefilled::default(),
+                    },
+                    Err(e) => ModeState::Unavailable(e.to_string()),
+                }
+            }
+            Mode::Rdma { .. } => ModeState::Unavailable(RDMA_UNAVAILABLE.into()),
+        })
+        .collect();
+
+    let mut results: Vec<Vec<Vec<Measurement>>> =
+        vec![vec![Vec::new(); plan.modes.len()]; plan.points.len()];
+    for repeat in 0..plan.repeat {
+        for (pi, point) in plan.points.iter().enumerate() {
+            for (mi, mode) in plan.modes.iter().enumerate() {
+                let label = point.label();
+                let mode_label = mode.label();
+                let m = measure_in_mode(
+                    plan,
+                    point,
+                    &mut states[mi],
+                    repeat,
+                    &progress,
+                    &mode_label,
+                    &label,
+                );
+                progress.done(&mode_label, &label, &m);
+                results[pi][mi].push(m);
+            }
+        }
+    }
+    for st in states {
+        if let ModeState::Tcp { target, .. } = st {
+            ctl.block_on(target.stop());
+        }
+    }
+    ctl.shutdown_timeout(Duration::from_secs(2));
+
+    let points = plan
+        .points
+        .iter()
+        .enumerate()
+        .map(|(pi, p)| PointReport {
+            id: pi,
+            job: p.job.clone(),
+            label: p.label(),
+            point: p.clone(),
+            results: plan
+                .modes
+                .iter()
+                .enumerate()
+                .map(|(mi, m)| ModeReport {
+                    mode: m.label(),
+                    summary: Summary::of(&results[pi][mi]),
+                    vs_das: None,
+                    repeats: results[pi][mi].clone(),
+                })
+                .collect(),
+        })
+        .collect();
+    let mut report = Report {
+        schema: SCHEMA.into(),
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        started_utc,
+        command: opts.command.clone(),
+        machine: Machine::detect(),
+        plan: PlanInfo {
+            description: plan.description.clone(),
+            job_file: opts.job_file.clone(),
+            modes: plan.modes.iter().map(Mode::label).collect(),
+            backend: plan.backend.to_string(),
+            namespaces: plan.namespaces,
+            target_reactors: plan.target_reactors,
+            target_cpus: plan.target_cpus.clone(),
+            client_cpus: plan.client_cpus.clone(),
+            repeat: plan.repeat,
+        },
+        points,
+    };
+    report.compute_ratios();
+    Ok(report)
+}
+
+fn failed(repeat: u32, msg: impl Into<String>) -> Measurement {
+    Measurement {
+        repeat,
+        ok: false,
+        error: Some(msg.into()),
+        ..Default::default()
+    }
+}
+
+fn client_runtime(plan: &Plan, point: &Point) -> std::io::Result<Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.worker_threads(point.numjobs as usize)
+        .thread_name("bench-client")
+        .enable_all();
+    if let Some(c) = plan.client_cpus.clone() {
+        b.on_thread_start(move || {
+            if let Err(e) = cpu::pin_current(&c) {
+                tracing::warn!(error = %e, "client thread not pinned");
+            }
+        });
+    }
+    b.build()
+}
+
+fn measure_in_mode(
+    plan: &Plan,
+    point: &Point,
+    state: &mut ModeState,
+    repeat: u32,
+    progress: &Progress,
+    mode_label: &str,
+    label: &str,
+) -> Measurement {
+    if point.dest == Dest::Gpu {
+        return failed(repeat, GPU_UNAVAILABLE);
+    }
+    let rt = match client_runtime(plan, point) {
+        Ok(rt) => rt,
+        Err(e) => return failed(repeat, format!("cannot start the client runtime: {e}")),
+    };
+    let m = match state {
+        ModeState::Unavailable(msg) => failed(repeat, msg.clone()),
+        ModeState::Das { path, prefilled } => measure(
+            &rt,
+            Arc::clone(path),
+            plan,
+            point,
+            prefilled,
+            CpuSource::None,
+            repeat,
+            progress,
+            "das",
+            label,
+        ),
+        ModeState::Tcp { target, prefilled } => {
+            let settings = TcpSettings {
+                addr: target.addr(),
+                nqn: plan.nqn.clone(),
+                queue_pairs: point.queue_pairs,
+                queue_depth: (point.iodepth * point.numjobs.div_ceil(u32::from(point.queue_pairs))
+                    + 1)
+                .min(4096) as u16,
+                namespaces: plan.namespaces,
+            };
+            match rt.block_on(TcpPath::connect(&settings)) {
+                Err(e) => failed(repeat, format!("connect to {}: {e}", settings.addr)),
+                Ok(path) => {
+                    let queues = path.queues();
+                    let path = Arc::new(path);
+                    let mut m = measure(
+                        &rt,
+                        Arc::clone(&path),
+                        plan,
+                        point,
+                        prefilled,
+                        target.cpu_source(),
+                        repeat,
+                        progress,
+                        mode_label,
+                        label,
+                    );
+                    m.queues = Some(queues);
+                    if let Ok(path) = Arc::try_unwrap(path)
+                        && let Err(e) = rt.block_on(path.disconnect())
+                    {
+                        tracing::warn!(error = %e, "disconnect failed");
+                    }
+                    m
+                }
+            }
+        }
+    };
+    rt.shutdown_timeout(Duration::from_secs(2));
+    m
+}
+
+/// The bytes of each namespace a point uses: its `size` (or the whole namespace), rounded
+/// down to whole blocks of `bs`.
+fn region_of(point: &Point, geo: &[NsGeometry]) -> Result<u64, String> {
+    let cap = geo.iter().map(|g| g.bytes).min().unwrap_or(0);
+    for g in geo {
+        if point.bs % u64::from(g.block_size) != 0 {
+            return Err(format!(
+                "bs {} is not a multiple of namespace {}'s block size {}",
+                point.bs, g.nsid, g.block_size
+            ));
+        }
+    }
+    let region = point.size.unwrap_or(cap).min(cap) / point.bs * point.bs;
+    if region == 0 {
+        return Err(format!(
+            "the namespaces ({cap} bytes) are smaller than one block of {} bytes",
+            point.bs
+        ));
+    }
+    Ok(region)
+}
+
+async fn prefill<P: IoPath>(
+    path: &P,
+    namespaces: usize,
+    region: u64,
+    pattern: &Pattern,
+) -> Result<(), String> {
+    const CHUNK: u64 = 128 * 1024;
+    const DEPTH: usize = 16;
+    let mut inflight = FuturesUnordered::new();
+    let mut work = (0..namespaces).flat_map(|ns| {
+        (0..region.div_ceil(CHUNK)).map(move |i| (ns, i * CHUNK, CHUNK.min(region - i * CHUNK)))
+    });
+    loop {
+        while inflight.len() < DEPTH {
+            let Some((ns, off, len)) = work.next() else {
+                break;
+            };
+            let mut buf = path.alloc(len as usize);
+            pattern.fill(off, P::bytes_mut(&mut buf));
+            inflight.push(async move {
+                let (r, _buf) = path.write(0, ns, off, buf).await;
+                r.map_err(|e| format!("prefill write at ns index {ns} offset {off:#x}: {e}"))
+            });
+        }
+        match inflight.next().await {
+            Some(r) => r?,
+            None => return Ok(()),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure<P: IoPath>(
+    rt: &Runtime,
+    path: Arc<P>,
+    plan: &Plan,
+    point: &Point,
+    prefilled: &mut Prefilled,
+    target_cpu: CpuSource,
+    repeat: u32,
+    progress: &Progress,
+    mode: &str,
+    label: &str,
+) -> Measurement {
+    let geo = path.geometry().to_vec();
+    let region = match region_of(point, &geo) {
+        Ok(r) => r,
+        Err(e) => return failed(repeat, e),
+    };
+    let pattern = Arc::new(Pattern::new(point.seed));
+    if point.reads()
+        && point.prefill
+        && (prefilled.seed != point.seed || prefilled.bytes < region)
+    {
+        let t = Instant::now();
+        if let Err(e) = rt.block_on(prefill(&*path, geo.len(), region, &pattern)) {
+            return failed(repeat, e);
+        }
+        tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
+        *prefilled = Prefilled {
+            seed: point.seed,
+            bytes: region,
+        };
+    }
+    if point.writes() && prefilled.seed != point.seed {
+        // Writes of another seed make earlier prefilled data unusable for verification.
+        *prefilled = Prefilled::default();
+    }
+
+    let load = if point.host_load == HostLoad::Busy {
+        match BusyLoad::start(point.load_threads, point.load_mem, plan.load_cpus.as_deref()) {
+            Ok(l) => Some(l),
+            Err(e) => return failed(repeat, format!("cannot start the busy load: {e}")),
+        }
+    } else {
+        None
+    };
+
+    let shared = Arc::new(Shared::default());
+    let numjobs = point.numjobs as usize;
+    let budget = match point.runtime {
+        Some(_) => None,
+        None => point
+            .io_size
+            .map(|b| (b / numjobs as u64).div_ceil(point.bs).max(1) * point.bs),
+    };
+    let mut handles = Vec::new();
+    for w in 0..numjobs {
+        let spec = WorkerSpec {
+            index: w,
+            queues: queues_of(w, numjobs, usize::from(point.queue_pairs)),
+            bs: point.bs,
+            iodepth: point.iodepth,
+            read_percent: point.rw.read_percent(point.rwmixread),
+            random: point.rw.is_random(),
+            region,
+            seq_start: region / numjobs as u64 * w as u64,
+            namespaces: geo.len(),
+            verify: point.verify,
+            rng_seed: point.seed ^ (u64::from(repeat) << 32) ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
+            budget,
+        };
+        handles.push(rt.spawn(worker::run(
+            Arc::clone(&path),
+            spec,
+            Arc::clone(&pattern),
+            Arc::clone(&shared),
+        )));
+    }
+
+    let own_pid = match target_cpu {
+        CpuSource::Process(pid) => Some(pid),
+        _ => None,
+    };
+    let timing = rt.block_on(async {
+        tokio::time::sleep(point.ramp_time).await;
+        let self0 = CpuSnapshot::take(None);
+        let tgt0 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+        let t0 = Instant::now();
+        shared.phase.store(PHASE_MEASURE, Ordering::Relaxed);
+        let total = point.runtime.map(|d| d.as_secs_f64());
+        let tick = Duration::from_millis(250);
+        match point.runtime {
+            Some(rt_dur) => loop {
+                let el = t0.elapsed();
+                if el >= rt_dur {
+                    break;
+                }
+                if handles.iter().all(|h| h.is_finished()) {
+                    break;
+                }
+                tokio::time::sleep(tick.min(rt_dur - el)).await;
+                progress.live(mode, label, t0.elapsed().as_secs_f64(), total, &shared);
+            },
+            None => {
+                while !handles.iter().all(|h| h.is_finished()) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if t0.elapsed().as_millis() % 250 < 5 {
+                        progress.live(mode, label, t0.elapsed().as_secs_f64(), total, &shared);
+                    }
+                }
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let self1 = CpuSnapshot::take(None);
+        let tgt1 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+        shared.phase.store(PHASE_STOP, Ordering::Relaxed);
+        let mut outs = Vec::new();
+        for h in handles.drain(..) {
+            match h.await {
+                Ok(o) => outs.push(o),
+                Err(e) => {
+                    let mut o = WorkerOutput::default();
+                    o.io_errors = 1;
+                    o.first_io_error = Some(format!("worker failed: {e}"));
+                    outs.push(o);
+                }
+            }
+        }
+        (secs, self0, self1, tgt0, tgt1, outs)
+    });
+    let load_stats = load.map(BusyLoad::stop);
+    let (secs, self0, self1, tgt0, tgt1, outs) = timing;
+
+    let mut total = WorkerOutput::default();
+    for o in &outs {
+        total.merge(o);
+    }
+    let secs = secs.max(1e-9);
+    let dir = |ops: u64, bytes: u64, h: &LatencyHist| DirStats {
+        ops,
+        bytes,
+        iops: ops as f64 / secs,
+        gbps: bytes as f64 / secs / 1e9,
+        latency: h.summary(),
+    };
+    let mut all_hist = total.read_hist.clone();
+    all_hist.merge(&total.write_hist);
+    let all = dir(
+        total.read_ops + total.write_ops,
+        total.read_bytes + total.write_bytes,
+        &all_hist,
+    );
+    let read = dir(total.read_ops, total.read_bytes, &total.read_hist);
+    let write = dir(total.write_ops, total.write_bytes, &total.write_hist);
+
+    let (client_s, reactor_s) = match (&self0, &self1) {
+        (Ok(a), Ok(b)) => (
+            Some(a.seconds_until(b, |n| {
+                !n.starts_with(cpu::REACTOR_PREFIX) && !n.starts_with(cpu::LOAD_PREFIX)
+            })),
+            Some(a.seconds_until(b, |n| n.starts_with(cpu::REACTOR_PREFIX))),
+        ),
+        _ => (None, None),
+    };
+    let target_s = match target_cpu {
+        CpuSource::Reactors => reactor_s,
+        CpuSource::Process(_) => match (&tgt0, &tgt1) {
+            (Some(Ok(a)), Some(Ok(b))) => Some(a.seconds_until(b, |_| true)),
+            _ => None,
+        },
+        CpuSource::None => None,
+    };
+    let client_s = client_s.unwrap_or(f64::NAN);
+    let per_core = |cores: f64| {
+        if cores > 0.0 && cores.is_finite() {
+            Some(all.iops / cores)
+        } else {
+            None
+        }
+    };
+    let target_cores = target_s.map(|s| s / secs);
+    let client_cores = client_s / secs;
+    let gb = all.bytes as f64 / 1e9;
+    let cpu = CpuStats {
+        target_cpu_s: target_s,
+        client_cpu_s: client_s,
+        target_cores,
+        client_cores,
+        iops_per_target_core: target_cores.and_then(per_core),
+        iops_per_client_core: per_core(client_cores),
+        cpu_s_per_gb: if gb > 0.0 {
+            Some((client_s + target_s.unwrap_or(0.0)) / gb)
+        } else {
+            None
+        },
+    };
+
+    let namespaces: Vec<NsStats> = total
+        .per_ns
+        .iter()
+        .zip(&geo)
+        .map(|(n, g)| NsStats {
+            nsid: g.nsid,
+            ops: n.ops,
+            iops: n.ops as f64 / secs,
+            gbps: n.bytes as f64 / secs / 1e9,
+            latency: n.hist.summary(),
+        })
+        .collect();
+    let ns_spread = (namespaces.len() > 1).then(|| spread(&namespaces));
+
+    let error = total
+        .first_io_error
+        .clone()
+        .or_else(|| (all.ops == 0).then(|| "no I/O completed while measuring".to_string()));
+    Measurement {
+        repeat,
+        ok: error.is_none() && total.verify_errors == 0,
+        error,
+        seconds: secs,
+        all,
+        read,
+        write,
+        cpu,
+        namespaces,
+        ns_spread,
+        verified_reads: total.verified_reads,
+        verify_errors: total.verify_errors,
+        first_verify_error: total.first_verify_error,
+        io_errors: total.io_errors,
+        first_io_error: total.first_io_error,
+        load: load_stats,
+        queues: None,
+    }
+}
+
+/// The queues worker `w` of `numjobs` uses: one (`w % queue_pairs`) when there are at least as
+/// many workers as queues, else every queue `q` with `q % numjobs == w`, so all queues carry I/O.
+fn queues_of(w: usize, numjobs: usize, queue_pairs: usize) -> Vec<usize> {
+    if numjobs >= queue_pairs {
+        vec![w % queue_pairs.max(1)]
+    } else {
+        (0..queue_pairs).filter(|q| q % numjobs == w).collect()
+    }
+}
+
+fn spread(ns: &[NsStats]) -> NsSpread {
+    let iops: Vec<f64> = ns.iter().map(|n| n.iops).collect();
+    let mean = iops.iter().sum::<f64>() / iops.len() as f64;
+    let min = iops.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = iops.iter().copied().fold(0.0, f64::max);
+    let var = iops.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / iops.len() as f64;
+    let p99: Vec<f64> = ns.iter().map(|n| n.latency.p99_us).collect();
+    let p99_min = p99.iter().copied().fold(f64::INFINITY, f64::min);
+    let p99_max = p99.iter().copied().fold(0.0, f64::max);
+    NsSpread {
+        min_iops: min,
+        max_iops: max,
+        min_over_mean: if mean > 0.0 { min / mean } else { 0.0 },
+        cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
+        p99_max_over_min: if p99_min > 0.0 { p99_max / p99_min } else { 0.0 },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_of_uneven_namespaces() {
+        let ns = |iops: f64, p99: f64| NsStats {
+            iops,
+            latency: crate::hist::LatencySummary {
+                p99_us: p99,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let s = spread(&[ns(100.0, 10.0), ns(300.0, 30.0)]);
+        assert_eq!((s.min_iops, s.max_iops), (100.0, 300.0));
+        assert!((s.min_over_mean - 0.5).abs() < 1e-9);
+        assert!((s.cv - 0.5).abs() < 1e-9);
+        assert!((s.p99_max_over_min - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn every_queue_gets_a_worker() {
+        assert_eq!(queues_of(0, 2, 1), vec![0]);
+        assert_eq!(queues_of(1, 2, 1), vec![0]);
+        assert_eq!(queues_of(3, 4, 2), vec![1]);
+        assert_eq!(queues_of(0, 2, 5), vec![0, 2, 4]);
+        assert_eq!(queues_of(1, 2, 5), vec![1, 3]);
+    }
+
+    #[test]
+    fn region_rounds_down_and_checks_block_size() {
+        let plan = Plan::resolve(
+            &crate::job::JobFile::parse("[[job]]\nbs = \"8k\"\nsize = \"100k\"").unwrap(),
+            &Default::default(),
+        )
+        .unwrap();
+        let p = &plan.points[0];
+        let geo = |bytes, block_size| NsGeometry {
+            nsid: 1,
+            bytes,
+            block_size,
+        };
+        assert_eq!(region_of(p, &[geo(1 << 30, 4096)]).unwrap(), 96 * 1024);
+        assert_eq!(region_of(p, &[geo(64 * 1024, 4096)]).unwrap(), 64 * 1024);
+        assert!(region_of(p, &[geo(1 << 30, 16384)]).is_err());
+        assert!(region_of(p, &[geo(4096, 4096)]).is_err());
+    }
+}

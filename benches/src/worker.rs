@@ -1,0 +1,433 @@
+//! Workers: each keeps `iodepth` I/Os in flight on one path and records what completes.
+//!
+//! A worker is one tokio task driving its in-flight I/Os through a `FuturesUnordered`, so its
+//! I/Os, buffers and histograms stay on one task and nothing is shared per I/O except a
+//! relaxed progress counter. The run goes through phases set by the coordinator: ramp
+//! (I/O runs, nothing is recorded), measure (completions are recorded), stop (no new I/O;
+//! in-flight I/O is drained).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+
+use crate::hist::LatencyHist;
+use crate::path::IoPath;
+use crate::pattern::Pattern;
+
+/// Phase: warming up.
+pub const PHASE_RAMP: u8 = 0;
+/// Phase: measuring.
+pub const PHASE_MEASURE: u8 = 1;
+/// Phase: stopping.
+pub const PHASE_STOP: u8 = 2;
+
+/// State shared by the coordinator and the workers of one run.
+#[derive(Debug)]
+pub struct Shared {
+    /// The current phase.
+    pub phase: AtomicU8,
+    /// I/Os completed while measuring, all workers (progress display).
+    pub ops: AtomicU64,
+    /// Bytes completed while measuring, all workers (progress display).
+    pub bytes: AtomicU64,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            phase: AtomicU8::new(PHASE_RAMP),
+            ops: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+}
+
+/// What one worker does.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    /// Worker number.
+    pub index: usize,
+    /// Queues it submits to, in turn (one per I/O).
+    pub queues: Vec<usize>,
+    /// Block size in bytes.
+    pub bs: u64,
+    /// In-flight I/Os.
+    pub iodepth: u32,
+    /// Percent reads.
+    pub read_percent: u8,
+    /// Random (true) or sequential offsets.
+    pub random: bool,
+    /// Region per namespace in bytes (a multiple of `bs`).
+    pub region: u64,
+    /// Where its sequential cursor starts.
+    pub seq_start: u64,
+    /// Namespaces (indices 0..n).
+    pub namespaces: usize,
+    /// Check reads against the pattern.
+    pub verify: bool,
+    /// Seed of the offsets.
+    pub rng_seed: u64,
+    /// Bytes to complete while measuring, then stop (`None`: until the phase says stop).
+    pub budget: Option<u64>,
+}
+
+/// Per-namespace results of one worker.
+#[derive(Debug, Clone, Default)]
+pub struct NsAcc {
+    /// I/Os.
+    pub ops: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Latency of every I/O on this namespace.
+    pub hist: LatencyHist,
+}
+
+/// What a worker measured.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerOutput {
+    /// Reads completed while measuring.
+    pub read_ops: u64,
+    /// Bytes read while measuring.
+    pub read_bytes: u64,
+    /// Writes completed while measuring.
+    pub write_ops: u64,
+    /// Bytes written while measuring.
+    pub write_bytes: u64,
+    /// Read latency.
+    pub read_hist: LatencyHist,
+    /// Write latency.
+    pub write_hist: LatencyHist,
+    /// Per namespace.
+    pub per_ns: Vec<NsAcc>,
+    /// Reads checked against the pattern (every phase).
+    pub verified_reads: u64,
+    /// Reads that did not match the pattern.
+    pub verify_errors: u64,
+    /// The first mismatch.
+    pub first_verify_error: Option<String>,
+    /// Failed I/Os.
+    pub io_errors: u64,
+    /// The first failure.
+    pub first_io_error: Option<String>,
+}
+
+impl WorkerOutput {
+    /// Adds another worker's results.
+    pub fn merge(&mut self, o: &WorkerOutput) {
+        self.read_ops += o.read_ops;
+        self.read_bytes += o.read_bytes;
+        self.write_ops += o.write_ops;
+        self.write_bytes += o.write_bytes;
+        self.read_hist.merge(&o.read_hist);
+        self.write_hist.merge(&o.write_hist);
+        if self.per_ns.len() < o.per_ns.len() {
+            self.per_ns.resize_with(o.per_ns.len(), NsAcc::default);
+        }
+        for (a, b) in self.per_ns.iter_mut().zip(&o.per_ns) {
+            a.ops += b.ops;
+            a.bytes += b.bytes;
+            a.hist.merge(&b.hist);
+        }
+        self.verified_reads += o.verified_reads;
+        self.verify_errors += o.verify_errors;
+        if self.first_verify_error.is_none() {
+            self.first_verify_error = o.first_verify_error.clone();
+        }
+        self.io_errors += o.io_errors;
+        if self.first_io_error.is_none() {
+            self.first_io_error = o.first_io_error.clone();
+        }
+    }
+}
+
+/// xorshift64*: a small, fast generator for offsets and the read/write mix.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed` (any value).
+    pub fn new(seed: u64) -> Self {
+        let mut s = seed ^ 0x2545_F491_4F6C_DD1D;
+        if s == 0 {
+            s = 1;
+        }
+        Rng(s)
+    }
+
+    /// The next value.
+    #[inline]
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// A value in `0..n` (`n > 0`).
+    #[inline]
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// Chooses the next I/O of a worker.
+#[derive(Debug, Clone)]
+pub struct OffsetGen {
+    rng: Rng,
+    slots: u64,
+    bs: u64,
+    random: bool,
+    cursor: u64,
+    region: u64,
+    next_ns: usize,
+    namespaces: usize,
+    read_percent: u8,
+}
+
+impl OffsetGen {
+    /// The generator of `spec`.
+    pub fn new(spec: &WorkerSpec) -> Self {
+        OffsetGen {
+            rng: Rng::new(spec.rng_seed),
+            slots: (spec.region / spec.bs).max(1),
+            bs: spec.bs,
+            random: spec.random,
+            cursor: spec.seq_start % spec.region.max(1) / spec.bs * spec.bs,
+            region: spec.region,
+            next_ns: spec.index % spec.namespaces.max(1),
+            namespaces: spec.namespaces.max(1),
+            read_percent: spec.read_percent,
+        }
+    }
+
+    /// `(is_read, namespace index, byte offset)` of the next I/O.
+    #[inline]
+    pub fn next(&mut self) -> (bool, usize, u64) {
+        let read = match self.read_percent {
+            100 => true,
+            0 => false,
+            p => self.rng.below(100) < u64::from(p),
+        };
+        let ns = self.next_ns;
+        self.next_ns += 1;
+        if self.next_ns == self.namespaces {
+            self.next_ns = 0;
+        }
+        let offset = if self.random {
+            self.rng.below(self.slots) * self.bs
+        } else {
+            let o = self.cursor;
+            self.cursor += self.bs;
+            if self.cursor + self.bs > self.region {
+                self.cursor = 0;
+            }
+            o
+        };
+        (read, ns, offset)
+    }
+}
+
+/// Runs one worker until the phase is [`PHASE_STOP`] or its budget is spent.
+pub async fn run<P: IoPath>(
+    path: Arc<P>,
+    spec: WorkerSpec,
+    pattern: Arc<Pattern>,
+    shared: Arc<Shared>,
+) -> WorkerOutput {
+    let mut out = WorkerOutput {
+        per_ns: vec![NsAcc::default(); spec.namespaces],
+        ..Default::default()
+    };
+    let mut offsets = OffsetGen::new(&spec);
+    let len = spec.bs as usize;
+    let mut free: Vec<P::Buf> = (0..spec.iodepth).map(|_| path.alloc(len)).collect();
+    let mut inflight = FuturesUnordered::new();
+    let mut issued_in_measure = 0u64;
+    let p: &P = &path;
+    let queues = if spec.queues.is_empty() {
+        vec![0]
+    } else {
+        spec.queues.clone()
+    };
+    let mut next_queue = 0usize;
+    loop {
+        let phase = shared.phase.load(Ordering::Relaxed);
+        if phase == PHASE_STOP || out.io_errors > 0 {
+            break;
+        }
+        while let Some(mut buf) = free.pop() {
+            if phase == PHASE_MEASURE
+                && let Some(b) = spec.budget
+            {
+                if issued_in_measure >= b {
+                    free.push(buf);
+                    break;
+                }
+                issued_in_measure += spec.bs;
+            }
+            let (read, ns, offset) = offsets.next();
+            let queue = queues[next_queue];
+            next_queue = (next_queue + 1) % queues.len();
+            if !read {
+                pattern.fill(offset, P::bytes_mut(&mut buf));
+            }
+            inflight.push(async move {
+                let start = Instant::now();
+                let (r, buf) = if read {
+                    p.read(queue, ns, offset, buf).await
+                } else {
+                    p.write(queue, ns, offset, buf).await
+                };
+                (read, ns, offset, start.elapsed(), r, buf)
+            });
+        }
+        let Some((read, ns, offset, lat, r, buf)) = inflight.next().await else {
+            // Nothing in flight and nothing issued: the budget is spent.
+            break;
+        };
+        complete(
+            &mut out,
+            &spec,
+            &pattern,
+            &shared,
+            (read, ns, offset, lat.as_nanos() as u64),
+            r,
+            P::bytes(&buf),
+        );
+        free.push(buf);
+    }
+    while let Some((read, ns, offset, lat, r, buf)) = inflight.next().await {
+        complete(
+            &mut out,
+            &spec,
+            &pattern,
+            &shared,
+            (read, ns, offset, lat.as_nanos() as u64),
+            r,
+            P::bytes(&buf),
+        );
+    }
+    out
+}
+
+fn complete(
+    out: &mut WorkerOutput,
+    spec: &WorkerSpec,
+    pattern: &Pattern,
+    shared: &Shared,
+    (read, ns, offset, lat_ns): (bool, usize, u64, u64),
+    r: Result<(), crate::path::PathError>,
+    data: &[u8],
+) {
+    if let Err(e) = r {
+        out.io_errors += 1;
+        if out.first_io_error.is_none() {
+            out.first_io_error = Some(format!(
+                "{} of {} bytes at ns index {ns} offset {offset:#x}: {e}",
+                if read { "read" } else { "write" },
+                spec.bs
+            ));
+        }
+        return;
+    }
+    if read && spec.verify {
+        out.verified_reads += 1;
+        if let Err(m) = pattern.check(offset, data) {
+            out.verify_errors += 1;
+            if out.first_verify_error.is_none() {
+                out.first_verify_error = Some(format!("ns index {ns}: {m}"));
+            }
+        }
+    }
+    if shared.phase.load(Ordering::Relaxed) != PHASE_MEASURE {
+        return;
+    }
+    if read {
+        out.read_ops += 1;
+        out.read_bytes += spec.bs;
+        out.read_hist.record(lat_ns);
+    } else {
+        out.write_ops += 1;
+        out.write_bytes += spec.bs;
+        out.write_hist.record(lat_ns);
+    }
+    let n = &mut out.per_ns[ns];
+    n.ops += 1;
+    n.bytes += spec.bs;
+    n.hist.record(lat_ns);
+    shared.ops.fetch_add(1, Ordering::Relaxed);
+    shared.bytes.fetch_add(spec.bs, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(random: bool, read_percent: u8) -> WorkerSpec {
+        WorkerSpec {
+            index: 1,
+            queues: vec![0],
+            bs: 4096,
+            iodepth: 4,
+            read_percent,
+            random,
+            region: 4096 * 10,
+            seq_start: 4096 * 8,
+            namespaces: 3,
+            verify: true,
+            rng_seed: 42,
+            budget: None,
+        }
+    }
+
+    #[test]
+    fn random_offsets_stay_aligned_inside_the_region() {
+        let mut g = OffsetGen::new(&spec(true, 100));
+        let mut seen = [false; 10];
+        for _ in 0..1000 {
+            let (read, _, o) = g.next();
+            assert!(read);
+            assert_eq!(o % 4096, 0);
+            assert!(o + 4096 <= 4096 * 10);
+            seen[(o / 4096) as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn sequential_offsets_wrap_and_namespaces_rotate() {
+        let mut g = OffsetGen::new(&spec(false, 0));
+        let v: Vec<(bool, usize, u64)> = (0..4).map(|_| g.next()).collect();
+        assert_eq!(
+            v,
+            vec![
+                (false, 1, 4096 * 8),
+                (false, 2, 4096 * 9),
+                (false, 0, 0),
+                (false, 1, 4096)
+            ]
+        );
+    }
+
+    #[test]
+    fn mix_follows_rwmixread() {
+        let mut g = OffsetGen::new(&spec(true, 70));
+        let reads = (0..10_000).filter(|_| g.next().0).count();
+        assert!((6500..7500).contains(&reads), "{reads}");
+    }
+
+    #[test]
+    fn rng_below_is_in_range() {
+        let mut r = Rng::new(0);
+        for n in [1u64, 2, 3, 1000, u64::MAX] {
+            for _ in 0..100 {
+                assert!(r.below(n) < n);
+            }
+        }
+    }
+}
