@@ -35,6 +35,15 @@ pub enum DataSource {
     Host,
 }
 
+/// How a transport carries command data that is not in the capsule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostSgl {
+    /// Transport SGL data blocks (NVMe/TCP: R2T/H2CData and C2HData).
+    Transport,
+    /// Keyed SGL data blocks (NVMe/RDMA: RDMA READ and RDMA WRITE with the host's key).
+    Keyed,
+}
+
 /// A validated data-plane request.
 pub struct IoRequest {
     /// Command identifier.
@@ -137,6 +146,7 @@ pub struct QueueState {
     pub sq_flow_disabled: bool,
     /// Asynchronous completions for an admin queue (taken by the transport after Connect).
     pub events: Option<EventReceiver>,
+    host_sgl: HostSgl,
     sqhd: u32,
     mdts_bytes: usize,
 }
@@ -157,9 +167,33 @@ impl QueueState {
             ctrl: None,
             sq_flow_disabled: false,
             events: None,
+            host_sgl: HostSgl::Transport,
             sqhd: 0,
             mdts_bytes,
         }
+    }
+
+    /// Sets the kind of SGL data block the transport takes for data outside the capsule
+    /// (NVMe/TCP's transport SGLs by default).
+    pub fn with_host_sgl(mut self, host_sgl: HostSgl) -> Self {
+        self.host_sgl = host_sgl;
+        self
+    }
+
+    /// Whether [`QueueState::submit`] reads this command's data from the host itself (Connect
+    /// and other admin or fabrics commands that transfer data to the controller). A
+    /// transport that fetches data from the host (RDMA READ) must then fetch it first and
+    /// pass it as in-capsule data. I/O writes are not among them: they come back as
+    /// [`Submit::Io`] with [`DataSource::Host`].
+    pub fn wants_data_at_submit(&self, sqe: &Sqe) -> bool {
+        // Data direction: bits 1:0 of the opcode, or of the fabrics command type.
+        let direction = if sqe.opcode == nvme_spec::opcode::FABRICS {
+            sqe.fctype() & 0b11
+        } else {
+            sqe.opcode & 0b11
+        };
+        direction == 0b01
+            && (self.ctrl.is_none() || self.qid == 0 || sqe.opcode == nvme_spec::opcode::FABRICS)
     }
 
     /// Largest data transfer accepted, in bytes.
@@ -334,16 +368,17 @@ impl QueueState {
             return invalid_param(false, SQE_SQSIZE_OFFSET);
         }
         let peer = self.origin.peer;
+        // A host that asks for no keep alive still gets one, so stale controllers go away.
+        let kato = if c.kato_ms == 0 {
+            t.settings.default_kato_ms
+        } else {
+            c.kato_ms
+        };
         if subnqn == DISCOVERY_NQN {
             if c.qid != 0 {
                 return invalid_param(false, SQE_QID_OFFSET);
             }
             let cntlid = t.alloc_discovery_cntlid();
-            let kato = if c.kato_ms == 0 {
-                t.settings.default_kato_ms
-            } else {
-                c.kato_ms
-            };
             let (ctrl, events) = Controller::new(
                 cntlid,
                 ControllerKind::Discovery,
@@ -353,7 +388,6 @@ impl QueueState {
                 c.sqsize,
                 kato,
             );
-            ctrl.keep_alive();
             info!(%hostnqn, %peer, cntlid, "discovery controller connected");
             return self.connected(ctrl, Some(events), c, cid);
         }
@@ -376,11 +410,6 @@ impl QueueState {
             let Some(cntlid) = subsys.alloc_cntlid() else {
                 return status_cqe(cid, Status::specific(specific::CONNECT_CONTROLLER_BUSY));
             };
-            let kato = if c.kato_ms == 0 {
-                t.settings.default_kato_ms
-            } else {
-                c.kato_ms
-            };
             let (ctrl, events) = Controller::new(
                 cntlid,
                 ControllerKind::Io(Arc::clone(&subsys)),
@@ -390,7 +419,6 @@ impl QueueState {
                 c.sqsize,
                 kato,
             );
-            ctrl.keep_alive();
             subsys.add_controller(Arc::clone(&ctrl));
             info!(%hostnqn, %peer, subnqn = %subsys.nqn, cntlid, kato_ms = kato, "controller connected");
             return self.connected(ctrl, Some(events), c, cid);
@@ -426,6 +454,9 @@ impl QueueState {
         self.sqsize = c.sqsize;
         self.sqhd = 1 % c.sqsize;
         self.sq_flow_disabled = c.sq_flow_control_disabled();
+        if c.qid == 0 && self.host_sgl == HostSgl::Keyed {
+            ctrl.set_keyed_sgls();
+        }
         let dw0 = u32::from(ctrl.cntlid);
         self.ctrl = Some(ctrl);
         self.events = events;
@@ -467,7 +498,15 @@ impl QueueState {
                 }
                 Ok(DataSource::InCapsule)
             }
-            (sgl_type::TRANSPORT_DATA_BLOCK, _) => {
+            (sgl_type::TRANSPORT_DATA_BLOCK, _) if self.host_sgl == HostSgl::Transport => {
+                if !icd.is_empty() {
+                    return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+                }
+                Ok(DataSource::Host)
+            }
+            (sgl_type::KEYED_DATA_BLOCK, sgl_subtype::ADDRESS | sgl_subtype::INVALIDATE)
+                if self.host_sgl == HostSgl::Keyed =>
+            {
                 if !icd.is_empty() {
                     return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
                 }
