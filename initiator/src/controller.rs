@@ -347,7 +347,9 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
         )));
     }
     if id.sgls.get() & 0b11 == 0 {
-        return Err(Error::Refused("the controller does not support SGLs".into()));
+        return Err(Error::Refused(
+            "the controller does not support SGLs".into(),
+        ));
     }
     if id.kas.get() == 0 && kato_ms != 0 {
         return Err(Error::Refused(
@@ -362,7 +364,10 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
         )));
     }
     // The keep alive timeout actually in force.
-    let kato_ms = match admin.command(build::get_features(0, features::KEEP_ALIVE_TIMER), &[], 0).await {
+    let kato_ms = match admin
+        .command(build::get_features(0, features::KEEP_ALIVE_TIMER), &[], 0)
+        .await
+    {
         Ok((cqe, _)) => cqe.dw0.get(),
         Err(_) => kato_ms,
     };
@@ -439,15 +444,8 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
             let mut q =
                 SetupConn::open(&opts.addr, digests, usize::from(depth), t.connect, t.admin)
                     .await?;
-            q.connect(
-                qid,
-                u32::from(depth),
-                0,
-                cntlid,
-                &opts.subnqn,
-                &opts.host,
-            )
-            .await?;
+            q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
+                .await?;
             Ok((
                 qid,
                 Live {
@@ -460,7 +458,12 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
     }
     let mut ios: Vec<Option<Live>> = (0..granted).map(|_| None).collect();
     while let Some(r) = set.join_next().await {
-        let (qid, live) = r.map_err(|e| Error::lost(&opts.addr.to_string(), format!("I/O queue set-up task failed: {e}")))??;
+        let (qid, live) = r.map_err(|e| {
+            Error::lost(
+                &opts.addr.to_string(),
+                format!("I/O queue set-up task failed: {e}"),
+            )
+        })??;
         ios[usize::from(qid) - 1] = Some(live);
     }
     let ios = ios.into_iter().flatten().collect();
@@ -555,7 +558,9 @@ impl Controller {
             reconnects: AtomicU64::new(0),
             opts,
         });
-        shared.admin.control(QueueCtl::Attach(Box::new(est.admin), 1));
+        shared
+            .admin
+            .control(QueueCtl::Attach(Box::new(est.admin), 1));
         for (q, live) in shared.io.iter().zip(est.ios) {
             q.control(QueueCtl::Attach(Box::new(live), 1));
         }
@@ -710,7 +715,12 @@ impl Controller {
     /// A handle for namespace `nsid` with a given block size and size, without asking the
     /// controller (for namespaces known from elsewhere). The controller still checks every
     /// command.
-    pub fn namespace_unchecked(&self, nsid: u32, block_size: u32, blocks: u64) -> Result<Namespace, Error> {
+    pub fn namespace_unchecked(
+        &self,
+        nsid: u32,
+        block_size: u32,
+        blocks: u64,
+    ) -> Result<Namespace, Error> {
         if !block_size.is_power_of_two() || block_size < 512 {
             return Err(Error::InvalidArgument(format!(
                 "block size {block_size} is not a power of two of at least 512"
@@ -750,7 +760,13 @@ impl Controller {
     }
 
     /// Get Log Page: `len` bytes (a multiple of 4) of log `lid` at byte `offset`.
-    pub async fn get_log_page(&self, lid: u8, nsid: u32, len: u32, offset: u64) -> Result<Vec<u8>, Error> {
+    pub async fn get_log_page(
+        &self,
+        lid: u8,
+        nsid: u32,
+        len: u32,
+        offset: u64,
+    ) -> Result<Vec<u8>, Error> {
         if len == 0 || len % 4 != 0 {
             return Err(Error::InvalidArgument(
                 "log page length must be a non-zero multiple of 4".into(),
@@ -918,7 +934,9 @@ impl Supervisor {
                         generation,
                     );
                     last = e;
-                    delay = (delay * 2).min(policy.max_delay).max(Duration::from_millis(10));
+                    delay = (delay * 2)
+                        .min(policy.max_delay)
+                        .max(Duration::from_millis(10));
                 }
             }
         }
@@ -974,7 +992,8 @@ impl Supervisor {
         for (q, live) in s.io.iter().zip(est.ios) {
             q.control(QueueCtl::Attach(Box::new(live), generation));
         }
-        s.active_io.store(granted.min(s.io.len()), Ordering::Relaxed);
+        s.active_io
+            .store(granted.min(s.io.len()), Ordering::Relaxed);
         s.reconnects.fetch_add(1, Ordering::Relaxed);
         s.set_state(ControllerState::Connected, generation);
         let _ = s.events.send(ControllerEvent::Reconnected { cntlid });
@@ -1057,7 +1076,10 @@ async fn keep_alive_loop(s: Arc<CtrlShared>, tx: mpsc::UnboundedSender<SupMsg>, 
             Err(e) if e.is_transport() => {}
             Err(e) => {
                 if s.generation() == generation {
-                    let _ = tx.send(SupMsg::KeepAliveFailed { generation, error: e });
+                    let _ = tx.send(SupMsg::KeepAliveFailed {
+                        generation,
+                        error: e,
+                    });
                 }
             }
         }
@@ -1069,9 +1091,7 @@ async fn event_loop(s: Arc<CtrlShared>) {
     let mut rx = s.state.subscribe();
     loop {
         let generation = match rx
-            .wait_for(|st| {
-                !matches!(st.state, ControllerState::Reconnecting { .. })
-            })
+            .wait_for(|st| !matches!(st.state, ControllerState::Reconnecting { .. }))
             .await
         {
             Ok(st) if st.state == ControllerState::Connected => st.generation,
@@ -1093,7 +1113,13 @@ async fn event_loop(s: Arc<CtrlShared>) {
                 }
                 // Wait for the next association before posting again.
                 if rx
-                    .wait_for(|st| st.generation != generation || matches!(st.state, ControllerState::Closed | ControllerState::Failed { .. }))
+                    .wait_for(|st| {
+                        st.generation != generation
+                            || matches!(
+                                st.state,
+                                ControllerState::Closed | ControllerState::Failed { .. }
+                            )
+                    })
                     .await
                     .is_err()
                 {
@@ -1116,7 +1142,11 @@ async fn handle_event(s: &CtrlShared, dw0: u32) {
     });
     // Reading the log page clears the event so the controller can report the next one.
     if log_page != 0 {
-        let len = if log_page == log_id::CHANGED_NS_LIST { 4096 } else { 512 };
+        let len = if log_page == log_id::CHANGED_NS_LIST {
+            4096
+        } else {
+            512
+        };
         if let Err(e) = s
             .admin_read(build::get_log_page(0, log_page, 0xFFFF_FFFF, len, 0), len)
             .await

@@ -259,7 +259,11 @@ impl DaemonClient {
     }
 
     /// Adds an attachment.
-    pub async fn attach(&mut self, name: &str, params: AttachParams) -> Result<AttachmentStatus, Error> {
+    pub async fn attach(
+        &mut self,
+        name: &str,
+        params: AttachParams,
+    ) -> Result<AttachmentStatus, Error> {
         let r = self
             .request(&Request::Attach {
                 name: name.to_string(),
@@ -281,7 +285,11 @@ impl DaemonClient {
 
     /// Lists the attachments.
     pub async fn list(&mut self) -> Result<Vec<AttachmentStatus>, Error> {
-        Ok(self.request(&Request::List).await?.attachments.unwrap_or_default())
+        Ok(self
+            .request(&Request::List)
+            .await?
+            .attachments
+            .unwrap_or_default())
     }
 
     /// One attachment.

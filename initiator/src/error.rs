@@ -14,7 +14,12 @@ use nvmf_tcp::ProtocolError;
 #[non_exhaustive]
 pub enum Error {
     /// The controller completed a command with an error status.
-    #[error("{command} failed: {status}")]
+    #[error(
+        "{command} failed: {name} (sct {:#x}, sc {:#04x}{})",
+        status.sct,
+        status.sc,
+        if status.dnr { ", dnr" } else { "" }
+    )]
     Status {
         /// The command (for example "Read", "Identify", "Connect").
         command: &'static str,
@@ -142,7 +147,7 @@ impl Error {
         Error::Status {
             command,
             status,
-            name: status.name(),
+            name: status_name(command, status),
         }
     }
 
@@ -163,6 +168,26 @@ impl Error {
     pub(crate) fn timeout(what: &'static str, after: Duration) -> Self {
         Error::Timeout { what, after }
     }
+}
+
+/// The name of a status returned for `command`. Command specific codes (SCT 1) from 80h up
+/// mean different things for Fabrics Connect and for NVM I/O commands (NVM Command Set 1.0,
+/// Figure 17); the generic table only knows the Connect meanings.
+pub fn status_name(command: &str, status: Status) -> &'static str {
+    let io = matches!(
+        command,
+        "Read" | "Write" | "Flush" | "Write Zeroes" | "Dataset Management" | "Compare"
+    );
+    if io && status.sct == 1 {
+        match status.sc {
+            0x80 => return "Conflicting Attributes",
+            0x81 => return "Invalid Protection Information",
+            0x82 => return "Attempted Write to Read Only Range",
+            0x83 => return "Command Size Limit Exceeded (ONCS Not Supported)",
+            _ => {}
+        }
+    }
+    status.name()
 }
 
 /// Name of an NVMe/TCP Fatal Error Status value (NVMe/TCP 1.0, Figure 29).
@@ -225,16 +250,24 @@ mod tests {
             "Read",
             Status::generic(generic::LBA_OUT_OF_RANGE).with_dnr(),
         );
-        assert_eq!(
-            e.status().map(|s| s.sc),
-            Some(generic::LBA_OUT_OF_RANGE)
-        );
+        assert_eq!(e.status().map(|s| s.sc), Some(generic::LBA_OUT_OF_RANGE));
         let msg = e.to_string();
         assert!(msg.contains("Read failed: LBA Out of Range"), "{msg}");
         match e {
             Error::Status { name, .. } => assert_eq!(name, "LBA Out of Range"),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    #[test]
+    fn command_specific_names_depend_on_the_command() {
+        let st = Status::specific(0x83).with_dnr();
+        assert_eq!(status_name("Connect", st), "Connect Restart Discovery");
+        let e = Error::status_of("Write Zeroes", st);
+        assert_eq!(
+            e.to_string(),
+            "Write Zeroes failed: Command Size Limit Exceeded (ONCS Not Supported) (sct 0x1, sc 0x83, dnr)"
+        );
     }
 
     #[test]

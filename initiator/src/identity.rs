@@ -165,7 +165,11 @@ mod tests {
     fn etc_nvme_wins() {
         let etc = tempfile::tempdir().unwrap();
         let state = tempfile::tempdir().unwrap();
-        std::fs::write(etc.path().join("hostnqn"), "nqn.2014-08.org.example:host1\n").unwrap();
+        std::fs::write(
+            etc.path().join("hostnqn"),
+            "nqn.2014-08.org.example:host1\n",
+        )
+        .unwrap();
         std::fs::write(
             etc.path().join("hostid"),
             "546d87ee-8b73-4df9-b864-934ac408e7da\n",

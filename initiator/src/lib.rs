@@ -66,7 +66,7 @@ mod setup;
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{DiscoveryEntry, DiscoveryLog, discover};
-pub use error::{Error, fes_name};
+pub use error::{Error, fes_name, status_name};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::{BufferError, Namespace, ReadDest, WriteSource};

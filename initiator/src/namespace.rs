@@ -77,7 +77,10 @@ impl WriteSource for [u8] {
     }
 
     fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
-        out.copy_from_slice(self.get(offset..offset + out.len()).ok_or_else(out_of_bounds)?);
+        out.copy_from_slice(
+            self.get(offset..offset + out.len())
+                .ok_or_else(out_of_bounds)?,
+        );
         Ok(())
     }
 }
@@ -218,7 +221,11 @@ impl Namespace {
     }
 
     /// Reads `dest.len()` bytes starting at block `lba` into any [`ReadDest`].
-    pub async fn read_into<D: ReadDest + ?Sized>(&self, lba: u64, dest: &mut D) -> Result<(), Error> {
+    pub async fn read_into<D: ReadDest + ?Sized>(
+        &self,
+        lba: u64,
+        dest: &mut D,
+    ) -> Result<(), Error> {
         let total = dest.len();
         self.check_len(total)?;
         let q = self.queue()?;
@@ -260,14 +267,16 @@ impl Namespace {
     }
 
     /// Writes the whole of any [`WriteSource`] starting at block `lba`.
-    pub async fn write_from<S: WriteSource + ?Sized>(&self, lba: u64, src: &S) -> Result<(), Error> {
+    pub async fn write_from<S: WriteSource + ?Sized>(
+        &self,
+        lba: u64,
+        src: &S,
+    ) -> Result<(), Error> {
         let total = src.len();
         self.check_len(total)?;
         let q = self.queue()?;
         let max = self.max_chunk();
-        let fill = |off: usize| {
-            move |b: &mut [u8]| src.read_at(off, b).map_err(buffer_error)
-        };
+        let fill = |off: usize| move |b: &mut [u8]| src.read_at(off, b).map_err(buffer_error);
         if total <= max {
             let req = self.rw_request(true, lba, total);
             q.execute(req, fill(0), |_| ()).await?;

@@ -219,7 +219,9 @@ impl ConnectOptions {
             return Err(Error::InvalidArgument("too many I/O queues".into()));
         }
         if self.kato.as_millis() > u128::from(u32::MAX) {
-            return Err(Error::InvalidArgument("keep alive timeout too large".into()));
+            return Err(Error::InvalidArgument(
+                "keep alive timeout too large".into(),
+            ));
         }
         if let Some(m) = self.max_transfer {
             if m < 512 {

@@ -311,7 +311,11 @@ impl QueueHandle {
     }
 
     fn closed_error(&self) -> Error {
-        self.shared.closed_error.lock().clone().unwrap_or(Error::Closed)
+        self.shared
+            .closed_error
+            .lock()
+            .clone()
+            .unwrap_or(Error::Closed)
     }
 
     /// Takes a slot (waiting for one if all are busy), fills its buffer with `fill` for
@@ -596,7 +600,10 @@ impl Core {
                     last,
                     success,
                 } => {
-                    if let Some(cmd) = self.cmds.get_mut(usize::from(cccid)).and_then(Option::as_mut)
+                    if let Some(cmd) = self
+                        .cmds
+                        .get_mut(usize::from(cccid))
+                        .and_then(Option::as_mut)
                     {
                         let off = datao as usize;
                         if let Some(dst) = cmd.buf.get_mut(off..off + data.len()) {
@@ -613,7 +620,10 @@ impl Core {
                     last,
                     success,
                 } => {
-                    if let Some(cmd) = self.cmds.get_mut(usize::from(cccid)).and_then(Option::as_mut)
+                    if let Some(cmd) = self
+                        .cmds
+                        .get_mut(usize::from(cccid))
+                        .and_then(Option::as_mut)
                     {
                         cmd.digest_error = true;
                     }
@@ -660,11 +670,7 @@ impl Core {
             return Ok(());
         };
         if cmd.digest_error && cqe.status().is_success() {
-            cqe = Cqe::new(
-                tag,
-                Status::generic(generic::TRANSIENT_TRANSPORT_ERROR),
-                0,
-            );
+            cqe = Cqe::new(tag, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
         }
         let st = cqe.status();
         let transient = st.sct == 0 && st.sc == generic::TRANSIENT_TRANSPORT_ERROR && !st.dnr;
@@ -866,10 +872,7 @@ impl Task {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
-                    return Err(Error::lost(
-                        &self.core.addr,
-                        format!("receive failed: {e}"),
-                    ));
+                    return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
                 }
             }
         }

@@ -291,7 +291,10 @@ impl SetupConn {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err(Error::timeout("CSTS.RDY after enabling the controller", limit));
+                return Err(Error::timeout(
+                    "CSTS.RDY after enabling the controller",
+                    limit,
+                ));
             }
             tokio::time::sleep(CSTS_POLL).await;
         }

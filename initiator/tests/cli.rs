@@ -63,12 +63,8 @@ fn json_of(out: &Output) -> Value {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "not JSON ({e}):\n{}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,7 +121,15 @@ async fn cli_commands_print_parseable_json() {
     let input = dir.path().join("in.bin");
     let data = pattern(42, 0, 16 * 4096);
     std::fs::write(&input, &data).unwrap();
-    let mut a = args(&["write", "-o", "json", "--start-block", "10", "--flush", "--data"]);
+    let mut a = args(&[
+        "write",
+        "-o",
+        "json",
+        "--start-block",
+        "10",
+        "--flush",
+        "--data",
+    ]);
     a.push(input.display().to_string());
     a.extend(fabric(&t));
     let v = json_of(&cli(a, None).await);
@@ -134,7 +138,16 @@ async fn cli_commands_print_parseable_json() {
     assert_eq!(v["bytes"], 65536);
 
     let output = dir.path().join("out.bin");
-    let mut a = args(&["read", "-o", "json", "--start-block", "10", "--block-count", "16", "--data"]);
+    let mut a = args(&[
+        "read",
+        "-o",
+        "json",
+        "--start-block",
+        "10",
+        "--block-count",
+        "16",
+        "--data",
+    ]);
     a.push(output.display().to_string());
     a.extend(fabric(&t));
     let v = json_of(&cli(a, None).await);
@@ -174,7 +187,11 @@ async fn cli_errors_are_one_line_and_fail() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("LBA Out of Range"), "{err}");
 
-    let out = cli(args(&["list"]), Some(PathBuf::from("/nonexistent/initd.sock"))).await;
+    let out = cli(
+        args(&["list"]),
+        Some(PathBuf::from("/nonexistent/initd.sock")),
+    )
+    .await;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is nvmeof-initd running?"), "{err}");
@@ -299,7 +316,11 @@ async fn daemon_attach_list_restart_detach() {
     assert_eq!(ns.nsid(), 2);
     let data = pattern(77, 0, 8 * 4096);
     ns.write(0, &data).await.expect("write");
-    ns.controller().clone().disconnect().await.expect("disconnect");
+    ns.controller()
+        .clone()
+        .disconnect()
+        .await
+        .expect("disconnect");
 
     // The CLI reads by name too.
     let out = cli(
@@ -307,7 +328,11 @@ async fn daemon_attach_list_restart_detach() {
         Some(socket.clone()),
     )
     .await;
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.stdout == data);
 
     // Restart: the attachment comes back.
@@ -343,7 +368,11 @@ async fn daemon_reports_a_lost_target() {
     let mut t = TestTarget::start(&["mem:1M"], |_| {});
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("initd.sock");
-    let d = Daemon::start(&socket, &dir.path().join("state"), &dir.path().join("initd.log"));
+    let d = Daemon::start(
+        &socket,
+        &dir.path().join("state"),
+        &dir.path().join("initd.log"),
+    );
     d.wait_ready().await;
     let mut a = args(&["attach", "x", "-o", "json"]);
     a.extend(fabric(&t));

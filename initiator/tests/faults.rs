@@ -111,7 +111,10 @@ async fn silent_target_times_out() {
     let took = start.elapsed();
     assert!(e.is_timeout(), "{e:?}");
     assert!(e.to_string().contains("ICResp"), "{e}");
-    assert!(took >= Duration::from_millis(600) && took < Duration::from_secs(2), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(600) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
 
     let mut d = DiscoveryOptions::new(addr, host());
     d.timeouts.connect = Duration::from_millis(500);

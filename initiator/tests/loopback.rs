@@ -8,7 +8,7 @@ use common::{NQN, TestTarget, host, options, pattern};
 use nvmeof_initiator::nvme_spec::fabrics::DISCOVERY_NQN;
 use nvmeof_initiator::nvme_spec::status::{generic, specific};
 use nvmeof_initiator::{
-    ControllerEvent, ControllerState, Controller, DiscoveryOptions, Error, discover,
+    Controller, ControllerEvent, ControllerState, DiscoveryOptions, Error, discover,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,7 +71,10 @@ async fn write_read_back_with_and_without_digests() {
             ns.write(lba, &data).await.expect("write");
             let mut back = vec![0u8; len];
             ns.read(lba, &mut back).await.expect("read");
-            assert!(back == data, "mismatch at lba {lba} ({blocks} blocks), digests {hd}/{dd}");
+            assert!(
+                back == data,
+                "mismatch at lba {lba} ({blocks} blocks), digests {hd}/{dd}"
+            );
         }
         let stats = ctrl.queue_stats();
         let in_capsule: u64 = stats.iter().map(|s| s.in_capsule_writes).sum();
@@ -121,7 +124,12 @@ async fn several_queues_with_concurrent_io() {
     let stats = ctrl.queue_stats();
     assert_eq!(stats.len(), 5);
     for s in &stats[1..] {
-        assert!(s.commands >= 64, "queue {} got {} commands", s.qid, s.commands);
+        assert!(
+            s.commands >= 64,
+            "queue {} got {} commands",
+            s.qid,
+            s.commands
+        );
     }
     ctrl.disconnect().await.expect("disconnect");
 }
@@ -212,7 +220,10 @@ async fn errors_carry_the_status() {
     let st = e.status().expect("a status error");
     assert_eq!((st.sct, st.sc), (0, generic::LBA_OUT_OF_RANGE));
     assert!(st.dnr);
-    assert!(e.to_string().contains("Read failed: LBA Out of Range"), "{e}");
+    assert!(
+        e.to_string().contains("Read failed: LBA Out of Range"),
+        "{e}"
+    );
     match &e {
         Error::Status { name, command, .. } => {
             assert_eq!(*name, "LBA Out of Range");
@@ -225,10 +236,17 @@ async fn errors_carry_the_status() {
 
     let e = ctrl.namespace(99).await.expect_err("invalid namespace");
     assert_eq!(e.status().map(|s| s.sc), Some(generic::INVALID_NAMESPACE));
-    assert!(e.to_string().contains("Identify failed: Invalid Namespace or Format"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("Identify failed: Invalid Namespace or Format"),
+        "{e}"
+    );
 
     let bogus = ctrl.namespace_unchecked(7, 4096, 100).expect("handle");
-    let e = bogus.read(0, &mut buf).await.expect_err("invalid namespace");
+    let e = bogus
+        .read(0, &mut buf)
+        .await
+        .expect_err("invalid namespace");
     assert_eq!(e.status().map(|s| s.sc), Some(generic::INVALID_NAMESPACE));
 
     let mut odd = vec![0u8; 1000];
@@ -250,7 +268,11 @@ async fn connect_to_an_unknown_subsystem_is_refused() {
     let e = Controller::connect(o).await.expect_err("refused");
     let st = e.status().expect("status");
     assert_eq!((st.sct, st.sc), (1, specific::CONNECT_INVALID_PARAMETERS));
-    assert!(e.to_string().starts_with("Connect failed: Connect Invalid Parameters"), "{e}");
+    assert!(
+        e.to_string()
+            .starts_with("Connect failed: Connect Invalid Parameters"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -304,7 +326,10 @@ async fn namespace_change_event_refreshes_the_list() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(raised, "no Asynchronous Event Request was held by the target");
+    assert!(
+        raised,
+        "no Asynchronous Event Request was held by the target"
+    );
     let mut saw_async = false;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {

@@ -12,9 +12,11 @@ fn file_backend(dir: &std::path::Path) -> String {
 }
 
 async fn wait_connected(ctrl: &Controller) {
-    ctrl.wait_for_state(Duration::from_secs(20), |s| *s == ControllerState::Connected)
-        .await
-        .expect("connected again");
+    ctrl.wait_for_state(Duration::from_secs(20), |s| {
+        *s == ControllerState::Connected
+    })
+    .await
+    .expect("connected again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,8 +154,15 @@ async fn silent_target_gives_a_timeout() {
     let e = ns.read(0, &mut buf).await.expect_err("timeout");
     let took = start.elapsed();
     assert!(e.is_timeout(), "{e:?}");
-    assert!(e.to_string().contains("timed out after 800 ms waiting for Read"), "{e}");
-    assert!(took >= Duration::from_millis(700) && took < Duration::from_secs(3), "{took:?}");
+    assert!(
+        e.to_string()
+            .contains("timed out after 800 ms waiting for Read"),
+        "{e}"
+    );
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
     proxy.set_mode(Mode::Forward);
     wait_connected(&ctrl).await;
     ns.read(0, &mut buf).await.expect("read after recovery");
@@ -178,7 +187,9 @@ async fn connection_cut_mid_transfer() {
             .cut_after
             .store(sent + 100 * 1024, std::sync::atomic::Ordering::SeqCst);
         let mut back = vec![0u8; data.len()];
-        ns.read(0, &mut back).await.expect("read retried after the cut");
+        ns.read(0, &mut back)
+            .await
+            .expect("read retried after the cut");
         assert!(back == data);
         assert!(ctrl.reconnects() >= 1);
         ctrl.disconnect().await.expect("disconnect");

@@ -14,8 +14,7 @@ use nvmeof_initiator::daemon::{
 };
 use nvmeof_initiator::identity::{format_hostid, is_root};
 use nvmeof_initiator::{
-    Controller, ControllerEvent, ControllerState, HostIdentity, ReconnectPolicy,
-    default_state_dir,
+    Controller, ControllerEvent, ControllerState, HostIdentity, ReconnectPolicy, default_state_dir,
 };
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -387,7 +386,11 @@ impl Daemon {
         }
     }
 
-    async fn attach(self: &Arc<Self>, name: String, mut params: AttachParams) -> Result<AttachmentStatus> {
+    async fn attach(
+        self: &Arc<Self>,
+        name: String,
+        mut params: AttachParams,
+    ) -> Result<AttachmentStatus> {
         if !valid_name(&name) {
             bail!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
         }

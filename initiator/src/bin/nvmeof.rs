@@ -185,7 +185,12 @@ multiple of the block size). Progress is shown on a terminal."
 #[derive(Args, Clone, Default)]
 struct Fabric {
     /// Transport type (only `tcp`).
-    #[arg(short = 't', long = "transport", default_value = "tcp", value_name = "TRTYPE")]
+    #[arg(
+        short = 't',
+        long = "transport",
+        default_value = "tcp",
+        value_name = "TRTYPE"
+    )]
     transport: String,
     /// Target address (IP address or host name).
     #[arg(short = 'a', long = "traddr", value_name = "ADDRESS")]
@@ -573,8 +578,8 @@ async fn cmd_connect(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
             println!("  host NQN:        {}", info.hostnqn);
             println!("Namespaces:");
             println!(
-                "  {:<6} {:>14} {:>12} {:>10}  {}",
-                "NSID", "Blocks", "Size", "BlockSize", "NGUID"
+                "  {:<6} {:>14} {:>12} {:>10}  NGUID",
+                "NSID", "Blocks", "Size", "BlockSize"
             );
             for n in &namespaces {
                 println!(
@@ -604,13 +609,7 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-async fn cmd_attach(
-    ctx: &Ctx,
-    name: &str,
-    f: &Fabric,
-    q: &QueueArgs,
-    nsid: u32,
-) -> Result<()> {
+async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
     if !valid_name(name) {
         bail!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
     }
@@ -631,7 +630,11 @@ async fn cmd_attach(
         subnqn,
         nsid,
         hostnqn: f.hostnqn.clone(),
-        hostid: f.hostid.as_deref().and_then(parse_hostid).map(|i| format_hostid(&i)),
+        hostid: f
+            .hostid
+            .as_deref()
+            .and_then(parse_hostid)
+            .map(|i| format_hostid(&i)),
         hdr_digest: f.hdr_digest,
         data_digest: f.data_digest,
         nr_io_queues: q.nr_io_queues,
@@ -682,8 +685,8 @@ async fn cmd_list(ctx: &Ctx) -> Result<()> {
         }
         Output::Normal => {
             println!(
-                "{:<16} {:<44} {:>5} {:>12} {:>9} {:<24} {}",
-                "Name", "Subsystem", "NSID", "Size", "BlockSize", "Model", "State"
+                "{:<16} {:<44} {:>5} {:>12} {:>9} {:<24} State",
+                "Name", "Subsystem", "NSID", "Size", "BlockSize", "Model"
             );
             println!("{}", "-".repeat(126));
             for a in &list {
@@ -886,11 +889,12 @@ impl Progress {
     }
 
     fn update(&mut self, done: u64) {
-        if !self.enabled || (self.last.elapsed() < Duration::from_millis(200) && done < self.total) {
+        if !self.enabled || (self.last.elapsed() < Duration::from_millis(200) && done < self.total)
+        {
             return;
         }
         self.last = Instant::now();
-        let pct = if self.total == 0 { 100 } else { done * 100 / self.total };
+        let pct = (done * 100).checked_div(self.total).unwrap_or(100);
         eprint!(
             "\r{} {} / {} ({pct}%)   ",
             self.what,
@@ -928,7 +932,15 @@ async fn open_namespace(
     }
 }
 
-fn summary(ctx: &Ctx, op: &str, ns: &Namespace, start: u64, blocks: u64, elapsed: Duration, data_on_stdout: bool) {
+fn summary(
+    ctx: &Ctx,
+    op: &str,
+    ns: &Namespace,
+    start: u64,
+    blocks: u64,
+    elapsed: Duration,
+    data_on_stdout: bool,
+) {
     let bytes = blocks * u64::from(ns.block_size());
     match ctx.output {
         Output::Json => {
@@ -1000,13 +1012,22 @@ async fn do_read(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, blocks: u64) -> Resul
         ns.read(lba, &mut buf[..len])
             .await
             .with_context(|| format!("read of {n} blocks at block {lba}"))?;
-        out.write_all(&buf[..len]).context("cannot write the output")?;
+        out.write_all(&buf[..len])
+            .context("cannot write the output")?;
         done += n;
         progress.update(done * bs);
     }
     out.flush().context("cannot write the output")?;
     progress.finish();
-    summary(ctx, "read", ns, r.start_block, blocks, start.elapsed(), is_std(&r.data));
+    summary(
+        ctx,
+        "read",
+        ns,
+        r.start_block,
+        blocks,
+        start.elapsed(),
+        is_std(&r.data),
+    );
     Ok(())
 }
 
@@ -1084,7 +1105,15 @@ async fn do_write(
     if flush {
         ns.flush().await.context("flush")?;
     }
-    summary(ctx, "write", ns, r.start_block, blocks, start.elapsed(), false);
+    summary(
+        ctx,
+        "write",
+        ns,
+        r.start_block,
+        blocks,
+        start.elapsed(),
+        false,
+    );
     Ok(())
 }
 

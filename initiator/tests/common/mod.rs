@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
-use nvmeof_initiator::{
-    ConnectOptions, HostIdentity, ReconnectPolicy, TargetAddr, Timeouts,
-};
+use nvmeof_initiator::{ConnectOptions, HostIdentity, ReconnectPolicy, TargetAddr, Timeouts};
 use nvmeof_target::config::TargetSettings;
 use nvmeof_target::{Config, RunningTarget, Target};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

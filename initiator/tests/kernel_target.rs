@@ -1,0 +1,246 @@
+//! The initiator against the Linux kernel's NVMe/TCP target (nvmet-tcp) running in the QEMU
+//! interop guest, exposed on a host port through QEMU's hostfwd.
+//!
+//! Runs only with `NVMEOF_INTEROP=1` and the guest prepared by `tests/interop/setup.sh`;
+//! otherwise it prints why it did nothing.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{host, pattern};
+use nvmeof_initiator::{
+    ConnectOptions, Controller, DiscoveryOptions, ReconnectPolicy, TargetAddr, Timeouts, discover,
+};
+
+const KNQN: &str = "nqn.2014-08.org.nvmexpress:nvmeof-direct-initiator-interop";
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn guest_sh() -> PathBuf {
+    workspace_root().join("tests/interop/guest.sh")
+}
+
+/// Stops the guest when dropped (also when a check panics).
+struct Guest {
+    pidfile: Option<String>,
+}
+
+impl Guest {
+    fn start(port: u16) -> Guest {
+        let script = workspace_root().join("tests/interop/guest-scripts/nvmet-target.sh");
+        let out = Command::new(guest_sh())
+            .args(["start", "--ready-marker", "NVMET-READY", "--timeout", "300"])
+            .arg("--hostfwd")
+            .arg(format!("{port}:4420"))
+            .arg("--env")
+            .arg(format!("NVMET_NQN={KNQN}"))
+            .args(["--env", "NVMET_NS_COUNT=1", "--env", "NVMET_NS_SIZE_MB=64"])
+            .args([
+                "--env",
+                "NVMET_MODEL=interop-nvmet",
+                "--env",
+                "NVMET_BACKEND=brd",
+            ])
+            .arg(script)
+            .output()
+            .expect("run guest.sh");
+        assert!(
+            out.status.success(),
+            "guest.sh start failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pidfile = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        Guest {
+            pidfile: Some(pidfile),
+        }
+    }
+
+    fn stop(&mut self) -> Option<i32> {
+        let pidfile = self.pidfile.take()?;
+        let st = Command::new(guest_sh())
+            .args(["stop", "--grace", "30", &pidfile])
+            .status()
+            .ok()?;
+        st.code()
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn options(port: u16) -> ConnectOptions {
+    let mut o = ConnectOptions::new(TargetAddr::new("127.0.0.1", port), KNQN, host());
+    o.io_queues = Some(2);
+    o.queue_depth = 32;
+    // The guest runs under emulation: be patient.
+    o.timeouts = Timeouts {
+        connect: Duration::from_secs(30),
+        admin: Duration::from_secs(30),
+        io: Duration::from_secs(60),
+        shutdown: Duration::from_secs(10),
+    };
+    o.reconnect = ReconnectPolicy {
+        ctrl_loss_timeout: Some(Duration::from_secs(60)),
+        ..ReconnectPolicy::default()
+    };
+    o
+}
+
+async fn verify_io(port: u16, hd: bool, dd: bool, max_transfer: Option<u32>, seed: u64) {
+    let mut o = options(port);
+    o.header_digest = hd;
+    o.data_digest = dd;
+    o.max_transfer = max_transfer;
+    let ctrl = Controller::connect(o).await.expect("connect to nvmet");
+    let info = ctrl.info();
+    eprintln!(
+        "  connected: cntlid {} model {:?} version {} queues {}x{} mdts {:?} max transfer {} in-capsule {} digests {hd}/{dd}",
+        info.cntlid,
+        info.model,
+        info.version,
+        info.io_queues,
+        info.queue_depth,
+        info.mdts_bytes,
+        info.max_transfer_bytes,
+        info.in_capsule_data_bytes
+    );
+    assert_eq!(info.subnqn, KNQN);
+    assert_eq!((info.header_digest, info.data_digest), (hd, dd));
+    assert!(info.io_queues >= 1);
+    let ns = ctrl.namespace(1).await.expect("namespace 1");
+    let bs = ns.block_size() as usize;
+    assert_eq!(ns.size_bytes(), 64 << 20);
+
+    // Small (in-capsule), medium and large (R2T, split) transfers, on every queue at once.
+    let mut tasks = Vec::new();
+    for q in 0..usize::from(info.io_queues) {
+        let ns = ns.on_queue(q);
+        tasks.push(tokio::spawn(async move {
+            let base = (q as u64) * 4096;
+            for (i, len) in [bs, 2 * bs, 64 * 1024, 1 << 20].into_iter().enumerate() {
+                let lba = base + (i as u64) * 1024;
+                let data = pattern(seed + q as u64, lba, len);
+                ns.write(lba, &data).await.expect("write");
+                let mut back = vec![0u8; len];
+                ns.read(lba, &mut back).await.expect("read");
+                assert!(back == data, "queue {q}: mismatch for {len} bytes at {lba}");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("I/O task");
+    }
+    ns.flush().await.expect("flush");
+    let stats = ctrl.queue_stats();
+    let ic: u64 = stats.iter().map(|s| s.in_capsule_writes).sum();
+    let r2t: u64 = stats.iter().map(|s| s.r2t_writes).sum();
+    eprintln!("  in-capsule writes {ic}, R2T writes {r2t}");
+    assert!(r2t > 0, "no write was large enough for R2T");
+    assert!(ic > 0, "no write travelled in the capsule");
+    // nvmet advertises Write Zeroes and Dataset Management, and answers "not supported"
+    // (SCT 1, SC 83h) when its backing device cannot do them.
+    let unsupported =
+        |e: &nvmeof_initiator::Error| e.status().is_some_and(|s| s.sct == 1 && s.sc == 0x83);
+    if info.write_zeroes {
+        match ns.write_zeroes(10, 4).await {
+            Ok(()) => {
+                let mut back = vec![0xFFu8; 4 * bs];
+                ns.read(10, &mut back).await.expect("read");
+                assert!(back.iter().all(|&b| b == 0), "write zeroes left data");
+                eprintln!("  write zeroes verified");
+            }
+            Err(e) if unsupported(&e) => eprintln!("  write zeroes: {e}"),
+            Err(e) => panic!("write zeroes: {e}"),
+        }
+    }
+    if info.dataset_management {
+        match ns.deallocate(2000, 8).await {
+            Ok(()) => eprintln!("  deallocate ok"),
+            Err(e) if unsupported(&e) => eprintln!("  deallocate: {e}"),
+            Err(e) => panic!("deallocate: {e}"),
+        }
+    }
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kernel_nvmet_tcp_target() {
+    if std::env::var("NVMEOF_INTEROP").as_deref() != Ok("1") {
+        eprintln!(
+            "skipped: set NVMEOF_INTEROP=1 (after running tests/interop/setup.sh) to run against the kernel target"
+        );
+        return;
+    }
+    let port = free_port();
+    let started = Instant::now();
+    let mut guest = tokio::task::spawn_blocking(move || Guest::start(port))
+        .await
+        .expect("guest start");
+    eprintln!(
+        "guest with nvmet-tcp up on 127.0.0.1:{port} after {:?}",
+        started.elapsed()
+    );
+
+    // Discovery (nvmet answers it on the same port).
+    let mut d = DiscoveryOptions::new(TargetAddr::new("127.0.0.1", port), host());
+    d.timeouts = options(port).timeouts;
+    let log = discover(&d).await.expect("discovery");
+    eprintln!(
+        "discovery: genctr {}, {} entries",
+        log.genctr,
+        log.entries.len()
+    );
+    let e = log
+        .entries
+        .iter()
+        .find(|e| e.subnqn == KNQN)
+        .expect("the subsystem is in the discovery log");
+    assert_eq!(e.trtype_name(), "tcp");
+    assert_eq!(e.trsvcid, "4420");
+
+    for (hd, dd) in [(false, false), (true, true), (true, false), (false, true)] {
+        eprintln!("digests header {hd} data {dd}:");
+        verify_io(port, hd, dd, None, 100 + u64::from(hd) * 2 + u64::from(dd)).await;
+    }
+    eprintln!("transfers above a 32 KiB per-command limit:");
+    verify_io(port, true, true, Some(32 * 1024), 200).await;
+
+    // Errors from the kernel carry the status.
+    let ctrl = Controller::connect(options(port)).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut buf = vec![0u8; ns.block_size() as usize];
+    let e = ns
+        .read(ns.num_blocks(), &mut buf)
+        .await
+        .expect_err("read past the end");
+    eprintln!("  read past the end: {e}");
+    // nvmet's answer depends on its backend (brd: Internal Error from the block layer); it
+    // must be an NVMe status, not a transport failure.
+    assert!(e.status().is_some(), "{e:?}");
+    let e = ctrl.namespace(77).await.expect_err("inactive namespace");
+    eprintln!("  namespace 77: {e}");
+    ctrl.disconnect().await.expect("disconnect");
+
+    let code = tokio::task::spawn_blocking(move || guest.stop())
+        .await
+        .expect("guest stop");
+    assert_eq!(code, Some(0), "the guest script failed");
+    eprintln!("kernel target interop passed in {:?}", started.elapsed());
+}
