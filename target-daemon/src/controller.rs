@@ -13,9 +13,9 @@ use blockdev::Backend;
 use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
-    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_OFFSET,
-    SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list, nidt,
-    put_ascii_padded, put_nul_padded,
+    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_KEYED,
+    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list,
+    nidt, put_ascii_padded, put_nul_padded,
 };
 use nvme_spec::log::{ErrorLogEntry, SmartLog, u128_le};
 use nvme_spec::status::{generic, specific};
@@ -92,6 +92,8 @@ pub struct Controller {
     /// Set when the controller is torn down; queues watch it.
     shutdown_tx: watch::Sender<bool>,
     torn_down: AtomicBool,
+    /// Set when the admin queue's transport takes keyed SGL data blocks (NVMe/RDMA).
+    keyed_sgls: AtomicBool,
     /// Completions produced outside the admin queue's request path (AERs).
     events_tx: mpsc::UnboundedSender<Cqe>,
 }
@@ -186,6 +188,7 @@ impl Controller {
             counters: IoCounters::default(),
             shutdown_tx,
             torn_down: AtomicBool::new(false),
+            keyed_sgls: AtomicBool::new(false),
             events_tx,
         };
         (Arc::new(ctrl), events_rx)
@@ -228,6 +231,12 @@ impl Controller {
             s.remove_controller(self.cntlid);
         }
         true
+    }
+
+    /// Records that the controller's transport takes keyed SGL data blocks (NVMe/RDMA), so
+    /// Identify Controller advertises them. Called once, before Connect completes.
+    pub fn set_keyed_sgls(&self) {
+        self.keyed_sgls.store(true, Ordering::Release);
     }
 
     /// Whether the controller has been torn down.
@@ -520,7 +529,13 @@ impl Controller {
         c.sqes = 0x66;
         c.cqes = 0x44;
         c.maxcmd.set(t.max_queue_depth);
-        c.sgls.set(SGLS_SUPPORTED | SGLS_OFFSET | SGLS_TRANSPORT);
+        // NVMe/TCP: transport SGL data blocks; NVMe/RDMA: keyed SGL data blocks. Both take
+        // in-capsule data through the offset form.
+        c.sgls.set(if self.keyed_sgls.load(Ordering::Acquire) {
+            SGLS_SUPPORTED | SGLS_OFFSET | SGLS_KEYED
+        } else {
+            SGLS_SUPPORTED | SGLS_OFFSET | SGLS_TRANSPORT
+        });
         c.ioccsz.set((t.in_capsule_data + 64) / 16);
         c.iorcsz.set(1);
         c.icdoff.set(0);

@@ -24,6 +24,7 @@ pub mod controller;
 pub mod discovery;
 pub mod io;
 pub mod queue;
+pub mod rdma;
 pub mod reactor;
 pub mod subsystem;
 pub mod target;

@@ -70,7 +70,15 @@ pub struct BoundListener {
     /// The address as bound (port resolved).
     pub addr: ListenAddr,
     /// The socket.
-    pub socket: StdTcpListener,
+    pub socket: ListenerSocket,
+}
+
+/// The endpoint of a bound listener.
+pub enum ListenerSocket {
+    /// An NVMe/TCP listening socket.
+    Tcp(StdTcpListener),
+    /// An NVMe/RDMA RDMA-CM listener.
+    Rdma(crate::rdma::RdmaListener),
 }
 
 impl Target {
@@ -109,17 +117,23 @@ impl Target {
             .map(|l| (l.address.clone(), false))
             .chain(cfg.discovery.listen.iter().map(|a| (a.clone(), true)));
         for (addr, discovery_only) in wanted {
-            if addr.transport == Transport::Rdma {
-                return Err(StartError::Transport {
+            let (socket, local) = if addr.transport == Transport::Rdma {
+                let l = crate::rdma::RdmaListener::bind(&addr).map_err(|reason| {
+                    StartError::Transport {
+                        addr: addr.to_string(),
+                        reason,
+                    }
+                })?;
+                let local = l.local_addr();
+                (ListenerSocket::Rdma(l), local)
+            } else {
+                let socket = bind(&addr)?;
+                let local = socket.local_addr().map_err(|source| StartError::Bind {
                     addr: addr.to_string(),
-                    reason: "the NVMe/RDMA transport is not available in this build".into(),
-                });
-            }
-            let socket = bind(&addr)?;
-            let local = socket.local_addr().map_err(|source| StartError::Bind {
-                addr: addr.to_string(),
-                source,
-            })?;
+                    source,
+                })?;
+                (ListenerSocket::Tcp(socket), local)
+            };
             let addr = ListenAddr {
                 transport: addr.transport,
                 addr: local,
@@ -257,9 +271,17 @@ impl RunningTarget {
         }
         let mut acceptors = Vec::new();
         let next = Arc::new(AtomicUsize::new(0));
+        let mut rdma = Vec::new();
         for l in listeners {
+            let socket = match l.socket {
+                ListenerSocket::Tcp(s) => s,
+                ListenerSocket::Rdma(r) => {
+                    rdma.push((l.addr, r));
+                    continue;
+                }
+            };
             let listener =
-                tokio::net::TcpListener::from_std(l.socket).map_err(|source| StartError::Bind {
+                tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
                     addr: l.addr.to_string(),
                     source,
                 })?;
@@ -294,6 +316,9 @@ impl RunningTarget {
                 }
             }));
         }
+        let (rdma_reactors, rdma_acceptors) = crate::rdma::start(&target, rdma)?;
+        reactors.extend(rdma_reactors);
+        acceptors.extend(rdma_acceptors);
         Ok(RunningTarget {
             target,
             reactors,

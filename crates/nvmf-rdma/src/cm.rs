@@ -21,8 +21,11 @@ pub(crate) struct EventChannel {
 }
 
 // SAFETY: librdmacm is thread safe; the channel is owned by one value and destroyed once. The
-// AsyncFd registration is created on the thread that polls it and is Send itself.
+// AsyncFd registration is Send itself.
 unsafe impl Send for EventChannel {}
+// SAFETY: the shared-reference methods (try_next, next) call rdma_get_cm_event and
+// rdma_ack_cm_event, which librdmacm serializes internally; AsyncFd is Sync.
+unsafe impl Sync for EventChannel {}
 
 /// A CM event copied out of librdmacm (the event itself is acknowledged at once).
 pub(crate) struct RawEvent {
@@ -149,6 +152,9 @@ pub(crate) struct CmId {
 
 // SAFETY: librdmacm identifiers may be used from any thread; ownership is unique.
 unsafe impl Send for CmId {}
+// SAFETY: shared-reference methods only read the identifier's fields or call thread-safe
+// librdmacm/libibverbs functions on it.
+unsafe impl Sync for CmId {}
 
 impl CmId {
     pub fn create(ch: &EventChannel) -> Result<Self, Error> {

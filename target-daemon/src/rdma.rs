@@ -1,0 +1,1000 @@
+//! The NVMe/RDMA transport (RoCE v2, InfiniBand, iWARP) on `nvmf-rdma`.
+//!
+//! An acceptor task per listener takes RDMA-CM connection requests, validates the NVMe
+//! private data (record format, queue ID, HSQSIZE, HRQSIZE, the host's IRD) and rejects bad
+//! ones with the matching NVMe reject status; good ones go to an RDMA reactor thread, which
+//! sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
+//! [`crate::tcp`]):
+//!
+//! - command capsules arrive by SEND into HSQSIZE + 1 pre-posted registered receive buffers
+//!   of 64 bytes plus the in-capsule data size (IOCCSZ); a buffer is posted again when its
+//!   command is answered, so a host never has more commands in the target than it may, and
+//!   with HRQSIZE >= HSQSIZE + 1 (checked at connect) the completions never overrun its
+//!   receive queue;
+//! - data of keyed SGL data blocks moves by RDMA READ (writes, Connect data) and RDMA WRITE
+//!   (reads, admin data) between the host's memory and registered pool buffers that the
+//!   backend then uses directly; in-capsule data comes through the offset SGL;
+//! - the completion goes back by SEND (SEND with invalidate when the host asked for its key
+//!   to be invalidated), exactly once per command: answering consumes the receive token.
+//!
+//! libibverbs and librdmacm are loaded only when an `rdma://` listener is configured; without
+//! them (or without an RDMA device) the listener fails to start with a clear error and
+//! NVMe/TCP is unaffected.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use blockdev::{AnyBackend, IoBuf};
+use futures_util::FutureExt;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use nvme_spec::queue::{SglDescriptor, sgl_subtype, sgl_type};
+use nvme_spec::rdma::reject;
+use nvme_spec::status::generic;
+use nvme_spec::{Cqe, Sqe, Status};
+use nvmf_rdma::nvme::{
+    QueueLimits, QueueRequest, accept_data, negotiate_ord, parse_request, reject_data,
+    reject_reason,
+};
+use nvmf_rdma::{
+    Access, CapsuleQueue, CmEvent, ConnectRequest, DataOut, Event, Listener, ProtectionDomain,
+    QueueConfig, RecvSlot, Registered, RemoteKey,
+};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, error, info, warn};
+
+use crate::config::ListenAddr;
+use crate::controller::{Controller, EventReceiver, QueueOrigin};
+use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
+use crate::target::{StartError, Target};
+
+/// Largest data a non-I/O command may bring (Connect carries 1 KiB).
+const MAX_ADMIN_DATA: usize = 64 * 1024;
+/// How long a closing connection waits for its in-flight work before it is torn down.
+const CLOSE_GRACE: Duration = Duration::from_secs(10);
+/// Pool buffers kept per connection, in bytes (registered memory is pinned).
+const POOL_BYTES: usize = 16 << 20;
+
+/// A bound RDMA-CM listener, not yet accepting.
+pub struct RdmaListener {
+    inner: Listener,
+}
+
+impl RdmaListener {
+    /// Loads the RDMA libraries and listens on `addr` (an address of an RDMA interface).
+    pub fn bind(addr: &ListenAddr) -> Result<RdmaListener, String> {
+        Listener::bind(addr.addr, 1024)
+            .map(|inner| RdmaListener { inner })
+            .map_err(|e| e.to_string())
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+}
+
+/// A validated connection request on its way to a reactor.
+struct Incoming {
+    req: ConnectRequest,
+    params: QueueRequest,
+    ord: u8,
+}
+
+/// Starts the RDMA reactor threads (as many as the target's reactors) and one acceptor task
+/// per listener on the current tokio runtime. Returns the thread and task handles, which end
+/// when the target shuts down.
+#[allow(clippy::type_complexity)]
+pub fn start(
+    target: &Arc<Target>,
+    listeners: Vec<(ListenAddr, RdmaListener)>,
+) -> Result<
+    (
+        Vec<std::thread::JoinHandle<()>>,
+        Vec<tokio::task::JoinHandle<()>>,
+    ),
+    StartError,
+> {
+    if listeners.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let n = match target.settings.reactors {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let mut senders = Vec::new();
+    let mut threads = Vec::new();
+    for i in 0..n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        senders.push(tx);
+        let t = Arc::clone(target);
+        let handle = std::thread::Builder::new()
+            .name(format!("nvmeof-rdma-{i}"))
+            .spawn(move || reactor(i, t, rx))
+            .map_err(StartError::Reactor)?;
+        threads.push(handle);
+    }
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for (addr, l) in listeners {
+        info!(listener = %addr, "listening");
+        let t = Arc::clone(target);
+        let senders = senders.clone();
+        let next = Arc::clone(&next);
+        tasks.push(tokio::spawn(accept_loop(t, addr, l.inner, senders, next)));
+    }
+    Ok((threads, tasks))
+}
+
+async fn accept_loop(
+    target: Arc<Target>,
+    addr: ListenAddr,
+    mut listener: Listener,
+    senders: Vec<mpsc::UnboundedSender<Incoming>>,
+    next: Arc<AtomicUsize>,
+) {
+    let mut shutdown = target.subscribe_shutdown();
+    loop {
+        tokio::select! {
+            r = listener.next_request() => match r {
+                Ok(req) => {
+                    if let Some(inc) = validate(&target, req) {
+                        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
+                        if let Err(mpsc::error::SendError(inc)) = senders[i].send(inc) {
+                            let _ = inc.req.reject(&reject_data(reject::NO_RESOURCES));
+                            break;
+                        }
+                    }
+                }
+                Err(e) => {
+                    error!(listener = %addr, error = %e, "RDMA listener failed");
+                    if matches!(e, nvmf_rdma::Error::Cm(_)) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = shutdown.changed() => break,
+        }
+    }
+}
+
+/// The limits of NVMe/RDMA queues on this target.
+fn limits(target: &Target) -> QueueLimits {
+    let s = &target.settings;
+    QueueLimits {
+        max_admin_depth: s.max_queue_depth,
+        max_io_depth: s.max_queue_depth,
+        max_qid: s.max_io_queues,
+    }
+}
+
+/// Checks a connection request; rejects it (and returns None) when it cannot be served.
+fn validate(target: &Target, req: ConnectRequest) -> Option<Incoming> {
+    let peer = req.peer;
+    let refuse = |req: ConnectRequest, code: u16, detail: String| {
+        info!(%peer, status = code, reason = reject_reason(code), %detail, "NVMe/RDMA connection rejected");
+        if let Err(e) = req.reject(&reject_data(code)) {
+            debug!(%peer, error = %e, "cannot send the reject");
+        }
+        None
+    };
+    if target.is_shutting_down() {
+        return refuse(req, reject::NO_RESOURCES, "target shutting down".into());
+    }
+    let params = match parse_request(&req.private_data, &limits(target)) {
+        Ok(p) => p,
+        Err(code) => {
+            let detail = format!("{} bytes of private data", req.private_data.len());
+            return refuse(req, code, detail);
+        }
+    };
+    let attr = match req.device_attr() {
+        Ok(a) => a,
+        Err(e) => return refuse(req, reject::NO_RESOURCES, e.to_string()),
+    };
+    if attr.max_qp_wr > 0 && u32::from(params.depth) > attr.max_qp_wr {
+        let detail = format!("device queues hold {} entries", attr.max_qp_wr);
+        return refuse(req, reject::INVALID_HSQSIZE, detail);
+    }
+    let ord = match negotiate_ord(req.initiator_depth, attr.max_qp_init_rd_atom) {
+        Ok(o) => o,
+        Err(code) => return refuse(req, code, "host allows no RDMA READ".into()),
+    };
+    debug!(
+        %peer,
+        qid = params.qid,
+        depth = params.depth,
+        host_recv = params.host_recv,
+        ord,
+        "NVMe/RDMA connection request"
+    );
+    Some(Incoming { req, params, ord })
+}
+
+/// An RDMA reactor: a current-thread runtime owning the connections handed to it.
+fn reactor(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Incoming>) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            error!(reactor = index, error = %e, "cannot start RDMA reactor runtime");
+            return;
+        }
+    };
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
+        while let Some(inc) = rx.recv().await {
+            tokio::task::spawn_local(serve(Arc::clone(&target), inc));
+        }
+    });
+    rt.block_on(local);
+}
+
+/// Why a connection ended.
+#[derive(Debug)]
+enum Closed {
+    /// The host disconnected.
+    Disconnected,
+    /// The queue pair or connection failed.
+    Transport(String),
+    /// The host broke the protocol.
+    Protocol(String),
+    /// Disconnect command, controller teardown or target shutdown.
+    Local(&'static str),
+}
+
+type IoFuture = Pin<Box<dyn Future<Output = Done>>>;
+
+/// A finished backend request.
+struct Done {
+    token: u32,
+    req: IoRequest,
+    status: Status,
+    buf: IoBuf,
+}
+
+/// A command between its arrival and its answer.
+struct Cmd {
+    slot: RecvSlot,
+    sqe: Sqe,
+    stage: Stage,
+}
+
+enum Stage {
+    /// Fetching the data of an admin or fabrics command before submitting it.
+    AdminData,
+    /// Fetching the data of a write (or Dataset Management) before running it.
+    HostData(IoRequest),
+    /// Running on the backend; the registration of its buffer waits here.
+    Running(Option<nvmf_rdma::Registration>),
+}
+
+/// Registered I/O buffers by power-of-two size class.
+struct RegPool {
+    classes: HashMap<usize, Vec<Registered<IoBuf>>>,
+}
+
+impl RegPool {
+    fn get(
+        &mut self,
+        pd: &Arc<ProtectionDomain>,
+        len: usize,
+    ) -> Result<Registered<IoBuf>, nvmf_rdma::Error> {
+        let class = len.max(blockdev::IO_ALIGN).next_power_of_two();
+        let mut buf = match self.classes.get_mut(&class).and_then(|v| v.pop()) {
+            Some(b) => b,
+            None => pd.register(IoBuf::new(class), Access::LOCAL_WRITE)?,
+        };
+        buf.set_len(len)
+            .map_err(|e| nvmf_rdma::Error::Invalid(e.to_string()))?;
+        Ok(buf)
+    }
+
+    fn put(&mut self, buf: Registered<IoBuf>) {
+        let class = buf.capacity();
+        if !class.is_power_of_two() {
+            return;
+        }
+        let keep = (POOL_BYTES / class).clamp(2, 32);
+        let list = self.classes.entry(class).or_default();
+        if list.len() < keep {
+            list.push(buf);
+        }
+    }
+}
+
+struct Conn {
+    q: CapsuleQueue<IoBuf>,
+    state: QueueState,
+    pool: RegPool,
+    inflight: FuturesUnordered<IoFuture>,
+    cmds: Vec<Option<Cmd>>,
+    free_tokens: Vec<u32>,
+    held: HashMap<u16, Cmd>,
+    events: Option<EventReceiver>,
+    ctrl_shutdown: Option<watch::Receiver<bool>>,
+    target_shutdown: watch::Receiver<bool>,
+    closing: Option<Closed>,
+}
+
+async fn serve(target: Arc<Target>, inc: Incoming) {
+    let Incoming { req, params, ord } = inc;
+    let (local, peer) = (req.local, req.peer);
+    let in_capsule = (target.settings.in_capsule_data as usize).max(8192);
+    let cfg = QueueConfig::target(params.depth, in_capsule, ord);
+    let q = match CapsuleQueue::accept(
+        req,
+        cfg,
+        &accept_data(params.depth),
+        &reject_data(reject::NO_RESOURCES),
+    ) {
+        Ok(q) => q,
+        Err(e) => {
+            warn!(%peer, error = %e, "cannot set up NVMe/RDMA queue pair: rejected");
+            return;
+        }
+    };
+    target.connection_opened();
+    debug!(%peer, %local, qid = params.qid, depth = params.depth, "NVMe/RDMA queue pair accepted");
+    let state = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
+        .with_host_sgl(HostSgl::Keyed);
+    let mut conn = Conn {
+        q,
+        state,
+        pool: RegPool {
+            classes: HashMap::new(),
+        },
+        inflight: FuturesUnordered::new(),
+        cmds: Vec::new(),
+        free_tokens: Vec::new(),
+        held: HashMap::new(),
+        events: None,
+        ctrl_shutdown: None,
+        target_shutdown: target.subscribe_shutdown(),
+        closing: None,
+    };
+    let reason = conn.run().await;
+    conn.finish(reason, peer);
+    drop(conn);
+    target.connection_closed();
+}
+
+async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
+    match rx {
+        Some(rx) => {
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn is_sync(backend: &AnyBackend) -> bool {
+    matches!(backend, AnyBackend::Memory(_) | AnyBackend::Null(_))
+}
+
+/// The host memory a keyed SGL data block names, if the descriptor is one.
+fn keyed_remote(sgl: &SglDescriptor) -> Option<RemoteKey> {
+    let keyed = sgl.desc_type() == sgl_type::KEYED_DATA_BLOCK
+        && matches!(
+            sgl.subtype(),
+            sgl_subtype::ADDRESS | sgl_subtype::INVALIDATE
+        );
+    keyed.then(|| RemoteKey {
+        addr: sgl.address.get(),
+        len: sgl.keyed_length(),
+        rkey: sgl.key(),
+    })
+}
+
+/// The key to invalidate with the completion, when the host asked for it.
+fn invalidate_key(sgl: &SglDescriptor) -> Option<u32> {
+    (sgl.desc_type() == sgl_type::KEYED_DATA_BLOCK
+        && sgl.subtype() == sgl_subtype::INVALIDATE
+        && sgl.keyed_length() > 0)
+        .then(|| sgl.key())
+}
+
+impl Conn {
+    async fn run(&mut self) -> Closed {
+        let mut evs = Vec::new();
+        let mut close_deadline: Option<Instant> = None;
+        loop {
+            if let Err(e) = self.q.poll(&mut evs) {
+                return Closed::Transport(e.to_string());
+            }
+            for ev in evs.drain(..) {
+                self.on_event(ev);
+            }
+            if self.closing.is_none() {
+                if let Some(f) = self.q.failed() {
+                    self.closing = Some(Closed::Transport(f.to_string()));
+                }
+            }
+            if let Some(reason) = self.closing.take() {
+                let deadline = *close_deadline.get_or_insert_with(|| Instant::now() + CLOSE_GRACE);
+                let idle =
+                    self.inflight.is_empty() && (self.q.is_idle() || self.q.failed().is_some());
+                if idle || (Instant::now() >= deadline && self.inflight.is_empty()) {
+                    return reason;
+                }
+                self.closing = Some(reason);
+            }
+            let ka_deadline = self
+                .state
+                .ctrl
+                .as_ref()
+                .filter(|_| self.state.qid == 0)
+                .and_then(|c| c.keep_alive_deadline());
+            tokio::select! {
+                biased;
+                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.complete(done),
+                r = self.q.wait() => {
+                    if let Err(e) = r {
+                        return Closed::Transport(e.to_string());
+                    }
+                }
+                ev = self.q.cm_event() => match ev {
+                    Ok(CmEvent::Established) => debug!(peer = %self.state.origin.peer, "NVMe/RDMA connection established"),
+                    Ok(CmEvent::Disconnected) => {
+                        if self.closing.is_none() {
+                            self.closing = Some(Closed::Disconnected);
+                        }
+                    }
+                    Ok(CmEvent::Other(what)) => debug!(peer = %self.state.origin.peer, event = %what, "RDMA-CM event"),
+                    Ok(other) => {
+                        if self.closing.is_none() {
+                            self.closing = Some(Closed::Transport(format!("{other:?}")));
+                        }
+                    }
+                    Err(e) => {
+                        if self.closing.is_none() {
+                            self.closing = Some(Closed::Transport(e.to_string()));
+                        }
+                    }
+                },
+                Some(cqe) = next_event(&mut self.events) => self.respond_held(cqe),
+                _ = changed(&mut self.ctrl_shutdown) => {
+                    if self.closing.is_none() {
+                        self.closing = Some(Closed::Local("controller torn down"));
+                    }
+                    self.ctrl_shutdown = None;
+                }
+                _ = self.target_shutdown.changed() => {
+                    if self.closing.is_none() {
+                        self.closing = Some(Closed::Local("target shutting down"));
+                    }
+                }
+                _ = sleep_until(ka_deadline), if ka_deadline.is_some() => {
+                    if let Some(ctrl) = &self.state.ctrl {
+                        if ctrl.keep_alive_deadline().is_some_and(|d| d <= Instant::now()) {
+                            warn!(
+                                cntlid = ctrl.cntlid,
+                                hostnqn = %ctrl.hostnqn,
+                                peer = %self.state.origin.peer,
+                                "keep alive timeout expired: tearing the controller down"
+                            );
+                            ctrl.tear_down();
+                            self.closing = Some(Closed::Local("keep alive timeout"));
+                        }
+                    }
+                }
+                _ = sleep_until(close_deadline), if close_deadline.is_some() => {}
+            }
+        }
+    }
+
+    fn alloc_token(&mut self, cmd: Cmd) -> u32 {
+        if let Some(t) = self.free_tokens.pop() {
+            self.cmds[t as usize] = Some(cmd);
+            t
+        } else {
+            self.cmds.push(Some(cmd));
+            (self.cmds.len() - 1) as u32
+        }
+    }
+
+    fn take_cmd(&mut self, token: u32) -> Option<Cmd> {
+        let c = self.cmds.get_mut(token as usize)?.take()?;
+        self.free_tokens.push(token);
+        Some(c)
+    }
+
+    fn on_event(&mut self, ev: Event<IoBuf>) {
+        match ev {
+            Event::Received(slot) => {
+                if self.closing.is_some() {
+                    // No new work once closing; the slot goes with the queue.
+                    return;
+                }
+                self.on_command(slot);
+            }
+            Event::Sent { data, ok, .. } => {
+                if let Some(b) = data {
+                    self.pool.put(b);
+                }
+                if !ok && self.closing.is_none() {
+                    self.closing = Some(Closed::Transport(
+                        self.q.failed().unwrap_or("send failed").to_string(),
+                    ));
+                }
+            }
+            Event::ReadDone { token, buf, ok } => self.read_done(token as u32, buf, ok),
+        }
+    }
+
+    fn on_command(&mut self, slot: RecvSlot) {
+        let msg = self.q.message(&slot);
+        if msg.len() < 64 {
+            let why = format!("capsule of {} bytes", msg.len());
+            self.closing = Some(Closed::Protocol(why));
+            return;
+        }
+        let mut raw = [0u8; 64];
+        raw.copy_from_slice(&msg[..64]);
+        let sqe = Sqe::from_array(&raw);
+        if self.state.wants_data_at_submit(&sqe) {
+            if let Some(remote) = keyed_remote(&sqe.dptr).filter(|r| r.len > 0) {
+                let len = remote.len as usize;
+                if len <= MAX_ADMIN_DATA {
+                    let pd = Arc::clone(self.q.pd());
+                    match self.pool.get(&pd, len) {
+                        Ok(buf) => {
+                            let token = self.alloc_token(Cmd {
+                                slot,
+                                sqe,
+                                stage: Stage::AdminData,
+                            });
+                            if let Err((e, buf)) = self.q.read(buf, len, remote, u64::from(token)) {
+                                debug!(error = %e, "cannot fetch command data");
+                                self.pool.put(buf);
+                                if let Some(cmd) = self.take_cmd(token) {
+                                    self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                                }
+                            }
+                            return;
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "cannot register a buffer for command data");
+                            let cmd = Cmd {
+                                slot,
+                                sqe,
+                                stage: Stage::AdminData,
+                            };
+                            self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                            return;
+                        }
+                    }
+                }
+                // Longer than any such command needs: submit without it (the command layer
+                // answers with the right status).
+            }
+        }
+        let icd = &msg[64..];
+        let submit = self.state.submit(&sqe, icd);
+        let needs_icd = matches!(
+            &submit,
+            Submit::Io(req) if matches!(
+                req.op,
+                IoOp::Write { src: DataSource::InCapsule, .. } | IoOp::Dsm { src: DataSource::InCapsule, .. }
+            )
+        );
+        let icd_buf = if needs_icd {
+            let pd = Arc::clone(self.q.pd());
+            let icd_len = icd.len();
+            match self.pool.get(&pd, icd_len) {
+                Ok(mut b) => {
+                    let msg = self.q.message(&slot);
+                    b.bytes_mut()[..icd_len].copy_from_slice(&msg[64..64 + icd_len]);
+                    Some(b)
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot register a buffer for in-capsule data");
+                    let status = Status::generic(generic::INTERNAL_ERROR);
+                    self.state.record_error(&sqe, status, 0);
+                    let cqe = self.state.completion(sqe.cid(), status, 0);
+                    self.respond(slot, &sqe, cqe, None);
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        self.dispatch(slot, sqe, submit, icd_buf);
+    }
+
+    fn dispatch(
+        &mut self,
+        slot: RecvSlot,
+        sqe: Sqe,
+        submit: Submit,
+        icd: Option<Registered<IoBuf>>,
+    ) {
+        match submit {
+            Submit::Complete(cqe) => self.respond(slot, &sqe, cqe, None),
+            Submit::CompleteWithData(data, cqe) => self.respond_with_data(slot, &sqe, cqe, &data),
+            Submit::CompleteAndClose(cqe) => {
+                self.respond(slot, &sqe, cqe, None);
+                self.closing = Some(Closed::Local("host disconnected the queue"));
+            }
+            Submit::Held => {
+                let cid = sqe.cid();
+                if let Some(old) = self.held.insert(
+                    cid,
+                    Cmd {
+                        slot,
+                        sqe,
+                        stage: Stage::Running(None),
+                    },
+                ) {
+                    // A held command reusing the CID of another: answer the older one.
+                    let st = Status::generic(generic::COMMAND_ID_CONFLICT).with_dnr();
+                    self.fail_cmd(old, st);
+                }
+            }
+            Submit::Io(req) => {
+                self.connected_hook();
+                let host_len = req.op.host_data_len();
+                if host_len > 0 {
+                    // queue.rs accepted a keyed descriptor of exactly this length.
+                    let Some(remote) = keyed_remote(&sqe.dptr) else {
+                        let cmd = Cmd {
+                            slot,
+                            sqe,
+                            stage: Stage::Running(None),
+                        };
+                        self.fail_cmd(cmd, Status::generic(generic::SGL_TYPE_INVALID).with_dnr());
+                        return;
+                    };
+                    let pd = Arc::clone(self.q.pd());
+                    let buf = match self.pool.get(&pd, host_len) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            warn!(error = %e, "cannot register a buffer for write data");
+                            let cmd = Cmd {
+                                slot,
+                                sqe,
+                                stage: Stage::Running(None),
+                            };
+                            self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                            return;
+                        }
+                    };
+                    let token = self.alloc_token(Cmd {
+                        slot,
+                        sqe,
+                        stage: Stage::HostData(req),
+                    });
+                    if let Err((e, buf)) = self.q.read(buf, host_len, remote, u64::from(token)) {
+                        debug!(error = %e, "cannot fetch write data");
+                        self.pool.put(buf);
+                        if let Some(cmd) = self.take_cmd(token) {
+                            self.fail_cmd(
+                                cmd,
+                                Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+                            );
+                        }
+                    }
+                    return;
+                }
+                let buf = match (icd, req.op) {
+                    (Some(b), _) => Some(b),
+                    (None, IoOp::Read { len, .. }) => {
+                        let pd = Arc::clone(self.q.pd());
+                        match self.pool.get(&pd, len) {
+                            Ok(b) => Some(b),
+                            Err(e) => {
+                                warn!(error = %e, "cannot register a buffer for read data");
+                                let cmd = Cmd {
+                                    slot,
+                                    sqe,
+                                    stage: Stage::Running(None),
+                                };
+                                self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                                return;
+                            }
+                        }
+                    }
+                    (None, _) => None,
+                };
+                self.start(slot, sqe, req, buf);
+            }
+        }
+        self.connected_hook();
+    }
+
+    /// After a successful Connect: watch the controller and, on an admin queue, its events.
+    fn connected_hook(&mut self) {
+        if self.ctrl_shutdown.is_none() {
+            if let Some(ctrl) = &self.state.ctrl {
+                self.ctrl_shutdown = Some(ctrl.subscribe_shutdown());
+                if self.events.is_none() {
+                    self.events = self.state.events.take();
+                }
+            }
+        }
+    }
+
+    fn read_done(&mut self, token: u32, buf: Registered<IoBuf>, ok: bool) {
+        let Some(cmd) = self.take_cmd(token) else {
+            self.pool.put(buf);
+            return;
+        };
+        if !ok {
+            // The queue pair is in the error state: nothing more can be sent.
+            self.pool.put(buf);
+            if self.closing.is_none() {
+                let why = self.q.failed().unwrap_or("RDMA READ failed").to_string();
+                self.closing = Some(Closed::Transport(why));
+            }
+            drop(cmd.slot);
+            return;
+        }
+        let Cmd { slot, sqe, stage } = cmd;
+        match stage {
+            Stage::AdminData => {
+                let submit = self.state.submit(&sqe, &buf.get()[..]);
+                self.pool.put(buf);
+                self.dispatch(slot, sqe, submit, None);
+            }
+            Stage::HostData(req) => self.start(slot, sqe, req, Some(buf)),
+            Stage::Running(_) => {
+                self.pool.put(buf);
+                drop(slot);
+            }
+        }
+    }
+
+    /// Runs a request: inline for memory and null namespaces, as a future otherwise.
+    fn start(&mut self, slot: RecvSlot, sqe: Sqe, req: IoRequest, buf: Option<Registered<IoBuf>>) {
+        let Some(ctrl) = self.state.ctrl.clone() else {
+            let cmd = Cmd {
+                slot,
+                sqe,
+                stage: Stage::Running(None),
+            };
+            self.fail_cmd(
+                cmd,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            );
+            return;
+        };
+        let (iobuf, reg) = match buf {
+            Some(b) => {
+                let (b, r) = b.detach();
+                (b, Some(r))
+            }
+            None => (IoBuf::new(0), None),
+        };
+        let token = self.alloc_token(Cmd {
+            slot,
+            sqe,
+            stage: Stage::Running(reg),
+        });
+        let inline = req.ns.as_ref().is_some_and(|ns| is_sync(&ns.backend));
+        if inline {
+            let done = match crate::io::execute(&ctrl, &req, iobuf).now_or_never() {
+                Some((status, buf)) => Done {
+                    token,
+                    req,
+                    status,
+                    buf,
+                },
+                None => Done {
+                    token,
+                    req,
+                    status: Status::generic(generic::INTERNAL_ERROR),
+                    buf: IoBuf::new(0),
+                },
+            };
+            self.complete(done);
+        } else {
+            self.inflight
+                .push(Box::pin(run_io(ctrl, token, req, iobuf)));
+        }
+    }
+
+    fn complete(&mut self, done: Done) {
+        let Done {
+            token,
+            req,
+            status,
+            buf,
+        } = done;
+        let Some(cmd) = self.take_cmd(token) else {
+            return;
+        };
+        let Cmd { slot, sqe, stage } = cmd;
+        let reg = match stage {
+            Stage::Running(r) => r,
+            _ => None,
+        };
+        // Join the buffer with its registration again (the backend hands back the same one).
+        let rbuf = match reg.map(|r| r.attach(buf)) {
+            Some(Ok(b)) => Some(b),
+            Some(Err((_, b))) if matches!(req.op, IoOp::Read { .. }) => {
+                let pd = Arc::clone(self.q.pd());
+                pd.register(b, Access::LOCAL_WRITE).ok()
+            }
+            _ => None,
+        };
+        if !status.is_success() {
+            let lba = match req.op {
+                IoOp::Read { lba, .. }
+                | IoOp::Write { lba, .. }
+                | IoOp::WriteZeroes { lba, .. } => lba,
+                _ => 0,
+            };
+            self.state.record_error(&sqe, status, lba);
+        }
+        let cqe = self.state.completion(req.cid, status, 0);
+        match (status.is_success(), req.op, rbuf) {
+            (true, IoOp::Read { len, .. }, Some(b)) => match keyed_remote(&sqe.dptr) {
+                Some(remote) => self.respond(
+                    slot,
+                    &sqe,
+                    cqe,
+                    Some(DataOut {
+                        buf: b,
+                        len,
+                        remote,
+                    }),
+                ),
+                None => {
+                    self.pool.put(b);
+                    let st = Status::generic(generic::SGL_TYPE_INVALID).with_dnr();
+                    let cqe = self.state.completion(req.cid, st, 0);
+                    self.respond(slot, &sqe, cqe, None);
+                }
+            },
+            (true, IoOp::Read { .. }, None) => {
+                let st = Status::generic(generic::INTERNAL_ERROR);
+                let cqe = self.state.completion(req.cid, st, 0);
+                self.respond(slot, &sqe, cqe, None);
+            }
+            (_, _, b) => {
+                if let Some(b) = b {
+                    self.pool.put(b);
+                }
+                self.respond(slot, &sqe, cqe, None);
+            }
+        }
+    }
+
+    /// Answers a command with an error status (no data).
+    fn fail_cmd(&mut self, cmd: Cmd, status: Status) {
+        self.state.record_error(&cmd.sqe, status, 0);
+        let cqe = self.state.completion(cmd.sqe.cid(), status, 0);
+        self.respond(cmd.slot, &cmd.sqe, cqe, None);
+    }
+
+    /// Sends admin data (Identify, log pages...) to the host's keyed buffer, then the
+    /// completion.
+    fn respond_with_data(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: &[u8]) {
+        if data.is_empty() {
+            self.respond(slot, sqe, cqe, None);
+            return;
+        }
+        let Some(remote) = keyed_remote(&sqe.dptr).filter(|r| r.len as usize >= data.len()) else {
+            let st = Status::generic(generic::SGL_TYPE_INVALID).with_dnr();
+            self.state.record_error(sqe, st, 0);
+            let cqe = self.state.completion(sqe.cid(), st, 0);
+            self.respond(slot, sqe, cqe, None);
+            return;
+        };
+        let pd = Arc::clone(self.q.pd());
+        match self.pool.get(&pd, data.len()) {
+            Ok(mut b) => {
+                b.bytes_mut()[..data.len()].copy_from_slice(data);
+                let out = DataOut {
+                    buf: b,
+                    len: data.len(),
+                    remote,
+                };
+                self.respond(slot, sqe, cqe, Some(out));
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot register a buffer for command data");
+                let st = Status::generic(generic::INTERNAL_ERROR);
+                let cqe = self.state.completion(sqe.cid(), st, 0);
+                self.respond(slot, sqe, cqe, None);
+            }
+        }
+    }
+
+    /// The one place a completion leaves: re-posts the command's receive buffer, writes the
+    /// data if any, and sends the CQE.
+    fn respond(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: Option<DataOut<IoBuf>>) {
+        let invalidate = invalidate_key(&sqe.dptr);
+        if let Err(e) = self.q.respond(
+            slot,
+            &cqe.to_array(),
+            data,
+            invalidate,
+            u64::from(cqe.cid()),
+        ) {
+            debug!(error = %e, cid = cqe.cid(), "cannot send the completion");
+            if self.closing.is_none() {
+                self.closing = Some(Closed::Transport(e.to_string()));
+            }
+        }
+    }
+
+    /// Completes a held command (Asynchronous Event Request) with an event's CQE.
+    fn respond_held(&mut self, cqe: Cqe) {
+        match self.held.remove(&cqe.cid()) {
+            Some(cmd) => self.respond(cmd.slot, &cmd.sqe, cqe, None),
+            None => debug!(cid = cqe.cid(), "event for a command that is not held"),
+        }
+    }
+
+    fn finish(&mut self, reason: Closed, peer: SocketAddr) {
+        let ctrl: Option<Arc<Controller>> = self.state.ctrl.clone();
+        let Some(ctrl) = ctrl else {
+            match &reason {
+                Closed::Protocol(r) => {
+                    warn!(%peer, reason = %r, "NVMe/RDMA connection closed: protocol error")
+                }
+                Closed::Disconnected | Closed::Local(_) => {
+                    debug!(%peer, "NVMe/RDMA connection closed before Connect")
+                }
+                other => {
+                    info!(%peer, reason = ?other, "NVMe/RDMA connection closed before Connect")
+                }
+            }
+            return;
+        };
+        let admin = self.state.qid == 0;
+        let why = match &reason {
+            Closed::Disconnected => "host disconnected".to_string(),
+            Closed::Transport(e) => format!("transport error: {e}"),
+            Closed::Protocol(r) => format!("protocol error: {r}"),
+            Closed::Local(r) => (*r).to_string(),
+        };
+        let error = matches!(reason, Closed::Transport(_) | Closed::Protocol(_));
+        if admin {
+            ctrl.tear_down();
+            if error {
+                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, transport = "rdma", "controller disconnected");
+            } else {
+                info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, transport = "rdma", "controller disconnected");
+            }
+        } else if error {
+            warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.state.qid, reason = %why, "I/O queue closed");
+        } else {
+            debug!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.state.qid, reason = %why, "I/O queue closed");
+        }
+    }
+}
+
+async fn run_io(ctrl: Arc<Controller>, token: u32, req: IoRequest, buf: IoBuf) -> Done {
+    let (status, buf) = crate::io::execute(&ctrl, &req, buf).await;
+    Done {
+        token,
+        req,
+        status,
+        buf,
+    }
+}
