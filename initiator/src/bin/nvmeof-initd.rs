@@ -50,8 +50,8 @@ struct Args {
     /// root, else ~/.local/state/nvmeof).
     #[arg(long, env = "NVMEOF_STATE_DIR", value_name = "DIR")]
     state_dir: Option<PathBuf>,
-    /// Group allowed to use the socket (besides root).
-    #[arg(long, value_name = "GROUP")]
+    /// Group allowed to use the socket (besides root); a name or a numeric ID.
+    #[arg(long, env = "NVMEOF_INITD_GROUP", value_name = "GROUP")]
     group: Option<String>,
     /// Log format.
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
