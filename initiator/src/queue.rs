@@ -885,7 +885,10 @@ impl Task {
                 if self.core.failed.is_some() {
                     return;
                 }
-                self.live = None;
+                if self.live.take().is_some() {
+                    let reason = Error::lost(&self.core.addr, "connection replaced");
+                    self.core.connection_lost(&reason);
+                }
                 let mut live = *live;
                 self.generation = generation;
                 bump(&self.core.shared.counters.connections, 1);

@@ -64,6 +64,56 @@ async fn reconnects_after_the_target_restarts() {
     t2.shutdown().await;
 }
 
+/// The target goes down with a write and a read in flight (a proxy holds them back so they are
+/// surely in flight), and comes back on the same port: the write fails with `Interrupted`,
+/// the read completes after the reconnect with the data written before the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_restart_with_io_in_flight() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = file_backend(dir.path());
+    let mut t = TestTarget::start(&[&spec], |_| {});
+    let target_addr = t.addr;
+    let proxy = Proxy::start(target_addr).await;
+    let mut o = options(proxy.target_addr());
+    o.io_queues = Some(1);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = pattern(31, 0, 128 * 1024);
+    ns.write(0, &data).await.expect("write");
+    ns.flush().await.expect("flush");
+
+    proxy.set_mode(Mode::Blackhole);
+    let writer = {
+        let ns = ns.clone();
+        tokio::spawn(async move { ns.write(500, &pattern(32, 0, 64 * 1024)).await })
+    };
+    let reader = {
+        let ns = ns.clone();
+        tokio::spawn(async move {
+            let mut back = vec![0u8; 128 * 1024];
+            ns.read(0, &mut back).await.map(|()| back)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer.is_finished() && !reader.is_finished());
+    t.shutdown().await;
+    proxy.set_mode(Mode::Forward);
+    proxy.kill_all();
+    match writer.await.expect("task") {
+        Err(Error::Interrupted { command, .. }) => assert_eq!(command, "Write"),
+        other => panic!("expected an interrupted write, got {other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!reader.is_finished(), "the read waits for the target");
+    let mut t2 = TestTarget::start_on(target_addr, &[&spec], |_| {});
+    let back = reader.await.expect("task").expect("read after the restart");
+    assert!(back == data);
+    wait_connected(&ctrl).await;
+    assert!(ctrl.reconnects() >= 1);
+    ctrl.disconnect().await.expect("disconnect");
+    t2.shutdown().await;
+}
+
 /// A write in flight when the connection is lost fails with `Interrupted`; a read in flight is
 /// sent again on the new connection and succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
