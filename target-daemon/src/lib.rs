@@ -8,6 +8,8 @@
 //! Layers, from the wire inwards:
 //! - [`tcp`]: one task per connection on a reactor thread; bytes become PDUs through the
 //!   sans-IO `nvmf-tcp` engine; data moves by C2HData and R2T/H2CData.
+//! - [`rdma`]: NVMe/RDMA on `nvmf-rdma` (libibverbs/librdmacm loaded at run time): capsules by
+//!   SEND/RECV, data by RDMA READ/WRITE of the host's keyed buffers.
 //! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
 //!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the

@@ -998,3 +998,224 @@ async fn run_io(ctrl: Arc<Controller>, token: u32, req: IoRequest, buf: IoBuf) -
         buf,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::command::build;
+    use nvme_spec::fabrics::{Cc, ConnectData, property};
+    use nvme_spec::identify::{IdentifyController, SGLS_KEYED, SGLS_TRANSPORT};
+    use nvme_spec::{FabricsCommand, FromBytes, IntoBytes};
+
+    use super::*;
+    use crate::config::Config;
+
+    const NQN: &str = "nqn.2026-11.io.nvmeof-direct:rdma-unit";
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000aa";
+
+    fn target() -> Arc<Target> {
+        let cfg = Config::quick(
+            &["tcp://127.0.0.1:0".parse().unwrap()],
+            NQN,
+            &["mem:4M".parse().unwrap()],
+            true,
+            &[],
+        )
+        .unwrap();
+        Target::build(&cfg).unwrap().0
+    }
+
+    fn origin() -> QueueOrigin {
+        QueueOrigin {
+            local: SocketAddr::from(([10, 0, 2, 15], 4420)),
+            peer: SocketAddr::from(([10, 0, 2, 15], 40000)),
+        }
+    }
+
+    fn connect_sqe(qid: u16, keyed: bool) -> Sqe {
+        let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
+            recfmt: 0,
+            qid,
+            sqsize: 32,
+            cattr: 0,
+            kato_ms: 0,
+        })
+        .encode(0);
+        sqe.dptr = if keyed {
+            SglDescriptor::keyed(0x1000, 1024, 0x1234, true)
+        } else {
+            SglDescriptor::in_capsule(1024)
+        };
+        sqe
+    }
+
+    fn status(s: Submit) -> Status {
+        match s {
+            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => {
+                c.status()
+            }
+            Submit::Held => panic!("held"),
+            Submit::Io(_) => Status::SUCCESS,
+        }
+    }
+
+    /// Connects an admin queue (Connect data fetched by RDMA READ, as the Linux host sends
+    /// it), enables the controller, grants queues, and connects I/O queue 1 with in-capsule
+    /// Connect data.
+    fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState) {
+        let mut admin = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
+        let sqe = connect_sqe(0, host_sgl == HostSgl::Keyed);
+        let data = ConnectData::new([7; 16], 0xFFFF, NQN, HOST);
+        assert!(
+            admin.wants_data_at_submit(&sqe),
+            "Connect data is read at submit"
+        );
+        assert_eq!(status(admin.submit(&sqe, data.as_bytes())), Status::SUCCESS);
+        let ctrl = admin.ctrl.clone().unwrap();
+        let cc = FabricsCommand::PropertySet {
+            size8: false,
+            offset: property::CC,
+            value: u64::from(Cc::enable_value()),
+        }
+        .encode(1);
+        assert!(!admin.wants_data_at_submit(&cc));
+        assert_eq!(status(admin.submit(&cc, &[])), Status::SUCCESS);
+        let sf = build::set_features(2, 7, 0x0001_0001);
+        assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
+        let mut io = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
+        let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, HOST);
+        let sqe = connect_sqe(1, false);
+        assert!(io.wants_data_at_submit(&sqe));
+        assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);
+        (admin, io)
+    }
+
+    fn sgls(admin: &mut QueueState) -> u32 {
+        let mut id = build::identify(5, 1, 0);
+        id.dptr = SglDescriptor::keyed(0x2000, 4096, 9, false);
+        match admin.submit(&id, &[]) {
+            Submit::CompleteWithData(data, cqe) => {
+                assert!(cqe.status().is_success());
+                IdentifyController::read_from_bytes(&data[..4096])
+                    .unwrap()
+                    .sgls
+                    .get()
+            }
+            _ => panic!("Identify Controller returned no data"),
+        }
+    }
+
+    #[test]
+    fn rdma_queues_take_keyed_sgls_and_advertise_them() {
+        let t = target();
+        let (mut admin, mut io) = connected(&t, HostSgl::Keyed);
+        let s = sgls(&mut admin);
+        assert_ne!(s & SGLS_KEYED, 0, "keyed SGL data blocks advertised");
+        assert_eq!(s & SGLS_TRANSPORT, 0, "no transport SGLs over RDMA");
+        assert_ne!(s & 0b11, 0);
+
+        // Write with a keyed descriptor: data comes from the host (RDMA READ).
+        let mut w = build::read_write(true, 10, 1, 0, 2);
+        w.dptr = SglDescriptor::keyed(0x10_0000, 8192, 0xabcd, true);
+        assert!(
+            !io.wants_data_at_submit(&w),
+            "I/O writes are fetched after validation"
+        );
+        match io.submit(&w, &[]) {
+            Submit::Io(req) => {
+                assert_eq!(
+                    req.op,
+                    IoOp::Write {
+                        lba: 0,
+                        len: 8192,
+                        src: DataSource::Host
+                    }
+                );
+                assert_eq!(req.op.host_data_len(), 8192);
+            }
+            _ => panic!("keyed write not accepted"),
+        }
+        assert_eq!(
+            keyed_remote(&w.dptr).map(|r| (r.addr, r.len, r.rkey)),
+            Some((0x10_0000, 8192, 0xabcd))
+        );
+        assert_eq!(invalidate_key(&w.dptr), Some(0xabcd));
+
+        // Read with a keyed descriptor (address subtype: no invalidation).
+        let mut r = build::read_write(false, 11, 1, 0, 1);
+        r.dptr = SglDescriptor::keyed(0x20_0000, 4096, 0x55, false);
+        assert!(
+            matches!(io.submit(&r, &[]), Submit::Io(req) if req.op == IoOp::Read { lba: 0, len: 4096 })
+        );
+        assert_eq!(invalidate_key(&r.dptr), None);
+
+        // In-capsule write through the offset descriptor.
+        let mut ic = build::read_write(true, 12, 1, 0, 1);
+        ic.dptr = SglDescriptor::in_capsule(4096);
+        assert!(
+            matches!(io.submit(&ic, &[0u8; 4096]), Submit::Io(req) if req.op == IoOp::Write { lba: 0, len: 4096, src: DataSource::InCapsule })
+        );
+
+        // NVMe/TCP's transport descriptor is refused on RDMA, as are keyed lengths that
+        // differ from the command and keyed descriptors with in-capsule data.
+        let mut bad = build::read_write(true, 13, 1, 0, 1);
+        bad.dptr = SglDescriptor::tcp_transport(4096);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 2048, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[1u8; 16])),
+            Status::generic(generic::INVALID_FIELD).with_dnr()
+        );
+        admin.ctrl.take().unwrap().tear_down();
+    }
+
+    #[test]
+    fn tcp_queues_keep_transport_sgls() {
+        let t = target();
+        let (mut admin, mut io) = connected(&t, HostSgl::Transport);
+        let s = sgls(&mut admin);
+        assert_eq!(s & SGLS_KEYED, 0);
+        assert_ne!(s & SGLS_TRANSPORT, 0);
+        let mut w = build::read_write(true, 10, 1, 0, 1);
+        w.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&w, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        w.dptr = SglDescriptor::tcp_transport(4096);
+        assert!(matches!(io.submit(&w, &[]), Submit::Io(_)));
+        admin.ctrl.take().unwrap().tear_down();
+    }
+
+    #[test]
+    fn descriptors_other_than_keyed_name_no_host_memory() {
+        assert_eq!(keyed_remote(&SglDescriptor::in_capsule(4096)), None);
+        assert_eq!(keyed_remote(&SglDescriptor::tcp_transport(4096)), None);
+        // A keyed descriptor of zero length asks for no invalidation.
+        assert_eq!(invalidate_key(&SglDescriptor::keyed(0, 0, 5, true)), None);
+        let mut odd = SglDescriptor::keyed(0, 4096, 5, false);
+        odd.identifier = (sgl_type::KEYED_DATA_BLOCK << 4) | 0x3;
+        assert_eq!(keyed_remote(&odd), None);
+    }
+
+    #[test]
+    fn limits_follow_the_target_settings() {
+        let t = target();
+        let l = limits(&t);
+        assert_eq!(l.max_io_depth, t.settings.max_queue_depth);
+        assert_eq!(l.max_qid, t.settings.max_io_queues);
+        // The Linux host's admin (32) and I/O (128) queues fit the defaults.
+        let mut pd = nvmf_rdma::nvme::request_data(0, 31, 32, 0xFFFF).to_vec();
+        pd.resize(56, 0);
+        assert!(parse_request(&pd, &l).is_ok());
+        let pd = nvmf_rdma::nvme::request_data(1, 127, 128, 1);
+        assert!(parse_request(&pd, &l).is_ok());
+    }
+}

@@ -46,7 +46,7 @@ impl EventChannel {
             let e = io::Error::last_os_error();
             let hint = match e.raw_os_error() {
                 Some(libc::ENOENT) | Some(libc::ENODEV) => {
-                    " (no /dev/infiniband/rdma_cm: load rdma_ucm and configure an RDMA device)"
+                    " (no RDMA-CM device: load rdma_ucm and set up an RDMA device, e.g. Soft-RoCE: rdma link add rxe0 type rxe netdev IFACE)"
                 }
                 _ => "",
             };

@@ -48,9 +48,7 @@ pub use verbs::{
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// libibverbs/librdmacm cannot be loaded, or the host has no RDMA-CM device node.
-    #[error(
-        "RDMA is not available on this host: {0} (needs rdma-core's libibverbs1 and librdmacm1, a provider such as ibverbs-providers, and an RDMA device, e.g. Soft-RoCE: rdma link add rxe0 type rxe netdev IFACE)"
-    )]
+    #[error("RDMA is not available on this host: {0}")]
     Unavailable(String),
     /// A verbs or RDMA-CM call failed.
     #[error("{op}: {source}")]

@@ -96,7 +96,17 @@ fn open(names: &[&str]) -> Result<Library, String> {
         // internal state (provider lists, locks); they do not depend on anything of ours.
         match unsafe { Library::new(*name) } {
             Ok(l) => return Ok(l),
-            Err(e) => last = e.to_string(),
+            Err(e) => {
+                // libloading keeps dlerror()'s text in the source.
+                let detail = std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|| e.to_string());
+                last = if detail.contains(name) {
+                    detail
+                } else {
+                    format!("{name}: {detail}")
+                };
+            }
         }
     }
     Err(last)
@@ -174,8 +184,9 @@ static LIBS: OnceLock<Result<Libs, String>> = OnceLock::new();
 /// The loaded libraries, loading them on first use.
 pub(crate) fn libs() -> Result<&'static Libs, Error> {
     LIBS.get_or_init(|| {
-        let verbs = load_verbs().map_err(|e| format!("libibverbs: {e}"))?;
-        let cm = load_cm().map_err(|e| format!("librdmacm: {e}"))?;
+        const HINT: &str = "install rdma-core's libibverbs1, librdmacm1 and ibverbs-providers";
+        let verbs = load_verbs().map_err(|e| format!("{e} ({HINT})"))?;
+        let cm = load_cm().map_err(|e| format!("{e} ({HINT})"))?;
         Ok(Libs { verbs, cm })
     })
     .as_ref()
@@ -196,4 +207,16 @@ pub(crate) fn c_string(p: *const c_char) -> String {
     unsafe { std::ffi::CStr::from_ptr(p) }
         .to_string_lossy()
         .into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_an_error_naming_it() {
+        let e = open(&["libnvmeof-direct-missing.so.1"]).err().unwrap();
+        assert!(e.contains("libnvmeof-direct-missing.so.1"), "{e}");
+        assert_eq!(c_string(std::ptr::null()), "");
+    }
 }

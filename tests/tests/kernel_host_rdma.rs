@@ -1,0 +1,60 @@
+//! The Linux kernel NVMe/RDMA host (nvme-rdma over Soft-RoCE, in a QEMU guest) against
+//! `nvmeof-targetd` listening on `rdma://10.0.2.15:4420` in the same guest: discovery over
+//! RDMA, connect with two I/O queues, Identify with keyed SGLs, fio with verify (4k and 128k
+//! random writes at iodepth 16), 1 MiB transfers, flush, discard, write zeroes, disconnect,
+//! and a clean shutdown of the daemon.
+//!
+//! The host kernel here has no RDMA, so both sides run in the guest (`tests/guest/
+//! kernel-host-rdma.sh`). Needs the guest prepared by `tests/interop/setup.sh` and
+//! `NVMEOF_INTEROP=1` (`.ci/run` does both); without it the test prints why it did nothing.
+//! The daemon is copied into the guest from the build, so `cargo build --bins` must have run.
+
+use std::process::Command;
+
+use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
+
+const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-host-rdma";
+
+#[test]
+fn kernel_rdma_host_discover_connect_fio_verify() {
+    if !interop_enabled() {
+        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+        return;
+    }
+    let targetd = bin_path("nvmeof-targetd");
+    let out = Command::new(guest_sh())
+        .args(["run", "--with-rdma", "--with-fio", "--timeout", "900"])
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+        .arg("--env")
+        .arg(format!("TARGET_NQN={NQN}"))
+        .arg(workspace_root().join("tests/guest/kernel-host-rdma.sh"))
+        .output()
+        .expect("guest.sh");
+    let console = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "guest failed ({:?}):\n{console}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(console.contains("PASS: kernel NVMe/RDMA host"), "{console}");
+    // The daemon's log (printed by the guest script) shows the RDMA path was taken.
+    for needle in [
+        "listening listener=rdma://10.0.2.15:4420",
+        "discovery controller connected",
+        "controller connected",
+        "NVMe/RDMA queue pair accepted",
+        "qid=2",
+        "shutdown complete flush_failures=0",
+    ] {
+        assert!(
+            console.contains(needle),
+            "{needle:?} not in the log:\n{console}"
+        );
+    }
+    assert!(
+        !console.contains("transport error"),
+        "a queue pair failed:\n{console}"
+    );
+}
