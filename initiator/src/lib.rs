@@ -78,3 +78,38 @@ pub use queue::QueueStats;
 
 /// Re-export of the wire formats crate (Identify structures, status codes).
 pub use nvme_spec;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        send_sync::<Controller>();
+        send_sync::<Namespace>();
+        send_sync::<Error>();
+    }
+
+    /// Compiles only if the I/O futures can move between threads.
+    #[allow(dead_code)]
+    fn io_futures_are_send(ns: &Namespace, buf: &mut [u8], src: &[u8], v: &mut Vec<u8>) {
+        send(&ns.read(0, buf));
+        send(&ns.write(0, src));
+        send(&ns.read_into(0, v));
+        send(&ns.flush());
+        send(&ns.write_zeroes(0, 1));
+        send(&ns.deallocate(0, 1));
+        send(&Controller::connect(ConnectOptions::new(
+            TargetAddr::new("h", 1),
+            "nqn.x:y",
+            HostIdentity::new("nqn.x:h", [0; 16]).unwrap(),
+        )));
+        send(&discover(&DiscoveryOptions::new(
+            TargetAddr::new("h", 1),
+            HostIdentity::new("nqn.x:h", [0; 16]).unwrap(),
+        )));
+    }
+}

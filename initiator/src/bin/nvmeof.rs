@@ -250,6 +250,7 @@ fn main() -> ExitCode {
     if cli.verbose {
         let _ = tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
                     .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -351,29 +352,20 @@ fn print_json(v: &Value) {
 }
 
 fn identity(ctx: &Ctx, f: &Fabric) -> Result<HostIdentity> {
-    let base = if f.hostnqn.is_some() && f.hostid.is_some() {
-        None
-    } else {
-        Some(
-            HostIdentity::load_or_create(&ctx.state_dir)
-                .context("cannot determine the host identity (use --hostnqn and --hostid)")?,
-        )
-    };
-    let hostnqn = match (&f.hostnqn, &base) {
-        (Some(n), _) => n.clone(),
-        (None, Some(b)) => b.hostnqn.clone(),
-        (None, None) => unreachable_identity()?,
-    };
-    let hostid = match (&f.hostid, &base) {
-        (Some(s), _) => parse_hostid(s).ok_or_else(|| anyhow!("--hostid {s:?} is not a UUID"))?,
-        (None, Some(b)) => b.hostid,
-        (None, None) => unreachable_identity()?,
+    let parse = |s: &str| parse_hostid(s).ok_or_else(|| anyhow!("--hostid {s:?} is not a UUID"));
+    let (hostnqn, hostid) = match (&f.hostnqn, &f.hostid) {
+        (Some(n), Some(i)) => (n.clone(), parse(i)?),
+        (n, i) => {
+            let stored = HostIdentity::load_or_create(&ctx.state_dir)
+                .context("cannot determine the host identity (use --hostnqn and --hostid)")?;
+            let id = match i {
+                Some(i) => parse(i)?,
+                None => stored.hostid,
+            };
+            (n.clone().unwrap_or(stored.hostnqn), id)
+        }
     };
     Ok(HostIdentity::new(&hostnqn, hostid)?)
-}
-
-fn unreachable_identity<T>() -> Result<T> {
-    Err(anyhow!("no host identity"))
 }
 
 fn check_transport(f: &Fabric) -> Result<()> {
