@@ -9,12 +9,14 @@
 #       --add-bin target/debug/nvmeof-targetd:/usr/bin/nvmeof-targetd tests/guest/kernel-host-rdma.sh
 #
 # Environment: TARGET_NQN, TARGET_PORT (4420), NS (mem:256M), QUEUES (2), FIO_SIZE (8M),
-# TARGETD (/usr/bin/nvmeof-targetd).
+# TARGETD (/usr/bin/nvmeof-targetd), LOOPBACK (/usr/bin/nvmf-rdma-loopback: run first if present,
+# from target/debug/examples/loopback).
 # shellcheck source=../interop/guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
 : "${TARGET_NQN:=nqn.2026-11.io.nvmeof-direct:rdma}" "${TARGET_PORT:=4420}" "${NS:=mem:256M}"
 : "${QUEUES:=2}" "${FIO_SIZE:=8M}" "${TARGETD:=/usr/bin/nvmeof-targetd}"
+: "${LOOPBACK:=/usr/bin/nvmf-rdma-loopback}"
 addr=${GUEST_IP:-10.0.2.15}
 tlog=/tmp/nvmeof-targetd.log
 
@@ -44,6 +46,12 @@ until rdma link show rxe0/1 | grep -q 'state ACTIVE'; do
     sleep 0.1
 done
 log "rxe0 ACTIVE on eth0 ($addr)"
+
+# The verbs layer on its own first: nvmf-rdma's loopback example (connect, reject, SEND/RECV,
+# RDMA READ/WRITE of registered memory), when the test copied it in.
+if [ -x "$LOOPBACK" ]; then
+    step "$LOOPBACK" "$addr:$((TARGET_PORT + 1))"
+fi
 
 log "starting nvmeof-targetd on rdma://$addr:$TARGET_PORT"
 NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --listen "rdma://$addr:$TARGET_PORT" \

@@ -4,6 +4,10 @@
 //! random writes at iodepth 16), 1 MiB transfers, flush, discard, write zeroes, disconnect,
 //! and a clean shutdown of the daemon.
 //!
+//! Before that, nvmf-rdma's loopback example (when built) runs in the guest: an RDMA-CM
+//! connect rejected with INVALID_QID, then one accepted, and rounds of SEND/RECV with RDMA
+//! READ and RDMA WRITE of registered memory.
+//!
 //! The host kernel here has no RDMA, so both sides run in the guest (`tests/guest/
 //! kernel-host-rdma.sh`). Needs the guest prepared by `tests/interop/setup.sh` and
 //! `NVMEOF_INTEROP=1` (`.ci/run` does both); without it the test prints why it did nothing.
@@ -22,10 +26,25 @@ fn kernel_rdma_host_discover_connect_fio_verify() {
         return;
     }
     let targetd = bin_path("nvmeof-targetd");
-    let out = Command::new(guest_sh())
-        .args(["run", "--with-rdma", "--with-fio", "--timeout", "900"])
+    // nvmf-rdma's loopback example (built by `cargo test --workspace`) checks the verbs layer
+    // on its own first: connect, reject, SEND/RECV, RDMA READ/WRITE.
+    let loopback = targetd.with_file_name("examples").join("loopback");
+    let mut cmd = Command::new(guest_sh());
+    cmd.args(["run", "--with-rdma", "--with-fio", "--timeout", "900"])
         .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()));
+    if loopback.exists() {
+        cmd.arg("--add-bin").arg(format!(
+            "{}:/usr/bin/nvmf-rdma-loopback",
+            loopback.display()
+        ));
+    } else {
+        eprintln!(
+            "note: {} is not built (cargo build -p nvmf-rdma --examples): verbs loopback not run",
+            loopback.display()
+        );
+    }
+    let out = cmd
         .arg("--env")
         .arg(format!("TARGET_NQN={NQN}"))
         .arg(workspace_root().join("tests/guest/kernel-host-rdma.sh"))
@@ -39,6 +58,13 @@ fn kernel_rdma_host_discover_connect_fio_verify() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(console.contains("PASS: kernel NVMe/RDMA host"), "{console}");
+    if loopback.exists() {
+        assert!(console.contains("LOOPBACK PASS"), "{console}");
+        assert!(
+            console.contains("client: rejected with Some(3)"),
+            "{console}"
+        );
+    }
     // The daemon's log (printed by the guest script) shows the RDMA path was taken.
     for needle in [
         "listening listener=rdma://10.0.2.15:4420",

@@ -602,6 +602,14 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         self.send(msg, data, invalidate, token)
     }
 
+    /// Posts a receive slot again without answering (a host done with a completion).
+    pub fn repost(&mut self, slot: RecvSlot) -> Result<(), Error> {
+        if slot.queue != self.queue_id || self.recv.state(slot.index) != Some(RecvState::Held) {
+            return Err(Error::Invalid("receive slot of another queue".into()));
+        }
+        self.post_recv(slot.index)
+    }
+
     /// SENDs `msg`, after an RDMA WRITE of `data` when given (a host sends command capsules
     /// this way). [`Event::Sent`] with `token` reports the end.
     pub fn send(
