@@ -174,14 +174,14 @@ impl Namespace {
         (blocks << self.shift) as usize
     }
 
-    fn check_len(&self, len: usize) -> Result<(), Error> {
+    fn check_len(&self, lba: u64, len: usize) -> Result<(), Error> {
         if len == 0 || len % self.info.block_size as usize != 0 {
             return Err(Error::InvalidArgument(format!(
                 "transfer length {len} is not a non-zero multiple of the block size {}",
                 self.info.block_size
             )));
         }
-        Ok(())
+        check_range(lba, (len >> self.shift) as u64)
     }
 
     fn rw_request(&self, write: bool, lba: u64, len: usize) -> Request {
@@ -227,7 +227,7 @@ impl Namespace {
         dest: &mut D,
     ) -> Result<(), Error> {
         let total = dest.len();
-        self.check_len(total)?;
+        self.check_len(lba, total)?;
         let q = self.queue()?;
         let max = self.max_chunk();
         if total <= max {
@@ -273,7 +273,7 @@ impl Namespace {
         src: &S,
     ) -> Result<(), Error> {
         let total = src.len();
-        self.check_len(total)?;
+        self.check_len(lba, total)?;
         let q = self.queue()?;
         let max = self.max_chunk();
         let fill = |off: usize| move |b: &mut [u8]| src.read_at(off, b).map_err(buffer_error);
@@ -328,6 +328,7 @@ impl Namespace {
     /// Management. Fails with [`Error::InvalidArgument`] when the controller does not support
     /// it.
     pub async fn deallocate(&self, lba: u64, blocks: u64) -> Result<(), Error> {
+        check_range(lba, blocks)?;
         let mut ranges = Vec::new();
         let (mut l, mut left) = (lba, blocks);
         while left > 0 {
@@ -380,6 +381,7 @@ impl Namespace {
         if blocks == 0 {
             return Err(Error::InvalidArgument("the block count is 0".into()));
         }
+        check_range(lba, blocks)?;
         let q = self.queue()?;
         let window = Self::window(q);
         let mut inflight: VecDeque<Pending<'_>> = VecDeque::with_capacity(window.min(8));
@@ -399,6 +401,16 @@ impl Namespace {
             check("Write Zeroes", &cqe)?;
         }
         Ok(())
+    }
+}
+
+/// Rejects a range whose end does not fit in 64 bits (the controller checks the rest).
+fn check_range(lba: u64, blocks: u64) -> Result<(), Error> {
+    match lba.checked_add(blocks) {
+        Some(_) => Ok(()),
+        None => Err(Error::InvalidArgument(format!(
+            "block range {lba} + {blocks} overflows"
+        ))),
     }
 }
 

@@ -975,6 +975,9 @@ async fn cmd_read(
     if blocks == 0 {
         bail!("--block-count must be at least 1");
     }
+    if r.start_block.checked_add(blocks).is_none() {
+        bail!("--start-block + --block-count overflows");
+    }
     let ns = open_namespace(ctx, name, f, q, r.namespace_id).await?;
     let res = do_read(ctx, &ns, r, blocks).await;
     let _ = ns.controller().clone().disconnect().await;
@@ -1068,6 +1071,9 @@ async fn do_write(
     };
     if blocks == 0 {
         bail!("nothing to write (0 blocks)");
+    }
+    if r.start_block.checked_add(blocks).is_none() {
+        bail!("--start-block + --block-count overflows");
     }
     let total = blocks
         .checked_mul(bs)
