@@ -2,6 +2,8 @@
 //! through on the target, and the SQE builders the host uses.
 //!
 //! `cargo bench -p nvmeof-bench --bench command`
+// criterion_group! expands to an undocumented public function.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 

@@ -3,13 +3,15 @@
 //! socket, target reactor, queue logic, backend, C2HData, completion.
 //!
 //! `cargo bench -p nvmeof-bench --bench loopback`
+// criterion_group! expands to an undocumented public function.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use nvmeof_bench::job::TcpTarget;
 use nvmeof_bench::fabric::{FabricTarget, TargetSpec};
+use nvmeof_bench::job::TcpTarget;
 use nvmeof_bench::path::{IoPath, TcpPath, TcpSettings};
 
 fn loopback(c: &mut Criterion) {

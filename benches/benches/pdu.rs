@@ -2,6 +2,8 @@
 //! without digests.
 //!
 //! `cargo bench -p nvmeof-bench --bench pdu`
+// criterion_group! expands to an undocumented public function.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 

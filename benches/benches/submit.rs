@@ -8,6 +8,8 @@
 //!   PDU encoding into the send buffer).
 //!
 //! `cargo bench -p nvmeof-bench --bench submit`
+// criterion_group! expands to an undocumented public function.
+#![allow(missing_docs)]
 
 use std::hint::black_box;
 use std::net::SocketAddr;

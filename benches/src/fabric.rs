@@ -93,8 +93,7 @@ pub enum CpuSource {
 fn target_config(spec: &TargetSpec, listen: &str) -> Result<Config, String> {
     let listen = listen.parse().map_err(|e| format!("{e}"))?;
     let ns: Vec<BackendSpec> = (0..spec.namespaces).map(|_| spec.backend.clone()).collect();
-    let mut cfg =
-        Config::quick(&[listen], &spec.nqn, &ns, true, &[]).map_err(|e| e.to_string())?;
+    let mut cfg = Config::quick(&[listen], &spec.nqn, &ns, true, &[]).map_err(|e| e.to_string())?;
     cfg.target.reactors = spec.reactors;
     cfg.target.max_queue_depth = spec.max_queue_depth;
     Ok(cfg)
@@ -106,7 +105,8 @@ impl FabricTarget {
     pub fn start(kind: &TcpTarget, spec: &TargetSpec) -> Result<FabricTarget, FabricError> {
         match kind {
             TcpTarget::InProcess => {
-                let cfg = target_config(spec, "tcp://127.0.0.1:0").map_err(FabricError::InProcess)?;
+                let cfg =
+                    target_config(spec, "tcp://127.0.0.1:0").map_err(FabricError::InProcess)?;
                 let (target, listeners) =
                     Target::build(&cfg).map_err(|e| FabricError::InProcess(e.to_string()))?;
                 let addr = listeners
@@ -214,9 +214,12 @@ fn pin_reactors(cpus: &str, reactors: usize) -> Result<(), FabricError> {
 pub fn default_target_bin() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let dir = exe.parent()?;
-    [dir.join("nvmeof-targetd"), dir.parent()?.join("nvmeof-targetd")]
-        .into_iter()
-        .find(|p| p.is_file())
+    [
+        dir.join("nvmeof-targetd"),
+        dir.parent()?.join("nvmeof-targetd"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
 }
 
 fn free_port() -> std::io::Result<u16> {

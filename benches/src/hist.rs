@@ -126,7 +126,9 @@ impl LatencySummary {
             self.p9999_us,
             self.max_us,
         ];
-        v.windows(2).all(|w| w[0] <= w[1]) && self.min_us <= self.avg_us && self.avg_us <= self.max_us
+        v.windows(2).all(|w| w[0] <= w[1])
+            && self.min_us <= self.avg_us
+            && self.avg_us <= self.max_us
     }
 }
 

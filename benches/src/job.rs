@@ -271,7 +271,9 @@ impl FromStr for Mode {
         match (kind, arg) {
             ("das", None) => Ok(Mode::Das),
             ("tcp", None) => Ok(Mode::Tcp(TcpTarget::InProcess)),
-            ("tcp", Some(a)) => Ok(Mode::Tcp(TcpTarget::Remote { addr: need_addr(a)? })),
+            ("tcp", Some(a)) => Ok(Mode::Tcp(TcpTarget::Remote {
+                addr: need_addr(a)?,
+            })),
             ("tcp-bin", None) => Ok(Mode::Tcp(TcpTarget::Process(None))),
             ("tcp-bin", Some(p)) if !p.is_empty() => {
                 Ok(Mode::Tcp(TcpTarget::Process(Some(PathBuf::from(p)))))
@@ -330,7 +332,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "h" => n * 3600.0,
         _ => return Err(format!("bad duration unit in {s:?} (ms, s, m, h)")),
     };
-    if !secs.is_finite() || secs < 0.0 || secs > 1e7 {
+    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
         return Err(format!("duration {s:?} out of range"));
     }
     Ok(Duration::from_secs_f64(secs))
@@ -348,7 +350,9 @@ impl<'de> Deserialize<'de> for Dur {
             Repr::N(n) => parse_duration(&n.to_string())
                 .map(Dur)
                 .map_err(serde::de::Error::custom),
-            Repr::S(s) => parse_duration(&s).map(Dur).map_err(serde::de::Error::custom),
+            Repr::S(s) => parse_duration(&s)
+                .map(Dur)
+                .map_err(serde::de::Error::custom),
         }
     }
 }
@@ -494,6 +498,8 @@ pub struct Overrides {
     pub host_load: Option<HostLoad>,
     /// Replaces `load_threads`.
     pub load_threads: Option<u32>,
+    /// Replaces `size` of every job.
+    pub size: Option<u64>,
 }
 
 /// One fully resolved measurement point: a job with one value per swept knob.
@@ -687,14 +693,14 @@ impl Plan {
         if labels.len() != modes.len() {
             return Err(invalid("global", "modes", "a mode is listed twice"));
         }
-        let backend = ov
-            .backend
-            .clone()
-            .or_else(|| g.backend.clone())
-            .unwrap_or(BackendSpec::Memory {
-                size: 1 << 30,
-                block_size: blockdev::DEFAULT_BLOCK_SIZE,
-            });
+        let backend =
+            ov.backend
+                .clone()
+                .or_else(|| g.backend.clone())
+                .unwrap_or(BackendSpec::Memory {
+                    size: 1 << 30,
+                    block_size: blockdev::DEFAULT_BLOCK_SIZE,
+                });
         backend
             .validate()
             .map_err(|e| invalid("global", "backend", e.to_string()))?;
@@ -902,7 +908,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         .ramp_time
         .or_else(|| pick(&j.ramp_time, &g.ramp_time).map(|d| d.0))
         .unwrap_or(Duration::ZERO);
-    let size = pick(&j.size, &g.size).map(|b| b.0);
+    let size = ov.size.or_else(|| pick(&j.size, &g.size).map(|b| b.0));
     if let Some(s) = size {
         if s == 0 || s % MIN_BS != 0 {
             return Err(invalid(name, "size", "must be a non-zero multiple of 512"));
@@ -1068,7 +1074,9 @@ mod tests {
             ("[global]\nbackend = \"mem:0\"\n[[job]]", "backend"),
             ("[global]\n", "no [[job]]"),
         ] {
-            let err = plan(text).err().unwrap_or_else(|| panic!("accepted {text:?}"));
+            let err = plan(text)
+                .err()
+                .unwrap_or_else(|| panic!("accepted {text:?}"));
             let msg = err.to_string();
             assert!(msg.contains(needle), "{text:?}: {msg}");
         }
@@ -1087,10 +1095,7 @@ mod tests {
             "tcp-bin".parse::<Mode>().unwrap(),
             Mode::Tcp(TcpTarget::Process(None))
         );
-        assert_eq!(
-            "rdma".parse::<Mode>().unwrap(),
-            Mode::Rdma { addr: None }
-        );
+        assert_eq!("rdma".parse::<Mode>().unwrap(), Mode::Rdma { addr: None });
         assert!("tcp=nohost".parse::<Mode>().is_err());
         assert!("tcp=h:notaport".parse::<Mode>().is_err());
         let file = JobFile::parse("[[job]]\nruntime = 9").unwrap();

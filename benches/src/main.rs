@@ -62,6 +62,10 @@ struct Args {
     #[arg(long, value_parser = parse_duration)]
     ramp_time: Option<Duration>,
 
+    /// Region of each namespace every job touches (e.g. 64M).
+    #[arg(long, value_parser = parse_bytes)]
+    size: Option<u64>,
+
     /// Repeat the whole run N times (medians and spread are reported).
     #[arg(long)]
     repeat: Option<u32>,
@@ -111,6 +115,10 @@ struct Args {
     quiet: bool,
 }
 
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    blockdev::parse_size(s).map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -136,7 +144,10 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         return Ok(true);
     }
     let (file, job_file) = if args.quick {
-        (JobFile::parse(QUICK_JOB)?, Some("(built-in --quick)".to_string()))
+        (
+            JobFile::parse(QUICK_JOB)?,
+            Some("(built-in --quick)".to_string()),
+        )
     } else {
         let path = args.job.clone().context("a job file is required")?;
         (JobFile::load(&path)?, Some(path.display().to_string()))
@@ -156,11 +167,16 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         target_addr: args.target.clone(),
         host_load: args.busy.then_some(HostLoad::Busy),
         load_threads: args.load_threads,
+        size: args.size,
     };
     let plan = Plan::resolve(&file, &ov)?;
     if plan.modes.iter().any(|m| matches!(m, Mode::Tcp(_))) && args.target.is_some() {
         // A remote target's namespaces are overwritten by the prefill: say so once.
-        if plan.points.iter().any(|p| p.writes() || (p.reads() && p.prefill)) {
+        if plan
+            .points
+            .iter()
+            .any(|p| p.writes() || (p.reads() && p.prefill))
+        {
             eprintln!(
                 "nvmeof-bench: note: this job writes to the target at {} (prefill/verify \
                  pattern or write jobs)",

@@ -804,8 +804,14 @@ pub(crate) mod tests {
         let md = r.to_markdown();
         let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| randread")).collect();
         assert_eq!(rows.len(), 4, "{md}");
-        assert!(rows[0].contains("| das |") && rows[0].contains("100.0K ±10%"), "{md}");
-        assert!(rows[1].contains("| tcp |") && rows[1].contains("| 0.80 |"), "{md}");
+        assert!(
+            rows[0].contains("| das |") && rows[0].contains("100.0K ±10%"),
+            "{md}"
+        );
+        assert!(
+            rows[1].contains("| tcp |") && rows[1].contains("| 0.80 |"),
+            "{md}"
+        );
         let header = md.lines().find(|l| l.starts_with("| point")).unwrap();
         assert_eq!(
             header.matches('|').count(),

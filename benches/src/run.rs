@@ -28,8 +28,8 @@ use crate::load::BusyLoad;
 use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
 use crate::report::{
-    CpuStats, DirStats, Machine, Measurement, ModeReport, NsSpread, NsStats, PlanInfo,
-    PointReport, Report, SCHEMA, Summary, fmt_si, now_utc,
+    CpuStats, DirStats, Machine, Measurement, ModeReport, NsSpread, NsStats, PlanInfo, PointReport,
+    Report, SCHEMA, Summary, fmt_si, now_utc,
 };
 use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
 
@@ -424,9 +424,7 @@ fn measure<P: IoPath>(
         Err(e) => return failed(repeat, e),
     };
     let pattern = Arc::new(Pattern::new(point.seed));
-    if point.reads()
-        && point.prefill
-        && (prefilled.seed != point.seed || prefilled.bytes < region)
+    if point.reads() && point.prefill && (prefilled.seed != point.seed || prefilled.bytes < region)
     {
         let t = Instant::now();
         if let Err(e) = rt.block_on(prefill(&*path, geo.len(), region, &pattern)) {
@@ -444,7 +442,11 @@ fn measure<P: IoPath>(
     }
 
     let load = if point.host_load == HostLoad::Busy {
-        match BusyLoad::start(point.load_threads, point.load_mem, plan.load_cpus.as_deref()) {
+        match BusyLoad::start(
+            point.load_threads,
+            point.load_mem,
+            plan.load_cpus.as_deref(),
+        ) {
             Ok(l) => Some(l),
             Err(e) => return failed(repeat, format!("cannot start the busy load: {e}")),
         }
@@ -473,7 +475,9 @@ fn measure<P: IoPath>(
             seq_start: region / numjobs as u64 * w as u64,
             namespaces: geo.len(),
             verify: point.verify,
-            rng_seed: point.seed ^ (u64::from(repeat) << 32) ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
+            rng_seed: point.seed
+                ^ (u64::from(repeat) << 32)
+                ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
             budget,
         };
         handles.push(rt.spawn(worker::run(
@@ -526,10 +530,11 @@ fn measure<P: IoPath>(
             match h.await {
                 Ok(o) => outs.push(o),
                 Err(e) => {
-                    let mut o = WorkerOutput::default();
-                    o.io_errors = 1;
-                    o.first_io_error = Some(format!("worker failed: {e}"));
-                    outs.push(o);
+                    outs.push(WorkerOutput {
+                        io_errors: 1,
+                        first_io_error: Some(format!("worker failed: {e}")),
+                        ..Default::default()
+                    });
                 }
             }
         }
@@ -665,7 +670,11 @@ fn spread(ns: &[NsStats]) -> NsSpread {
         max_iops: max,
         min_over_mean: if mean > 0.0 { min / mean } else { 0.0 },
         cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
-        p99_max_over_min: if p99_min > 0.0 { p99_max / p99_min } else { 0.0 },
+        p99_max_over_min: if p99_min > 0.0 {
+            p99_max / p99_min
+        } else {
+            0.0
+        },
     }
 }
 

@@ -266,6 +266,9 @@ impl LineChart {
     }
 }
 
+/// One bar: its value (`None`: no bar) and a note drawn above it.
+pub type Bar = (Option<f64>, Option<String>);
+
 /// A grouped bar chart.
 #[derive(Debug, Clone)]
 pub struct BarChart {
@@ -277,7 +280,7 @@ pub struct BarChart {
     pub series: Vec<String>,
     /// Groups: a label and one value per series (`None`: no bar), plus an optional note per
     /// bar drawn above it.
-    pub groups: Vec<(String, Vec<(Option<f64>, Option<String>)>)>,
+    pub groups: Vec<(String, Vec<Bar>)>,
 }
 
 impl BarChart {
@@ -538,10 +541,7 @@ mod tests {
             }
             let self_closing = tag.ends_with('/');
             let body = tag.trim_end_matches('/');
-            let name: String = body
-                .chars()
-                .take_while(|c| !c.is_whitespace())
-                .collect();
+            let name: String = body.chars().take_while(|c| !c.is_whitespace()).collect();
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric()) {
                 return Err(format!("bad tag name in <{tag}>"));
             }
@@ -575,7 +575,10 @@ mod tests {
                 .iter()
                 .any(|e| after.starts_with(e))
             {
-                return Err(format!("bad entity near {:?}", &after[..after.len().min(8)]));
+                return Err(format!(
+                    "bad entity near {:?}",
+                    &after[..after.len().min(8)]
+                ));
             }
             rest = &rest[amp + 1..];
         }
@@ -596,7 +599,10 @@ mod tests {
         let r = crate::report::tests::sample_report();
         let plots = plots(&r);
         let names: Vec<&str> = plots.iter().map(|p| p.0.as_str()).collect();
-        assert_eq!(names, vec!["das-vs-of.svg", "j-latency.svg", "j-scaling.svg"]);
+        assert_eq!(
+            names,
+            vec!["das-vs-of.svg", "j-latency.svg", "j-scaling.svg"]
+        );
         for (name, svg) in &plots {
             well_formed(svg).unwrap_or_else(|e| panic!("{name}: {e}\n{svg}"));
             assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));

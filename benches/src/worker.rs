@@ -207,7 +207,7 @@ impl OffsetGen {
 
     /// `(is_read, namespace index, byte offset)` of the next I/O.
     #[inline]
-    pub fn next(&mut self) -> (bool, usize, u64) {
+    pub fn next_io(&mut self) -> (bool, usize, u64) {
         let read = match self.read_percent {
             100 => true,
             0 => false,
@@ -270,12 +270,13 @@ pub async fn run<P: IoPath>(
                 }
                 issued_in_measure += spec.bs;
             }
-            let (read, ns, offset) = offsets.next();
+            let (read, ns, offset) = offsets.next_io();
             let queue = queues[next_queue];
             next_queue = (next_queue + 1) % queues.len();
             if !read {
                 pattern.fill(offset, P::bytes_mut(&mut buf));
             }
+            let measured = phase == PHASE_MEASURE;
             inflight.push(async move {
                 let start = Instant::now();
                 let (r, buf) = if read {
@@ -283,10 +284,10 @@ pub async fn run<P: IoPath>(
                 } else {
                     p.write(queue, ns, offset, buf).await
                 };
-                (read, ns, offset, start.elapsed(), r, buf)
+                ((read, ns, offset, measured), start.elapsed(), r, buf)
             });
         }
-        let Some((read, ns, offset, lat, r, buf)) = inflight.next().await else {
+        let Some((what, lat, r, buf)) = inflight.next().await else {
             // Nothing in flight and nothing issued: the budget is spent.
             break;
         };
@@ -295,19 +296,24 @@ pub async fn run<P: IoPath>(
             &spec,
             &pattern,
             &shared,
-            (read, ns, offset, lat.as_nanos() as u64),
+            what,
+            lat.as_nanos() as u64,
             r,
             P::bytes(&buf),
         );
         free.push(buf);
+        // A path whose I/O completes at once (a memory backend) never returns Pending: give
+        // the scheduler its turn now and then, so timers and other tasks keep running.
+        tokio::task::coop::consume_budget().await;
     }
-    while let Some((read, ns, offset, lat, r, buf)) = inflight.next().await {
+    while let Some((what, lat, r, buf)) = inflight.next().await {
         complete(
             &mut out,
             &spec,
             &pattern,
             &shared,
-            (read, ns, offset, lat.as_nanos() as u64),
+            what,
+            lat.as_nanos() as u64,
             r,
             P::bytes(&buf),
         );
@@ -315,12 +321,14 @@ pub async fn run<P: IoPath>(
     out
 }
 
+#[allow(clippy::too_many_arguments)]
 fn complete(
     out: &mut WorkerOutput,
     spec: &WorkerSpec,
     pattern: &Pattern,
     shared: &Shared,
-    (read, ns, offset, lat_ns): (bool, usize, u64, u64),
+    (read, ns, offset, measured): (bool, usize, u64, bool),
+    lat_ns: u64,
     r: Result<(), crate::path::PathError>,
     data: &[u8],
 ) {
@@ -344,7 +352,8 @@ fn complete(
             }
         }
     }
-    if shared.phase.load(Ordering::Relaxed) != PHASE_MEASURE {
+    // Counted: I/Os issued and completed while measuring (exact totals for `io_size` runs).
+    if !measured || shared.phase.load(Ordering::Relaxed) != PHASE_MEASURE {
         return;
     }
     if read {
@@ -390,7 +399,7 @@ mod tests {
         let mut g = OffsetGen::new(&spec(true, 100));
         let mut seen = [false; 10];
         for _ in 0..1000 {
-            let (read, _, o) = g.next();
+            let (read, _, o) = g.next_io();
             assert!(read);
             assert_eq!(o % 4096, 0);
             assert!(o + 4096 <= 4096 * 10);
@@ -402,7 +411,7 @@ mod tests {
     #[test]
     fn sequential_offsets_wrap_and_namespaces_rotate() {
         let mut g = OffsetGen::new(&spec(false, 0));
-        let v: Vec<(bool, usize, u64)> = (0..4).map(|_| g.next()).collect();
+        let v: Vec<(bool, usize, u64)> = (0..4).map(|_| g.next_io()).collect();
         assert_eq!(
             v,
             vec![
@@ -417,8 +426,147 @@ mod tests {
     #[test]
     fn mix_follows_rwmixread() {
         let mut g = OffsetGen::new(&spec(true, 70));
-        let reads = (0..10_000).filter(|_| g.next().0).count();
+        let reads = (0..10_000).filter(|_| g.next_io().0).count();
         assert!((6500..7500).contains(&reads), "{reads}");
+    }
+
+    /// A path over a byte vector that can corrupt one byte of what it returns.
+    struct FakePath {
+        data: parking_lot::Mutex<Vec<u8>>,
+        geo: Vec<crate::path::NsGeometry>,
+        corrupt_at: Option<u64>,
+        fail_reads: bool,
+    }
+
+    impl FakePath {
+        fn new(bytes: u64, corrupt_at: Option<u64>, fail_reads: bool) -> Self {
+            FakePath {
+                data: parking_lot::Mutex::new(vec![0; bytes as usize]),
+                geo: vec![crate::path::NsGeometry {
+                    nsid: 1,
+                    block_size: 512,
+                    bytes,
+                }],
+                corrupt_at,
+                fail_reads,
+            }
+        }
+    }
+
+    impl IoPath for FakePath {
+        type Buf = Vec<u8>;
+
+        fn geometry(&self) -> &[crate::path::NsGeometry] {
+            &self.geo
+        }
+
+        fn alloc(&self, len: usize) -> Vec<u8> {
+            vec![0; len]
+        }
+
+        fn bytes(buf: &Vec<u8>) -> &[u8] {
+            buf
+        }
+
+        fn bytes_mut(buf: &mut Vec<u8>) -> &mut [u8] {
+            buf
+        }
+
+        async fn read(
+            &self,
+            _queue: usize,
+            _ns: usize,
+            offset: u64,
+            mut buf: Vec<u8>,
+        ) -> (Result<(), crate::path::PathError>, Vec<u8>) {
+            if self.fail_reads {
+                return (
+                    Err(crate::path::PathError::Setup("injected failure".into())),
+                    buf,
+                );
+            }
+            let o = offset as usize;
+            let n = buf.len();
+            buf.copy_from_slice(&self.data.lock()[o..o + n]);
+            if let Some(c) = self.corrupt_at
+                && (offset..offset + n as u64).contains(&c)
+            {
+                buf[(c - offset) as usize] ^= 1;
+            }
+            tokio::task::yield_now().await;
+            (Ok(()), buf)
+        }
+
+        async fn write(
+            &self,
+            _queue: usize,
+            _ns: usize,
+            offset: u64,
+            buf: Vec<u8>,
+        ) -> (Result<(), crate::path::PathError>, Vec<u8>) {
+            let o = offset as usize;
+            self.data.lock()[o..o + buf.len()].copy_from_slice(&buf);
+            (Ok(()), buf)
+        }
+    }
+
+    fn run_fake(path: FakePath, read_percent: u8) -> WorkerOutput {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let path = Arc::new(path);
+        let pattern = Arc::new(Pattern::new(9));
+        {
+            let mut d = path.data.lock();
+            pattern.fill(0, &mut d);
+        }
+        let shared = Arc::new(Shared::default());
+        shared.phase.store(PHASE_MEASURE, Ordering::Relaxed);
+        let spec = WorkerSpec {
+            index: 0,
+            queues: vec![0],
+            bs: 4096,
+            iodepth: 4,
+            read_percent,
+            random: false,
+            region: 64 * 4096,
+            seq_start: 0,
+            namespaces: 1,
+            verify: true,
+            rng_seed: 1,
+            budget: Some(256 * 4096),
+        };
+        rt.block_on(run(path, spec, pattern, shared))
+    }
+
+    #[test]
+    fn clean_data_verifies_and_corruption_is_caught() {
+        let ok = run_fake(FakePath::new(64 * 4096, None, false), 100);
+        assert_eq!(ok.read_ops, 256);
+        assert_eq!(ok.verified_reads, 256);
+        assert_eq!(ok.verify_errors, 0);
+        assert_eq!(ok.read_hist.count(), 256);
+        assert_eq!(ok.per_ns[0].ops, 256);
+        // One flipped bit in block 5: every read of that block (4 passes) is an error.
+        let bad = run_fake(FakePath::new(64 * 4096, Some(5 * 4096 + 100), false), 100);
+        assert_eq!(bad.verify_errors, 4);
+        let msg = bad.first_verify_error.unwrap();
+        assert!(msg.contains("0x5060"), "{msg}");
+        // Mixed reads and writes: writes carry the pattern, so reads still verify.
+        let mixed = run_fake(FakePath::new(64 * 4096, None, false), 50);
+        assert_eq!(mixed.read_ops + mixed.write_ops, 256);
+        assert!(mixed.write_ops > 0 && mixed.read_ops > 0);
+        assert_eq!(mixed.verify_errors, 0);
+    }
+
+    #[test]
+    fn io_errors_stop_the_worker_and_are_reported() {
+        let out = run_fake(FakePath::new(64 * 4096, None, true), 100);
+        assert!(out.io_errors >= 1);
+        assert!(out.io_errors <= 4, "stopped after the first failures");
+        assert!(out.first_io_error.unwrap().contains("injected failure"));
+        assert_eq!(out.read_ops, 0);
     }
 
     #[test]

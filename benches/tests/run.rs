@@ -1,0 +1,248 @@
+//! Short real runs of every available mode, checked for sane values (no timing thresholds).
+
+use std::process::Command;
+use std::time::Duration;
+
+use nvmeof_bench::job::{JobFile, Mode, Overrides, Plan, TcpTarget};
+use nvmeof_bench::report::{Measurement, Report, SCHEMA};
+use nvmeof_bench::run::{GPU_UNAVAILABLE, RDMA_UNAVAILABLE, RunOptions, run};
+
+const JOB: &str = r#"
+[global]
+backend = "mem:64M"
+namespaces = 2
+target_reactors = 1
+size = "8M"
+runtime = "700ms"
+ramp_time = "150ms"
+verify = true
+
+[[job]]
+name = "rand"
+rw = "randread"
+bs = "4k"
+iodepth = 8
+numjobs = 2
+queue_pairs = 2
+
+[[job]]
+name = "mix"
+rw = "randrw"
+rwmixread = 60
+bs = "8k"
+iodepth = 4
+
+[[job]]
+name = "seq"
+rw = "read"
+bs = "128k"
+iodepth = 2
+"#;
+
+fn run_modes(modes: Vec<Mode>) -> Report {
+    let file = JobFile::parse(JOB).unwrap();
+    let plan = Plan::resolve(
+        &file,
+        &Overrides {
+            modes: Some(modes),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    run(
+        &plan,
+        &RunOptions {
+            command: "test".into(),
+            job_file: None,
+            progress: false,
+        },
+    )
+    .unwrap()
+}
+
+fn check_sane(m: &Measurement, mode: &str, reads: bool, fabric: bool) {
+    assert!(m.ok, "{mode}: {m:?}");
+    assert!(m.error.is_none());
+    assert!(m.all.iops > 0.0 && m.all.gbps > 0.0, "{mode}: {m:?}");
+    assert!(m.seconds > 0.5 && m.seconds < 5.0, "{mode}: {}", m.seconds);
+    assert_eq!(m.verify_errors, 0);
+    assert_eq!(m.io_errors, 0);
+    if reads {
+        assert!(m.verified_reads > 0, "{mode}: reads were not verified");
+    }
+    assert!(m.all.latency.is_ordered(), "{mode}: {:?}", m.all.latency);
+    assert!(m.all.latency.p50_us > 0.0);
+    assert_eq!(m.all.latency.samples, m.all.ops);
+    assert_eq!(m.read.ops + m.write.ops, m.all.ops);
+    assert!(m.cpu.client_cpu_s > 0.0, "{mode}: {:?}", m.cpu);
+    if fabric {
+        let t = m
+            .cpu
+            .target_cpu_s
+            .expect("in-process target CPU is measured");
+        assert!(t > 0.0, "{mode}: the target did work but used no CPU?");
+        assert!(m.cpu.iops_per_target_core.unwrap() > 0.0);
+    } else {
+        assert!(m.cpu.target_cpu_s.is_none());
+    }
+    // Two namespaces, both used, counts adding up.
+    assert_eq!(m.namespaces.len(), 2);
+    assert!(m.namespaces.iter().all(|n| n.ops > 0));
+    assert_eq!(m.namespaces.iter().map(|n| n.ops).sum::<u64>(), m.all.ops);
+    let s = m.ns_spread.expect("spread with two namespaces");
+    assert!(s.min_over_mean > 0.0 && s.min_over_mean <= 1.0);
+}
+
+#[test]
+fn das_and_tcp_in_process_side_by_side() {
+    let r = run_modes(vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)]);
+    assert_eq!(r.points.len(), 3);
+    for p in &r.points {
+        assert_eq!(p.results.len(), 2);
+        let reads = p.point.reads();
+        let das = &p.results[0];
+        let tcp = &p.results[1];
+        assert_eq!((das.mode.as_str(), tcp.mode.as_str()), ("das", "tcp"));
+        check_sane(&das.repeats[0], "das", reads, false);
+        check_sane(&tcp.repeats[0], "tcp", reads, true);
+        let v = tcp.vs_das.expect("ratio against DAS");
+        assert!(v.iops_ratio > 0.0 && v.iops_ratio.is_finite());
+        assert!(das.vs_das.is_none());
+        if p.job == "mix" {
+            let m = &tcp.repeats[0];
+            assert!(m.read.ops > 0 && m.write.ops > 0, "{m:?}");
+        }
+        if p.job == "rand" {
+            assert_eq!(tcp.repeats[0].queues, Some(2));
+        }
+    }
+    assert!(r.all_ok());
+    // The JSON of a real run parses and keeps its schema.
+    let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(v["schema"], SCHEMA);
+    let s = &v["points"][0]["results"][1]["summary"];
+    assert!(s["iops"]["median"].as_f64().unwrap() > 0.0);
+    assert!(
+        s["lat_p50_us"]["median"].as_f64().unwrap() <= s["lat_p99_us"]["median"].as_f64().unwrap()
+    );
+    assert!(
+        s["lat_p99_us"]["median"].as_f64().unwrap()
+            <= s["lat_p9999_us"]["median"].as_f64().unwrap()
+    );
+    let md = r.to_markdown();
+    assert_eq!(
+        md.lines().filter(|l| l.contains("| tcp |")).count(),
+        3,
+        "{md}"
+    );
+}
+
+#[test]
+fn unavailable_modes_and_destinations_say_why() {
+    let r = run_modes(vec![Mode::Rdma { addr: None }]);
+    let m = &r.points[0].results[0].repeats[0];
+    assert!(!m.ok);
+    assert_eq!(m.error.as_deref(), Some(RDMA_UNAVAILABLE));
+    assert!(!r.all_ok());
+    assert!(r.to_markdown().contains("not available in this build"));
+
+    let file = JobFile::parse("[[job]]\ndest = \"gpu\"\nruntime = \"100ms\"").unwrap();
+    let plan = Plan::resolve(
+        &file,
+        &Overrides {
+            modes: Some(vec![Mode::Das]),
+            backend: Some("mem:16M".parse().unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let r = run(&plan, &RunOptions::default()).unwrap();
+    assert_eq!(
+        r.points[0].results[0].summary.error.as_deref(),
+        Some(GPU_UNAVAILABLE)
+    );
+}
+
+#[test]
+fn io_size_bounded_run_transfers_what_was_asked() {
+    let file = JobFile::parse(
+        "[global]\nbackend = \"mem:16M\"\n[[job]]\nrw = \"write\"\nbs = \"64k\"\niodepth = 4\nnumjobs = 2\nio_size = \"8M\"",
+    )
+    .unwrap();
+    let plan = Plan::resolve(
+        &file,
+        &Overrides {
+            modes: Some(vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)]),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let r = run(&plan, &RunOptions::default()).unwrap();
+    for res in &r.points[0].results {
+        let m = &res.repeats[0];
+        assert!(m.ok, "{}: {m:?}", res.mode);
+        assert_eq!(m.write.bytes, 8 << 20, "{}", res.mode);
+        assert_eq!(m.read.ops, 0);
+    }
+}
+
+#[test]
+fn cli_quick_writes_json_markdown_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("r.json");
+    let svg = dir.path().join("svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_nvmeof-bench"))
+        .args([
+            "--quick",
+            "--runtime",
+            "300ms",
+            "--ramp-time",
+            "100ms",
+            "--size",
+            "8M",
+            "--quiet",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("| point | mode | IOPS |"), "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.contains("| das |")).count(), 3);
+    assert_eq!(stdout.lines().filter(|l| l.contains("| tcp |")).count(), 3);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["schema"], SCHEMA);
+    assert_eq!(v["plan"]["modes"], serde_json::json!(["das", "tcp"]));
+    let svg_file = std::fs::read_to_string(svg.join("das-vs-of.svg")).unwrap();
+    assert!(svg_file.starts_with("<svg") && svg_file.trim_end().ends_with("</svg>"));
+}
+
+#[test]
+fn cli_rejects_bad_jobs_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("bad.toml");
+    std::fs::write(&job, "[[job]]\nbs = 1000\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nvmeof-bench"))
+        .arg(&job)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bs") && err.contains("multiple of 512"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_nvmeof-bench"))
+        .args(["--quick", "--modes", "ftp"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let _ = Duration::ZERO;
+}
