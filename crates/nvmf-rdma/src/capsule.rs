@@ -191,6 +191,77 @@ enum Pending<B> {
     },
 }
 
+/// Slot memory the device reads and writes while the queue runs: a raw allocation (never
+/// borrowed as a whole), accessed one slot range at a time, only while that slot is not posted.
+pub(crate) struct DmaMem {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+impl DmaMem {
+    const ALIGN: usize = 4096;
+
+    fn new(len: usize) -> Result<Self, Error> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
+            .map_err(|_| Error::Invalid("slot memory too large".into()))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(p) else {
+            std::alloc::handle_alloc_error(layout);
+        };
+        Ok(DmaMem { ptr, len })
+    }
+
+    /// Bytes `off..off + len`; None when out of range.
+    fn range(&self, off: usize, len: usize) -> Option<&[u8]> {
+        let end = off.checked_add(len)?;
+        if end > self.len {
+            return None;
+        }
+        // SAFETY: in bounds of the allocation; callers only read ranges of slots the device
+        // does not access (held receive slots), and the reference covers only that range.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) })
+    }
+
+    /// Copies `data` to `off`; false when out of range.
+    fn write(&mut self, off: usize, data: &[u8]) -> bool {
+        match off.checked_add(data.len()) {
+            Some(end) if end <= self.len => {
+                // SAFETY: in bounds; callers only write message slots taken from the pool,
+                // which no posted work request refers to.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        data.as_ptr(),
+                        self.ptr.as_ptr().add(off),
+                        data.len(),
+                    )
+                };
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+// SAFETY: the memory is a plain heap allocation owned by this value.
+unsafe impl Send for DmaMem {}
+
+// SAFETY: the allocation never moves or changes size and is owned until Drop.
+unsafe impl StableBuffer for DmaMem {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.ptr.as_ptr(), self.len)
+    }
+}
+
+impl Drop for DmaMem {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len.max(1), Self::ALIGN) {
+            // SAFETY: allocated in `new` with this layout; freed once.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
 /// The CM identifier and its event channel, dropped in that order.
 struct Endpoint {
     id: CmId,
@@ -204,8 +275,8 @@ pub struct CapsuleQueue<B: StableBuffer> {
     ops: Vec<Option<Op<B>>>,
     backlog: VecDeque<Pending<B>>,
     ready: Vec<Event<B>>,
-    recv_mem: Registered<Box<[u8]>>,
-    send_mem: Registered<Box<[u8]>>,
+    recv_mem: Registered<DmaMem>,
+    send_mem: Registered<DmaMem>,
     cq: CompletionQueue,
     pd: Arc<ProtectionDomain>,
     ep: Endpoint,
@@ -421,14 +492,8 @@ impl<B: StableBuffer> CapsuleQueue<B> {
                 .checked_mul(cfg.send_size)
                 .ok_or_else(|| Error::Invalid("message ring too large".into()))
         );
-        let recv_mem = tri!(pd.register(
-            vec![0u8; recv_bytes].into_boxed_slice(),
-            Access::LOCAL_WRITE
-        ));
-        let send_mem = tri!(pd.register(
-            vec![0u8; send_bytes].into_boxed_slice(),
-            Access::LOCAL_WRITE
-        ));
+        let recv_mem = tri!(pd.register(tri!(DmaMem::new(recv_bytes)), Access::LOCAL_WRITE));
+        let send_mem = tri!(pd.register(tri!(DmaMem::new(send_bytes)), Access::LOCAL_WRITE));
         let cq = tri!(CompletionQueue::new(ctx, cfg.cq_entries()));
         let cm = &tri!(libs()).cm;
         let mut attr = ibv_qp_init_attr {
@@ -578,7 +643,7 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         let off = slot.index as usize * self.cfg.recv_size;
         let len = (slot.len as usize).min(self.cfg.recv_size);
         // The slot is held (not posted), so the device does not write it.
-        &self.recv_mem.get()[off..off + len]
+        self.recv_mem.get().range(off, len).unwrap_or(&[])
     }
 
     /// Answers a received command: posts its receive slot again, then RDMA WRITEs `data` (if
@@ -731,7 +796,7 @@ impl<B: StableBuffer> CapsuleQueue<B> {
                     });
                 };
                 let off = msg_slot as usize * self.cfg.send_size;
-                self.send_mem.bytes_mut()[off..off + msg.len()].copy_from_slice(&msg);
+                self.send_mem.get_mut_unposted().write(off, &msg);
                 let msg_sge = self.send_mem.sge(off, msg.len());
                 let (data_buf, data_wr) = match data {
                     Some(d) if d.len > 0 => {

@@ -373,6 +373,11 @@ impl<B: StableBuffer> Registered<B> {
         &self.buf
     }
 
+    /// The buffer, mutable, for crate code that writes only ranges no work request uses.
+    pub(crate) fn get_mut_unposted(&mut self) -> &mut B {
+        &mut self.buf
+    }
+
     /// The whole registered memory, writable.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let (addr, len) = self.buf.region();
