@@ -116,20 +116,21 @@ impl EventChannel {
         Ok(())
     }
 
-    /// Waits for the next event ([`EventChannel::register`] first).
+    /// Waits for the next event ([`EventChannel::register`] first). Costs no system call
+    /// while the descriptor is not readable.
     pub async fn next(&self) -> Result<RawEvent, Error> {
+        let Some(fd) = &self.fd else {
+            return Err(Error::Invalid("event channel not registered".into()));
+        };
         loop {
-            if let Some(ev) = self.try_next()? {
-                return Ok(ev);
-            }
-            let Some(fd) = &self.fd else {
-                return Err(Error::Invalid("event channel not registered".into()));
-            };
             let mut guard = fd.readable().await.map_err(|source| Error::Os {
                 op: "wait for CM event channel",
                 source,
             })?;
-            guard.clear_ready();
+            match self.try_next()? {
+                Some(ev) => return Ok(ev),
+                None => guard.clear_ready(),
+            }
         }
     }
 }
