@@ -7,7 +7,7 @@
 
 use std::hint::black_box;
 
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use nvme_spec::command::build;
 use nvmf_tcp::{
     Digests, HostConfig, HostConn, HostEvent, PduHeader, TargetConfig, TargetConn, TargetEvent,
@@ -169,30 +169,27 @@ fn decode(c: &mut Criterion) {
         }
         g.throughput(Throughput::Bytes((BATCH * 4096) as u64));
         let mut sink = vec![0u8; 4096];
-        g.bench_function(name("host_read_replies_4k_x64", on), |b| {
-            b.iter_batched_ref(
-                || {
-                    let mut h = connected_host(d);
-                    for i in 0..BATCH {
-                        h.send_capsule_cmd(&read_sqe(i as u16, 4096), &[])
-                            .expect("command ids are free");
+        // One connection for every iteration (a fresh one per batch would time page faults
+        // of its new receive buffer): each iteration sends the 64 read commands, then takes
+        // their C2HData and CapsuleResp PDUs.
+        let mut h = connected_host(d);
+        let sqes: Vec<[u8; 64]> = (0..BATCH).map(|i| read_sqe(i as u16, 4096)).collect();
+        g.bench_function(name("host_read_cmds_and_replies_4k_x64", on), |b| {
+            b.iter(|| {
+                for sqe in &sqes {
+                    h.send_capsule_cmd(sqe, &[]).expect("command ids are free");
+                }
+                let n = h.pending_send().len();
+                h.consume_sent(n);
+                h.feed(black_box(&wire));
+                while let Ok(Some(ev)) = h.next_event() {
+                    if let HostEvent::C2HData { datao, data, .. } = ev {
+                        let o = datao as usize;
+                        sink[o..o + data.len()].copy_from_slice(data);
                     }
-                    let n = h.pending_send().len();
-                    h.consume_sent(n);
-                    h
-                },
-                |h| {
-                    h.feed(black_box(&wire));
-                    while let Ok(Some(ev)) = h.next_event() {
-                        if let HostEvent::C2HData { datao, data, .. } = ev {
-                            let o = datao as usize;
-                            sink[o..o + data.len()].copy_from_slice(data);
-                        }
-                    }
-                    black_box(&sink);
-                },
-                BatchSize::SmallInput,
-            )
+                }
+                black_box(&sink);
+            })
         });
     }
     g.finish();

@@ -2,7 +2,8 @@
 //! separate process, or any NVMe/TCP target at an address.
 //!
 //! The target's CPU time is read from its reactor threads (in-process) or from every thread
-//! of its process; a target at an address has no CPU figure.
+//! of its process; a target at an address has a CPU figure only when its process ID is given
+//! (`--target-pid`, for a user-space target such as SPDK's on this machine).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -52,6 +53,8 @@ pub struct TargetSpec {
     pub max_queue_depth: u16,
     /// CPUs to pin the target to.
     pub cpus: Option<String>,
+    /// Process of a target at an address, for its CPU time.
+    pub remote_pid: Option<u32>,
 }
 
 /// A target in use by a fabric mode.
@@ -76,6 +79,8 @@ pub enum FabricTarget {
     Remote {
         /// `HOST:PORT`.
         addr: String,
+        /// Its process on this machine, when known (for its CPU time).
+        pid: Option<u32>,
     },
 }
 
@@ -132,7 +137,18 @@ impl FabricTarget {
                 };
                 start_process(&bin, spec)
             }
-            TcpTarget::Remote { addr } => Ok(FabricTarget::Remote { addr: addr.clone() }),
+            TcpTarget::Remote { addr } => {
+                if let Some(pid) = spec.remote_pid {
+                    CpuSnapshot::take(Some(pid))?;
+                    if let Some(cpus) = &spec.cpus {
+                        cpu::pin_named(Some(pid), "", cpus)?;
+                    }
+                }
+                Ok(FabricTarget::Remote {
+                    addr: addr.clone(),
+                    pid: spec.remote_pid,
+                })
+            }
         }
     }
 
@@ -142,7 +158,7 @@ impl FabricTarget {
             FabricTarget::InProcess { addr, .. } | FabricTarget::Process { addr, .. } => {
                 addr.to_string()
             }
-            FabricTarget::Remote { addr } => addr.clone(),
+            FabricTarget::Remote { addr, .. } => addr.clone(),
         }
     }
 
@@ -151,7 +167,8 @@ impl FabricTarget {
         match self {
             FabricTarget::InProcess { .. } => CpuSource::Reactors,
             FabricTarget::Process { child, .. } => CpuSource::Process(child.id()),
-            FabricTarget::Remote { .. } => CpuSource::None,
+            FabricTarget::Remote { pid: Some(p), .. } => CpuSource::Process(*p),
+            FabricTarget::Remote { pid: None, .. } => CpuSource::None,
         }
     }
 

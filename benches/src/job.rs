@@ -500,6 +500,8 @@ pub struct Overrides {
     pub load_threads: Option<u32>,
     /// Replaces `size` of every job.
     pub size: Option<u64>,
+    /// Process ID of the target at `target_addr` (its CPU time is measured).
+    pub target_pid: Option<u32>,
 }
 
 /// One fully resolved measurement point: a job with one value per swept knob.
@@ -635,6 +637,8 @@ pub struct Plan {
     pub client_cpus: Option<String>,
     /// CPUs of the busy-host load.
     pub load_cpus: Option<String>,
+    /// Process ID of a target at an address, for its CPU time.
+    pub target_pid: Option<u32>,
     /// The points, in run order.
     pub points: Vec<Point>,
 }
@@ -782,6 +786,7 @@ impl Plan {
             target_cpus,
             client_cpus,
             load_cpus,
+            target_pid: ov.target_pid,
             points,
         })
     }

@@ -50,6 +50,11 @@ struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     target: Option<String>,
 
+    /// Process ID of the target at --target on this machine: its CPU time is measured
+    /// (and --target-cpus pins it).
+    #[arg(long, requires = "target")]
+    target_pid: Option<u32>,
+
     /// Subsystem NQN (for --target and tcp=HOST:PORT).
     #[arg(long)]
     nqn: Option<String>,
@@ -168,6 +173,7 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         host_load: args.busy.then_some(HostLoad::Busy),
         load_threads: args.load_threads,
         size: args.size,
+        target_pid: args.target_pid,
     };
     let plan = Plan::resolve(&file, &ov)?;
     if plan.modes.iter().any(|m| matches!(m, Mode::Tcp(_))) && args.target.is_some() {

@@ -34,7 +34,7 @@ use crate::report::{
 use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
 
 /// Message of the `rdma` mode until the RDMA transport exists.
-pub const RDMA_UNAVAILABLE: &str = "NVMe/RDMA is not available in this build: the RDMA transport (crates/nvmf-rdma) has not landed yet";
+pub const RDMA_UNAVAILABLE: &str = "NVMe/RDMA is not available in this build: the load generator has no RDMA I/O path yet (the RDMA transport is not integrated)";
 /// Message of the `gpu` destination until GPU reads exist.
 pub const GPU_UNAVAILABLE: &str = "destination gpu is not available in this build: the initiator has no GPU read path yet (dest = \"host\" works)";
 
@@ -157,6 +157,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
         reactors: plan.target_reactors,
         max_queue_depth: max_queue_depth(plan),
         cpus: plan.target_cpus.clone(),
+        remote_pid: plan.target_pid,
     };
     let mut states: Vec<ModeState> = plan
         .modes
