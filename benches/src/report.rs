@@ -468,7 +468,9 @@ impl Report {
                 let ratio = r
                     .vs_das
                     .map_or("-".into(), |v| format!("{:.2}", v.iops_ratio));
-                let verify = if sm.verified_reads == 0 && sm.verify_errors == 0 {
+                let verify = if !p.point.reads() {
+                    "- (no reads)".to_string()
+                } else if sm.verified_reads == 0 && sm.verify_errors == 0 {
                     "off".to_string()
                 } else if sm.verify_errors == 0 {
                     format!("{} ok", fmt_si(sm.verified_reads as f64))
