@@ -77,7 +77,8 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
     if skip() {
         return;
     }
-    let dir = tempfile::tempdir_in(nvmeof_tests::workspace_root().join("target")).expect("tempdir");
+    // Under the build directory, not /tmp: the namespace file needs a filesystem with O_DIRECT.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let ns = format!("file:{}/ns1.img,size=64M", dir.path().display());
     let port = nvmeof_tests::free_port();
     let listen = format!("tcp://127.0.0.1:{port}");
