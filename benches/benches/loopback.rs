@@ -26,6 +26,7 @@ fn loopback(c: &mut Criterion) {
         backend: "mem:64M".parse().expect("valid backend"),
         namespaces: 1,
         reactors: 1,
+        poll_us: 0,
         max_queue_depth: 128,
         cpus: None,
         remote_pid: None,

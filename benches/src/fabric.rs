@@ -49,6 +49,8 @@ pub struct TargetSpec {
     pub namespaces: u32,
     /// Reactor threads (0: one per core).
     pub reactors: usize,
+    /// Busy-poll window of the reactors in microseconds (0: event-driven).
+    pub poll_us: u32,
     /// Entries per queue the target allows.
     pub max_queue_depth: u16,
     /// CPUs to pin the target to.
@@ -100,6 +102,7 @@ fn target_config(spec: &TargetSpec, listen: &str) -> Result<Config, String> {
     let ns: Vec<BackendSpec> = (0..spec.namespaces).map(|_| spec.backend.clone()).collect();
     let mut cfg = Config::quick(&[listen], &spec.nqn, &ns, true, &[]).map_err(|e| e.to_string())?;
     cfg.target.reactors = spec.reactors;
+    cfg.target.poll_us = spec.poll_us;
     cfg.target.max_queue_depth = spec.max_queue_depth;
     Ok(cfg)
 }
@@ -253,9 +256,9 @@ fn start_process(bin: &Path, spec: &TargetSpec) -> Result<FabricTarget, FabricEr
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let mut toml = String::new();
     toml.push_str(&format!(
-        "[target]\nreactors = {}\nmax_queue_depth = {}\n\n[[listener]]\naddress = \"tcp://{addr}\"\n\n\
+        "[target]\nreactors = {}\npoll_us = {}\nmax_queue_depth = {}\n\n[[listener]]\naddress = \"tcp://{addr}\"\n\n\
          [[subsystem]]\nnqn = \"{}\"\nallow_any_host = true\n",
-        spec.reactors, spec.max_queue_depth, spec.nqn
+        spec.reactors, spec.poll_us, spec.max_queue_depth, spec.nqn
     ));
     for _ in 0..spec.namespaces {
         toml.push_str(&format!(

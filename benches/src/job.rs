@@ -22,7 +22,7 @@
 //! ```
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`,
-//! `target_reactors`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
+//! `target_reactors`, `target_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
 use std::fmt;
@@ -395,6 +395,8 @@ pub struct Section {
     pub nqn: Option<String>,
     /// Reactor threads of the target the load generator starts (global only).
     pub target_reactors: Option<usize>,
+    /// Busy-poll window of the started target's reactors, in microseconds (global only).
+    pub target_poll_us: Option<u32>,
     /// Repeats of the whole run, for medians and spread (global only).
     pub repeat: Option<u32>,
     /// CPU list for the target's reactor threads or process, `taskset` syntax (global only).
@@ -484,6 +486,8 @@ pub struct Overrides {
     pub backend: Option<BackendSpec>,
     /// Replaces `target_reactors`.
     pub target_reactors: Option<usize>,
+    /// Replaces `target_poll_us`.
+    pub target_poll_us: Option<u32>,
     /// Replaces `target_cpus`.
     pub target_cpus: Option<String>,
     /// Replaces `client_cpus`.
@@ -629,6 +633,8 @@ pub struct Plan {
     pub nqn: String,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
+    /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven).
+    pub target_poll_us: u32,
     /// Repeats.
     pub repeat: u32,
     /// CPUs of the target.
@@ -727,6 +733,10 @@ impl Plan {
         if target_reactors > 256 {
             return Err(invalid("global", "target_reactors", "must be 0..=256"));
         }
+        let target_poll_us = ov.target_poll_us.or(g.target_poll_us).unwrap_or(0);
+        if target_poll_us > 1_000_000 {
+            return Err(invalid("global", "target_poll_us", "must be 0..=1000000"));
+        }
         let repeat = ov.repeat.or(g.repeat).unwrap_or(1);
         if repeat == 0 || repeat > 100 {
             return Err(invalid("global", "repeat", "must be 1..=100"));
@@ -764,6 +774,7 @@ impl Plan {
                 ("namespaces", j.namespaces.is_some()),
                 ("nqn", j.nqn.is_some()),
                 ("target_reactors", j.target_reactors.is_some()),
+                ("target_poll_us", j.target_poll_us.is_some()),
                 ("repeat", j.repeat.is_some()),
                 ("target_cpus", j.target_cpus.is_some()),
                 ("client_cpus", j.client_cpus.is_some()),
@@ -782,6 +793,7 @@ impl Plan {
             namespaces,
             nqn,
             target_reactors,
+            target_poll_us,
             repeat,
             target_cpus,
             client_cpus,

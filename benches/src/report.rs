@@ -79,6 +79,9 @@ pub struct PlanInfo {
     pub namespaces: u32,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
+    /// Busy-poll window of the target's reactors in microseconds (0: event-driven).
+    #[serde(default)]
+    pub target_poll_us: u32,
     /// Target CPUs.
     pub target_cpus: Option<String>,
     /// Client CPUs.

@@ -3,6 +3,7 @@
 //! ```toml
 //! [target]
 //! reactors = 2                      # data-plane threads (default: one per core)
+//! poll_us = 50                      # busy-poll window after activity (default 0: event-driven)
 //!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
@@ -143,6 +144,10 @@ pub struct TargetSettings {
     pub max_c2h_data: u32,
     /// Keep alive timeout granted when the host asks for none on an I/O controller, in ms.
     pub default_kato_ms: u32,
+    /// After each receive, a reactor keeps polling its sockets for this many microseconds
+    /// instead of sleeping in the kernel, so the next command of a busy host is picked up
+    /// without a wake-up. 0 = never poll (purely event-driven). An idle reactor sleeps.
+    pub poll_us: u32,
 }
 
 impl Default for TargetSettings {
@@ -155,6 +160,7 @@ impl Default for TargetSettings {
             in_capsule_data: 8192,
             max_c2h_data: 128 * 1024,
             default_kato_ms: 120_000,
+            poll_us: 0,
         }
     }
 }
@@ -417,6 +423,7 @@ mod tests {
             r#"
             [target]
             reactors = 2
+            poll_us = 75
             [[listener]]
             address = "tcp://0.0.0.0:4420"
             [discovery]
@@ -434,6 +441,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.target.reactors, 2);
+        assert_eq!(c.target.poll_us, 75);
         assert_eq!(c.subsystems[0].namespaces[1].nsid, Some(7));
         assert_eq!(c.discovery.listen[0].addr.port(), 8009);
     }

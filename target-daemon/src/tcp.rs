@@ -251,6 +251,7 @@ impl Conn {
                 Ok(0) => return Err(Closed::Eof),
                 Ok(n) => {
                     self.engine.commit_recv(n);
+                    crate::reactor::note_activity();
                     self.handle_events()?;
                     if n < READ_CHUNK {
                         break;

@@ -142,6 +142,22 @@ impl TargetProcess {
         let _ = self.child.wait();
     }
 
+    /// Its process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// CPU time (user + system) it has used so far, from /proc.
+    pub fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).expect("stat");
+        // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+        let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        // /proc reports in USER_HZ, which the kernel's ABI fixes at 100 on Linux.
+        Duration::from_millis(ticks * 10)
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

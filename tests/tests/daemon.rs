@@ -217,6 +217,56 @@ fn sigterm_keeps_acknowledged_writes_and_identity_is_stable() {
 }
 
 #[test]
+fn busy_poll_reactors_serve_sleep_when_idle_and_stop() {
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let nqn = "nqn.2026-11.io.example:poll";
+    let args = [
+        "--listen",
+        &listen,
+        "--subsystem",
+        nqn,
+        "--namespace",
+        "mem:16M",
+        "--reactors",
+        "1",
+        "--poll-us",
+        "2000",
+    ];
+    let t = TargetProcess::spawn(&args, port);
+    let (_admin, cntlid) = RawHost::admin(t.addr(), nqn);
+    let mut io = RawHost::io_queue(t.addr(), nqn, cntlid, 1);
+    let data: Vec<u8> = (0..16 * 1024u32).map(|i| (i * 13 % 251) as u8).collect();
+    let mut read = build::read_write(false, 2, 1, 8, 4);
+    read.dptr = SglDescriptor::tcp_transport(data.len() as u32);
+    for round in 0..3u16 {
+        let mut w = build::read_write(true, 1, 1, 8, 4);
+        w.dptr = SglDescriptor::tcp_transport(data.len() as u32);
+        match io.command(&w, &[], &data) {
+            Reply::Completion(c, _) => assert!(c.status().is_success(), "{}", c.status()),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            ok_data(io.command(&read, &[], &[])) == data,
+            "round {round}"
+        );
+        // Past the window the reactor sleeps; the next command must wake it.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Idle connections must not keep the reactor spinning: over a second of idleness the
+    // whole process uses a small fraction of a CPU (a spinning reactor would use all of it).
+    let before = t.cpu_time();
+    std::thread::sleep(Duration::from_secs(1));
+    let used = t.cpu_time() - before;
+    assert!(
+        used < Duration::from_millis(500),
+        "idle target used {used:?} of CPU in 1 s"
+    );
+    let (code, log) = t.terminate();
+    assert_eq!(code, Some(0), "{log}");
+}
+
+#[test]
 fn keep_alive_timeout_tears_the_controller_down() {
     let t = TargetProcess::quick("nqn.2026-11.io.example:ka", &["mem:8M"]);
     let mut admin = RawHost::connect(t.addr(), false, false);

@@ -59,6 +59,11 @@ struct Args {
     #[arg(long, value_name = "N")]
     reactors: Option<usize>,
 
+    /// Busy-poll window in microseconds: after traffic, reactors poll their sockets this long
+    /// before sleeping (lower latency at the cost of CPU while busy; 0 = event-driven).
+    #[arg(long, value_name = "US")]
+    poll_us: Option<u32>,
+
     /// Check the configuration, open the backends, bind the listeners, then exit.
     #[arg(long)]
     check: bool,
@@ -110,6 +115,9 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     };
     if let Some(n) = args.reactors {
         cfg.target.reactors = n;
+    }
+    if let Some(us) = args.poll_us {
+        cfg.target.poll_us = us;
     }
     for s in &cfg.subsystems {
         if s.allow_any_host {
