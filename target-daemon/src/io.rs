@@ -25,7 +25,8 @@ pub fn backend_status(e: &BackendError) -> Status {
     }
 }
 
-fn status_of(ctrl: &Controller, r: Result<(), BackendError>) -> Status {
+/// The status of a backend operation's outcome; failures of the medium are counted and logged.
+pub(crate) fn status_of(ctrl: &Controller, r: Result<(), BackendError>) -> Status {
     match r {
         Ok(()) => Status::SUCCESS,
         Err(e) => {

@@ -11,9 +11,10 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use blockdev::{AnyBackend, BufPool, IoBuf};
+use blockdev::{AnyBackend, Backend, BackendError, BufPool, IoBuf};
 use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use nvme_spec::status::generic;
@@ -380,6 +381,9 @@ impl Conn {
                     }
                     return;
                 }
+                if icd.is_none() && self.read_in_place(&req, &sqe) {
+                    return;
+                }
                 let buf = match (icd, req.op) {
                     (Some(b), _) => b,
                     (None, IoOp::Read { len, .. }) => self.pool.get(len),
@@ -453,6 +457,48 @@ impl Conn {
         } else {
             self.inflight.push(Box::pin(run_io(ctrl, req, sqe, buf)));
         }
+    }
+
+    /// Serves a read from a backend that never waits (memory, null) straight into the send
+    /// buffer: one copy from the namespace to the socket's buffer, no staging buffer. Returns
+    /// false, doing nothing, for other backends.
+    fn read_in_place(&mut self, req: &IoRequest, sqe: &Sqe) -> bool {
+        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.q.ctrl)
+        else {
+            return false;
+        };
+        let read: &dyn Fn(u64, &mut [u8]) -> Result<(), BackendError> = match &*ns.backend {
+            AnyBackend::Memory(m) => &|lba, out| m.read_into(lba, out),
+            AnyBackend::Null(n) => &|lba, out| n.read_into(lba, out),
+            AnyBackend::File(_) => return false,
+        };
+        let bs = ns.backend.block_size() as usize;
+        if self.engine.config().max_c2h_data as usize % bs != 0 {
+            return false;
+        }
+        let success = self.q.sq_flow_disabled;
+        let sent = self
+            .engine
+            .send_c2h_data_with(req.cid, len as u32, success, |off, out| {
+                read(lba + (off / bs) as u64, out)
+            });
+        let c = &ctrl.counters;
+        c.reads.fetch_add(1, Ordering::Relaxed);
+        c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        let status = match sent {
+            Ok(Ok(())) if success => return true,
+            Ok(r) => crate::io::status_of(ctrl, r),
+            Err(e) => {
+                debug!(error = %e, cid = req.cid, "cannot queue C2HData");
+                Status::SUCCESS
+            }
+        };
+        if !status.is_success() {
+            self.q.record_error(sqe, status, lba);
+        }
+        let cqe = self.q.completion(req.cid, status, 0);
+        self.respond(&cqe);
+        true
     }
 
     fn complete(&mut self, done: Done) {

@@ -173,6 +173,7 @@ impl AnyBackend {
             AnyBackend::File(_) => "file",
         }
     }
+
 }
 
 impl Backend for AnyBackend {

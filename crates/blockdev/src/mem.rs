@@ -113,6 +113,14 @@ impl MemoryBackend {
         self.allocated_chunks() as u64 * self.chunk_size() as u64
     }
 
+    /// Reads `out.len()` bytes starting at block `lba` into any slice, synchronously (memory
+    /// never waits): lets a transport read straight into its send buffer.
+    pub fn read_into(&self, lba: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        let offset = check_transfer(lba, out.len(), self.block_size, self.num_blocks)?;
+        self.read_sync(offset, out);
+        Ok(())
+    }
+
     fn shard(&self, chunk: u64) -> &Shard {
         &self.shards[(chunk as usize) % SHARDS]
     }
@@ -250,13 +258,8 @@ impl Backend for MemoryBackend {
     }
 
     async fn read(&self, lba: u64, mut buf: IoBuf) -> BufResult {
-        match check_transfer(lba, buf.len(), self.block_size, self.num_blocks) {
-            Ok(offset) => {
-                self.read_sync(offset, &mut buf);
-                (Ok(()), buf)
-            }
-            Err(e) => (Err(e), buf),
-        }
+        let r = self.read_into(lba, &mut buf);
+        (r, buf)
     }
 
     async fn write(&self, lba: u64, buf: IoBuf) -> BufResult {

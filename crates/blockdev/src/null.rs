@@ -26,6 +26,14 @@ impl NullBackend {
             num_blocks: size / u64::from(block_size),
         })
     }
+
+    /// Fills `out` with zeros after checking the range, like a read of `out.len()` bytes at
+    /// block `lba`.
+    pub fn read_into(&self, lba: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        check_transfer(lba, out.len(), self.block_size, self.num_blocks)?;
+        out.fill(0);
+        Ok(())
+    }
 }
 
 impl Backend for NullBackend {
@@ -46,13 +54,8 @@ impl Backend for NullBackend {
     }
 
     async fn read(&self, lba: u64, mut buf: IoBuf) -> BufResult {
-        match check_transfer(lba, buf.len(), self.block_size, self.num_blocks) {
-            Ok(_) => {
-                buf.fill(0);
-                (Ok(()), buf)
-            }
-            Err(e) => (Err(e), buf),
-        }
+        let r = self.read_into(lba, &mut buf);
+        (r, buf)
     }
 
     async fn write(&self, lba: u64, buf: IoBuf) -> BufResult {

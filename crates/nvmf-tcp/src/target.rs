@@ -682,6 +682,60 @@ impl TargetConn {
         Ok(())
     }
 
+    /// Queues all `len` bytes of a read's data for command `cccid` as C2HData PDUs (as
+    /// [`send_c2h_data`](Self::send_c2h_data) does with `datao` 0 and `last`), with each PDU's
+    /// payload written in place by `fill(offset, payload)`: the data goes from its source into
+    /// the send buffer with one copy. When `fill` fails, nothing is queued and its error is
+    /// returned inside `Ok`.
+    pub fn send_c2h_data_with<E>(
+        &mut self,
+        cccid: u16,
+        len: u32,
+        success: bool,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, SendError> {
+        let p = self.established()?;
+        if len == 0 {
+            return Err(SendError::EmptyData);
+        }
+        let max = self.config.max_c2h_data as usize;
+        let total = len as usize;
+        let mark = self.tx.len();
+        let mut off = 0;
+        while off < total {
+            let n = max.min(total - off);
+            let fin = off + n == total;
+            let hdr = match PduHeader::c2h_data(
+                p.digests,
+                p.hpda,
+                cccid,
+                off as u32,
+                n as u32,
+                fin,
+                fin && success,
+            ) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.tx.truncate(mark);
+                    return Err(e);
+                }
+            };
+            self.tx.extend_from_slice(hdr.as_bytes());
+            let start = self.tx.len();
+            self.tx.resize(start + n, 0);
+            if let Err(e) = fill(off, &mut self.tx[start..]) {
+                self.tx.truncate(mark);
+                return Ok(Err(e));
+            }
+            if hdr.data_digest_len() > 0 {
+                let d = crc32c(&self.tx[start..]);
+                self.tx.extend_from_slice(&d.to_le_bytes());
+            }
+            off += n;
+        }
+        Ok(Ok(()))
+    }
+
     /// Encodes only the header (with header digest and padding) of one C2HData PDU for the
     /// negotiated parameters, for callers that send `header`, payload and data digest with
     /// one vectored write. Flush [`pending_send`](Self::pending_send) first to keep PDUs in

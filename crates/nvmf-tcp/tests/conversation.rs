@@ -209,3 +209,47 @@ proptest! {
         });
     }
 }
+
+/// Read data written in place (`send_c2h_data_with`) is byte for byte what `send_c2h_data`
+/// queues for the same data, split over PDUs the same way; a failing fill queues nothing.
+#[test]
+fn c2h_data_written_in_place_matches_copied() {
+    for d in ALL_DIGESTS {
+        for len in [512usize, 4096, 4097, 3 * 4096 + 100] {
+            let data = pattern(len, 9);
+            let (_h, mut a) = connect(d, &mut |n| n);
+            let (_h, mut b) = connect(d, &mut |n| n);
+            a.send_c2h_data(5, 0, &data, true, true).unwrap();
+            let mut offsets = Vec::new();
+            b.send_c2h_data_with(5, len as u32, true, |off, out| {
+                offsets.push((off, out.len()));
+                out.copy_from_slice(&data[off..off + out.len()]);
+                Ok::<(), ()>(())
+            })
+            .unwrap()
+            .unwrap();
+            assert_eq!(
+                take_target_tx(&mut a),
+                take_target_tx(&mut b),
+                "{d:?} {len}"
+            );
+            assert_eq!(offsets[0], (0, len.min(4096)));
+
+            b.send_capsule_resp(&cqe(1, 0)).unwrap();
+            let before = b.pending_send().to_vec();
+            let r = b.send_c2h_data_with(6, len as u32, false, |off, _| {
+                if off > 0 {
+                    Err("backend failed")
+                } else {
+                    Ok(())
+                }
+            });
+            if len > 4096 {
+                assert_eq!(r.unwrap(), Err("backend failed"));
+            }
+            if len > 4096 {
+                assert_eq!(b.pending_send(), &before[..], "nothing queued on failure");
+            }
+        }
+    }
+}
