@@ -18,6 +18,9 @@
 //!   and reassembled; many commands are in flight per queue; small writes travel in the
 //!   command capsule, larger ones on R2T. Buffers are `&mut [u8]` / `&[u8]`, or any
 //!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
+//! - [`gpu`] (feature `gpu`, on by default) reads into and writes from CUDA device memory:
+//!   pinned staging slots, asynchronous copies on a stream, batched small reads scattered by a
+//!   kernel.
 //! - [`open_attached`] opens a namespace that `nvmeof-initd` holds under a name: the daemon
 //!   gives the connection parameters and the process makes its own queues, so data never
 //!   passes through the daemon.
@@ -56,6 +59,8 @@ mod controller;
 pub mod daemon;
 mod discovery;
 mod error;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 pub mod identity;
 mod info;
 mod namespace;
