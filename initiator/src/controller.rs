@@ -19,7 +19,9 @@ use std::time::Duration;
 
 use nvme_spec::command::{build, cns, log_id};
 use nvme_spec::fabrics::{Cc, csts, property};
-use nvme_spec::identify::{IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, cntrltype};
+use nvme_spec::identify::{
+    IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
+};
 use nvme_spec::{FabricsCommand, FromBytes, features};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
@@ -30,13 +32,15 @@ use tracing::{debug, info, warn};
 
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
 use crate::queue::{DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry};
-use crate::setup::SetupConn;
-use crate::{ConnectOptions, Error, Namespace, QueuePolicy};
+use crate::setup::{QueueSpec, SetupConn};
+use crate::{ConnectOptions, Error, Namespace, QueuePolicy, Transport};
 
 /// Entries of the admin queue.
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
 /// In-capsule data accepted on admin queues (NVMe/TCP: 8 KiB).
 const ADMIN_IN_CAPSULE: usize = 8192;
+/// Largest in-capsule data of NVMe/RDMA writes (each send slot of a queue has room for it).
+const RDMA_MAX_IN_CAPSULE: u32 = 16384;
 /// Transfer limit used when the controller reports none (MDTS 0).
 const DEFAULT_MAX_TRANSFER: u64 = 1 << 20;
 /// Largest number of logical blocks in one Read/Write (16-bit 0's based NLB).
@@ -299,14 +303,13 @@ struct Established {
 async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, Error> {
     let t = &opts.timeouts;
     let digests = (opts.header_digest, opts.data_digest);
-    let mut admin = SetupConn::open(
-        &opts.addr,
-        digests,
-        usize::from(ADMIN_QUEUE_ENTRIES),
-        t.connect,
-        t.admin,
-    )
-    .await?;
+    let admin_queue = QueueSpec {
+        qid: 0,
+        cntlid: 0xFFFF,
+        depth: ADMIN_QUEUE_ENTRIES,
+        in_capsule: 0,
+    };
+    let mut admin = SetupConn::open(&opts.addr, admin_queue, digests, t.connect, t.admin).await?;
     let kato_ms = opts.kato.as_millis().min(u128::from(u32::MAX)) as u32;
     let cntlid = admin
         .connect(
@@ -404,11 +407,22 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
     }
     let max_transfer = max_transfer.min(u64::from(u32::MAX)) as u32;
     let ioccsz = id.ioccsz.get();
-    let icd = if ioccsz >= 4 {
+    let mut icd = if ioccsz >= 4 {
         (ioccsz.saturating_mul(16) - 64).min(1 << 20)
     } else {
         0
     };
+    let rdma = opts.addr.transport == Transport::Rdma;
+    if rdma {
+        // Every NVMe/RDMA send slot is that large: keep the slots of a queue small.
+        icd = icd.min(RDMA_MAX_IN_CAPSULE);
+        if id.sgls.get() & SGLS_KEYED == 0 {
+            return Err(Error::Refused(
+                "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs"
+                    .into(),
+            ));
+        }
+    }
     let mut info = ControllerInfo {
         addr: opts.addr.to_string(),
         subnqn: String::new(),
@@ -441,19 +455,16 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
         let opts = opts.clone();
         set.spawn(async move {
             let t = &opts.timeouts;
-            let mut q =
-                SetupConn::open(&opts.addr, digests, usize::from(depth), t.connect, t.admin)
-                    .await?;
+            let spec = QueueSpec {
+                qid,
+                cntlid,
+                depth,
+                in_capsule: icd as usize,
+            };
+            let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin).await?;
             q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
                 .await?;
-            Ok((
-                qid,
-                Live {
-                    stream: q.stream,
-                    engine: q.engine,
-                    icd_limit: icd as usize,
-                },
-            ))
+            Ok((qid, q.into_live(icd as usize)))
         });
     }
     let mut ios: Vec<Option<Live>> = (0..granted).map(|_| None).collect();
@@ -468,11 +479,7 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
     }
     let ios = ios.into_iter().flatten().collect();
     Ok(Established {
-        admin: Live {
-            stream: admin.stream,
-            engine: admin.engine,
-            icd_limit: ADMIN_IN_CAPSULE,
-        },
+        admin: admin.into_live(if rdma { 0 } else { ADMIN_IN_CAPSULE }),
         ios,
         info,
         identify: Box::new(id),

@@ -22,7 +22,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use crate::identity::{is_root, parse_hostid};
 use crate::{
     ConnectOptions, Controller, ControllerInfo, Error, HostIdentity, Namespace, NamespaceInfo,
-    TargetAddr,
+    TargetAddr, Transport,
 };
 
 /// The daemon's socket path when running as root.
@@ -49,7 +49,7 @@ pub fn default_socket_path() -> PathBuf {
 /// What an attachment connects to, and how.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AttachParams {
-    /// Transport: `tcp`.
+    /// Transport: `tcp` or `rdma`.
     pub transport: String,
     /// Target address.
     pub traddr: String,
@@ -96,14 +96,9 @@ impl AttachParams {
 
     /// Connection settings for these parameters, with `host` as the identity.
     pub fn connect_options(&self, host: HostIdentity) -> Result<ConnectOptions, Error> {
-        if self.transport != "tcp" {
-            return Err(Error::InvalidArgument(format!(
-                "transport {:?} is not supported (only tcp)",
-                self.transport
-            )));
-        }
+        let transport: Transport = self.transport.parse()?;
         let mut o = ConnectOptions::new(
-            TargetAddr::new(self.traddr.clone(), self.trsvcid),
+            TargetAddr::new(self.traddr.clone(), self.trsvcid).with_transport(transport),
             self.subnqn.clone(),
             host,
         );

@@ -8,7 +8,7 @@ use nvme_spec::log::{DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, trt
 use serde::{Deserialize, Serialize};
 use tracing::debug;
 
-use crate::setup::SetupConn;
+use crate::setup::{QueueSpec, SetupConn};
 use crate::{DiscoveryOptions, Error};
 
 /// Size of the header and of each entry of the discovery log page.
@@ -43,6 +43,54 @@ pub struct DiscoveryEntry {
     pub traddr: String,
     /// Subsystem NQN.
     pub subnqn: String,
+    /// The RDMA transport specific address subtype (entries with trtype RDMA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<RdmaTsas>,
+}
+
+/// The transport specific address subtype of an RDMA entry (NVMe-oF 1.1, Figure 41).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaTsas {
+    /// RDMA QP service type (1 = reliable connected, 2 = reliable datagram).
+    pub qptype: u8,
+    /// RDMA provider type (1 = not specified, 2 = InfiniBand, 3 = RoCE, 4 = RoCE v2,
+    /// 5 = iWARP).
+    pub prtype: u8,
+    /// RDMA connection management service (1 = RDMA-CM).
+    pub cms: u8,
+    /// InfiniBand partition key.
+    pub pkey: u16,
+}
+
+impl RdmaTsas {
+    /// The QP service type as nvme-cli names it.
+    pub fn qptype_name(&self) -> &'static str {
+        match self.qptype {
+            1 => "connected",
+            2 => "datagram",
+            _ => "unrecognized",
+        }
+    }
+
+    /// The provider type as nvme-cli names it.
+    pub fn prtype_name(&self) -> &'static str {
+        match self.prtype {
+            1 => "not specified",
+            2 => "infiniband",
+            3 => "roce",
+            4 => "roce-v2",
+            5 => "iwarp",
+            _ => "unrecognized",
+        }
+    }
+
+    /// The connection management service as nvme-cli names it.
+    pub fn cms_name(&self) -> &'static str {
+        match self.cms {
+            1 => "rdma-cm",
+            _ => "unrecognized",
+        }
+    }
 }
 
 impl DiscoveryEntry {
@@ -59,7 +107,31 @@ impl DiscoveryEntry {
             trsvcid: get_trimmed(&e.trsvcid),
             traddr: get_trimmed(&e.traddr),
             subnqn: get_trimmed(&e.subnqn),
+            rdma: (e.trtype == trtype::RDMA).then(|| RdmaTsas {
+                qptype: e.tsas[0],
+                prtype: e.tsas[1],
+                cms: e.tsas[2],
+                pkey: u16::from_le_bytes([e.tsas[8], e.tsas[9]]),
+            }),
         }
+    }
+
+    /// The transport of the entry, if this initiator speaks it.
+    pub fn transport(&self) -> Option<crate::Transport> {
+        match self.trtype {
+            trtype::TCP => Some(crate::Transport::Tcp),
+            trtype::RDMA => Some(crate::Transport::Rdma),
+            _ => None,
+        }
+    }
+
+    /// The address to connect to for this entry (None for another transport or a port that
+    /// is not a number).
+    pub fn target_addr(&self) -> Option<crate::TargetAddr> {
+        Some(
+            crate::TargetAddr::new(self.traddr.clone(), self.port()?)
+                .with_transport(self.transport()?),
+        )
     }
 
     /// The transport type as nvme-cli names it.
@@ -131,7 +203,13 @@ pub struct DiscoveryLog {
 pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
     let t = &opts.timeouts;
     let digests = (opts.header_digest, opts.data_digest);
-    let mut c = SetupConn::open(&opts.addr, digests, 32, t.connect, t.admin).await?;
+    let spec = QueueSpec {
+        qid: 0,
+        cntlid: 0xFFFF,
+        depth: 32,
+        in_capsule: 0,
+    };
+    let mut c = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin).await?;
     c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host)
         .await?;
     let cap = c.property_get(property::CAP, true).await?;

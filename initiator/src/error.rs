@@ -62,6 +62,19 @@ pub enum Error {
         #[source]
         source: ProtocolError,
     },
+    /// NVMe/RDMA was asked for but this host cannot do RDMA (rdma-core is not installed, or
+    /// there is no RDMA device).
+    #[error("NVMe/RDMA is not available: {0}")]
+    RdmaUnavailable(String),
+    /// An RDMA connection could not be set up or failed (address resolution, RDMA-CM,
+    /// memory registration, a work request completed with an error).
+    #[error("NVMe/RDMA connection to {addr}: {reason}")]
+    Rdma {
+        /// Target address.
+        addr: String,
+        /// What happened.
+        reason: String,
+    },
     /// The target terminated the connection with a C2HTermReq.
     #[error("target {addr} terminated the connection (C2HTermReq, FES {fes:#x}: {}, FEI {fei:#x})", fes_name(*fes))]
     TermReq {
@@ -138,6 +151,7 @@ impl Error {
                 | Error::ConnectionLost { .. }
                 | Error::Protocol { .. }
                 | Error::TermReq { .. }
+                | Error::Rdma { .. }
                 | Error::Interrupted { .. }
                 | Error::Timeout { .. }
         )

@@ -66,18 +66,19 @@ mod info;
 mod namespace;
 mod options;
 mod queue;
+mod rdma;
 mod setup;
 
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
-pub use discovery::{DiscoveryEntry, DiscoveryLog, discover};
+pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
 pub use error::{Error, fes_name, status_name};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::{BufferError, Namespace, ReadDest, WriteSource};
 pub use options::{
     ConnectOptions, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions, QueuePolicy,
-    ReconnectPolicy, TargetAddr, Timeouts,
+    ReconnectPolicy, TargetAddr, Timeouts, Transport,
 };
 pub use queue::QueueStats;
 

@@ -11,17 +11,64 @@ pub const DEFAULT_PORT: u16 = 4420;
 /// The conventional NVMe-oF discovery port.
 pub const DEFAULT_DISCOVERY_PORT: u16 = 8009;
 
-/// A target's transport address: host name or IP address, and TCP port.
+/// An NVMe-oF transport.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// NVMe/TCP.
+    #[default]
+    Tcp,
+    /// NVMe/RDMA (RoCE v2, InfiniBand, iWARP) through RDMA-CM; needs rdma-core (libibverbs,
+    /// librdmacm) and an RDMA device at run time.
+    Rdma,
+}
+
+impl Transport {
+    /// The name nvme-cli uses (`tcp`, `rdma`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Transport {
+    type Err = Error;
+
+    /// `tcp` or `rdma` (case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.to_ascii_lowercase().as_str() {
+            "tcp" => Ok(Transport::Tcp),
+            "rdma" => Ok(Transport::Rdma),
+            _ => Err(Error::InvalidArgument(format!(
+                "transport {s:?} is not supported (tcp or rdma)"
+            ))),
+        }
+    }
+}
+
+/// A target's transport address: transport, host name or IP address, and port.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TargetAddr {
     /// Host name or IP address (IPv6 without brackets).
     pub host: String,
-    /// TCP port (the transport service ID).
+    /// Port (the transport service ID: a TCP port, or the RDMA-CM port space's port).
     pub port: u16,
+    /// Transport.
+    pub transport: Transport,
 }
 
 impl TargetAddr {
-    /// An address from a host and a port.
+    /// An NVMe/TCP address from a host and a port.
     pub fn new(host: impl Into<String>, port: u16) -> Self {
         let host: String = host.into();
         let host = host
@@ -29,12 +76,31 @@ impl TargetAddr {
             .and_then(|h| h.strip_suffix(']'))
             .map(str::to_string)
             .unwrap_or(host);
-        TargetAddr { host, port }
+        TargetAddr {
+            host,
+            port,
+            transport: Transport::Tcp,
+        }
+    }
+
+    /// An NVMe/RDMA address from a host (an IP address of an RDMA device) and a port.
+    pub fn rdma(host: impl Into<String>, port: u16) -> Self {
+        TargetAddr::new(host, port).with_transport(Transport::Rdma)
+    }
+
+    /// The same address over another transport.
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
     }
 }
 
 impl fmt::Display for TargetAddr {
+    /// `HOST:PORT` for NVMe/TCP, `rdma://HOST:PORT` for NVMe/RDMA.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.transport == Transport::Rdma {
+            f.write_str("rdma://")?;
+        }
         if self.host.contains(':') {
             write!(f, "[{}]:{}", self.host, self.port)
         } else {
@@ -46,8 +112,13 @@ impl fmt::Display for TargetAddr {
 impl FromStr for TargetAddr {
     type Err = Error;
 
-    /// Parses `HOST:PORT`, `[IPV6]:PORT`, or a bare host (port 4420).
+    /// Parses `HOST:PORT`, `[IPV6]:PORT`, or a bare host (port 4420), optionally prefixed
+    /// with `tcp://` or `rdma://`.
     fn from_str(s: &str) -> Result<Self, Error> {
+        if let Some(rest) = s.strip_prefix("rdma://") {
+            return Ok(rest.parse::<TargetAddr>()?.with_transport(Transport::Rdma));
+        }
+        let s = s.strip_prefix("tcp://").unwrap_or(s);
         let bad = || Error::InvalidArgument(format!("{s:?} is not HOST:PORT"));
         if let Some(rest) = s.strip_prefix('[') {
             let (host, tail) = rest.split_once(']').ok_or_else(bad)?;
@@ -154,9 +225,9 @@ pub struct ConnectOptions {
     pub queue_depth: u16,
     /// Keep alive timeout asked for at Connect; Keep Alive is sent every half of it.
     pub kato: Duration,
-    /// Ask for NVMe/TCP header digests.
+    /// Ask for NVMe/TCP header digests (not available over NVMe/RDMA).
     pub header_digest: bool,
-    /// Ask for NVMe/TCP data digests.
+    /// Ask for NVMe/TCP data digests (not available over NVMe/RDMA).
     pub data_digest: bool,
     /// Timeouts.
     pub timeouts: Timeouts,
@@ -223,6 +294,11 @@ impl ConnectOptions {
                 "keep alive timeout too large".into(),
             ));
         }
+        if self.addr.transport == Transport::Rdma && (self.header_digest || self.data_digest) {
+            return Err(Error::InvalidArgument(
+                "digests are an NVMe/TCP feature; NVMe/RDMA has none".into(),
+            ));
+        }
         if let Some(m) = self.max_transfer {
             if m < 512 {
                 return Err(Error::InvalidArgument(
@@ -283,5 +359,17 @@ mod tests {
         assert!("host:notaport".parse::<TargetAddr>().is_err());
         assert!("".parse::<TargetAddr>().is_err());
         assert_eq!(TargetAddr::new("[fe80::1]", 1).host, "fe80::1");
+        let r: TargetAddr = "rdma://10.0.0.1:4421".parse().unwrap();
+        assert_eq!(r, TargetAddr::rdma("10.0.0.1", 4421));
+        assert_eq!(r.to_string(), "rdma://10.0.0.1:4421");
+        assert_eq!(
+            "rdma://[::1]".parse::<TargetAddr>().unwrap().port,
+            DEFAULT_PORT
+        );
+        let t: TargetAddr = "tcp://h:1".parse().unwrap();
+        assert_eq!(t.transport, Transport::Tcp);
+        assert!("rdma://".parse::<TargetAddr>().is_err());
+        assert_eq!("RDMA".parse::<Transport>().unwrap(), Transport::Rdma);
+        assert!("fc".parse::<Transport>().is_err());
     }
 }

@@ -1,4 +1,5 @@
-//! Queues: one task per queue owns the TCP connection and the NVMe/TCP engine.
+//! Queues: one task per queue owns the connection (the TCP socket and the NVMe/TCP engine,
+//! or the NVMe/RDMA queue pair).
 //!
 //! A caller takes a command slot (a tag, which is also the command identifier on the wire),
 //! fills the slot's staging buffer, and hands the command to the queue task through a
@@ -6,6 +7,11 @@
 //! writes them with one `write`; it reads everything the socket has, copies read data into
 //! the slots' staging buffers, answers R2Ts, and on each completion stores the result in the
 //! slot and wakes that one caller.
+//!
+//! Over NVMe/RDMA a slot's buffer is registered with the queue pair's protection domain the
+//! first time it carries data (and again only when it must grow or after a reconnect): the
+//! command names it in a keyed SGL, the target RDMA WRITEs read data into it or RDMA READs
+//! write data from it, and its completion arrives by SEND. Small writes travel in the capsule.
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
 //! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
@@ -35,6 +41,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::Error;
 use crate::controller::SupMsg;
 use crate::error::command_name;
+use crate::rdma::{DataPath, RdmaConn, RdmaWake, SlotBuf};
 use crate::setup::READ_CHUNK;
 
 /// A command is sent at most this many times (first try included) before its error is
@@ -83,15 +90,56 @@ pub(crate) struct Request {
 struct Submission {
     tag: u16,
     req: Request,
-    buf: Vec<u8>,
+    buf: SlotBuf,
 }
 
 /// A connected, initialized queue connection.
 pub(crate) struct Live {
-    pub stream: TcpStream,
-    pub engine: HostConn,
+    pub link: Link,
     /// Largest write sent in the capsule.
     pub icd_limit: usize,
+}
+
+/// The transport of a queue connection.
+pub(crate) enum Link {
+    /// NVMe/TCP: the socket and the engine.
+    Tcp { stream: TcpStream, engine: HostConn },
+    /// NVMe/RDMA.
+    Rdma(Box<RdmaConn>),
+}
+
+/// What woke a queue task up on its connection.
+enum LiveWake {
+    Tcp(io::Result<tokio::io::Ready>),
+    Rdma(RdmaWake),
+}
+
+impl Live {
+    fn is_rdma(&self) -> bool {
+        matches!(self.link, Link::Rdma(_))
+    }
+
+    /// Forgets the transfer state of a command the queue no longer waits for (NVMe/TCP).
+    fn forget_command(&mut self, tag: u16) {
+        if let Link::Tcp { engine, .. } = &mut self.link {
+            engine.forget_command(tag);
+        }
+    }
+
+    /// Waits until the connection has something to handle (or can take more bytes).
+    async fn ready(&self) -> LiveWake {
+        match &self.link {
+            Link::Tcp { stream, engine } => {
+                let interest = if engine.pending_send().is_empty() {
+                    Interest::READABLE
+                } else {
+                    Interest::READABLE | Interest::WRITABLE
+                };
+                LiveWake::Tcp(stream.ready(interest).await)
+            }
+            Link::Rdma(r) => LiveWake::Rdma(r.ready().await),
+        }
+    }
 }
 
 /// Messages from the supervisor to a queue task.
@@ -118,7 +166,7 @@ struct SlotState {
     phase: Phase,
     waker: Option<Waker>,
     result: Option<Result<Cqe, Error>>,
-    buf: Vec<u8>,
+    buf: SlotBuf,
 }
 
 /// Counters of one queue (relaxed atomics written by the queue task).
@@ -144,7 +192,8 @@ pub struct QueueStats {
     pub commands: u64,
     /// Writes whose data travelled in the command capsule.
     pub in_capsule_writes: u64,
-    /// Writes whose data was sent on R2T requests.
+    /// Writes whose data was sent on R2T requests (NVMe/RDMA: fetched by the target with
+    /// RDMA READ through a keyed SGL).
     pub r2t_writes: u64,
     /// R2T PDUs answered.
     pub r2ts: u64,
@@ -177,7 +226,7 @@ impl QueueShared {
     }
 
     /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: Vec<u8>) {
+    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         let Some(slot) = self.slots.get(usize::from(tag)) else {
             return;
         };
@@ -254,7 +303,7 @@ impl QueueHandle {
                     phase: Phase::Free,
                     waker: None,
                     result: None,
-                    buf: Vec::new(),
+                    buf: SlotBuf::default(),
                 })
             })
             .collect();
@@ -274,6 +323,7 @@ impl QueueHandle {
                 shared: Arc::clone(&shared),
                 addr: cfg.addr,
                 cmds: (0..n).map(|_| None).collect(),
+                cqes: Vec::with_capacity(usize::from(n)),
                 waiting: VecDeque::with_capacity(usize::from(n)),
                 failed: None,
                 retry_writes: cfg.retry_writes,
@@ -345,15 +395,13 @@ impl QueueHandle {
             std::mem::take(&mut st.buf)
         };
         let len = req.len as usize;
-        if buf.len() < len {
-            buf.resize(len, 0);
-        }
+        buf.ensure(len);
         let pending = Pending {
             shared: &self.shared,
             tag,
         };
         if req.dir == DataDir::FromHost {
-            if let Err(e) = fill(&mut buf[..len]) {
+            if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
                 self.shared.finish(tag, Err(e.clone()), buf);
                 return Err(e);
             }
@@ -417,8 +465,8 @@ impl Pending<'_> {
     /// Gives the first `len` bytes of the slot's buffer (the read data) to `f`.
     pub fn with_data<R>(&self, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         let st = self.shared.slots[usize::from(self.tag)].lock();
-        let end = len.min(st.buf.len());
-        f(&st.buf[..end])
+        let b = st.buf.as_slice();
+        f(&b[..len.min(b.len())])
     }
 }
 
@@ -445,7 +493,7 @@ impl Drop for Pending<'_> {
 /// A command owned by the queue task.
 struct Cmd {
     req: Request,
-    buf: Vec<u8>,
+    buf: SlotBuf,
     deadline: Option<Instant>,
     sent: bool,
     digest_error: bool,
@@ -457,6 +505,8 @@ struct Core {
     shared: Arc<QueueShared>,
     addr: String,
     cmds: Vec<Option<Cmd>>,
+    /// Completions taken from an NVMe/RDMA completion queue (reused).
+    cqes: Vec<Cqe>,
     /// Commands not sent on the current connection, in submission order.
     waiting: VecDeque<u16>,
     failed: Option<Error>,
@@ -479,7 +529,7 @@ struct Task {
 enum Wake {
     Ctl(Option<QueueCtl>),
     Submit(usize),
-    Ready(io::Result<tokio::io::Ready>),
+    Ready(LiveWake),
     Tick,
 }
 
@@ -506,6 +556,12 @@ impl Core {
 
     /// Queues the capsule of command `tag` in the engine.
     fn send(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
+        if let Link::Rdma(conn) = &mut live.link {
+            return self.send_rdma(conn, live.icd_limit, tag);
+        }
+        let Link::Tcp { engine, .. } = &mut live.link else {
+            return Ok(());
+        };
         let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
             return Ok(());
         };
@@ -519,7 +575,7 @@ impl Core {
             sqe.dptr = SglDescriptor::in_capsule(cmd.req.len);
             bump(&c.in_capsule_writes, 1);
             bump(&c.bytes_written, len as u64);
-            &cmd.buf[..len]
+            &cmd.buf.as_slice()[..len]
         } else {
             let l = if cmd.req.dir == DataDir::None {
                 0
@@ -539,14 +595,79 @@ impl Core {
         cmd.digest_error = false;
         cmd.attempts = cmd.attempts.saturating_add(1);
         bump(&c.commands, 1);
-        live.engine
+        engine
             .send_capsule_cmd(&sqe.to_array(), data)
             .map_err(|e| Error::lost(&self.addr, format!("cannot queue a command: {e}")))
     }
 
+    /// Sends command `tag` on an NVMe/RDMA queue pair.
+    fn send_rdma(&mut self, conn: &mut RdmaConn, icd_limit: usize, tag: u16) -> Result<(), Error> {
+        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        let mut sqe = cmd.req.sqe;
+        sqe.cid.set(tag);
+        let len = match cmd.req.dir {
+            DataDir::None => 0,
+            _ => cmd.req.len as usize,
+        };
+        let to_host = cmd.req.dir == DataDir::ToHost;
+        let path = match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+            Ok(p) => p,
+            Err(e) => {
+                // This command's buffer could not be registered; the connection is fine.
+                self.complete(tag, Err(e));
+                return Ok(());
+            }
+        };
+        let c = &self.shared.counters;
+        if cmd.attempts > 0 {
+            bump(&c.retries, 1);
+        }
+        cmd.sent = true;
+        cmd.attempts = cmd.attempts.saturating_add(1);
+        bump(&c.commands, 1);
+        if cmd.req.dir == DataDir::FromHost {
+            bump(&c.bytes_written, len as u64);
+            match path {
+                DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
+                DataPath::Keyed => bump(&c.r2t_writes, 1),
+                DataPath::None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles the completions an NVMe/RDMA queue pair delivered.
+    fn process_rdma(&mut self, live: &mut Live) -> Result<(), Error> {
+        let mut cqes = std::mem::take(&mut self.cqes);
+        let polled = match &mut live.link {
+            Link::Rdma(conn) => conn.poll(&mut cqes),
+            Link::Tcp { .. } => Ok(()),
+        };
+        let mut res = Ok(());
+        for cqe in cqes.drain(..) {
+            if res.is_err() {
+                break;
+            }
+            let tag = cqe.cid();
+            if let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) {
+                if !cmd.sent {
+                    continue;
+                }
+                if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
+                    bump(&self.shared.counters.bytes_read, u64::from(cmd.req.len));
+                }
+            }
+            res = self.on_response(live, cqe);
+        }
+        self.cqes = cqes;
+        res.and(polled)
+    }
+
     /// Puts a command back at the head of the waiting list and sends it again if connected.
     fn resend(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
-        live.engine.forget_command(tag);
+        live.forget_command(tag);
         self.send(live, tag)
     }
 
@@ -577,8 +698,15 @@ impl Core {
 
     /// Handles every event the engine can produce from the bytes received so far.
     fn process(&mut self, live: &mut Live) -> Result<(), Error> {
+        if live.is_rdma() {
+            return self.process_rdma(live);
+        }
         loop {
-            let ev = match live.engine.next_event() {
+            let next = match &mut live.link {
+                Link::Tcp { engine, .. } => engine.next_event(),
+                Link::Rdma(_) => return Ok(()),
+            };
+            let ev = match next {
                 Ok(Some(ev)) => ev,
                 Ok(None) => return Ok(()),
                 Err(source) => {
@@ -606,7 +734,7 @@ impl Core {
                         .and_then(Option::as_mut)
                     {
                         let off = datao as usize;
-                        if let Some(dst) = cmd.buf.get_mut(off..off + data.len()) {
+                        if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
                             dst.copy_from_slice(data);
                         }
                         bump(&self.shared.counters.bytes_read, data.len() as u64);
@@ -642,10 +770,13 @@ impl Core {
                         return Err(Error::lost(&self.addr, "R2T for an unknown command"));
                     };
                     let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
-                    let Some(data) = cmd.buf.get(start..end) else {
+                    let Some(data) = cmd.buf.as_slice().get(start..end) else {
                         return Err(Error::lost(&self.addr, "R2T outside the command data"));
                     };
-                    live.engine
+                    let Link::Tcp { engine, .. } = &mut live.link else {
+                        return Ok(());
+                    };
+                    engine
                         .send_h2c_data(cccid, ttag, r2to, data, true)
                         .map_err(|e| Error::lost(&self.addr, format!("cannot answer R2T: {e}")))?;
                     bump(&self.shared.counters.r2ts, 1);
@@ -724,6 +855,14 @@ impl Core {
         }
     }
 
+    /// Whether a command on the wire is past its deadline.
+    fn sent_command_expired(&self) -> bool {
+        self.cmds
+            .iter()
+            .flatten()
+            .any(|c| c.sent && c.deadline.is_some_and(|d| d <= self.now))
+    }
+
     /// Fails commands whose deadline passed. Returns true if one of them was on the wire
     /// (the connection must then be reset: the target stopped answering).
     fn scan_deadlines(&mut self, live: Option<&mut Live>) -> Option<Error> {
@@ -746,7 +885,7 @@ impl Core {
             let err = Error::timeout(name, after);
             if cmd.sent {
                 if let Some(l) = live.as_deref_mut() {
-                    l.engine.forget_command(tag);
+                    l.forget_command(tag);
                 }
                 on_wire.get_or_insert_with(|| err.clone());
             } else {
@@ -768,8 +907,23 @@ impl Task {
             self.core.now = Instant::now();
             if self.core.now >= next_scan {
                 next_scan = self.core.now + self.scan_period;
+                // Over RDMA the target may still write a timed-out command's buffer: destroy
+                // the queue pair before the buffer goes back to its caller.
+                let dropped = if self.live.as_ref().is_some_and(Live::is_rdma)
+                    && self.core.sent_command_expired()
+                {
+                    self.live.take()
+                } else {
+                    None
+                };
+                let had_rdma = dropped.is_some();
+                drop(dropped);
                 if let Some(err) = self.core.scan_deadlines(self.live.as_mut()) {
-                    self.lose(err);
+                    if had_rdma {
+                        self.report_loss(err);
+                    } else {
+                        self.lose(err);
+                    }
                 }
             }
             if let Some(live) = self.live.as_mut() {
@@ -779,13 +933,6 @@ impl Task {
                     continue;
                 }
             }
-            let interest = self.live.as_ref().map(|l| {
-                if l.engine.pending_send().is_empty() {
-                    Interest::READABLE
-                } else {
-                    Interest::READABLE | Interest::WRITABLE
-                }
-            });
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -793,9 +940,9 @@ impl Task {
                     c = self.ctl_rx.recv() => Wake::Ctl(c),
                     n = self.sub_rx.recv_many(&mut self.batch, SUBMIT_BATCH) => Wake::Submit(n),
                     r = async {
-                        match (live, interest) {
-                            (Some(l), Some(i)) => l.stream.ready(i).await,
-                            _ => std::future::pending().await,
+                        match live {
+                            Some(l) => l.ready().await,
+                            None => std::future::pending().await,
                         }
                     }, if live.is_some() => Wake::Ready(r),
                     _ = tick.tick() => Wake::Tick,
@@ -830,16 +977,34 @@ impl Task {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(Ok(ready)) => {
+                Wake::Ready(LiveWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
                         if let Err(e) = self.receive() {
                             self.lose(e);
                         }
                     }
                 }
-                Wake::Ready(Err(e)) => {
+                Wake::Ready(LiveWake::Tcp(Err(e))) => {
                     let err = Error::lost(&self.core.addr, format!("socket error: {e}"));
                     self.lose(err);
+                }
+                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Ok(())))) => {
+                    if let Err(e) = self.receive() {
+                        self.lose(e);
+                    }
+                }
+                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Err(e)))) => {
+                    let err = Error::lost(&self.core.addr, format!("completion queue: {e}"));
+                    self.lose(err);
+                }
+                Wake::Ready(LiveWake::Rdma(RdmaWake::Cm(ev))) => {
+                    let outcome = match self.live.as_ref().map(|l| &l.link) {
+                        Some(Link::Rdma(conn)) => conn.cm_outcome(ev),
+                        _ => None,
+                    };
+                    if let Some(err) = outcome {
+                        self.lose(err);
+                    }
                 }
                 Wake::Tick => {}
             }
@@ -851,10 +1016,16 @@ impl Task {
         let Some(live) = self.live.as_mut() else {
             return Ok(());
         };
+        if live.is_rdma() {
+            return self.core.process(live);
+        }
         for _ in 0..8 {
-            let buf = live.engine.recv_buf(READ_CHUNK);
+            let Link::Tcp { stream, engine } = &mut live.link else {
+                return Ok(());
+            };
+            let buf = engine.recv_buf(READ_CHUNK);
             let want = buf.len();
-            match live.stream.try_read(buf) {
+            match stream.try_read(buf) {
                 Ok(0) => {
                     // Handle what arrived before the close (a TermReq explains it).
                     self.core.process(live)?;
@@ -864,7 +1035,7 @@ impl Task {
                     ));
                 }
                 Ok(n) => {
-                    live.engine.commit_recv(n);
+                    engine.commit_recv(n);
                     self.core.process(live)?;
                     if n < want {
                         break;
@@ -930,6 +1101,11 @@ impl Task {
         // A protocol error leaves a TermReq to send; give it one try.
         let _ = flush(&mut live);
         drop(live);
+        self.report_loss(err);
+    }
+
+    /// After the connection was dropped: keeps or fails its commands and tells the supervisor.
+    fn report_loss(&mut self, err: Error) {
         self.core.connection_lost(&err);
         let _ = self.report.send(SupMsg::QueueFailed {
             qid: self.core.shared.qid,
@@ -965,12 +1141,16 @@ impl Drop for Task {
     }
 }
 
-/// Writes as much of the engine's send buffer as the socket takes without blocking.
+/// Writes as much of the engine's send buffer as the socket takes without blocking (NVMe/TCP;
+/// NVMe/RDMA posts each capsule when it is sent).
 fn flush(live: &mut Live) -> io::Result<()> {
-    while !live.engine.pending_send().is_empty() {
-        match live.stream.try_write(live.engine.pending_send()) {
+    let Link::Tcp { stream, engine } = &mut live.link else {
+        return Ok(());
+    };
+    while !engine.pending_send().is_empty() {
+        match stream.try_write(engine.pending_send()) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => live.engine.consume_sent(n),
+            Ok(n) => engine.consume_sent(n),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) => return Err(e),
         }

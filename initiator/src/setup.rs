@@ -1,5 +1,6 @@
-//! Connection set-up: TCP connect, ICReq/ICResp, and commands issued one at a time before a
-//! queue is handed to its I/O task (Fabrics Connect, properties, Identify, discovery).
+//! Connection set-up: TCP connect and ICReq/ICResp (NVMe/TCP) or the RDMA-CM connection
+//! (NVMe/RDMA), and commands issued one at a time before a queue is handed to its I/O task
+//! (Fabrics Connect, properties, Identify, discovery).
 
 use std::time::Duration;
 
@@ -11,17 +12,45 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::command_name;
-use crate::{Error, HostIdentity, TargetAddr};
+use crate::queue::{Link, Live};
+use crate::rdma::RdmaConn;
+use crate::{Error, HostIdentity, TargetAddr, Transport};
 
 /// Bytes asked of the socket per read.
 pub(crate) const READ_CHUNK: usize = 256 * 1024;
 /// Delay between two polls of CSTS.
 const CSTS_POLL: Duration = Duration::from_millis(20);
 
-/// A freshly opened queue connection driven one command at a time.
-pub(crate) struct SetupConn {
+/// Which queue a connection is for (NVMe/RDMA names it when connecting).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QueueSpec {
+    /// Queue ID (0: admin).
+    pub qid: u16,
+    /// Controller ID (0xFFFF on the admin queue).
+    pub cntlid: u16,
+    /// Entries.
+    pub depth: u16,
+    /// In-capsule data the queue's capsules may carry (NVMe/RDMA send slots).
+    pub in_capsule: usize,
+}
+
+/// An NVMe/TCP connection: the socket and the engine.
+pub(crate) struct TcpLink {
     pub stream: TcpStream,
     pub engine: HostConn,
+}
+
+/// The transport of a set-up connection.
+pub(crate) enum SetupLink {
+    /// NVMe/TCP.
+    Tcp(TcpLink),
+    /// NVMe/RDMA.
+    Rdma(Box<RdmaConn>),
+}
+
+/// A freshly opened queue connection driven one command at a time.
+pub(crate) struct SetupConn {
+    pub link: SetupLink,
     pub params: HostParams,
     pub addr: String,
     admin_timeout: Duration,
@@ -30,15 +59,41 @@ pub(crate) struct SetupConn {
 }
 
 impl SetupConn {
-    /// Opens the TCP connection and exchanges ICReq/ICResp, all within `connect_timeout`.
+    /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection
+    /// and the ICReq/ICResp exchange, for NVMe/RDMA the RDMA-CM connection with the NVMe
+    /// private data of queue `q`.
     pub async fn open(
         addr: &TargetAddr,
+        q: QueueSpec,
         digests: (bool, bool),
-        depth: usize,
         connect_timeout: Duration,
         admin_timeout: Duration,
     ) -> Result<Self, Error> {
         let addr_s = addr.to_string();
+        let no_digests = HostParams {
+            digests: nvmf_tcp::Digests::default(),
+            maxh2cdata: 0,
+            cpda: 0,
+        };
+        if addr.transport == Transport::Rdma {
+            let conn = RdmaConn::open(
+                addr,
+                q.qid,
+                q.depth,
+                q.cntlid,
+                q.in_capsule,
+                connect_timeout,
+            )
+            .await?;
+            return Ok(SetupConn {
+                link: SetupLink::Rdma(Box::new(conn)),
+                params: no_digests,
+                addr: addr_s,
+                admin_timeout,
+                next_cid: 0,
+                admin: true,
+            });
+        }
         let deadline = Instant::now() + connect_timeout;
         let stream = match timeout_at(
             deadline,
@@ -55,41 +110,39 @@ impl SetupConn {
             hdgst: digests.0,
             ddgst: digests.1,
             recv_buffer_size: READ_CHUNK,
-            max_outstanding_commands: depth.max(2),
+            max_outstanding_commands: usize::from(q.depth).max(2),
         });
-        let mut c = SetupConn {
-            stream,
-            engine,
-            params: HostParams {
-                digests: nvmf_tcp::Digests::default(),
-                maxh2cdata: 0,
-                cpda: 0,
-            },
-            addr: addr_s,
-            admin_timeout,
-            next_cid: 0,
-            admin: true,
-        };
-        c.flush(deadline, "the ICResp", connect_timeout).await?;
+        let mut tcp = TcpLink { stream, engine };
+        tcp.flush(&addr_s, deadline, "the ICResp", connect_timeout)
+            .await?;
         loop {
-            match c.engine.next_event() {
+            match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
-                    c.params = p;
-                    return Ok(c);
+                    return Ok(SetupConn {
+                        link: SetupLink::Tcp(tcp),
+                        params: p,
+                        addr: addr_s,
+                        admin_timeout,
+                        next_cid: 0,
+                        admin: true,
+                    });
                 }
                 Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
                     return Err(Error::TermReq {
-                        addr: c.addr.clone(),
+                        addr: addr_s,
                         fes,
                         fei,
                     });
                 }
                 Ok(Some(_)) => {}
-                Ok(None) => c.read_more(deadline, "the ICResp", connect_timeout).await?,
+                Ok(None) => {
+                    tcp.read_more(&addr_s, deadline, "the ICResp", connect_timeout)
+                        .await?
+                }
                 Err(source) => {
-                    c.flush_best_effort().await;
+                    tcp.flush_best_effort(&addr_s).await;
                     return Err(Error::Protocol {
-                        addr: c.addr.clone(),
+                        addr: addr_s,
                         source,
                     });
                 }
@@ -97,135 +150,31 @@ impl SetupConn {
         }
     }
 
-    /// Writes everything queued in the engine.
-    async fn flush(
-        &mut self,
-        deadline: Instant,
-        what: &'static str,
-        t: Duration,
-    ) -> Result<(), Error> {
-        while !self.engine.pending_send().is_empty() {
-            let pending = self.engine.pending_send();
-            let n = match timeout_at(deadline, self.stream.write(pending)).await {
-                Err(_) => return Err(Error::timeout(what, t)),
-                Ok(Err(e)) => return Err(Error::lost(&self.addr, format!("send failed: {e}"))),
-                Ok(Ok(0)) => return Err(Error::lost(&self.addr, "send returned 0")),
-                Ok(Ok(n)) => n,
-            };
-            self.engine.consume_sent(n);
-        }
-        Ok(())
+    /// The connection as a queue task's, with writes of up to `icd_limit` bytes in capsules.
+    pub fn into_live(self, icd_limit: usize) -> Live {
+        let link = match self.link {
+            SetupLink::Tcp(TcpLink { stream, engine }) => Link::Tcp { stream, engine },
+            SetupLink::Rdma(r) => Link::Rdma(r),
+        };
+        Live { link, icd_limit }
     }
 
-    /// Sends a queued TermReq if the socket takes it at once.
-    async fn flush_best_effort(&mut self) {
-        let deadline = Instant::now() + Duration::from_millis(100);
-        let _ = self.flush(deadline, "a TermReq", Duration::ZERO).await;
-    }
-
-    async fn read_more(
-        &mut self,
-        deadline: Instant,
-        what: &'static str,
-        t: Duration,
-    ) -> Result<(), Error> {
-        let buf = self.engine.recv_buf(64 * 1024);
-        match timeout_at(deadline, self.stream.read(buf)).await {
-            Err(_) => Err(Error::timeout(what, t)),
-            Ok(Err(e)) => Err(Error::lost(&self.addr, format!("receive failed: {e}"))),
-            Ok(Ok(0)) => Err(Error::lost(&self.addr, "the target closed the connection")),
-            Ok(Ok(n)) => {
-                self.engine.commit_recv(n);
-                Ok(())
-            }
-        }
-    }
-
-    /// Runs one command: `data_out` travels in the capsule, `data_in` bytes are expected back.
+    /// Runs one command: `data_out` goes to the target, `data_in` bytes are expected back.
     /// A completion with an error status is returned as [`Error::Status`].
     pub async fn command(
         &mut self,
-        mut sqe: Sqe,
+        sqe: Sqe,
         data_out: &[u8],
         data_in: usize,
     ) -> Result<(Cqe, Vec<u8>), Error> {
-        let name = command_name(self.admin, sqe.opcode, sqe.fctype());
         let cid = self.next_cid;
         self.next_cid = self.next_cid.wrapping_add(1);
-        sqe.cid.set(cid);
-        sqe.set_sgl();
-        let len = u32::try_from(data_out.len().max(data_in))
-            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
-        sqe.dptr = if data_out.is_empty() {
-            SglDescriptor::tcp_transport(len)
-        } else {
-            SglDescriptor::in_capsule(len)
-        };
-        self.engine
-            .send_capsule_cmd(&sqe.to_array(), data_out)
-            .map_err(|e| Error::lost(&self.addr, format!("cannot send {name}: {e}")))?;
         let t = self.admin_timeout;
-        let deadline = Instant::now() + t;
-        self.flush(deadline, name, t).await?;
-        let mut data = vec![0u8; data_in];
-        let mut digest_error = false;
-        loop {
-            match self.engine.next_event() {
-                Ok(Some(HostEvent::C2HData {
-                    cccid,
-                    datao,
-                    data: d,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    let off = datao as usize;
-                    if let Some(dst) = data.get_mut(off..off + d.len()) {
-                        dst.copy_from_slice(d);
-                    }
-                    if last && success {
-                        return Ok((Cqe::new(cid, Status::SUCCESS, 0), data));
-                    }
-                }
-                Ok(Some(HostEvent::C2HDataDigestError {
-                    cccid,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    digest_error = true;
-                    if last && success {
-                        return Err(digest_status(name));
-                    }
-                }
-                Ok(Some(HostEvent::CapsuleResp { cqe })) => {
-                    let cqe = Cqe::from_array(&cqe);
-                    if cqe.cid() != cid {
-                        continue;
-                    }
-                    let status = cqe.status();
-                    if !status.is_success() {
-                        return Err(Error::status_of(name, status));
-                    }
-                    if digest_error {
-                        return Err(digest_status(name));
-                    }
-                    return Ok((cqe, data));
-                }
-                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
-                    return Err(Error::TermReq {
-                        addr: self.addr.clone(),
-                        fes,
-                        fei,
-                    });
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => self.read_more(deadline, name, t).await?,
-                Err(source) => {
-                    self.flush_best_effort().await;
-                    return Err(Error::Protocol {
-                        addr: self.addr.clone(),
-                        source,
-                    });
-                }
+        match &mut self.link {
+            SetupLink::Rdma(r) => r.command(sqe, cid, self.admin, data_out, data_in, t).await,
+            SetupLink::Tcp(tcp) => {
+                tcp.command(&self.addr, self.admin, cid, sqe, data_out, data_in, t)
+                    .await
             }
         }
     }
@@ -334,6 +283,146 @@ impl SetupConn {
     pub async fn get_log_page(&mut self, lid: u8, len: u32, offset: u64) -> Result<Vec<u8>, Error> {
         let sqe = nvme_spec::command::build::get_log_page(0, lid, 0, len, offset);
         self.command(sqe, &[], len as usize).await.map(|(_, d)| d)
+    }
+}
+
+impl TcpLink {
+    /// Writes everything queued in the engine.
+    async fn flush(
+        &mut self,
+        addr: &str,
+        deadline: Instant,
+        what: &'static str,
+        t: Duration,
+    ) -> Result<(), Error> {
+        while !self.engine.pending_send().is_empty() {
+            let pending = self.engine.pending_send();
+            let n = match timeout_at(deadline, self.stream.write(pending)).await {
+                Err(_) => return Err(Error::timeout(what, t)),
+                Ok(Err(e)) => return Err(Error::lost(addr, format!("send failed: {e}"))),
+                Ok(Ok(0)) => return Err(Error::lost(addr, "send returned 0")),
+                Ok(Ok(n)) => n,
+            };
+            self.engine.consume_sent(n);
+        }
+        Ok(())
+    }
+
+    /// Sends a queued TermReq if the socket takes it at once.
+    async fn flush_best_effort(&mut self, addr: &str) {
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let _ = self
+            .flush(addr, deadline, "a TermReq", Duration::ZERO)
+            .await;
+    }
+
+    async fn read_more(
+        &mut self,
+        addr: &str,
+        deadline: Instant,
+        what: &'static str,
+        t: Duration,
+    ) -> Result<(), Error> {
+        let buf = self.engine.recv_buf(64 * 1024);
+        match timeout_at(deadline, self.stream.read(buf)).await {
+            Err(_) => Err(Error::timeout(what, t)),
+            Ok(Err(e)) => Err(Error::lost(addr, format!("receive failed: {e}"))),
+            Ok(Ok(0)) => Err(Error::lost(addr, "the target closed the connection")),
+            Ok(Ok(n)) => {
+                self.engine.commit_recv(n);
+                Ok(())
+            }
+        }
+    }
+
+    /// One command over NVMe/TCP: `data_out` in the capsule, `data_in` bytes in C2HData.
+    #[allow(clippy::too_many_arguments)]
+    async fn command(
+        &mut self,
+        addr: &str,
+        admin: bool,
+        cid: u16,
+        mut sqe: Sqe,
+        data_out: &[u8],
+        data_in: usize,
+        t: Duration,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        let name = command_name(admin, sqe.opcode, sqe.fctype());
+        sqe.cid.set(cid);
+        sqe.set_sgl();
+        let len = u32::try_from(data_out.len().max(data_in))
+            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
+        sqe.dptr = if data_out.is_empty() {
+            SglDescriptor::tcp_transport(len)
+        } else {
+            SglDescriptor::in_capsule(len)
+        };
+        self.engine
+            .send_capsule_cmd(&sqe.to_array(), data_out)
+            .map_err(|e| Error::lost(addr, format!("cannot send {name}: {e}")))?;
+        let deadline = Instant::now() + t;
+        self.flush(addr, deadline, name, t).await?;
+        let mut data = vec![0u8; data_in];
+        let mut digest_error = false;
+        loop {
+            match self.engine.next_event() {
+                Ok(Some(HostEvent::C2HData {
+                    cccid,
+                    datao,
+                    data: d,
+                    last,
+                    success,
+                })) if cccid == cid => {
+                    let off = datao as usize;
+                    if let Some(dst) = data.get_mut(off..off + d.len()) {
+                        dst.copy_from_slice(d);
+                    }
+                    if last && success {
+                        return Ok((Cqe::new(cid, Status::SUCCESS, 0), data));
+                    }
+                }
+                Ok(Some(HostEvent::C2HDataDigestError {
+                    cccid,
+                    last,
+                    success,
+                })) if cccid == cid => {
+                    digest_error = true;
+                    if last && success {
+                        return Err(digest_status(name));
+                    }
+                }
+                Ok(Some(HostEvent::CapsuleResp { cqe })) => {
+                    let cqe = Cqe::from_array(&cqe);
+                    if cqe.cid() != cid {
+                        continue;
+                    }
+                    let status = cqe.status();
+                    if !status.is_success() {
+                        return Err(Error::status_of(name, status));
+                    }
+                    if digest_error {
+                        return Err(digest_status(name));
+                    }
+                    return Ok((cqe, data));
+                }
+                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
+                    return Err(Error::TermReq {
+                        addr: addr.to_string(),
+                        fes,
+                        fei,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => self.read_more(addr, deadline, name, t).await?,
+                Err(source) => {
+                    self.flush_best_effort(addr).await;
+                    return Err(Error::Protocol {
+                        addr: addr.to_string(),
+                        source,
+                    });
+                }
+            }
+        }
     }
 }
 

@@ -79,6 +79,24 @@ impl QueueConfig {
         }
     }
 
+    /// The sizes of a host queue with `depth` entries (HSQSIZE + 1) whose command capsules
+    /// carry up to `in_capsule` bytes of data: `depth` receive slots for completions (the
+    /// HRQSIZE), and room for two rounds of command SENDs (a capsule's slot is busy until its
+    /// SEND completes, which may come after the command's completion). The target may RDMA
+    /// READ from this side: `responder_resources` is its read depth.
+    pub fn host(depth: u16, in_capsule: usize, responder_resources: u8) -> Self {
+        let depth = u32::from(depth);
+        QueueConfig {
+            recv_slots: depth,
+            recv_size: 16,
+            send_slots: depth * 2,
+            send_size: 64 + in_capsule,
+            send_depth: depth * 2,
+            initiator_depth: 0,
+            responder_resources,
+        }
+    }
+
     /// Completion queue entries needed: one per posted work request.
     fn cq_entries(&self) -> u32 {
         self.recv_slots + self.send_depth
@@ -294,6 +312,15 @@ pub struct CapsuleQueue<B: StableBuffer> {
     wc: Vec<ibv_wc>,
 }
 
+// SAFETY: every field is owned by the queue (the queue pair pointer too, destroyed once in
+// Drop); libibverbs and librdmacm objects may be used from any thread, and the queue's
+// methods that post or poll take `&mut self`, so one thread at a time does.
+unsafe impl<B: StableBuffer + Send> Send for CapsuleQueue<B> {}
+// SAFETY: the `&self` methods only read plain fields, read held receive slots (which the
+// device does not write), or wait on the completion and event channels, which libibverbs
+// and librdmacm allow from several threads (the acknowledgement counter is atomic).
+unsafe impl<B: StableBuffer + Sync> Sync for CapsuleQueue<B> {}
+
 fn zeroed_send_wr() -> ibv_send_wr {
     ibv_send_wr {
         wr_id: 0,
@@ -428,21 +455,23 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         q.post_all_receives()?;
         let len = u8::try_from(private_data.len())
             .map_err(|_| Error::Invalid("connect private data too long".into()))?;
-        let mut param = rdma_conn_param {
-            private_data: private_data.as_ptr().cast(),
-            private_data_len: len,
-            responder_resources: cfg.responder_resources.min(attr.max_qp_rd_atom),
-            initiator_depth: cfg.initiator_depth.min(attr.max_qp_init_rd_atom),
-            flow_control: 1,
-            retry_count: 7,
-            rnr_retry_count: 7,
-            srq: 0,
-            qp_num: 0,
-        };
-        // SAFETY: the route is resolved and the queue pair exists; `param` and its private
-        // data outlive the call.
-        if unsafe { (l.cm.connect)(q.ep.id.as_ptr(), &mut param) } != 0 {
-            return Err(os_error("rdma_connect"));
+        {
+            let mut param = rdma_conn_param {
+                private_data: private_data.as_ptr().cast(),
+                private_data_len: len,
+                responder_resources: cfg.responder_resources.min(attr.max_qp_rd_atom),
+                initiator_depth: cfg.initiator_depth.min(attr.max_qp_init_rd_atom),
+                flow_control: 1,
+                retry_count: 7,
+                rnr_retry_count: 7,
+                srq: 0,
+                qp_num: 0,
+            };
+            // SAFETY: the route is resolved and the queue pair exists; `param` and its private
+            // data outlive the call.
+            if unsafe { (l.cm.connect)(q.ep.id.as_ptr(), &mut param) } != 0 {
+                return Err(os_error("rdma_connect"));
+            }
         }
         let ev = tokio::time::timeout(timeout, q.ep.events.next())
             .await
@@ -1132,6 +1161,9 @@ mod tests {
         assert!(c.send_depth >= 3 * 128);
         assert_eq!(c.cq_entries(), c.recv_slots + c.send_depth);
         assert!(c.validate().is_ok());
+        let h = QueueConfig::host(32, 4096, 16);
+        assert_eq!((h.recv_slots, h.recv_size, h.send_size), (32, 16, 4160));
+        assert!(h.send_slots >= 32 && h.send_depth >= 32 && h.validate().is_ok());
         let fitted = c.fit(256);
         assert_eq!((fitted.recv_slots, fitted.send_depth), (128, 256));
         let mut bad = c;

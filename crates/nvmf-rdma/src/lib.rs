@@ -38,7 +38,7 @@ pub mod verbs;
 
 pub use capsule::{CapsuleQueue, DataOut, Event, MAX_KEYED_LEN, QueueConfig, RecvSlot};
 pub use cm::{CmEvent, ConnectRequest, Listener};
-pub use loader::available;
+pub use loader::{available, unavailable_reason};
 pub use verbs::{
     Access, DeviceAttr, DeviceInfo, DmabufRegion, ProtectionDomain, Registered, Registration,
     RemoteKey, StableBuffer, devices,

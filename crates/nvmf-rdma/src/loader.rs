@@ -198,6 +198,15 @@ pub fn available() -> bool {
     libs().is_ok()
 }
 
+/// Why libibverbs and librdmacm cannot be loaded on this host (None when they can).
+pub fn unavailable_reason() -> Option<String> {
+    match libs() {
+        Ok(_) => None,
+        Err(Error::Unavailable(why)) => Some(why),
+        Err(e) => Some(e.to_string()),
+    }
+}
+
 /// Converts a C string returned by the libraries into an owned string.
 pub(crate) fn c_string(p: *const c_char) -> String {
     if p.is_null() {

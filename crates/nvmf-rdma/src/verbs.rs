@@ -1,11 +1,11 @@
 //! Verbs objects: devices, protection domains, memory regions and completion queues.
 
-use std::cell::Cell;
 use std::ffi::c_int;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use tokio::io::unix::AsyncFd;
 
@@ -397,6 +397,12 @@ impl<B: StableBuffer> Registered<B> {
         self.reg.mr.lkey()
     }
 
+    /// Whether the buffer is registered with `pd` (a queue pair of another protection domain
+    /// cannot use it).
+    pub fn is_registered_with(&self, pd: &Arc<ProtectionDomain>) -> bool {
+        Arc::ptr_eq(&self.reg.mr._pd, pd)
+    }
+
     /// What a peer needs to reach `len` bytes from `offset` (when registered with remote
     /// access). None if the range is outside the buffer or longer than a keyed SGL allows.
     pub fn remote_key(&self, offset: usize, len: usize) -> Option<RemoteKey> {
@@ -509,8 +515,15 @@ pub(crate) struct CompletionQueue {
     cq: NonNull<ibv_cq>,
     channel: NonNull<ibv_comp_channel>,
     fd: Option<AsyncFd<ForeignFd>>,
-    unacked: Cell<u32>,
+    unacked: AtomicU32,
 }
+
+// SAFETY: the queue and its channel are owned by this value and destroyed once, in Drop;
+// libibverbs allows polling, arming and reading the channel from any thread.
+unsafe impl Send for CompletionQueue {}
+// SAFETY: `&self` methods only call thread-safe verbs (poll, arm, get/ack events; the
+// acknowledgement count is atomic) and tokio's AsyncFd, which is Sync.
+unsafe impl Sync for CompletionQueue {}
 
 impl CompletionQueue {
     /// Creates a queue of at least `entries` completions on `ctx`, with its own channel.
@@ -538,7 +551,7 @@ impl CompletionQueue {
             cq,
             channel,
             fd: None,
-            unacked: Cell::new(0),
+            unacked: AtomicU32::new(0),
         };
         q.fd = Some(register_fd(fd, "register completion channel")?);
         q.arm()?;
@@ -615,13 +628,11 @@ impl CompletionQueue {
                     source: e,
                 });
             }
-            let n = self.unacked.get() + 1;
+            let n = self.unacked.fetch_add(1, Ordering::AcqRel) + 1;
             if n >= 64 {
-                // SAFETY: acknowledges events that were received on this CQ.
+                let n = self.unacked.swap(0, Ordering::AcqRel);
+                // SAFETY: acknowledges events that were received on this CQ (and counted).
                 unsafe { (v.ack_cq_events)(self.cq.as_ptr(), n) };
-                self.unacked.set(0);
-            } else {
-                self.unacked.set(n);
             }
             return self.arm();
         }
@@ -633,7 +644,7 @@ impl Drop for CompletionQueue {
         // Unregister from the tokio reactor before the library closes the descriptor.
         self.fd = None;
         let Ok(l) = libs() else { return };
-        let n = self.unacked.get();
+        let n = *self.unacked.get_mut();
         // SAFETY: the owner destroyed the queue pair using this CQ first (CapsuleQueue's Drop
         // order); events are acknowledged before destruction as libibverbs requires; each
         // object is destroyed once.

@@ -14,8 +14,8 @@ use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
     ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions,
-    HostIdentity, Namespace, ReconnectPolicy, TargetAddr, default_state_dir, discover, hex_id,
-    version_string,
+    HostIdentity, Namespace, ReconnectPolicy, TargetAddr, Transport, default_state_dir, discover,
+    hex_id, version_string,
 };
 use serde_json::{Value, json};
 
@@ -184,7 +184,7 @@ multiple of the block size). Progress is shown on a terminal."
 /// Where the target is (nvme-cli's flags).
 #[derive(Args, Clone, Default)]
 struct Fabric {
-    /// Transport type (only `tcp`).
+    /// Transport type: `tcp` or `rdma` (NVMe/RDMA needs rdma-core and an RDMA device).
     #[arg(
         short = 't',
         long = "transport",
@@ -368,23 +368,21 @@ fn identity(ctx: &Ctx, f: &Fabric) -> Result<HostIdentity> {
     Ok(HostIdentity::new(&hostnqn, hostid)?)
 }
 
-fn check_transport(f: &Fabric) -> Result<()> {
-    if f.transport != "tcp" {
-        bail!(
-            "transport {:?} is not supported by this tool (only tcp)",
-            f.transport
-        );
+fn check_transport(f: &Fabric) -> Result<Transport> {
+    let t: Transport = f.transport.parse()?;
+    if t == Transport::Rdma && (f.hdr_digest || f.data_digest) {
+        bail!("digests (-g, -G) are an NVMe/TCP feature; NVMe/RDMA has none");
     }
-    Ok(())
+    Ok(t)
 }
 
 fn target_addr(f: &Fabric, default_port: u16) -> Result<TargetAddr> {
-    check_transport(f)?;
+    let t = check_transport(f)?;
     let a = f
         .traddr
         .as_deref()
         .ok_or_else(|| anyhow!("the target address is missing (-a ADDRESS)"))?;
-    Ok(TargetAddr::new(a, f.trsvcid.unwrap_or(default_port)))
+    Ok(TargetAddr::new(a, f.trsvcid.unwrap_or(default_port)).with_transport(t))
 }
 
 fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions> {
@@ -463,7 +461,7 @@ async fn cmd_discover(ctx: &Ctx, f: &Fabric) -> Result<()> {
                 .entries
                 .iter()
                 .map(|e| {
-                    json!({
+                    let mut r = json!({
                         "trtype": e.trtype_name(),
                         "adrfam": e.adrfam_name(),
                         "subtype": e.subtype_name(),
@@ -475,7 +473,16 @@ async fn cmd_discover(ctx: &Ctx, f: &Fabric) -> Result<()> {
                         "cntlid": e.cntlid,
                         "asqsz": e.asqsz,
                         "eflags": e.eflags,
-                    })
+                    });
+                    if let Some(t) = &e.rdma {
+                        r["tsas"] = json!({
+                            "prtype": t.prtype_name(),
+                            "qptype": t.qptype_name(),
+                            "cms": t.cms_name(),
+                            "pkey": format!("{:#06x}", t.pkey),
+                        });
+                    }
+                    r
                 })
                 .collect();
             print_json(&json!({ "genctr": log.genctr, "records": records }));
@@ -496,6 +503,12 @@ async fn cmd_discover(ctx: &Ctx, f: &Fabric) -> Result<()> {
                 println!("trsvcid: {}", e.trsvcid);
                 println!("subnqn:  {}", e.subnqn);
                 println!("traddr:  {}", e.traddr);
+                if let Some(t) = &e.rdma {
+                    println!("rdma_prtype: {}", t.prtype_name());
+                    println!("rdma_qptype: {}", t.qptype_name());
+                    println!("rdma_cms:    {}", t.cms_name());
+                    println!("rdma_pkey: {:#06x}", t.pkey);
+                }
             }
         }
     }
@@ -616,7 +629,7 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         }
     }
     let params = AttachParams {
-        transport: f.transport.clone(),
+        transport: addr.transport.as_str().to_string(),
         traddr: addr.host.clone(),
         trsvcid: addr.port,
         subnqn,

@@ -1,0 +1,422 @@
+//! NVMe/RDMA queue connections (NVMe over Fabrics 1.1, section 7.3): an RDMA-CM connection
+//! with the NVMe private data, command capsules SENT from registered slots, completions
+//! received into registered slots, and command data described by keyed SGL data blocks that
+//! point at registered host memory (the target RDMA WRITEs read data there and RDMA READs
+//! write data from there), or carried in the capsule for small writes.
+//!
+//! The verbs and their `unsafe` live in `nvmf-rdma`; this module only uses its safe API.
+//! Memory is general there: a command's data region is anything with a [`RemoteKey`] (a
+//! registered host buffer here; a registered dma-buf such as GPU memory works the same way).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use nvme_spec::{Cqe, SglDescriptor, Sqe};
+use nvmf_rdma::{Access, CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Registered};
+use tokio::time::{Instant, timeout_at};
+
+use crate::error::command_name;
+use crate::{Error, TargetAddr};
+
+/// RDMA READs the target may have in flight towards one host queue (the host's IRD).
+const RESPONDER_RESOURCES: u8 = 16;
+/// Registered data buffers grow in steps of at least this many bytes.
+const MIN_REGISTRATION: usize = 4096;
+
+/// A command slot's data buffer: plain memory (NVMe/TCP, or not yet used over RDMA), or memory
+/// registered for remote access by the target of an RDMA queue.
+///
+/// Over RDMA the target reads or writes the bytes while the command is in flight; the queue
+/// task owns the buffer during that time, and the queue pair is destroyed before a buffer of a
+/// command that did not complete is handed back.
+pub(crate) enum SlotBuf {
+    /// Unregistered memory.
+    Heap(Vec<u8>),
+    /// Memory registered (remote read and write) with an RDMA queue's protection domain.
+    Registered(Registered<Box<[u8]>>),
+}
+
+impl Default for SlotBuf {
+    fn default() -> Self {
+        SlotBuf::Heap(Vec::new())
+    }
+}
+
+impl SlotBuf {
+    /// The whole buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.get(),
+        }
+    }
+
+    /// The whole buffer, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.bytes_mut(),
+        }
+    }
+
+    /// Makes the buffer at least `len` bytes long (keeping its contents).
+    pub fn ensure(&mut self, len: usize) {
+        if self.as_slice().len() >= len {
+            return;
+        }
+        let mut v = match std::mem::take(self) {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.detach().0.into_vec(),
+        };
+        v.resize(len, 0);
+        *self = SlotBuf::Heap(v);
+    }
+
+    /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
+    /// is, and returns what the target needs to reach its first `len` bytes.
+    fn remote(
+        &mut self,
+        pd: &std::sync::Arc<ProtectionDomain>,
+        len: usize,
+    ) -> Result<nvmf_rdma::RemoteKey, nvmf_rdma::Error> {
+        let ok = matches!(self, SlotBuf::Registered(r)
+            if r.is_registered_with(pd) && r.capacity() >= len);
+        if !ok {
+            let mut v = match std::mem::take(self) {
+                SlotBuf::Heap(v) => v,
+                SlotBuf::Registered(r) => r.detach().0.into_vec(),
+            };
+            let want = len.max(MIN_REGISTRATION).next_power_of_two().max(v.len());
+            v.resize(want, 0);
+            let reg = pd.register(
+                v.into_boxed_slice(),
+                Access::REMOTE_WRITE | Access::REMOTE_READ,
+            )?;
+            *self = SlotBuf::Registered(reg);
+        }
+        match self {
+            SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
+                nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
+            }),
+            SlotBuf::Heap(_) => Err(nvmf_rdma::Error::Invalid("buffer not registered".into())),
+        }
+    }
+}
+
+/// How a command's data travels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DataPath {
+    /// No data.
+    None,
+    /// In the command capsule.
+    InCapsule,
+    /// Keyed SGL: the target reaches registered host memory.
+    Keyed,
+}
+
+/// Something the connection reported while waiting.
+pub(crate) enum RdmaWake {
+    /// The completion queue has entries (poll it).
+    Completions(Result<(), nvmf_rdma::Error>),
+    /// A connection event.
+    Cm(Result<CmEvent, nvmf_rdma::Error>),
+}
+
+/// One NVMe/RDMA queue connection.
+pub(crate) struct RdmaConn {
+    q: CapsuleQueue<Box<[u8]>>,
+    events: Vec<Event<Box<[u8]>>>,
+    capsule: Vec<u8>,
+    in_capsule: usize,
+    addr: String,
+}
+
+/// Why this host cannot do NVMe/RDMA, if it cannot.
+pub(crate) fn unavailable() -> Option<String> {
+    if let Some(why) = nvmf_rdma::unavailable_reason() {
+        return Some(why);
+    }
+    if !std::path::Path::new(RDMA_CM_NODE).exists() {
+        return Some(format!(
+            "{RDMA_CM_NODE} is missing (no RDMA device, or the rdma_ucm module is not loaded)"
+        ));
+    }
+    None
+}
+
+/// The RDMA-CM device node of the kernel.
+const RDMA_CM_NODE: &str = "/dev/infiniband/rdma_cm";
+
+/// Maps an `nvmf-rdma` error to the initiator's.
+fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
+    match e {
+        nvmf_rdma::Error::Unavailable(why) => Error::RdmaUnavailable(why),
+        nvmf_rdma::Error::Rejected {
+            status,
+            private_data,
+        } => match nvmf_rdma::nvme::parse_reject(&private_data) {
+            Some(s) => Error::Refused(format!(
+                "{addr} rejected the NVMe/RDMA connection: {} ({s:#x})",
+                nvmf_rdma::nvme::reject_reason(s)
+            )),
+            None => Error::Rdma {
+                addr: addr.to_string(),
+                reason: format!("connection rejected (reason {status}); is a target listening?"),
+            },
+        },
+        e => Error::Rdma {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        },
+    }
+}
+
+impl RdmaConn {
+    /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
+    /// queue), with capsules that carry up to `in_capsule` bytes of data.
+    pub async fn open(
+        addr: &TargetAddr,
+        qid: u16,
+        depth: u16,
+        cntlid: u16,
+        in_capsule: usize,
+        timeout: Duration,
+    ) -> Result<Self, Error> {
+        let addr_s = addr.to_string();
+        if let Some(why) = unavailable() {
+            return Err(Error::RdmaUnavailable(why));
+        }
+        let deadline = Instant::now() + timeout;
+        let dst: SocketAddr = match timeout_at(
+            deadline,
+            tokio::net::lookup_host((addr.host.as_str(), addr.port)),
+        )
+        .await
+        {
+            Err(_) => return Err(Error::timeout("the address resolution", timeout)),
+            Ok(Err(e)) => return Err(Error::connect(&addr_s, e)),
+            Ok(Ok(mut it)) => it.next().ok_or_else(|| Error::Rdma {
+                addr: addr_s.clone(),
+                reason: "the host name has no address".into(),
+            })?,
+        };
+        let cfg = QueueConfig::host(depth, in_capsule, RESPONDER_RESOURCES);
+        let private = nvmf_rdma::nvme::request_data(qid, depth - 1, depth, cntlid);
+        let connect = CapsuleQueue::connect(dst, cfg, &private, timeout);
+        let (q, accept) = match timeout_at(deadline, connect).await {
+            Err(_) => return Err(Error::timeout("the RDMA-CM connection", timeout)),
+            Ok(Err(e)) => return Err(rdma_error(&addr_s, e)),
+            Ok(Ok(v)) => v,
+        };
+        if let Some(crqsize) = nvmf_rdma::nvme::parse_accept(&accept) {
+            if crqsize < depth {
+                return Err(Error::Refused(format!(
+                    "the target accepted queue {qid} with {crqsize} receive buffers, fewer than its {depth} entries"
+                )));
+            }
+        }
+        if q.config().recv_slots < u32::from(depth) {
+            return Err(Error::Rdma {
+                addr: addr_s,
+                reason: format!(
+                    "the device allows {} work requests per queue, fewer than {depth}",
+                    q.config().recv_slots
+                ),
+            });
+        }
+        Ok(RdmaConn {
+            q,
+            events: Vec::with_capacity(64),
+            capsule: Vec::with_capacity(64 + in_capsule),
+            in_capsule,
+            addr: addr_s,
+        })
+    }
+
+    /// Sends command `sqe` (its command identifier set) with `len` bytes of data in `buf`
+    /// (`to_host`: read data). Data up to `icd_limit` bytes of a write travels in the
+    /// capsule; other data gets a keyed SGL data block. A registration failure is an error
+    /// of this command only ([`Error::Rdma`], `Ok(Err(..))`); a failed send is a connection
+    /// error (`Err`).
+    pub fn send_command(
+        &mut self,
+        mut sqe: Sqe,
+        buf: &mut SlotBuf,
+        len: usize,
+        to_host: bool,
+        icd_limit: usize,
+    ) -> Result<Result<DataPath, Error>, Error> {
+        sqe.set_sgl();
+        self.capsule.clear();
+        let path = if len == 0 {
+            sqe.dptr = SglDescriptor::keyed(0, 0, 0, false);
+            DataPath::None
+        } else if !to_host && len <= icd_limit.min(self.in_capsule) {
+            sqe.dptr = SglDescriptor::in_capsule(len as u32);
+            DataPath::InCapsule
+        } else {
+            match buf.remote(self.q.pd(), len) {
+                Ok(k) => {
+                    sqe.dptr = SglDescriptor::keyed(k.addr, k.len, k.rkey, false);
+                    DataPath::Keyed
+                }
+                Err(e) => return Ok(Err(rdma_error(&self.addr, e))),
+            }
+        };
+        self.capsule.extend_from_slice(&sqe.to_array());
+        if path == DataPath::InCapsule {
+            self.capsule.extend_from_slice(&buf.as_slice()[..len]);
+        }
+        self.q
+            .send(&self.capsule, None, None, u64::from(sqe.cid.get()))
+            .map_err(|e| Error::lost(&self.addr, format!("cannot send a command: {e}")))?;
+        Ok(Ok(path))
+    }
+
+    /// Collects the completions that arrived into `out` (their receive slots are posted
+    /// again). A failed work request or a malformed completion is a connection error.
+    pub fn poll(&mut self, out: &mut Vec<Cqe>) -> Result<(), Error> {
+        self.q
+            .poll(&mut self.events)
+            .map_err(|e| Error::lost(&self.addr, format!("completion queue: {e}")))?;
+        let mut bad = None;
+        for ev in self.events.drain(..) {
+            match ev {
+                Event::Received(slot) => {
+                    let msg = self.q.message(&slot);
+                    if msg.len() < 16 {
+                        bad.get_or_insert_with(|| {
+                            format!("a {}-byte message is not a completion", msg.len())
+                        });
+                    } else {
+                        let mut raw = [0u8; 16];
+                        raw.copy_from_slice(&msg[..16]);
+                        out.push(Cqe::from_array(&raw));
+                    }
+                    if let Err(e) = self.q.repost(slot) {
+                        bad.get_or_insert_with(|| format!("cannot post a receive: {e}"));
+                    }
+                }
+                Event::Sent { ok: false, .. } | Event::ReadDone { ok: false, .. } => {
+                    bad.get_or_insert_with(|| "a send failed".into());
+                }
+                Event::Sent { .. } | Event::ReadDone { .. } => {}
+            }
+        }
+        if let Some(f) = self.q.failed() {
+            return Err(Error::lost(
+                &self.addr,
+                format!("RDMA queue pair failed: {f}"),
+            ));
+        }
+        match bad {
+            Some(why) => Err(Error::lost(&self.addr, why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits until the completion queue has entries or a connection event comes.
+    pub async fn ready(&self) -> RdmaWake {
+        tokio::select! {
+            r = self.q.wait() => RdmaWake::Completions(r),
+            e = self.q.cm_event() => RdmaWake::Cm(e),
+        }
+    }
+
+    /// What a connection event means for the queue: `Some(error)` when the connection is gone.
+    pub fn cm_outcome(&self, ev: Result<CmEvent, nvmf_rdma::Error>) -> Option<Error> {
+        match ev {
+            Ok(CmEvent::Established | CmEvent::Other(_)) => None,
+            Ok(CmEvent::Disconnected) => Some(Error::lost(&self.addr, "the target disconnected")),
+            Ok(other) => Some(Error::lost(&self.addr, format!("{other:?}"))),
+            Err(e) => Some(Error::lost(&self.addr, e.to_string())),
+        }
+    }
+
+    /// Runs one command at a time during set-up: `data_out` goes to the target, `data_in`
+    /// bytes come back, both through a keyed SGL (RDMA READ / RDMA WRITE by the target).
+    pub async fn command(
+        &mut self,
+        mut sqe: Sqe,
+        cid: u16,
+        admin: bool,
+        data_out: &[u8],
+        data_in: usize,
+        t: Duration,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        let name = command_name(admin, sqe.opcode, sqe.fctype());
+        sqe.cid.set(cid);
+        let len = data_out.len().max(data_in);
+        let mut buf = SlotBuf::Heap(data_out.to_vec());
+        buf.ensure(len);
+        self.send_command(sqe, &mut buf, len, data_in > 0, 0)??;
+        let deadline = Instant::now() + t;
+        let mut cqes = Vec::new();
+        loop {
+            self.poll(&mut cqes)?;
+            if let Some(cqe) = cqes.iter().find(|c| c.cid() == cid) {
+                let cqe = *cqe;
+                let status = cqe.status();
+                if !status.is_success() {
+                    return Err(Error::status_of(name, status));
+                }
+                return Ok((cqe, buf.as_slice()[..data_in].to_vec()));
+            }
+            cqes.clear();
+            match timeout_at(deadline, self.ready()).await {
+                Err(_) => return Err(Error::timeout(name, t)),
+                Ok(RdmaWake::Completions(Ok(()))) => {}
+                Ok(RdmaWake::Completions(Err(e))) => {
+                    return Err(Error::lost(&self.addr, format!("completion queue: {e}")));
+                }
+                Ok(RdmaWake::Cm(ev)) => {
+                    if let Some(e) = self.cm_outcome(ev) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_buffers_grow_and_keep_their_bytes() {
+        let mut b = SlotBuf::default();
+        assert!(b.as_slice().is_empty());
+        b.ensure(8);
+        b.as_mut_slice()[..3].copy_from_slice(b"abc");
+        b.ensure(4);
+        assert_eq!(b.as_slice().len(), 8);
+        b.ensure(16);
+        assert_eq!(&b.as_slice()[..3], b"abc");
+        assert_eq!(b.as_slice().len(), 16);
+    }
+
+    #[test]
+    fn keyed_descriptor_layout() {
+        let d = SglDescriptor::keyed(0x1122_3344_5566_7788, 0x12_3456, 0xAABB_CCDD, false);
+        assert_eq!(d.desc_type(), nvme_spec::queue::sgl_type::KEYED_DATA_BLOCK);
+        assert_eq!(d.subtype(), 0);
+        assert_eq!(d.keyed_length(), 0x12_3456);
+        assert_eq!(d.key(), 0xAABB_CCDD);
+        assert_eq!(d.address.get(), 0x1122_3344_5566_7788);
+    }
+
+    #[tokio::test]
+    async fn rdma_without_rdma_core_is_one_clear_error() {
+        if unavailable().is_none() {
+            return;
+        }
+        let addr = TargetAddr::rdma("127.0.0.1", 4420);
+        let e = RdmaConn::open(&addr, 0, 32, 0xFFFF, 0, Duration::from_secs(1))
+            .await
+            .err()
+            .expect("no RDMA here");
+        assert!(matches!(e, Error::RdmaUnavailable(_)), "{e}");
+        assert!(!e.to_string().contains('\n'));
+    }
+}
