@@ -45,8 +45,10 @@ pub const MAX_NUMJOBS: u32 = 256;
 pub const MAX_QUEUE_PAIRS: u16 = 128;
 /// The largest number of namespaces.
 pub const MAX_NAMESPACES: u32 = 64;
-/// The subsystem NQN of the target the load generator starts.
-pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:bench";
+/// The subsystem NQN of the target the load generator starts, and the one it asks a target at
+/// an address for unless told otherwise: `nvmeof-targetd`'s own default, so a target started
+/// with no arguments needs no `--nqn`.
+pub const DEFAULT_NQN: &str = nvmeof_target::config::DEFAULT_NQN;
 /// Seed of the verify pattern when a job names none.
 pub const DEFAULT_SEED: u64 = 0x6e76_6d65_6f66_0001;
 /// Measured duration when a job names neither `runtime` nor `io_size`.

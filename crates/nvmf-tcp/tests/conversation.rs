@@ -246,8 +246,6 @@ fn c2h_data_written_in_place_matches_copied() {
             });
             if len > 4096 {
                 assert_eq!(r.unwrap(), Err("backend failed"));
-            }
-            if len > 4096 {
                 assert_eq!(b.pending_send(), &before[..], "nothing queued on failure");
             }
         }
