@@ -173,7 +173,6 @@ impl AnyBackend {
             AnyBackend::File(_) => "file",
         }
     }
-
 }
 
 impl Backend for AnyBackend {
