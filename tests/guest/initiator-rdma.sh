@@ -1,0 +1,130 @@
+#!/bin/sh
+# The nvmeof-direct initiator over NVMe/RDMA (Soft-RoCE rxe0 on eth0), against two real
+# targets in the guest, one after the other:
+#   1. the Linux kernel target (nvmet-rdma, brd namespace), then
+#   2. nvmeof-targetd listening on rdma://GUEST_IP:OUR_PORT (memory namespace).
+# Against each: `nvmeof discover -t rdma` (RDMA discovery entry fields), `id-ctrl`, `id-ns`,
+# the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
+# writes, everything read back and compared, queue counters checked), and a CLI write + read
+# of a random file compared with cmp. Run by tests/tests/initiator_rdma.rs; by hand:
+#   cargo build -p nvmeof-initiator --bins --example verify && cargo build -p nvmeof-target --bins
+#   tests/interop/guest.sh run --with-rdma --add-bin target/debug/nvmeof:/usr/bin/nvmeof \
+#       --add-bin target/debug/examples/verify:/usr/bin/nvmeof-verify \
+#       --add-bin target/debug/nvmeof-targetd:/usr/bin/nvmeof-targetd tests/guest/initiator-rdma.sh
+#
+# Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3).
+# shellcheck source=../interop/guest-lib/interop.sh
+. /usr/lib/interop/interop.sh
+
+: "${QUEUES:=3}" "${KERNEL_PORT:=4420}" "${OUR_PORT:=4421}" "${CLI_MB:=3}"
+KNQN=nqn.2014-08.org.nvmexpress:nvmeof-direct-initiator-rdma
+ONQN=nqn.2026-11.io.nvmeof-direct:initiator-rdma
+NVMEOF=/usr/bin/nvmeof
+VERIFY=/usr/bin/nvmeof-verify
+TARGETD=/usr/bin/nvmeof-targetd
+addr=${GUEST_IP:-10.0.2.15}
+tlog=/tmp/nvmeof-targetd.log
+
+for b in "$NVMEOF" "$VERIFY" "$TARGETD"; do
+    [ -x "$b" ] || fail "$b missing (guest.sh --add-bin)"
+done
+command -v rdma >/dev/null || fail "rdma tool missing (guest.sh --with-rdma)"
+
+# Without an RDMA device the initiator must say so in one line.
+out=$("$NVMEOF" discover -t rdma -a "$addr" -s "$KERNEL_PORT" 2>&1) && fail "discover without RDMA succeeded: $out"
+echo "$out"
+expect_contains "$out" "NVMe/RDMA" "error without an RDMA device"
+[ "$(echo "$out" | wc -l)" -eq 1 ] || fail "the error is not one line: $out"
+
+step modprobe crc32_generic
+step modprobe rdma_rxe
+step modprobe ib_uverbs
+step modprobe rdma_ucm
+step rdma link add rxe0 type rxe netdev eth0
+i=0
+until rdma link show rxe0/1 | grep -q 'state ACTIVE'; do
+    i=$((i + 1))
+    [ $i -lt 50 ] || fail "rxe0/1 did not become ACTIVE: $(rdma link show rxe0/1)"
+    sleep 0.1
+done
+log "rxe0 ACTIVE on eth0 ($addr)"
+
+step dd if=/dev/urandom of=/tmp/pattern bs=1M count="$CLI_MB"
+
+# check_target NAME PORT NQN: the whole initiator sequence against one target.
+check_target() {
+    name=$1
+    port=$2
+    nqn=$3
+    fab="-t rdma -a $addr -s $port"
+    log "=== $name: discovery"
+    # shellcheck disable=SC2086
+    out=$("$NVMEOF" discover $fab 2>&1) || fail "$name: nvmeof discover -t rdma failed: $out"
+    echo "$out"
+    expect_contains "$out" "trtype:  rdma" "$name discovery log"
+    expect_contains "$out" "subnqn:  $nqn" "$name discovery log"
+    expect_contains "$out" "traddr:  $addr" "$name discovery log"
+    expect_contains "$out" "trsvcid: $port" "$name discovery log"
+    expect_contains "$out" "rdma_qptype: connected" "$name discovery log"
+    expect_contains "$out" "rdma_cms:    rdma-cm" "$name discovery log"
+
+    log "=== $name: id-ctrl, id-ns"
+    # shellcheck disable=SC2086
+    out=$("$NVMEOF" id-ctrl $fab -n "$nqn" -o json 2>&1) || fail "$name: id-ctrl failed: $out"
+    expect_contains "$out" "$nqn" "$name id-ctrl"
+    # shellcheck disable=SC2086
+    out=$("$NVMEOF" id-ns $fab -n "$nqn" --namespace-id 1 -o json 2>&1) || fail "$name: id-ns failed: $out"
+    bs=$(echo "$out" | sed -n 's/.*"block_size": *\([0-9]*\).*/\1/p')
+    [ -n "$bs" ] || fail "$name: no block size in id-ns: $out"
+    log "$name: block size $bs"
+
+    log "=== $name: verify ($QUEUES I/O queues)"
+    out=$("$VERIFY" "rdma://$addr:$port" "$nqn" 1 "$QUEUES" 2>&1) || fail "$name: verify failed: $out"
+    echo "$out"
+    expect_contains "$out" "VERIFY PASS transport=rdma queues=$QUEUES" "$name verify"
+
+    log "=== $name: CLI write and read of $CLI_MB MiB"
+    count=$((CLI_MB * 1048576 / bs))
+    start=$((8 * 1048576 / bs))
+    # shellcheck disable=SC2086
+    step "$NVMEOF" write $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --data /tmp/pattern --flush
+    # shellcheck disable=SC2086
+    step "$NVMEOF" read $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --block-count "$count" --data /tmp/readback
+    cmp /tmp/pattern /tmp/readback || fail "$name: $CLI_MB MiB read back differently"
+    rm -f /tmp/readback
+    log "$name: PASS"
+}
+
+log "=== kernel nvmet-rdma target on $addr:$KERNEL_PORT"
+NVMET_TRTYPE=rdma NVMET_TRADDR=$addr NVMET_PORT=$KERNEL_PORT NVMET_NQN=$KNQN \
+    NVMET_NS_SIZE_MB=32 NVMET_BACKEND=brd NVMET_MODEL=interop-nvmet-rdma nvmet_from_env
+check_target "kernel nvmet-rdma" "$KERNEL_PORT" "$KNQN"
+nvmet_clear
+log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
+
+log "=== nvmeof-targetd on rdma://$addr:$OUR_PORT"
+NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --listen "rdma://$addr:$OUR_PORT" \
+    --subsystem "$ONQN" --namespace mem:32M --reactors 2 >"$tlog" 2>&1 &
+tpid=$!
+i=0
+until grep -q "nvmeof-targetd ready" "$tlog"; do
+    i=$((i + 1))
+    kill -0 "$tpid" 2>/dev/null || {
+        cat "$tlog"
+        fail "nvmeof-targetd exited during start"
+    }
+    [ $i -lt 300 ] || fail "nvmeof-targetd did not become ready"
+    sleep 0.1
+done
+check_target "nvmeof-targetd" "$OUR_PORT" "$ONQN"
+kill -TERM "$tpid"
+wait "$tpid"
+rc=$?
+echo "----- nvmeof-targetd log -----"
+cat "$tlog"
+echo "----- end of nvmeof-targetd log -----"
+[ "$rc" -eq 0 ] || fail "nvmeof-targetd exited with $rc"
+log "PASS: initiator over NVMe/RDMA against nvmeof-targetd"
+
+step rdma link delete rxe0
+log "PASS: nvmeof-direct initiator over NVMe/RDMA"

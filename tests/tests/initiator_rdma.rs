@@ -1,0 +1,71 @@
+//! The nvmeof-direct initiator over NVMe/RDMA (Soft-RoCE in a QEMU guest) against two real
+//! targets: the Linux kernel's nvmet-rdma, then `nvmeof-targetd --listen rdma://...`. Against
+//! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
+//! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
+//! compared), and a CLI write and read of a 3 MiB file. Before the RDMA device exists the CLI
+//! must fail with a one-line error. See `tests/guest/initiator-rdma.sh`.
+//!
+//! The host kernel here has no RDMA, so the initiator runs in the guest too. Needs the guest
+//! prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1` (`.ci/run` does both); without
+//! it the test prints why it did nothing. The binaries are copied into the guest from the
+//! build: `cargo build --workspace --bins` and the initiator's examples (built by
+//! `cargo test --workspace`) must exist.
+
+use std::process::Command;
+
+use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
+
+#[test]
+fn initiator_over_rdma_against_kernel_and_own_target() {
+    if !interop_enabled() {
+        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+        return;
+    }
+    let nvmeof = bin_path("nvmeof");
+    let targetd = bin_path("nvmeof-targetd");
+    let verify = nvmeof.with_file_name("examples").join("verify");
+    assert!(
+        verify.exists(),
+        "{} is not built (cargo build -p nvmeof-initiator --example verify)",
+        verify.display()
+    );
+    let out = Command::new(guest_sh())
+        .args(["run", "--with-rdma", "--timeout", "900"])
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof", nvmeof.display()))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-verify", verify.display()))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+        .arg(workspace_root().join("tests/guest/initiator-rdma.sh"))
+        .output()
+        .expect("guest.sh");
+    let console = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "guest failed ({:?}):\n{console}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target",
+        "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
+        "PASS: nvmeof-direct initiator over NVMe/RDMA",
+        "NVMe/RDMA queue pair accepted",
+        "qid=3",
+    ] {
+        assert!(
+            console.contains(needle),
+            "{needle:?} not in the console:\n{console}"
+        );
+    }
+    assert_eq!(
+        console.matches("VERIFY PASS transport=rdma queues=3").count(),
+        2,
+        "{console}"
+    );
+    assert!(
+        !console.contains("transport error"),
+        "a queue pair failed:\n{console}"
+    );
+}
