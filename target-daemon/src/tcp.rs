@@ -35,6 +35,8 @@ const MAX_PENDING_SEND: usize = 8 << 20;
 const READ_CHUNK: usize = 256 * 1024;
 
 type IoFuture = Pin<Box<dyn Future<Output = Done>>>;
+/// A read from a backend that never waits: `(lba, out)`.
+type ReadNow<'a> = &'a dyn Fn(u64, &mut [u8]) -> Result<(), BackendError>;
 
 /// A finished data-plane request.
 struct Done {
@@ -467,7 +469,7 @@ impl Conn {
         else {
             return false;
         };
-        let read: &dyn Fn(u64, &mut [u8]) -> Result<(), BackendError> = match &*ns.backend {
+        let read: ReadNow<'_> = match &*ns.backend {
             AnyBackend::Memory(m) => &|lba, out| m.read_into(lba, out),
             AnyBackend::Null(n) => &|lba, out| n.read_into(lba, out),
             AnyBackend::File(_) => return false,
