@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""G6: memory an NVMe/TCP target spends per idle connection.
+
+Opens N controllers (admin queue: ICReq, Fabrics Connect; then one I/O queue each) against a
+target on this machine, leaves them idle, and reports the growth of the target's resident set
+(VmRSS from /proc) per connection. Works against any NVMe/TCP target whose PID is given.
+
+    benches/scripts/idle-connections.py --pid $(pidof nvmeof-targetd) [--addr 127.0.0.1:4420]
+        [--nqn NQN] [--controllers 32]
+
+Keep alive: connections ask for a 120 s KATO and send nothing, so measure within that time.
+"""
+import argparse
+import socket
+import struct
+import time
+import uuid
+
+DEFAULT_NQN = "nqn.2026-11.io.nvmeof-direct:default"
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:" + str(uuid.uuid4())
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def recv_exact(s, n):
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise RuntimeError("connection closed by the target")
+        out += chunk
+    return out
+
+
+def open_queue(addr, nqn, qid, cntlid, hostid):
+    s = socket.create_connection(addr, timeout=10)
+    # ICReq: common header (type 0, hlen 128, plen 128), pfv 0, hpda 0, no digests, maxr2t 0.
+    icreq = struct.pack("<BBBBIHBBI", 0x00, 0, 128, 0, 128, 0, 0, 0, 0).ljust(128, b"\0")
+    s.sendall(icreq)
+    icresp = recv_exact(s, 128)
+    if icresp[0] != 0x01:
+        raise RuntimeError(f"expected ICResp, got PDU type {icresp[0]:#x}")
+    # Fabrics Connect (opcode 0x7f, fctype 0x01) with 1024 bytes of in-capsule data.
+    sqe = bytearray(64)
+    sqe[0] = 0x7F
+    sqe[1] = 0x40  # PSDT: SGL
+    struct.pack_into("<H", sqe, 2, 1)  # command id
+    # SGL: data block, offset subtype (in-capsule), length 1024.
+    struct.pack_into("<QI", sqe, 24, 0, 1024)
+    sqe[39] = 0x01
+    sqe[4] = 0x01  # fctype Connect
+    struct.pack_into("<HH", sqe, 40, 0, qid)  # recfmt, qid
+    struct.pack_into("<H", sqe, 44, 31)  # sqsize (0's based)
+    struct.pack_into("<I", sqe, 48, 120_000 if qid == 0 else 0)  # kato ms
+    data = bytearray(1024)
+    data[0:16] = hostid
+    struct.pack_into("<H", data, 16, cntlid)
+    data[256:256 + len(nqn)] = nqn.encode()
+    data[512:512 + len(HOSTNQN)] = HOSTNQN.encode()
+    hdr = struct.pack("<BBBBI", 0x04, 0, 72, 72, 72 + 1024)
+    s.sendall(hdr + bytes(sqe) + bytes(data))
+    resp = recv_exact(s, 24)
+    cqe = resp[8:24]
+    dw0 = struct.unpack_from("<I", cqe, 0)[0]
+    status = struct.unpack_from("<H", cqe, 14)[0] >> 1
+    if status != 0:
+        raise RuntimeError(f"Connect qid {qid} failed: status {status:#x}")
+    return s, dw0 & 0xFFFF
+
+
+def enable(s):
+    """Property Set CC (EN, IOSQES 6, IOCQES 4), then Number of Queues: as a host does."""
+    sqe = bytearray(64)
+    sqe[0] = 0x7F
+    sqe[1] = 0x40
+    struct.pack_into("<H", sqe, 2, 2)
+    sqe[4] = 0x00  # fctype Property Set
+    sqe[40] = 0  # 4-byte property
+    struct.pack_into("<IQ", sqe, 44, 0x14, 0x00460001)
+    s.sendall(struct.pack("<BBBBI", 0x04, 0, 72, 0, 72) + bytes(sqe))
+    cqe = recv_exact(s, 24)[8:24]
+    if struct.unpack_from("<H", cqe, 14)[0] >> 1:
+        raise RuntimeError("Property Set CC failed")
+    time.sleep(0.01)
+    # Set Features Number of Queues: one I/O queue pair (0's based counts in CDW11).
+    sqe = bytearray(64)
+    sqe[0] = 0x09
+    struct.pack_into("<H", sqe, 2, 3)
+    struct.pack_into("<II", sqe, 40, 0x07, 0)
+    s.sendall(struct.pack("<BBBBI", 0x04, 0, 72, 0, 72) + bytes(sqe))
+    cqe = recv_exact(s, 24)[8:24]
+    if struct.unpack_from("<H", cqe, 14)[0] >> 1:
+        raise RuntimeError("Set Features Number of Queues failed")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pid", type=int, required=True, help="the target's process ID")
+    ap.add_argument("--addr", default="127.0.0.1:4420")
+    ap.add_argument("--nqn", default=DEFAULT_NQN)
+    ap.add_argument("--controllers", type=int, default=32,
+                    help="controllers to open, each an admin and an I/O queue (default 32)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait before reading RSS")
+    a = ap.parse_args()
+    host, port = a.addr.rsplit(":", 1)
+    addr = (host, int(port))
+    before = rss_kib(a.pid)
+    conns = []
+    hostid = uuid.uuid4().bytes
+    for _ in range(a.controllers):
+        admin, cntlid = open_queue(addr, a.nqn, 0, 0xFFFF, hostid)
+        enable(admin)
+        io, _ = open_queue(addr, a.nqn, 1, cntlid, hostid)
+        conns += [admin, io]
+    time.sleep(a.settle)
+    after = rss_kib(a.pid)
+    n = len(conns)
+    print(f"connections {n}  rss before {before} KiB  after {after} KiB  "
+          f"per connection {(after - before) / n:.1f} KiB")
+    for c in conns:
+        c.close()
+
+
+if __name__ == "__main__":
+    main()
