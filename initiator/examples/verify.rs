@@ -4,8 +4,12 @@
 //! of everything and a byte-for-byte comparison, and a check of the queue counters.
 //! **It overwrites the first few MiB of the namespace.**
 //!
+//! With `reconnect` as the fifth argument it then prints `VERIFY WAITING-FOR-RECONNECT` and
+//! keeps reading everything back until the controller has reconnected (the caller breaks the
+//! connection meanwhile), then writes and reads once more on the new connection.
+//!
 //! ```text
-//! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES]
+//! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect]
 //! cargo run -p nvmeof-initiator --example verify -- rdma://10.0.2.15:4420 NQN 1 3
 //! ```
 //!
@@ -76,11 +80,12 @@ async fn pieces(ns: &Namespace, list: &[(u64, u64, usize)], write: bool) -> Resu
 async fn main() {
     let mut args = std::env::args().skip(1);
     let (Some(addr), Some(nqn)) = (args.next(), args.next()) else {
-        eprintln!("usage: verify ADDR NQN [NSID] [QUEUES]");
+        eprintln!("usage: verify ADDR NQN [NSID] [QUEUES] [reconnect]");
         std::process::exit(2);
     };
     let nsid: u32 = args.next().map_or(1, |s| s.parse().unwrap_or(1));
     let queues: u16 = args.next().map_or(2, |s| s.parse().unwrap_or(2));
+    let reconnect = args.next().as_deref() == Some("reconnect");
     let addr: TargetAddr = addr.parse().unwrap_or_else(|e| fail(format!("{e}")));
     let host = HostIdentity::new(
         "nqn.2014-08.org.nvmexpress:uuid:6c1d2a52-4b1e-4c57-9b0e-5f3b2b0a6e01",
@@ -208,6 +213,34 @@ async fn main() {
     }
     if sum(|s| s.timeouts) + sum(|s| s.retries) != 0 {
         fail("commands timed out or were retried".into());
+    }
+    if reconnect {
+        println!("VERIFY WAITING-FOR-RECONNECT");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut rounds = 0u32;
+        while ctrl.reconnects() == 0 {
+            if Instant::now() > deadline {
+                fail("the controller did not reconnect within 120 s".into());
+            }
+            // Reads in flight when the connection breaks are sent again after the reconnect.
+            pieces(&ns, &list, false)
+                .await
+                .unwrap_or_else(|e| fail(format!("while reconnecting: {e}")));
+            rounds += 1;
+        }
+        pieces(&ns, &list, false).await.unwrap_or_else(|e| fail(e));
+        pieces(&ns, &[big_piece], false)
+            .await
+            .unwrap_or_else(|e| fail(e));
+        let again = [(list[0].0, 77, CHUNK)];
+        pieces(&ns, &again, true).await.unwrap_or_else(|e| fail(e));
+        pieces(&ns, &again, false).await.unwrap_or_else(|e| fail(e));
+        let resent: u64 = ctrl.queue_stats().iter().map(|s| s.retries).sum();
+        println!(
+            "VERIFY RECONNECTED reconnects={} read rounds while waiting={rounds} commands resent={resent} state={:?}",
+            ctrl.reconnects(),
+            ctrl.state()
+        );
     }
     ctrl.disconnect()
         .await

@@ -101,11 +101,13 @@ pub(crate) struct Live {
 }
 
 /// The transport of a queue connection.
+// One value per queue, moved only while a connection is set up: no boxing on the data path.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Link {
     /// NVMe/TCP: the socket and the engine.
     Tcp { stream: TcpStream, engine: HostConn },
     /// NVMe/RDMA.
-    Rdma(Box<RdmaConn>),
+    Rdma(RdmaConn),
 }
 
 /// What woke a queue task up on its connection.

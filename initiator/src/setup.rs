@@ -41,11 +41,13 @@ pub(crate) struct TcpLink {
 }
 
 /// The transport of a set-up connection.
+// One value per queue, moved only while a connection is set up: no boxing on the data path.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum SetupLink {
     /// NVMe/TCP.
     Tcp(TcpLink),
     /// NVMe/RDMA.
-    Rdma(Box<RdmaConn>),
+    Rdma(RdmaConn),
 }
 
 /// A freshly opened queue connection driven one command at a time.
@@ -86,7 +88,7 @@ impl SetupConn {
             )
             .await?;
             return Ok(SetupConn {
-                link: SetupLink::Rdma(Box::new(conn)),
+                link: SetupLink::Rdma(conn),
                 params: no_digests,
                 addr: addr_s,
                 admin_timeout,

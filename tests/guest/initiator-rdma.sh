@@ -6,7 +6,9 @@
 # Against each: `nvmeof discover -t rdma` (RDMA discovery entry fields), `id-ctrl`, `id-ns`,
 # the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
 # writes, everything read back and compared, queue counters checked), and a CLI write + read
-# of a random file compared with cmp. Run by tests/tests/initiator_rdma.rs; by hand:
+# of a random file compared with cmp. Against the kernel target, the port's subsystem link is
+# then removed and restored while the verify example keeps reads in flight: the initiator
+# must notice, reconnect and complete the reads. Run by tests/tests/initiator_rdma.rs; by hand:
 #   cargo build -p nvmeof-initiator --bins --example verify && cargo build -p nvmeof-target --bins
 #   tests/interop/guest.sh run --with-rdma --add-bin target/debug/nvmeof:/usr/bin/nvmeof \
 #       --add-bin target/debug/examples/verify:/usr/bin/nvmeof-verify \
@@ -99,6 +101,28 @@ log "=== kernel nvmet-rdma target on $addr:$KERNEL_PORT"
 NVMET_TRTYPE=rdma NVMET_TRADDR=$addr NVMET_PORT=$KERNEL_PORT NVMET_NQN=$KNQN \
     NVMET_NS_SIZE_MB=32 NVMET_BACKEND=brd NVMET_MODEL=interop-nvmet-rdma nvmet_from_env
 check_target "kernel nvmet-rdma" "$KERNEL_PORT" "$KNQN"
+
+log "=== kernel nvmet-rdma: the port goes away with reads in flight, then comes back"
+"$VERIFY" "rdma://$addr:$KERNEL_PORT" "$KNQN" 1 2 reconnect >/tmp/verify.log 2>&1 &
+vpid=$!
+i=0
+until grep -q "VERIFY WAITING-FOR-RECONNECT" /tmp/verify.log; do
+    i=$((i + 1))
+    kill -0 "$vpid" 2>/dev/null || {
+        cat /tmp/verify.log
+        fail "verify exited before the reconnect phase"
+    }
+    [ $i -lt 1200 ] || fail "verify did not reach the reconnect phase"
+    sleep 0.1
+done
+step rm "$NVMET_CFS/ports/1/subsystems/$KNQN"
+sleep 2
+step ln -s "$NVMET_CFS/subsystems/$KNQN" "$NVMET_CFS/ports/1/subsystems/$KNQN"
+wait "$vpid"
+rc=$?
+cat /tmp/verify.log
+[ "$rc" -eq 0 ] || fail "verify across the reconnect failed ($rc)"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY RECONNECTED reconnects=1" "verify across the reconnect"
 nvmet_clear
 log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
 

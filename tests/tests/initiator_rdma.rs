@@ -2,7 +2,8 @@
 //! targets: the Linux kernel's nvmet-rdma, then `nvmeof-targetd --listen rdma://...`. Against
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
-//! compared), and a CLI write and read of a 3 MiB file. Before the RDMA device exists the CLI
+//! compared), and a CLI write and read of a 3 MiB file; against the kernel target also a
+//! reconnect: its port drops the subsystem and takes it back while reads are in flight. Before the RDMA device exists the CLI
 //! must fail with a one-line error. See `tests/guest/initiator-rdma.sh`.
 //!
 //! The host kernel here has no RDMA, so the initiator runs in the guest too. Needs the guest
@@ -51,6 +52,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target",
         "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
         "PASS: nvmeof-direct initiator over NVMe/RDMA",
+        "VERIFY RECONNECTED reconnects=1",
         "NVMe/RDMA queue pair accepted",
         "qid=3",
     ] {
@@ -60,7 +62,9 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         );
     }
     assert_eq!(
-        console.matches("VERIFY PASS transport=rdma queues=3").count(),
+        console
+            .matches("VERIFY PASS transport=rdma queues=3")
+            .count(),
         2,
         "{console}"
     );
