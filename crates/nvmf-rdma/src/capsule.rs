@@ -723,6 +723,18 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         if let Some(d) = &data {
             check_transfer(&d.buf, d.len, &d.remote)?;
         }
+        if self.backlog.is_empty() && self.failed.is_none() {
+            // Straight into a message slot: no copy of the message is kept.
+            if let Err(data) = self.try_post_send(msg, data, invalidate, token) {
+                self.backlog.push_back(Pending::Send {
+                    msg: msg.to_vec(),
+                    data,
+                    invalidate,
+                    token,
+                });
+            }
+            return Ok(());
+        }
         self.submit(Pending::Send {
             msg: msg.to_vec(),
             data,
@@ -802,103 +814,14 @@ impl<B: StableBuffer> CapsuleQueue<B> {
                 data,
                 invalidate,
                 token,
-            } => {
-                let wrs = if data.as_ref().is_some_and(|d| d.len > 0) {
-                    2
-                } else {
-                    1
-                };
-                if self.credits.available() < wrs {
-                    return Err(Pending::Send {
-                        msg,
-                        data,
-                        invalidate,
-                        token,
-                    });
-                }
-                let Some(msg_slot) = self.msgs.take() else {
-                    return Err(Pending::Send {
-                        msg,
-                        data,
-                        invalidate,
-                        token,
-                    });
-                };
-                let off = msg_slot as usize * self.cfg.send_size;
-                self.send_mem.get_mut_unposted().write(off, &msg);
-                let msg_sge = self.send_mem.sge(off, msg.len());
-                let (data_buf, data_wr) = match data {
-                    Some(d) if d.len > 0 => {
-                        let sge = d.buf.sge(0, d.len);
-                        (Some(d.buf), sge.map(|s| (s, d.remote)))
-                    }
-                    Some(d) => (Some(d.buf), None),
-                    None => (None, None),
-                };
-                let (Some(mut msg_sge), true) = (msg_sge, wrs == 1 || data_wr.is_some()) else {
-                    // Ranges were checked on entry; this cannot happen.
-                    self.msgs.give(msg_slot);
-                    self.ready.push(Event::Sent {
-                        token,
-                        data: data_buf,
-                        ok: false,
-                    });
-                    return Ok(());
-                };
-                let _ = self.credits.try_take(wrs);
-                let op = self.alloc_op(Op::Send {
-                    msg_slot,
-                    data: data_buf,
-                    wrs,
+            } => self
+                .try_post_send(&msg, data, invalidate, token)
+                .map_err(|data| Pending::Send {
+                    msg,
+                    data,
+                    invalidate,
                     token,
-                });
-                let mut send = zeroed_send_wr();
-                send.wr_id = (KIND_SEND << KIND_SHIFT) | u64::from(op);
-                send.sg_list = &mut msg_sge;
-                send.num_sge = 1;
-                send.send_flags = IBV_SEND_SIGNALED;
-                match invalidate {
-                    Some(rkey) => {
-                        send.opcode = IBV_WR_SEND_WITH_INV;
-                        send.imm_or_invalidate_rkey = rkey;
-                    }
-                    None => send.opcode = IBV_WR_SEND,
-                }
-                let mut write = zeroed_send_wr();
-                let mut data_sge;
-                let first: *mut ibv_send_wr = if let Some((sge, remote)) = data_wr {
-                    data_sge = sge;
-                    write.wr_id = (KIND_WRITE << KIND_SHIFT) | u64::from(op);
-                    write.sg_list = &mut data_sge;
-                    write.num_sge = 1;
-                    write.opcode = IBV_WR_RDMA_WRITE;
-                    write.remote_addr = remote.addr;
-                    write.rkey = remote.rkey;
-                    write.next = &mut send;
-                    &mut write
-                } else {
-                    &mut send
-                };
-                if let Err(e) = self.post_send(first) {
-                    self.fail(format!("cannot post a send: {e}"));
-                    if let Some(Op::Send {
-                        msg_slot,
-                        data,
-                        wrs,
-                        token,
-                    }) = self.take_op(op)
-                    {
-                        self.credits.release(wrs);
-                        self.msgs.give(msg_slot);
-                        self.ready.push(Event::Sent {
-                            token,
-                            data,
-                            ok: false,
-                        });
-                    }
-                }
-                Ok(())
-            }
+                }),
             Pending::Read {
                 buf,
                 len,
@@ -945,6 +868,102 @@ impl<B: StableBuffer> CapsuleQueue<B> {
                 Ok(())
             }
         }
+    }
+
+    /// Posts a SEND (after an RDMA WRITE of `data`) if the send queue and a message slot have
+    /// room; hands `data` back if not.
+    fn try_post_send(
+        &mut self,
+        msg: &[u8],
+        data: Option<DataOut<B>>,
+        invalidate: Option<u32>,
+        token: u64,
+    ) -> Result<(), Option<DataOut<B>>> {
+        let wrs = if data.as_ref().is_some_and(|d| d.len > 0) {
+            2
+        } else {
+            1
+        };
+        if self.credits.available() < wrs {
+            return Err(data);
+        }
+        let Some(msg_slot) = self.msgs.take() else {
+            return Err(data);
+        };
+        let off = msg_slot as usize * self.cfg.send_size;
+        self.send_mem.get_mut_unposted().write(off, msg);
+        let msg_sge = self.send_mem.sge(off, msg.len());
+        let (data_buf, data_wr) = match data {
+            Some(d) if d.len > 0 => {
+                let sge = d.buf.sge(0, d.len);
+                (Some(d.buf), sge.map(|s| (s, d.remote)))
+            }
+            Some(d) => (Some(d.buf), None),
+            None => (None, None),
+        };
+        let (Some(mut msg_sge), true) = (msg_sge, wrs == 1 || data_wr.is_some()) else {
+            // Ranges were checked on entry; this cannot happen.
+            self.msgs.give(msg_slot);
+            self.ready.push(Event::Sent {
+                token,
+                data: data_buf,
+                ok: false,
+            });
+            return Ok(());
+        };
+        let _ = self.credits.try_take(wrs);
+        let op = self.alloc_op(Op::Send {
+            msg_slot,
+            data: data_buf,
+            wrs,
+            token,
+        });
+        let mut send = zeroed_send_wr();
+        send.wr_id = (KIND_SEND << KIND_SHIFT) | u64::from(op);
+        send.sg_list = &mut msg_sge;
+        send.num_sge = 1;
+        send.send_flags = IBV_SEND_SIGNALED;
+        match invalidate {
+            Some(rkey) => {
+                send.opcode = IBV_WR_SEND_WITH_INV;
+                send.imm_or_invalidate_rkey = rkey;
+            }
+            None => send.opcode = IBV_WR_SEND,
+        }
+        let mut write = zeroed_send_wr();
+        let mut data_sge;
+        let first: *mut ibv_send_wr = if let Some((sge, remote)) = data_wr {
+            data_sge = sge;
+            write.wr_id = (KIND_WRITE << KIND_SHIFT) | u64::from(op);
+            write.sg_list = &mut data_sge;
+            write.num_sge = 1;
+            write.opcode = IBV_WR_RDMA_WRITE;
+            write.remote_addr = remote.addr;
+            write.rkey = remote.rkey;
+            write.next = &mut send;
+            &mut write
+        } else {
+            &mut send
+        };
+        if let Err(e) = self.post_send(first) {
+            self.fail(format!("cannot post a send: {e}"));
+            if let Some(Op::Send {
+                msg_slot,
+                data,
+                wrs,
+                token,
+            }) = self.take_op(op)
+            {
+                self.credits.release(wrs);
+                self.msgs.give(msg_slot);
+                self.ready.push(Event::Sent {
+                    token,
+                    data,
+                    ok: false,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn post_send(&mut self, wr: *mut ibv_send_wr) -> Result<(), Error> {
