@@ -258,7 +258,7 @@ impl CtrlShared {
 }
 
 /// A connection to one NVM subsystem: an admin queue and a set of I/O queues, each its own
-/// TCP connection. Cheap to clone; the connection closes (gracefully, in the background) when
+/// TCP connection or RDMA queue pair. Cheap to clone; the connection closes (gracefully, in the background) when
 /// the last clone and the last [`Namespace`] of it are dropped, or at once with
 /// [`disconnect`](Self::disconnect).
 #[derive(Clone)]

@@ -1,4 +1,4 @@
-//! The nvmeof-direct user-space NVMe-over-Fabrics initiator (NVMe/TCP).
+//! The nvmeof-direct user-space NVMe-over-Fabrics initiator (NVMe/TCP and NVMe/RDMA).
 //!
 //! A library for programs that read and write remote NVMe namespaces directly (data loaders,
 //! benchmarks), plus two binaries built on it: the `nvmeof` command line tool and the
@@ -7,16 +7,17 @@
 //! - [`discover`] asks a discovery controller which subsystems exist and where.
 //! - [`Controller::connect`] sets up an association with an NVM subsystem: the admin queue
 //!   (Fabrics Connect, controller enable, Identify, Number of Queues), then N I/O queues, each
-//!   its own TCP connection driven by its own task. Keep Alive is sent every KATO/2, an
-//!   Asynchronous Event Request stays posted (a namespace change refreshes the namespace
-//!   list), and a lost connection is re-established with exponential backoff: reads in flight
-//!   are sent again, writes in flight fail with [`Error::Interrupted`] unless
-//!   [`ConnectOptions::retry_writes`] is set.
+//!   its own connection (TCP, or an RDMA-CM queue pair for [`Transport::Rdma`]) driven by its
+//!   own task. Keep Alive is sent every KATO/2, an Asynchronous Event Request stays posted (a
+//!   namespace change refreshes the namespace list), and a lost connection is re-established
+//!   with exponential backoff: reads in flight are sent again, writes in flight fail with
+//!   [`Error::Interrupted`] unless [`ConnectOptions::retry_writes`] is set.
 //! - [`Namespace`] does the I/O: [`read`](Namespace::read), [`write`](Namespace::write),
 //!   [`flush`](Namespace::flush), [`write_zeroes`](Namespace::write_zeroes),
 //!   [`deallocate`](Namespace::deallocate). Transfers above the controller's MDTS are split
 //!   and reassembled; many commands are in flight per queue; small writes travel in the
-//!   command capsule, larger ones on R2T. Buffers are `&mut [u8]` / `&[u8]`, or any
+//!   command capsule, larger ones on R2T (NVMe/RDMA: keyed SGLs the target RDMA READs and
+//!   WRITEs). Buffers are `&mut [u8]` / `&[u8]`, or any
 //!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
 //! - [`gpu`] (feature `gpu`, on by default) reads into and writes from CUDA device memory:
 //!   pinned staging slots, asynchronous copies on a stream, batched small reads scattered by a

@@ -186,7 +186,8 @@ impl ReconnectPolicy {
 /// Timeouts. Every wait of the initiator is bounded by one of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Timeouts {
-    /// Opening the TCP connection and receiving the ICResp.
+    /// Opening the TCP connection and receiving the ICResp (NVMe/RDMA: resolving the address
+    /// and route and the RDMA-CM connection).
     pub connect: Duration,
     /// Each admin command (Connect, Property Get/Set, Identify, Get Log Page, Keep Alive…).
     pub admin: Duration,
