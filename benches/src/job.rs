@@ -223,7 +223,8 @@ pub enum Mode {
     Das,
     /// NVMe/TCP through the user-space initiator.
     Tcp(TcpTarget),
-    /// NVMe/RDMA (accepted, not available in this build).
+    /// NVMe/RDMA through the user-space initiator to a target at `addr` (without an address
+    /// the mode is reported as not available: no RDMA target is started in-process).
     Rdma {
         /// `HOST:PORT`, when given.
         addr: Option<String>,

@@ -3,8 +3,8 @@
 //! The load generator runs one job in several modes side by side, in one run, on one
 //! machine: `das` (the `blockdev` backend directly, in-process, no network), `tcp` (NVMe/TCP
 //! through the `nvmeof-initiator` library to our target started in-process, to our target
-//! binary started as a process, or to any NVMe/TCP target by address), and `rdma` (accepted,
-//! reported as not available until the RDMA transport exists). Knobs carry fio's names; every
+//! binary started as a process, or to any NVMe/TCP target by address), and `rdma=HOST:PORT`
+//! (NVMe/RDMA through the same initiator to a target by address). Knobs carry fio's names; every
 //! read is checked against a seeded pattern so no speed is bought with wrong data. Results are
 //! IOPS, bandwidth, latency percentiles from merged HdrHistograms, CPU-seconds of the target
 //! and of the client, IOPS per core and the spread over namespaces, as JSON

@@ -18,7 +18,7 @@ use nvmeof_bench::{QUICK_JOB, svg};
 ///   tcp            NVMe/TCP to our target started in this process
 ///   tcp-bin[=PATH] NVMe/TCP to nvmeof-targetd started as a process
 ///   tcp=HOST:PORT  NVMe/TCP to any target (with --nqn)
-///   rdma           accepted; not available in this build
+///   rdma=HOST:PORT NVMe/RDMA to any target listening on rdma:// (with --nqn)
 /// Examples:
 ///   nvmeof-bench --quick
 ///   nvmeof-bench benches/jobs/study1-das-vs-of.toml --json out.json --svg plots/

@@ -23,7 +23,7 @@ use tokio::runtime::Runtime;
 use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
 use crate::hist::LatencyHist;
-use crate::job::{Dest, HostLoad, Mode, Plan, Point};
+use crate::job::{Dest, HostLoad, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
 use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
@@ -33,8 +33,8 @@ use crate::report::{
 };
 use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
 
-/// Message of the `rdma` mode until the RDMA transport exists.
-pub const RDMA_UNAVAILABLE: &str = "NVMe/RDMA is not available in this build: the load generator has no RDMA I/O path yet (the RDMA transport is not integrated)";
+/// Message of the `rdma` mode without an address (no RDMA target is started in-process).
+pub const RDMA_UNAVAILABLE: &str = "mode rdma without an address is not available: the load generator starts no RDMA target itself; use rdma=HOST:PORT (a target listening on rdma://) with --nqn";
 /// Message of the `gpu` destination until GPU reads exist.
 pub const GPU_UNAVAILABLE: &str = "destination gpu is not available in this build: the initiator has no GPU read path yet (dest = \"host\" works)";
 
@@ -181,7 +181,21 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
                     Err(e) => ModeState::Unavailable(e.to_string()),
                 }
             }
-            Mode::Rdma { .. } => ModeState::Unavailable(RDMA_UNAVAILABLE.into()),
+            Mode::Rdma { addr: None } => ModeState::Unavailable(RDMA_UNAVAILABLE.into()),
+            // NVMe/RDMA through the same initiator path: the address carries the transport.
+            Mode::Rdma { addr: Some(a) } => {
+                let _guard = ctl.enter();
+                let remote = TcpTarget::Remote {
+                    addr: format!("rdma://{a}"),
+                };
+                match FabricTarget::start(&remote, &spec) {
+                    Ok(target) => ModeState::Tcp {
+                        target,
+                        prefilled: Prefilled::default(),
+                    },
+                    Err(e) => ModeState::Unavailable(e.to_string()),
+                }
+            }
         })
         .collect();
 

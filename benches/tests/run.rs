@@ -144,7 +144,7 @@ fn unavailable_modes_and_destinations_say_why() {
     assert!(!m.ok);
     assert_eq!(m.error.as_deref(), Some(RDMA_UNAVAILABLE));
     assert!(!r.all_ok());
-    assert!(r.to_markdown().contains("not available in this build"));
+    assert!(r.to_markdown().contains("not available"));
 
     let file = JobFile::parse("[[job]]\ndest = \"gpu\"\nruntime = \"100ms\"").unwrap();
     let plan = Plan::resolve(

@@ -375,5 +375,18 @@ mod tests {
             .unwrap();
         assert!(o.data_digest && !o.header_digest);
         assert_eq!(o.io_queues, Some(2));
+        let host = HostIdentity::new("nqn.h:1", [1; 16]).unwrap();
+        let rdma = AttachParams {
+            transport: "rdma".into(),
+            data_digest: false,
+            ..p.clone()
+        };
+        let o = rdma.connect_options(host.clone()).unwrap();
+        assert_eq!(o.addr, TargetAddr::rdma("127.0.0.1", 4420));
+        let fc = AttachParams {
+            transport: "fc".into(),
+            ..p
+        };
+        assert!(fc.connect_options(host).is_err());
     }
 }

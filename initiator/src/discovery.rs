@@ -280,3 +280,35 @@ async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<Discov
         "the discovery log changed during each of {attempts} attempts to read it"
     )))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rdma_entries_carry_their_transport_subtype() {
+        let mut raw = DiscoveryLogEntry::zeroed();
+        raw.trtype = trtype::RDMA;
+        raw.adrfam = adrfam::IPV4;
+        raw.trsvcid[..4].copy_from_slice(b"4420");
+        raw.traddr[..9].copy_from_slice(b"192.0.2.1");
+        raw.tsas[..3].copy_from_slice(&[1, 4, 1]);
+        raw.tsas[8..10].copy_from_slice(&0xFFFFu16.to_le_bytes());
+        let e = DiscoveryEntry::from_raw(&raw);
+        let t = e.rdma.expect("RDMA subtype");
+        assert_eq!(
+            (t.qptype_name(), t.prtype_name(), t.cms_name(), t.pkey),
+            ("connected", "roce-v2", "rdma-cm", 0xFFFF)
+        );
+        assert_eq!(
+            e.target_addr(),
+            Some(crate::TargetAddr::rdma("192.0.2.1", 4420))
+        );
+        raw.trtype = trtype::TCP;
+        let e = DiscoveryEntry::from_raw(&raw);
+        assert_eq!(e.rdma, None);
+        assert_eq!(e.transport(), Some(crate::Transport::Tcp));
+        raw.trtype = trtype::FC;
+        assert_eq!(DiscoveryEntry::from_raw(&raw).target_addr(), None);
+    }
+}

@@ -3,7 +3,8 @@
 # targets in the guest, one after the other:
 #   1. the Linux kernel target (nvmet-rdma, brd namespace), then
 #   2. nvmeof-targetd listening on rdma://GUEST_IP:OUR_PORT (memory namespace).
-# Against each: `nvmeof discover -t rdma` (RDMA discovery entry fields), `id-ctrl`, `id-ns`,
+# Against each: `nvmeof discover -t rdma` (RDMA discovery entry fields), `connect`, `id-ctrl`,
+# `id-ns`,
 # the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
 # writes, everything read back and compared, queue counters checked), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
@@ -13,6 +14,9 @@
 #   tests/interop/guest.sh run --with-rdma --add-bin target/debug/nvmeof:/usr/bin/nvmeof \
 #       --add-bin target/debug/examples/verify:/usr/bin/nvmeof-verify \
 #       --add-bin target/debug/nvmeof-targetd:/usr/bin/nvmeof-targetd tests/guest/initiator-rdma.sh
+#
+# With /usr/bin/nvmeof-bench present, its --quick job also runs in modes rdma and tcp against
+# nvmeof-targetd (reads verified).
 #
 # Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3).
 # shellcheck source=../interop/guest-lib/interop.sh
@@ -24,6 +28,7 @@ ONQN=nqn.2026-11.io.nvmeof-direct:initiator-rdma
 NVMEOF=/usr/bin/nvmeof
 VERIFY=/usr/bin/nvmeof-verify
 TARGETD=/usr/bin/nvmeof-targetd
+BENCH=/usr/bin/nvmeof-bench
 addr=${GUEST_IP:-10.0.2.15}
 tlog=/tmp/nvmeof-targetd.log
 
@@ -70,7 +75,10 @@ check_target() {
     expect_contains "$out" "rdma_qptype: connected" "$name discovery log"
     expect_contains "$out" "rdma_cms:    rdma-cm" "$name discovery log"
 
-    log "=== $name: id-ctrl, id-ns"
+    log "=== $name: connect, id-ctrl, id-ns"
+    # shellcheck disable=SC2086
+    out=$("$NVMEOF" connect $fab -n "$nqn" -i 2 -o json 2>&1) || fail "$name: connect failed: $out"
+    expect_contains "$out" "rdma://$addr:$port" "$name connect"
     # shellcheck disable=SC2086
     out=$("$NVMEOF" id-ctrl $fab -n "$nqn" -o json 2>&1) || fail "$name: id-ctrl failed: $out"
     expect_contains "$out" "$nqn" "$name id-ctrl"
@@ -128,7 +136,7 @@ log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
 
 log "=== nvmeof-targetd on rdma://$addr:$OUR_PORT"
 NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --listen "rdma://$addr:$OUR_PORT" \
-    --subsystem "$ONQN" --namespace mem:32M --reactors 2 >"$tlog" 2>&1 &
+    --listen "tcp://$addr:$OUR_PORT" --subsystem "$ONQN" --namespace mem:32M --reactors 2 >"$tlog" 2>&1 &
 tpid=$!
 i=0
 until grep -q "nvmeof-targetd ready" "$tlog"; do
@@ -141,6 +149,16 @@ until grep -q "nvmeof-targetd ready" "$tlog"; do
     sleep 0.1
 done
 check_target "nvmeof-targetd" "$OUR_PORT" "$ONQN"
+if [ -x "$BENCH" ]; then
+    # The load generator's rdma mode beside its tcp mode, same target and namespace, reads
+    # verified. Soft-RoCE under emulation: this shows the path works, not its speed.
+    log "=== nvmeof-targetd: nvmeof-bench --quick, modes rdma and tcp"
+    out=$("$BENCH" --quick --modes "rdma=$addr:$OUR_PORT,tcp=$addr:$OUR_PORT" --nqn "$ONQN" \
+        --size 8M --runtime 1s --ramp-time 0s 2>&1) || fail "nvmeof-bench failed: $out"
+    echo "$out" | grep -E '^\|'
+    expect_contains "$out" "| rdma@$addr:$OUR_PORT |" "nvmeof-bench rdma mode"
+    log "PASS: nvmeof-bench rdma mode"
+fi
 kill -TERM "$tpid"
 wait "$tpid"
 rc=$?

@@ -2,7 +2,8 @@
 //! targets: the Linux kernel's nvmet-rdma, then `nvmeof-targetd --listen rdma://...`. Against
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
-//! compared), and a CLI write and read of a 3 MiB file; against the kernel target also a
+//! compared), a CLI write and read of a 3 MiB file, and (against our target) the load
+//! generator's rdma mode beside its tcp mode; against the kernel target also a
 //! reconnect: its port drops the subsystem and takes it back while reads are in flight. Before the RDMA device exists the CLI
 //! must fail with a one-line error. See `tests/guest/initiator-rdma.sh`.
 //!
@@ -24,6 +25,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
     }
     let nvmeof = bin_path("nvmeof");
     let targetd = bin_path("nvmeof-targetd");
+    let bench = bin_path("nvmeof-bench");
     let verify = nvmeof.with_file_name("examples").join("verify");
     assert!(
         verify.exists(),
@@ -38,6 +40,8 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         .arg(format!("{}:/usr/bin/nvmeof-verify", verify.display()))
         .arg("--add-bin")
         .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-bench", bench.display()))
         .arg(workspace_root().join("tests/guest/initiator-rdma.sh"))
         .output()
         .expect("guest.sh");
@@ -53,6 +57,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
         "PASS: nvmeof-direct initiator over NVMe/RDMA",
         "VERIFY RECONNECTED reconnects=1",
+        "PASS: nvmeof-bench rdma mode",
         "NVMe/RDMA queue pair accepted",
         "qid=3",
     ] {
