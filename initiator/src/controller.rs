@@ -39,6 +39,8 @@ use crate::{ConnectOptions, Error, Namespace, QueuePolicy, Transport};
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
 /// In-capsule data accepted on admin queues (NVMe/TCP: 8 KiB).
 const ADMIN_IN_CAPSULE: usize = 8192;
+/// Largest transfer per NVMe/RDMA command (a keyed SGL data block has a 24-bit length).
+const RDMA_MAX_TRANSFER: u64 = 8 << 20;
 /// Largest in-capsule data of NVMe/RDMA writes (each send slot of a queue has room for it).
 const RDMA_MAX_IN_CAPSULE: u32 = 16384;
 /// Transfer limit used when the controller reports none (MDTS 0).
@@ -404,6 +406,10 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
     let mut max_transfer = mdts_bytes.unwrap_or(DEFAULT_MAX_TRANSFER);
     if let Some(m) = opts.max_transfer {
         max_transfer = max_transfer.min(u64::from(m));
+    }
+    if opts.addr.transport == Transport::Rdma {
+        // One keyed SGL data block describes at most 16 MiB - 1.
+        max_transfer = max_transfer.min(RDMA_MAX_TRANSFER);
     }
     let max_transfer = max_transfer.min(u64::from(u32::MAX)) as u32;
     let ioccsz = id.ioccsz.get();

@@ -164,12 +164,24 @@ fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
                 reason: format!("connection rejected (reason {status}); is a target listening?"),
             },
         },
+        nvmf_rdma::Error::Os {
+            op: "ibv_reg_mr",
+            source,
+        } if source.raw_os_error() == Some(ENOMEM) => Error::Rdma {
+            addr: addr.to_string(),
+            reason: format!(
+                "ibv_reg_mr: {source} (registered memory counts against RLIMIT_MEMLOCK: raise it, e.g. `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
+            ),
+        },
         e => Error::Rdma {
             addr: addr.to_string(),
             reason: e.to_string(),
         },
     }
 }
+
+/// `ENOMEM` on Linux.
+const ENOMEM: i32 = 12;
 
 impl RdmaConn {
     /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
