@@ -4,40 +4,13 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::PathBuf;
 use std::time::Duration;
 
+use common::cli::{Daemon, args, cli, json_of, list};
 use common::{HOSTNQN, NQN, TestTarget, pattern};
-use serde_json::Value;
 
 const HOSTID: &str = "6f1e8a52-1c1b-4c57-9a0e-3f2d9d1e0b11";
-
-fn nvmeof() -> &'static str {
-    env!("CARGO_BIN_EXE_nvmeof")
-}
-
-fn initd() -> &'static str {
-    env!("CARGO_BIN_EXE_nvmeof-initd")
-}
-
-/// Runs the CLI off the runtime's threads.
-async fn cli(args: Vec<String>, socket: Option<PathBuf>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        let mut c = Command::new(nvmeof());
-        c.args(&args).env_remove("NVMEOF_INITD_SOCKET");
-        if let Some(s) = socket {
-            c.env("NVMEOF_INITD_SOCKET", s);
-        }
-        c.stdin(Stdio::null()).output().expect("run nvmeof")
-    })
-    .await
-    .expect("join")
-}
-
-fn args(list: &[&str]) -> Vec<String> {
-    list.iter().map(|s| s.to_string()).collect()
-}
 
 fn fabric(t: &TestTarget) -> Vec<String> {
     args(&[
@@ -54,17 +27,6 @@ fn fabric(t: &TestTarget) -> Vec<String> {
         "--hostid",
         HOSTID,
     ])
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "command failed: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,74 +157,6 @@ async fn cli_errors_are_one_line_and_fail() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("is nvmeof-initd running?"), "{err}");
-}
-
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn start(socket: &Path, state: &Path, log: &Path) -> Daemon {
-        let logf = std::fs::File::create(log).unwrap();
-        let child = Command::new(initd())
-            .arg("--socket")
-            .arg(socket)
-            .arg("--state-dir")
-            .arg(state)
-            .env("NVMEOF_LOG", "debug")
-            .env_remove("NVMEOF_INITD_SOCKET")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .expect("spawn nvmeof-initd");
-        Daemon {
-            child,
-            log: log.to_path_buf(),
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn wait_ready(&self) {
-        for _ in 0..200 {
-            if self.log().contains("nvmeof-initd ready") {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("nvmeof-initd did not start:\n{}", self.log());
-    }
-
-    /// SIGTERM, then the exit status.
-    async fn terminate(mut self) -> Option<i32> {
-        let pid = self.child.id().to_string();
-        let _ = Command::new("kill").args(["-TERM", &pid]).status();
-        for _ in 0..400 {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return st.code();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let _ = self.child.kill();
-        None
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn list(socket: &Path) -> Vec<Value> {
-    let out = cli(args(&["list", "-o", "json"]), Some(socket.to_path_buf())).await;
-    let v = json_of(&out);
-    v["devices"].as_array().expect("devices").clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{host, pattern};
+use common::cli::{Daemon, args, cli, json_of, list};
+use common::{HOSTNQN, host, pattern};
 use nvmeof_initiator::{
     ConnectOptions, Controller, DiscoveryOptions, ReconnectPolicy, TargetAddr, Timeouts, discover,
 };
@@ -225,7 +226,8 @@ async fn kernel_nvmet_tcp_target() {
     // Errors from the kernel carry the status.
     let ctrl = Controller::connect(options(port)).await.expect("connect");
     let ns = ctrl.namespace(1).await.expect("namespace");
-    let mut buf = vec![0u8; ns.block_size() as usize];
+    let bs = ns.block_size();
+    let mut buf = vec![0u8; bs as usize];
     let e = ns
         .read(ns.num_blocks(), &mut buf)
         .await
@@ -238,9 +240,134 @@ async fn kernel_nvmet_tcp_target() {
     eprintln!("  namespace 77: {e}");
     ctrl.disconnect().await.expect("disconnect");
 
+    eprintln!("the nvmeof CLI and nvmeof-initd:");
+    cli_against_kernel(port, bs).await;
+
     let code = tokio::task::spawn_blocking(move || guest.stop())
         .await
         .expect("guest stop");
     assert_eq!(code, Some(0), "the guest script failed");
     eprintln!("kernel target interop passed in {:?}", started.elapsed());
+}
+
+/// What a user does with the kernel target: `nvmeof discover`, `write` and `read` of a file,
+/// then `attach`, `list`, `read` by name and `detach` through `nvmeof-initd`.
+async fn cli_against_kernel(port: u16, block_size: u32) {
+    let port_s = port.to_string();
+    let fabric = |mut a: Vec<String>| {
+        a.extend(args(&[
+            "-t",
+            "tcp",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            &port_s,
+            "--hostnqn",
+            HOSTNQN,
+        ]));
+        a
+    };
+    let v = json_of(&cli(fabric(args(&["discover", "-o", "json"])), None).await);
+    let records = v["records"].as_array().expect("records");
+    assert!(
+        records
+            .iter()
+            .any(|r| r["subnqn"] == KNQN && r["trtype"] == "tcp"),
+        "{v}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(900, 0, 96 * 1024);
+    let count = (data.len() / block_size as usize).to_string();
+    let src = dir.path().join("in.bin");
+    std::fs::write(&src, &data).unwrap();
+    let io = |verb: &str, file: &std::path::Path, extra: &[&str]| {
+        let mut a = args(&[
+            verb,
+            "-n",
+            KNQN,
+            "--namespace-id",
+            "1",
+            "--start-block",
+            "40",
+        ]);
+        a.extend(args(extra));
+        a.push("--data".into());
+        a.push(file.display().to_string());
+        fabric(a)
+    };
+    let out = cli(io("write", &src, &["--flush"]), None).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dst = dir.path().join("out.bin");
+    let out = cli(io("read", &dst, &["--block-count", &count]), None).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        std::fs::read(&dst).unwrap() == data,
+        "nvmeof read returned other data"
+    );
+    eprintln!("  discover, write, read: ok");
+
+    let socket = dir.path().join("initd.sock");
+    let d = Daemon::start(
+        &socket,
+        &dir.path().join("state"),
+        &dir.path().join("initd.log"),
+    );
+    d.wait_ready().await;
+    let a = fabric(args(&[
+        "attach",
+        "kern0",
+        "-o",
+        "json",
+        "-n",
+        KNQN,
+        "--namespace-id",
+        "1",
+    ]));
+    let v = json_of(&cli(a, Some(socket.clone())).await);
+    assert_eq!(v["state"], "connected", "{v}\n{}", d.log());
+    let devices = list(&socket).await;
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0]["name"], "kern0");
+    assert_eq!(devices[0]["subsystem"], KNQN);
+    let blocks = devices[0]["blocks"].as_u64().expect("blocks");
+    assert_eq!(blocks * u64::from(block_size), 64 << 20);
+    let by_name = dir.path().join("by-name.bin");
+    let r = args(&[
+        "read",
+        "kern0",
+        "--start-block",
+        "40",
+        "--block-count",
+        &count,
+        "--data",
+        &by_name.display().to_string(),
+    ]);
+    let out = cli(r, Some(socket.clone())).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        std::fs::read(&by_name).unwrap() == data,
+        "read by name returned other data"
+    );
+    let out = cli(args(&["detach", "kern0"]), Some(socket.clone())).await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(list(&socket).await.is_empty());
+    assert_eq!(d.terminate().await, Some(0));
+    eprintln!("  attach, list, read by name, detach: ok");
 }

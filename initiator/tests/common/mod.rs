@@ -2,6 +2,8 @@
 //! and data patterns.
 #![allow(dead_code)]
 
+pub mod cli;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
