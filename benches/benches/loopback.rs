@@ -41,6 +41,7 @@ fn loopback(c: &mut Criterion) {
         queue_pairs: 1,
         queue_depth: 32,
         namespaces: 1,
+        busy_poll: std::time::Duration::ZERO,
     };
     let path = rt.block_on(TcpPath::connect(&settings)).expect("connects");
     // Write the blocks once so reads return real data.

@@ -22,7 +22,7 @@
 //! ```
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`,
-//! `target_reactors`, `target_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
+//! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
 use std::fmt;
@@ -400,6 +400,8 @@ pub struct Section {
     pub target_reactors: Option<usize>,
     /// Busy-poll window of the started target's reactors, in microseconds (global only).
     pub target_poll_us: Option<u32>,
+    /// Busy-poll window of the initiator's I/O queues, in microseconds (global only).
+    pub client_poll_us: Option<u32>,
     /// Repeats of the whole run, for medians and spread (global only).
     pub repeat: Option<u32>,
     /// CPU list for the target's reactor threads or process, `taskset` syntax (global only).
@@ -491,6 +493,8 @@ pub struct Overrides {
     pub target_reactors: Option<usize>,
     /// Replaces `target_poll_us`.
     pub target_poll_us: Option<u32>,
+    /// Replaces `client_poll_us`.
+    pub client_poll_us: Option<u32>,
     /// Replaces `target_cpus`.
     pub target_cpus: Option<String>,
     /// Replaces `client_cpus`.
@@ -638,6 +642,8 @@ pub struct Plan {
     pub target_reactors: usize,
     /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven).
     pub target_poll_us: u32,
+    /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven).
+    pub client_poll_us: u32,
     /// Repeats.
     pub repeat: u32,
     /// CPUs of the target.
@@ -740,6 +746,10 @@ impl Plan {
         if target_poll_us > 1_000_000 {
             return Err(invalid("global", "target_poll_us", "must be 0..=1000000"));
         }
+        let client_poll_us = ov.client_poll_us.or(g.client_poll_us).unwrap_or(0);
+        if client_poll_us > 1_000_000 {
+            return Err(invalid("global", "client_poll_us", "must be 0..=1000000"));
+        }
         let repeat = ov.repeat.or(g.repeat).unwrap_or(1);
         if repeat == 0 || repeat > 100 {
             return Err(invalid("global", "repeat", "must be 1..=100"));
@@ -778,6 +788,7 @@ impl Plan {
                 ("nqn", j.nqn.is_some()),
                 ("target_reactors", j.target_reactors.is_some()),
                 ("target_poll_us", j.target_poll_us.is_some()),
+                ("client_poll_us", j.client_poll_us.is_some()),
                 ("repeat", j.repeat.is_some()),
                 ("target_cpus", j.target_cpus.is_some()),
                 ("client_cpus", j.client_cpus.is_some()),
@@ -797,6 +808,7 @@ impl Plan {
             nqn,
             target_reactors,
             target_poll_us,
+            client_poll_us,
             repeat,
             target_cpus,
             client_cpus,

@@ -91,6 +91,10 @@ struct Args {
     #[arg(long, value_name = "US")]
     target_poll_us: Option<u32>,
 
+    /// Busy-poll window of the initiator's I/O queues in microseconds (0: event-driven).
+    #[arg(long, value_name = "US")]
+    client_poll_us: Option<u32>,
+
     /// Pin the target (reactor threads or process) to these CPUs, e.g. 0.
     #[arg(long, value_name = "LIST")]
     target_cpus: Option<String>,
@@ -170,6 +174,7 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         backend: args.backend.clone(),
         target_reactors: args.target_reactors,
         target_poll_us: args.target_poll_us,
+        client_poll_us: args.client_poll_us,
         target_cpus: args.target_cpus.clone(),
         client_cpus: args.client_cpus.clone(),
         nqn: args.nqn.clone(),

@@ -181,6 +181,8 @@ pub struct TcpSettings {
     pub queue_depth: u16,
     /// How many namespaces to use (NSIDs in the controller's order).
     pub namespaces: u32,
+    /// Busy-poll window of the initiator's I/O queues (zero: event-driven).
+    pub busy_poll: Duration,
 }
 
 impl TcpPath {
@@ -195,6 +197,7 @@ impl TcpPath {
         let mut opts = ConnectOptions::new(addr, s.nqn.clone(), host);
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);
+        opts.busy_poll = s.busy_poll;
         opts.reconnect = ReconnectPolicy::never();
         opts.timeouts.io = Duration::from_secs(30);
         let ctrl = Controller::connect(opts).await?;

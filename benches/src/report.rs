@@ -82,6 +82,9 @@ pub struct PlanInfo {
     /// Busy-poll window of the target's reactors in microseconds (0: event-driven).
     #[serde(default)]
     pub target_poll_us: u32,
+    /// Busy-poll window of the initiator's queues in microseconds (0: event-driven).
+    #[serde(default)]
+    pub client_poll_us: u32,
     /// Target CPUs.
     pub target_cpus: Option<String>,
     /// Client CPUs.

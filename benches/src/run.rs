@@ -263,6 +263,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
             namespaces: plan.namespaces,
             target_reactors: plan.target_reactors,
             target_poll_us: plan.target_poll_us,
+            client_poll_us: plan.client_poll_us,
             target_cpus: plan.target_cpus.clone(),
             client_cpus: plan.client_cpus.clone(),
             repeat: plan.repeat,
@@ -336,6 +337,7 @@ fn measure_in_mode(
                     + 1)
                 .min(4096) as u16,
                 namespaces: plan.namespaces,
+                busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
             };
             match rt.block_on(TcpPath::connect(&settings)) {
                 Err(e) => failed(repeat, format!("connect to {}: {e}", settings.addr)),

@@ -530,6 +530,7 @@ impl Controller {
                 addr: addr.clone(),
                 retry_writes: false,
                 scan_period: scan(opts.timeouts.admin),
+                busy_poll: Duration::ZERO,
             },
             sup_tx.clone(),
         );
@@ -543,6 +544,7 @@ impl Controller {
                         addr: addr.clone(),
                         retry_writes: opts.retry_writes,
                         scan_period: scan(opts.timeouts.io),
+                        busy_poll: opts.busy_poll,
                     },
                     sup_tx.clone(),
                 )

@@ -244,6 +244,11 @@ pub struct ConnectOptions {
     pub max_transfer: Option<u32>,
     /// Queue selection for I/O.
     pub queue_policy: QueuePolicy,
+    /// Busy-poll window of each I/O queue: after submitting or receiving, a queue keeps
+    /// checking its connection for this long before it sleeps, so a completion is picked up
+    /// without a wake-up from idle (lower latency; costs CPU while I/O flows). Zero (the
+    /// default) = purely event-driven.
+    pub busy_poll: Duration,
 }
 
 impl ConnectOptions {
@@ -263,6 +268,7 @@ impl ConnectOptions {
             retry_writes: false,
             max_transfer: None,
             queue_policy: QueuePolicy::default(),
+            busy_poll: Duration::ZERO,
         }
     }
 

@@ -292,6 +292,8 @@ pub(crate) struct QueueConfig {
     pub retry_writes: bool,
     /// How often deadlines are checked.
     pub scan_period: Duration,
+    /// Busy-poll window after activity (zero: never poll).
+    pub busy_poll: Duration,
 }
 
 impl QueueHandle {
@@ -338,6 +340,8 @@ impl QueueHandle {
             generation: 0,
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
+            busy_poll: cfg.busy_poll,
+            last_activity: Instant::now(),
         };
         tokio::spawn(task.run());
         QueueHandle {
@@ -526,6 +530,9 @@ struct Task {
     generation: u64,
     scan_period: Duration,
     batch: Vec<Submission>,
+    busy_poll: Duration,
+    /// Last submission or received data, for the busy-poll window.
+    last_activity: Instant,
 }
 
 enum Wake {
@@ -533,6 +540,8 @@ enum Wake {
     Submit(usize),
     Ready(LiveWake),
     Tick,
+    /// Inside the busy-poll window: check the connection without waiting.
+    Poll,
 }
 
 impl Core {
@@ -935,6 +944,9 @@ impl Task {
                     continue;
                 }
             }
+            let polling = !self.busy_poll.is_zero()
+                && self.live.is_some()
+                && self.core.now.saturating_duration_since(self.last_activity) < self.busy_poll;
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -948,6 +960,7 @@ impl Task {
                         }
                     }, if live.is_some() => Wake::Ready(r),
                     _ = tick.tick() => Wake::Tick,
+                    _ = tokio::task::yield_now(), if polling => Wake::Poll,
                 }
             };
             self.core.now = Instant::now();
@@ -963,6 +976,7 @@ impl Task {
                     return;
                 }
                 Wake::Submit(_) => {
+                    self.last_activity = self.core.now;
                     let mut batch = std::mem::take(&mut self.batch);
                     let mut res = Ok(());
                     for s in batch.drain(..) {
@@ -981,16 +995,23 @@ impl Task {
                 }
                 Wake::Ready(LiveWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
+                        self.last_activity = self.core.now;
                         if let Err(e) = self.receive() {
                             self.lose(e);
                         }
                     }
                 }
+                Wake::Poll => match self.receive() {
+                    Ok(true) => self.last_activity = self.core.now,
+                    Ok(false) => {}
+                    Err(e) => self.lose(e),
+                },
                 Wake::Ready(LiveWake::Tcp(Err(e))) => {
                     let err = Error::lost(&self.core.addr, format!("socket error: {e}"));
                     self.lose(err);
                 }
                 Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Ok(())))) => {
+                    self.last_activity = self.core.now;
                     if let Err(e) = self.receive() {
                         self.lose(e);
                     }
@@ -1013,17 +1034,19 @@ impl Task {
         }
     }
 
-    /// Reads what the socket has and handles it.
-    fn receive(&mut self) -> Result<(), Error> {
+    /// Reads what the socket has and handles it. Returns whether bytes arrived (over NVMe/RDMA:
+    /// whether completions were polled, which is always).
+    fn receive(&mut self) -> Result<bool, Error> {
         let Some(live) = self.live.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         if live.is_rdma() {
-            return self.core.process(live);
+            return self.core.process(live).map(|()| true);
         }
+        let mut got = false;
         for _ in 0..8 {
             let Link::Tcp { stream, engine } = &mut live.link else {
-                return Ok(());
+                return Ok(got);
             };
             let buf = engine.recv_buf(READ_CHUNK);
             let want = buf.len();
@@ -1037,6 +1060,7 @@ impl Task {
                     ));
                 }
                 Ok(n) => {
+                    got = true;
                     engine.commit_recv(n);
                     self.core.process(live)?;
                     if n < want {
@@ -1049,7 +1073,7 @@ impl Task {
                 }
             }
         }
-        Ok(())
+        Ok(got)
     }
 
     fn control(&mut self, msg: QueueCtl) {

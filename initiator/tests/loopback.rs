@@ -393,3 +393,41 @@ async fn admin_only_controller_and_dropping_handles() {
     }
     panic!("controller still connected after its handles were dropped");
 }
+
+/// CPU time (user + system) this process has used, from /proc (USER_HZ is 100 on Linux).
+fn process_cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("stat");
+    let f: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..]
+        .split_whitespace()
+        .collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    Duration::from_millis(ticks * 10)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_poll_queues_do_io_and_rest_when_idle() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.busy_poll = Duration::from_millis(2);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    for round in 0..3u64 {
+        let data = pattern(round, round * 65536, 64 * 1024);
+        ns.write(round * 16, &data).await.expect("write");
+        let mut back = vec![0u8; data.len()];
+        ns.read(round * 16, &mut back).await.expect("read");
+        assert!(back == data, "round {round}");
+        // Past the window the queues sleep; the next command must still complete.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // An idle queue must not keep polling: over a second the whole process (initiator and
+    // target) uses a small fraction of a CPU, where a spinning queue would use all of one.
+    let before = process_cpu();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let used = process_cpu() - before;
+    assert!(
+        used < Duration::from_millis(500),
+        "idle initiator used {used:?} of CPU in 1 s"
+    );
+    ctrl.disconnect().await.expect("disconnect");
+}
