@@ -6,10 +6,13 @@
 //!
 //! With `reconnect` as the fifth argument it then prints `VERIFY WAITING-FOR-RECONNECT` and
 //! keeps reading everything back until the controller has reconnected (the caller breaks the
-//! connection meanwhile), then writes and reads once more on the new connection.
+//! connection meanwhile), then writes and reads once more on the new connection. With `stall FILE`
+//! (I/O timeout 8 s) it prints `VERIFY WAITING-FOR-STALL`, waits for FILE to exist (the caller
+//! creates it once the target is stopped), expects a read to time out, then waits for the
+//! reconnect (the caller lets the target go on) and reads everything back.
 //!
 //! ```text
-//! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect]
+//! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect|stall FILE]
 //! cargo run -p nvmeof-initiator --example verify -- rdma://10.0.2.15:4420 NQN 1 3
 //! ```
 //!
@@ -80,12 +83,15 @@ async fn pieces(ns: &Namespace, list: &[(u64, u64, usize)], write: bool) -> Resu
 async fn main() {
     let mut args = std::env::args().skip(1);
     let (Some(addr), Some(nqn)) = (args.next(), args.next()) else {
-        eprintln!("usage: verify ADDR NQN [NSID] [QUEUES] [reconnect]");
+        eprintln!("usage: verify ADDR NQN [NSID] [QUEUES] [reconnect|stall FILE]");
         std::process::exit(2);
     };
     let nsid: u32 = args.next().map_or(1, |s| s.parse().unwrap_or(1));
     let queues: u16 = args.next().map_or(2, |s| s.parse().unwrap_or(2));
-    let reconnect = args.next().as_deref() == Some("reconnect");
+    let phase = args.next().unwrap_or_default();
+    let reconnect = phase == "reconnect";
+    let stall = phase == "stall";
+    let stall_file = args.next().unwrap_or_default();
     let addr: TargetAddr = addr.parse().unwrap_or_else(|e| fail(format!("{e}")));
     let host = HostIdentity::new(
         "nqn.2014-08.org.nvmexpress:uuid:6c1d2a52-4b1e-4c57-9b0e-5f3b2b0a6e01",
@@ -96,7 +102,7 @@ async fn main() {
     opts.io_queues = Some(queues);
     opts.queue_depth = 32;
     opts.queue_policy = QueuePolicy::RoundRobin;
-    opts.timeouts.io = Duration::from_secs(120);
+    opts.timeouts.io = Duration::from_secs(if stall { 8 } else { 120 });
     opts.timeouts.admin = Duration::from_secs(30);
 
     let ctrl = Controller::connect(opts)
@@ -240,6 +246,49 @@ async fn main() {
             "VERIFY RECONNECTED reconnects={} read rounds while waiting={rounds} commands resent={resent} state={:?}",
             ctrl.reconnects(),
             ctrl.state()
+        );
+    }
+    if stall {
+        println!("VERIFY WAITING-FOR-STALL");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::path::Path::new(&stall_file).exists() {
+            if Instant::now() > deadline {
+                fail(format!("{stall_file} did not appear within 60 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The target stops answering: the read times out, the queue pair is torn down before
+        // the buffer goes back, and the controller reconnects once the target is back.
+        let t = Instant::now();
+        match pieces(&ns, &list[..1], false).await {
+            Err(e) if e.contains("timed out") => {
+                println!(
+                    "read timed out after {:.1} s: {e}",
+                    t.elapsed().as_secs_f64()
+                )
+            }
+            Err(e) => fail(format!("expected a timeout, got: {e}")),
+            Ok(()) => fail("a read completed while the target was stopped".into()),
+        }
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while ctrl.reconnects() == 0 || ctrl.state() != nvmeof_initiator::ControllerState::Connected
+        {
+            if Instant::now() > deadline {
+                fail(format!(
+                    "no reconnect within 180 s of the stall: {:?}",
+                    ctrl.state()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        pieces(&ns, &list, false).await.unwrap_or_else(|e| fail(e));
+        pieces(&ns, &[big_piece], false)
+            .await
+            .unwrap_or_else(|e| fail(e));
+        let timeouts: u64 = ctrl.queue_stats().iter().map(|s| s.timeouts).sum();
+        println!(
+            "VERIFY STALL-RECOVERED timeouts={timeouts} reconnects={}",
+            ctrl.reconnects()
         );
     }
     ctrl.disconnect()

@@ -8,8 +8,9 @@
 # the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
 # writes, everything read back and compared, queue counters checked), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
-# then removed and restored while the verify example keeps reads in flight: the initiator
-# must notice, reconnect and complete the reads. Run by tests/tests/initiator_rdma.rs; by hand:
+# then removed and restored while the verify example keeps reads going: the initiator must
+# notice, reconnect and complete the reads. nvmeof-targetd is stopped (SIGSTOP) with a read in
+# flight: the read must time out, and the initiator reconnect once it continues. Run by tests/tests/initiator_rdma.rs; by hand:
 #   cargo build -p nvmeof-initiator --bins --example verify && cargo build -p nvmeof-target --bins
 #   tests/interop/guest.sh run --with-rdma --add-bin target/debug/nvmeof:/usr/bin/nvmeof \
 #       --add-bin target/debug/examples/verify:/usr/bin/nvmeof-verify \
@@ -149,6 +150,32 @@ until grep -q "nvmeof-targetd ready" "$tlog"; do
     sleep 0.1
 done
 check_target "nvmeof-targetd" "$OUR_PORT" "$ONQN"
+
+log "=== nvmeof-targetd: the target stops answering (SIGSTOP) with a read in flight"
+rm -f /tmp/target-stopped
+"$VERIFY" "rdma://$addr:$OUR_PORT" "$ONQN" 1 2 stall /tmp/target-stopped >/tmp/verify.log 2>&1 &
+vpid=$!
+i=0
+until grep -q "VERIFY WAITING-FOR-STALL" /tmp/verify.log; do
+    i=$((i + 1))
+    kill -0 "$vpid" 2>/dev/null || {
+        cat /tmp/verify.log
+        fail "verify exited before the stall phase"
+    }
+    [ $i -lt 1200 ] || fail "verify did not reach the stall phase"
+    sleep 0.1
+done
+kill -STOP "$tpid"
+touch /tmp/target-stopped
+log "nvmeof-targetd stopped"
+sleep 12
+kill -CONT "$tpid"
+log "nvmeof-targetd continued"
+wait "$vpid"
+rc=$?
+cat /tmp/verify.log
+[ "$rc" -eq 0 ] || fail "verify across the stall failed ($rc)"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY STALL-RECOVERED" "verify across the stall"
 if [ -x "$BENCH" ]; then
     # The load generator's rdma mode beside its tcp mode, same target and namespace, reads
     # verified. Soft-RoCE under emulation: this shows the path works, not its speed.

@@ -3,9 +3,11 @@
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
 //! compared), a CLI write and read of a 3 MiB file, and (against our target) the load
-//! generator's rdma mode beside its tcp mode; against the kernel target also a
-//! reconnect: its port drops the subsystem and takes it back while reads are in flight. Before the RDMA device exists the CLI
-//! must fail with a one-line error. See `tests/guest/initiator-rdma.sh`.
+//! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
+//! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
+//! reconnect: its port drops the subsystem and takes it back while reads go on. Before the
+//! RDMA device exists the CLI must fail with a one-line error. See
+//! `tests/guest/initiator-rdma.sh`.
 //!
 //! The host kernel here has no RDMA, so the initiator runs in the guest too. Needs the guest
 //! prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1` (`.ci/run` does both); without
@@ -57,6 +59,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
         "PASS: nvmeof-direct initiator over NVMe/RDMA",
         "VERIFY RECONNECTED reconnects=1",
+        "VERIFY STALL-RECOVERED",
         "PASS: nvmeof-bench rdma mode",
         "NVMe/RDMA queue pair accepted",
         "qid=3",
