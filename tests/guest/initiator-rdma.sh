@@ -16,8 +16,9 @@
 #       --add-bin target/debug/examples/verify:/usr/bin/nvmeof-verify \
 #       --add-bin target/debug/nvmeof-targetd:/usr/bin/nvmeof-targetd tests/guest/initiator-rdma.sh
 #
-# With /usr/bin/nvmeof-bench present, its --quick job also runs in modes rdma and tcp against
-# nvmeof-targetd (reads verified).
+# With /usr/bin/nvmeof-initd present, an attachment (`nvmeof attach -t rdma`, `list`, `read
+# NAME`, `detach`) is checked against each target; with /usr/bin/nvmeof-bench present, its
+# --quick job also runs in modes rdma and tcp against nvmeof-targetd (reads verified).
 #
 # Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3).
 # shellcheck source=../interop/guest-lib/interop.sh
@@ -30,6 +31,7 @@ NVMEOF=/usr/bin/nvmeof
 VERIFY=/usr/bin/nvmeof-verify
 TARGETD=/usr/bin/nvmeof-targetd
 BENCH=/usr/bin/nvmeof-bench
+INITD=/usr/bin/nvmeof-initd
 addr=${GUEST_IP:-10.0.2.15}
 tlog=/tmp/nvmeof-targetd.log
 
@@ -103,6 +105,33 @@ check_target() {
     step "$NVMEOF" read $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --block-count "$count" --data /tmp/readback
     cmp /tmp/pattern /tmp/readback || fail "$name: $CLI_MB MiB read back differently"
     rm -f /tmp/readback
+
+    if [ -x "$INITD" ]; then
+        log "=== $name: an nvmeof-initd attachment over rdma"
+        rm -rf /tmp/initd
+        mkdir -p /tmp/initd
+        NVMEOF_INITD_SOCKET=/tmp/initd/sock "$INITD" --state-dir /tmp/initd/state >/tmp/initd/log 2>&1 &
+        ipid=$!
+        i=0
+        until [ -S /tmp/initd/sock ]; do
+            i=$((i + 1))
+            [ $i -lt 300 ] || fail "nvmeof-initd did not start: $(cat /tmp/initd/log)"
+            sleep 0.1
+        done
+        # shellcheck disable=SC2086
+        step "$NVMEOF" attach rdma0 --socket /tmp/initd/sock $fab -n "$nqn" --namespace-id 1
+        out=$("$NVMEOF" list --socket /tmp/initd/sock 2>&1) || fail "$name: nvmeof list failed: $out"
+        echo "$out"
+        expect_contains "$out" "rdma0" "$name nvmeof list"
+        expect_contains "$out" "connected" "$name nvmeof list"
+        step "$NVMEOF" read rdma0 --socket /tmp/initd/sock --start-block "$start" \
+            --block-count "$count" --data /tmp/readback
+        cmp /tmp/pattern /tmp/readback || fail "$name: the attachment read back differently"
+        rm -f /tmp/readback
+        step "$NVMEOF" detach rdma0 --socket /tmp/initd/sock
+        kill -TERM "$ipid"
+        wait "$ipid" || fail "nvmeof-initd exited with $?: $(cat /tmp/initd/log)"
+    fi
     log "$name: PASS"
 }
 

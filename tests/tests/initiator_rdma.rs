@@ -2,7 +2,7 @@
 //! targets: the Linux kernel's nvmet-rdma, then `nvmeof-targetd --listen rdma://...`. Against
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
-//! compared), a CLI write and read of a 3 MiB file, and (against our target) the load
+//! compared), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
 //! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
 //! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
 //! reconnect: its port drops the subsystem and takes it back while reads go on. Before the
@@ -28,6 +28,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
     let nvmeof = bin_path("nvmeof");
     let targetd = bin_path("nvmeof-targetd");
     let bench = bin_path("nvmeof-bench");
+    let initd = bin_path("nvmeof-initd");
     let verify = nvmeof.with_file_name("examples").join("verify");
     assert!(
         verify.exists(),
@@ -44,6 +45,8 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
         .arg("--add-bin")
         .arg(format!("{}:/usr/bin/nvmeof-bench", bench.display()))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-initd", initd.display()))
         .arg(workspace_root().join("tests/guest/initiator-rdma.sh"))
         .output()
         .expect("guest.sh");
@@ -63,6 +66,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "PASS: nvmeof-bench rdma mode",
         "NVMe/RDMA queue pair accepted",
         "qid=3",
+        "+ /usr/bin/nvmeof detach rdma0",
     ] {
         assert!(
             console.contains(needle),

@@ -652,8 +652,14 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         Output::Json => print_json(&attachment_json(&a)),
         Output::Normal => {
             println!(
-                "attached {} -> {} nsid {} at {}:{} ({})",
-                a.name, a.params.subnqn, a.params.nsid, a.params.traddr, a.params.trsvcid, a.state
+                "attached {} -> {} nsid {} at {}://{}:{} ({})",
+                a.name,
+                a.params.subnqn,
+                a.params.nsid,
+                a.params.transport,
+                a.params.traddr,
+                a.params.trsvcid,
+                a.state
             );
         }
     }
