@@ -37,6 +37,8 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
     );
     let out = Command::new(guest_sh())
         .args(["run", "--with-rdma", "--timeout", "900"])
+        // Five debug binaries in the initramfs: more than the default 1 GiB guest holds.
+        .args(["--mem", "2048"])
         .arg("--add-bin")
         .arg(format!("{}:/usr/bin/nvmeof", nvmeof.display()))
         .arg("--add-bin")
