@@ -339,7 +339,10 @@ impl QueueState {
     fn connect(&mut self, sqe: &Sqe, c: nvme_spec::command::Connect, icd: &[u8]) -> Submit {
         let cid = sqe.cid();
         let t = Arc::clone(&self.target);
+        let peer = self.origin.peer;
         let invalid_param = |in_data: bool, off: u16| {
+            let field = if in_data { "connect data" } else { "command" };
+            info!(%peer, qid = c.qid, sqsize = c.sqsize, "connect rejected: invalid parameter at {field} byte {off}");
             Submit::Complete(Cqe::new(
                 cid,
                 Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr(),
@@ -360,14 +363,16 @@ impl QueueState {
         };
         let subnqn = data.subnqn();
         let hostnqn = data.hostnqn();
-        if !crate::config::valid_nqn(&hostnqn) {
+        // An empty host NQN is accepted as Linux nvmet and SPDK accept it (SPDK's tools send
+        // none unless told): only subsystems that allow any host will take such a host.
+        if !hostnqn.is_empty() && !crate::config::valid_nqn(&hostnqn) {
+            info!(%peer, hostnqn = ?hostnqn, "connect rejected: the host NQN is not a valid NQN");
             return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
         }
         let max_depth = u32::from(t.settings.max_queue_depth);
         if c.sqsize < 2 || c.sqsize > max_depth {
             return invalid_param(false, SQE_SQSIZE_OFFSET);
         }
-        let peer = self.origin.peer;
         // A host that asks for no keep alive still gets one, so stale controllers go away.
         let kato = if c.kato_ms == 0 {
             t.settings.default_kato_ms

@@ -187,6 +187,21 @@ fn refused_connects() {
         c.status(),
         Status::specific(specific::CONNECT_INVALID_HOST).with_dnr()
     );
+    // A host without a host NQN (SPDK's tools send none unless told) is not on the list either;
+    // a malformed one is an invalid parameter.
+    let mut h = RawHost::connect(t.addr(), false, false);
+    let c = h.fabrics_connect(NQN, "", 0, 0xFFFF);
+    assert_eq!(
+        c.status(),
+        Status::specific(specific::CONNECT_INVALID_HOST).with_dnr()
+    );
+    let mut h = RawHost::connect(t.addr(), false, false);
+    let c = h.fabrics_connect(NQN, "not an nqn", 0, 0xFFFF);
+    assert_eq!(
+        c.status(),
+        Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr()
+    );
+    assert_eq!(c.dw0.get(), 1 | (512 << 16), "IATTR data, IPO hostnqn");
     // An I/O queue for a controller that does not exist.
     let mut h = RawHost::connect(t.addr(), false, false);
     let c = h.fabrics_connect(NQN, "nqn.2014-08.org.example:someone-else", 1, 77);
@@ -276,4 +291,14 @@ fn invalid_io_gets_status_and_nothing_is_lost() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn empty_host_nqn_reaches_open_subsystems() {
+    // SPDK's host tools send an empty host NQN unless told otherwise; Linux nvmet and SPDK's
+    // target accept it where any host may connect, and so do we.
+    let t = TargetProcess::quick(NQN, &["mem:16M"]);
+    let mut h = RawHost::connect(t.addr(), false, false);
+    let c = h.fabrics_connect(NQN, "", 0, 0xFFFF);
+    assert!(c.status().is_success(), "{}", c.status());
 }
