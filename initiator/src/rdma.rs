@@ -12,7 +12,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Sqe};
-use nvmf_rdma::{Access, CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Registered};
+use nvmf_rdma::{
+    Access, CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Registered, RemoteKey,
+};
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::command_name;
@@ -78,7 +80,7 @@ impl SlotBuf {
         &mut self,
         pd: &std::sync::Arc<ProtectionDomain>,
         len: usize,
-    ) -> Result<nvmf_rdma::RemoteKey, nvmf_rdma::Error> {
+    ) -> Result<RemoteKey, nvmf_rdma::Error> {
         let ok = matches!(self, SlotBuf::Registered(r)
             if r.is_registered_with(pd) && r.capacity() >= len);
         if !ok {
@@ -259,30 +261,42 @@ impl RdmaConn {
         icd_limit: usize,
     ) -> Result<Result<DataPath, Error>, Error> {
         sqe.set_sgl();
-        self.capsule.clear();
-        let path = if len == 0 {
+        if len == 0 {
             sqe.dptr = SglDescriptor::keyed(0, 0, 0, false);
-            DataPath::None
-        } else if !to_host && len <= icd_limit.min(self.in_capsule) {
-            sqe.dptr = SglDescriptor::in_capsule(len as u32);
-            DataPath::InCapsule
-        } else {
-            match buf.remote(self.q.pd(), len) {
-                Ok(k) => {
-                    sqe.dptr = SglDescriptor::keyed(k.addr, k.len, k.rkey, false);
-                    DataPath::Keyed
-                }
-                Err(e) => return Ok(Err(rdma_error(&self.addr, e))),
-            }
-        };
-        self.capsule.extend_from_slice(&sqe.to_array());
-        if path == DataPath::InCapsule {
-            self.capsule.extend_from_slice(&buf.as_slice()[..len]);
+            self.post(&sqe, &[])?;
+            return Ok(Ok(DataPath::None));
         }
+        if !to_host && len <= icd_limit.min(self.in_capsule) {
+            sqe.dptr = SglDescriptor::in_capsule(len as u32);
+            self.post(&sqe, &buf.as_slice()[..len])?;
+            return Ok(Ok(DataPath::InCapsule));
+        }
+        let remote = match buf.remote(self.q.pd(), len) {
+            Ok(k) => k,
+            Err(e) => return Ok(Err(rdma_error(&self.addr, e))),
+        };
+        self.send_keyed(sqe, remote)?;
+        Ok(Ok(DataPath::Keyed))
+    }
+
+    /// Sends `sqe` with its data described by one keyed SGL data block: the target RDMA
+    /// WRITEs (reads) or RDMA READs (writes) `remote`. Any memory registered for remote access
+    /// on this queue's protection domain can be named: a slot buffer, or a registered dma-buf
+    /// (device memory such as a GPU buffer, `nvmf_rdma::DmabufRegion::remote_key`).
+    pub fn send_keyed(&mut self, mut sqe: Sqe, remote: RemoteKey) -> Result<(), Error> {
+        sqe.set_sgl();
+        sqe.dptr = SglDescriptor::keyed(remote.addr, remote.len, remote.rkey, false);
+        self.post(&sqe, &[])
+    }
+
+    /// SENDs the capsule: the command and its in-capsule data.
+    fn post(&mut self, sqe: &Sqe, data: &[u8]) -> Result<(), Error> {
+        self.capsule.clear();
+        self.capsule.extend_from_slice(&sqe.to_array());
+        self.capsule.extend_from_slice(data);
         self.q
             .send(&self.capsule, None, None, u64::from(sqe.cid.get()))
-            .map_err(|e| Error::lost(&self.addr, format!("cannot send a command: {e}")))?;
-        Ok(Ok(path))
+            .map_err(|e| Error::lost(&self.addr, format!("cannot send a command: {e}")))
     }
 
     /// Collects the completions that arrived into `out` (their receive slots are posted
