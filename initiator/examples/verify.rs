@@ -7,7 +7,7 @@
 //! With `reconnect` as the fifth argument it then prints `VERIFY WAITING-FOR-RECONNECT` and
 //! keeps reading everything back until the controller has reconnected (the caller breaks the
 //! connection meanwhile), then writes and reads once more on the new connection. With `stall FILE`
-//! (I/O timeout 8 s) it prints `VERIFY WAITING-FOR-STALL`, waits for FILE to exist (the caller
+//! (I/O timeout 10 s) it prints `VERIFY WAITING-FOR-STALL`, waits for FILE to exist (the caller
 //! creates it once the target is stopped), expects a read to time out, then waits for the
 //! reconnect (the caller lets the target go on) and reads everything back.
 //!
@@ -102,7 +102,7 @@ async fn main() {
     opts.io_queues = Some(queues);
     opts.queue_depth = 32;
     opts.queue_policy = QueuePolicy::RoundRobin;
-    opts.timeouts.io = Duration::from_secs(if stall { 8 } else { 120 });
+    opts.timeouts.io = Duration::from_secs(if stall { 10 } else { 120 });
     opts.timeouts.admin = Duration::from_secs(30);
 
     let ctrl = Controller::connect(opts)
