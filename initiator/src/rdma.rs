@@ -157,13 +157,16 @@ fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
             status,
             private_data,
         } => match nvmf_rdma::nvme::parse_reject(&private_data) {
-            Some(s) => Error::Refused(format!(
+            // Status 0 is no NVMe reject status: the transport refused (nothing listens).
+            Some(s) if s != 0 => Error::Refused(format!(
                 "{addr} rejected the NVMe/RDMA connection: {} ({s:#x})",
                 nvmf_rdma::nvme::reject_reason(s)
             )),
-            None => Error::Rdma {
+            _ => Error::Rdma {
                 addr: addr.to_string(),
-                reason: format!("connection rejected (reason {status}); is a target listening?"),
+                reason: format!(
+                    "connection rejected (RDMA-CM reason {status}): does an NVMe/RDMA target listen there?"
+                ),
             },
         },
         nvmf_rdma::Error::Os {

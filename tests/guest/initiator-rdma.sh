@@ -59,6 +59,13 @@ until rdma link show rxe0/1 | grep -q 'state ACTIVE'; do
 done
 log "rxe0 ACTIVE on eth0 ($addr)"
 
+# Nothing listens on this port: a one-line error, not a hang.
+out=$("$NVMEOF" discover -t rdma -a "$addr" -s 4999 2>&1) && fail "discover with no listener succeeded: $out"
+echo "$out"
+[ "$(echo "$out" | wc -l)" -eq 1 ] || fail "the error is not one line: $out"
+expect_contains "$out" "rdma://$addr:4999" "error with no listener"
+expect_contains "$out" "does an NVMe/RDMA target listen there?" "error with no listener"
+
 step dd if=/dev/urandom of=/tmp/pattern bs=1M count="$CLI_MB"
 
 # check_target NAME PORT NQN: the whole initiator sequence against one target.
