@@ -649,13 +649,15 @@ impl Core {
         Ok(())
     }
 
-    /// Handles the completions an NVMe/RDMA queue pair delivered.
-    fn process_rdma(&mut self, live: &mut Live) -> Result<(), Error> {
+    /// Handles the completions an NVMe/RDMA queue pair delivered; returns whether there were
+    /// any.
+    fn process_rdma(&mut self, live: &mut Live) -> Result<bool, Error> {
         let mut cqes = std::mem::take(&mut self.cqes);
         let polled = match &mut live.link {
             Link::Rdma(conn) => conn.poll(&mut cqes),
             Link::Tcp { .. } => Ok(()),
         };
+        let got = !cqes.is_empty();
         let mut res = Ok(());
         for cqe in cqes.drain(..) {
             if res.is_err() {
@@ -673,7 +675,7 @@ impl Core {
             res = self.on_response(live, cqe);
         }
         self.cqes = cqes;
-        res.and(polled)
+        res.and(polled).map(|()| got)
     }
 
     /// Puts a command back at the head of the waiting list and sends it again if connected.
@@ -710,7 +712,7 @@ impl Core {
     /// Handles every event the engine can produce from the bytes received so far.
     fn process(&mut self, live: &mut Live) -> Result<(), Error> {
         if live.is_rdma() {
-            return self.process_rdma(live);
+            return self.process_rdma(live).map(|_| ());
         }
         loop {
             let next = match &mut live.link {
@@ -1035,13 +1037,13 @@ impl Task {
     }
 
     /// Reads what the socket has and handles it. Returns whether bytes arrived (over NVMe/RDMA:
-    /// whether completions were polled, which is always).
+    /// whether completions arrived).
     fn receive(&mut self) -> Result<bool, Error> {
         let Some(live) = self.live.as_mut() else {
             return Ok(false);
         };
         if live.is_rdma() {
-            return self.core.process(live).map(|()| true);
+            return self.core.process_rdma(live);
         }
         let mut got = false;
         for _ in 0..8 {
