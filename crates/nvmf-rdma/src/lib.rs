@@ -10,7 +10,8 @@
 //! - [`CapsuleQueue`]: an RC queue pair with its completion queue (polled by the caller, with
 //!   a completion channel registered with tokio for wakeups) that receives capsules into
 //!   pre-posted registered slots, SENDs small messages, and RDMA READs / RDMA WRITEs caller
-//!   buffers; [`CapsuleQueue::connect`] is the active side.
+//!   buffers; [`CapsuleQueue::connect`] is the active side (a host's queues, sized with
+//!   [`QueueConfig::host`]).
 //! - [`credits`]: the accounting that keeps send queues, message slots and the peer's
 //!   receive queue from overrunning, without I/O.
 //!
