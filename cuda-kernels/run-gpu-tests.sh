@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds and runs the GPU tests of nvmeof-gpu and nvmeof-cuda-kernels on a machine with an
-# NVIDIA GPU, then prints a pass/fail/skip table.
+# Builds and runs the GPU tests of nvmeof-gpu, nvmeof-cuda-kernels and nvmeof-initiator (reads
+# into GPU memory over NVMe/TCP against the in-process target) on a machine with an NVIDIA GPU,
+# then prints a pass/fail/skip table.
 #
 #   cuda-kernels/run-gpu-tests.sh                 cargo on PATH: build release test binaries, run them
 #   cuda-kernels/run-gpu-tests.sh --bin-dir DIR   run prebuilt test binaries from DIR (no Rust needed)
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
         --bin-dir) mode=prebuilt; bin_dir="${2:?--bin-dir needs a directory}"; shift 2 ;;
         --prepare) mode=prepare; bin_dir="${2:?--prepare needs a directory}"; shift 2 ;;
         --allow-skip) allow_skip=1; shift ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -30,10 +31,10 @@ done
 # Builds the release test binaries and prints "<suite> <path>" per binary.
 build_tests() {
     local json
-    json="$(cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels --test gpu \
+    json="$(cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu \
         --no-run --message-format=json 2>/dev/null)" || {
         echo "cargo build of the GPU tests failed:" >&2
-        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels --test gpu --no-run) >&2
+        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu --no-run) >&2
         return 1
     }
     printf '%s\n' "$json" | python3 -c '
@@ -45,7 +46,8 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         pkg = m["package_id"]
-        suite = "nvmeof-cuda-kernels" if "cuda-kernels" in pkg else "nvmeof-gpu"
+        suite = ("nvmeof-cuda-kernels" if "cuda-kernels" in pkg
+                 else "nvmeof-initiator" if "nvmeof-initiator" in pkg else "nvmeof-gpu")
         print(suite, m["executable"])
 '
 }

@@ -1,17 +1,19 @@
 //! A data-loader-style benchmark: reads a namespace region into GPU memory over NVMe/TCP and,
 //! in the same run, the same data from local memory (the direct-attached baseline: host RAM ->
-//! pinned staging -> GPU), then verifies what landed in GPU memory with the verify kernel.
+//! pinned staging -> GPU) and over NVMe/TCP into host memory (no GPU: the ceiling of the
+//! staging path), then verifies what landed with the verify kernel (on the CPU for host memory).
 //!
 //! ```text
 //! cargo run --release -p nvmeof-initiator --example gpu_loader -- 127.0.0.1:4420 NQN \
-//!     --queues 8 --tasks 32 --region-mib 4096 --seconds 4 --repeats 3
+//!     --queues 8 --threads 8 --tasks 32 --region-mib 4096 --seconds 4 --repeats 3
 //! ```
 //!
 //! Workloads: `seq` (1 MiB sequential reads, each task streaming steps of `--step` reads into
 //! its device ring, one synchronize per step) and `rand` (4 KiB random reads, `--batch` per
 //! staging slot, `--slots-per-call` slots per call, scattered to their sample offsets by the
 //! kernel). The region is first written with the seeded pattern from GPU memory (the write
-//! path), unless `--no-fill`.
+//! path), unless `--no-fill`. `initiator/examples/gpu-loader-bench.sh` runs it against
+//! `nvmeof-targetd` on loopback.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use nvmeof_initiator::gpu::cuda::GpuContext;
-use nvmeof_initiator::gpu::kernels::pattern::fill_pattern;
+use nvmeof_initiator::gpu::kernels::pattern::{fill_pattern, verify_pattern};
 use nvmeof_initiator::gpu::kernels::{NvmfKernels, PatternRegion, VerifyReport};
 use nvmeof_initiator::gpu::{
     BlockSource, GpuIoError, GpuRead, GpuStaging, MemSource, StagingConfig, StagingStats,
@@ -62,6 +64,10 @@ struct Args {
     /// 1 MiB reads per step of a seq task (one synchronize per step).
     #[arg(long, default_value_t = 8)]
     step: usize,
+    /// seq reads whole 1 MiB chunks in a scattered order (a fixed permutation of the region)
+    /// instead of one after the other.
+    #[arg(long)]
+    scatter_seq: bool,
     /// 4 KiB reads per staging slot (rand).
     #[arg(long, default_value_t = 64)]
     batch: usize,
@@ -74,9 +80,17 @@ struct Args {
     /// Workloads to run: seq, rand or both.
     #[arg(long, default_value = "seq,rand")]
     workloads: String,
-    /// Paths to run: nvme, das or both.
-    #[arg(long, default_value = "nvme,das")]
+    /// Paths to run: nvme (NVMe/TCP into GPU memory), das (local memory into GPU memory),
+    /// host (NVMe/TCP into host memory, no GPU: the ceiling of the nvme path).
+    #[arg(long, default_value = "nvme,das,host")]
     paths: String,
+    /// Leave queue choice to the controller's per-thread policy instead of pinning task `t` to
+    /// queue `t mod queues`.
+    #[arg(long)]
+    per_thread_queues: bool,
+    /// Time the device work of every staging slot with events (adds driver calls).
+    #[arg(long)]
+    gpu_timing: bool,
     /// Do not write the pattern first (the region already holds it).
     #[arg(long)]
     no_fill: bool,
@@ -90,14 +104,21 @@ struct Args {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-fn main() -> Result<(), BoxError> {
+fn main() {
     let args = Args::parse();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     rt.enable_all();
     if args.threads > 0 {
         rt.worker_threads(args.threads);
     }
-    rt.build()?.block_on(run(args))
+    let result = match rt.build() {
+        Ok(rt) => rt.block_on(run(args)),
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = result {
+        eprintln!("gpu_loader: {e}");
+        std::process::exit(1);
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,7 +226,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let mut results: Vec<(Workload, &str, Vec<Sample>)> = Vec::new();
     for &w in &workloads {
         for &p in &paths {
-            if p != "nvme" && p != "das" {
+            if !["nvme", "das", "host"].contains(&p) {
                 return Err(format!("unknown path {p}").into());
             }
             results.push((w, p, Vec::new()));
@@ -213,10 +234,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     }
     for rep in 0..shared.args.repeats {
         for (w, p, samples) in results.iter_mut() {
-            let s = if *p == "nvme" {
-                measure(&shared, *w, Arc::new(ns.clone())).await?
-            } else {
-                measure(&shared, *w, Arc::clone(&mem)).await?
+            let pin = !shared.args.per_thread_queues;
+            let remote = |t: usize| Arc::new(if pin { ns.on_queue(t) } else { ns.clone() });
+            let s = match *p {
+                "nvme" => measure(&shared, *w, remote, false).await?,
+                "host" => measure(&shared, *w, remote, true).await?,
+                _ => measure(&shared, *w, |_| Arc::clone(&mem), false).await?,
             };
             print_sample(rep, *w, p, &s, shared.args.tasks);
             samples.push(s);
@@ -283,7 +306,8 @@ async fn fill_region(shared: &Arc<Shared>, ns: &Namespace, region: u64) -> Resul
 async fn measure<S: BlockSource + Send + 'static>(
     shared: &Arc<Shared>,
     w: Workload,
-    src: Arc<S>,
+    src: impl Fn(usize) -> Arc<S>,
+    host: bool,
 ) -> Result<Sample, BoxError> {
     let stop = Arc::new(AtomicBool::new(false));
     let cursor = Arc::new(AtomicU64::new(0));
@@ -293,16 +317,17 @@ async fn measure<S: BlockSource + Send + 'static>(
             Arc::clone(shared),
             Arc::clone(&stop),
             Arc::clone(&cursor),
-            Arc::clone(&src),
+            src(t),
         );
         tasks.push(tokio::spawn(async move {
-            match w {
-                Workload::Seq => seq_task(&shared, &*src, &stop, &cursor).await,
-                Workload::Rand => rand_task(&shared, &*src, t, &stop).await,
+            match (w, host) {
+                (Workload::Seq, false) => seq_task(&shared, &*src, &stop, &cursor).await,
+                (Workload::Rand, false) => rand_task(&shared, &*src, t, &stop).await,
+                (Workload::Seq, true) => seq_host(&shared, &*src, &stop, &cursor).await,
+                (Workload::Rand, true) => rand_host(&shared, &*src, t, &stop).await,
             }
         }));
     }
-    let start = Instant::now();
     tokio::time::sleep(Duration::from_secs_f64(shared.args.seconds)).await;
     stop.store(true, Ordering::Relaxed);
     let mut total = Sample {
@@ -323,7 +348,7 @@ async fn measure<S: BlockSource + Send + 'static>(
         total.verified_bytes += s.verified_bytes;
         wall = wall.max(s.wall);
     }
-    total.wall = wall.max(start.elapsed().min(wall));
+    total.wall = wall;
     Ok(total)
 }
 
@@ -345,6 +370,7 @@ async fn seq_task<S: BlockSource>(
         StagingConfig {
             slots: shared.args.slots,
             slot_bytes: io,
+            timing: shared.args.gpu_timing,
         },
     )?
     .with_kernels(Arc::clone(&shared.kernels))?;
@@ -358,7 +384,7 @@ async fn seq_task<S: BlockSource>(
         regions.clear();
         let t = Instant::now();
         for i in 0..step {
-            let lba = (cursor.fetch_add(1, Ordering::Relaxed) % chunks) * per_io;
+            let lba = next_chunk(shared, cursor, chunks) * per_io;
             let off = 1 + i * io;
             let mut dest = st.dest(dev.slice_mut(off..off + io)?);
             src.read_blocks(lba, &mut dest).await?;
@@ -406,6 +432,7 @@ async fn rand_task<S: BlockSource>(
         StagingConfig {
             slots: shared.args.slots,
             slot_bytes: shared.args.batch.max(1) * io,
+            timing: shared.args.gpu_timing,
         },
     )?
     .with_kernels(Arc::clone(&shared.kernels))?;
@@ -452,6 +479,128 @@ async fn rand_task<S: BlockSource>(
         ios,
         wall,
         stats: st.take_stats(),
+        verify,
+        verified_bytes,
+    })
+}
+
+/// The next 1 MiB chunk of the seq workload: in order, or a fixed permutation of the chunks
+/// with `--scatter-seq` (an odd multiplier permutes a power-of-two count).
+fn next_chunk(shared: &Shared, cursor: &AtomicU64, chunks: u64) -> u64 {
+    let c = cursor.fetch_add(1, Ordering::Relaxed) % chunks;
+    if shared.args.scatter_seq && chunks.is_power_of_two() {
+        c.wrapping_mul(0x9E37_79B9) & (chunks - 1)
+    } else {
+        c
+    }
+}
+
+/// The sequential workload into host memory (no GPU): the ceiling of the staging path.
+async fn seq_host<S: BlockSource>(
+    shared: &Shared,
+    src: &S,
+    stop: &AtomicBool,
+    cursor: &AtomicU64,
+) -> Result<Sample, GpuIoError> {
+    let io = 1usize << 20;
+    let bs = u64::from(shared.block_size);
+    let per_io = io as u64 / bs;
+    let chunks = shared.region_blocks / per_io;
+    let mut buf = vec![0u8; io];
+    let (mut bytes, mut ios, mut last) = (0u64, 0u64, None);
+    let mut source = Duration::ZERO;
+    let start = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let lba = next_chunk(shared, cursor, chunks) * per_io;
+        let t = Instant::now();
+        src.read_blocks(lba, &mut buf[..]).await?;
+        source += t.elapsed();
+        last = Some(lba);
+        bytes += io as u64;
+        ios += 1;
+    }
+    host_sample(
+        shared,
+        bytes,
+        ios,
+        start.elapsed(),
+        source,
+        &buf,
+        last.iter().map(|&l| (0, l)),
+        io,
+    )
+}
+
+/// The random workload into host memory (no GPU).
+async fn rand_host<S: BlockSource>(
+    shared: &Shared,
+    src: &S,
+    task: usize,
+    stop: &AtomicBool,
+) -> Result<Sample, GpuIoError> {
+    let io = 4096usize;
+    let bs = u64::from(shared.block_size);
+    let per_io = (io as u64 / bs).max(1);
+    let chunks = shared.region_blocks / per_io;
+    let n = shared.args.batch.max(1);
+    let mut buf = vec![0u8; n * io];
+    let mut lbas = vec![0u64; n];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (task as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let (mut bytes, mut ios) = (0u64, 0u64);
+    let mut source = Duration::ZERO;
+    let start = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        for l in lbas.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *l = (x % chunks) * per_io;
+        }
+        let t = Instant::now();
+        let reads = buf
+            .chunks_mut(io)
+            .zip(&lbas)
+            .map(|(b, &lba)| src.read_blocks(lba, b));
+        futures_util::future::try_join_all(reads).await?;
+        source += t.elapsed();
+        bytes += (n * io) as u64;
+        ios += n as u64;
+    }
+    let last = lbas.iter().enumerate().map(|(i, &l)| (i * io, l));
+    host_sample(shared, bytes, ios, start.elapsed(), source, &buf, last, io)
+}
+
+/// A sample of a host-memory task, with the last data checked on the CPU.
+#[allow(clippy::too_many_arguments)]
+fn host_sample(
+    shared: &Shared,
+    bytes: u64,
+    ios: u64,
+    wall: Duration,
+    source: Duration,
+    buf: &[u8],
+    last: impl Iterator<Item = (usize, u64)>,
+    io: usize,
+) -> Result<Sample, GpuIoError> {
+    let bs = u64::from(shared.block_size);
+    let mut verify = VerifyReport::default();
+    let mut verified_bytes = 0;
+    for (off, lba) in last {
+        verify = verify.merge(verify_pattern(
+            shared.args.seed,
+            lba * bs,
+            &buf[off..off + io],
+        ));
+        verified_bytes += io as u64;
+    }
+    Ok(Sample {
+        bytes,
+        ios,
+        wall,
+        stats: StagingStats {
+            source,
+            ..StagingStats::default()
+        },
         verify,
         verified_bytes,
     })

@@ -71,6 +71,9 @@ pub struct StagingConfig {
     /// Bytes per slot. Commands larger than a slot are staged through several slots; a batch
     /// of small reads fills at most one slot.
     pub slot_bytes: usize,
+    /// Time each slot's device work with events ([`StagingStats::gpu_copy`]); costs one more
+    /// driver call per copy.
+    pub timing: bool,
 }
 
 impl Default for StagingConfig {
@@ -78,6 +81,7 @@ impl Default for StagingConfig {
         StagingConfig {
             slots: 4,
             slot_bytes: 1 << 20,
+            timing: false,
         }
     }
 }
@@ -118,7 +122,8 @@ pub struct StagingStats {
     /// Host time copying received data into pinned slots (part of `source` for reads through
     /// [`GpuStaging::dest`]).
     pub stage_copy: Duration,
-    /// Device time of the copies and scatter launches, from events around each slot's work.
+    /// Device time of the copies and scatter launches, from events around each slot's work
+    /// (with [`StagingConfig::timing`]).
     pub gpu_copy: Duration,
     /// Host time spent waiting for the GPU: for a free slot, or for a read's last copy.
     pub gpu_wait: Duration,
@@ -412,8 +417,8 @@ impl GpuStaging {
                 Ok(Slot {
                     host: ctx.alloc_pinned(cfg.slot_bytes)?,
                     dev: None,
-                    start: ctx.new_event(true)?,
-                    done: Arc::new(ctx.new_event(true)?),
+                    start: ctx.new_event(cfg.timing)?,
+                    done: Arc::new(ctx.new_event(cfg.timing)?),
                 })
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -508,6 +513,9 @@ impl GpuStaging {
 
     /// Adds the device time of a slot's finished work to the statistics.
     fn account(&mut self, slot: usize) {
+        if !self.cfg.timing {
+            return;
+        }
         let s = &self.slots[slot];
         if let Ok(ms) = s.start.elapsed_ms(&s.done) {
             self.stats.gpu_copy += Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
@@ -569,7 +577,9 @@ impl GpuStaging {
         let slot = &mut self.slots[idx];
         slot.host.as_mut_slice()?[..n].copy_from_slice(data);
         self.stats.stage_copy += t.elapsed();
-        self.stream.record(&slot.start)?;
+        if self.cfg.timing {
+            self.stream.record(&slot.start)?;
+        }
         self.stream.copy_h2d_async(&slot.host.slice(..n)?, dst)?;
         self.stream.record(&slot.done)?;
         self.ring.submitted(idx);
@@ -675,7 +685,9 @@ impl GpuStaging {
         let Some((kernels, ws)) = self.kernels.as_mut() else {
             return Err(invalid("no kernels"));
         };
-        self.stream.record(&slot.start)?;
+        if self.cfg.timing {
+            self.stream.record(&slot.start)?;
+        }
         self.stream
             .copy_h2d_async(&slot.host.slice(..total)?, &mut dev.slice_mut(..total)?)?;
         kernels.scatter(ws, &dev.slice(..total)?, dst, &self.copies)?;
@@ -721,7 +733,9 @@ impl GpuStaging {
                     let n = piece.min(total - next);
                     queued.push_back((idx, next, n));
                     let slot = &mut self.slots[idx];
-                    self.stream.record(&slot.start)?;
+                    if self.cfg.timing {
+                        self.stream.record(&slot.start)?;
+                    }
                     self.stream.copy_d2h_async(
                         &src.slice(next..next + n)?,
                         &mut slot.host.slice_mut(..n)?,
@@ -879,7 +893,15 @@ mod tests {
     #[test]
     fn staging_config_limits() {
         assert!(StagingConfig::default().validate().is_ok());
-        let bad = |slots, slot_bytes| StagingConfig { slots, slot_bytes }.validate().is_err();
+        let bad = |slots, slot_bytes| {
+            StagingConfig {
+                slots,
+                slot_bytes,
+                timing: false,
+            }
+            .validate()
+            .is_err()
+        };
         assert!(bad(1, 1 << 20));
         assert!(bad(4, 100));
         assert!(bad(4, (1 << 30) + 1));

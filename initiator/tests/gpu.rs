@@ -75,6 +75,7 @@ async fn gpu_reads_into_hbm_all_sizes_and_offsets() {
         StagingConfig {
             slots: 3,
             slot_bytes: 256 << 10,
+            timing: true,
         },
     )
     .unwrap()
@@ -118,6 +119,7 @@ async fn gpu_reads_into_hbm_all_sizes_and_offsets() {
     }
     let stats = staging.stats();
     assert!(stats.h2d_bytes > 0 && stats.copies > 0);
+    assert!(stats.gpu_copy > std::time::Duration::ZERO, "{stats:?}");
     println!("staging stats: {stats:?}");
     ctrl.disconnect().await.unwrap();
     target.shutdown().await;
@@ -205,6 +207,7 @@ async fn gpu_batched_small_reads_scatter() {
             StagingConfig {
                 slots: 2,
                 slot_bytes: 64 << 10,
+                timing: false,
             },
         )
         .unwrap()
@@ -306,6 +309,7 @@ async fn gpu_writes_from_hbm() {
         StagingConfig {
             slots: 3,
             slot_bytes: 256 << 10,
+            timing: true,
         },
     )
     .unwrap()
@@ -410,7 +414,7 @@ async fn gpu_bad_requests_are_errors() {
             &ctx,
             StagingConfig {
                 slots: 1,
-                slot_bytes: 1 << 20
+                ..StagingConfig::default()
             }
         ),
         Err(GpuIoError::InvalidArgument(_))
