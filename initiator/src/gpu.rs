@@ -387,7 +387,8 @@ impl std::fmt::Debug for GpuStaging {
 }
 
 /// Polls `event` a few times, yielding to other tasks in between, then waits for it on the
-/// blocking pool: the runtime thread never blocks on the GPU.
+/// blocking pool: the runtime thread never blocks on the GPU. Outside a tokio runtime (no
+/// blocking pool) it waits on the calling thread.
 async fn wait_event(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
     for _ in 0..32 {
         if event.is_complete()? {
@@ -395,8 +396,11 @@ async fn wait_event(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
         }
         tokio::task::yield_now().await;
     }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return event.synchronize();
+    };
     let event = Arc::clone(event);
-    match tokio::task::spawn_blocking(move || event.synchronize()).await {
+    match rt.spawn_blocking(move || event.synchronize()).await {
         Ok(r) => r,
         Err(e) => Err(GpuError::Driver {
             call: "cuEventSynchronize",
