@@ -241,7 +241,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
                 "host" => measure(&shared, *w, remote, true).await?,
                 _ => measure(&shared, *w, |_| Arc::clone(&mem), false).await?,
             };
-            print_sample(rep, *w, p, &s, shared.args.tasks);
+            print_sample(rep, *w, p, &s, shared.args.tasks, shared.args.gpu_timing);
             samples.push(s);
         }
     }
@@ -625,12 +625,17 @@ fn name(w: Workload) -> &'static str {
     }
 }
 
-fn print_sample(rep: usize, w: Workload, path: &str, s: &Sample, tasks: usize) {
+fn print_sample(rep: usize, w: Workload, path: &str, s: &Sample, tasks: usize, timing: bool) {
     let secs = s.wall.as_secs_f64().max(1e-9);
     let busy = secs * tasks as f64;
     let pct = |d: Duration| 100.0 * d.as_secs_f64() / busy;
+    let gpu_copy = if timing {
+        format!("{:>5.1}% of the task time", pct(s.stats.gpu_copy))
+    } else {
+        "not timed (--gpu-timing)".to_string()
+    };
     println!(
-        "run {rep} {:<10} {:<4}: {:>7.2} GB/s {:>9.0} IOPS | per task: receive {:>4.1}% (of it staging memcpy {:>4.1}%), waiting for GPU {:>4.1}%, other {:>4.1}% | GPU copy+scatter busy {:>5.1}% of one stream-second per task, {} blocking slot waits | verify {} ({} MiB checked)",
+        "run {rep} {:<10} {:<4}: {:>7.2} GB/s {:>9.0} IOPS | per task: receive {:>4.1}% (of it staging memcpy {:>4.1}%), waiting for GPU {:>4.1}%, other {:>4.1}% | device copy+scatter busy {}, {} blocking slot waits | verify {} ({} MiB checked)",
         name(w),
         path,
         s.bytes as f64 / secs / 1e9,
@@ -639,7 +644,7 @@ fn print_sample(rep: usize, w: Workload, path: &str, s: &Sample, tasks: usize) {
         pct(s.stats.stage_copy),
         pct(s.stats.gpu_wait),
         (100.0 - pct(s.stats.source) - pct(s.stats.gpu_wait)).max(0.0),
-        pct(s.stats.gpu_copy),
+        gpu_copy,
         s.stats.blocking_waits,
         if s.verify.is_ok() {
             "ok".to_string()
