@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
 use crate::queue::{DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry};
+use crate::rdma::SharedPd;
 use crate::setup::{QueueSpec, SetupConn};
 use crate::{ConnectOptions, Error, Namespace, QueuePolicy, Transport};
 
@@ -138,6 +139,8 @@ pub(crate) struct CtrlShared {
     state: watch::Sender<StateInfo>,
     events: broadcast::Sender<ControllerEvent>,
     reconnects: AtomicU64,
+    /// The protection domain of the NVMe/RDMA queues (kept across reconnects).
+    pub pd: SharedPd,
 }
 
 impl CtrlShared {
@@ -302,7 +305,11 @@ struct Established {
 
 /// Sets up the whole association: admin queue (Connect, enable, Identify, queues), then the
 /// I/O queues. `want_io` is the number of I/O queues to ask for.
-async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, Error> {
+async fn establish(
+    opts: &ConnectOptions,
+    want_io: u16,
+    pd: &SharedPd,
+) -> Result<Established, Error> {
     let t = &opts.timeouts;
     let digests = (opts.header_digest, opts.data_digest);
     let admin_queue = QueueSpec {
@@ -311,7 +318,8 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
         depth: ADMIN_QUEUE_ENTRIES,
         in_capsule: 0,
     };
-    let mut admin = SetupConn::open(&opts.addr, admin_queue, digests, t.connect, t.admin).await?;
+    let mut admin =
+        SetupConn::open(&opts.addr, admin_queue, digests, t.connect, t.admin, pd).await?;
     let kato_ms = opts.kato.as_millis().min(u128::from(u32::MAX)) as u32;
     let cntlid = admin
         .connect(
@@ -459,6 +467,7 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
     let mut set: JoinSet<Result<(u16, Live), Error>> = JoinSet::new();
     for qid in 1..=granted {
         let opts = opts.clone();
+        let pd = pd.clone();
         set.spawn(async move {
             let t = &opts.timeouts;
             let spec = QueueSpec {
@@ -467,7 +476,7 @@ async fn establish(opts: &ConnectOptions, want_io: u16) -> Result<Established, E
                 depth,
                 in_capsule: icd as usize,
             };
-            let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin).await?;
+            let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin, &pd).await?;
             q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
                 .await?;
             Ok((qid, q.into_live(icd as usize)))
@@ -519,7 +528,8 @@ impl Controller {
     pub async fn connect(opts: ConnectOptions) -> Result<Controller, Error> {
         opts.validate()?;
         let want = opts.wanted_io_queues();
-        let est = establish(&opts, want).await?;
+        let pd = SharedPd::default();
+        let est = establish(&opts, want, &pd).await?;
         let addr = opts.addr.to_string();
         let (sup_tx, sup_rx) = mpsc::unbounded_channel();
         let scan = |t: Duration| (t / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
@@ -571,6 +581,7 @@ impl Controller {
             state,
             events,
             reconnects: AtomicU64::new(0),
+            pd,
             opts,
         });
         shared
@@ -934,7 +945,7 @@ impl Supervisor {
             }
             attempt += 1;
             let want = self.shared.io.len() as u16;
-            match establish(&self.shared.opts, want).await {
+            match establish(&self.shared.opts, want, &self.shared.pd).await {
                 Ok(est) => {
                     self.install(est, generation);
                     return true;

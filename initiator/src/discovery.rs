@@ -209,7 +209,15 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         depth: 32,
         in_capsule: 0,
     };
-    let mut c = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin).await?;
+    let mut c = SetupConn::open(
+        &opts.addr,
+        spec,
+        digests,
+        t.connect,
+        t.admin,
+        &crate::rdma::SharedPd::default(),
+    )
+    .await?;
     c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host)
         .await?;
     let cap = c.property_get(property::CAP, true).await?;

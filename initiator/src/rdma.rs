@@ -105,6 +105,28 @@ impl SlotBuf {
     }
 }
 
+/// The protection domain a controller's NVMe/RDMA queues share (one per RDMA device): the
+/// first queue allocates it, the others and later reconnects through the same device reuse it,
+/// so memory registered with it serves every queue.
+#[derive(Clone, Default)]
+pub(crate) struct SharedPd(
+    std::sync::Arc<parking_lot::Mutex<Option<std::sync::Arc<ProtectionDomain>>>>,
+);
+
+impl SharedPd {
+    /// The domain in use (None before the first NVMe/RDMA connection).
+    pub fn get(&self) -> Option<std::sync::Arc<ProtectionDomain>> {
+        self.0.lock().clone()
+    }
+
+    fn set(&self, pd: &std::sync::Arc<ProtectionDomain>) {
+        let mut cur = self.0.lock();
+        if !cur.as_ref().is_some_and(|c| std::sync::Arc::ptr_eq(c, pd)) {
+            *cur = Some(std::sync::Arc::clone(pd));
+        }
+    }
+}
+
 /// How a command's data travels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum DataPath {
@@ -190,7 +212,8 @@ const ENOMEM: i32 = 12;
 
 impl RdmaConn {
     /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
-    /// queue), with capsules that carry up to `in_capsule` bytes of data.
+    /// queue), with capsules that carry up to `in_capsule` bytes of data, in protection domain
+    /// `pd` when the route goes through its device (a new domain is stored there otherwise).
     pub async fn open(
         addr: &TargetAddr,
         qid: u16,
@@ -198,6 +221,7 @@ impl RdmaConn {
         cntlid: u16,
         in_capsule: usize,
         timeout: Duration,
+        pd: &SharedPd,
     ) -> Result<Self, Error> {
         let addr_s = addr.to_string();
         if let Some(why) = unavailable() {
@@ -219,12 +243,13 @@ impl RdmaConn {
         };
         let cfg = QueueConfig::host(depth, in_capsule, RESPONDER_RESOURCES);
         let private = nvmf_rdma::nvme::request_data(qid, depth - 1, depth, cntlid);
-        let connect = CapsuleQueue::connect(dst, cfg, &private, timeout);
+        let connect = CapsuleQueue::connect(dst, cfg, &private, timeout, pd.get());
         let (q, accept) = match timeout_at(deadline, connect).await {
             Err(_) => return Err(Error::timeout("the RDMA-CM connection", timeout)),
             Ok(Err(e)) => return Err(rdma_error(&addr_s, e)),
             Ok(Ok(v)) => v,
         };
+        pd.set(q.pd());
         if let Some(crqsize) = nvmf_rdma::nvme::parse_accept(&accept) {
             if crqsize < depth {
                 return Err(Error::Refused(format!(
@@ -290,6 +315,11 @@ impl RdmaConn {
         sqe.set_sgl();
         sqe.dptr = SglDescriptor::keyed(remote.addr, remote.len, remote.rkey, false);
         self.post(&sqe, &[])
+    }
+
+    /// The protection domain of the queue pair.
+    pub fn pd(&self) -> &std::sync::Arc<ProtectionDomain> {
+        self.q.pd()
     }
 
     /// SENDs the capsule: the command and its in-capsule data.
@@ -441,7 +471,8 @@ mod tests {
             return;
         }
         let addr = TargetAddr::rdma("127.0.0.1", 4420);
-        let e = RdmaConn::open(&addr, 0, 32, 0xFFFF, 0, Duration::from_secs(1))
+        let pd = SharedPd::default();
+        let e = RdmaConn::open(&addr, 0, 32, 0xFFFF, 0, Duration::from_secs(1), &pd)
             .await
             .err()
             .expect("no RDMA here");

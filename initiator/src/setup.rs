@@ -13,7 +13,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::error::command_name;
 use crate::queue::{Link, Live};
-use crate::rdma::RdmaConn;
+use crate::rdma::{RdmaConn, SharedPd};
 use crate::{Error, HostIdentity, TargetAddr, Transport};
 
 /// Bytes asked of the socket per read.
@@ -63,13 +63,14 @@ pub(crate) struct SetupConn {
 impl SetupConn {
     /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection
     /// and the ICReq/ICResp exchange, for NVMe/RDMA the RDMA-CM connection with the NVMe
-    /// private data of queue `q`.
+    /// private data of queue `q`, in the protection domain `pd` shares.
     pub async fn open(
         addr: &TargetAddr,
         q: QueueSpec,
         digests: (bool, bool),
         connect_timeout: Duration,
         admin_timeout: Duration,
+        pd: &SharedPd,
     ) -> Result<Self, Error> {
         let addr_s = addr.to_string();
         let no_digests = HostParams {
@@ -85,6 +86,7 @@ impl SetupConn {
                 q.cntlid,
                 q.in_capsule,
                 connect_timeout,
+                pd,
             )
             .await?;
             return Ok(SetupConn {

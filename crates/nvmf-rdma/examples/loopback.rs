@@ -217,6 +217,7 @@ async fn run() {
         host_cfg(),
         &request_data(9, 7, 8, 1),
         Duration::from_secs(10),
+        None,
     )
     .await
     {
@@ -236,6 +237,7 @@ async fn run() {
         host_cfg(),
         &request_data(1, 7, 8, 1),
         Duration::from_secs(10),
+        None,
     )
     .await
     .unwrap_or_else(|e| fail(format!("connect: {e}")));

@@ -372,7 +372,7 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         };
         let ep = Endpoint { id, events };
         let cfg = cfg.fit(attr.max_qp_wr);
-        let mut q = match Self::build(ep, cfg, local, peer) {
+        let mut q = match Self::build(ep, cfg, local, peer, None) {
             Ok(q) => q,
             Err((e, ep)) => {
                 let _ = ep.id.reject(reject_data);
@@ -414,11 +414,17 @@ impl<B: StableBuffer> CapsuleQueue<B> {
     /// and waits (up to `timeout` per step) until the connection is established. Returns the
     /// queue and the peer's accept record. A rejection is [`Error::Rejected`]. Must run inside
     /// a tokio runtime.
+    ///
+    /// The queue uses protection domain `pd` when the route goes through its device, so memory
+    /// registered with it serves this queue too; otherwise (or with `None`) it allocates one,
+    /// which keeps the device open by itself and can be handed to the next connection
+    /// ([`pd`](Self::pd)).
     pub async fn connect(
         dst: SocketAddr,
         cfg: QueueConfig,
         private_data: &[u8],
         timeout: Duration,
+        pd: Option<Arc<ProtectionDomain>>,
     ) -> Result<(Self, Vec<u8>), Error> {
         let l = libs()?;
         let mut events = EventChannel::new()?;
@@ -451,7 +457,7 @@ impl<B: StableBuffer> CapsuleQueue<B> {
             .id
             .local_addr()
             .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-        let mut q = Self::build(ep, cfg, local, dst).map_err(|(e, _)| e)?;
+        let mut q = Self::build(ep, cfg, local, dst, Some((pd, local))).map_err(|(e, _)| e)?;
         q.post_all_receives()?;
         let len = u8::try_from(private_data.len())
             .map_err(|_| Error::Invalid("connect private data too long".into()))?;
@@ -490,12 +496,15 @@ impl<B: StableBuffer> CapsuleQueue<B> {
     }
 
     /// Allocates the PD, CQ, slot memory and queue pair for an endpoint bound to a device.
-    #[allow(clippy::result_large_err)]
+    /// `shared`: the active side's PD to reuse when it is of the same device, and the local
+    /// address to anchor a new PD to the device with.
+    #[allow(clippy::result_large_err, clippy::type_complexity)]
     fn build(
         ep: Endpoint,
         cfg: QueueConfig,
         local: SocketAddr,
         peer: SocketAddr,
+        shared: Option<(Option<Arc<ProtectionDomain>>, SocketAddr)>,
     ) -> Result<Self, (Error, Endpoint)> {
         macro_rules! tri {
             ($e:expr) => {
@@ -510,7 +519,11 @@ impl<B: StableBuffer> CapsuleQueue<B> {
         if ctx.is_null() {
             return Err((Error::Invalid("identifier has no device".into()), ep));
         }
-        let pd = tri!(ProtectionDomain::alloc(ctx));
+        let pd = match shared {
+            None => tri!(ProtectionDomain::alloc(ctx, None)),
+            Some((Some(pd), _)) if pd.is_on(ctx) => pd,
+            Some((_, local)) => tri!(ProtectionDomain::alloc(ctx, Some(local))),
+        };
         let recv_bytes = tri!(
             (cfg.recv_slots as usize)
                 .checked_mul(cfg.recv_size)

@@ -294,6 +294,48 @@ pub(crate) fn event_name(kind: c_int) -> String {
     }
 }
 
+/// An identifier bound to a local address of an RDMA device, which keeps librdmacm's context
+/// of that device open: a protection domain that outlives every connection on the device (one
+/// shared by a host's queues across reconnects) holds one.
+pub(crate) struct DeviceAnchor {
+    // Field order is drop order: the identifier before its channel.
+    id: CmId,
+    _channel: EventChannel,
+}
+
+impl DeviceAnchor {
+    /// Binds a new identifier to `local` (its port replaced by 0) and checks that it names
+    /// device context `ctx`.
+    pub fn bind(local: SocketAddr, ctx: *mut ibv_context) -> Result<Self, Error> {
+        let cm = &libs()?.cm;
+        let channel = EventChannel::new()?;
+        let id = CmId::create(&channel)?;
+        let mut any_port = local;
+        any_port.set_port(0);
+        let mut sa = std_to_sockaddr(&any_port);
+        // SAFETY: valid identifier; `sa` is a sockaddr of the family it names.
+        let rc =
+            unsafe { (cm.bind_addr)(id.as_ptr(), (&mut sa as *mut sockaddr_storage128).cast()) };
+        if rc != 0 {
+            return Err(os_error("rdma_bind_addr"));
+        }
+        if id.verbs() != ctx {
+            return Err(Error::Invalid(format!(
+                "{local} is bound to another RDMA device than the connection"
+            )));
+        }
+        Ok(DeviceAnchor {
+            id,
+            _channel: channel,
+        })
+    }
+
+    /// The device context the anchor keeps open.
+    pub fn context(&self) -> *mut ibv_context {
+        self.id.verbs()
+    }
+}
+
 /// A listening RDMA-CM endpoint (RC, port space TCP).
 pub struct Listener {
     // Field order is drop order: the identifier before its channel.

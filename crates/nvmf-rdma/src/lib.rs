@@ -41,8 +41,8 @@ pub use capsule::{CapsuleQueue, DataOut, Event, MAX_KEYED_LEN, QueueConfig, Recv
 pub use cm::{CmEvent, ConnectRequest, Listener};
 pub use loader::{available, unavailable_reason};
 pub use verbs::{
-    Access, DeviceAttr, DeviceInfo, DmabufRegion, ProtectionDomain, Registered, Registration,
-    RemoteKey, StableBuffer, devices,
+    Access, DeviceAttr, DeviceInfo, DeviceMemory, DeviceRegion, DmabufRegion, PageBuffer,
+    ProtectionDomain, Registered, Registration, RemoteKey, StableBuffer, devices,
 };
 
 /// Errors of RDMA operations.

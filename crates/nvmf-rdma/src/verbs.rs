@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use tokio::io::unix::AsyncFd;
 
+use crate::cm::DeviceAnchor;
 use crate::loader::{c_string, libs};
 use crate::sys::*;
 use crate::{Error, os_error};
@@ -149,30 +150,74 @@ impl std::ops::BitOr for Access {
     }
 }
 
-/// A protection domain. Memory regions and queue pairs of one connection share one.
+/// A protection domain: memory regions registered with it can be used by every queue pair of
+/// the same domain. A host shares one among all its queues on a device (see
+/// [`CapsuleQueue::connect`](crate::CapsuleQueue::connect)), so memory is registered once.
 pub struct ProtectionDomain {
+    // Field order is drop order: Drop deallocates the PD, then the anchor goes.
     pd: NonNull<ibv_pd>,
+    ctx: *mut ibv_context,
+    /// Keeps the device context open while the PD lives, when no connection may be left.
+    _anchor: Option<DeviceAnchor>,
 }
 
 // SAFETY: libibverbs objects may be used from any thread; the PD is only read (its pointer is
-// passed to thread-safe verbs calls) and freed once, in Drop.
+// passed to thread-safe verbs calls) and freed once, in Drop. The context pointer is only
+// compared, never dereferenced; the anchor is an identifier owned by this value.
 unsafe impl Send for ProtectionDomain {}
 // SAFETY: see Send; no method mutates through a shared reference.
 unsafe impl Sync for ProtectionDomain {}
 
+impl std::fmt::Debug for ProtectionDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProtectionDomain")
+            .field("pd", &self.pd)
+            .finish()
+    }
+}
+
 impl ProtectionDomain {
-    /// Allocates a protection domain on an open device context.
-    pub(crate) fn alloc(ctx: *mut ibv_context) -> Result<Arc<Self>, Error> {
+    /// Allocates a protection domain on an open device context. With `anchor`, the PD holds
+    /// an identifier bound to that local address of the device, so the device context stays
+    /// open for as long as the PD lives, even after every connection on it is gone.
+    pub(crate) fn alloc(
+        ctx: *mut ibv_context,
+        anchor: Option<std::net::SocketAddr>,
+    ) -> Result<Arc<Self>, Error> {
         let v = &libs()?.verbs;
-        // SAFETY: `ctx` is an open device context owned by a live CM identifier.
+        let anchor = match anchor {
+            Some(local) => Some(DeviceAnchor::bind(local, ctx)?),
+            None => None,
+        };
+        // SAFETY: `ctx` is an open device context owned by a live CM identifier (and by the
+        // anchor, which is bound to the same context, when there is one).
         let pd = unsafe { (v.alloc_pd)(ctx) };
         NonNull::new(pd)
-            .map(|pd| Arc::new(ProtectionDomain { pd }))
+            .map(|pd| {
+                Arc::new(ProtectionDomain {
+                    pd,
+                    ctx,
+                    _anchor: anchor,
+                })
+            })
             .ok_or_else(|| os_error("ibv_alloc_pd"))
     }
 
     pub(crate) fn as_ptr(&self) -> *mut ibv_pd {
         self.pd.as_ptr()
+    }
+
+    /// Whether the PD belongs to device context `ctx` (queue pairs of that context may use it).
+    pub(crate) fn is_on(&self, ctx: *mut ibv_context) -> bool {
+        self.ctx == ctx
+    }
+
+    /// Whether this PD keeps its device open by itself (it may outlive the connections that
+    /// use it).
+    pub fn is_anchored(&self) -> bool {
+        self._anchor
+            .as_ref()
+            .is_some_and(|a| a.context() == self.ctx)
     }
 
     fn reg(&self, addr: *mut u8, len: usize, access: Access) -> Result<NonNull<ibv_mr>, Error> {
@@ -477,6 +522,172 @@ impl DmabufRegion {
     /// Whether the range is empty (never: registration refuses empty ranges).
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+}
+
+/// Memory at a fixed address that the host side of this crate never reads or writes, only
+/// registers for the device (GPU memory on the nvidia-peermem path of `ibv_reg_mr`).
+///
+/// # Safety
+/// `device_range` must return the same address and length every time it is called on one
+/// value, and that range must stay allocated at that address, owned by the value, until the
+/// value is dropped.
+pub unsafe trait DeviceMemory: Send + Sync + 'static {
+    /// Address (as the device and `ibv_reg_mr` see it) and length of the memory.
+    fn device_range(&self) -> (u64, usize);
+}
+
+/// Device memory registered with `ibv_reg_mr` on its address (a peer-memory client such as
+/// nvidia-peermem resolves it). The region owns the memory: it is deregistered before the
+/// memory is released.
+pub struct DeviceRegion<M> {
+    // Field order is drop order: deregister, then release the memory.
+    mr: Mr,
+    mem: M,
+    addr: u64,
+    len: usize,
+}
+
+impl<M: DeviceMemory> DeviceRegion<M> {
+    /// The registered memory.
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// What a peer needs to reach `len` bytes from `offset` of the memory.
+    pub fn remote_key(&self, offset: usize, len: usize) -> Option<RemoteKey> {
+        let end = offset.checked_add(len)?;
+        if end > self.len || len > crate::capsule::MAX_KEYED_LEN {
+            return None;
+        }
+        Some(RemoteKey {
+            addr: self.addr + offset as u64,
+            len: len as u32,
+            rkey: self.mr.rkey(),
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never: registration refuses empty memory).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the memory is registered with `pd`.
+    pub fn is_registered_with(&self, pd: &Arc<ProtectionDomain>) -> bool {
+        Arc::ptr_eq(&self.mr._pd, pd)
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers device memory by its address with `ibv_reg_mr` (needs a peer-memory client
+    /// in the kernel, such as nvidia-peermem for GPU memory; prefer
+    /// [`register_dmabuf`](Self::register_dmabuf) where the device supports it).
+    pub fn register_device_memory<M: DeviceMemory>(
+        self: &Arc<Self>,
+        mem: M,
+        access: Access,
+    ) -> Result<DeviceRegion<M>, Error> {
+        let (addr, len) = mem.device_range();
+        if len == 0 {
+            return Err(Error::Invalid("cannot register empty device memory".into()));
+        }
+        let v = &libs()?.verbs;
+        // SAFETY: DeviceMemory guarantees `addr..addr+len` stays allocated, owned by `mem`,
+        // which the returned region keeps until after the region is deregistered. The host
+        // never dereferences the address.
+        let mr = unsafe { (v.reg_mr)(self.pd.as_ptr(), addr as *mut _, len, access.0) };
+        let mr = NonNull::new(mr).ok_or_else(|| os_error("ibv_reg_mr"))?;
+        Ok(DeviceRegion {
+            mr: Mr {
+                mr,
+                _pd: Arc::clone(self),
+            },
+            mem,
+            addr,
+            len,
+        })
+    }
+}
+
+impl DmabufRegion {
+    /// Whether the range is registered with `pd`.
+    pub fn is_registered_with(&self, pd: &Arc<ProtectionDomain>) -> bool {
+        Arc::ptr_eq(&self.mr._pd, pd)
+    }
+}
+
+/// Zeroed, page-aligned host memory for registration ([`ProtectionDomain::register`]): the
+/// buffer a caller gets to read into and write from with no copy.
+pub struct PageBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a plain heap allocation owned by this value.
+unsafe impl Send for PageBuffer {}
+// SAFETY: shared references only read.
+unsafe impl Sync for PageBuffer {}
+
+impl PageBuffer {
+    /// Alignment of the memory.
+    pub const ALIGN: usize = 4096;
+
+    /// Allocates `len` zeroed bytes (at least one) aligned to [`Self::ALIGN`].
+    pub fn new(len: usize) -> Result<Self, Error> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
+            .map_err(|_| Error::Invalid(format!("{len} bytes is too large a buffer")))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p)
+            .ok_or_else(|| Error::Invalid(format!("cannot allocate {len} bytes")))?;
+        Ok(PageBuffer { ptr, len })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` initialized (zeroed) bytes owned by this value, borrowed shared.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, borrowed exclusively through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for PageBuffer {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len.max(1), Self::ALIGN) {
+            // SAFETY: allocated in `new` with this layout; freed once.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+// SAFETY: the allocation never moves or changes size and is owned until Drop.
+unsafe impl StableBuffer for PageBuffer {
+    fn region(&mut self) -> (*mut u8, usize) {
+        (self.ptr.as_ptr(), self.len)
+    }
+}
+
+#[cfg(feature = "gpu")]
+// SAFETY: a DeviceBuffer owns its cuMemAlloc allocation (freed only when the last handle to
+// it goes), which never moves; its device pointer and length are fixed at allocation.
+unsafe impl DeviceMemory for gpu::DeviceBuffer {
+    fn device_range(&self) -> (u64, usize) {
+        (self.device_ptr(), self.len())
     }
 }
 
