@@ -34,7 +34,7 @@ use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_i
 use crate::queue::{DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry};
 use crate::rdma::SharedPd;
 use crate::setup::{QueueSpec, SetupConn};
-use crate::{ConnectOptions, Error, Namespace, QueuePolicy, Transport};
+use crate::{ConnectOptions, Error, Namespace, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
@@ -610,6 +610,49 @@ impl Controller {
         Ok(Controller {
             inner: Arc::new(CtrlInner { shared, sup_tx }),
         })
+    }
+
+    /// Allocates `len` bytes of zeroed, page-aligned host memory and, over NVMe/RDMA,
+    /// registers it once with the protection domain all the controller's queues share: reads
+    /// and writes through [`Namespace::read_registered`] / [`Namespace::write_registered`]
+    /// then go straight between the target and this memory. Over NVMe/TCP the buffer is plain
+    /// memory and the same calls copy as ordinary reads and writes do.
+    ///
+    /// Registered memory counts against `RLIMIT_MEMLOCK`.
+    pub fn register_buffer(&self, len: usize) -> Result<RegisteredBuffer, Error> {
+        let pd = self.rdma_pd()?;
+        RegisteredBuffer::new(len, pd.as_ref())
+    }
+
+    /// Registers GPU memory for NVMe/RDMA: the dma-buf of the buffer
+    /// (`ibv_reg_dmabuf_mr`), or, where the export or the NIC refuses it, the device address
+    /// (`ibv_reg_mr`, resolved by nvidia-peermem). Reads through
+    /// [`Namespace::read_registered_gpu`] then land in device memory straight from the NIC.
+    ///
+    /// On an NVMe/TCP controller this is [`Error::Unsupported`]: there read into GPU memory
+    /// through [`gpu`](crate::gpu), which stages through pinned host memory.
+    #[cfg(feature = "gpu")]
+    pub fn register_gpu(
+        &self,
+        buf: gpu::DeviceBuffer,
+    ) -> Result<crate::RegisteredGpuBuffer, Error> {
+        match self.rdma_pd()? {
+            Some(pd) => crate::RegisteredGpuBuffer::new(buf, &pd),
+            None => Err(Error::Unsupported(
+                "GPU memory is registered for NVMe/RDMA only; over NVMe/TCP read into GPU memory through nvmeof_initiator::gpu (pinned staging)".into(),
+            )),
+        }
+    }
+
+    /// The protection domain of an NVMe/RDMA controller (None over NVMe/TCP).
+    fn rdma_pd(&self) -> Result<Option<Arc<nvmf_rdma::ProtectionDomain>>, Error> {
+        if self.inner.shared.opts.addr.transport != Transport::Rdma {
+            return Ok(None);
+        }
+        match self.inner.shared.pd.get() {
+            Some(pd) => Ok(Some(pd)),
+            None => Err(Error::Closed),
+        }
     }
 
     pub(crate) fn shared(&self) -> &CtrlShared {

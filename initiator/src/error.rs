@@ -127,6 +127,14 @@ pub enum Error {
     /// The nvmeof-initd daemon could not be reached or refused a request.
     #[error("nvmeof-initd: {0}")]
     Daemon(String),
+    /// A registered buffer is still the target of commands in flight (of a read or write whose
+    /// future was dropped): its bytes are not readable until they end.
+    #[error("the registered buffer is still used by commands in flight")]
+    BufferBusy,
+    /// The connection cannot do what was asked (for example registering GPU memory on an
+    /// NVMe/TCP controller, or on a host whose RDMA device refuses it).
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 impl Error {

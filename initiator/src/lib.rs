@@ -68,6 +68,7 @@ mod namespace;
 mod options;
 mod queue;
 mod rdma;
+mod registered;
 mod setup;
 
 pub use controller::{Controller, ControllerEvent, ControllerState};
@@ -82,6 +83,9 @@ pub use options::{
     ReconnectPolicy, TargetAddr, Timeouts, Transport,
 };
 pub use queue::QueueStats;
+pub use registered::RegisteredBuffer;
+#[cfg(feature = "gpu")]
+pub use registered::{DmabufRequest, RegisteredGpuBuffer};
 
 /// Re-export of the wire formats crate (Identify structures, status codes).
 pub use nvme_spec;

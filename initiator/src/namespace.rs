@@ -1,13 +1,15 @@
 //! I/O on a namespace: read, write, flush, write zeroes, deallocate.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use nvme_spec::command::build;
 use nvme_spec::{Cqe, Sqe};
 
 use crate::controller::MAX_NLB;
 use crate::queue::{DataDir, Pending, QueueHandle, Request, Retry};
-use crate::{Controller, Error, NamespaceInfo};
+use crate::registered::{Direct, RegionMem, check_range as check_buffer_range, split};
+use crate::{Controller, Error, NamespaceInfo, RegisteredBuffer};
 
 /// An error reported by a caller buffer.
 pub type BufferError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -298,6 +300,109 @@ impl Namespace {
             };
             let cqe = p.wait().await?;
             check("Write", &cqe)?;
+        }
+        Ok(())
+    }
+
+    /// Reads `len` bytes starting at block `lba` into `buf` at byte `offset`.
+    ///
+    /// Over NVMe/RDMA the target RDMA WRITEs the data straight into the registered buffer
+    /// (keyed SGLs that name it; no slot buffer, no copy); transfers above the largest command
+    /// are split into several commands into the same buffer. Over NVMe/TCP this is an ordinary
+    /// read into the buffer's bytes.
+    pub async fn read_registered(
+        &self,
+        lba: u64,
+        buf: &mut RegisteredBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        check_buffer_range(buf.len(), offset, len)?;
+        match buf.target() {
+            Ok(mem) => self.direct(false, lba, mem, offset, len).await,
+            Err(bytes) => self.read(lba, &mut bytes[offset..offset + len]).await,
+        }
+    }
+
+    /// Writes `len` bytes of `buf` from byte `offset`, starting at block `lba`.
+    ///
+    /// Over NVMe/RDMA the target RDMA READs the data straight from the registered buffer
+    /// (never in the capsule, whatever the size). Over NVMe/TCP this is an ordinary write.
+    pub async fn write_registered(
+        &self,
+        lba: u64,
+        buf: &mut RegisteredBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        check_buffer_range(buf.len(), offset, len)?;
+        match buf.target() {
+            Ok(mem) => self.direct(true, lba, mem, offset, len).await,
+            Err(bytes) => self.write(lba, &bytes[offset..offset + len]).await,
+        }
+    }
+
+    /// Reads `len` bytes starting at block `lba` into registered GPU memory at byte `offset`:
+    /// the NIC writes the data into device memory (GPUDirect RDMA). When the call returns the
+    /// RDMA writes are ordered before later GPU work (`cuFlushGPUDirectRDMAWrites`).
+    #[cfg(feature = "gpu")]
+    pub async fn read_registered_gpu(
+        &self,
+        lba: u64,
+        buf: &mut crate::RegisteredGpuBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        check_buffer_range(buf.len(), offset, len)?;
+        self.direct(false, lba, buf.mem(), offset, len).await?;
+        buf.flush()
+    }
+
+    /// Writes `len` bytes of registered GPU memory from byte `offset`, starting at block
+    /// `lba`: the NIC reads them from device memory. Finish the GPU work that produces them
+    /// first.
+    #[cfg(feature = "gpu")]
+    pub async fn write_registered_gpu(
+        &self,
+        lba: u64,
+        buf: &mut crate::RegisteredGpuBuffer,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        check_buffer_range(buf.len(), offset, len)?;
+        self.direct(true, lba, buf.mem(), offset, len).await
+    }
+
+    /// Moves `len` bytes between blocks from `lba` and registered memory from `offset`, in
+    /// commands of at most the largest transfer, several in flight.
+    async fn direct(
+        &self,
+        write: bool,
+        lba: u64,
+        mem: &Arc<RegionMem>,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        self.check_len(lba, len)?;
+        let q = self.queue()?;
+        let window = Self::window(q);
+        let name = if write { "Write" } else { "Read" };
+        let mut inflight: VecDeque<Pending<'_>> = VecDeque::with_capacity(window);
+        for (off, n) in split(len, self.max_chunk()) {
+            if inflight.len() >= window {
+                if let Some(mut p) = inflight.pop_front() {
+                    check(name, &p.wait().await?)?;
+                }
+            }
+            let req = self.rw_request(write, lba + (off >> self.shift) as u64, n);
+            let direct = Direct {
+                mem: Arc::clone(mem),
+                offset: offset + off,
+            };
+            inflight.push_back(q.start_direct(req, direct).await?);
+        }
+        while let Some(mut p) = inflight.pop_front() {
+            check(name, &p.wait().await?)?;
         }
         Ok(())
     }

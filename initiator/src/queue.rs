@@ -42,6 +42,7 @@ use crate::Error;
 use crate::controller::SupMsg;
 use crate::error::command_name;
 use crate::rdma::{DataPath, RdmaConn, RdmaWake, SlotBuf};
+use crate::registered::Direct;
 use crate::setup::READ_CHUNK;
 
 /// A command is sent at most this many times (first try included) before its error is
@@ -91,6 +92,7 @@ struct Submission {
     tag: u16,
     req: Request,
     buf: SlotBuf,
+    direct: Option<Direct>,
 }
 
 /// A connected, initialized queue connection.
@@ -183,6 +185,8 @@ pub(crate) struct QueueCounters {
     retries: AtomicU64,
     timeouts: AtomicU64,
     connections: AtomicU64,
+    registered_commands: AtomicU64,
+    registered_bytes: AtomicU64,
 }
 
 /// A snapshot of a queue's counters.
@@ -209,6 +213,11 @@ pub struct QueueStats {
     pub timeouts: u64,
     /// Connections this queue has used.
     pub connections: u64,
+    /// NVMe/RDMA commands whose data the target moved straight to or from caller-registered
+    /// memory (a `RegisteredBuffer`), with no slot buffer and no copy.
+    pub registered_commands: u64,
+    /// Bytes those commands moved.
+    pub registered_bytes: u64,
 }
 
 /// State shared by a queue's task and its callers.
@@ -268,6 +277,8 @@ impl QueueShared {
             retries: g(&c.retries),
             timeouts: g(&c.timeouts),
             connections: g(&c.connections),
+            registered_commands: g(&c.registered_commands),
+            registered_bytes: g(&c.registered_bytes),
         }
     }
 }
@@ -380,6 +391,25 @@ impl QueueHandle {
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
     {
+        self.start_with(req, fill, None).await
+    }
+
+    /// Takes a slot and hands over a command whose data the target moves straight to or from
+    /// caller-registered memory (NVMe/RDMA). The command holds the memory until it ends (or
+    /// until its queue pair is destroyed), whatever happens to the returned [`Pending`].
+    pub async fn start_direct(&self, req: Request, direct: Direct) -> Result<Pending<'_>, Error> {
+        self.start_with(req, |_| Ok(()), Some(direct)).await
+    }
+
+    async fn start_with<F>(
+        &self,
+        req: Request,
+        fill: F,
+        direct: Option<Direct>,
+    ) -> Result<Pending<'_>, Error>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(), Error>,
+    {
         let permit = self
             .shared
             .permits
@@ -401,18 +431,26 @@ impl QueueHandle {
             std::mem::take(&mut st.buf)
         };
         let len = req.len as usize;
-        buf.ensure(len);
+        if direct.is_none() {
+            buf.ensure(len);
+        }
         let pending = Pending {
             shared: &self.shared,
             tag,
         };
-        if req.dir == DataDir::FromHost {
+        if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
                 self.shared.finish(tag, Err(e.clone()), buf);
                 return Err(e);
             }
         }
-        if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(Submission { tag, req, buf }) {
+        let sub = Submission {
+            tag,
+            req,
+            buf,
+            direct,
+        };
+        if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(sub) {
             let e = self.closed_error();
             self.shared.finish(tag, Err(e.clone()), s.buf);
             return Err(e);
@@ -500,6 +538,8 @@ impl Drop for Pending<'_> {
 struct Cmd {
     req: Request,
     buf: SlotBuf,
+    /// Caller-registered memory the data goes to or comes from (instead of `buf`).
+    direct: Option<Direct>,
     deadline: Option<Instant>,
     sent: bool,
     digest_error: bool,
@@ -576,6 +616,12 @@ impl Core {
         let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
             return Ok(());
         };
+        if cmd.direct.is_some() {
+            let e =
+                Error::InvalidArgument("internal: registered memory on an NVMe/TCP queue".into());
+            self.complete(tag, Err(e));
+            return Ok(());
+        }
         let c = &self.shared.counters;
         let mut sqe = cmd.req.sqe;
         sqe.cid.set(tag);
@@ -623,15 +669,31 @@ impl Core {
             _ => cmd.req.len as usize,
         };
         let to_host = cmd.req.dir == DataDir::ToHost;
-        let path = match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
-            Ok(p) => p,
-            Err(e) => {
-                // This command's buffer could not be registered; the connection is fine.
-                self.complete(tag, Err(e));
-                return Ok(());
+        let c = &self.shared.counters;
+        let path = if let Some(d) = &cmd.direct {
+            match d.remote_key(conn.pd(), len) {
+                Ok(key) => {
+                    conn.send_keyed(sqe, key)?;
+                    bump(&c.registered_commands, 1);
+                    bump(&c.registered_bytes, len as u64);
+                    DataPath::Keyed
+                }
+                Err(e) => {
+                    // Not reachable through this queue pair; the connection is fine.
+                    self.complete(tag, Err(e));
+                    return Ok(());
+                }
+            }
+        } else {
+            match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+                Ok(p) => p,
+                Err(e) => {
+                    // This command's buffer could not be registered; the connection is fine.
+                    self.complete(tag, Err(e));
+                    return Ok(());
+                }
             }
         };
-        let c = &self.shared.counters;
         if cmd.attempts > 0 {
             bump(&c.retries, 1);
         }
@@ -696,6 +758,7 @@ impl Core {
             deadline: s.req.timeout.map(|t| self.now + t),
             req: s.req,
             buf: s.buf,
+            direct: s.direct,
             sent: false,
             digest_error: false,
             attempts: 0,

@@ -155,6 +155,13 @@ pub(crate) struct RdmaConn {
     addr: String,
 }
 
+/// `sqe` with its data described by one keyed SGL data block for `remote`.
+fn keyed_sqe(mut sqe: Sqe, remote: RemoteKey) -> Sqe {
+    sqe.set_sgl();
+    sqe.dptr = SglDescriptor::keyed(remote.addr, remote.len, remote.rkey, false);
+    sqe
+}
+
 /// Why this host cannot do NVMe/RDMA, if it cannot.
 pub(crate) fn unavailable() -> Option<String> {
     if let Some(why) = nvmf_rdma::unavailable_reason() {
@@ -205,6 +212,11 @@ fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
             reason: e.to_string(),
         },
     }
+}
+
+/// Maps the error of registering caller memory.
+pub(crate) fn registration_error(e: nvmf_rdma::Error) -> Error {
+    rdma_error("memory registration", e)
 }
 
 /// `ENOMEM` on Linux.
@@ -311,10 +323,8 @@ impl RdmaConn {
     /// WRITEs (reads) or RDMA READs (writes) `remote`. Any memory registered for remote access
     /// on this queue's protection domain can be named: a slot buffer, or a registered dma-buf
     /// (device memory such as a GPU buffer, `nvmf_rdma::DmabufRegion::remote_key`).
-    pub fn send_keyed(&mut self, mut sqe: Sqe, remote: RemoteKey) -> Result<(), Error> {
-        sqe.set_sgl();
-        sqe.dptr = SglDescriptor::keyed(remote.addr, remote.len, remote.rkey, false);
-        self.post(&sqe, &[])
+    pub fn send_keyed(&mut self, sqe: Sqe, remote: RemoteKey) -> Result<(), Error> {
+        self.post(&keyed_sqe(sqe, remote), &[])
     }
 
     /// The protection domain of the queue pair.
@@ -463,6 +473,28 @@ mod tests {
         assert_eq!(d.keyed_length(), 0x12_3456);
         assert_eq!(d.key(), 0xAABB_CCDD);
         assert_eq!(d.address.get(), 0x1122_3344_5566_7788);
+    }
+
+    #[test]
+    fn keyed_commands_name_the_registered_memory() {
+        let sqe = nvme_spec::command::build::read_write(false, 7, 1, 0x100, 2048);
+        let key = RemoteKey {
+            addr: 0x7f00_1234_5000 + (8 << 20),
+            len: 8 << 20,
+            rkey: 0x0102_0304,
+        };
+        let k = keyed_sqe(sqe, key);
+        assert_eq!(k.opcode, sqe.opcode);
+        assert_eq!(k.cid.get(), 7);
+        assert_eq!(
+            k.dptr.desc_type(),
+            nvme_spec::queue::sgl_type::KEYED_DATA_BLOCK
+        );
+        assert_eq!(k.dptr.address.get(), key.addr);
+        assert_eq!(k.dptr.keyed_length(), 8 << 20);
+        assert_eq!(k.dptr.key(), 0x0102_0304);
+        // PSDT says SGL (bits 15:14 of CDW0 = 01b).
+        assert_eq!(k.to_array()[1] >> 6, 0b01);
     }
 
     #[tokio::test]

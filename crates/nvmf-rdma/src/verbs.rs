@@ -386,6 +386,20 @@ pub struct RemoteKey {
     pub rkey: u32,
 }
 
+/// The key for `len` bytes from `offset` of a region of `size` bytes at remote address `base`:
+/// None when the range leaves the region or is longer than one keyed SGL data block.
+fn key_for(base: u64, size: usize, rkey: u32, offset: usize, len: usize) -> Option<RemoteKey> {
+    let end = offset.checked_add(len)?;
+    if end > size || len > crate::capsule::MAX_KEYED_LEN {
+        return None;
+    }
+    Some(RemoteKey {
+        addr: base.checked_add(offset as u64)?,
+        len: len as u32,
+        rkey,
+    })
+}
+
 /// A memory registration separated from its buffer (see [`Registered::detach`]).
 pub struct Registration {
     mr: Mr,
@@ -451,15 +465,13 @@ impl<B: StableBuffer> Registered<B> {
     /// What a peer needs to reach `len` bytes from `offset` (when registered with remote
     /// access). None if the range is outside the buffer or longer than a keyed SGL allows.
     pub fn remote_key(&self, offset: usize, len: usize) -> Option<RemoteKey> {
-        let end = offset.checked_add(len)?;
-        if end > self.reg.len || len > crate::capsule::MAX_KEYED_LEN {
-            return None;
-        }
-        Some(RemoteKey {
-            addr: (self.reg.addr + offset) as u64,
-            len: len as u32,
-            rkey: self.reg.mr.rkey(),
-        })
+        key_for(
+            self.reg.addr as u64,
+            self.reg.len,
+            self.reg.mr.rkey(),
+            offset,
+            len,
+        )
     }
 
     /// Separates the buffer from its registration, for code that needs the buffer by value
@@ -503,15 +515,7 @@ impl DmabufRegion {
 
     /// What a peer needs to reach `len` bytes from `offset` of the range.
     pub fn remote_key(&self, offset: usize, len: usize) -> Option<RemoteKey> {
-        let end = offset.checked_add(len)?;
-        if end > self.len || len > crate::capsule::MAX_KEYED_LEN {
-            return None;
-        }
-        Some(RemoteKey {
-            addr: self.iova + offset as u64,
-            len: len as u32,
-            rkey: self.mr.rkey(),
-        })
+        key_for(self.iova, self.len, self.mr.rkey(), offset, len)
     }
 
     /// Length of the range in bytes.
@@ -561,15 +565,7 @@ impl<M: DeviceMemory> DeviceRegion<M> {
 
     /// What a peer needs to reach `len` bytes from `offset` of the memory.
     pub fn remote_key(&self, offset: usize, len: usize) -> Option<RemoteKey> {
-        let end = offset.checked_add(len)?;
-        if end > self.len || len > crate::capsule::MAX_KEYED_LEN {
-            return None;
-        }
-        Some(RemoteKey {
-            addr: self.addr + offset as u64,
-            len: len as u32,
-            rkey: self.mr.rkey(),
-        })
+        key_for(self.addr, self.len, self.mr.rkey(), offset, len)
     }
 
     /// Length in bytes.
@@ -875,5 +871,36 @@ pub(crate) fn wc_status_str(status: c_int) -> String {
         // SAFETY: ibv_wc_status_str returns a static string for any value.
         Ok(l) => c_string(unsafe { (l.verbs.wc_status_str)(status) }),
         Err(_) => format!("status {status}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MAX_KEYED_LEN;
+
+    #[test]
+    fn remote_keys_stay_inside_the_region() {
+        let k = key_for(0x1000_0000, 64 << 20, 0xAB, 8 << 20, 4096).unwrap();
+        assert_eq!(k.addr, 0x1000_0000 + (8 << 20));
+        assert_eq!((k.len, k.rkey), (4096, 0xAB));
+        assert!(key_for(0x1000, 8192, 1, 4096, 4096).is_some());
+        assert!(key_for(0x1000, 8192, 1, 4096, 4097).is_none());
+        assert!(key_for(0x1000, 8192, 1, usize::MAX, 2).is_none());
+        assert!(key_for(0, 64 << 20, 1, 0, MAX_KEYED_LEN).is_some());
+        assert!(key_for(0, 64 << 20, 1, 0, MAX_KEYED_LEN + 1).is_none());
+        assert!(key_for(u64::MAX - 10, 64, 1, 32, 8).is_none());
+    }
+
+    #[test]
+    fn page_buffers_are_aligned_and_zeroed() {
+        let mut b = PageBuffer::new(10_000).unwrap();
+        assert_eq!(b.as_slice().len(), 10_000);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        assert_eq!(b.as_slice().as_ptr() as usize % PageBuffer::ALIGN, 0);
+        b.as_mut_slice()[9_999] = 7;
+        let (p, l) = b.region();
+        assert_eq!((p as usize % PageBuffer::ALIGN, l), (0, 10_000));
+        assert_eq!(b.as_slice()[9_999], 7);
     }
 }
