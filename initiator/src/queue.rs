@@ -602,6 +602,8 @@ impl Core {
         let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
             return;
         };
+        // Release registered memory before the caller wakes up: it may read the bytes at once.
+        drop(cmd.direct);
         self.shared.finish(tag, result, cmd.buf);
     }
 
