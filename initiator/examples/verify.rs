@@ -11,6 +11,12 @@
 //! creates it once the target is stopped), expects a read to time out, then waits for the
 //! reconnect (the caller lets the target go on) and reads everything back.
 //!
+//! Then (without a fifth argument) a transfer just above the per-command limit goes through a
+//! buffer from `Controller::register_buffer`: written from it, read back into it (and one block
+//! into its middle), compared, and the queue counters checked: over NVMe/RDMA every command of
+//! that phase named the registered buffer (`registered_commands`), so none went through a slot
+//! buffer; the line `VERIFY REGISTERED` reports it.
+//!
 //! ```text
 //! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect|stall FILE]
 //! cargo run -p nvmeof-initiator --example verify -- rdma://10.0.2.15:4420 NQN 1 3
@@ -76,6 +82,107 @@ async fn pieces(ns: &Namespace, list: &[(u64, u64, usize)], write: bool) -> Resu
     while let Some(r) = set.join_next().await {
         r.map_err(|e| format!("task: {e}"))??;
     }
+    Ok(())
+}
+
+/// Writes `len` bytes from a registered buffer at block `lba`, reads them back into it, and
+/// checks the bytes (also through an ordinary read) and the queue counters: over NVMe/RDMA
+/// every command of the phase must have named the registered buffer (no slot buffer, no
+/// copy), over NVMe/TCP none can.
+async fn registered(
+    ctrl: &Controller,
+    ns: &Namespace,
+    lba: u64,
+    len: usize,
+    transport: nvmeof_initiator::Transport,
+) -> Result<(), String> {
+    let rdma = transport == nvmeof_initiator::Transport::Rdma;
+    let counts = || {
+        let st = ctrl.queue_stats();
+        let io = st.iter().filter(|s| s.qid != 0);
+        io.fold((0, 0, 0, Vec::new()), |(c, r, b, mut per), s| {
+            per.push(s.registered_commands);
+            (
+                c + s.commands,
+                r + s.registered_commands,
+                b + s.registered_bytes,
+                per,
+            )
+        })
+    };
+    let mut buf = ctrl
+        .register_buffer(len)
+        .map_err(|e| format!("register {len} bytes: {e}"))?;
+    if buf.is_registered() != rdma {
+        return Err(format!(
+            "registered={} over {transport}",
+            buf.is_registered()
+        ));
+    }
+    let want = pattern(3000, len);
+    buf.as_mut_slice()
+        .map_err(|e| e.to_string())?
+        .copy_from_slice(&want);
+    let before = counts();
+    ns.write_registered(lba, &mut buf, 0, len)
+        .await
+        .map_err(|e| format!("write_registered: {e}"))?;
+    buf.as_mut_slice().map_err(|e| e.to_string())?.fill(0);
+    ns.read_registered(lba, &mut buf, 0, len)
+        .await
+        .map_err(|e| format!("read_registered: {e}"))?;
+    // A sub-range: one block into the middle of the buffer.
+    let bs = ns.block_size() as usize;
+    let mid = len / 2 / bs * bs;
+    buf.as_mut_slice().map_err(|e| e.to_string())?[mid..mid + bs].fill(0);
+    ns.read_registered(lba + (mid / bs) as u64, &mut buf, mid, bs)
+        .await
+        .map_err(|e| format!("read_registered at offset {mid}: {e}"))?;
+    let after = counts();
+    let got = buf.as_slice().map_err(|e| e.to_string())?;
+    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+        return Err(format!(
+            "{len} bytes read into registered memory differ from those written from it (first at byte {i})"
+        ));
+    }
+    let mut plain = vec![0u8; len];
+    ns.read(lba, &mut plain)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if plain != want {
+        return Err("an ordinary read differs from what registered memory wrote".into());
+    }
+    let commands = after.0 - before.0;
+    let reg_commands = after.1 - before.1;
+    let reg_bytes = after.2 - before.2;
+    // Queues that carried registered commands: the buffer was registered once, in the
+    // protection domain every queue shares.
+    let queues_used = after.3.iter().zip(&before.3).filter(|(a, b)| a > b).count();
+    if rdma && after.3.len() > 1 && queues_used < 2 {
+        return Err(format!(
+            "registered commands went through {queues_used} queue(s), expected several"
+        ));
+    }
+    let max = ctrl.info().max_transfer_bytes as u64;
+    let expected = 2 * (len as u64).div_ceil(max) + 1;
+    if rdma && (reg_commands != commands || reg_commands != expected) {
+        return Err(format!(
+            "{commands} commands, {reg_commands} through registered memory, {expected} expected"
+        ));
+    }
+    if rdma && reg_bytes != 2 * len as u64 + bs as u64 {
+        return Err(format!("{reg_bytes} bytes through registered memory"));
+    }
+    if !rdma && reg_commands != 0 {
+        return Err(format!(
+            "{reg_commands} registered commands over {transport}"
+        ));
+    }
+    println!(
+        "VERIFY REGISTERED transport={transport} registered={} commands={commands} registered_commands={reg_commands} registered_bytes={reg_bytes} slot_commands={} queues={queues_used}",
+        if rdma { "yes" } else { "no" },
+        commands - reg_commands
+    );
     Ok(())
 }
 
@@ -152,6 +259,10 @@ async fn main() {
             lba += blocks(small);
         }
     }
+    // Registered memory: one transfer just above the per-command limit (two keyed commands).
+    let reg_len = info.max_transfer_bytes as usize + 2 * bs;
+    let reg_lba = lba;
+    lba += blocks(reg_len);
     let total: usize = list.iter().chain(&smalls).map(|p| p.2).sum::<usize>() + big;
     if lba * bs as u64 > ns.size_bytes() {
         fail(format!(
@@ -220,7 +331,17 @@ async fn main() {
     if sum(|s| s.timeouts) + sum(|s| s.retries) != 0 {
         fail("commands timed out or were retried".into());
     }
+    if phase.is_empty() {
+        registered(&ctrl, &ns, reg_lba, reg_len, addr.transport)
+            .await
+            .unwrap_or_else(|e| fail(format!("registered memory: {e}")));
+    }
     if reconnect {
+        // Registered before the connection breaks, used after the reconnect: the controller
+        // keeps its protection domain when it reconnects through the same device.
+        let mut early = ctrl
+            .register_buffer(CHUNK)
+            .unwrap_or_else(|e| fail(format!("register_buffer: {e}")));
         println!("VERIFY WAITING-FOR-RECONNECT");
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut rounds = 0u32;
@@ -241,6 +362,13 @@ async fn main() {
         let again = [(list[0].0, 77, CHUNK)];
         pieces(&ns, &again, true).await.unwrap_or_else(|e| fail(e));
         pieces(&ns, &again, false).await.unwrap_or_else(|e| fail(e));
+        ns.read_registered(list[0].0, &mut early, 0, CHUNK)
+            .await
+            .unwrap_or_else(|e| fail(format!("read_registered after the reconnect: {e}")));
+        if early.as_slice().unwrap_or_else(|e| fail(e.to_string())) != pattern(77, CHUNK) {
+            fail("a read into memory registered before the reconnect differs".into());
+        }
+        println!("VERIFY REGISTERED-ACROSS-RECONNECT");
         let resent: u64 = ctrl.queue_stats().iter().map(|s| s.retries).sum();
         println!(
             "VERIFY RECONNECTED reconnects={} read rounds while waiting={rounds} commands resent={resent} state={:?}",
@@ -260,7 +388,15 @@ async fn main() {
         // The target stops answering: the read times out, the queue pair is torn down before
         // the buffer goes back, and the controller reconnects once the target is back.
         let t = Instant::now();
-        match pieces(&ns, &list[..1], false).await {
+        let mut reg = ctrl
+            .register_buffer(CHUNK)
+            .unwrap_or_else(|e| fail(format!("register_buffer: {e}")));
+        let ns2 = ns.on_queue(1);
+        let (slot_read, reg_read) = tokio::join!(
+            pieces(&ns, &list[..1], false),
+            ns2.read_registered(list[0].0, &mut reg, 0, CHUNK)
+        );
+        match slot_read {
             Err(e) if e.contains("timed out") => {
                 println!(
                     "read timed out after {:.1} s: {e}",
@@ -270,6 +406,17 @@ async fn main() {
             Err(e) => fail(format!("expected a timeout, got: {e}")),
             Ok(()) => fail("a read completed while the target was stopped".into()),
         }
+        match reg_read {
+            Err(nvmeof_initiator::Error::Timeout { .. }) => {}
+            Err(e) => fail(format!("expected a registered read to time out, got: {e}")),
+            Ok(()) => fail("a registered read completed while the target was stopped".into()),
+        }
+        // The timed-out command's queue pair is gone before the read returned: nothing can
+        // write the buffer any more, and no command holds it.
+        if let Err(e) = reg.as_slice() {
+            fail(format!("registered buffer after the timeout: {e}"));
+        }
+        println!("VERIFY REGISTERED-TIMEOUT-RELEASED");
         let deadline = Instant::now() + Duration::from_secs(180);
         while ctrl.reconnects() == 0 || ctrl.state() != nvmeof_initiator::ControllerState::Connected
         {

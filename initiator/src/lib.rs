@@ -19,6 +19,10 @@
 //!   command capsule, larger ones on R2T (NVMe/RDMA: keyed SGLs the target RDMA READs and
 //!   WRITEs). Buffers are `&mut [u8]` / `&[u8]`, or any
 //!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
+//! - [`Controller::register_buffer`] gives memory registered once for NVMe/RDMA, which
+//!   [`Namespace::read_registered`] / [`write_registered`](Namespace::write_registered) let the
+//!   target write and read directly (no slot buffer, no copy; plain memory over NVMe/TCP);
+//!   `Controller::register_gpu` does the same for GPU memory through dma-buf.
 //! - [`gpu`] (feature `gpu`, on by default) reads into and writes from CUDA device memory:
 //!   pinned staging slots, asynchronous copies on a stream, batched small reads scattered by a
 //!   kernel.

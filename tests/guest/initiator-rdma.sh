@@ -6,7 +6,9 @@
 # Against each: `nvmeof discover -t rdma` (RDMA discovery entry fields), `connect`, `id-ctrl`,
 # `id-ns`,
 # the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
-# writes, everything read back and compared, queue counters checked), and a CLI write + read
+# writes, everything read back and compared, queue counters checked; a transfer above MDTS
+# written from and read back into memory registered once with the controller's protection
+# domain, the counters showing that no command of it used a slot buffer), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
 # then removed and restored while the verify example keeps reads going: the initiator must
 # notice, reconnect and complete the reads. nvmeof-targetd is stopped (SIGSTOP) with a read in
@@ -102,6 +104,9 @@ check_target() {
     out=$("$VERIFY" "rdma://$addr:$port" "$nqn" 1 "$QUEUES" 2>&1) || fail "$name: verify failed: $out"
     echo "$out"
     expect_contains "$out" "VERIFY PASS transport=rdma queues=$QUEUES" "$name verify"
+    # Registered memory: every command of that phase named the caller's buffer (no slot copy).
+    expect_contains "$out" "VERIFY REGISTERED transport=rdma registered=yes" "$name registered memory"
+    expect_contains "$out" "slot_commands=0" "$name registered memory"
 
     log "=== $name: CLI write and read of $CLI_MB MiB"
     count=$((CLI_MB * 1048576 / bs))
@@ -168,6 +173,7 @@ rc=$?
 cat /tmp/verify.log
 [ "$rc" -eq 0 ] || fail "verify across the reconnect failed ($rc)"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY RECONNECTED reconnects=" "verify across the reconnect"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY REGISTERED-ACROSS-RECONNECT" "registered memory across the reconnect"
 nvmet_clear
 log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
 
@@ -212,6 +218,7 @@ rc=$?
 cat /tmp/verify.log
 [ "$rc" -eq 0 ] || fail "verify across the stall failed ($rc)"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY STALL-RECOVERED" "verify across the stall"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY REGISTERED-TIMEOUT-RELEASED" "registered read across the stall"
 if [ -x "$BENCH" ]; then
     # The load generator's rdma mode beside its tcp mode, same target and namespace, reads
     # verified. Soft-RoCE under emulation: this shows the path works, not its speed.

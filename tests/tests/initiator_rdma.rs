@@ -2,7 +2,8 @@
 //! targets: the Linux kernel's nvmet-rdma, then `nvmeof-targetd --listen rdma://...`. Against
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
-//! compared), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
+//! compared; a transfer above MDTS written from and read back into registered memory with no
+//! slot copy), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
 //! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
 //! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
 //! reconnect: its port drops the subsystem and takes it back while reads go on. Before the
@@ -64,7 +65,9 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
         "PASS: nvmeof-direct initiator over NVMe/RDMA",
         "VERIFY RECONNECTED reconnects=",
+        "VERIFY REGISTERED-ACROSS-RECONNECT",
         "VERIFY STALL-RECOVERED",
+        "VERIFY REGISTERED-TIMEOUT-RELEASED",
         "PASS: nvmeof-bench rdma mode",
         "NVMe/RDMA queue pair accepted",
         "qid=3",
@@ -78,6 +81,15 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
     assert_eq!(
         console
             .matches("VERIFY PASS transport=rdma queues=3")
+            .count(),
+        2,
+        "{console}"
+    );
+    // Registered memory against both targets: every command of the phase went straight to
+    // or from the caller's registered buffer.
+    assert_eq!(
+        console
+            .matches("VERIFY REGISTERED transport=rdma registered=yes")
             .count(),
         2,
         "{console}"

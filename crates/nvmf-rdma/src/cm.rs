@@ -299,7 +299,7 @@ pub(crate) fn event_name(kind: c_int) -> String {
 /// shared by a host's queues across reconnects) holds one.
 pub(crate) struct DeviceAnchor {
     // Field order is drop order: the identifier before its channel.
-    id: CmId,
+    _id: CmId,
     _channel: EventChannel,
 }
 
@@ -325,14 +325,9 @@ impl DeviceAnchor {
             )));
         }
         Ok(DeviceAnchor {
-            id,
+            _id: id,
             _channel: channel,
         })
-    }
-
-    /// The device context the anchor keeps open.
-    pub fn context(&self) -> *mut ibv_context {
-        self.id.verbs()
     }
 }
 

@@ -2,9 +2,12 @@
 //!
 //! What it offers:
 //! - [`devices`]: the RDMA devices of the host and their limits.
-//! - [`ProtectionDomain`], [`Registered`] buffers (host memory) and [`DmabufRegion`]s
-//!   (device memory exported as a dma-buf, e.g. GPU memory, registered with
-//!   `ibv_reg_dmabuf_mr` from its fd, offset, length and IOVA).
+//! - [`ProtectionDomain`] (a host shares one among its queue pairs on a device), [`Registered`]
+//!   buffers (host memory; [`PageBuffer`] is page-aligned), [`DmabufRegion`]s (device memory
+//!   exported as a dma-buf, e.g. GPU memory, registered with `ibv_reg_dmabuf_mr` from its fd,
+//!   offset, length and IOVA) and [`DeviceRegion`]s (device memory registered by address with
+//!   `ibv_reg_mr`, resolved by a peer-memory client such as nvidia-peermem; feature `gpu`
+//!   makes CUDA device buffers [`DeviceMemory`]).
 //! - [`Listener`] / [`ConnectRequest`]: RDMA-CM listen and accept/reject with the NVMe private
 //!   data ([`nvme`] validates a host's request and builds the accept and reject records).
 //! - [`CapsuleQueue`]: an RC queue pair with its completion queue (polled by the caller, with

@@ -212,14 +212,6 @@ impl ProtectionDomain {
         self.ctx == ctx
     }
 
-    /// Whether this PD keeps its device open by itself (it may outlive the connections that
-    /// use it).
-    pub fn is_anchored(&self) -> bool {
-        self._anchor
-            .as_ref()
-            .is_some_and(|a| a.context() == self.ctx)
-    }
-
     fn reg(&self, addr: *mut u8, len: usize, access: Access) -> Result<NonNull<ibv_mr>, Error> {
         let v = &libs()?.verbs;
         // SAFETY: `addr..addr+len` is memory owned by the caller's buffer, which the resulting
