@@ -651,7 +651,9 @@ impl Controller {
         }
         match self.inner.shared.pd.get() {
             Some(pd) => Ok(Some(pd)),
-            None => Err(Error::Closed),
+            None => Err(Error::Unsupported(
+                "this controller's NVMe/RDMA queues have no shared protection domain (the RDMA device could not be anchored; see the debug log)".into(),
+            )),
         }
     }
 

@@ -120,6 +120,9 @@ impl SharedPd {
     }
 
     fn set(&self, pd: &std::sync::Arc<ProtectionDomain>) {
+        if !pd.is_shareable() {
+            return;
+        }
         let mut cur = self.0.lock();
         if !cur.as_ref().is_some_and(|c| std::sync::Arc::ptr_eq(c, pd)) {
             *cur = Some(std::sync::Arc::clone(pd));

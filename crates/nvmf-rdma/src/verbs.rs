@@ -185,10 +185,14 @@ impl ProtectionDomain {
         anchor: Option<std::net::SocketAddr>,
     ) -> Result<Arc<Self>, Error> {
         let v = &libs()?.verbs;
-        let anchor = match anchor {
-            Some(local) => Some(DeviceAnchor::bind(local, ctx)?),
-            None => None,
-        };
+        // Without an anchor the PD works for its own queue pair, but is not shared.
+        let anchor = anchor.and_then(|local| match DeviceAnchor::bind(local, ctx) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::debug!(%local, error = %e, "protection domain not anchored: not shared");
+                None
+            }
+        });
         // SAFETY: `ctx` is an open device context owned by a live CM identifier (and by the
         // anchor, which is bound to the same context, when there is one).
         let pd = unsafe { (v.alloc_pd)(ctx) };
@@ -207,9 +211,17 @@ impl ProtectionDomain {
         self.pd.as_ptr()
     }
 
-    /// Whether the PD belongs to device context `ctx` (queue pairs of that context may use it).
+    /// Whether another queue pair of device context `ctx` may use this PD: it belongs to that
+    /// context and is shareable.
     pub(crate) fn is_on(&self, ctx: *mut ibv_context) -> bool {
-        self.ctx == ctx
+        self.is_shareable() && self.ctx == ctx
+    }
+
+    /// Whether the PD keeps its device open by itself, so it may serve several connections and
+    /// outlive them (the PDs [`CapsuleQueue::connect`](crate::CapsuleQueue::connect) allocates,
+    /// unless binding the anchor failed).
+    pub fn is_shareable(&self) -> bool {
+        self._anchor.is_some()
     }
 
     fn reg(&self, addr: *mut u8, len: usize, access: Access) -> Result<NonNull<ibv_mr>, Error> {
