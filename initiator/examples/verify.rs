@@ -15,7 +15,10 @@
 //! buffer from `Controller::register_buffer`: written from it, read back into it (and one block
 //! into its middle), compared, and the queue counters checked: over NVMe/RDMA every command of
 //! that phase named the registered buffer (`registered_commands`), so none went through a slot
-//! buffer; the line `VERIFY REGISTERED` reports it.
+//! buffer; the line `VERIFY REGISTERED` reports it. Over NVMe/RDMA a read into it whose future
+//! is dropped in flight must leave it busy until its commands end (`VERIFY REGISTERED-CANCELLED`).
+//! With `reconnect`, a buffer registered before the break is read into after the reconnect;
+//! with `stall`, a registered read that times out must leave its buffer free at once.
 //!
 //! ```text
 //! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect|stall FILE]
@@ -25,6 +28,7 @@
 //! `ADDR` is `HOST:PORT` (NVMe/TCP) or `rdma://HOST:PORT` (NVMe/RDMA). Prints
 //! `VERIFY PASS` and exits with 0 when everything read back as written.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use nvmeof_initiator::{
@@ -82,6 +86,42 @@ async fn pieces(ns: &Namespace, list: &[(u64, u64, usize)], write: bool) -> Resu
     while let Some(r) = set.join_next().await {
         r.map_err(|e| format!("task: {e}"))??;
     }
+    Ok(())
+}
+
+/// Starts a read into `buf`, drops it after its first poll, and checks that the buffer is busy
+/// until its commands end and then holds `want`.
+async fn dropped_read(
+    ns: &Namespace,
+    lba: u64,
+    buf: &mut nvmeof_initiator::RegisteredBuffer,
+    want: &[u8],
+) -> Result<(), String> {
+    let len = want.len();
+    buf.as_mut_slice().map_err(|e| e.to_string())?.fill(0);
+    let ready = {
+        let mut fut = std::pin::pin!(ns.read_registered(lba, buf, 0, len));
+        std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx).is_ready())).await
+    };
+    let t = Instant::now();
+    let mut busy = false;
+    loop {
+        match buf.as_slice() {
+            Ok(_) => break,
+            Err(nvmeof_initiator::Error::BufferBusy) if t.elapsed() < Duration::from_secs(30) => {
+                busy = true;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(e) => return Err(format!("after a dropped read: {e}")),
+        }
+    }
+    if buf.as_slice().map_err(|e| e.to_string())? != want {
+        return Err("the bytes of a dropped read differ once it ended".into());
+    }
+    println!(
+        "VERIFY REGISTERED-CANCELLED completed_at_first_poll={ready} busy_after_drop={busy} released_after_ms={}",
+        t.elapsed().as_millis()
+    );
     Ok(())
 }
 
@@ -144,6 +184,12 @@ async fn registered(
         return Err(format!(
             "{len} bytes read into registered memory differ from those written from it (first at byte {i})"
         ));
+    }
+    // Over NVMe/RDMA, a read whose future is dropped once its commands are out: the buffer
+    // stays busy (its bytes unreachable) until they end, then holds the data. (Over NVMe/TCP a
+    // dropped read copies nothing.)
+    if rdma {
+        dropped_read(ns, lba, &mut buf, &want).await?;
     }
     let mut plain = vec![0u8; len];
     ns.read(lba, &mut plain)

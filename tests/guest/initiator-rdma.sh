@@ -8,7 +8,8 @@
 # the verify example (concurrent writes on every I/O queue, a transfer above MDTS, in-capsule
 # writes, everything read back and compared, queue counters checked; a transfer above MDTS
 # written from and read back into memory registered once with the controller's protection
-# domain, the counters showing that no command of it used a slot buffer), and a CLI write + read
+# domain, the counters showing that no command of it used a slot buffer, and a read into it
+# dropped in flight keeping it busy until its commands end), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
 # then removed and restored while the verify example keeps reads going: the initiator must
 # notice, reconnect and complete the reads. nvmeof-targetd is stopped (SIGSTOP) with a read in
@@ -107,6 +108,7 @@ check_target() {
     # Registered memory: every command of that phase named the caller's buffer (no slot copy).
     expect_contains "$out" "VERIFY REGISTERED transport=rdma registered=yes" "$name registered memory"
     expect_contains "$out" "slot_commands=0" "$name registered memory"
+    expect_contains "$out" "VERIFY REGISTERED-CANCELLED" "$name registered memory, dropped read"
 
     log "=== $name: CLI write and read of $CLI_MB MiB"
     count=$((CLI_MB * 1048576 / bs))
