@@ -644,6 +644,11 @@ impl Controller {
         }
     }
 
+    /// Whether the controller's queues are NVMe/TCP connections.
+    pub(crate) fn is_tcp(&self) -> bool {
+        self.inner.shared.opts.addr.transport == Transport::Tcp
+    }
+
     /// The protection domain of an NVMe/RDMA controller (None over NVMe/TCP).
     fn rdma_pd(&self) -> Result<Option<Arc<nvmf_rdma::ProtectionDomain>>, Error> {
         if self.inner.shared.opts.addr.transport != Transport::Rdma {

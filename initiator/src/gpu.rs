@@ -1,10 +1,11 @@
 //! GPU device memory as the destination of reads and the source of writes (feature `gpu`).
 //!
 //! Over NVMe/TCP the data arrives in host memory. A [`GpuStaging`] owns one CUDA stream and a
-//! bounded ring of pinned (page-locked) host staging slots: each command's data is copied from
-//! the receive path into a free slot and an asynchronous host-to-device copy from that slot is
-//! enqueued on the stream at once, so the copy of one command runs while the next command's
-//! data is still arriving. A slot is reused only after the copy that reads it has finished
+//! bounded ring of pinned (page-locked) host staging slots: each command's data is received
+//! into a free slot (the slot is lent to the command, so the queue reads the socket straight
+//! into pinned memory) and an asynchronous host-to-device copy from that slot is enqueued on
+//! the stream as soon as the command completes, so the copy of one command runs while the next
+//! command's data is still arriving. A slot is reused only after the copy that reads it has finished
 //! (an event per slot). A read is complete only when its copies into device memory are done.
 //!
 //! - [`GpuStaging::dest`] makes a [`ReadDest`] over a device slice, usable with the initiator's
@@ -29,11 +30,11 @@ use std::time::{Duration, Instant};
 
 use ::gpu::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuContext, GpuError, GpuEvent, GpuStream,
-    PinnedBuffer,
+    HostPinned, PinnedBuffer,
 };
 use nvmeof_cuda_kernels::{KernelError, KernelWorkspace, NvmfKernels, ScatterCopy};
 
-use crate::namespace::{BufferError, ReadDest};
+use crate::namespace::{BufferError, LentBuffer, ReadDest};
 use crate::{Error, Namespace};
 
 /// The CUDA layer (`nvmeof-gpu`): contexts, device buffers, streams.
@@ -120,8 +121,11 @@ pub struct StagingStats {
     /// the copy into the staging slot.
     pub source: Duration,
     /// Host time copying received data into pinned slots (part of `source` for reads through
-    /// [`GpuStaging::dest`]).
+    /// [`GpuStaging::dest`]); zero for data received straight into a slot.
     pub stage_copy: Duration,
+    /// Bytes received straight into pinned slots lent to the commands (NVMe/TCP reads through
+    /// [`GpuStaging::dest`]): no host copy.
+    pub lent_bytes: u64,
     /// Device time of the copies and scatter launches, from events around each slot's work
     /// (with [`StagingConfig::timing`]).
     pub gpu_copy: Duration,
@@ -141,6 +145,7 @@ impl StagingStats {
         self.scatters += other.scatters;
         self.source += other.source;
         self.stage_copy += other.stage_copy;
+        self.lent_bytes += other.lent_bytes;
         self.gpu_copy += other.gpu_copy;
         self.gpu_wait += other.gpu_wait;
         self.blocking_waits += other.blocking_waits;
@@ -362,7 +367,9 @@ impl BlockSource for MemSource {
 /// One pinned slot, its device twin (for batches, allocated on first use) and the events that
 /// bracket the stream work reading it.
 struct Slot {
-    host: PinnedBuffer,
+    /// `None` while lent to a command, or after a lent buffer was not given back (allocated
+    /// again on next use).
+    host: Option<PinnedBuffer>,
     dev: Option<DeviceBuffer>,
     start: GpuEvent,
     done: Arc<GpuEvent>,
@@ -425,7 +432,7 @@ impl GpuStaging {
         let slots = (0..cfg.slots)
             .map(|_| {
                 Ok(Slot {
-                    host: ctx.alloc_pinned(cfg.slot_bytes)?,
+                    host: Some(ctx.alloc_pinned(cfg.slot_bytes)?),
                     dev: None,
                     start: ctx.new_event(cfg.timing)?,
                     done: Arc::new(ctx.new_event(cfg.timing)?),
@@ -485,7 +492,11 @@ impl GpuStaging {
     /// `dst` at the command's offset. The copies are enqueued, not finished, when the read
     /// returns: call [`synchronize`](Self::synchronize) (or use [`read`](Self::read)).
     pub fn dest<'s, 'd>(&'s mut self, dst: DeviceSliceMut<'d>) -> GpuReadDest<'s, 'd> {
-        GpuReadDest { staging: self, dst }
+        GpuReadDest {
+            staging: self,
+            dst,
+            lent: Vec::new(),
+        }
     }
 
     /// Reads `dst.len()` bytes from block `lba` of `src` into device memory; returns when the
@@ -584,18 +595,67 @@ impl GpuStaging {
     ) -> Result<(), GpuIoError> {
         let n = data.len();
         let t = Instant::now();
-        let slot = &mut self.slots[idx];
-        slot.host.as_mut_slice()?[..n].copy_from_slice(data);
+        self.host_mut(idx)?.as_mut_slice()?[..n].copy_from_slice(data);
         self.stats.stage_copy += t.elapsed();
+        self.submit_h2d(idx, n, dst)
+    }
+
+    /// Slot `idx`'s pinned memory, allocated again if a lent buffer never came back.
+    fn host_mut(&mut self, idx: usize) -> Result<&mut PinnedBuffer, GpuIoError> {
+        let slot = self
+            .slots
+            .get_mut(idx)
+            .ok_or_else(|| invalid("no such staging slot"))?;
+        if slot.host.is_none() {
+            slot.host = Some(self.ctx.alloc_pinned(self.cfg.slot_bytes)?);
+        }
+        slot.host
+            .as_mut()
+            .ok_or_else(|| invalid("staging slot without memory"))
+    }
+
+    /// Enqueues the copy of the first `n` bytes of slot `idx` to `dst`; the slot is busy until
+    /// it finished.
+    fn submit_h2d(
+        &mut self,
+        idx: usize,
+        n: usize,
+        dst: &mut DeviceSliceMut<'_>,
+    ) -> Result<(), GpuIoError> {
+        let slot = &self.slots[idx];
+        let host = slot
+            .host
+            .as_ref()
+            .ok_or_else(|| invalid("staging slot without memory"))?;
         if self.cfg.timing {
             self.stream.record(&slot.start)?;
         }
-        self.stream.copy_h2d_async(&slot.host.slice(..n)?, dst)?;
+        self.stream.copy_h2d_async(&host.slice(..n)?, dst)?;
         self.stream.record(&slot.done)?;
         self.ring.submitted(idx);
         self.stats.h2d_bytes += n as u64;
         self.stats.copies += 1;
         Ok(())
+    }
+
+    /// Takes a free slot (waiting for the oldest copy if none is free) and hands its pinned
+    /// memory over for a command to be received into.
+    fn lend_slot(&mut self) -> Result<LentSlot, GpuIoError> {
+        let idx = self.acquire_blocking()?;
+        let host = self.host_mut(idx).map(|_| ()).and_then(|()| {
+            let buf = self.slots[idx]
+                .host
+                .take()
+                .ok_or_else(|| invalid("no slot memory"))?;
+            Ok(buf.into_host()?)
+        });
+        match host {
+            Ok(host) => Ok(LentSlot { idx, host }),
+            Err(e) => {
+                self.ring.give_back(idx);
+                Err(e)
+            }
+        }
     }
 
     /// Reads many small blocks: each batch of reads (as many as fit in one slot) is in flight
@@ -674,7 +734,7 @@ impl GpuStaging {
         // Receive every read of the batch into its place in the slot, all in flight together.
         let t = Instant::now();
         {
-            let mut rest = &mut self.slots[idx].host.as_mut_slice()?[..total];
+            let mut rest = &mut self.host_mut(idx)?.as_mut_slice()?[..total];
             let mut pending = Vec::with_capacity(reads.len());
             for r in reads {
                 let (head, tail) = rest.split_at_mut(r.blocks as usize * bs);
@@ -686,6 +746,9 @@ impl GpuStaging {
         self.stats.source += t.elapsed();
         // One copy of the packed slot to its device twin, then the scatter.
         let slot = &mut self.slots[idx];
+        let Some(host) = slot.host.as_ref() else {
+            return Err(invalid("staging slot without memory"));
+        };
         if slot.dev.is_none() {
             slot.dev = Some(self.ctx.alloc(self.cfg.slot_bytes)?);
         }
@@ -699,7 +762,7 @@ impl GpuStaging {
             self.stream.record(&slot.start)?;
         }
         self.stream
-            .copy_h2d_async(&slot.host.slice(..total)?, &mut dev.slice_mut(..total)?)?;
+            .copy_h2d_async(&host.slice(..total)?, &mut dev.slice_mut(..total)?)?;
         kernels.scatter(ws, &dev.slice(..total)?, dst, &self.copies)?;
         self.stream.record(&slot.done)?;
         self.ring.submitted(idx);
@@ -742,14 +805,16 @@ impl GpuStaging {
                     };
                     let n = piece.min(total - next);
                     queued.push_back((idx, next, n));
+                    self.host_mut(idx)?;
                     let slot = &mut self.slots[idx];
+                    let Some(host) = slot.host.as_mut() else {
+                        return Err(invalid("staging slot without memory"));
+                    };
                     if self.cfg.timing {
                         self.stream.record(&slot.start)?;
                     }
-                    self.stream.copy_d2h_async(
-                        &src.slice(next..next + n)?,
-                        &mut slot.host.slice_mut(..n)?,
-                    )?;
+                    self.stream
+                        .copy_d2h_async(&src.slice(next..next + n)?, &mut host.slice_mut(..n)?)?;
                     self.stream.record(&slot.done)?;
                     self.ring.submitted(idx);
                     self.stats.d2h_bytes += n as u64;
@@ -767,7 +832,7 @@ impl GpuStaging {
                 }
                 self.account(idx);
                 let t = Instant::now();
-                let data = &self.slots[idx].host.as_slice()?[..n];
+                let data = &self.host_mut(idx)?.as_slice()?[..n];
                 ns.write(lba + (off / bs) as u64, data).await?;
                 self.stats.source += t.elapsed();
             }
@@ -784,12 +849,47 @@ impl GpuStaging {
 
 /// A device slice as the destination of the initiator's reads (see [`GpuStaging::dest`]).
 ///
-/// Each `write_at` copies the command's data into free pinned slots and enqueues the copies to
-/// the device; when every slot is still being copied it waits for the oldest copy (blocking,
-/// at most one slot's copy time, counted in [`StagingStats::blocking_waits`]).
+/// Over NVMe/TCP it lends each command (up to a slot in size) a free pinned slot, which the
+/// queue receives the data into, and enqueues the slot's copy to the device when the command
+/// completes. Otherwise (larger commands, no slot free because all are lent, NVMe/RDMA) each
+/// `write_at` copies the command's data into free slots and enqueues their copies. When every
+/// slot is still being copied it waits for the oldest copy (blocking, at most one slot's copy
+/// time, counted in [`StagingStats::blocking_waits`]).
 pub struct GpuReadDest<'s, 'd> {
     staging: &'s mut GpuStaging,
     dst: DeviceSliceMut<'d>,
+    /// Slots lent to commands and not yet back.
+    lent: Vec<usize>,
+}
+
+/// A staging slot's pinned memory while a command receives into it.
+struct LentSlot {
+    idx: usize,
+    host: HostPinned,
+}
+
+impl LentBuffer for LentSlot {
+    fn bytes(&self) -> &[u8] {
+        self.host.as_slice()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.host.as_mut_slice()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl Drop for GpuReadDest<'_, '_> {
+    fn drop(&mut self) {
+        // Slots of abandoned commands: their memory goes with the command; the slot gets new
+        // memory when next used.
+        for idx in self.lent.drain(..) {
+            self.staging.ring.give_back(idx);
+        }
+    }
 }
 
 impl std::fmt::Debug for GpuReadDest<'_, '_> {
@@ -819,6 +919,54 @@ impl ReadDest for GpuReadDest<'_, '_> {
             self.staging.stage_h2d(piece, &mut dst)?;
         }
         Ok(())
+    }
+
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+        let fits = offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.dst.len());
+        if !fits || len == 0 || len > self.staging.cfg.slot_bytes {
+            return None;
+        }
+        // No free slot and none being copied (all lent): the command uses its own buffer.
+        let slot = self.staging.lend_slot().ok()?;
+        self.lent.push(slot.idx);
+        Some(Box::new(slot))
+    }
+
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Box<dyn LentBuffer>,
+        filled: bool,
+    ) -> Result<(), BufferError> {
+        let Ok(slot) = buf.into_any().downcast::<LentSlot>() else {
+            return Err("a buffer this destination did not lend".into());
+        };
+        let LentSlot { idx, host } = *slot;
+        self.lent.retain(|&i| i != idx);
+        let staging = &mut *self.staging;
+        staging.slots[idx].host = Some(host.into_pinned());
+        if !filled {
+            staging.ring.give_back(idx);
+            return Ok(());
+        }
+        let submitted = self
+            .dst
+            .slice_mut(offset..offset + len)
+            .map_err(GpuIoError::from)
+            .and_then(|mut dst| staging.submit_h2d(idx, len, &mut dst));
+        match submitted {
+            Ok(()) => {
+                staging.stats.lent_bytes += len as u64;
+                Ok(())
+            }
+            Err(e) => {
+                staging.ring.give_back(idx);
+                Err(e.into())
+            }
+        }
     }
 }
 

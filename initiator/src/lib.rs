@@ -81,7 +81,7 @@ pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
 pub use error::{Error, fes_name, status_name};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
-pub use namespace::{BufferError, Namespace, ReadDest, WriteSource};
+pub use namespace::{BufferError, LentBuffer, Namespace, ReadDest, WriteSource};
 pub use options::{
     ConnectOptions, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions, QueuePolicy,
     ReconnectPolicy, TargetAddr, Timeouts, Transport,

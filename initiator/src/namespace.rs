@@ -30,6 +30,44 @@ pub trait ReadDest {
 
     /// Stores `data` at byte `offset`.
     fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError>;
+
+    /// Lends a buffer of at least `len` bytes for the command that reads bytes
+    /// `offset..offset + len`, so that its data is received straight into it (over NVMe/TCP,
+    /// from the socket) instead of being copied in with [`write_at`](Self::write_at). Every
+    /// lent buffer comes back through [`take_back`](Self::take_back), unless the read is
+    /// abandoned (its future dropped, a connection error): then the buffer is dropped once its
+    /// command ended. The default lends nothing.
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+        let _ = (offset, len);
+        None
+    }
+
+    /// Takes back a buffer from [`lend`](Self::lend). When `filled`, its first `len` bytes are
+    /// the data of `offset..offset + len`; otherwise the command failed and the bytes mean
+    /// nothing.
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Box<dyn LentBuffer>,
+        filled: bool,
+    ) -> Result<(), BufferError> {
+        let _ = (offset, len, buf, filled);
+        Err("this destination lends no buffers".into())
+    }
+}
+
+/// Memory a [`ReadDest`] lends to a read (for example pinned host memory that a GPU copy
+/// reads next), owned by the queue while the command is in flight.
+pub trait LentBuffer: Send + 'static {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+
+    /// The bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+
+    /// The buffer as [`Any`](std::any::Any), for the lender to recover its own type.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
 }
 
 /// Where write data comes from: host memory today, other memory through this trait.
@@ -232,12 +270,30 @@ impl Namespace {
         self.check_len(lba, total)?;
         let q = self.queue()?;
         let max = self.max_chunk();
+        // Lent buffers are received into over NVMe/TCP; over NVMe/RDMA the target writes into
+        // registered memory only.
+        let lend = self.ctrl.is_tcp();
         if total <= max {
             let req = self.rw_request(false, lba, total);
-            let (_, r) = q
-                .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
-                .await?;
-            return r.map_err(buffer_error);
+            let mut lent = if lend { dest.lend(0, total) } else { None };
+            if let Some(short) = lent.take_if(|b| b.bytes().len() < total) {
+                // Too short to be of use: receive into the queue's buffer instead.
+                dest.take_back(0, total, short, false)
+                    .map_err(buffer_error)?;
+            }
+            let Some(buf) = lent else {
+                let (_, r) = q
+                    .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
+                    .await?;
+                return r.map_err(buffer_error);
+            };
+            let mut p = q.start_lent(req, buf).await?;
+            let result = p.wait().await.and_then(|cqe| check("Read", &cqe));
+            if let Some(buf) = p.take_lent() {
+                dest.take_back(0, total, buf, result.is_ok())
+                    .map_err(buffer_error)?;
+            }
+            return result;
         }
         let window = Self::window(q);
         let mut inflight: VecDeque<(usize, usize, Pending<'_>)> = VecDeque::with_capacity(window);
@@ -246,17 +302,33 @@ impl Namespace {
             if off < total && inflight.len() < window {
                 let n = max.min(total - off);
                 let req = self.rw_request(false, lba + (off >> self.shift) as u64, n);
-                inflight.push_back((off, n, q.start(req, |_| Ok(())).await?));
+                let lent = if lend { dest.lend(off, n) } else { None };
+                let p = match lent {
+                    Some(buf) if buf.bytes().len() >= n => q.start_lent(req, buf).await,
+                    Some(buf) => {
+                        // Too short to be of use: receive into the queue's buffer instead.
+                        dest.take_back(off, n, buf, false).map_err(buffer_error)?;
+                        q.start(req, |_| Ok(())).await
+                    }
+                    None => q.start(req, |_| Ok(())).await,
+                };
+                inflight.push_back((off, n, p?));
                 off += n;
                 continue;
             }
             let Some((o, n, mut p)) = inflight.pop_front() else {
                 break;
             };
-            let cqe = p.wait().await?;
-            check("Read", &cqe)?;
-            p.with_data(n, |d| dest.write_at(o, d))
-                .map_err(buffer_error)?;
+            let result = p.wait().await.and_then(|cqe| check("Read", &cqe));
+            if let Some(buf) = p.take_lent() {
+                dest.take_back(o, n, buf, result.is_ok())
+                    .map_err(buffer_error)?;
+                result?;
+            } else {
+                result?;
+                p.with_data(n, |d| dest.write_at(o, d))
+                    .map_err(buffer_error)?;
+            }
         }
         Ok(())
     }

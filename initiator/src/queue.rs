@@ -6,7 +6,10 @@
 //! channel. The task gathers every command that is ready into the engine's send buffer and
 //! writes them with one `write`; it reads everything the socket has, copies read data into
 //! the slots' staging buffers, answers R2Ts, and on each completion stores the result in the
-//! slot and wakes that one caller.
+//! slot and wakes that one caller. When the socket holds the rest of a large C2HData PDU, the
+//! task reads it straight into the command's buffer (no copy out of the receive buffer); a
+//! caller may lend its own buffer for a read (pinned memory for a GPU copy, for example) so
+//! the data lands there directly.
 //!
 //! Over NVMe/RDMA a slot's buffer is registered with the queue pair's protection domain the
 //! first time it carries data (and again only when it must grow or after a reconnect): the
@@ -31,7 +34,7 @@ use std::time::Duration;
 
 use nvme_spec::status::generic;
 use nvme_spec::{Cqe, SglDescriptor, Sqe, Status};
-use nvmf_tcp::{HostConn, HostEvent};
+use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
 use parking_lot::Mutex;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -41,6 +44,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::Error;
 use crate::controller::SupMsg;
 use crate::error::command_name;
+use crate::namespace::LentBuffer;
 use crate::rdma::{DataPath, RdmaConn, RdmaWake, SlotBuf};
 use crate::registered::Direct;
 use crate::setup::READ_CHUNK;
@@ -50,6 +54,15 @@ use crate::setup::READ_CHUNK;
 const MAX_ATTEMPTS: u8 = 5;
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
+/// The rest of a C2HData PDU at least this long is read from the socket straight into the
+/// command's buffer; shorter rests go through the receive buffer with what follows them.
+const IN_PLACE_MIN: usize = 8192;
+/// While read data arrives in PDUs at least [`LARGE_PDU`] long, the receive buffer takes at
+/// most this much per read (the next PDU header and a little data), so that the rest of each
+/// PDU goes straight into its command's buffer.
+const SMALL_READ: usize = 2048;
+/// See [`SMALL_READ`].
+const LARGE_PDU: u32 = 32 * 1024;
 
 /// Direction of a command's data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +106,14 @@ struct Submission {
     req: Request,
     buf: SlotBuf,
     direct: Option<Direct>,
+}
+
+/// Where a command's data lives instead of the slot's own buffer.
+enum Data {
+    /// Caller-registered memory the target reaches (NVMe/RDMA).
+    Direct(Direct),
+    /// A buffer the caller lent for a read.
+    Lent(Box<dyn LentBuffer>),
 }
 
 /// A connected, initialized queue connection.
@@ -171,6 +192,8 @@ struct SlotState {
     waker: Option<Waker>,
     result: Option<Result<Cqe, Error>>,
     buf: SlotBuf,
+    /// The slot's own buffer while `buf` is one lent by the caller.
+    spare: SlotBuf,
 }
 
 /// Counters of one queue (relaxed atomics written by the queue task).
@@ -187,6 +210,8 @@ pub(crate) struct QueueCounters {
     connections: AtomicU64,
     registered_commands: AtomicU64,
     registered_bytes: AtomicU64,
+    in_place_bytes: AtomicU64,
+    lent_commands: AtomicU64,
 }
 
 /// A snapshot of a queue's counters.
@@ -218,6 +243,11 @@ pub struct QueueStats {
     pub registered_commands: u64,
     /// Bytes those commands moved.
     pub registered_bytes: u64,
+    /// NVMe/TCP read data received from the socket straight into the command's buffer (the
+    /// rest: received into the connection's buffer, then copied).
+    pub in_place_bytes: u64,
+    /// Reads whose data went into a buffer lent by the caller (see `ReadDest::lend`).
+    pub lent_commands: u64,
 }
 
 /// State shared by a queue's task and its callers.
@@ -279,8 +309,20 @@ impl QueueShared {
             connections: g(&c.connections),
             registered_commands: g(&c.registered_commands),
             registered_bytes: g(&c.registered_bytes),
+            in_place_bytes: g(&c.in_place_bytes),
+            lent_commands: g(&c.lent_commands),
         }
     }
+}
+
+/// Where the pending C2HData of a command goes in its buffer, if the command is known and the
+/// range fits.
+fn data_buf(cmds: &mut [Option<Cmd>], p: PendingData) -> Option<&mut [u8]> {
+    let cmd = cmds.get_mut(usize::from(p.cccid))?.as_mut()?;
+    let start = p.datao as usize;
+    cmd.buf
+        .as_mut_slice()
+        .get_mut(start..start.checked_add(p.len)?)
 }
 
 fn bump(a: &AtomicU64, n: u64) {
@@ -319,6 +361,7 @@ impl QueueHandle {
                     waker: None,
                     result: None,
                     buf: SlotBuf::default(),
+                    spare: SlotBuf::default(),
                 })
             })
             .collect();
@@ -398,14 +441,27 @@ impl QueueHandle {
     /// caller-registered memory (NVMe/RDMA). The command holds the memory until it ends (or
     /// until its queue pair is destroyed), whatever happens to the returned [`Pending`].
     pub async fn start_direct(&self, req: Request, direct: Direct) -> Result<Pending<'_>, Error> {
-        self.start_with(req, |_| Ok(()), Some(direct)).await
+        self.start_with(req, |_| Ok(()), Some(Data::Direct(direct)))
+            .await
+    }
+
+    /// Takes a slot and hands over a read whose data is received into `lent` (at least
+    /// `req.len` bytes) instead of the slot's buffer; [`Pending::take_lent`] gives it back.
+    /// A lent buffer of a command that is abandoned is dropped when the slot is next used.
+    pub async fn start_lent(
+        &self,
+        req: Request,
+        lent: Box<dyn LentBuffer>,
+    ) -> Result<Pending<'_>, Error> {
+        self.start_with(req, |_| Ok(()), Some(Data::Lent(lent)))
+            .await
     }
 
     async fn start_with<F>(
         &self,
         req: Request,
         fill: F,
-        direct: Option<Direct>,
+        data: Option<Data>,
     ) -> Result<Pending<'_>, Error>
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
@@ -424,15 +480,32 @@ impl QueueHandle {
             ));
         };
         let slot = &self.shared.slots[usize::from(tag)];
-        let mut buf = {
+        let len = req.len as usize;
+        let (mut buf, direct) = {
             let mut st = slot.lock();
             st.phase = Phase::Waiting;
             st.result = None;
-            std::mem::take(&mut st.buf)
+            if matches!(st.buf, SlotBuf::Lent(_)) {
+                // Left by an abandoned command: its owner is gone.
+                st.buf = std::mem::take(&mut st.spare);
+            }
+            match data {
+                None => (std::mem::take(&mut st.buf), None),
+                Some(Data::Direct(d)) => (std::mem::take(&mut st.buf), Some(d)),
+                Some(Data::Lent(l)) => {
+                    st.spare = std::mem::take(&mut st.buf);
+                    (SlotBuf::Lent(l), None)
+                }
+            }
         };
-        let len = req.len as usize;
         if direct.is_none() {
-            buf.ensure(len);
+            if let Err(e) = buf.ensure(len) {
+                self.shared.finish(tag, Err(e.clone()), buf);
+                return Err(e);
+            }
+        }
+        if matches!(buf, SlotBuf::Lent(_)) {
+            bump(&self.shared.counters.lent_commands, 1);
         }
         let pending = Pending {
             shared: &self.shared,
@@ -511,6 +584,20 @@ impl Pending<'_> {
         let st = self.shared.slots[usize::from(self.tag)].lock();
         let b = st.buf.as_slice();
         f(&b[..len.min(b.len())])
+    }
+
+    /// The buffer lent with [`QueueHandle::start_lent`], once the command has ended (`None`
+    /// while it is in flight, or for a command without one).
+    pub fn take_lent(&self) -> Option<Box<dyn LentBuffer>> {
+        let mut st = self.shared.slots[usize::from(self.tag)].lock();
+        if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
+            return None;
+        }
+        let spare = std::mem::take(&mut st.spare);
+        match std::mem::replace(&mut st.buf, spare) {
+            SlotBuf::Lent(l) => Some(l),
+            _ => None,
+        }
     }
 }
 
@@ -1115,8 +1202,65 @@ impl Task {
             let Link::Tcp { stream, engine } = &mut live.link else {
                 return Ok(got);
             };
-            let buf = engine.recv_buf(READ_CHUNK);
-            let want = buf.len();
+            let pending = engine.pending_data().filter(|p| p.len >= IN_PLACE_MIN);
+            if let Some((p, dst)) =
+                pending.and_then(|p| Some((p, data_buf(&mut self.core.cmds, p)?)))
+            {
+                // The rest of the PDU straight into the command's buffer, what follows it
+                // (a little) into the receive buffer, in one read.
+                let spare = engine.recv_buf(SMALL_READ);
+                let spare_len = spare.len().min(SMALL_READ);
+                let mut iov = [
+                    io::IoSliceMut::new(&mut *dst),
+                    io::IoSliceMut::new(&mut spare[..spare_len]),
+                ];
+                let n = match stream.try_read_vectored(&mut iov) {
+                    Ok(0) => {
+                        return Err(Error::lost(
+                            &self.core.addr,
+                            "the target closed the connection",
+                        ));
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
+                    }
+                };
+                got = true;
+                let in_place = n.min(p.len);
+                let c = &self.core.shared.counters;
+                bump(&c.bytes_read, in_place as u64);
+                bump(&c.in_place_bytes, in_place as u64);
+                let commit = engine.commit_data(&dst[..in_place]);
+                engine.commit_recv(n - in_place);
+                if let DataCommit::End {
+                    last: true,
+                    success: true,
+                } = commit
+                {
+                    self.core
+                        .on_response(live, Cqe::new(p.cccid, Status::SUCCESS, 0))?;
+                }
+                if n > in_place {
+                    self.core.process(live)?;
+                }
+                if n < p.len + spare_len {
+                    break;
+                }
+                continue;
+            }
+            let Link::Tcp { stream, engine } = &mut live.link else {
+                return Ok(got);
+            };
+            let want = if engine.last_data_pdu_len() >= LARGE_PDU {
+                SMALL_READ
+            } else {
+                READ_CHUNK
+            };
+            let buf = engine.recv_buf(want);
+            let want = want.min(buf.len());
+            let buf = &mut buf[..want];
             match stream.try_read(buf) {
                 Ok(0) => {
                     // Handle what arrived before the close (a TermReq explains it).

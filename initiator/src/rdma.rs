@@ -18,6 +18,7 @@ use nvmf_rdma::{
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::command_name;
+use crate::namespace::LentBuffer;
 use crate::{Error, TargetAddr};
 
 /// RDMA READs the target may have in flight towards one host queue (the host's IRD).
@@ -36,6 +37,8 @@ pub(crate) enum SlotBuf {
     Heap(Vec<u8>),
     /// Memory registered (remote read and write) with an RDMA queue's protection domain.
     Registered(Registered<Box<[u8]>>),
+    /// A buffer the caller lent for one NVMe/TCP read, received into directly.
+    Lent(Box<dyn LentBuffer>),
 }
 
 impl Default for SlotBuf {
@@ -50,6 +53,7 @@ impl SlotBuf {
         match self {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.get(),
+            SlotBuf::Lent(l) => l.bytes(),
         }
     }
 
@@ -58,20 +62,30 @@ impl SlotBuf {
         match self {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.bytes_mut(),
+            SlotBuf::Lent(l) => l.bytes_mut(),
         }
     }
 
-    /// Makes the buffer at least `len` bytes long (keeping its contents).
-    pub fn ensure(&mut self, len: usize) {
+    /// Makes the buffer at least `len` bytes long (keeping its contents); a lent buffer
+    /// cannot grow.
+    pub fn ensure(&mut self, len: usize) -> Result<(), Error> {
         if self.as_slice().len() >= len {
-            return;
+            return Ok(());
         }
         let mut v = match std::mem::take(self) {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.detach().0.into_vec(),
+            lent @ SlotBuf::Lent(_) => {
+                let have = lent.as_slice().len();
+                *self = lent;
+                return Err(Error::InvalidArgument(format!(
+                    "a lent buffer of {have} bytes cannot hold {len}"
+                )));
+            }
         };
         v.resize(len, 0);
         *self = SlotBuf::Heap(v);
+        Ok(())
     }
 
     /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
@@ -87,6 +101,12 @@ impl SlotBuf {
             let mut v = match std::mem::take(self) {
                 SlotBuf::Heap(v) => v,
                 SlotBuf::Registered(r) => r.detach().0.into_vec(),
+                lent @ SlotBuf::Lent(_) => {
+                    *self = lent;
+                    return Err(nvmf_rdma::Error::Invalid(
+                        "a lent buffer is not registered for RDMA".into(),
+                    ));
+                }
             };
             let want = len.max(MIN_REGISTRATION).next_power_of_two().max(v.len());
             v.resize(want, 0);
@@ -100,7 +120,9 @@ impl SlotBuf {
             SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
                 nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
             }),
-            SlotBuf::Heap(_) => Err(nvmf_rdma::Error::Invalid("buffer not registered".into())),
+            SlotBuf::Heap(_) | SlotBuf::Lent(_) => {
+                Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
+            }
         }
     }
 }
@@ -420,7 +442,7 @@ impl RdmaConn {
         sqe.cid.set(cid);
         let len = data_out.len().max(data_in);
         let mut buf = SlotBuf::Heap(data_out.to_vec());
-        buf.ensure(len);
+        buf.ensure(len)?;
         self.send_command(sqe, &mut buf, len, data_in > 0, 0)??;
         let deadline = Instant::now() + t;
         let mut cqes = Vec::new();
@@ -459,11 +481,11 @@ mod tests {
     fn slot_buffers_grow_and_keep_their_bytes() {
         let mut b = SlotBuf::default();
         assert!(b.as_slice().is_empty());
-        b.ensure(8);
+        b.ensure(8).unwrap();
         b.as_mut_slice()[..3].copy_from_slice(b"abc");
-        b.ensure(4);
+        b.ensure(4).unwrap();
         assert_eq!(b.as_slice().len(), 8);
-        b.ensure(16);
+        b.ensure(16).unwrap();
         assert_eq!(&b.as_slice()[..3], b"abc");
         assert_eq!(b.as_slice().len(), 16);
     }

@@ -431,3 +431,143 @@ async fn busy_poll_queues_do_io_and_rest_when_idle() {
     );
     ctrl.disconnect().await.expect("disconnect");
 }
+
+/// A destination that lends its own buffers (as the GPU staging lends pinned slots) and
+/// records every buffer that comes back.
+struct Lender {
+    out: Vec<u8>,
+    /// Lend buffers one byte short (of no use: the initiator must fall back to copying).
+    short: bool,
+    lent: usize,
+    /// (offset, len, filled) of every buffer taken back.
+    back: Vec<(usize, usize, bool)>,
+    copied: usize,
+}
+
+struct LentVec(Vec<u8>);
+
+impl nvmeof_initiator::LentBuffer for LentVec {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl Lender {
+    fn new(len: usize, short: bool) -> Lender {
+        Lender {
+            out: vec![0; len],
+            short,
+            lent: 0,
+            back: Vec::new(),
+            copied: 0,
+        }
+    }
+}
+
+impl nvmeof_initiator::ReadDest for Lender {
+    fn len(&self) -> usize {
+        self.out.len()
+    }
+    fn write_at(
+        &mut self,
+        offset: usize,
+        data: &[u8],
+    ) -> Result<(), nvmeof_initiator::BufferError> {
+        self.out[offset..offset + data.len()].copy_from_slice(data);
+        self.copied += 1;
+        Ok(())
+    }
+    fn lend(
+        &mut self,
+        _offset: usize,
+        len: usize,
+    ) -> Option<Box<dyn nvmeof_initiator::LentBuffer>> {
+        self.lent += 1;
+        // Garbage in the buffer: every byte read must be overwritten.
+        let n = if self.short { len - 1 } else { len };
+        Some(Box::new(LentVec(vec![0xEE; n])))
+    }
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Box<dyn nvmeof_initiator::LentBuffer>,
+        filled: bool,
+    ) -> Result<(), nvmeof_initiator::BufferError> {
+        let v = buf
+            .into_any()
+            .downcast::<LentVec>()
+            .map_err(|_| "not mine")?;
+        if filled {
+            self.out[offset..offset + len].copy_from_slice(&v.0[..len]);
+        }
+        self.back.push((offset, len, filled));
+        Ok(())
+    }
+}
+
+/// Reads into a destination that lends its buffers: every command's data lands in the lent
+/// buffer (none is copied in), every buffer comes back (filled on success, not filled on an
+/// error status), large PDUs are received straight from the socket into the buffer, and a
+/// buffer too short is given back unused while the read still succeeds by copying. With and
+/// without data digests; transfers split over several commands included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_land_in_buffers_the_destination_lends() {
+    let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 512);
+    for dd in [false, true] {
+        let mut o = options(t.target_addr());
+        o.data_digest = dd;
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+        let len = (2 << 20) + 3 * 4096;
+        let data = pattern(21 + u64::from(dd), 7 * 4096, len);
+        ns.write(7, &data).await.expect("write");
+        let before = ctrl.queue_stats()[1];
+        // One command of 4 KiB, one of 512 KiB, and 2 MiB + 12 KiB split into five.
+        for (lba, bytes, commands) in [(7u64, 4096usize, 1usize), (7, 512 << 10, 1), (7, len, 5)] {
+            let mut dest = Lender::new(bytes, false);
+            ns.read_into(lba, &mut dest).await.expect("read");
+            assert!(dest.out == data[..bytes], "{bytes} bytes, digest {dd}");
+            assert_eq!(dest.lent, commands);
+            assert_eq!(dest.copied, 0, "nothing copied in");
+            assert_eq!(dest.back.len(), commands);
+            assert!(dest.back.iter().all(|b| b.2), "{:?}", dest.back);
+            let mut offsets: Vec<usize> = dest.back.iter().map(|b| b.0).collect();
+            offsets.sort_unstable();
+            assert_eq!(offsets[0], 0);
+        }
+        let after = ctrl.queue_stats()[1];
+        assert_eq!(after.lent_commands - before.lent_commands, 7);
+        // 2.5 MiB read in 128 KiB PDUs: most of it lands straight from the socket.
+        let in_place = after.in_place_bytes - before.in_place_bytes;
+        assert!(in_place > (1 << 20), "only {in_place} bytes in place");
+
+        // Too short to use: the read copies into the destination instead.
+        let mut dest = Lender::new(64 << 10, true);
+        ns.read_into(7, &mut dest).await.expect("read");
+        assert!(dest.out == data[..64 << 10]);
+        assert_eq!((dest.lent, dest.copied), (1, 1));
+        assert_eq!(dest.back, vec![(0, 64 << 10, false)]);
+
+        // An error status gives the buffer back unfilled.
+        let mut dest = Lender::new(2 * 4096, false);
+        let e = ns
+            .read_into(ns.num_blocks() - 1, &mut dest)
+            .await
+            .expect_err("out of range");
+        assert_eq!(e.status().map(|s| s.sc), Some(generic::LBA_OUT_OF_RANGE));
+        assert_eq!(dest.back, vec![(0, 2 * 4096, false)]);
+
+        // Plain reads after all that: the queue's own buffers are back in use.
+        let mut back = vec![0u8; len];
+        ns.read(7, &mut back).await.expect("read");
+        assert!(back == data);
+        ctrl.disconnect().await.expect("disconnect");
+    }
+}

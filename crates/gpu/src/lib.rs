@@ -41,8 +41,8 @@ pub use dmabuf::{DmaBuf, dmabuf_export_range, host_page_size};
 pub use driver::{DriverInfo, MIN_DRIVER_VERSION, driver_available, ensure_driver};
 pub use error::{GpuError, GpuResult};
 pub use memory::{
-    DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, PinnedBuffer, PinnedSlice,
-    PinnedSliceMut, check_range, resolve_range,
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, HostPinned, PinnedBuffer,
+    PinnedSlice, PinnedSliceMut, check_range, resolve_range,
 };
 pub use module::{
     CodeTarget, CompiledModule, Kernel, LaunchArgs, LaunchConfig, Module, ParamInfo, compile,

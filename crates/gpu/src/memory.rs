@@ -586,6 +586,46 @@ impl PinnedBuffer {
     }
 }
 
+impl PinnedBuffer {
+    /// Gives the buffer to the host alone: waits for every enqueued copy from or into it,
+    /// then returns a [`HostPinned`], whose bytes are accessed without further checks (no
+    /// copy can be enqueued on it). [`HostPinned::into_pinned`] turns it back.
+    pub fn into_host(self) -> GpuResult<HostPinned> {
+        self.ctx.bind()?;
+        self.device_reads.wait_host()?;
+        self.device_writes.wait_host()?;
+        Ok(HostPinned { buf: self })
+    }
+}
+
+/// Pinned memory held by the host only: no device copy is in flight or can be enqueued, so
+/// its bytes are plain memory (for a network receive to land in, for example).
+#[derive(Debug)]
+pub struct HostPinned {
+    buf: PinnedBuffer,
+}
+
+impl HostPinned {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: every device copy from or into the allocation completed before this value
+        // was made, and none can be enqueued while it exists (it exposes no device view); the
+        // allocation holds `len` initialised bytes and `&self` excludes writers.
+        unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr(), self.buf.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr(), self.buf.len) }
+    }
+
+    /// The pinned buffer again, for device copies.
+    pub fn into_pinned(self) -> PinnedBuffer {
+        self.buf
+    }
+}
+
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         let _ = self.ctx.bind();

@@ -117,6 +117,35 @@ pub enum HostEvent<'a> {
     },
 }
 
+/// Read data of the C2HData PDU being received that is not in the receive buffer yet: the
+/// caller may read it from the socket straight into the command's buffer (see
+/// [`HostConn::pending_data`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingData {
+    /// Command identifier.
+    pub cccid: u16,
+    /// Offset in the command's data buffer of the next byte.
+    pub datao: u32,
+    /// Bytes of the PDU's data still to come.
+    pub len: usize,
+}
+
+/// What [`HostConn::commit_data`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataCommit {
+    /// More of the PDU is to come: data, or its data digest (whose verdict then arrives from
+    /// [`HostConn::next_event`] as a C2HData piece with no data, or as a digest error).
+    More,
+    /// The bytes ended the PDU (no data digest); `last` and `success` as in
+    /// [`HostEvent::C2HData`].
+    End {
+        /// The PDU had LAST_PDU set.
+        last: bool,
+        /// The PDU had SUCCESS set: no CapsuleResp follows.
+        success: bool,
+    },
+}
+
 /// Connection state: one enum, advanced only by [`HostConn::step`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
@@ -222,6 +251,8 @@ pub struct HostConn {
     tx: Vec<u8>,
     tx_pos: usize,
     cmds: TagMap<HostCmd>,
+    /// DATAL of the last C2HData header accepted.
+    last_datal: u32,
 }
 
 impl HostConn {
@@ -243,6 +274,7 @@ impl HostConn {
             tx,
             tx_pos: 0,
             cmds,
+            last_datal: 0,
         }
     }
 
@@ -279,6 +311,62 @@ impl HostConn {
     /// length).
     pub fn commit_recv(&mut self, n: usize) {
         self.rx.commit(n);
+    }
+
+    /// The rest of the C2HData PDU being received, when none of it is buffered. A caller
+    /// that owns the command's data buffer can then read up to `len` bytes from the socket
+    /// straight into it at `datao` and report them with [`commit_data`](Self::commit_data),
+    /// saving the copy out of the receive buffer.
+    pub fn pending_data(&self) -> Option<PendingData> {
+        match &self.state {
+            State::Established {
+                rx: RxStage::C2hBody(b),
+                ..
+            } if b.skip == 0 && b.remaining > 0 && self.rx.len() == 0 => Some(PendingData {
+                cccid: b.cccid,
+                datao: b.datao,
+                len: b.remaining,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Data length of the last C2HData PDU whose header was accepted (0 before the first): a
+    /// hint for how much to read from the socket at a time.
+    pub fn last_data_pdu_len(&self) -> u32 {
+        self.last_datal
+    }
+
+    /// Accounts for `data`, the next bytes of the [`pending_data`](Self::pending_data), which
+    /// the caller received in place (they are checked against the data digest, not copied).
+    /// Bytes beyond the pending length are ignored; without pending data nothing happens.
+    pub fn commit_data(&mut self, data: &[u8]) -> DataCommit {
+        let Some(p) = self.pending_data() else {
+            return DataCommit::More;
+        };
+        let State::Established {
+            rx: RxStage::C2hBody(mut body),
+            ..
+        } = self.state
+        else {
+            return DataCommit::More;
+        };
+        let n = data.len().min(p.len);
+        if let Some(d) = &mut body.digest {
+            d.update(&data[..n]);
+        }
+        body.datao += n as u32;
+        body.remaining -= n;
+        self.need = 0;
+        if body.remaining > 0 || body.digest.is_some() {
+            self.set_rx(RxStage::C2hBody(body));
+            return DataCommit::More;
+        }
+        self.set_rx(RxStage::Header);
+        DataCommit::End {
+            last: body.last,
+            success: body.success,
+        }
     }
 
     /// Copies received bytes in (convenient for tests and simple callers).
@@ -616,6 +704,7 @@ impl HostConn {
         let success = frame.flags & flags::SUCCESS != 0;
         cmd.c2h_next = end;
         cmd.c2h_done = last;
+        self.last_datal = datal;
         if success {
             self.cmds.remove(&cccid);
         }

@@ -44,6 +44,6 @@ mod target;
 pub use digest::{DataDigest, crc32c, digest_bytes};
 pub use encode::{Digests, MAX_HEADER_LEN, PduHeader, pda_alignment};
 pub use error::{ConfigError, ProtocolError, SendError};
-pub use host::{HostConfig, HostConn, HostEvent, HostParams};
+pub use host::{DataCommit, HostConfig, HostConn, HostEvent, HostParams, PendingData};
 pub use nvme_spec::tcp::FatalErrorStatus;
 pub use target::{TargetConfig, TargetConn, TargetEvent, TargetParams};
