@@ -450,7 +450,14 @@ impl Conn {
                 .and_then(|c| c.keep_alive_deadline());
             tokio::select! {
                 biased;
-                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.complete(done),
+                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
+                    self.complete(done);
+                    // Every other I/O that has finished by now too (the next `select!` polls
+                    // `inflight` again with this task's waker before the task can sleep).
+                    while let Some(Some(done)) = self.inflight.next().now_or_never() {
+                        self.complete(done);
+                    }
+                }
                 r = self.q.wait() => {
                     if let Err(e) = r {
                         return Closed::Transport(e.to_string());

@@ -185,7 +185,15 @@ impl Conn {
                 .and_then(|c| c.keep_alive_deadline());
             tokio::select! {
                 biased;
-                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => self.complete(done),
+                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
+                    self.complete(done);
+                    // Every other I/O that has finished by now too, so that their responses
+                    // leave in one write. (The next `select!` polls `inflight` again with this
+                    // task's waker before the task can sleep.)
+                    while let Some(Some(done)) = self.inflight.next().now_or_never() {
+                        self.complete(done);
+                    }
+                }
                 r = async { self.stream.ready(interest.unwrap_or(Interest::READABLE)).await }, if interest.is_some() => {
                     match r {
                         Ok(ready) if ready.is_readable() && can_read => {
