@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the GPU tests of nvmeof-gpu, nvmeof-cuda-kernels and nvmeof-initiator (reads
-# into GPU memory over NVMe/TCP against the in-process target) on a machine with an NVIDIA GPU,
-# then prints a pass/fail/skip table.
+# into GPU memory over NVMe/TCP against the in-process target; dma-buf export and the RDMA
+# registration request of GPU memory) on a machine with an NVIDIA GPU, then prints a
+# pass/fail/skip table.
 #
 #   cuda-kernels/run-gpu-tests.sh                 cargo on PATH: build release test binaries, run them
 #   cuda-kernels/run-gpu-tests.sh --bin-dir DIR   run prebuilt test binaries from DIR (no Rust needed)
@@ -32,9 +33,9 @@ done
 build_tests() {
     local json
     json="$(cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu \
-        --no-run --message-format=json 2>/dev/null)" || {
+        --test gpu_rdma --no-run --message-format=json 2>/dev/null)" || {
         echo "cargo build of the GPU tests failed:" >&2
-        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu --no-run) >&2
+        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu --test gpu_rdma --no-run) >&2
         return 1
     }
     printf '%s\n' "$json" | python3 -c '
@@ -44,10 +45,13 @@ for line in sys.stdin:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+    name = m.get("target", {}).get("name")
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and name in ("gpu", "gpu_rdma"):
         pkg = m["package_id"]
         suite = ("nvmeof-cuda-kernels" if "cuda-kernels" in pkg
                  else "nvmeof-initiator" if "nvmeof-initiator" in pkg else "nvmeof-gpu")
+        if name == "gpu_rdma":
+            suite += "-rdma"
         print(suite, m["executable"])
 '
 }

@@ -120,6 +120,14 @@ async fn gpu_reads_into_hbm_all_sizes_and_offsets() {
     let stats = staging.stats();
     assert!(stats.h2d_bytes > 0 && stats.copies > 0);
     assert!(stats.gpu_copy > std::time::Duration::ZERO, "{stats:?}");
+    // Commands up to a slot (256 KiB) were received straight into lent slots; larger ones
+    // (the 1 MiB commands of the larger reads) were copied into the slots.
+    assert!(
+        stats.lent_bytes > 0 && stats.lent_bytes < stats.h2d_bytes,
+        "{stats:?}"
+    );
+    let queues = ctrl.queue_stats();
+    assert!(queues.iter().map(|q| q.lent_commands).sum::<u64>() > 0);
     println!("staging stats: {stats:?}");
     ctrl.disconnect().await.unwrap();
     target.shutdown().await;
