@@ -8,10 +8,10 @@
 //!     --queues 8 --threads 8 --tasks 32 --region-mib 4096 --seconds 4 --repeats 3
 //! ```
 //!
-//! Workloads: `seq` (1 MiB sequential reads, each task streaming steps of `--step` reads into
-//! its device ring, one synchronize per step) and `rand` (4 KiB random reads, `--batch` per
-//! staging slot, `--slots-per-call` slots per call, scattered to their sample offsets by the
-//! kernel). The region is first written with the seeded pattern from GPU memory (the write
+//! Workloads: `seq` (1 MiB sequential reads, `--span` of them per call, each task streaming
+//! steps of `--step` such calls into its device ring, one synchronize per step) and `rand`
+//! (4 KiB random reads, `--batch` per staging slot, `--slots-per-call` slots per call,
+//! scattered to their sample offsets by the kernel). The region is first written with the seeded pattern from GPU memory (the write
 //! path), unless `--no-fill`. `initiator/examples/gpu-loader-bench.sh` runs it against
 //! `nvmeof-targetd` on loopback.
 
@@ -61,9 +61,13 @@ struct Args {
     /// Measurements per workload and path.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
-    /// 1 MiB reads per step of a seq task (one synchronize per step).
+    /// Reads per step of a seq task (one synchronize per step).
     #[arg(long, default_value_t = 8)]
     step: usize,
+    /// MiB per seq read: consecutive 1 MiB chunks read with one call, so that many 1 MiB
+    /// commands of a task are in flight together (a power of two; 1: one at a time).
+    #[arg(long, default_value_t = 1)]
+    span: usize,
     /// seq reads whole 1 MiB chunks in a scattered order (a fixed permutation of the region)
     /// instead of one after the other.
     #[arg(long)]
@@ -360,7 +364,8 @@ async fn seq_task<S: BlockSource>(
     stop: &AtomicBool,
     cursor: &AtomicU64,
 ) -> Result<Sample, GpuIoError> {
-    let io = 1usize << 20;
+    let span = shared.args.span.max(1);
+    let io = span << 20;
     let step = shared.args.step.max(1);
     let bs = u64::from(shared.block_size);
     let per_io = io as u64 / bs;
@@ -368,8 +373,9 @@ async fn seq_task<S: BlockSource>(
     let mut st = GpuStaging::new(
         &shared.ctx,
         StagingConfig {
-            slots: shared.args.slots,
-            slot_bytes: io,
+            // One slot per command in flight, and as many again being copied.
+            slots: shared.args.slots.max(2 * span),
+            slot_bytes: 1 << 20,
             timing: shared.args.gpu_timing,
         },
     )?
@@ -398,7 +404,7 @@ async fn seq_task<S: BlockSource>(
         source += t.elapsed();
         st.synchronize().await?;
         bytes += (step * io) as u64;
-        ios += step as u64;
+        ios += (step * span) as u64;
     }
     let wall = start.elapsed();
     let (verify, verified_bytes) = verify(&mut st, &dev, &regions, shared.args.seed)?;
@@ -502,7 +508,8 @@ async fn seq_host<S: BlockSource>(
     stop: &AtomicBool,
     cursor: &AtomicU64,
 ) -> Result<Sample, GpuIoError> {
-    let io = 1usize << 20;
+    let span = shared.args.span.max(1);
+    let io = span << 20;
     let bs = u64::from(shared.block_size);
     let per_io = io as u64 / bs;
     let chunks = shared.region_blocks / per_io;
@@ -517,7 +524,7 @@ async fn seq_host<S: BlockSource>(
         source += t.elapsed();
         last = Some(lba);
         bytes += io as u64;
-        ios += 1;
+        ios += span as u64;
     }
     host_sample(
         shared,
