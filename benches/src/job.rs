@@ -169,7 +169,9 @@ pub enum Dest {
     /// Host memory.
     #[default]
     Host,
-    /// GPU memory (not available in this build: the run fails with a clear error).
+    /// GPU memory (GPU 0): every read lands in a device buffer through pinned staging and
+    /// completes once the data is there. Reads only; without a CUDA driver each point fails
+    /// with one line saying so.
     Gpu,
 }
 

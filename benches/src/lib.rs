@@ -16,6 +16,7 @@
 //! | [`pattern`] | the verify pattern (offset + seed per 512-byte block) |
 //! | [`hist`] | latency histograms and their summaries |
 //! | [`path`] | the I/O paths: DAS backends, NVMe/TCP through the initiator |
+//! | [`gpu`] | the `gpu` destination: reads into GPU memory through pinned staging |
 //! | [`fabric`] | starting or naming the target of the fabric modes |
 //! | [`worker`] | the workers that keep `iodepth` I/Os in flight |
 //! | [`run`] | the coordinator: phases, CPU accounting, measurements |
@@ -31,6 +32,7 @@
 
 pub mod cpu;
 pub mod fabric;
+pub mod gpu;
 pub mod hist;
 pub mod job;
 pub mod load;

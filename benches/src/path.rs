@@ -37,6 +37,9 @@ pub enum PathError {
     /// The namespaces are not what the job needs.
     #[error("{0}")]
     Setup(String),
+    /// The GPU side of the `gpu` destination failed.
+    #[error("gpu: {0}")]
+    Gpu(String),
 }
 
 /// One namespace's geometry.
@@ -89,6 +92,7 @@ pub trait IoPath: Send + Sync + 'static {
 /// The backends directly.
 pub struct DasPath {
     backends: Vec<Arc<AnyBackend>>,
+    blocks: Vec<crate::gpu::DasBlocks>,
     geometry: Vec<NsGeometry>,
 }
 
@@ -106,7 +110,20 @@ impl DasPath {
             });
             backends.push(Arc::new(b));
         }
-        Ok(DasPath { backends, geometry })
+        let blocks = backends
+            .iter()
+            .map(|b| crate::gpu::DasBlocks::new(Arc::clone(b)))
+            .collect();
+        Ok(DasPath {
+            backends,
+            blocks,
+            geometry,
+        })
+    }
+
+    /// Namespace index `ns` as a block source for the `gpu` destination.
+    pub fn blocks(&self, ns: usize) -> &crate::gpu::DasBlocks {
+        &self.blocks[ns]
     }
 }
 
@@ -240,6 +257,11 @@ impl TcpPath {
     /// I/O queues in use.
     pub fn queues(&self) -> usize {
         self.handles.len()
+    }
+
+    /// The handle of namespace index `ns` pinned to queue `queue` (modulo the queues).
+    pub fn handle(&self, queue: usize, ns: usize) -> &Namespace {
+        &self.handles[queue % self.handles.len()][ns]
     }
 
     /// Disconnects gracefully.

@@ -22,6 +22,7 @@ use tokio::runtime::Runtime;
 
 use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
+use crate::gpu::GpuPath;
 use crate::hist::LatencyHist;
 use crate::job::{Dest, HostLoad, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
@@ -35,8 +36,6 @@ use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, Worke
 
 /// Message of the `rdma` mode without an address (no RDMA target is started in-process).
 pub const RDMA_UNAVAILABLE: &str = "mode rdma without an address is not available: the load generator starts no RDMA target itself; use rdma=HOST:PORT (a target listening on rdma://) with --nqn";
-/// Message of the `gpu` destination until GPU reads exist.
-pub const GPU_UNAVAILABLE: &str = "destination gpu is not available in this build: the initiator has no GPU read path yet (dest = \"host\" works)";
 
 /// Errors that stop a whole run (a mode that cannot run is reported in its results instead).
 #[derive(Debug, thiserror::Error)]
@@ -307,8 +306,11 @@ fn measure_in_mode(
     mode_label: &str,
     label: &str,
 ) -> Measurement {
-    if point.dest == Dest::Gpu {
-        return failed(repeat, GPU_UNAVAILABLE);
+    if point.dest == Dest::Gpu && point.writes() {
+        return failed(
+            repeat,
+            "destination gpu measures reads: use rw = read or randread",
+        );
     }
     let rt = match client_runtime(plan, point) {
         Ok(rt) => rt,
@@ -316,6 +318,23 @@ fn measure_in_mode(
     };
     let m = match state {
         ModeState::Unavailable(msg) => failed(repeat, msg.clone()),
+        ModeState::Das { path, prefilled } if point.dest == Dest::Gpu => {
+            match GpuPath::new(Arc::clone(path), point.verify) {
+                Err(e) => failed(repeat, e.to_string()),
+                Ok(gpu) => measure(
+                    &rt,
+                    Arc::new(gpu),
+                    plan,
+                    point,
+                    prefilled,
+                    CpuSource::None,
+                    repeat,
+                    progress,
+                    "das",
+                    label,
+                ),
+            }
+        }
         ModeState::Das { path, prefilled } => measure(
             &rt,
             Arc::clone(path),
@@ -344,18 +363,36 @@ fn measure_in_mode(
                 Ok(path) => {
                     let queues = path.queues();
                     let path = Arc::new(path);
-                    let mut m = measure(
-                        &rt,
-                        Arc::clone(&path),
-                        plan,
-                        point,
-                        prefilled,
-                        target.cpu_source(),
-                        repeat,
-                        progress,
-                        mode_label,
-                        label,
-                    );
+                    let mut m = if point.dest == Dest::Gpu {
+                        match GpuPath::new(Arc::clone(&path), point.verify) {
+                            Err(e) => failed(repeat, e.to_string()),
+                            Ok(gpu) => measure(
+                                &rt,
+                                Arc::new(gpu),
+                                plan,
+                                point,
+                                prefilled,
+                                target.cpu_source(),
+                                repeat,
+                                progress,
+                                mode_label,
+                                label,
+                            ),
+                        }
+                    } else {
+                        measure(
+                            &rt,
+                            Arc::clone(&path),
+                            plan,
+                            point,
+                            prefilled,
+                            target.cpu_source(),
+                            repeat,
+                            progress,
+                            mode_label,
+                            label,
+                        )
+                    };
                     m.queues = Some(queues);
                     if let Ok(path) = Arc::try_unwrap(path)
                         && let Err(e) = rt.block_on(path.disconnect())

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use nvmeof_bench::job::{JobFile, Mode, Overrides, Plan, TcpTarget};
 use nvmeof_bench::report::{Measurement, Report, SCHEMA};
-use nvmeof_bench::run::{GPU_UNAVAILABLE, RDMA_UNAVAILABLE, RunOptions, run};
+use nvmeof_bench::run::{RDMA_UNAVAILABLE, RunOptions, run};
 
 const JOB: &str = r#"
 [global]
@@ -146,7 +146,9 @@ fn unavailable_modes_and_destinations_say_why() {
     assert!(!r.all_ok());
     assert!(r.to_markdown().contains("not available"));
 
-    let file = JobFile::parse("[[job]]\ndest = \"gpu\"\nruntime = \"100ms\"").unwrap();
+    // Writes have nothing to land in GPU memory.
+    let file =
+        JobFile::parse("[[job]]\ndest = \"gpu\"\nrw = \"randwrite\"\nruntime = \"100ms\"").unwrap();
     let plan = Plan::resolve(
         &file,
         &Overrides {
@@ -157,10 +159,47 @@ fn unavailable_modes_and_destinations_say_why() {
     )
     .unwrap();
     let r = run(&plan, &RunOptions::default()).unwrap();
-    assert_eq!(
-        r.points[0].results[0].summary.error.as_deref(),
-        Some(GPU_UNAVAILABLE)
-    );
+    let err = r.points[0].results[0]
+        .summary
+        .error
+        .clone()
+        .unwrap_or_default();
+    assert!(err.contains("destination gpu measures reads"), "{err}");
+}
+
+/// `dest = "gpu"`: reads land in GPU memory in DAS and NVMe/TCP mode and every block is
+/// verified after copying it back; without a CUDA driver each point fails with one line that
+/// says so (what CI without a GPU checks).
+#[test]
+fn gpu_destination_reads_into_device_memory_or_says_why_not() {
+    let file = JobFile::parse(
+        "[[job]]\ndest = \"gpu\"\nrw = \"randread\"\nbs = \"128k\"\niodepth = 4\nnumjobs = 2\nruntime = \"300ms\"\nsize = \"8M\"",
+    )
+    .unwrap();
+    let plan = Plan::resolve(
+        &file,
+        &Overrides {
+            modes: Some(vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)]),
+            backend: Some("mem:16M".parse().unwrap()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let r = run(&plan, &RunOptions::default()).unwrap();
+    let gpu = nvmeof_initiator::gpu::cuda::driver_available();
+    for res in &r.points[0].results {
+        let s = &res.summary;
+        if gpu {
+            assert!(s.error.is_none(), "{:?}", s.error);
+            let m = &res.repeats[0];
+            assert!(m.ok && m.read.ops > 0, "{m:?}");
+            assert!(m.verified_reads > 0 && m.verify_errors == 0, "{m:?}");
+        } else {
+            let err = s.error.clone().unwrap_or_default();
+            assert!(err.starts_with("destination gpu: "), "{err}");
+            println!("SKIP gpu_destination_reads_into_device_memory_or_says_why_not: {err}");
+        }
+    }
 }
 
 #[test]
