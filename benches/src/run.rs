@@ -22,7 +22,7 @@ use tokio::runtime::Runtime;
 
 use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
-use crate::gpu::GpuPath;
+use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
 use crate::job::{Dest, HostLoad, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
@@ -318,26 +318,9 @@ fn measure_in_mode(
     };
     let m = match state {
         ModeState::Unavailable(msg) => failed(repeat, msg.clone()),
-        ModeState::Das { path, prefilled } if point.dest == Dest::Gpu => {
-            match GpuPath::new(Arc::clone(path), point.verify) {
-                Err(e) => failed(repeat, e.to_string()),
-                Ok(gpu) => measure(
-                    &rt,
-                    Arc::new(gpu),
-                    plan,
-                    point,
-                    prefilled,
-                    CpuSource::None,
-                    repeat,
-                    progress,
-                    "das",
-                    label,
-                ),
-            }
-        }
-        ModeState::Das { path, prefilled } => measure(
+        ModeState::Das { path, prefilled } => measure_into(
             &rt,
-            Arc::clone(path),
+            path,
             plan,
             point,
             prefilled,
@@ -363,36 +346,18 @@ fn measure_in_mode(
                 Ok(path) => {
                     let queues = path.queues();
                     let path = Arc::new(path);
-                    let mut m = if point.dest == Dest::Gpu {
-                        match GpuPath::new(Arc::clone(&path), point.verify) {
-                            Err(e) => failed(repeat, e.to_string()),
-                            Ok(gpu) => measure(
-                                &rt,
-                                Arc::new(gpu),
-                                plan,
-                                point,
-                                prefilled,
-                                target.cpu_source(),
-                                repeat,
-                                progress,
-                                mode_label,
-                                label,
-                            ),
-                        }
-                    } else {
-                        measure(
-                            &rt,
-                            Arc::clone(&path),
-                            plan,
-                            point,
-                            prefilled,
-                            target.cpu_source(),
-                            repeat,
-                            progress,
-                            mode_label,
-                            label,
-                        )
-                    };
+                    let mut m = measure_into(
+                        &rt,
+                        &path,
+                        plan,
+                        point,
+                        prefilled,
+                        target.cpu_source(),
+                        repeat,
+                        progress,
+                        mode_label,
+                        label,
+                    );
                     m.queues = Some(queues);
                     if let Ok(path) = Arc::try_unwrap(path)
                         && let Err(e) = rt.block_on(path.disconnect())
@@ -458,6 +423,51 @@ async fn prefill<P: IoPath>(
             Some(r) => r?,
             None => return Ok(()),
         }
+    }
+}
+
+/// Measures on `path`, or on a [`GpuPath`] over it when the point reads into GPU memory.
+#[allow(clippy::too_many_arguments)]
+fn measure_into<P: GpuSource>(
+    rt: &Runtime,
+    path: &Arc<P>,
+    plan: &Plan,
+    point: &Point,
+    prefilled: &mut Prefilled,
+    target_cpu: CpuSource,
+    repeat: u32,
+    progress: &Progress,
+    mode: &str,
+    label: &str,
+) -> Measurement {
+    if point.dest != Dest::Gpu {
+        return measure(
+            rt,
+            Arc::clone(path),
+            plan,
+            point,
+            prefilled,
+            target_cpu,
+            repeat,
+            progress,
+            mode,
+            label,
+        );
+    }
+    match GpuPath::new(Arc::clone(path), point.verify) {
+        Err(e) => failed(repeat, e.to_string()),
+        Ok(gpu) => measure(
+            rt,
+            Arc::new(gpu),
+            plan,
+            point,
+            prefilled,
+            target_cpu,
+            repeat,
+            progress,
+            mode,
+            label,
+        ),
     }
 }
 
