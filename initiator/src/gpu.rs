@@ -642,20 +642,23 @@ impl GpuStaging {
     /// memory over for a command to be received into.
     fn lend_slot(&mut self) -> Result<LentSlot, GpuIoError> {
         let idx = self.acquire_blocking()?;
-        let host = self.host_mut(idx).map(|_| ()).and_then(|()| {
-            let buf = self.slots[idx]
-                .host
-                .take()
-                .ok_or_else(|| invalid("no slot memory"))?;
-            Ok(buf.into_host()?)
-        });
-        match host {
+        match self.take_host(idx) {
             Ok(host) => Ok(LentSlot { idx, host }),
             Err(e) => {
                 self.ring.give_back(idx);
                 Err(e)
             }
         }
+    }
+
+    /// Slot `idx`'s pinned memory, out of the slot and ready for the host alone.
+    fn take_host(&mut self, idx: usize) -> Result<HostPinned, GpuIoError> {
+        self.host_mut(idx)?;
+        let buf = self.slots[idx]
+            .host
+            .take()
+            .ok_or_else(|| invalid("staging slot without memory"))?;
+        Ok(buf.into_host()?)
     }
 
     /// Reads many small blocks: each batch of reads (as many as fit in one slot) is in flight
