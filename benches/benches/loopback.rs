@@ -38,6 +38,7 @@ fn loopback(c: &mut Criterion) {
     let settings = TcpSettings {
         addr: target.addr(),
         nqn: spec.nqn.clone(),
+        hostnqn: None,
         queue_pairs: 1,
         queue_depth: 32,
         namespaces: 1,

@@ -21,7 +21,12 @@
 //! iodepth = [1, 8, 32]       # three points
 //! ```
 //!
-//! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`,
+//! A job that reads prefills its region with the verify pattern first (`prefill = true`) on the
+//! load generator's own storage (das, tcp, tcp-bin); a target given by address
+//! (`tcp=HOST:PORT`, `rdma=HOST:PORT`, `--target`) is never written unless the job writes or
+//! says `prefill = true`, and its reads are verified only after such a prefill.
+//!
+//! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
@@ -250,6 +255,15 @@ impl Mode {
     pub fn is_fabric(&self) -> bool {
         !matches!(self, Mode::Das)
     }
+
+    /// Whether the storage is the load generator's own (the backend, or a target it starts),
+    /// rather than a target given by address. Only its own storage is prefilled by default.
+    pub fn owns_target(&self) -> bool {
+        matches!(
+            self,
+            Mode::Das | Mode::Tcp(TcpTarget::InProcess | TcpTarget::Process(_))
+        )
+    }
 }
 
 impl fmt::Display for Mode {
@@ -398,6 +412,8 @@ pub struct Section {
     pub namespaces: Option<u32>,
     /// Subsystem NQN for `tcp=HOST:PORT` targets (global only).
     pub nqn: Option<String>,
+    /// Host NQN the load generator connects with (global only).
+    pub hostnqn: Option<String>,
     /// Reactor threads of the target the load generator starts (global only).
     pub target_reactors: Option<usize>,
     /// Busy-poll window of the started target's reactors, in microseconds (global only).
@@ -436,7 +452,8 @@ pub struct Section {
     pub verify: Option<bool>,
     /// Seed of the verify pattern.
     pub seed: Option<u64>,
-    /// Write the pattern over the region before a job that reads.
+    /// Write the pattern over the region before a job that reads (default: on for the load
+    /// generator's own storage, off for a target given by address).
     pub prefill: Option<bool>,
     /// Destination of read data.
     pub dest: Option<Dest>,
@@ -489,6 +506,10 @@ pub struct Overrides {
     pub repeat: Option<u32>,
     /// Replaces `verify` of every job.
     pub verify: Option<bool>,
+    /// Replaces `prefill` of every job.
+    pub prefill: Option<bool>,
+    /// Replaces `hostnqn`.
+    pub hostnqn: Option<String>,
     /// Replaces `backend`.
     pub backend: Option<BackendSpec>,
     /// Replaces `target_reactors`.
@@ -552,8 +573,9 @@ pub struct Point {
     pub verify: bool,
     /// Pattern seed.
     pub seed: u64,
-    /// Prefill the region before reading.
-    pub prefill: bool,
+    /// Prefill the region before reading (`None`: the mode decides, see
+    /// [`Point::prefill_in`]).
+    pub prefill: Option<bool>,
     /// Destination.
     pub dest: Dest,
     /// Idle or busy host.
@@ -594,6 +616,13 @@ impl Point {
     /// Whether the job issues writes.
     pub fn writes(&self) -> bool {
         self.rw.read_percent(self.rwmixread) < 100
+    }
+
+    /// Whether the region is prefilled before this point reads in `mode`: as the job says,
+    /// else only on the load generator's own storage (a target given by address is never
+    /// written unless the job asks for it).
+    pub fn prefill_in(&self, mode: &Mode) -> bool {
+        self.reads() && self.prefill.unwrap_or_else(|| mode.owns_target())
     }
 }
 
@@ -640,6 +669,8 @@ pub struct Plan {
     pub namespaces: u32,
     /// Subsystem NQN (remote targets; the started target uses [`DEFAULT_NQN`] unless set).
     pub nqn: String,
+    /// Host NQN to connect with (`None`: [`crate::path::BENCH_HOSTNQN`]).
+    pub hostnqn: Option<String>,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
     /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven).
@@ -768,6 +799,16 @@ impl Plan {
                 "expected an NQN (nqn.YYYY-MM.reverse.domain:name, at most 223 bytes)",
             ));
         }
+        let hostnqn = ov.hostnqn.clone().or_else(|| g.hostnqn.clone());
+        if let Some(h) = &hostnqn {
+            if !h.starts_with("nqn.") || h.len() > 223 {
+                return Err(invalid(
+                    "global",
+                    "hostnqn",
+                    "expected an NQN (nqn.YYYY-MM.reverse.domain:name, at most 223 bytes)",
+                ));
+            }
+        }
         let target_cpus = ov.target_cpus.clone().or_else(|| g.target_cpus.clone());
         let client_cpus = ov.client_cpus.clone().or_else(|| g.client_cpus.clone());
         let load_cpus = g.load_cpus.clone();
@@ -788,6 +829,7 @@ impl Plan {
                 ("backend", j.backend.is_some()),
                 ("namespaces", j.namespaces.is_some()),
                 ("nqn", j.nqn.is_some()),
+                ("hostnqn", j.hostnqn.is_some()),
                 ("target_reactors", j.target_reactors.is_some()),
                 ("target_poll_us", j.target_poll_us.is_some()),
                 ("client_poll_us", j.client_poll_us.is_some()),
@@ -808,6 +850,7 @@ impl Plan {
             backend,
             namespaces,
             nqn,
+            hostnqn,
             target_reactors,
             target_poll_us,
             client_poll_us,
@@ -960,7 +1003,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         .or_else(|| pick(&j.verify, &g.verify))
         .unwrap_or(true);
     let seed = pick(&j.seed, &g.seed).unwrap_or(DEFAULT_SEED);
-    let prefill = pick(&j.prefill, &g.prefill).unwrap_or(true);
+    let prefill = ov.prefill.or_else(|| pick(&j.prefill, &g.prefill));
     let dest = pick(&j.dest, &g.dest).unwrap_or_default();
     let load_threads = ov
         .load_threads
@@ -1051,7 +1094,15 @@ mod tests {
         );
         assert_eq!(a.runtime, Some(Duration::from_secs(2)));
         assert_eq!(a.ramp_time, Duration::from_millis(500));
-        assert!(a.verify && a.prefill);
+        assert!(a.verify && a.prefill.is_none());
+        assert!(a.prefill_in(&Mode::Das) && a.prefill_in(&Mode::Tcp(TcpTarget::Process(None))));
+        let remote = Mode::Tcp(TcpTarget::Remote {
+            addr: "192.0.2.1:4420".into(),
+        });
+        assert!(!a.prefill_in(&remote));
+        assert!(!a.prefill_in(&Mode::Rdma {
+            addr: Some("192.0.2.1:4420".into())
+        }));
         let b = &p.points[1];
         assert_eq!((b.rw, b.bs, b.iodepth), (Rw::Read, 128 * 1024, 32));
         assert_eq!(b.label(), "read 128k qd32 x1");

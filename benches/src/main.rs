@@ -79,6 +79,22 @@ struct Args {
     #[arg(long)]
     no_verify: bool,
 
+    /// Write the verify pattern over the region before a job that reads, in every mode
+    /// (replaces `prefill`). By default only the load generator's own storage (das, tcp,
+    /// tcp-bin) is prefilled: a target given by address is not written by a read job, and its
+    /// reads are verified only after a prefill.
+    #[arg(long, overrides_with = "no_prefill")]
+    prefill: bool,
+
+    /// Never write the pattern before reading (replaces `prefill`); reads of a target given by
+    /// address are then not verified.
+    #[arg(long, overrides_with = "prefill")]
+    no_prefill: bool,
+
+    /// Host NQN to connect with (for targets that allow only listed hosts).
+    #[arg(long, value_name = "NQN")]
+    hostnqn: Option<String>,
+
     /// Backend of each namespace (mem:1G, null:1G, file:PATH,size=1G, bdev:PATH).
     #[arg(long)]
     backend: Option<blockdev::BackendSpec>,
@@ -171,6 +187,12 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         ramp_time: args.ramp_time,
         repeat: args.repeat,
         verify: args.no_verify.then_some(false),
+        prefill: if args.prefill {
+            Some(true)
+        } else {
+            args.no_prefill.then_some(false)
+        },
+        hostnqn: args.hostnqn.clone(),
         backend: args.backend.clone(),
         target_reactors: args.target_reactors,
         target_poll_us: args.target_poll_us,
@@ -186,17 +208,21 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         target_pid: args.target_pid,
     };
     let plan = Plan::resolve(&file, &ov)?;
-    if plan.modes.iter().any(|m| matches!(m, Mode::Tcp(_))) && args.target.is_some() {
-        // A remote target's namespaces are overwritten by the prefill: say so once.
+    for mode in plan.modes.iter().filter(|m| !m.owns_target()) {
+        // Somebody else's target: say once whether it is written to and what is verified.
+        if plan.points.iter().any(|p| p.writes() || p.prefill_in(mode)) {
+            eprintln!(
+                "nvmeof-bench: note: this job writes to the target {mode} (write jobs or prefill)"
+            );
+        }
         if plan
             .points
             .iter()
-            .any(|p| p.writes() || (p.reads() && p.prefill))
+            .any(|p| p.reads() && p.verify && !p.prefill_in(mode))
         {
             eprintln!(
-                "nvmeof-bench: note: this job writes to the target at {} (prefill/verify \
-                 pattern or write jobs)",
-                args.target.as_deref().unwrap_or_default()
+                "nvmeof-bench: note: reads of {mode} are checked against the pattern only after \
+                 a prefill (--prefill); without one they are not verified"
             );
         }
     }

@@ -17,7 +17,7 @@ use nvmeof_initiator::{
     ConnectOptions, Controller, HostIdentity, Namespace, ReconnectPolicy, TargetAddr,
 };
 
-/// Host NQN the load generator connects with.
+/// Host NQN the load generator connects with unless told otherwise (`hostnqn`).
 pub const BENCH_HOSTNQN: &str =
     "nqn.2014-08.org.nvmexpress:uuid:6e766d65-6f66-2d62-656e-636800000001";
 /// Host ID the load generator connects with.
@@ -192,6 +192,8 @@ pub struct TcpSettings {
     pub addr: String,
     /// Subsystem NQN.
     pub nqn: String,
+    /// Host NQN (`None`: [`BENCH_HOSTNQN`]).
+    pub hostnqn: Option<String>,
     /// I/O queues to ask for.
     pub queue_pairs: u16,
     /// Entries per queue to ask for.
@@ -210,7 +212,7 @@ impl TcpPath {
             .addr
             .parse()
             .map_err(|e| PathError::Setup(format!("bad target address {}: {e}", s.addr)))?;
-        let host = HostIdentity::new(BENCH_HOSTNQN, BENCH_HOSTID)?;
+        let host = HostIdentity::new(s.hostnqn.as_deref().unwrap_or(BENCH_HOSTNQN), BENCH_HOSTID)?;
         let mut opts = ConnectOptions::new(addr, s.nqn.clone(), host);
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);

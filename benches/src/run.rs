@@ -8,8 +8,10 @@
 //! threads named `bench-client`, pinned to `client_cpus` when given); a fabric mode connects
 //! inside it, so the initiator's queue tasks run on the client threads. Targets the load
 //! generator starts live for the whole run on a small control runtime (`bench-ctl`), their
-//! data plane on their own reactor threads. DAS backends and fabric namespaces are prefilled
-//! with the verify pattern once, before the first point that reads.
+//! data plane on their own reactor threads. DAS backends and the targets the load generator
+//! starts are prefilled with the verify pattern once, before the first point that reads; a
+//! target given by address only when the job says `prefill = true` (its reads are verified
+//! only then).
 
 use std::io::{IsTerminal, Write as _};
 use std::sync::Arc;
@@ -56,10 +58,27 @@ pub struct RunOptions {
     pub progress: bool,
 }
 
+/// What the load generator knows of a mode's storage: how much of each namespace holds the
+/// pattern of `seed` (written by a prefill or by writes of that seed), and whether the storage
+/// is its own (see [`Mode::owns_target`]).
 #[derive(Debug, Clone, Copy, Default)]
 struct Prefilled {
     seed: u64,
     bytes: u64,
+    own: bool,
+}
+
+impl Prefilled {
+    fn new(mode: &Mode) -> Self {
+        Prefilled {
+            own: mode.owns_target(),
+            ..Prefilled::default()
+        }
+    }
+
+    fn holds(&self, seed: u64, region: u64) -> bool {
+        self.seed == seed && self.bytes >= region
+    }
 }
 
 enum ModeState {
@@ -166,7 +185,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
             Mode::Das => match DasPath::open(&plan.backend, plan.namespaces) {
                 Ok(p) => ModeState::Das {
                     path: Arc::new(p),
-                    prefilled: Prefilled::default(),
+                    prefilled: Prefilled::new(m),
                 },
                 Err(e) => ModeState::Unavailable(format!("cannot open the backend: {e}")),
             },
@@ -175,7 +194,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
                 match FabricTarget::start(kind, &spec) {
                     Ok(target) => ModeState::Tcp {
                         target,
-                        prefilled: Prefilled::default(),
+                        prefilled: Prefilled::new(m),
                     },
                     Err(e) => ModeState::Unavailable(e.to_string()),
                 }
@@ -190,7 +209,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
                 match FabricTarget::start(&remote, &spec) {
                     Ok(target) => ModeState::Tcp {
                         target,
-                        prefilled: Prefilled::default(),
+                        prefilled: Prefilled::new(m),
                     },
                     Err(e) => ModeState::Unavailable(e.to_string()),
                 }
@@ -334,6 +353,7 @@ fn measure_in_mode(
             let settings = TcpSettings {
                 addr: target.addr(),
                 nqn: plan.nqn.clone(),
+                hostnqn: plan.hostnqn.clone(),
                 queue_pairs: point.queue_pairs,
                 queue_depth: (point.iodepth * point.numjobs.div_ceil(u32::from(point.queue_pairs))
                     + 1)
@@ -490,21 +510,22 @@ fn measure<P: IoPath>(
         Err(e) => return failed(repeat, e),
     };
     let pattern = Arc::new(Pattern::new(point.seed));
-    if point.reads() && point.prefill && (prefilled.seed != point.seed || prefilled.bytes < region)
-    {
+    let wants_prefill = point.reads() && point.prefill.unwrap_or(prefilled.own);
+    if wants_prefill && !prefilled.holds(point.seed, region) {
         let t = Instant::now();
         if let Err(e) = rt.block_on(prefill(&*path, geo.len(), region, &pattern)) {
             return failed(repeat, e);
         }
         tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
-        *prefilled = Prefilled {
-            seed: point.seed,
-            bytes: region,
-        };
+        prefilled.seed = point.seed;
+        prefilled.bytes = region;
     }
+    // A target given by address holds data of its own: its reads are checked only where this
+    // run wrote the pattern.
+    let verify = point.verify && (prefilled.own || prefilled.holds(point.seed, region));
     if point.writes() && prefilled.seed != point.seed {
         // Writes of another seed make earlier prefilled data unusable for verification.
-        *prefilled = Prefilled::default();
+        prefilled.bytes = 0;
     }
 
     let load = if point.host_load == HostLoad::Busy {
@@ -540,7 +561,7 @@ fn measure<P: IoPath>(
             region,
             seq_start: region / numjobs as u64 * w as u64,
             namespaces: geo.len(),
-            verify: point.verify,
+            verify,
             rng_seed: point.seed
                 ^ (u64::from(repeat) << 32)
                 ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
