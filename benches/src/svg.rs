@@ -133,6 +133,11 @@ fn axes(s: &mut String, x_label: &str, y_label: &str) {
     );
 }
 
+/// Width of a legend entry's text: from after its line sample to the right edge.
+const LEGEND_TEXT_W: f64 = RIGHT - 15.0 - 28.0 - 4.0;
+/// Estimated width of a character of the 12 px sans-serif font.
+const CHAR_W: f64 = 6.8;
+
 fn legend(s: &mut String, entries: &[(String, usize, bool)]) {
     let x = W - RIGHT + 15.0;
     for (i, (name, color, dashed)) in entries.iter().enumerate() {
@@ -148,9 +153,16 @@ fn legend(s: &mut String, entries: &[(String, usize, bool)]) {
                 ""
             }
         );
+        // A long name (a mode with an address) is squeezed to fit instead of running off the
+        // picture, where it would lose its end.
+        let fit = if name.chars().count() as f64 * CHAR_W > LEGEND_TEXT_W {
+            format!(r#" textLength="{LEGEND_TEXT_W}" lengthAdjust="spacingAndGlyphs""#)
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            r#"<text x="{}" y="{}">{}</text>"#,
+            r#"<text x="{}" y="{}"{fit}>{}</text>"#,
             x + 28.0,
             y + 4.0,
             xml_escape(name)
@@ -434,13 +446,14 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
                 }
             }
             lat.push(Series {
-                name: format!("{m} p50"),
+                // The percentile first: it is what tells the two curves of a mode apart.
+                name: format!("p50 {m}"),
                 points: p50,
                 dashed: false,
                 color: mi,
             });
             lat.push(Series {
-                name: format!("{m} p99"),
+                name: format!("p99 {m}"),
                 points: p99,
                 dashed: true,
                 color: mi,
@@ -612,6 +625,39 @@ mod tests {
         assert!(plots[0].1.contains("0.80x"));
         assert_eq!(plots[1].1.matches("stroke-width=\"2\"").count(), 4);
         assert!(plots[2].1.contains("IOPS against iodepth"));
+        assert!(plots[1].1.contains(">p50 das</text>") && plots[1].1.contains(">p99 das</text>"));
+    }
+
+    #[test]
+    fn long_legend_names_fit_and_keep_the_percentile() {
+        let series = |name: &str, color| Series {
+            name: name.into(),
+            points: vec![(1.0, 2.0), (2.0, 3.0)],
+            dashed: false,
+            color,
+        };
+        let svg = LineChart {
+            title: "t".into(),
+            x_label: "x".into(),
+            y_label: "y".into(),
+            log_x: false,
+            series: vec![
+                series("p50 tcp@192.168.100.200:44200", 0),
+                series("p99 tcp@192.168.100.200:44200", 0),
+                series("p50 das", 1),
+            ],
+        }
+        .render();
+        well_formed(&svg).unwrap();
+        let texts: Vec<&str> = svg
+            .lines()
+            .filter(|l| l.contains(&format!("x=\"{}\"", W - RIGHT + 43.0)))
+            .collect();
+        assert_eq!(texts.len(), 3, "{svg}");
+        assert!(texts[0].contains("textLength") && texts[0].contains(">p50 tcp@"));
+        assert!(texts[1].contains("textLength") && texts[1].contains(">p99 tcp@"));
+        assert!(!texts[2].contains("textLength"));
+        assert!(W - RIGHT + 43.0 + LEGEND_TEXT_W <= W);
     }
 
     #[test]
