@@ -135,6 +135,7 @@ fn axes(s: &mut String, x_label: &str, y_label: &str) {
 
 /// Width of a legend entry's text: from after its line sample to the right edge.
 const LEGEND_TEXT_W: f64 = RIGHT - 15.0 - 28.0 - 4.0;
+const _: () = assert!(W - RIGHT + 43.0 + LEGEND_TEXT_W <= W);
 /// Estimated width of a character of the 12 px sans-serif font.
 const CHAR_W: f64 = 6.8;
 
@@ -657,7 +658,6 @@ mod tests {
         assert!(texts[0].contains("textLength") && texts[0].contains(">p50 tcp@"));
         assert!(texts[1].contains("textLength") && texts[1].contains(">p99 tcp@"));
         assert!(!texts[2].contains("textLength"));
-        assert!(W - RIGHT + 43.0 + LEGEND_TEXT_W <= W);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! `nvmeof-initd` holds named attachments: a subsystem, a namespace and connection settings,
 //! kept connected (admin queue with keep-alive, reconnect) and reported with their health.
 //! It listens on a Unix socket (default [`DEFAULT_SOCKET`], or `$NVMEOF_INITD_SOCKET`).
+//! Clients find it with [`client_socket_paths`]: the user's own daemon first, then the
+//! system's.
 //!
 //! The protocol is one JSON object per line in each direction: a [`Request`] (tagged by its
 //! `op` field), answered by one [`Response`].
@@ -44,6 +46,21 @@ pub fn default_socket_path() -> PathBuf {
         }
     }
     PathBuf::from(DEFAULT_SOCKET)
+}
+
+/// The sockets a client tries, in order: `$NVMEOF_INITD_SOCKET` alone when it is set; else,
+/// for a user other than root with `$XDG_RUNTIME_DIR` set, that user's own daemon
+/// (`$XDG_RUNTIME_DIR/nvmeof/initd.sock`) and then the system daemon ([`DEFAULT_SOCKET`], which
+/// members of its group may use); else [`DEFAULT_SOCKET`].
+pub fn client_socket_paths() -> Vec<PathBuf> {
+    let own = default_socket_path();
+    let system = PathBuf::from(DEFAULT_SOCKET);
+    let explicit = std::env::var_os(SOCKET_ENV).is_some_and(|p| !p.is_empty());
+    if explicit || own == system {
+        vec![own]
+    } else {
+        vec![own, system]
+    }
 }
 
 /// What an attachment connects to, and how.
@@ -213,12 +230,41 @@ impl DaemonClient {
                     path.display()
                 ))
             })?;
+        Ok(Self::from_stream(stream, path))
+    }
+
+    /// Connects to the first of `paths` that answers (see [`client_socket_paths`]). The error
+    /// names every path tried and why it failed.
+    pub async fn connect_first(paths: &[PathBuf]) -> Result<Self, Error> {
+        let mut tried = Vec::new();
+        for p in paths {
+            match tokio::time::timeout(Duration::from_secs(5), UnixStream::connect(p)).await {
+                Ok(Ok(stream)) => return Ok(Self::from_stream(stream, p)),
+                Ok(Err(e)) => {
+                    let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                        " (only root and the socket's group may use it)"
+                    } else {
+                        ""
+                    };
+                    tried.push(format!("{}: {e}{hint}", p.display()));
+                }
+                Err(_) => tried.push(format!("{}: timed out", p.display())),
+            }
+        }
+        Err(Error::Daemon(format!(
+            "not reachable (tried {}); is nvmeof-initd running? (--socket or ${SOCKET_ENV} \
+             names another socket)",
+            tried.join("; ")
+        )))
+    }
+
+    fn from_stream(stream: UnixStream, path: &Path) -> Self {
         let (r, w) = stream.into_split();
-        Ok(DaemonClient {
+        DaemonClient {
             reader: BufReader::new(r),
             writer: w,
             path: path.to_path_buf(),
-        })
+        }
     }
 
     /// Sends a request and reads the answer. An answer with `ok: false` becomes
@@ -297,30 +343,42 @@ impl DaemonClient {
         r.attachment
             .ok_or_else(|| Error::Daemon("the answer has no attachment".into()))
     }
+
+    /// Connection settings of attachment `name` (with the daemon's host identity) and its
+    /// namespace ID, as [`attached_options`] returns them.
+    pub async fn attached_options(&mut self, name: &str) -> Result<(ConnectOptions, u32), Error> {
+        let a = self.get(name).await?;
+        let (Some(hostnqn), Some(hostid)) = (&a.params.hostnqn, &a.params.hostid) else {
+            return Err(Error::Daemon(format!(
+                "attachment {name} has no host identity"
+            )));
+        };
+        let id = parse_hostid(hostid)
+            .ok_or_else(|| Error::Daemon(format!("attachment {name} has a bad host ID")))?;
+        let host = HostIdentity::new(hostnqn, id)?;
+        Ok((a.params.connect_options(host)?, a.params.nsid))
+    }
 }
 
 /// Asks the daemon at `socket` for attachment `name`; returns connection settings for it
 /// (with the daemon's host identity) and its namespace ID. Adjust the settings, then
 /// [`Controller::connect`].
 pub async fn attached_options(socket: &Path, name: &str) -> Result<(ConnectOptions, u32), Error> {
-    let mut c = DaemonClient::connect(socket).await?;
-    let a = c.get(name).await?;
-    let (Some(hostnqn), Some(hostid)) = (&a.params.hostnqn, &a.params.hostid) else {
-        return Err(Error::Daemon(format!(
-            "attachment {name} has no host identity"
-        )));
-    };
-    let id = parse_hostid(hostid)
-        .ok_or_else(|| Error::Daemon(format!("attachment {name} has a bad host ID")))?;
-    let host = HostIdentity::new(hostnqn, id)?;
-    Ok((a.params.connect_options(host)?, a.params.nsid))
+    DaemonClient::connect(socket)
+        .await?
+        .attached_options(name)
+        .await
 }
 
-/// Opens the namespace attached as `name` in `nvmeof-initd` (socket from
-/// [`default_socket_path`]): the daemon gives the parameters, this process connects its own
-/// controller and I/O queues.
+/// Opens the namespace attached as `name` in `nvmeof-initd` (the first socket of
+/// [`client_socket_paths`] that answers): the daemon gives the parameters, this process
+/// connects its own controller and I/O queues.
 pub async fn open_attached(name: &str) -> Result<Namespace, Error> {
-    open_attached_at(&default_socket_path(), name).await
+    let mut c = DaemonClient::connect_first(&client_socket_paths()).await?;
+    let (opts, nsid) = c.attached_options(name).await?;
+    drop(c);
+    let ctrl = Controller::connect(opts).await?;
+    ctrl.namespace(nsid).await
 }
 
 /// [`open_attached`] with an explicit daemon socket.

@@ -147,7 +147,7 @@ async fn cli_errors_are_one_line_and_fail() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("LBA Out of Range"), "{err}");
+    assert!(err.contains("outside namespace 1"), "{err}");
 
     let out = cli(
         args(&["list"]),
@@ -283,5 +283,298 @@ async fn daemon_reports_a_lost_target() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(seen, "reconnecting", "{}", d.log());
+    assert_eq!(d.terminate().await, Some(0));
+}
+
+fn fabric_of(port: u16) -> Vec<String> {
+    args(&[
+        "-a",
+        "127.0.0.1",
+        "-s",
+        &port.to_string(),
+        "-n",
+        NQN,
+        "--hostnqn",
+        HOSTNQN,
+        "--hostid",
+        HOSTID,
+    ])
+}
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Files in `dir` other than `keep`.
+fn others_in(dir: &std::path::Path, keep: &[&str]) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !keep.contains(&n.as_str()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_are_checked_before_any_transfer_and_output_appears_whole() {
+    // 256 blocks of 4 KiB.
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let port = t.addr.port();
+    let dir = tempfile::tempdir().unwrap();
+    let out_file = dir.path().join("out.bin");
+    std::fs::write(&out_file, b"earlier contents").unwrap();
+    let data = pattern(5, 0, 256 * 4096);
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let mut a = args(&["write", "--data", input.to_str().unwrap()]);
+    a.extend(fabric_of(port));
+    assert!(cli(a, None).await.status.success());
+
+    // A read past the end: usage error naming the size, nothing transferred or written.
+    let mut a = args(&["read", "--block-count", "100000000"]);
+    a.extend(["--data".into(), out_file.display().to_string()]);
+    a.extend(fabric_of(port));
+    let out = cli(a, None).await;
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("it has 256 blocks of 4096 bytes (1.00 MiB)"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&out_file).unwrap(), b"earlier contents");
+    let mut a = args(&["read", "--start-block", "250", "--block-count", "7"]);
+    a.extend(["--data".into(), out_file.display().to_string()]);
+    a.extend(fabric_of(port));
+    assert_eq!(cli(a, None).await.status.code(), Some(2));
+    assert_eq!(std::fs::read(&out_file).unwrap(), b"earlier contents");
+    assert!(others_in(dir.path(), &["out.bin", "in.bin"]).is_empty());
+
+    // Writes past the end, or with less input than asked for, change nothing.
+    let two = dir.path().join("two.bin");
+    std::fs::write(&two, vec![0xAB; 2 * 4096]).unwrap();
+    let mut a = args(&[
+        "write",
+        "--start-block",
+        "255",
+        "--data",
+        two.to_str().unwrap(),
+    ]);
+    a.extend(fabric_of(port));
+    let out = cli(a, None).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("outside namespace 1"));
+    let mut a = args(&[
+        "write",
+        "--block-count",
+        "3",
+        "--data",
+        two.to_str().unwrap(),
+    ]);
+    a.extend(fabric_of(port));
+    let out = cli(a, None).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("the input has 8192 bytes"));
+
+    // A read that works replaces the file whole and leaves no temporary file.
+    let mut a = args(&["read", "--block-count", "256"]);
+    a.extend(["--data".into(), out_file.display().to_string()]);
+    a.extend(fabric_of(port));
+    let out = cli(a, None).await;
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert!(
+        std::fs::read(&out_file).unwrap() == data,
+        "the target changed"
+    );
+    assert!(others_in(dir.path(), &["out.bin", "in.bin", "two.bin"]).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_say_their_cause_once_with_distinct_exit_codes() {
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+
+    let mut a = args(&["connect"]);
+    a.extend(fabric_of(closed));
+    let out = cli(a, None).await;
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert_eq!(err.matches("Connection refused").count(), 1, "{err}");
+    assert_eq!(err.matches("cannot connect to").count(), 1, "{err}");
+
+    let mut a = args(&[
+        "read",
+        "--block-count",
+        "1",
+        "--data",
+        "/nonexistent/dir/out.bin",
+    ]);
+    a.extend(fabric_of(t.addr.port()));
+    let out = cli(a, None).await;
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+
+    let out = cli(
+        args(&["list"]),
+        Some(PathBuf::from("/nonexistent/initd.sock")),
+    )
+    .await;
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(5), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert_eq!(err.matches("nvmeof-initd").count(), 2, "{err}");
+    assert!(err.contains("tried /nonexistent/initd.sock"), "{err}");
+
+    // The target answers with an error status: 4; a missing flag: 2.
+    let mut a = args(&["id-ns", "--namespace-id", "9"]);
+    a.extend(fabric_of(t.addr.port()));
+    let out = cli(a, None).await;
+    assert_eq!(out.status.code(), Some(4), "{}", stderr_of(&out));
+    let out = cli(args(&["connect", "-a", "127.0.0.1"]), None).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(stderr_of(&out).contains("(-n NQN)"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_is_reported_and_ctrl_loss_tmo_bounds_the_wait() {
+    use std::sync::atomic::Ordering;
+    let mut t = TestTarget::start(&["mem:16M"], |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(9, 0, 16 << 20);
+    let input = dir.path().join("in.bin");
+    std::fs::write(&input, &data).unwrap();
+    let mut a = args(&["write", "--data", input.to_str().unwrap()]);
+    a.extend(fabric_of(t.addr.port()));
+    assert!(cli(a, None).await.status.success());
+
+    // The connection is cut once, 4 MiB into a read: the CLI says so, reconnects, and the
+    // data comes out whole.
+    let proxy = common::Proxy::start(t.addr).await;
+    proxy.cut_after.store(4 << 20, Ordering::SeqCst);
+    let out_file = dir.path().join("out.bin");
+    let mut a = args(&["read", "--block-count", "4096", "--reconnect-delay", "1"]);
+    a.extend(["--data".into(), out_file.display().to_string()]);
+    a.extend(fabric_of(proxy.addr.port()));
+    let out = cli(a, None).await;
+    let err = stderr_of(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("lost") && err.contains("reconnecting for up to 10 s (--ctrl-loss-tmo)"),
+        "{err}"
+    );
+    assert!(err.contains("nvmeof: reconnected to 127.0.0.1:"), "{err}");
+    assert!(std::fs::read(&out_file).unwrap() == data);
+
+    // Cut again, and the target is gone: the CLI gives up after --ctrl-loss-tmo.
+    std::fs::remove_file(&out_file).unwrap();
+    proxy.to_host.store(0, Ordering::SeqCst);
+    proxy.cut_after.store(4 << 20, Ordering::SeqCst);
+    let mut a = args(&["read", "--block-count", "4096", "--ctrl-loss-tmo", "1"]);
+    a.extend(["--data".into(), out_file.display().to_string()]);
+    a.extend(fabric_of(proxy.addr.port()));
+    let run = tokio::spawn(cli(a, None));
+    while proxy.to_host.load(Ordering::SeqCst) < 4 << 20 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    t.shutdown().await;
+    let out = run.await.unwrap();
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains("reconnecting for up to 1 s (--ctrl-loss-tmo)"),
+        "{err}"
+    );
+    assert!(!out_file.exists());
+    assert!(others_in(dir.path(), &["in.bin"]).is_empty());
+}
+
+/// `nvmeof` run as user nobody with these supplementary groups and `$XDG_RUNTIME_DIR`.
+async fn cli_as_nobody(
+    bin: PathBuf,
+    groups: &'static str,
+    xdg: PathBuf,
+    a: Vec<String>,
+) -> std::process::Output {
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new("setpriv")
+            .args([
+                "--reuid", "65534", "--regid", "65534", "--groups", groups, "--",
+            ])
+            .arg(bin)
+            .args(a)
+            .env_remove("NVMEOF_INITD_SOCKET")
+            .env("XDG_RUNTIME_DIR", xdg)
+            .env("HOME", "/nonexistent")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("run setpriv")
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_in_the_group_finds_the_system_daemon() {
+    if !nvmeof_initiator::identity::is_root() {
+        eprintln!("skipped: needs root to run the system daemon and to switch users");
+        return;
+    }
+    const GID: &str = "4242";
+    let socket = PathBuf::from(nvmeof_initiator::daemon::DEFAULT_SOCKET);
+    assert!(
+        std::os::unix::net::UnixStream::connect(&socket).is_err(),
+        "a system nvmeof-initd runs already at {}",
+        socket.display()
+    );
+    let t = TestTarget::start(&["mem:1M"], |_| {});
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The user's own runtime directory, without a daemon of its own.
+    let xdg = dir.path().join("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    // A copy of the CLI that user nobody may run wherever the build lives.
+    let bin = dir.path().join("nvmeof");
+    std::fs::copy(common::cli::nvmeof(), &bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let state = dir.path().join("state");
+    let d = Daemon::start_with(
+        &socket,
+        &state,
+        &dir.path().join("initd.log"),
+        &["--group", GID],
+    );
+    d.wait_ready().await;
+    let mut a = args(&["attach", "data0"]);
+    a.extend(fabric(&t));
+    assert!(cli(a, Some(socket.clone())).await.status.success());
+
+    // In the socket's group: the system daemon is found after the user's own socket.
+    let out = cli_as_nobody(bin.clone(), GID, xdg.clone(), args(&["list", "-o", "json"])).await;
+    let v = json_of(&out);
+    assert_eq!(v["devices"][0]["name"], "data0", "{v}");
+    assert_eq!(v["devices"][0]["trsvcid"], t.addr.port().to_string());
+
+    // Not in it: the error names both sockets and why each failed.
+    let out = cli_as_nobody(bin, "65534", xdg.clone(), args(&["list"])).await;
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(5), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: No such file",
+            xdg.join("nvmeof/initd.sock").display()
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains("/run/nvmeof/initd.sock: Permission denied")
+            && err.contains("only root and the socket's group may use it"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
     assert_eq!(d.terminate().await, Some(0));
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClient};
 use nvmeof_initiator::identity::{format_hostid, parse_hostid};
@@ -39,7 +39,11 @@ Examples:
       --start-block 0 --block-count 256 --data blocks.bin
   nvmeof attach data0 -t tcp -a 192.0.2.10 -s 4420 -n NQN --namespace-id 1
   nvmeof list
-  nvmeof read data0 --start-block 0 --block-count 8 --data - | hexdump -C";
+  nvmeof read data0 --start-block 0 --block-count 8 --data - | hexdump -C
+
+Exit status: 0 success, 1 other failure (local files, ...), 2 wrong usage (flags, ranges),
+3 the target cannot be reached or the connection was lost, 4 the target answered with an
+NVMe error status, 5 nvmeof-initd cannot be reached or refused the request.";
 
 #[derive(Parser)]
 #[command(name = "nvmeof", version, about = ABOUT, long_about = LONG_ABOUT)]
@@ -53,7 +57,9 @@ struct Cli {
         global = true
     )]
     output: Output,
-    /// The nvmeof-initd socket (for attach, detach, list and attachment names).
+    /// The nvmeof-initd socket (for attach, detach, list and attachment names). Default: for
+    /// users other than root, their own daemon's $XDG_RUNTIME_DIR/nvmeof/initd.sock, then the
+    /// system daemon's /run/nvmeof/initd.sock; for root, /run/nvmeof/initd.sock.
     #[arg(long, global = true, env = "NVMEOF_INITD_SOCKET", value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Where the host identity is stored when /etc/nvme/hostnqn is absent
@@ -89,7 +95,8 @@ every entry: which subsystems this host may connect to, and where."
     #[command(
         long_about = "A one-off connection: sets up the admin queue and the I/O queues, \
 prints what Identify Controller and Identify Namespace report, then disconnects gracefully. \
-Nothing is kept; use `attach` for a lasting connection."
+Nothing is kept, so there is no `disconnect` command (every command ends its own \
+connection): use `attach` for a lasting connection and `detach` to end it."
     )]
     Connect {
         #[command(flatten)]
@@ -122,14 +129,17 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
     },
     /// List the attachments held by nvmeof-initd and their health.
     List,
-    /// Print Identify Controller.
+    /// Print Identify Controller (fields in the specification's order).
     IdCtrl {
         /// An attachment name (instead of -a/-s/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
+        /// Decode key fields (version, MDTS, ONCS, VWC, SGLS, ...) for people.
+        #[arg(short = 'H', long = "human-readable")]
+        human: bool,
     },
-    /// Print Identify Namespace.
+    /// Print Identify Namespace (fields in the specification's order).
     IdNs {
         /// An attachment name (instead of -a/-s/-n).
         name: Option<String>,
@@ -138,6 +148,9 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         /// Namespace (default: the attachment's, or 1).
         #[arg(long = "namespace-id", value_name = "NSID")]
         namespace_id: Option<u32>,
+        /// Decode key fields (sizes, features, the LBA format in use) for people.
+        #[arg(short = 'H', long = "human-readable")]
+        human: bool,
     },
     /// Read blocks into a file or stdout.
     #[command(
@@ -230,6 +243,18 @@ struct QueueArgs {
     /// Keep alive timeout in seconds (default 5).
     #[arg(short = 'k', long = "keep-alive-tmo", value_name = "SECS")]
     keep_alive_tmo: Option<u32>,
+    /// After the connection to the target is lost, keep reconnecting this many seconds before
+    /// failing (-1: forever; default 10). Each reconnect is reported on stderr.
+    #[arg(
+        short = 'l',
+        long = "ctrl-loss-tmo",
+        value_name = "SECS",
+        allow_negative_numbers = true
+    )]
+    ctrl_loss_tmo: Option<i64>,
+    /// Seconds between reconnect attempts (default: 0.25 s, doubling up to 10 s).
+    #[arg(short = 'c', long = "reconnect-delay", value_name = "SECS")]
+    reconnect_delay: Option<u32>,
 }
 
 #[derive(Args, Clone)]
@@ -270,24 +295,89 @@ fn main() -> ExitCode {
     match rt.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line: the error and its causes.
-            let msg = format!("{e:#}").replace('\n', " ");
-            eprintln!("nvmeof: error: {msg}");
-            ExitCode::FAILURE
+            eprintln!("nvmeof: error: {}", one_line(&e));
+            ExitCode::from(exit_status(&e))
         }
     }
 }
 
+/// The error and its causes in one line, each said once: a cause whose text an outer message
+/// already contains is left out, and an outer message that a cause repeats in full gives way
+/// to that cause.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let msg = cause.to_string().replace('\n', " ");
+        if parts.iter().any(|p| p.contains(&msg)) {
+            continue;
+        }
+        match parts.last_mut() {
+            Some(last) if msg.contains(last.as_str()) => *last = msg,
+            _ => parts.push(msg),
+        }
+    }
+    parts.join(": ")
+}
+
+/// A mistake in the command line found after parsing.
+#[derive(Debug)]
+struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Fails with a [`Usage`] error (exit status 2).
+macro_rules! usage {
+    ($($t:tt)*) => {
+        return Err(anyhow::Error::new(Usage(format!($($t)*))))
+    };
+}
+
+/// The exit status for an error (see LONG_ABOUT).
+fn exit_status(e: &anyhow::Error) -> u8 {
+    use nvmeof_initiator::Error as E;
+    for cause in e.chain() {
+        if cause.is::<Usage>() {
+            return 2;
+        }
+        if let Some(ie) = cause.downcast_ref::<E>() {
+            return match ie {
+                E::InvalidArgument(_) => 2,
+                E::Status { .. } => 4,
+                E::Daemon(_) => 5,
+                E::ControllerFailed { .. } | E::Refused(_) | E::RdmaUnavailable(_) => 3,
+                e if e.is_transport() => 3,
+                _ => 1,
+            };
+        }
+    }
+    1
+}
+
 struct Ctx {
     output: Output,
-    socket: PathBuf,
+    /// The nvmeof-initd sockets to try, in order.
+    sockets: Vec<PathBuf>,
     state_dir: PathBuf,
+}
+
+impl Ctx {
+    async fn daemon(&self) -> Result<DaemonClient> {
+        Ok(DaemonClient::connect_first(&self.sockets).await?)
+    }
 }
 
 async fn run(cli: Cli) -> Result<()> {
     let ctx = Ctx {
         output: cli.output,
-        socket: cli.socket.unwrap_or_else(daemon::default_socket_path),
+        sockets: cli
+            .socket
+            .map_or_else(daemon::client_socket_paths, |s| vec![s]),
         state_dir: cli.state_dir.unwrap_or_else(default_state_dir),
     };
     match cli.cmd {
@@ -300,7 +390,7 @@ async fn run(cli: Cli) -> Result<()> {
             namespace_id,
         } => cmd_attach(&ctx, &name, &fabric, &queues, namespace_id).await,
         Cmd::Detach { name } => {
-            let mut c = DaemonClient::connect(&ctx.socket).await?;
+            let mut c = ctx.daemon().await?;
             c.detach(&name).await?;
             match ctx.output {
                 Output::Json => print_json(&json!({ "detached": name })),
@@ -309,12 +399,17 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::List => cmd_list(&ctx).await,
-        Cmd::IdCtrl { name, fabric } => cmd_id_ctrl(&ctx, name.as_deref(), &fabric).await,
+        Cmd::IdCtrl {
+            name,
+            fabric,
+            human,
+        } => cmd_id_ctrl(&ctx, name.as_deref(), &fabric, human).await,
         Cmd::IdNs {
             name,
             fabric,
             namespace_id,
-        } => cmd_id_ns(&ctx, name.as_deref(), &fabric, namespace_id).await,
+            human,
+        } => cmd_id_ns(&ctx, name.as_deref(), &fabric, namespace_id, human).await,
         Cmd::Read {
             name,
             fabric,
@@ -352,7 +447,10 @@ fn print_json(v: &Value) {
 }
 
 fn identity(ctx: &Ctx, f: &Fabric) -> Result<HostIdentity> {
-    let parse = |s: &str| parse_hostid(s).ok_or_else(|| anyhow!("--hostid {s:?} is not a UUID"));
+    let parse = |s: &str| {
+        parse_hostid(s)
+            .ok_or_else(|| anyhow::Error::new(Usage(format!("--hostid {s:?} is not a UUID"))))
+    };
     let (hostnqn, hostid) = match (&f.hostnqn, &f.hostid) {
         (Some(n), Some(i)) => (n.clone(), parse(i)?),
         (n, i) => {
@@ -371,26 +469,24 @@ fn identity(ctx: &Ctx, f: &Fabric) -> Result<HostIdentity> {
 fn check_transport(f: &Fabric) -> Result<Transport> {
     let t: Transport = f.transport.parse()?;
     if t == Transport::Rdma && (f.hdr_digest || f.data_digest) {
-        bail!("digests (-g, -G) are an NVMe/TCP feature; NVMe/RDMA has none");
+        usage!("digests (-g, -G) are an NVMe/TCP feature; NVMe/RDMA has none");
     }
     Ok(t)
 }
 
 fn target_addr(f: &Fabric, default_port: u16) -> Result<TargetAddr> {
     let t = check_transport(f)?;
-    let a = f
-        .traddr
-        .as_deref()
-        .ok_or_else(|| anyhow!("the target address is missing (-a ADDRESS)"))?;
+    let Some(a) = f.traddr.as_deref() else {
+        usage!("the target address is missing (-a ADDRESS)");
+    };
     Ok(TargetAddr::new(a, f.trsvcid.unwrap_or(default_port)).with_transport(t))
 }
 
 fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions> {
     let addr = target_addr(f, DEFAULT_PORT)?;
-    let nqn = f
-        .nqn
-        .as_deref()
-        .ok_or_else(|| anyhow!("the subsystem NQN is missing (-n NQN)"))?;
+    let Some(nqn) = f.nqn.as_deref() else {
+        usage!("the subsystem NQN is missing (-n NQN)");
+    };
     let mut o = ConnectOptions::new(addr, nqn, identity(ctx, f)?);
     o.header_digest = f.hdr_digest;
     o.data_digest = f.data_digest;
@@ -409,12 +505,68 @@ fn apply_queue_args(o: &mut ConnectOptions, q: &QueueArgs, timeout: u64) {
     let t = Duration::from_secs(timeout.max(1));
     o.timeouts.connect = t;
     o.timeouts.admin = t;
-    o.timeouts.io = o.timeouts.io.max(t);
-    // A one-off command does not wait long for a target that went away.
+    // A one-off command does not wait long for a target that went away, unless told to.
+    let loss = match q.ctrl_loss_tmo {
+        None => Some(Duration::from_secs(10)),
+        Some(s) if s < 0 => None,
+        Some(s) => Some(Duration::from_secs(s.unsigned_abs())),
+    };
     o.reconnect = ReconnectPolicy {
-        ctrl_loss_timeout: Some(Duration::from_secs(10)),
+        ctrl_loss_timeout: loss,
         ..ReconnectPolicy::default()
     };
+    if let Some(d) = q.reconnect_delay {
+        let d = Duration::from_secs(u64::from(d));
+        o.reconnect.initial_delay = d;
+        o.reconnect.max_delay = d;
+    }
+    // Each I/O waits through the reconnect window (a year stands for forever).
+    o.timeouts.io = match loss {
+        Some(l) => o.timeouts.io.max(t).max(l + t),
+        None => Duration::from_secs(365 * 86_400),
+    };
+}
+
+/// Reports on stderr, one line each, when the connection to the target is lost and when it is
+/// back. Ends when the controller fails or closes.
+fn report_reconnects(ctrl: &Controller, loss: Option<Duration>) {
+    use nvmeof_initiator::ControllerState as S;
+    let ctrl = ctrl.clone();
+    let addr = ctrl.info().addr;
+    let forever = Duration::from_secs(365 * 86_400);
+    let line = |msg: String| {
+        // Clears a progress line first.
+        let clear = if std::io::stderr().is_terminal() {
+            "\r\x1b[K"
+        } else {
+            ""
+        };
+        eprintln!("{clear}nvmeof: {msg}");
+    };
+    tokio::spawn(async move {
+        loop {
+            let lost = ctrl
+                .wait_for_state(forever, |s| !matches!(s, S::Connected))
+                .await;
+            let Ok(S::Reconnecting { last_error, .. }) = lost else {
+                return;
+            };
+            let until = loss.map_or_else(
+                || "until it is back (--ctrl-loss-tmo -1)".to_string(),
+                |l| format!("for up to {} s (--ctrl-loss-tmo)", l.as_secs()),
+            );
+            line(format!(
+                "connection to {addr} lost ({last_error}); reconnecting {until}"
+            ));
+            match ctrl
+                .wait_for_state(forever, |s| !matches!(s, S::Reconnecting { .. }))
+                .await
+            {
+                Ok(S::Connected) => line(format!("reconnected to {addr}")),
+                _ => return,
+            }
+        }
+    });
 }
 
 /// Connection settings from an attachment name or from the fabric flags; returns them with
@@ -428,9 +580,9 @@ async fn resolve(
     match name {
         Some(name) => {
             if f.traddr.is_some() || f.nqn.is_some() {
-                bail!("give either an attachment name or -a/-n, not both");
+                usage!("give either an attachment name or -a/-n, not both");
             }
-            let (mut o, nsid) = daemon::attached_options(&ctx.socket, name).await?;
+            let (mut o, nsid) = ctx.daemon().await?.attached_options(name).await?;
             if f.hdr_digest {
                 o.header_digest = true;
             }
@@ -616,16 +768,21 @@ fn valid_name(name: &str) -> bool {
 
 async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
     if !valid_name(name) {
-        bail!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
+        usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
+    }
+    if q.ctrl_loss_tmo.is_some() || q.reconnect_delay.is_some() {
+        usage!(
+            "--ctrl-loss-tmo and --reconnect-delay apply to one-off commands; nvmeof-initd \
+             reconnects attachments on its own"
+        );
     }
     let addr = target_addr(f, DEFAULT_PORT)?;
-    let subnqn = f
-        .nqn
-        .clone()
-        .ok_or_else(|| anyhow!("the subsystem NQN is missing (-n NQN)"))?;
+    let Some(subnqn) = f.nqn.clone() else {
+        usage!("the subsystem NQN is missing (-n NQN)");
+    };
     if let Some(id) = &f.hostid {
         if parse_hostid(id).is_none() {
-            bail!("--hostid {id:?} is not a UUID");
+            usage!("--hostid {id:?} is not a UUID");
         }
     }
     let params = AttachParams {
@@ -646,7 +803,7 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         queue_size: q.queue_size,
         kato_ms: q.keep_alive_tmo.map(|s| s.saturating_mul(1000)),
     };
-    let mut c = DaemonClient::connect(&ctx.socket).await?;
+    let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
         Output::Json => print_json(&attachment_json(&a)),
@@ -673,7 +830,8 @@ fn attachment_json(a: &AttachmentStatus) -> Value {
         "nsid": a.params.nsid,
         "transport": a.params.transport,
         "traddr": a.params.traddr,
-        "trsvcid": a.params.trsvcid,
+        // A string, as nvme-cli and the discovery log have it.
+        "trsvcid": a.params.trsvcid.to_string(),
         "size_bytes": a.namespace.as_ref().map(|n| n.size_bytes),
         "blocks": a.namespace.as_ref().map(|n| n.blocks),
         "block_size": a.namespace.as_ref().map(|n| n.block_size),
@@ -687,7 +845,7 @@ fn attachment_json(a: &AttachmentStatus) -> Value {
 }
 
 async fn cmd_list(ctx: &Ctx) -> Result<()> {
-    let mut c = DaemonClient::connect(&ctx.socket).await?;
+    let mut c = ctx.daemon().await?;
     let list = c.list().await?;
     match ctx.output {
         Output::Json => {
@@ -727,94 +885,212 @@ async fn cmd_list(ctx: &Ctx) -> Result<()> {
     Ok(())
 }
 
-fn id_ctrl_json(id: &IdentifyController) -> Value {
-    json!({
-        "vid": id.vid.get(),
-        "ssvid": id.ssvid.get(),
-        "sn": get_trimmed(&id.sn),
-        "mn": get_trimmed(&id.mn),
-        "fr": get_trimmed(&id.fr),
-        "rab": id.rab,
-        "ieee": u32::from_le_bytes([id.ieee[0], id.ieee[1], id.ieee[2], 0]),
-        "cmic": id.cmic,
-        "mdts": id.mdts,
-        "cntlid": id.cntlid.get(),
-        "ver": id.ver.get(),
-        "oaes": id.oaes.get(),
-        "ctratt": id.ctratt.get(),
-        "cntrltype": id.cntrltype,
-        "oacs": id.oacs.get(),
-        "acl": id.acl,
-        "aerl": id.aerl,
-        "frmw": id.frmw,
-        "lpa": id.lpa,
-        "elpe": id.elpe,
-        "npss": id.npss,
-        "kas": id.kas.get(),
-        "sqes": id.sqes,
-        "cqes": id.cqes,
-        "maxcmd": id.maxcmd.get(),
-        "nn": id.nn.get(),
-        "oncs": id.oncs.get(),
-        "fuses": id.fuses.get(),
-        "fna": id.fna,
-        "vwc": id.vwc,
-        "awun": id.awun.get(),
-        "awupf": id.awupf.get(),
-        "sgls": id.sgls.get(),
-        "mnan": id.mnan.get(),
-        "subnqn": get_trimmed(&id.subnqn),
-        "ioccsz": id.ioccsz.get(),
-        "iorcsz": id.iorcsz.get(),
-        "icdoff": id.icdoff.get(),
-        "fcatt": id.fcatt,
-        "msdbd": id.msdbd,
-        "ofcs": id.ofcs.get(),
-    })
+/// A field of an Identify structure: its name and value, in the specification's order.
+type Field = (&'static str, Value);
+
+/// Identify Controller fields in the order of NVMe Base 2.0, Figure 275.
+fn id_ctrl_fields(id: &IdentifyController) -> Vec<Field> {
+    vec![
+        ("vid", json!(id.vid.get())),
+        ("ssvid", json!(id.ssvid.get())),
+        ("sn", json!(get_trimmed(&id.sn))),
+        ("mn", json!(get_trimmed(&id.mn))),
+        ("fr", json!(get_trimmed(&id.fr))),
+        ("rab", json!(id.rab)),
+        (
+            "ieee",
+            json!(u32::from_le_bytes([id.ieee[0], id.ieee[1], id.ieee[2], 0])),
+        ),
+        ("cmic", json!(id.cmic)),
+        ("mdts", json!(id.mdts)),
+        ("cntlid", json!(id.cntlid.get())),
+        ("ver", json!(id.ver.get())),
+        ("oaes", json!(id.oaes.get())),
+        ("ctratt", json!(id.ctratt.get())),
+        ("cntrltype", json!(id.cntrltype)),
+        ("oacs", json!(id.oacs.get())),
+        ("acl", json!(id.acl)),
+        ("aerl", json!(id.aerl)),
+        ("frmw", json!(id.frmw)),
+        ("lpa", json!(id.lpa)),
+        ("elpe", json!(id.elpe)),
+        ("npss", json!(id.npss)),
+        ("kas", json!(id.kas.get())),
+        ("sqes", json!(id.sqes)),
+        ("cqes", json!(id.cqes)),
+        ("maxcmd", json!(id.maxcmd.get())),
+        ("nn", json!(id.nn.get())),
+        ("oncs", json!(id.oncs.get())),
+        ("fuses", json!(id.fuses.get())),
+        ("fna", json!(id.fna)),
+        ("vwc", json!(id.vwc)),
+        ("awun", json!(id.awun.get())),
+        ("awupf", json!(id.awupf.get())),
+        ("sgls", json!(id.sgls.get())),
+        ("mnan", json!(id.mnan.get())),
+        ("subnqn", json!(get_trimmed(&id.subnqn))),
+        ("ioccsz", json!(id.ioccsz.get())),
+        ("iorcsz", json!(id.iorcsz.get())),
+        ("icdoff", json!(id.icdoff.get())),
+        ("fcatt", json!(id.fcatt)),
+        ("msdbd", json!(id.msdbd)),
+        ("ofcs", json!(id.ofcs.get())),
+    ]
 }
 
-fn id_ns_json(id: &IdentifyNamespace) -> Value {
+/// `-H` decoding of a few Identify Controller fields.
+fn id_ctrl_human(id: &IdentifyController, mdts_bytes: Option<u64>, name: &str) -> Vec<String> {
+    let bits = |v: u32, names: &[(u32, &str)]| -> Vec<String> {
+        names
+            .iter()
+            .map(|&(bit, what)| {
+                let yes = if v & (1 << bit) != 0 { "" } else { "not " };
+                format!("[{bit}] {what} {yes}supported")
+            })
+            .collect()
+    };
+    match name {
+        "ver" => vec![format!("NVMe {}", version_string(id.ver.get()))],
+        "mdts" => vec![mdts_bytes.map_or_else(
+            || "no transfer size limit".into(),
+            |b| format!("max transfer {}", human_size(b)),
+        )],
+        "cntrltype" => vec![
+            match id.cntrltype {
+                1 => "I/O controller",
+                2 => "discovery controller",
+                3 => "administrative controller",
+                _ => "controller type not reported",
+            }
+            .into(),
+        ],
+        "kas" => vec![format!(
+            "keep alive granularity {} ms",
+            u32::from(id.kas.get()) * 100
+        )],
+        "oncs" => bits(
+            u32::from(id.oncs.get()),
+            &[
+                (0, "Compare"),
+                (1, "Write Uncorrectable"),
+                (2, "Dataset Management"),
+                (3, "Write Zeroes"),
+                (4, "Save/Select in Features"),
+                (5, "Reservations"),
+                (6, "Timestamp"),
+                (7, "Verify"),
+            ],
+        ),
+        "vwc" => vec![
+            if id.vwc & 1 != 0 {
+                "volatile write cache present (flush makes writes durable)"
+            } else {
+                "no volatile write cache"
+            }
+            .into(),
+        ],
+        "sgls" => vec![
+            match id.sgls.get() & 3 {
+                0 => "SGLs not supported",
+                1 => "SGLs supported (no alignment requirement)",
+                2 => "SGLs supported (dword aligned)",
+                _ => "SGL support reserved value",
+            }
+            .into(),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// Identify Namespace fields in the order of NVM Command Set 1.0, Figure 97.
+fn id_ns_fields(id: &IdentifyNamespace, nsid: u32) -> Vec<Field> {
     let lbafs: Vec<Value> = id
         .lbaf
         .iter()
         .take(usize::from(id.nlbaf) + 1)
         .map(|f| json!({ "ms": f.ms.get(), "ds": f.lbads, "rp": f.rp }))
         .collect();
-    json!({
-        "nsze": id.nsze.get(),
-        "ncap": id.ncap.get(),
-        "nuse": id.nuse.get(),
-        "nsfeat": id.nsfeat,
-        "nlbaf": id.nlbaf,
-        "flbas": id.flbas,
-        "mc": id.mc,
-        "dpc": id.dpc,
-        "dps": id.dps,
-        "nmic": id.nmic,
-        "rescap": id.rescap,
-        "dlfeat": id.dlfeat,
-        "nguid": hex_id(&id.nguid),
-        "eui64": hex_id(&id.eui64),
-        "lbafs": lbafs,
-        "block_size": id.block_size(),
-    })
+    vec![
+        ("nsid", json!(nsid)),
+        ("nsze", json!(id.nsze.get())),
+        ("ncap", json!(id.ncap.get())),
+        ("nuse", json!(id.nuse.get())),
+        ("nsfeat", json!(id.nsfeat)),
+        ("nlbaf", json!(id.nlbaf)),
+        ("flbas", json!(id.flbas)),
+        ("mc", json!(id.mc)),
+        ("dpc", json!(id.dpc)),
+        ("dps", json!(id.dps)),
+        ("nmic", json!(id.nmic)),
+        ("rescap", json!(id.rescap)),
+        ("dlfeat", json!(id.dlfeat)),
+        ("nguid", json!(hex_id(&id.nguid))),
+        ("eui64", json!(hex_id(&id.eui64))),
+        ("lbafs", json!(lbafs)),
+        ("block_size", json!(id.block_size())),
+    ]
 }
 
-fn print_fields(v: &Value) {
-    if let Value::Object(m) = v {
-        for (k, val) in m {
-            let s = match val {
-                Value::String(s) => s.clone(),
-                Value::Number(n) => {
-                    if let Some(u) = n.as_u64() {
-                        format!("{u:#x} ({u})")
+/// `-H` decoding of a few Identify Namespace fields.
+fn id_ns_human(id: &IdentifyNamespace, name: &str) -> Vec<String> {
+    let bs = u64::from(id.block_size());
+    let size = |blocks: u64| {
+        format!(
+            "{} ({} blocks of {bs} bytes)",
+            human_size(blocks * bs),
+            blocks
+        )
+    };
+    match name {
+        "nsze" => vec![format!("size {}", size(id.nsze.get()))],
+        "ncap" => vec![format!("capacity {}", size(id.ncap.get()))],
+        "nuse" => vec![format!("in use {}", size(id.nuse.get()))],
+        "nsfeat" => vec![format!(
+            "[0] thin provisioning {}supported",
+            if id.nsfeat & 1 != 0 { "" } else { "not " }
+        )],
+        "flbas" => vec![format!("LBA format {} in use", id.flbas & 0xF)],
+        _ => Vec::new(),
+    }
+}
+
+/// JSON of fields (object keys are sorted; the order of the fields is the normal output's).
+fn fields_json(fields: Vec<Field>) -> Value {
+    Value::Object(
+        fields
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+    )
+}
+
+/// Prints fields as nvme-cli does, one `name : value` line each, numbers in hex and decimal,
+/// LBA formats one per line; `human` adds decoded lines under a field.
+fn print_fields(fields: &[Field], in_use_lbaf: Option<usize>, human: &dyn Fn(&str) -> Vec<String>) {
+    for (k, val) in fields {
+        match val {
+            Value::String(s) => println!("{k:<10}: {s}"),
+            Value::Number(n) => match n.as_u64() {
+                Some(u) => println!("{k:<10}: {u:#x} ({u})"),
+                None => println!("{k:<10}: {n}"),
+            },
+            Value::Array(list) => {
+                for (i, f) in list.iter().enumerate() {
+                    let used = if Some(i) == in_use_lbaf {
+                        " (in use)"
                     } else {
-                        n.to_string()
-                    }
+                        ""
+                    };
+                    println!(
+                        "lbaf {i:>2}   : ms:{:<4} lbads:{:<3} rp:{}{used}",
+                        f["ms"], f["ds"], f["rp"]
+                    );
                 }
-                other => other.to_string(),
-            };
-            println!("{k:<10}: {s}");
+            }
+            other => println!("{k:<10}: {other}"),
+        }
+        for line in human(k) {
+            println!("  {line}");
         }
     }
 }
@@ -830,34 +1106,49 @@ async fn connect_for(
         opts.io_queues = Some(1);
     }
     let addr = opts.addr.clone();
+    let loss = opts.reconnect.ctrl_loss_timeout;
     let ctrl = Controller::connect(opts)
         .await
         .with_context(|| format!("cannot connect to {addr}"))?;
+    report_reconnects(&ctrl, loss);
     Ok((ctrl, nsid))
 }
 
-async fn cmd_id_ctrl(ctx: &Ctx, name: Option<&str>, f: &Fabric) -> Result<()> {
+async fn cmd_id_ctrl(ctx: &Ctx, name: Option<&str>, f: &Fabric, human: bool) -> Result<()> {
     let q = QueueArgs {
         nr_io_queues: Some(0),
         ..QueueArgs::default()
     };
     let (ctrl, _) = connect_for(ctx, name, f, &q).await?;
+    let mdts = ctrl.info().mdts_bytes;
     let id = ctrl.identify_controller().await;
     let _ = ctrl.disconnect().await;
     let id = id.context("Identify Controller")?;
-    let v = id_ctrl_json(&id);
+    let fields = id_ctrl_fields(&id);
     match ctx.output {
-        Output::Json => print_json(&v),
+        Output::Json => print_json(&fields_json(fields)),
         Output::Normal => {
             println!("NVME Identify Controller:");
-            print_fields(&v);
-            println!("{:<10}: {}", "version", version_string(id.ver.get()));
+            let decode = |k: &str| {
+                if human {
+                    id_ctrl_human(&id, mdts, k)
+                } else {
+                    Vec::new()
+                }
+            };
+            print_fields(&fields, None, &decode);
         }
     }
     Ok(())
 }
 
-async fn cmd_id_ns(ctx: &Ctx, name: Option<&str>, f: &Fabric, nsid: Option<u32>) -> Result<()> {
+async fn cmd_id_ns(
+    ctx: &Ctx,
+    name: Option<&str>,
+    f: &Fabric,
+    nsid: Option<u32>,
+    human: bool,
+) -> Result<()> {
     let q = QueueArgs {
         nr_io_queues: Some(0),
         ..QueueArgs::default()
@@ -867,15 +1158,19 @@ async fn cmd_id_ns(ctx: &Ctx, name: Option<&str>, f: &Fabric, nsid: Option<u32>)
     let id = ctrl.identify_namespace(nsid).await;
     let _ = ctrl.disconnect().await;
     let id = id.with_context(|| format!("Identify Namespace {nsid}"))?;
-    let mut v = id_ns_json(&id);
-    if let Value::Object(m) = &mut v {
-        m.insert("nsid".into(), json!(nsid));
-    }
+    let fields = id_ns_fields(&id, nsid);
     match ctx.output {
-        Output::Json => print_json(&v),
+        Output::Json => print_json(&fields_json(fields)),
         Output::Normal => {
             println!("NVME Identify Namespace {nsid}:");
-            print_fields(&v);
+            let decode = |k: &str| {
+                if human {
+                    id_ns_human(&id, k)
+                } else {
+                    Vec::new()
+                }
+            };
+            print_fields(&fields, Some(usize::from(id.flbas & 0xF)), &decode);
         }
     }
     Ok(())
@@ -992,27 +1287,101 @@ async fn cmd_read(
     blocks: u64,
 ) -> Result<()> {
     if blocks == 0 {
-        bail!("--block-count must be at least 1");
-    }
-    if r.start_block.checked_add(blocks).is_none() {
-        bail!("--start-block + --block-count overflows");
+        usage!("--block-count must be at least 1");
     }
     let ns = open_namespace(ctx, name, f, q, r.namespace_id).await?;
-    let res = do_read(ctx, &ns, r, blocks).await;
+    let res = match check_range(&ns, r.start_block, blocks) {
+        Ok(()) => do_read(ctx, &ns, r, blocks).await,
+        Err(e) => Err(e),
+    };
     let _ = ns.controller().clone().disconnect().await;
     res
 }
 
+/// Checks that `blocks` blocks from `start` lie inside the namespace, before any transfer.
+fn check_range(ns: &Namespace, start: u64, blocks: u64) -> Result<()> {
+    let bs = u64::from(ns.block_size());
+    let size = ns.size_bytes() / bs;
+    match start.checked_add(blocks) {
+        Some(end) if end <= size => Ok(()),
+        _ => usage!(
+            "blocks {start}..{} are outside namespace {}: it has {size} blocks of {bs} bytes \
+             ({})",
+            start.saturating_add(blocks),
+            ns.nsid(),
+            human_size(ns.size_bytes())
+        ),
+    }
+}
+
+/// A file written under a temporary name in its directory and renamed to its own name only
+/// when complete; removed if dropped before.
+struct NewFile {
+    file: Option<File>,
+    tmp: PathBuf,
+    path: PathBuf,
+}
+
+impl NewFile {
+    fn create(path: &std::path::Path) -> Result<NewFile> {
+        let name = path
+            .file_name()
+            .with_context(|| format!("{} is not a file name", path.display()))?;
+        let mut tmp_name = std::ffi::OsString::from(".");
+        tmp_name.push(name);
+        tmp_name.push(format!(".nvmeof-{}.tmp", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .with_context(|| format!("cannot create a file next to {}", path.display()))?;
+        Ok(NewFile {
+            file: Some(file),
+            tmp,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Flushes the data to the file system and gives the file its name.
+    fn commit(mut self) -> Result<()> {
+        let file = self.file.take().expect("not committed twice");
+        file.sync_all()
+            .with_context(|| format!("cannot write {}", self.tmp.display()))?;
+        std::fs::rename(&self.tmp, &self.path)
+            .with_context(|| format!("cannot rename the output to {}", self.path.display()))
+    }
+}
+
+impl Write for NewFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.as_mut().map_or(Ok(0), |f| f.write(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.as_mut().map_or(Ok(()), |f| f.flush())
+    }
+}
+
+impl Drop for NewFile {
+    fn drop(&mut self) {
+        if self.file.is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
 async fn do_read(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, blocks: u64) -> Result<()> {
     let bs = u64::from(ns.block_size());
-    let total = blocks
-        .checked_mul(bs)
-        .ok_or_else(|| anyhow!("--block-count is too large"))?;
-    let mut out: Box<dyn Write> = if is_std(&r.data) {
-        Box::new(std::io::stdout().lock())
+    let total = blocks * bs;
+    let mut file = None;
+    let mut stdout;
+    let out: &mut dyn Write = if is_std(&r.data) {
+        stdout = std::io::stdout().lock();
+        &mut stdout
     } else {
         let p = r.data.as_deref().unwrap_or(std::path::Path::new("-"));
-        Box::new(File::create(p).with_context(|| format!("cannot create {}", p.display()))?)
+        file.insert(NewFile::create(p)?)
     };
     let chunk_blocks = (CLI_CHUNK as u64 / bs).max(1);
     let mut buf = vec![0u8; (chunk_blocks.min(blocks) * bs) as usize];
@@ -1032,6 +1401,9 @@ async fn do_read(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, blocks: u64) -> Resul
         progress.update(done * bs);
     }
     out.flush().context("cannot write the output")?;
+    if let Some(f) = file {
+        f.commit()?;
+    }
     progress.finish();
     summary(
         ctx,
@@ -1073,30 +1445,29 @@ async fn do_write(
     } else {
         let p = r.data.as_deref().unwrap_or(std::path::Path::new("-"));
         let f = File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
-        let len = f.metadata().map(|m| m.len()).ok();
+        let len = f.metadata().ok().filter(|m| m.is_file()).map(|m| m.len());
         (Box::new(f), len)
     };
     let blocks = match (blocks, size) {
         (Some(b), _) => b,
         (None, Some(s)) => {
             if s % bs != 0 {
-                bail!(
+                usage!(
                     "the input has {s} bytes, not a multiple of the block size {bs}; give --block-count"
                 );
             }
             s / bs
         }
-        (None, None) => bail!("--block-count is required when writing from stdin"),
+        (None, None) => usage!("--block-count is required when writing from stdin"),
     };
     if blocks == 0 {
-        bail!("nothing to write (0 blocks)");
+        usage!("nothing to write (0 blocks)");
     }
-    if r.start_block.checked_add(blocks).is_none() {
-        bail!("--start-block + --block-count overflows");
+    check_range(ns, r.start_block, blocks)?;
+    let total = blocks * bs;
+    if let Some(s) = size.filter(|&s| s < total) {
+        usage!("the input has {s} bytes, fewer than the {total} of {blocks} blocks");
     }
-    let total = blocks
-        .checked_mul(bs)
-        .ok_or_else(|| anyhow!("--block-count is too large"))?;
     let chunk_blocks = (CLI_CHUNK as u64 / bs).max(1);
     let mut buf = vec![0u8; (chunk_blocks.min(blocks) * bs) as usize];
     let mut progress = Progress::new("write", total);

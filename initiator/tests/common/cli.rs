@@ -52,8 +52,14 @@ pub struct Daemon {
 impl Daemon {
     /// Starts the daemon, logging to `log`.
     pub fn start(socket: &Path, state: &Path, log: &Path) -> Daemon {
+        Self::start_with(socket, state, log, &[])
+    }
+
+    /// [`Daemon::start`] with more arguments.
+    pub fn start_with(socket: &Path, state: &Path, log: &Path, extra: &[&str]) -> Daemon {
         let logf = std::fs::File::create(log).unwrap();
         let child = Command::new(initd())
+            .args(extra)
             .arg("--socket")
             .arg(socket)
             .arg("--state-dir")
