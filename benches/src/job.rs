@@ -1110,6 +1110,37 @@ mod tests {
     }
 
     #[test]
+    fn hostnqn_and_prefill_keys() {
+        let p = plan(
+            r#"
+            [global]
+            hostnqn = "nqn.2026-11.io.example:host1"
+            [[job]]
+            prefill = true
+            "#,
+        )
+        .unwrap();
+        assert_eq!(p.hostnqn.as_deref(), Some("nqn.2026-11.io.example:host1"));
+        let remote = Mode::Tcp(TcpTarget::Remote {
+            addr: "192.0.2.1:4420".into(),
+        });
+        assert!(p.points[0].prefill_in(&remote));
+        let e = plan("[[job]]\nhostnqn = \"nqn.2026-11.io.example:h\"\n").unwrap_err();
+        assert!(e.to_string().contains("may only be set in [global]"), "{e}");
+        let e = plan("[global]\nhostnqn = \"host1\"\n[[job]]\n").unwrap_err();
+        assert!(e.to_string().contains("hostnqn"), "{e}");
+        let ov = Overrides {
+            prefill: Some(false),
+            hostnqn: Some("nqn.2026-11.io.example:host2".into()),
+            ..Overrides::default()
+        };
+        let file = JobFile::parse("[[job]]\nprefill = true\n").unwrap();
+        let p = Plan::resolve(&file, &ov).unwrap();
+        assert!(!p.points[0].prefill_in(&Mode::Das));
+        assert_eq!(p.hostnqn.as_deref(), Some("nqn.2026-11.io.example:host2"));
+    }
+
+    #[test]
     fn sweeps_expand_in_order() {
         let p = plan(
             r#"

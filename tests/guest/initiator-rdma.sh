@@ -223,10 +223,11 @@ expect_contains "$(cat /tmp/verify.log)" "VERIFY STALL-RECOVERED" "verify across
 expect_contains "$(cat /tmp/verify.log)" "VERIFY REGISTERED-TIMEOUT-RELEASED" "registered read across the stall"
 if [ -x "$BENCH" ]; then
     # The load generator's rdma mode beside its tcp mode, same target and namespace, reads
-    # verified. Soft-RoCE under emulation: this shows the path works, not its speed.
+    # verified after --prefill (a target at an address is not written without it).
+    # Soft-RoCE under emulation: this shows the path works, not its speed.
     log "=== nvmeof-targetd: nvmeof-bench --quick, modes rdma and tcp"
     out=$("$BENCH" --quick --modes "rdma=$addr:$OUR_PORT,tcp=$addr:$OUR_PORT" --nqn "$ONQN" \
-        --size 8M --runtime 1s --ramp-time 0s 2>&1) || fail "nvmeof-bench failed: $out"
+        --prefill --size 8M --runtime 1s --ramp-time 0s 2>&1) || fail "nvmeof-bench failed: $out"
     echo "$out" | grep -E '^\|'
     expect_contains "$out" "| rdma@$addr:$OUR_PORT |" "nvmeof-bench rdma mode"
     log "PASS: nvmeof-bench rdma mode"
