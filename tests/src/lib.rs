@@ -3,6 +3,8 @@
 //! and drive the QEMU guest that runs the Linux kernel's NVMe-oF host and target.
 #![forbid(unsafe_code)]
 
+pub mod verified_io;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

@@ -4,90 +4,15 @@
 //! the daemon's open file descriptors and memory must come back to where they were.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nvmeof_initiator::{ConnectOptions, Controller, HostIdentity, Namespace, TargetAddr};
-use nvmeof_tests::{RawHost, TEST_HOSTNQN, TargetProcess, free_port, raise_open_files_limit};
+use nvmeof_tests::verified_io::{BusyHost, connect, runtime, write_read_verify};
+use nvmeof_tests::{RawHost, TargetProcess, free_port, raise_open_files_limit};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:hardening";
 const FLOOD: usize = 5000;
 const HANDSHAKE: Duration = Duration::from_secs(2);
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-async fn connect(addr: SocketAddr, io_queues: u16) -> Controller {
-    let host = HostIdentity::new(TEST_HOSTNQN, [0x42; 16]).expect("host identity");
-    let mut opts = ConnectOptions::new(
-        TargetAddr::new(addr.ip().to_string(), addr.port()),
-        NQN,
-        host,
-    );
-    opts.io_queues = Some(io_queues);
-    opts.queue_depth = 32;
-    Controller::connect(opts).await.expect("connect")
-}
-
-/// Writes a pattern to a 64 KiB extent, reads it back and compares.
-async fn write_read_verify(ns: &Namespace, round: u64) {
-    let bs = u64::from(ns.block_size());
-    let blocks = 65536 / bs;
-    let lba = (round % 64) * blocks;
-    let data: Vec<u8> = (0..65536u64)
-        .map(|i| (i.wrapping_mul(31) ^ round) as u8)
-        .collect();
-    ns.write(lba, &data).await.expect("write");
-    let mut back = vec![0u8; data.len()];
-    ns.read(lba, &mut back).await.expect("read");
-    assert!(
-        back == data,
-        "read back differs at lba {lba} (round {round})"
-    );
-}
-
-/// A host doing verified I/O until told to stop; counts completed rounds.
-struct BusyHost {
-    stop: Arc<AtomicBool>,
-    rounds: Arc<AtomicU64>,
-    task: tokio::task::JoinHandle<Controller>,
-}
-
-impl BusyHost {
-    async fn start(addr: SocketAddr) -> Self {
-        let ctrl = connect(addr, 1).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let rounds = Arc::new(AtomicU64::new(0));
-        let (s, r) = (Arc::clone(&stop), Arc::clone(&rounds));
-        let task = tokio::spawn(async move {
-            let ns = ctrl.namespace(1).await.expect("namespace 1");
-            let mut round = 0;
-            while !s.load(Ordering::Relaxed) {
-                write_read_verify(&ns, round).await;
-                round += 1;
-                r.store(round, Ordering::Relaxed);
-            }
-            ctrl
-        });
-        BusyHost { stop, rounds, task }
-    }
-
-    fn rounds(&self) -> u64 {
-        self.rounds.load(Ordering::Relaxed)
-    }
-
-    async fn stop(self) -> Controller {
-        self.stop.store(true, Ordering::Relaxed);
-        self.task.await.expect("the busy host failed")
-    }
-}
 
 /// The first `n` bytes of an ICReq (a whole one is 128 bytes).
 fn partial_icreq(n: usize) -> Vec<u8> {
@@ -199,7 +124,7 @@ fn half_open_flood_is_closed_in_time_and_memory_returns() {
     let rt = runtime();
     let started = Instant::now();
     rt.block_on(async {
-        let host = BusyHost::start(t.addr()).await;
+        let host = BusyHost::start(t.addr(), NQN, 1).await;
         while host.rounds() < 20 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -303,7 +228,7 @@ fn connection_limits_refuse_extra_connections_and_spare_existing_ones() {
     let rt = runtime();
     rt.block_on(async {
         // Listener A: a controller with one I/O queue (2 connections) and 2 idle ones.
-        let ctrl = connect(a, 1).await;
+        let ctrl = connect(a, NQN, 1).await;
         let ns = ctrl.namespace(1).await.expect("ns");
         write_read_verify(&ns, 1).await;
         let idle_a: Vec<_> = (0..2).map(|_| RawHost::connect(a, false, false)).collect();
@@ -351,7 +276,7 @@ fn connect_disconnect_loop_returns_fds_and_memory() {
         let cycle = |i: u64| {
             let addr = t.addr();
             async move {
-                let ctrl = connect(addr, 2).await;
+                let ctrl = connect(addr, NQN, 2).await;
                 if i % 50 == 0 {
                     write_read_verify(&ctrl.namespace(1).await.expect("ns"), i).await;
                 }
