@@ -348,8 +348,8 @@ impl Config {
         }
         if t.handshake_timeout.is_zero() || t.handshake_timeout > Duration::from_secs(3600) {
             return bad(format!(
-                "target.handshake_timeout = {:?}: must be more than 0 and at most 1h",
-                t.handshake_timeout
+                "target.handshake_timeout = {}ms: must be more than 0 and at most 1h",
+                t.handshake_timeout.as_millis()
             ));
         }
         if t.max_connections == 0 || t.max_connections_per_listener == 0 {
