@@ -61,13 +61,18 @@ async fn flood(t: &TargetProcess) -> (Vec<Duration>, u64) {
 fn check_close_times(closed: &[Duration]) {
     let slowest = closed.iter().max().copied().unwrap_or_default();
     let fastest = closed.iter().min().copied().unwrap_or_default();
+    eprintln!(
+        "{} half-open connections closed {fastest:?} to {slowest:?} after they were opened",
+        closed.len()
+    );
     assert!(
         slowest <= HANDSHAKE + Duration::from_secs(1),
         "a connection stayed open {slowest:?} (handshake timeout {HANDSHAKE:?})"
     );
-    // Not closed early either (the daemon's clock starts when it accepts, after our connect).
+    // Not closed early either. The daemon's clock starts when it accepts, which can come
+    // before this busy runtime notices its connect has finished: allow for that.
     assert!(
-        fastest + Duration::from_millis(50) >= HANDSHAKE,
+        fastest + Duration::from_millis(500) >= HANDSHAKE,
         "a connection was closed after only {fastest:?}"
     );
 }
