@@ -206,7 +206,10 @@ impl DropLog {
                 .lock()
                 .map_or_else(Instant::now, |t| t + DROP_LOG_INTERVAL);
             tokio::time::sleep_until(due.into()).await;
-            self.log(addr, Instant::now());
+            if !self.log(addr, Instant::now()) {
+                // A line was written meanwhile: wait for its interval to pass instead.
+                self.due.notify_one();
+            }
         }
     }
 }
