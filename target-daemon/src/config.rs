@@ -4,6 +4,9 @@
 //! [target]
 //! reactors = 2                      # data-plane threads (default: one per core)
 //! poll_us = 50                      # busy-poll window after activity (default 0: event-driven)
+//! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
+//! max_connections = 16384           # open connections on the whole target
+//! max_connections_per_listener = 4096
 //!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
@@ -23,6 +26,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::str::FromStr;
+use std::time::Duration;
 
 use blockdev::BackendSpec;
 use serde::Deserialize;
@@ -148,6 +152,15 @@ pub struct TargetSettings {
     /// instead of sleeping in the kernel, so the next command of a busy host is picked up
     /// without a wake-up. 0 = never poll (purely event-driven). An idle reactor sleeps.
     pub poll_us: u32,
+    /// A connection must finish the transport handshake (NVMe/TCP ICReq, NVMe/RDMA queue
+    /// pair set-up) and the Fabrics Connect within this time, else it is closed. Written like
+    /// `"5s"` or `"500ms"` in the file.
+    #[serde(deserialize_with = "deserialize_duration")]
+    pub handshake_timeout: Duration,
+    /// Most connections open on the whole target; more are closed as soon as accepted.
+    pub max_connections: usize,
+    /// Most connections open on one listener; more are closed as soon as accepted.
+    pub max_connections_per_listener: usize,
 }
 
 impl Default for TargetSettings {
@@ -161,6 +174,9 @@ impl Default for TargetSettings {
             max_c2h_data: 128 * 1024,
             default_kato_ms: 120_000,
             poll_us: 0,
+            handshake_timeout: Duration::from_secs(5),
+            max_connections: 16384,
+            max_connections_per_listener: 4096,
         }
     }
 }
@@ -330,6 +346,17 @@ impl Config {
                 t.max_c2h_data
             ));
         }
+        if t.handshake_timeout.is_zero() || t.handshake_timeout > Duration::from_secs(3600) {
+            return bad(format!(
+                "target.handshake_timeout = {}ms: must be more than 0 and at most 1h",
+                t.handshake_timeout.as_millis()
+            ));
+        }
+        if t.max_connections == 0 || t.max_connections_per_listener == 0 {
+            return bad(
+                "target.max_connections and max_connections_per_listener must be at least 1".into(),
+            );
+        }
         let mut nqns = std::collections::HashSet::new();
         for s in &self.subsystems {
             if !valid_nqn(&s.nqn) {
@@ -386,6 +413,34 @@ impl Config {
     }
 }
 
+/// Parses a duration written as a number and a unit: `500ms`, `5s`, `2m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("duration {s:?}: expected a number and a unit, like 5s or 500ms"))?;
+    let ms = match unit.trim() {
+        "ms" => Some(n),
+        "s" => n.checked_mul(1000),
+        "m" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        _ => {
+            return Err(format!(
+                "duration {s:?}: unit must be ms, s, m or h, like 5s or 500ms"
+            ));
+        }
+    };
+    ms.map(Duration::from_millis)
+        .ok_or_else(|| format!("duration {s:?} is too long"))
+}
+
+fn deserialize_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_duration(&s).map_err(serde::de::Error::custom)
+}
+
 /// Whether `s` looks like an NQN (NVMe Base 2.0 section 4.5: "nqn." prefix, at most 223 bytes).
 pub fn valid_nqn(s: &str) -> bool {
     s.starts_with("nqn.") && s.len() <= 223 && s.is_ascii() && !s.contains(char::is_whitespace)
@@ -424,6 +479,9 @@ mod tests {
             [target]
             reactors = 2
             poll_us = 75
+            handshake_timeout = "1500ms"
+            max_connections = 100
+            max_connections_per_listener = 10
             [[listener]]
             address = "tcp://0.0.0.0:4420"
             [discovery]
@@ -442,6 +500,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.target.reactors, 2);
         assert_eq!(c.target.poll_us, 75);
+        assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(c.target.max_connections, 100);
+        assert_eq!(c.target.max_connections_per_listener, 10);
         assert_eq!(c.subsystems[0].namespaces[1].nsid, Some(7));
         assert_eq!(c.discovery.listen[0].addr.port(), 8009);
     }
@@ -467,9 +528,40 @@ mod tests {
                 "power of two",
             ),
             ("[bogus]\n", "unknown field"),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[target]\nhandshake_timeout = \"5\"",
+                "unit must be",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[target]\nhandshake_timeout = \"0s\"",
+                "more than 0",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[target]\nmax_connections = 0",
+                "at least 1",
+            ),
         ] {
             let err = Config::from_toml(doc).unwrap_err().to_string();
             assert!(err.contains(needle), "{doc:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        for bad in [
+            "",
+            "s",
+            "5",
+            "5 sec",
+            "-1s",
+            "1.5s",
+            "99999999999999999999s",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
     }
 

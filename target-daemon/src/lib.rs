@@ -16,11 +16,14 @@
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
 //! - [`target`] and [`reactor`]: listeners, thread-per-core reactors, orderly shutdown.
+//! - [`admission`]: connection limits per listener and in total, and the log of connections
+//!   dropped by a limit or by the handshake timeout.
 //!
 //! This crate never panics on input from the network: every malformed command gets an NVMe
 //! status, and every protocol violation a TermReq and a closed connection.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod config;
 pub mod controller;
 pub mod discovery;

@@ -47,6 +47,7 @@ use nvmf_rdma::{
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
+use crate::admission::{DropReason, Permit};
 use crate::config::ListenAddr;
 use crate::controller::{Controller, EventReceiver, QueueOrigin};
 use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
@@ -83,6 +84,7 @@ struct Incoming {
     req: ConnectRequest,
     params: QueueRequest,
     ord: u8,
+    permit: Permit,
 }
 
 /// Starts the RDMA reactor threads (as many as the target's reactors) and one acceptor task
@@ -138,11 +140,18 @@ async fn accept_loop(
     next: Arc<AtomicUsize>,
 ) {
     let mut shutdown = target.subscribe_shutdown();
+    let gate = target.listener_gate(addr.clone());
+    let report = gate.report_drops();
+    tokio::pin!(report);
     loop {
         tokio::select! {
             r = listener.next_request() => match r {
                 Ok(req) => {
-                    if let Some(inc) = validate(&target, req) {
+                    let Some(permit) = gate.admit() else {
+                        let _ = req.reject(&reject_data(reject::NO_RESOURCES));
+                        continue;
+                    };
+                    if let Some(inc) = validate(&target, req, permit) {
                         let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
                         if let Err(mpsc::error::SendError(inc)) = senders[i].send(inc) {
                             let _ = inc.req.reject(&reject_data(reject::NO_RESOURCES));
@@ -159,8 +168,10 @@ async fn accept_loop(
                 }
             },
             _ = shutdown.changed() => break,
+            _ = &mut report => {}
         }
     }
+    gate.flush_drops();
 }
 
 /// The limits of NVMe/RDMA queues on this target.
@@ -174,7 +185,7 @@ fn limits(target: &Target) -> QueueLimits {
 }
 
 /// Checks a connection request; rejects it (and returns None) when it cannot be served.
-fn validate(target: &Target, req: ConnectRequest) -> Option<Incoming> {
+fn validate(target: &Target, req: ConnectRequest, permit: Permit) -> Option<Incoming> {
     let peer = req.peer;
     let refuse = |req: ConnectRequest, code: u16, detail: String| {
         info!(%peer, status = code, reason = reject_reason(code), %detail, "NVMe/RDMA connection rejected");
@@ -213,7 +224,12 @@ fn validate(target: &Target, req: ConnectRequest) -> Option<Incoming> {
         ord,
         "NVMe/RDMA connection request"
     );
-    Some(Incoming { req, params, ord })
+    Some(Incoming {
+        req,
+        params,
+        ord,
+        permit,
+    })
 }
 
 /// An RDMA reactor: a current-thread runtime owning the connections handed to it.
@@ -322,10 +338,19 @@ struct Conn {
     ctrl_shutdown: Option<watch::Receiver<bool>>,
     target_shutdown: watch::Receiver<bool>,
     closing: Option<Closed>,
+    /// Until the Fabrics Connect succeeds: when the connection is closed.
+    handshake_deadline: Option<Instant>,
+    permit: Permit,
 }
 
 async fn serve(target: Arc<Target>, inc: Incoming) {
-    let Incoming { req, params, ord } = inc;
+    let Incoming {
+        req,
+        params,
+        ord,
+        permit,
+    } = inc;
+    let handshake_deadline = Some(Instant::now() + target.settings.handshake_timeout);
     let (local, peer) = (req.local, req.peer);
     let in_capsule = (target.settings.in_capsule_data as usize).max(8192);
     let cfg = QueueConfig::target(params.depth, in_capsule, ord);
@@ -341,7 +366,6 @@ async fn serve(target: Arc<Target>, inc: Incoming) {
             return;
         }
     };
-    target.connection_opened();
     debug!(%peer, %local, qid = params.qid, depth = params.depth, "NVMe/RDMA queue pair accepted");
     let state = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
         .with_host_sgl(HostSgl::Keyed);
@@ -359,11 +383,11 @@ async fn serve(target: Arc<Target>, inc: Incoming) {
         ctrl_shutdown: None,
         target_shutdown: target.subscribe_shutdown(),
         closing: None,
+        handshake_deadline,
+        permit,
     };
     let reason = conn.run().await;
     conn.finish(reason, peer);
-    drop(conn);
-    target.connection_closed();
 }
 
 async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
@@ -442,12 +466,16 @@ impl Conn {
                 }
                 self.closing = Some(reason);
             }
-            let ka_deadline = self
-                .state
-                .ctrl
-                .as_ref()
-                .filter(|_| self.state.qid == 0)
-                .and_then(|c| c.keep_alive_deadline());
+            if self.state.ctrl.is_some() || self.closing.is_some() {
+                self.handshake_deadline = None;
+            }
+            let deadline = self.handshake_deadline.or_else(|| {
+                self.state
+                    .ctrl
+                    .as_ref()
+                    .filter(|_| self.state.qid == 0)
+                    .and_then(|c| c.keep_alive_deadline())
+            });
             tokio::select! {
                 biased;
                 Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
@@ -494,7 +522,11 @@ impl Conn {
                         self.closing = Some(Closed::Local("target shutting down"));
                     }
                 }
-                _ = sleep_until(ka_deadline), if ka_deadline.is_some() => {
+                _ = sleep_until(deadline), if deadline.is_some() => {
+                    if self.handshake_deadline.is_some_and(|d| d <= Instant::now()) {
+                        self.permit.gate().note_dropped(DropReason::HandshakeTimeout);
+                        self.closing = Some(Closed::Local("handshake timeout"));
+                    }
                     if let Some(ctrl) = &self.state.ctrl {
                         if ctrl.keep_alive_deadline().is_some_and(|d| d <= Instant::now()) {
                             warn!(

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Notify, mpsc};
 use tracing::{error, warn};
 
+use crate::admission::Permit;
 use crate::target::Target;
 
 /// The busy-poll state of one reactor thread.
@@ -61,7 +62,7 @@ async fn poll_loop(p: Rc<Poller>) {
 pub fn run(
     index: usize,
     target: Arc<Target>,
-    mut rx: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    mut rx: mpsc::UnboundedReceiver<(std::net::TcpStream, Permit)>,
 ) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -92,7 +93,7 @@ pub fn run(
         p
     });
     local.block_on(&rt, async {
-        while let Some(stream) = rx.recv().await {
+        while let Some((stream, permit)) = rx.recv().await {
             let stream = match tokio::net::TcpStream::from_std(stream) {
                 Ok(s) => s,
                 Err(e) => {
@@ -101,7 +102,7 @@ pub fn run(
                 }
             };
             let t = Arc::clone(&target);
-            tokio::task::spawn_local(crate::tcp::serve(t, stream));
+            tokio::task::spawn_local(crate::tcp::serve(t, stream, permit));
         }
     });
     // Stop polling, then let every connection finish its in-flight commands and close.

@@ -10,6 +10,7 @@ use blockdev::Backend;
 use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 
+use crate::admission::{ConnectionCount, ListenerGate, Permit};
 use crate::config::{Config, ListenAddr, TargetSettings, Transport};
 use crate::subsystem::{Subsystem, stable_id128};
 
@@ -62,7 +63,7 @@ pub struct Target {
     genctr: AtomicU64,
     next_discovery_cntlid: AtomicU16,
     shutdown_tx: watch::Sender<bool>,
-    connections: AtomicUsize,
+    connections: Arc<ConnectionCount>,
 }
 
 /// A bound listener ready to accept.
@@ -159,7 +160,7 @@ impl Target {
             genctr: AtomicU64::new(1),
             next_discovery_cntlid: AtomicU16::new(1),
             shutdown_tx,
-            connections: AtomicUsize::new(0),
+            connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
         };
         Ok((Arc::new(target), bound))
     }
@@ -192,15 +193,17 @@ impl Target {
 
     /// Number of open connections.
     pub fn connection_count(&self) -> usize {
-        self.connections.load(Ordering::Relaxed)
+        self.connections.open()
     }
 
-    pub(crate) fn connection_opened(&self) {
-        self.connections.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn connection_closed(&self) {
-        self.connections.fetch_sub(1, Ordering::Relaxed);
+    /// The admission gate of a new listener on `addr`, bounded by the per-listener and the
+    /// target-wide connection limits.
+    pub fn listener_gate(&self, addr: ListenAddr) -> Arc<ListenerGate> {
+        ListenerGate::new(
+            addr,
+            self.settings.max_connections_per_listener,
+            Arc::clone(&self.connections),
+        )
     }
 
     /// Flushes every namespace's backend, logging failures. Returns the number of failures.
@@ -260,7 +263,7 @@ impl RunningTarget {
         let mut senders = Vec::new();
         let mut reactors = Vec::new();
         for i in 0..n {
-            let (tx, rx) = mpsc::unbounded_channel();
+            let (tx, rx) = mpsc::unbounded_channel::<(std::net::TcpStream, Permit)>();
             senders.push(tx);
             let t = Arc::clone(&target);
             let handle = std::thread::Builder::new()
@@ -289,11 +292,16 @@ impl RunningTarget {
             let senders = senders.clone();
             let next = Arc::clone(&next);
             let mut shutdown = target.subscribe_shutdown();
+            let gate = target.listener_gate(l.addr.clone());
             acceptors.push(tokio::spawn(async move {
+                let report = gate.report_drops();
+                tokio::pin!(report);
                 loop {
                     tokio::select! {
                         r = listener.accept() => match r {
                             Ok((stream, peer)) => {
+                                // Over a limit: closed here, at once.
+                                let Some(permit) = gate.admit() else { continue };
                                 let stream = match stream.into_std() {
                                     Ok(s) => s,
                                     Err(e) => {
@@ -302,7 +310,7 @@ impl RunningTarget {
                                     }
                                 };
                                 let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-                                if senders[i].send(stream).is_err() {
+                                if senders[i].send((stream, permit)).is_err() {
                                     break;
                                 }
                             }
@@ -312,8 +320,10 @@ impl RunningTarget {
                             }
                         },
                         _ = shutdown.changed() => break,
+                        _ = &mut report => {}
                     }
                 }
+                gate.flush_drops();
             }));
         }
         let (rdma_reactors, rdma_acceptors) = crate::rdma::start(&target, rdma)?;

@@ -4,6 +4,10 @@
 //! handles every complete PDU, starts backend I/O, and writes every queued PDU with one
 //! `write` call. Memory and null namespaces complete inline with no task or allocation per
 //! command; file namespaces run concurrently up to the queue depth.
+//!
+//! A connection that has not finished the ICReq and the Fabrics Connect within the handshake
+//! timeout is closed; until its ICReq is accepted it holds only a few hundred bytes of
+//! buffers.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,6 +29,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
+use crate::admission::{DropReason, Permit};
 use crate::controller::{Controller, EventReceiver, QueueOrigin};
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::target::Target;
@@ -67,6 +72,8 @@ enum Closed {
     HostTermReq(u16),
     /// Disconnect command, controller teardown or target shutdown.
     Local(&'static str),
+    /// ICReq and Connect were not done within the handshake timeout.
+    HandshakeTimeout,
 }
 
 struct Conn {
@@ -81,10 +88,14 @@ struct Conn {
     ctrl_shutdown: Option<watch::Receiver<bool>>,
     target_shutdown: watch::Receiver<bool>,
     closing: Option<Closed>,
+    /// Until the Fabrics Connect succeeds: when the connection is closed.
+    handshake_deadline: Option<Instant>,
+    permit: Permit,
 }
 
-/// Serves one NVMe/TCP connection until it closes.
-pub async fn serve(target: Arc<Target>, stream: TcpStream) {
+/// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
+/// limits.
+pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     let (Ok(peer), Ok(local)) = (stream.peer_addr(), stream.local_addr()) else {
         return;
     };
@@ -105,7 +116,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream) {
             return;
         }
     };
-    target.connection_opened();
+    let handshake_deadline = Some(Instant::now() + s.handshake_timeout);
     let mdts = s.mdts_kib as usize * 1024;
     let mut conn = Conn {
         stream,
@@ -119,10 +130,11 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream) {
         ctrl_shutdown: None,
         target_shutdown: target.subscribe_shutdown(),
         closing: None,
+        handshake_deadline,
+        permit,
     };
     let reason = conn.run().await;
     conn.finish(reason, peer);
-    target.connection_closed();
 }
 
 async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
@@ -177,12 +189,16 @@ impl Conn {
                 (false, true) => Some(Interest::WRITABLE),
                 (false, false) => None,
             };
-            let deadline = self
-                .q
-                .ctrl
-                .as_ref()
-                .filter(|_| self.q.qid == 0)
-                .and_then(|c| c.keep_alive_deadline());
+            if self.q.ctrl.is_some() {
+                self.handshake_deadline = None;
+            }
+            let deadline = self.handshake_deadline.or_else(|| {
+                self.q
+                    .ctrl
+                    .as_ref()
+                    .filter(|_| self.q.qid == 0)
+                    .and_then(|c| c.keep_alive_deadline())
+            });
             tokio::select! {
                 biased;
                 Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
@@ -224,6 +240,10 @@ impl Conn {
                     }
                 }
                 _ = sleep_until(deadline), if deadline.is_some() => {
+                    if self.handshake_deadline.is_some_and(|d| d <= Instant::now()) {
+                        self.permit.gate().note_dropped(DropReason::HandshakeTimeout);
+                        return Closed::HandshakeTimeout;
+                    }
                     if let Some(ctrl) = &self.q.ctrl {
                         if ctrl.keep_alive_deadline().is_some_and(|d| d <= Instant::now()) {
                             warn!(
@@ -257,7 +277,7 @@ impl Conn {
     /// Reads what the socket has and handles every complete PDU.
     fn receive(&mut self) -> Result<(), Closed> {
         for _ in 0..4 {
-            let buf = self.engine.recv_buf(READ_CHUNK);
+            let buf = self.engine.recv_buf(self.engine.recv_hint(READ_CHUNK));
             match self.stream.try_read(buf) {
                 Ok(0) => return Err(Closed::Eof),
                 Ok(n) => {
@@ -559,6 +579,9 @@ impl Conn {
                     warn!(%peer, reason = %r, "connection closed: protocol error")
                 }
                 Closed::Eof | Closed::Local(_) => debug!(%peer, "connection closed before Connect"),
+                Closed::HandshakeTimeout => {
+                    debug!(%peer, "connection closed: no ICReq and Connect within the handshake timeout")
+                }
                 other => info!(%peer, reason = ?other, "connection closed before Connect"),
             }
             return;
@@ -570,6 +593,7 @@ impl Conn {
             Closed::Protocol(r) => format!("protocol error: {r}"),
             Closed::HostTermReq(fes) => format!("host sent TermReq (FES {fes:#x})"),
             Closed::Local(r) => (*r).to_string(),
+            Closed::HandshakeTimeout => "handshake timeout".to_string(),
         };
         let error = matches!(
             reason,

@@ -3,6 +3,8 @@
 //! and drive the QEMU guest that runs the Linux kernel's NVMe-oF host and target.
 #![forbid(unsafe_code)]
 
+pub mod verified_io;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -158,6 +160,24 @@ impl TargetProcess {
         Duration::from_millis(ticks * 10)
     }
 
+    /// Its resident memory (VmRSS) in KiB, from /proc.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("/proc/PID/status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+
+    /// Number of its open file descriptors, from /proc.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("/proc/PID/fd")
+            .count()
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -169,6 +189,36 @@ impl Drop for TargetProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Raises this process's soft limit on open files to at least `n` (and the hard limit with
+/// it when needed, which takes root), so that a test can hold `n` sockets. Processes started
+/// afterwards (the daemon) inherit it.
+pub fn raise_open_files_limit(n: u64) {
+    let limits = std::fs::read_to_string("/proc/self/limits").expect("/proc/self/limits");
+    let (soft, hard) = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let v = |s: &str| s.parse::<u64>().unwrap_or(u64::MAX);
+            (v(f[3]), v(f[4]))
+        })
+        .expect("Max open files");
+    if soft >= n {
+        return;
+    }
+    let hard = hard.max(n);
+    let ok = Command::new("prlimit")
+        .arg("--pid")
+        .arg(std::process::id().to_string())
+        .arg(format!("--nofile={n}:{hard}"))
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "cannot raise the open files limit to {n} (prlimit, util-linux)"
+    );
 }
 
 /// What a raw host observed.

@@ -19,7 +19,9 @@
 //! matching TermReq (and the offending header) queued in the send buffer. Data digest errors
 //! are not fatal (section 3.5): they are reported as events and the connection continues.
 //!
-//! Receiving: read the socket into [`TargetConn::recv_buf`] and call
+//! Receiving: read the socket into [`TargetConn::recv_buf`] (asking for
+//! [`TargetConn::recv_hint`] bytes, so that a connection still waiting for its ICReq holds only
+//! 128 bytes) and call
 //! [`TargetConn::commit_recv`] (or [`TargetConn::feed`] a slice), then call
 //! [`TargetConn::next_event`] until it returns `Ok(None)`. Event data borrows the receive
 //! buffer: no copy is made. Sending: write [`TargetConn::pending_send`] to the socket and
@@ -28,8 +30,8 @@
 //! What this crate must not do: perform I/O, spawn tasks, depend on an async runtime, read
 //! the clock, interpret NVMe commands beyond what the transport needs (the command
 //! identifier, and for the host the SGL1 length and data direction), or panic on any input.
-//! Buffers are allocated when a connection is created and reused; steady-state traffic does
-//! not allocate per PDU.
+//! Buffers are allocated once (the target's full-size ones when the ICReq is accepted) and
+//! reused; steady-state traffic does not allocate per PDU.
 #![forbid(unsafe_code)]
 
 mod digest;

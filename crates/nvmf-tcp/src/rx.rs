@@ -62,6 +62,13 @@ impl RecvBuffer {
         }
     }
 
+    /// Grows the backing store to at least `capacity` bytes.
+    pub fn grow(&mut self, capacity: usize) {
+        if self.buf.len() < capacity {
+            self.buf.resize(capacity, 0);
+        }
+    }
+
     /// Drops everything received.
     pub fn clear(&mut self) {
         self.start = 0;

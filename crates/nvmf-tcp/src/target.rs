@@ -33,10 +33,12 @@ pub struct TargetConfig {
     pub allow_digests: bool,
     /// [`TargetConn::send_c2h_data`] splits data into C2HData PDUs of at most this many bytes.
     pub max_c2h_data: u32,
-    /// Initial size of the receive buffer in bytes (it is never smaller than the largest
-    /// PDU the configuration admits).
+    /// Size of the receive buffer in bytes once the ICReq is accepted (it is never smaller
+    /// than the largest PDU the configuration admits). Until then the connection holds only
+    /// room for the ICReq, so connections that never finish it cost little memory.
     pub recv_buffer_size: usize,
-    /// Number of outstanding R2Ts to reserve room for (the queue depth is a good value).
+    /// Number of outstanding R2Ts to reserve room for once the ICReq is accepted (the queue
+    /// depth is a good value).
     pub max_outstanding_r2t: usize,
 }
 
@@ -223,19 +225,27 @@ impl TargetConn {
         if config.max_c2h_data == 0 {
             return Err(ConfigError::MaxC2hData);
         }
-        let largest_data = config.maxh2cdata.max(config.max_in_capsule_data) as usize;
-        let largest_pdu = MAX_PDO + largest_data + DIGEST_LEN;
-        let rx = RecvBuffer::with_capacity(config.recv_buffer_size.max(largest_pdu));
-        let r2ts = tag_map(config.max_outstanding_r2t);
+        // Nothing but the ICReq may arrive before the ICResp: the full-size buffers wait
+        // until it is accepted.
         Ok(Self {
             config,
             state: State::AwaitIcReq,
-            rx,
+            rx: RecvBuffer::with_capacity(IC_PDU_LEN),
             need: 0,
-            tx: Vec::with_capacity(4096),
+            tx: Vec::new(),
             tx_pos: 0,
-            r2ts,
+            r2ts: tag_map(0),
         })
+    }
+
+    /// Allocates the buffers of an established connection.
+    fn reserve_established(&mut self) {
+        let c = &self.config;
+        let largest_data = c.maxh2cdata.max(c.max_in_capsule_data) as usize;
+        let largest_pdu = MAX_PDO + largest_data + DIGEST_LEN;
+        self.rx.grow(c.recv_buffer_size.max(largest_pdu));
+        self.tx.reserve(4096);
+        self.r2ts.reserve(c.max_outstanding_r2t);
     }
 
     /// The configuration.
@@ -258,8 +268,20 @@ impl TargetConn {
 
     /// Free space to read socket bytes into: at least `min` bytes, and enough for the whole
     /// PDU being received. Pass the number of bytes written to [`commit_recv`](Self::commit_recv).
+    ///
+    /// Until the ICReq is accepted the buffer holds one ICReq (a host sends nothing else
+    /// before it has the ICResp): ask for [`TargetConn::recv_hint`] bytes to keep it so.
     pub fn recv_buf(&mut self, min: usize) -> &mut [u8] {
         self.rx.spare(min, self.need)
+    }
+
+    /// How many bytes to ask [`recv_buf`](Self::recv_buf) for: `chunk` once the connection
+    /// is established, only what the ICReq still lacks before.
+    pub fn recv_hint(&self, chunk: usize) -> usize {
+        match self.state {
+            State::AwaitIcReq => IC_PDU_LEN.saturating_sub(self.rx.len()).max(1),
+            _ => chunk,
+        }
     }
 
     /// Marks `n` bytes written into [`recv_buf`](Self::recv_buf) as received (clamped to its
@@ -428,6 +450,7 @@ impl TargetConn {
         self.rx.consume(IC_PDU_LEN);
         self.need = 0;
         // Section 3.6.2.3: PFV 0, CPDA 0 (no alignment needed), the digests exactly as asked.
+        self.reserve_established();
         PduHeader::ic_resp(0, digests, self.config.maxh2cdata).append_to(&mut self.tx, &[]);
         self.state = State::Established {
             params,

@@ -375,3 +375,28 @@ fn c2h_data_received_in_place() {
         }
     }
 }
+
+/// Until the ICReq is accepted a connection holds no more receive space than the ICReq needs
+/// (a flood of connections that never finish it costs little memory); afterwards the whole
+/// configured buffer.
+#[test]
+fn receive_space_is_small_until_the_icreq() {
+    let mut h = HostConn::new(host_config(ALL_DIGESTS[0]));
+    let icreq = take_host_tx(&mut h);
+    let mut t = TargetConn::new(target_config()).expect("valid config");
+    assert_eq!(t.recv_hint(256 * 1024), 128);
+    assert_eq!(t.recv_buf(t.recv_hint(256 * 1024)).len(), 128);
+    t.feed(&icreq[..8]);
+    assert!(t.next_event().unwrap().is_none());
+    assert_eq!(t.recv_hint(256 * 1024), 120);
+    assert_eq!(t.recv_buf(120).len(), 120);
+    let rest = &icreq[8..];
+    t.recv_buf(rest.len())[..rest.len()].copy_from_slice(rest);
+    t.commit_recv(rest.len());
+    assert!(matches!(
+        t.next_event().unwrap(),
+        Some(nvmf_tcp::TargetEvent::Connected(_))
+    ));
+    assert_eq!(t.recv_hint(256 * 1024), 256 * 1024);
+    assert!(t.recv_buf(1).len() >= target_config().recv_buffer_size);
+}

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use blockdev::BackendSpec;
@@ -64,6 +65,21 @@ struct Args {
     #[arg(long, value_name = "US")]
     poll_us: Option<u32>,
 
+    /// Close connections that have not finished the ICReq and the Fabrics Connect within
+    /// this time, e.g. 5s or 500ms (default: the config's value, else 5s).
+    #[arg(long, value_name = "DURATION", value_parser = nvmeof_target::config::parse_duration)]
+    handshake_timeout: Option<Duration>,
+
+    /// Most connections open on the whole target; more are closed as soon as accepted
+    /// (default: the config's value, else 16384).
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+
+    /// Most connections open on one listener; more are closed as soon as accepted
+    /// (default: the config's value, else 4096).
+    #[arg(long, value_name = "N")]
+    max_connections_per_listener: Option<usize>,
+
     /// Check the configuration, open the backends, bind the listeners, then exit.
     #[arg(long)]
     check: bool,
@@ -119,6 +135,13 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     if let Some(us) = args.poll_us {
         cfg.target.poll_us = us;
     }
+    let t = &mut cfg.target;
+    t.handshake_timeout = args.handshake_timeout.unwrap_or(t.handshake_timeout);
+    t.max_connections = args.max_connections.unwrap_or(t.max_connections);
+    t.max_connections_per_listener = args
+        .max_connections_per_listener
+        .unwrap_or(t.max_connections_per_listener);
+    cfg.validate()?;
     for s in &cfg.subsystems {
         if s.allow_any_host {
             warn!(subsystem = %s.nqn, "any host may connect to this subsystem");
