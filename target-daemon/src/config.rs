@@ -542,6 +542,26 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configuration_is_valid_and_safe() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nvmeof-targetd.toml");
+        let c = Config::from_file(&path).unwrap();
+        for l in &c.listeners {
+            assert!(!l.address.addr.ip().is_unspecified(), "{}", l.address);
+        }
+        for s in &c.subsystems {
+            assert!(!s.allow_any_host && !s.hosts.is_empty(), "{}", s.nqn);
+            for ns in &s.namespaces {
+                let size = match &ns.backend {
+                    BackendSpec::Memory { size, .. } | BackendSpec::Null { size, .. } => *size,
+                    BackendSpec::File(f) => f.create_size.unwrap_or(0),
+                    BackendSpec::Bdev(_) => 0,
+                };
+                assert!(size <= 16 << 30, "{}", ns.backend);
+            }
+        }
+    }
+
+    #[test]
     fn listener_addresses() {
         for (ok, want) in [
             ("tcp://127.0.0.1:4420", "127.0.0.1:4420"),

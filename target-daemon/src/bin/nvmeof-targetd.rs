@@ -60,7 +60,8 @@ struct Args {
     #[arg(long, value_name = "US")]
     poll_us: Option<u32>,
 
-    /// Check the configuration, open the backends, bind the listeners, then exit.
+    /// Check the configuration, open the backends that exist, bind the listeners, then exit.
+    /// Creates nothing: prints the files that starting would create.
     #[arg(long)]
     check: bool,
 
@@ -113,8 +114,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Watched before anything else, so a signal during start-up is handled, not fatal.
     let mut signals = Signals::new().context("cannot install signal handlers")?;
     let cfg = load_config(&args)?;
-    let (target, listeners) = Target::build(&cfg)?;
     if args.check {
+        let (target, listeners, report) = Target::check(&cfg)?;
+        for (path, size) in &report.would_create {
+            println!("would create {path} ({})", blockdev::format_size(*size));
+        }
         println!(
             "configuration OK: {} subsystem(s), {} listener(s)",
             target.subsystems.len(),
@@ -122,6 +126,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    let (target, listeners) = Target::build(&cfg)?;
     let running = RunningTarget::start(target, listeners)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
