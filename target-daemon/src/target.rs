@@ -152,6 +152,7 @@ impl Target {
                 let here = format!("subsystem {} namespace {index}", s.nqn);
                 let mut spec = ns.backend.clone();
                 if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &ns.backend
+                    && f.exclusive
                 {
                     let same_file = |first: &String| StartError::SameFile {
                         nqn: s.nqn.clone(),
@@ -197,7 +198,9 @@ impl Target {
                     index,
                     source,
                 })?;
-                if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &spec {
+                if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &spec
+                    && f.exclusive
+                {
                     if let Some(id) = file_identity(&f.path) {
                         claimed.insert(id, here);
                     }

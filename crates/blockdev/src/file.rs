@@ -199,7 +199,9 @@ impl FileBackend {
     ///
     /// A regular file that is missing or empty is created / extended to `create_size` when
     /// that is given; otherwise its length is the capacity and must be a non-zero multiple of
-    /// the block size. A block device's size and logical block size come from the
+    /// the block size (and equal `create_size` when that is given). Unless the spec says it is
+    /// not [`exclusive`](FileSpec::exclusive), the file or device is claimed with an exclusive
+    /// `flock` for as long as the backend lives; a second claim fails naming the holder. A block device's size and logical block size come from the
     /// `BLKGETSIZE64` and `BLKSSZGET` ioctls.
     pub fn open(spec: &FileSpec) -> Result<Self, BackendError> {
         Self::open_with(spec, &|path, options, _direct| options.open(path))
@@ -212,7 +214,9 @@ impl FileBackend {
         let engine = choose_engine(spec.engine)?;
         let (mut file, mut direct) =
             open_with_fallback(path, spec.create_size.is_some(), spec.direct, open)?;
-        claim(&file, path)?;
+        if spec.exclusive {
+            claim(&file, path)?;
+        }
         let meta = file.metadata().map_err(|e| open_error(path, e))?;
         let file_type = meta.file_type();
         let block_device = file_type.is_block_device();
@@ -262,7 +266,9 @@ impl FileBackend {
                     // The claim belongs to the descriptor being replaced: release it first.
                     drop(file);
                     (file, _) = open_with_fallback(path, false, false, open)?;
-                    claim(&file, path)?;
+                    if spec.exclusive {
+                        claim(&file, path)?;
+                    }
                     direct = false;
                 }
             }
@@ -700,6 +706,12 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("is in use by this process"), "{err}");
+        // A program that means to share the file says so.
+        FileBackend::open(&FileSpec {
+            exclusive: false,
+            ..FileSpec::new(&path)
+        })
+        .unwrap();
         drop(first);
         FileBackend::open(&FileSpec::new(&path)).unwrap();
     }
