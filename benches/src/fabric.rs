@@ -99,7 +99,10 @@ pub enum CpuSource {
 
 fn target_config(spec: &TargetSpec, listen: &str) -> Result<Config, String> {
     let listen = listen.parse().map_err(|e| format!("{e}"))?;
-    let ns: Vec<BackendSpec> = (0..spec.namespaces).map(|_| spec.backend.clone()).collect();
+    // One file behind every namespace, and behind the das mode too: shared on purpose.
+    let ns: Vec<BackendSpec> = (0..spec.namespaces)
+        .map(|_| spec.backend.shared())
+        .collect();
     let mut cfg = Config::quick(&[listen], &spec.nqn, &ns, true, &[]).map_err(|e| e.to_string())?;
     cfg.target.reactors = spec.reactors;
     cfg.target.poll_us = spec.poll_us;

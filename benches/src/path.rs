@@ -102,7 +102,8 @@ impl DasPath {
         let mut backends = Vec::new();
         let mut geometry = Vec::new();
         for i in 0..count {
-            let b = blockdev::open(spec)?;
+            // One file behind every namespace, and behind the tcp modes too: shared on purpose.
+            let b = blockdev::open(&spec.shared())?;
             geometry.push(NsGeometry {
                 nsid: i + 1,
                 block_size: b.block_size(),

@@ -44,7 +44,7 @@ rc=0
 for cfg in "${configs[@]}"; do
     IFS=: read -r reactors queues tasks threads <<< "$cfg"
     log="$logs/gpu-loader-r${reactors}-q${queues}-t${tasks}.log"
-    "$bin/nvmeof-targetd" -l "tcp://127.0.0.1:$port" -s "$nqn" -n mem:4G --reactors "$reactors" \
+    "$bin/nvmeof-targetd" --listen "tcp://127.0.0.1:$port" -n "$nqn" --namespace mem:4G --reactors "$reactors" \
         ${TARGETD_ARGS:-} >> "$logs/targetd.log" 2>&1 &
     tpid=$!
     for _ in $(seq 100); do

@@ -55,6 +55,9 @@ pub enum ConfigError {
     /// A semantic error.
     #[error("invalid config: {0}")]
     Invalid(String),
+    /// A listener address that does not parse; the message names the address.
+    #[error("{0}")]
+    Address(String),
 }
 
 /// A transport address such as `tcp://127.0.0.1:4420` or `rdma://192.168.1.2:4420`.
@@ -79,19 +82,62 @@ impl FromStr for ListenAddr {
     type Err = ConfigError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = |why: String| Err(ConfigError::Address(format!("listener {s:?}: {why}")));
         let (transport, rest) = if let Some(r) = s.strip_prefix("tcp://") {
             (Transport::Tcp, r)
         } else if let Some(r) = s.strip_prefix("rdma://") {
             (Transport::Rdma, r)
         } else {
-            return Err(ConfigError::Invalid(format!(
-                "listener {s:?}: expected tcp://ADDR:PORT or rdma://ADDR:PORT"
-            )));
+            return bad("expected tcp://ADDR:PORT or rdma://ADDR:PORT".into());
         };
-        let addr = rest.parse::<SocketAddr>().map_err(|e| {
-            ConfigError::Invalid(format!("listener {s:?}: {e} (IPv6 needs [ADDR]:PORT)"))
-        })?;
-        Ok(ListenAddr { transport, addr })
+        // [IPv6]:PORT, or IPv4-or-name:PORT; a bare IPv6 address has more than one colon.
+        let (host, port) = if let Some(r) = rest.strip_prefix('[') {
+            match r.split_once(']') {
+                Some((h, "")) => (h, None),
+                Some((h, p)) => match p.strip_prefix(':') {
+                    Some(p) => (h, Some(p)),
+                    None => return bad(format!("expected :PORT after [{h}]")),
+                },
+                None => return bad("missing ] after the IPv6 address".into()),
+            }
+        } else if rest.matches(':').count() > 1 {
+            return bad("an IPv6 address needs brackets: [ADDR]:PORT, e.g. [::1]:4420".into());
+        } else {
+            match rest.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (rest, None),
+            }
+        };
+        let Some(port) = port else {
+            return bad(format!(
+                "the port is missing (NVMe/TCP and NVMe/RDMA use 4420, discovery 8009), \
+                 e.g. {}{rest}:4420",
+                &s[..s.len() - rest.len()]
+            ));
+        };
+        let port = match port.parse::<u32>() {
+            Ok(p) if p <= u32::from(u16::MAX) => p as u16,
+            Ok(p) => return bad(format!("port {p} is out of range (at most 65535)")),
+            Err(_) => return bad(format!("port {port:?} is not a number")),
+        };
+        let ip = match host.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip,
+            Err(_) if host.is_empty() => {
+                return bad(
+                    "the address is missing (0.0.0.0 listens on every IPv4 address)".into(),
+                );
+            }
+            Err(_) => {
+                return bad(format!(
+                    "{host:?} is not an IP address; a listener binds to an IP address of this \
+                     machine (e.g. 127.0.0.1, 0.0.0.0, [::1] or [::])"
+                ));
+            }
+        };
+        Ok(ListenAddr {
+            transport,
+            addr: SocketAddr::new(ip, port),
+        })
     }
 }
 
@@ -359,11 +405,8 @@ impl Config {
         }
         let mut nqns = std::collections::HashSet::new();
         for s in &self.subsystems {
-            if !valid_nqn(&s.nqn) {
-                return bad(format!(
-                    "subsystem nqn {:?}: must start with \"nqn.\" and be at most 223 bytes",
-                    s.nqn
-                ));
+            if let Some(why) = nqn_problem(&s.nqn) {
+                return bad(format!("subsystem nqn {:?}: {why}", s.nqn));
             }
             if s.nqn == nvme_spec::fabrics::DISCOVERY_NQN {
                 return bad("the discovery NQN cannot be used for a subsystem".into());
@@ -378,8 +421,8 @@ impl Config {
                 ));
             }
             for h in &s.hosts {
-                if !valid_nqn(h) {
-                    return bad(format!("subsystem {}: host NQN {h:?} is invalid", s.nqn));
+                if let Some(why) = nqn_problem(h) {
+                    return bad(format!("subsystem {}: host NQN {h:?}: {why}", s.nqn));
                 }
             }
             if s.model.len() > 40 {
@@ -443,7 +486,25 @@ fn deserialize_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Durati
 
 /// Whether `s` looks like an NQN (NVMe Base 2.0 section 4.5: "nqn." prefix, at most 223 bytes).
 pub fn valid_nqn(s: &str) -> bool {
-    s.starts_with("nqn.") && s.len() <= 223 && s.is_ascii() && !s.contains(char::is_whitespace)
+    nqn_problem(s).is_none()
+}
+
+/// What is wrong with `s` as an NQN, or `None` when it looks like one.
+pub fn nqn_problem(s: &str) -> Option<String> {
+    if !s.starts_with("nqn.") {
+        Some("an NQN starts with \"nqn.\" (e.g. nqn.2026-11.com.example:disk1)".into())
+    } else if let Some(c) = s
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_ascii_control())
+    {
+        Some(format!("an NQN cannot contain {c:?}"))
+    } else if !s.is_ascii() {
+        Some("an NQN here must be ASCII".into())
+    } else if s.len() > 223 {
+        Some(format!("{} bytes long; an NQN is at most 223", s.len()))
+    } else {
+        None
+    }
 }
 
 /// Parses a textual UUID (8-4-4-4-12 hex digits).
@@ -514,10 +575,13 @@ mod tests {
                 "[[listener]]\naddress = \"udp://1.2.3.4:1\"",
                 "expected tcp://",
             ),
-            ("[[listener]]\naddress = \"tcp://x\"\n", "IPv6 needs"),
+            (
+                "[[listener]]\naddress = \"tcp://x\"\n",
+                "the port is missing",
+            ),
             (
                 "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"bad\"\nallow_any_host = true",
-                "must start with",
+                "starts with \"nqn.\"",
             ),
             (
                 "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.a\"",
@@ -539,6 +603,10 @@ mod tests {
             (
                 "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[target]\nmax_connections = 0",
                 "at least 1",
+            ),
+            (
+                "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.a b\"\nallow_any_host = true",
+                "an NQN cannot contain ' '",
             ),
         ] {
             let err = Config::from_toml(doc).unwrap_err().to_string();
@@ -562,6 +630,52 @@ mod tests {
             "99999999999999999999s",
         ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_example_configuration_is_valid_and_safe() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nvmeof-targetd.toml");
+        let c = Config::from_file(&path).unwrap();
+        for l in &c.listeners {
+            assert!(!l.address.addr.ip().is_unspecified(), "{}", l.address);
+        }
+        for s in &c.subsystems {
+            assert!(!s.allow_any_host && !s.hosts.is_empty(), "{}", s.nqn);
+            for ns in &s.namespaces {
+                let size = match &ns.backend {
+                    BackendSpec::Memory { size, .. } | BackendSpec::Null { size, .. } => *size,
+                    BackendSpec::File(f) => f.create_size.unwrap_or(0),
+                    BackendSpec::Bdev(_) => 0,
+                };
+                assert!(size <= 16 << 30, "{}", ns.backend);
+            }
+        }
+    }
+
+    #[test]
+    fn listener_addresses() {
+        for (ok, want) in [
+            ("tcp://127.0.0.1:4420", "127.0.0.1:4420"),
+            ("rdma://0.0.0.0:0", "0.0.0.0:0"),
+            ("tcp://[::1]:8009", "[::1]:8009"),
+        ] {
+            let a: ListenAddr = ok.parse().unwrap();
+            assert_eq!(a.addr.to_string(), want);
+        }
+        for (bad, needle) in [
+            ("tcp://localhost:4420", "\"localhost\" is not an IP address"),
+            ("tcp://127.0.0.1:99999", "port 99999 is out of range"),
+            ("tcp://127.0.0.1", "the port is missing"),
+            ("tcp://127.0.0.1:", "port \"\" is not a number"),
+            ("tcp://[::1]", "the port is missing"),
+            ("tcp://::1:4420", "needs brackets"),
+            ("tcp://:4420", "the address is missing"),
+            ("udp://1.2.3.4:1", "expected tcp://"),
+        ] {
+            let e = bad.parse::<ListenAddr>().unwrap_err().to_string();
+            assert!(e.contains(needle), "{bad}: {e}");
+            assert!(!e.contains("IPv6 needs"), "{e}");
         }
     }
 

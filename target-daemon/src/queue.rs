@@ -17,6 +17,7 @@ use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, Sqe, Status};
 use tracing::{debug, info};
 
+use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
 use crate::subsystem::Namespace;
 use crate::target::Target;
@@ -147,6 +148,7 @@ pub struct QueueState {
     /// Asynchronous completions for an admin queue (taken by the transport after Connect).
     pub events: Option<EventReceiver>,
     host_sgl: HostSgl,
+    discovery_only: bool,
     sqhd: u32,
     mdts_bytes: usize,
 }
@@ -168,6 +170,7 @@ impl QueueState {
             sq_flow_disabled: false,
             events: None,
             host_sgl: HostSgl::Transport,
+            discovery_only: false,
             sqhd: 0,
             mdts_bytes,
         }
@@ -177,6 +180,15 @@ impl QueueState {
     /// (NVMe/TCP's transport SGLs by default).
     pub fn with_host_sgl(mut self, host_sgl: HostSgl) -> Self {
         self.host_sgl = host_sgl;
+        self
+    }
+
+    /// Notes which kind of listener accepted the connection: on a dedicated discovery
+    /// listener, Connect is accepted for the discovery subsystem only.
+    pub fn on_listener(mut self, transport: Transport) -> Self {
+        self.discovery_only = self
+            .target
+            .is_discovery_only_listener(transport, self.origin.local);
         self
     }
 
@@ -395,6 +407,10 @@ impl QueueState {
             );
             info!(%hostnqn, %peer, cntlid, "discovery controller connected");
             return self.connected(ctrl, Some(events), c, cid);
+        }
+        if self.discovery_only {
+            info!(%hostnqn, %peer, %subnqn, local = %self.origin.local, "connect rejected: this listener serves discovery only");
+            return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
         }
         let Some(subsys) = t.subsystems.get(&subnqn).cloned() else {
             info!(%hostnqn, %peer, %subnqn, "connect rejected: unknown subsystem");

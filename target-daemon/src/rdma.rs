@@ -48,7 +48,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
 use crate::admission::{DropReason, Permit};
-use crate::config::ListenAddr;
+use crate::config::{ListenAddr, Transport};
 use crate::controller::{Controller, EventReceiver, QueueOrigin};
 use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
 use crate::target::{StartError, Target};
@@ -368,7 +368,8 @@ async fn serve(target: Arc<Target>, inc: Incoming) {
     };
     debug!(%peer, %local, qid = params.qid, depth = params.depth, "NVMe/RDMA queue pair accepted");
     let state = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
-        .with_host_sgl(HostSgl::Keyed);
+        .with_host_sgl(HostSgl::Keyed)
+        .on_listener(Transport::Rdma);
     let mut conn = Conn {
         q,
         state,

@@ -1,7 +1,7 @@
 //! The target: subsystems, listeners, thread-per-core reactors, and orderly shutdown.
 
 use std::collections::BTreeMap;
-use std::net::TcpListener as StdTcpListener;
+use std::net::{SocketAddr, TcpListener as StdTcpListener};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -43,6 +43,32 @@ pub enum StartError {
         /// Why.
         reason: String,
     },
+    /// Two namespaces name the same file or device.
+    #[error(
+        "subsystem {nqn} namespace {index}: {path} already backs {first}; a file or device can back only one namespace"
+    )]
+    SameFile {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace position in the configuration (1-based).
+        index: usize,
+        /// The path as given.
+        path: String,
+        /// The namespace that uses it first.
+        first: String,
+    },
+    /// A file namespace would be created in a directory that does not exist.
+    #[error("subsystem {nqn} namespace {index}: cannot create {path}: {dir} is not a directory")]
+    NoDirectory {
+        /// Subsystem NQN.
+        nqn: String,
+        /// Namespace position in the configuration (1-based).
+        index: usize,
+        /// The file to create.
+        path: String,
+        /// Its parent.
+        dir: String,
+    },
     /// A reactor thread could not be started.
     #[error("cannot start reactor thread: {0}")]
     Reactor(std::io::Error),
@@ -82,18 +108,104 @@ pub enum ListenerSocket {
     Rdma(crate::rdma::RdmaListener),
 }
 
+/// What [`Target::check`] found would happen at start, besides what it opened and bound.
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    /// Files that starting would create (or extend from empty), with their size.
+    pub would_create: Vec<(String, u64)>,
+}
+
+/// Identifies a file or device across the different paths that may name it.
+fn file_identity(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
 impl Target {
     /// Opens every backend and binds every listener described by `cfg`.
     pub fn build(cfg: &Config) -> Result<(Arc<Target>, Vec<BoundListener>), StartError> {
+        Self::build_with(cfg, None)
+    }
+
+    /// Validates `cfg` as far as possible without changing anything: opens the backends that
+    /// exist (taking their locks while the returned target lives) and binds the listeners, but
+    /// creates no file; a file namespace that starting would create is reported instead.
+    pub fn check(
+        cfg: &Config,
+    ) -> Result<(Arc<Target>, Vec<BoundListener>, CheckReport), StartError> {
+        let mut report = CheckReport::default();
+        let (t, l) = Self::build_with(cfg, Some(&mut report))?;
+        Ok((t, l, report))
+    }
+
+    fn build_with(
+        cfg: &Config,
+        mut check: Option<&mut CheckReport>,
+    ) -> Result<(Arc<Target>, Vec<BoundListener>), StartError> {
         let mut subsystems = BTreeMap::new();
+        // Files and devices in use, by device and inode, with the namespace using each.
+        let mut claimed: BTreeMap<(u64, u64), String> = BTreeMap::new();
+        let mut to_create: BTreeMap<std::path::PathBuf, String> = BTreeMap::new();
         for s in &cfg.subsystems {
             let mut backends = Vec::new();
             for (i, ns) in s.namespaces.iter().enumerate() {
-                let b = blockdev::open(&ns.backend).map_err(|source| StartError::Backend {
+                let index = i + 1;
+                let here = format!("subsystem {} namespace {index}", s.nqn);
+                let mut spec = ns.backend.clone();
+                if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &ns.backend
+                    && f.exclusive
+                {
+                    let same_file = |first: &String| StartError::SameFile {
+                        nqn: s.nqn.clone(),
+                        index,
+                        path: f.path.display().to_string(),
+                        first: first.clone(),
+                    };
+                    if let Some(first) = file_identity(&f.path).and_then(|id| claimed.get(&id)) {
+                        return Err(same_file(first));
+                    }
+                    let empty = std::fs::metadata(&f.path).map_or(true, |m| m.len() == 0);
+                    if let (Some(report), Some(size), true) =
+                        (check.as_deref_mut(), f.create_size, empty)
+                    {
+                        // Stand in for the file with a null namespace of its size.
+                        let dir = match f.path.parent() {
+                            Some(d) if d.as_os_str().is_empty() => std::path::Path::new("."),
+                            Some(d) => d,
+                            None => std::path::Path::new("/"),
+                        };
+                        if !dir.is_dir() {
+                            return Err(StartError::NoDirectory {
+                                nqn: s.nqn.clone(),
+                                index,
+                                path: f.path.display().to_string(),
+                                dir: dir.display().to_string(),
+                            });
+                        }
+                        if let Some(first) = to_create.insert(f.path.clone(), here.clone()) {
+                            return Err(same_file(&first));
+                        }
+                        report
+                            .would_create
+                            .push((f.path.display().to_string(), size));
+                        spec = blockdev::BackendSpec::Null {
+                            size,
+                            block_size: f.block_size.unwrap_or(blockdev::DEFAULT_BLOCK_SIZE),
+                        };
+                    }
+                }
+                let b = blockdev::open(&spec).map_err(|source| StartError::Backend {
                     nqn: s.nqn.clone(),
-                    index: i + 1,
+                    index,
                     source,
                 })?;
+                if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &spec
+                    && f.exclusive
+                {
+                    if let Some(id) = file_identity(&f.path) {
+                        claimed.insert(id, here);
+                    }
+                }
                 backends.push((Arc::new(b), ns.backend.to_string()));
             }
             let sub = Subsystem::new(s, backends);
@@ -163,6 +275,19 @@ impl Target {
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
         };
         Ok((Arc::new(target), bound))
+    }
+
+    /// Whether a connection to `local` over `transport` arrived on a dedicated discovery
+    /// listener (and on no I/O listener): such a connection may reach only the discovery
+    /// subsystem.
+    pub fn is_discovery_only_listener(&self, transport: Transport, local: SocketAddr) -> bool {
+        let accepts = |l: &&ListenAddr| {
+            l.transport == transport
+                && l.addr.port() == local.port()
+                && (l.addr.ip() == local.ip() || l.addr.ip().is_unspecified())
+        };
+        self.discovery_listeners.iter().any(|l| accepts(&l))
+            && !self.io_listeners.iter().any(|l| accepts(&l))
     }
 
     /// The discovery log generation counter.

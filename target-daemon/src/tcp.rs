@@ -30,6 +30,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::admission::{DropReason, Permit};
+use crate::config::Transport;
 use crate::controller::{Controller, EventReceiver, QueueOrigin};
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::target::Target;
@@ -121,7 +122,8 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     let mut conn = Conn {
         stream,
         engine,
-        q: QueueState::new(Arc::clone(&target), QueueOrigin { local, peer }),
+        q: QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
+            .on_listener(Transport::Tcp),
         pool: BufPool::new(mdts, 32),
         inflight: FuturesUnordered::new(),
         writes: HashMap::new(),

@@ -160,7 +160,7 @@ backend = "mem:1G"
     )
     .unwrap();
     let out = Command::new(bin_path("nvmeof-targetd"))
-        .arg("-c")
+        .arg("--config")
         .arg(&cfg)
         .output()
         .unwrap();

@@ -113,6 +113,54 @@ fn open_with_fallback(
     Ok((file, false))
 }
 
+/// Claims `file` for this backend alone: an exclusive `flock` held while it stays open, so a
+/// second namespace or a second daemon on the same file or device is refused, naming the
+/// process that holds it.
+fn claim(file: &File, path: &Path) -> Result<(), BackendError> {
+    match sys::try_lock_exclusive(file) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+            let holder = file
+                .metadata()
+                .ok()
+                .and_then(|m| lock_holder(std::os::unix::fs::MetadataExt::ino(&m)));
+            let by = match holder {
+                Some(pid) if pid == std::process::id() => {
+                    "by this process (is it used by another namespace?)".to_string()
+                }
+                Some(pid) => {
+                    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                        .map(|c| format!(" ({})", c.trim()))
+                        .unwrap_or_default();
+                    format!("by process {pid}{comm}")
+                }
+                None => "by another process".to_string(),
+            };
+            Err(BackendError::Config(format!(
+                "{} is in use {by}: a file or device can back only one namespace",
+                path.display()
+            )))
+        }
+        // File systems without flock support cannot be claimed; the file is still usable.
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot lock; not claimed exclusively");
+            Ok(())
+        }
+    }
+}
+
+/// The process holding a `flock` on the inode `ino`, from `/proc/locks` (lines like
+/// `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`).
+fn lock_holder(ino: u64) -> Option<u32> {
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (kind, pid, dev_ino) = (f.get(1)?, f.get(4)?, f.get(5)?);
+        let lock_ino: u64 = dev_ino.rsplit(':').next()?.parse().ok()?;
+        (*kind == "FLOCK" && lock_ino == ino).then(|| pid.parse().ok())?
+    })
+}
+
 fn choose_engine(wanted: IoEngine) -> Result<FileEngine, BackendError> {
     choose_engine_given(wanted, uring::availability())
 }
@@ -151,7 +199,9 @@ impl FileBackend {
     ///
     /// A regular file that is missing or empty is created / extended to `create_size` when
     /// that is given; otherwise its length is the capacity and must be a non-zero multiple of
-    /// the block size. A block device's size and logical block size come from the
+    /// the block size (and equal `create_size` when that is given). Unless the spec says it is
+    /// not [`exclusive`](FileSpec::exclusive), the file or device is claimed with an exclusive
+    /// `flock` for as long as the backend lives; a second claim fails naming the holder. A block device's size and logical block size come from the
     /// `BLKGETSIZE64` and `BLKSSZGET` ioctls.
     pub fn open(spec: &FileSpec) -> Result<Self, BackendError> {
         Self::open_with(spec, &|path, options, _direct| options.open(path))
@@ -164,6 +214,9 @@ impl FileBackend {
         let engine = choose_engine(spec.engine)?;
         let (mut file, mut direct) =
             open_with_fallback(path, spec.create_size.is_some(), spec.direct, open)?;
+        if spec.exclusive {
+            claim(&file, path)?;
+        }
         let meta = file.metadata().map_err(|e| open_error(path, e))?;
         let file_type = meta.file_type();
         let block_device = file_type.is_block_device();
@@ -181,11 +234,21 @@ impl FileBackend {
         } else if file_type.is_file() {
             let bs = spec.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
             let mut size = meta.len();
-            if size == 0
-                && let Some(create) = spec.create_size
-            {
-                file.set_len(create).map_err(|e| open_error(path, e))?;
-                size = create;
+            match spec.create_size {
+                Some(create) if size == 0 => {
+                    file.set_len(create).map_err(|e| open_error(path, e))?;
+                    size = create;
+                }
+                Some(wanted) if wanted != size => {
+                    return Err(BackendError::Config(format!(
+                        "{p} is {} ({size} bytes) but size={} was given: resize the file \
+                         (truncate -s {wanted} {p}) or drop size= to serve it as it is",
+                        crate::format_size(size),
+                        crate::format_size(wanted),
+                        p = path.display()
+                    )));
+                }
+                _ => {}
             }
             if direct && let Some(align) = sys::dio_align(&file) {
                 let usable = align.offset != 0
@@ -200,8 +263,12 @@ impl FileBackend {
                         block_size = bs,
                         "O_DIRECT alignment does not fit the block size; using buffered I/O"
                     );
-                    let (buffered, _) = open_with_fallback(path, false, false, open)?;
-                    file = buffered;
+                    // The claim belongs to the descriptor being replaced: release it first.
+                    drop(file);
+                    (file, _) = open_with_fallback(path, false, false, open)?;
+                    if spec.exclusive {
+                        claim(&file, path)?;
+                    }
                     direct = false;
                 }
             }
@@ -596,6 +663,57 @@ mod tests {
         );
         // This machine's kernel has io_uring.
         assert!(uring::availability().is_ok());
+    }
+
+    #[test]
+    fn a_size_that_disagrees_with_the_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns.img");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(100 << 20)
+            .unwrap();
+        let err = FileBackend::open(&spec(&path, 256 << 20))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is 100M (104857600 bytes) but size=256M"),
+            "{err}"
+        );
+        assert!(err.contains("truncate -s 268435456"), "{err}");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 100 << 20);
+        // The same size, or none, serves the file as it is.
+        assert_eq!(
+            FileBackend::open(&spec(&path, 100 << 20))
+                .unwrap()
+                .num_blocks(),
+            25600
+        );
+        assert_eq!(
+            FileBackend::open(&FileSpec::new(&path))
+                .unwrap()
+                .num_blocks(),
+            25600
+        );
+    }
+
+    #[test]
+    fn a_file_backs_one_namespace_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns.img");
+        let first = FileBackend::open(&spec(&path, 1 << 20)).unwrap();
+        let err = FileBackend::open(&FileSpec::new(&path))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is in use by this process"), "{err}");
+        // A program that means to share the file says so.
+        FileBackend::open(&FileSpec {
+            exclusive: false,
+            ..FileSpec::new(&path)
+        })
+        .unwrap();
+        drop(first);
+        FileBackend::open(&FileSpec::new(&path)).unwrap();
     }
 
     #[test]

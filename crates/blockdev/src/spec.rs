@@ -8,7 +8,7 @@
 //! | `mem:1T,bs=512` | the same with 512-byte blocks |
 //! | `null:512M` | null backend (reads zeros, discards writes) |
 //! | `file:/path` | existing file; its length is the capacity |
-//! | `file:/path,size=10G` | the file, created with 10 GiB if missing or empty |
+//! | `file:/path,size=10G` | the file, created with 10 GiB if missing or empty; an existing file must be 10 GiB |
 //! | `bdev:/dev/nvme0n1` | block device; size and block size from the device |
 //!
 //! Sizes are bytes with an optional `K`, `M`, `G`, `T` or `P` suffix (powers of 1024; `KiB`,
@@ -80,7 +80,8 @@ impl FromStr for IoEngine {
 pub struct FileSpec {
     /// Path of the file or device node.
     pub path: PathBuf,
-    /// Create the file with this many bytes if it is missing or empty (files only).
+    /// Create the file with this many bytes if it is missing or empty (files only); an
+    /// existing file of another length is refused.
     pub create_size: Option<u64>,
     /// Block size in bytes (files only; devices report their own). `None`: [`DEFAULT_BLOCK_SIZE`].
     pub block_size: Option<u32>,
@@ -88,6 +89,10 @@ pub struct FileSpec {
     pub direct: bool,
     /// How I/O is submitted.
     pub engine: IoEngine,
+    /// Claim the file or device for this backend alone (an exclusive `flock` while open, and
+    /// the target refuses it for a second namespace). Set by programs that deliberately open
+    /// one file several times, such as a benchmark comparing access paths; not a spec option.
+    pub exclusive: bool,
 }
 
 impl FileSpec {
@@ -99,6 +104,7 @@ impl FileSpec {
             block_size: None,
             direct: true,
             engine: IoEngine::Auto,
+            exclusive: true,
         }
     }
 }
@@ -232,6 +238,16 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, SpecError> {
 }
 
 impl BackendSpec {
+    /// The same backend, opened without claiming its file or device (see
+    /// [`FileSpec::exclusive`]).
+    pub fn shared(&self) -> BackendSpec {
+        let mut spec = self.clone();
+        if let BackendSpec::File(f) | BackendSpec::Bdev(f) = &mut spec {
+            f.exclusive = false;
+        }
+        spec
+    }
+
     /// Validates sizes and options that parsing alone does not check.
     pub fn validate(&self) -> Result<(), SpecError> {
         match self {
@@ -444,6 +460,7 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 block_size,
                 direct: direct.unwrap_or(true),
                 engine: engine.unwrap_or_default(),
+                exclusive: true,
             }),
             SpecRepr::Table(TableSpec::Bdev {
                 path,
@@ -522,6 +539,7 @@ mod tests {
                 block_size: Some(512),
                 direct: false,
                 engine: IoEngine::Blocking,
+                exclusive: true,
             })
         );
         assert_eq!(

@@ -19,7 +19,7 @@ fn file_spec(path: &Path, opts: &str) -> BackendSpec {
 }
 
 #[test]
-fn created_with_size_then_reopened_at_existing_length() {
+fn created_with_size_then_reopened_at_its_length() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ns.img");
     let b = open(&file_spec(&path, ",size=1M")).unwrap();
@@ -29,8 +29,11 @@ fn created_with_size_then_reopened_at_existing_length() {
     assert!(b.volatile_write_cache());
     drop(b);
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
-    // An existing file keeps its length, whatever size= says.
-    let b = open(&file_spec(&path, ",size=2M,bs=512")).unwrap();
+    // An existing file keeps its length: a size= that disagrees is refused, not ignored.
+    let err = open(&file_spec(&path, ",size=2M,bs=512")).unwrap_err();
+    assert!(matches!(err, BackendError::Config(_)), "{err}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
+    let b = open(&file_spec(&path, ",size=1M,bs=512")).unwrap();
     assert_eq!(b.capacity_bytes(), 1 << 20);
     assert_eq!(b.num_blocks(), 2048);
     drop(b);

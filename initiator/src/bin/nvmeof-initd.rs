@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Parser;
+use nvmeof_daemon::{LogFormat, Signal, Signals};
 use nvmeof_initiator::daemon::{
     self, AttachParams, AttachmentStatus, DEFAULT_SOCKET, Request, Response,
 };
@@ -54,8 +55,8 @@ struct Args {
     #[arg(long, env = "NVMEOF_INITD_GROUP", value_name = "GROUP")]
     group: Option<String>,
     /// Log format.
-    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
-    log_format: String,
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
 }
 
 /// The state file.
@@ -117,17 +118,10 @@ struct Daemon {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(filter);
-    let _ = if args.log_format == "json" {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
+    if let Err(e) = nvmeof_daemon::init_logging(args.log_format, "info") {
+        eprintln!("nvmeof-initd: error: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -143,7 +137,7 @@ fn main() -> std::process::ExitCode {
         Err(e) => {
             eprintln!(
                 "nvmeof-initd: error: {}",
-                format!("{e:#}").replace('\n', " ")
+                nvmeof_daemon::error_line(e.as_ref()).replace('\n', " ")
             );
             std::process::ExitCode::FAILURE
         }
@@ -151,6 +145,8 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
+    // Watched before anything else, so a signal during start-up is handled, not fatal.
+    let mut signals = Signals::new().context("cannot install signal handlers")?;
     let socket = args.socket.unwrap_or_else(|| {
         if is_root() {
             PathBuf::from(DEFAULT_SOCKET)
@@ -181,8 +177,6 @@ async fn run(args: Args) -> Result<()> {
     );
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot watch SIGTERM")?;
     loop {
         tokio::select! {
             r = listener.accept() => match r {
@@ -195,8 +189,15 @@ async fn run(args: Args) -> Result<()> {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
-            _ = term.recv() => break,
-            _ = tokio::signal::ctrl_c() => break,
+            request = signals.recv() => match request {
+                Signal::Stop(name) => {
+                    info!("{name} received");
+                    break;
+                }
+                Signal::Reload => {
+                    info!("SIGHUP: nothing to reload (attachments are changed with nvmeof attach and detach); ignoring");
+                }
+            },
         }
     }
     info!("stopping: disconnecting attachments");

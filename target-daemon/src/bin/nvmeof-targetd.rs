@@ -6,19 +6,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use blockdev::BackendSpec;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use nvmeof_daemon::{LogFormat, Signal, Signals};
 use nvmeof_target::config::{Config, DEFAULT_NQN, ListenAddr};
 use nvmeof_target::{RunningTarget, Target};
-use tracing::{error, info, warn};
-
-/// Log output formats.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+use tracing::{info, warn};
 
 /// Export block storage as NVMe namespaces over NVMe/TCP.
 ///
@@ -27,25 +19,29 @@ enum LogFormat {
 /// service on the same port. Try it with the Linux host:
 ///   nvme discover -t tcp -a 127.0.0.1 -s 4420
 ///   nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2026-11.io.nvmeof-direct:default
+///
+/// SIGTERM or SIGINT: stop accepting, complete in-flight commands, flush, exit 0.
+/// SIGHUP: logged and ignored (configuration reload is not supported yet).
+/// NVMEOF_LOG: off, error, warn, info (default), debug, trace, or TARGET=LEVEL.
 #[derive(Debug, Parser)]
 #[command(name = "nvmeof-targetd", version, verbatim_doc_comment)]
 struct Args {
     /// TOML configuration file (subsystems, namespaces, listeners, allowed hosts, limits).
     /// See deploy/nvmeof-targetd.toml for an annotated example.
-    #[arg(short, long, value_name = "FILE", conflicts_with_all = ["listen", "subsystem", "namespace", "allow_any_host", "host"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "subsystem", "namespace", "allow_any_host", "host"])]
     config: Option<PathBuf>,
 
     /// Listen on this address (repeatable), e.g. tcp://0.0.0.0:4420.
-    #[arg(short, long, value_name = "tcp://ADDR:PORT")]
+    #[arg(long, value_name = "tcp://ADDR:PORT")]
     listen: Vec<ListenAddr>,
 
-    /// NQN of the subsystem to export.
-    #[arg(short, long, value_name = "NQN")]
+    /// NQN of the subsystem to export (-n as in nvme-cli's --nqn).
+    #[arg(short = 'n', long, value_name = "NQN")]
     subsystem: Option<String>,
 
     /// A namespace (repeatable, NSIDs from 1 in order): mem:SIZE, null:SIZE,
     /// file:PATH[,size=SIZE] or bdev:PATH. SIZE takes K, M, G, T suffixes (powers of 1024).
-    #[arg(short, long, value_name = "SPEC")]
+    #[arg(long, value_name = "SPEC")]
     namespace: Vec<BackendSpec>,
 
     /// Let any host connect (the default when no --host is given).
@@ -80,27 +76,14 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_connections_per_listener: Option<usize>,
 
-    /// Check the configuration, open the backends, bind the listeners, then exit.
+    /// Check the configuration, open the backends that exist, bind the listeners, then exit.
+    /// Creates nothing: prints the files that starting would create.
     #[arg(long)]
     check: bool,
 
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("NVMEOF_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
 }
 
 fn load_config(args: &Args) -> anyhow::Result<Config> {
@@ -151,9 +134,14 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    // Watched before anything else, so a signal during start-up is handled, not fatal.
+    let mut signals = Signals::new().context("cannot install signal handlers")?;
     let cfg = load_config(&args)?;
-    let (target, listeners) = Target::build(&cfg)?;
     if args.check {
+        let (target, listeners, report) = Target::check(&cfg)?;
+        for (path, size) in &report.would_create {
+            println!("would create {path} ({})", blockdev::format_size(*size));
+        }
         println!(
             "configuration OK: {} subsystem(s), {} listener(s)",
             target.subsystems.len(),
@@ -161,17 +149,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    let (target, listeners) = Target::build(&cfg)?;
     let running = RunningTarget::start(target, listeners)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot install SIGTERM handler")?;
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM received"),
-        r = tokio::signal::ctrl_c() => {
-            r.context("cannot wait for SIGINT")?;
-            info!("SIGINT received");
+    loop {
+        match signals.recv().await {
+            Signal::Stop(name) => {
+                info!("{name} received");
+                break;
+            }
+            Signal::Reload => reload(),
         }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
@@ -182,9 +171,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Answers SIGHUP. The running target keeps its configuration: subsystems, namespaces and
+/// listeners are fixed at start.
+fn reload() {
+    warn!("SIGHUP: configuration reload is not supported; ignoring (restart to apply changes)");
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(args.log_format);
+    if let Err(e) = nvmeof_daemon::init_logging(args.log_format, "info") {
+        eprintln!("nvmeof-targetd: {e}");
+        return ExitCode::FAILURE;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("nvmeof-control")
@@ -200,8 +198,8 @@ fn main() -> ExitCode {
     match rt.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!("{e:#}");
-            eprintln!("nvmeof-targetd: {e:#}");
+            // One line on stderr, which journald records once.
+            eprintln!("nvmeof-targetd: {}", nvmeof_daemon::error_line(e.as_ref()));
             ExitCode::FAILURE
         }
     }

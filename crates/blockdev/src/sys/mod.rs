@@ -70,6 +70,24 @@ pub(crate) fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Re
     }
 }
 
+/// Takes an exclusive advisory lock on `file` without waiting (`flock(LOCK_EX | LOCK_NB)`).
+/// Fails with `EWOULDBLOCK` while another open file description holds one. The lock lasts as
+/// long as this open file description.
+pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock takes only integers; the descriptor is borrowed from `file` and stays
+        // open for the call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINTR) {
+            return Err(err);
+        }
+    }
+}
+
 /// Direct I/O alignment of an open file, from `statx(STATX_DIOALIGN)` (Linux 6.1+).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DioAlign {
