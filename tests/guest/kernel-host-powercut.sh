@@ -21,9 +21,14 @@
 [ -n "$TARGET_PORT" ] && [ -n "$TARGET_NQN" ] || fail "TARGET_PORT and TARGET_NQN are required"
 
 # Kernel messages (I/O errors, ext4 journal aborts) would split the record lines on the console;
-# they are printed in blocks between steps instead.
+# the new ones are printed in blocks between steps instead (dmesg is left intact for /init).
 echo 1 >/proc/sys/kernel/printk
-kmsg() { dmesg -c | sed 's/^/kmsg: /'; }
+kmsg_seen=$(dmesg | wc -l)
+kmsg() {
+    dmesg >/tmp/kmsg
+    tail -n +$((kmsg_seen + 1)) /tmp/kmsg | sed 's/^/kmsg: /'
+    kmsg_seen=$(wc -l </tmp/kmsg)
+}
 
 # busybox sh runs its own applets first (it has a mke2fs): e2fsprogs by full path.
 mnt=/mnt/fs
