@@ -105,6 +105,18 @@ pub trait Backend: Send + Sync {
     /// Writes `buf.len()` bytes from `buf` starting at block `lba`.
     fn write(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send;
 
+    /// Writes like [`write`](Backend::write) and completes only once the data is durable
+    /// (NVMe Force Unit Access). The default writes and then flushes, which is correct for any
+    /// backend; backends with a cheaper way override it.
+    fn write_fua(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send {
+        async move {
+            match self.write(lba, buf).await {
+                (Ok(()), buf) => (self.flush().await, buf),
+                failed => failed,
+            }
+        }
+    }
+
     /// Makes every completed write durable.
     fn flush(&self) -> impl Future<Output = Result<(), BackendError>> + Send;
 
@@ -221,6 +233,14 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.write(lba, buf).await,
             AnyBackend::Null(b) => b.write(lba, buf).await,
             AnyBackend::File(b) => b.write(lba, buf).await,
+        }
+    }
+
+    async fn write_fua(&self, lba: u64, buf: IoBuf) -> BufResult {
+        match self {
+            AnyBackend::Memory(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Null(b) => b.write_fua(lba, buf).await,
+            AnyBackend::File(b) => b.write_fua(lba, buf).await,
         }
     }
 
