@@ -52,6 +52,7 @@
 use std::future::Future;
 
 mod buf;
+mod cache;
 mod error;
 mod file;
 mod mem;
@@ -61,6 +62,7 @@ mod spec;
 mod sys;
 
 pub use buf::{BufPool, CapacityError, IO_ALIGN, IoBuf};
+pub use cache::VolatileCache;
 pub use error::{BackendError, IoOp, StatusHint};
 pub use file::{FileBackend, FileEngine};
 pub use mem::{DEFAULT_CHUNK_SIZE, MemoryBackend};
@@ -104,6 +106,18 @@ pub trait Backend: Send + Sync {
 
     /// Writes `buf.len()` bytes from `buf` starting at block `lba`.
     fn write(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send;
+
+    /// Writes like [`write`](Backend::write) and completes only once the data is durable
+    /// (NVMe Force Unit Access). The default writes and then flushes, which is correct for any
+    /// backend; backends with a cheaper way override it.
+    fn write_fua(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send {
+        async move {
+            match self.write(lba, buf).await {
+                (Ok(()), buf) => (self.flush().await, buf),
+                failed => failed,
+            }
+        }
+    }
 
     /// Makes every completed write durable.
     fn flush(&self) -> impl Future<Output = Result<(), BackendError>> + Send;
@@ -161,6 +175,8 @@ pub enum AnyBackend {
     Null(NullBackend),
     /// File or block device.
     File(FileBackend),
+    /// File or block device behind a volatile write cache (a testing feature).
+    Cached(VolatileCache<FileBackend>),
 }
 
 impl AnyBackend {
@@ -171,6 +187,27 @@ impl AnyBackend {
             AnyBackend::Null(_) => "null",
             AnyBackend::File(f) if f.is_block_device() => "bdev",
             AnyBackend::File(_) => "file",
+            AnyBackend::Cached(c) if c.inner().is_block_device() => "bdev",
+            AnyBackend::Cached(_) => "file",
+        }
+    }
+
+    /// What a crash does to this backend's data, for a line in the log when it is opened:
+    /// `Some` for RAM (lost whatever the host does) and for a volatile cache (unflushed writes
+    /// lost), `None` where completed and flushed writes survive.
+    pub fn crash_warning(&self) -> Option<String> {
+        match self {
+            AnyBackend::Memory(_) => Some(
+                "RAM namespace: its contents are lost when the process ends, whatever the host \
+                 flushes"
+                    .into(),
+            ),
+            AnyBackend::Cached(c) => Some(format!(
+                "volatile_cache={} (testing feature): writes not made durable by a Flush or \
+                 Force Unit Access are lost when the process is killed",
+                format_size(c.capacity_bytes())
+            )),
+            AnyBackend::Null(_) | AnyBackend::File(_) => None,
         }
     }
 }
@@ -181,6 +218,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.block_size(),
             AnyBackend::Null(b) => b.block_size(),
             AnyBackend::File(b) => b.block_size(),
+            AnyBackend::Cached(b) => b.block_size(),
         }
     }
 
@@ -189,6 +227,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.num_blocks(),
             AnyBackend::Null(b) => b.num_blocks(),
             AnyBackend::File(b) => b.num_blocks(),
+            AnyBackend::Cached(b) => b.num_blocks(),
         }
     }
 
@@ -197,6 +236,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.volatile_write_cache(),
             AnyBackend::Null(b) => b.volatile_write_cache(),
             AnyBackend::File(b) => b.volatile_write_cache(),
+            AnyBackend::Cached(b) => b.volatile_write_cache(),
         }
     }
 
@@ -205,6 +245,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.deallocate_reads_zeroes(),
             AnyBackend::Null(b) => b.deallocate_reads_zeroes(),
             AnyBackend::File(b) => b.deallocate_reads_zeroes(),
+            AnyBackend::Cached(b) => b.deallocate_reads_zeroes(),
         }
     }
 
@@ -213,6 +254,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.read(lba, buf).await,
             AnyBackend::Null(b) => b.read(lba, buf).await,
             AnyBackend::File(b) => b.read(lba, buf).await,
+            AnyBackend::Cached(b) => b.read(lba, buf).await,
         }
     }
 
@@ -221,6 +263,16 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.write(lba, buf).await,
             AnyBackend::Null(b) => b.write(lba, buf).await,
             AnyBackend::File(b) => b.write(lba, buf).await,
+            AnyBackend::Cached(b) => b.write(lba, buf).await,
+        }
+    }
+
+    async fn write_fua(&self, lba: u64, buf: IoBuf) -> BufResult {
+        match self {
+            AnyBackend::Memory(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Null(b) => b.write_fua(lba, buf).await,
+            AnyBackend::File(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Cached(b) => b.write_fua(lba, buf).await,
         }
     }
 
@@ -229,6 +281,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.flush().await,
             AnyBackend::Null(b) => b.flush().await,
             AnyBackend::File(b) => b.flush().await,
+            AnyBackend::Cached(b) => b.flush().await,
         }
     }
 
@@ -237,6 +290,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::Null(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::File(b) => b.write_zeroes(lba, blocks).await,
+            AnyBackend::Cached(b) => b.write_zeroes(lba, blocks).await,
         }
     }
 
@@ -245,6 +299,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.deallocate(lba, blocks).await,
             AnyBackend::Null(b) => b.deallocate(lba, blocks).await,
             AnyBackend::File(b) => b.deallocate(lba, blocks).await,
+            AnyBackend::Cached(b) => b.deallocate(lba, blocks).await,
         }
     }
 }
@@ -264,16 +319,18 @@ pub fn open(spec: &BackendSpec) -> Result<AnyBackend, BackendError> {
         BackendSpec::Null { size, block_size } => {
             Ok(AnyBackend::Null(NullBackend::new(*size, *block_size)?))
         }
-        BackendSpec::File(f) => Ok(AnyBackend::File(FileBackend::open(f)?)),
-        BackendSpec::Bdev(f) => {
+        BackendSpec::File(f) | BackendSpec::Bdev(f) => {
             let backend = FileBackend::open(f)?;
-            if !backend.is_block_device() {
+            if matches!(spec, BackendSpec::Bdev(_)) && !backend.is_block_device() {
                 return Err(BackendError::Config(format!(
                     "{} is not a block device",
                     f.path.display()
                 )));
             }
-            Ok(AnyBackend::File(backend))
+            match f.volatile_cache {
+                Some(size) => Ok(AnyBackend::Cached(VolatileCache::new(backend, size)?)),
+                None => Ok(AnyBackend::File(backend)),
+            }
         }
     }
 }
