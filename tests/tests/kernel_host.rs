@@ -171,11 +171,17 @@ fn kernel_host_ext4_survives_power_cuts() {
         return;
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let ns = format!("file:{}/ns1.img,size=64M", dir.path().display());
+    // Every write stays in the daemon's memory (64 MiB: no eviction) until a Flush or FUA write.
+    let ns = format!(
+        "file:{}/ns1.img,size=64M,volatile_cache=64M",
+        dir.path().display()
+    );
     let port = nvmeof_tests::free_port();
     let listen = format!("tcp://127.0.0.1:{port}");
     let args = ["--listen", &listen, "--subsystem", NQN, "--namespace", &ns];
     let mut target = Some(TargetProcess::spawn(&args, port));
+    let startup = target.as_mut().expect("target").log();
+    assert!(startup.contains("(testing feature)"), "{startup}");
     let log = dir.path().join("console.log");
     let start = Command::new(guest_sh())
         .args(["start", "--with-ext4", "--timeout", "600"])
