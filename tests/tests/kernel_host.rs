@@ -165,6 +165,13 @@ fn console_records(
         .collect()
 }
 
+/// ext4 through the kernel host on a `volatile_cache` namespace, the daemon killed with SIGKILL
+/// after `POWER_CUTS[i]` fsyncs in round `i` and restarted once the host has abandoned the
+/// controller (`tests/guest/kernel-host-powercut.sh` describes the guest's side). After each cut
+/// the journal must replay, `e2fsck -fn` must be clean, and every file whose fsync returned in any
+/// round so far must be found with the checksum recorded when its fsync returned. It catches a
+/// cache that keeps FUA writes volatile (the last fsynced file is gone after the first cut) and
+/// one whose Flush writes nothing back (no mountable filesystem is left).
 #[test]
 fn kernel_host_ext4_survives_power_cuts() {
     if skip() {
