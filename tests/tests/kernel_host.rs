@@ -87,7 +87,11 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
     }
     // Under the build directory, not /tmp: the namespace file needs a filesystem with O_DIRECT.
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let ns = format!("file:{}/ns1.img,size=64M", dir.path().display());
+    // Behind a volatile cache: only what the host flushed or wrote with FUA survives a crash.
+    let ns = format!(
+        "file:{}/ns1.img,size=64M,volatile_cache=32M",
+        dir.path().display()
+    );
     let port = nvmeof_tests::free_port();
     let listen = format!("tcp://127.0.0.1:{port}");
     let args = ["--listen", &listen, "--subsystem", NQN, "--namespace", &ns];
@@ -136,6 +140,10 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
     );
     assert!(
         console.contains("PASS: data written before the crash"),
+        "{console}"
+    );
+    assert!(
+        console.contains("PASS: the FUA write survived the crash and the plain one did not"),
         "{console}"
     );
     assert!(t.log().contains("controller connected"));

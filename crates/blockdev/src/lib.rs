@@ -11,10 +11,19 @@
 //! | [`MemoryBackend`] | sparse RAM namespace: chunks are allocated on first write |
 //! | [`NullBackend`] | reads return zeros, writes vanish: measures the transport alone |
 //! | [`FileBackend`] | a regular file or block device, `O_DIRECT` through io_uring |
+//! | [`VolatileCache`] | testing: a bounded in-memory write cache in front of another backend, lost on a crash unless flushed or written with FUA |
 //!
 //! Backends are named by a [`BackendSpec`] (`mem:1G`, `null:512M`, `file:/path,size=10G`,
-//! `bdev:/dev/nvme0n1`), parsed from a string or deserialized from TOML, and opened with
-//! [`open`].
+//! `bdev:/dev/nvme0n1`, `file:/path,volatile_cache=64M`), parsed from a string or deserialized
+//! from TOML, and opened with [`open`].
+//!
+//! # Durability
+//!
+//! [`Backend::volatile_write_cache`] says whether completed writes may be lost on a crash until
+//! a [`Backend::flush`]: true for files and devices (page cache, device cache) and for
+//! [`VolatileCache`], false for memory (lost at exit whatever is flushed) and null.
+//! [`Backend::write_fua`] is a write that is durable when it completes (NVMe Force Unit
+//! Access); its default is a write followed by a flush, and the file backend uses `RWF_DSYNC`.
 //!
 //! # Errors and NVMe status
 //!
@@ -79,9 +88,10 @@ pub type BufResult = (Result<(), BackendError>, IoBuf);
 ///
 /// Reads and writes transfer `buf.len()` bytes, which must be a non-zero multiple of
 /// [`block_size`](Backend::block_size), starting at block `lba`. Writes are durable once a later
-/// [`flush`](Backend::flush) has completed (when
-/// [`volatile_write_cache`](Backend::volatile_write_cache) is false they are durable as soon as
-/// they complete). Out-of-range requests fail with [`BackendError::OutOfRange`] before touching
+/// [`flush`](Backend::flush) has completed, or on completion when written with
+/// [`write_fua`](Backend::write_fua) (when
+/// [`volatile_write_cache`](Backend::volatile_write_cache) is false nothing a flush could save
+/// is lost: they are durable as soon as they complete, or, for memory, never). Out-of-range requests fail with [`BackendError::OutOfRange`] before touching
 /// anything.
 pub trait Backend: Send + Sync {
     /// Bytes per logical block (512 or 4096 in practice).
