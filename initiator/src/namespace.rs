@@ -225,10 +225,20 @@ impl Namespace {
     }
 
     fn rw_request(&self, write: bool, lba: u64, len: usize) -> Request {
+        self.request(write, lba, len, false)
+    }
+
+    /// A Read or Write; a write with `fua` asks for Force Unit Access.
+    fn request(&self, write: bool, lba: u64, len: usize, fua: bool) -> Request {
         let nlb = (len >> self.shift) as u32;
         let timeouts = &self.ctrl.shared().opts.timeouts;
+        let sqe = if fua {
+            build::write_fua(0, self.info.nsid, lba, nlb)
+        } else {
+            build::read_write(write, 0, self.info.nsid, lba, nlb)
+        };
         Request {
-            sqe: build::read_write(write, 0, self.info.nsid, lba, nlb),
+            sqe,
             dir: if write {
                 DataDir::FromHost
             } else {
@@ -340,11 +350,28 @@ impl Namespace {
         self.write_from(lba, buf).await
     }
 
+    /// Writes `buf` like [`write`](Namespace::write) with Force Unit Access: each command
+    /// completes only once its data is durable on the target, as if a Flush had followed it,
+    /// without flushing anything else. Use it for commit records; [`flush`](Namespace::flush)
+    /// makes every earlier write durable at once.
+    pub async fn write_fua(&self, lba: u64, buf: &[u8]) -> Result<(), Error> {
+        self.write_with(lba, buf, true).await
+    }
+
     /// Writes the whole of any [`WriteSource`] starting at block `lba`.
     pub async fn write_from<S: WriteSource + ?Sized>(
         &self,
         lba: u64,
         src: &S,
+    ) -> Result<(), Error> {
+        self.write_with(lba, src, false).await
+    }
+
+    async fn write_with<S: WriteSource + ?Sized>(
+        &self,
+        lba: u64,
+        src: &S,
+        fua: bool,
     ) -> Result<(), Error> {
         let total = src.len();
         self.check_len(lba, total)?;
@@ -352,7 +379,7 @@ impl Namespace {
         let max = self.max_chunk();
         let fill = |off: usize| move |b: &mut [u8]| src.read_at(off, b).map_err(buffer_error);
         if total <= max {
-            let req = self.rw_request(true, lba, total);
+            let req = self.request(true, lba, total, fua);
             q.execute(req, fill(0), |_| ()).await?;
             return Ok(());
         }
@@ -362,7 +389,7 @@ impl Namespace {
         while off < total || !inflight.is_empty() {
             if off < total && inflight.len() < window {
                 let n = max.min(total - off);
-                let req = self.rw_request(true, lba + (off >> self.shift) as u64, n);
+                let req = self.request(true, lba + (off >> self.shift) as u64, n, fua);
                 inflight.push_back(q.start(req, fill(off)).await?);
                 off += n;
                 continue;

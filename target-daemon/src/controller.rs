@@ -215,6 +215,16 @@ impl Controller {
         matches!(self.kind, ControllerKind::Discovery)
     }
 
+    /// Whether this is an I/O controller with a volatile write cache: one of its namespaces
+    /// may lose completed writes that no Flush or Force Unit Access made durable.
+    fn volatile_write_cache(&self) -> bool {
+        self.subsystem().is_some_and(|s| {
+            s.namespaces
+                .values()
+                .any(|ns| ns.backend.volatile_write_cache())
+        })
+    }
+
     /// A receiver that turns true when the controller is torn down.
     pub fn subscribe_shutdown(&self) -> watch::Receiver<bool> {
         self.shutdown_tx.subscribe()
@@ -373,13 +383,13 @@ impl Controller {
             AdminCommand::GetFeatures { fid, sel, .. } => {
                 if sel == 3 {
                     // Supported capabilities: nothing saveable, nothing namespace specific;
-                    // changeable for the features Set Features accepts.
+                    // changeable for the features Set Features can change (not the volatile
+                    // write cache, which stays enabled).
                     let changeable = matches!(
                         fid,
                         features::NUMBER_OF_QUEUES
                             | features::KEEP_ALIVE_TIMER
                             | features::ASYNC_EVENT_CONFIG
-                            | features::VOLATILE_WRITE_CACHE
                     );
                     return AdminReply::ok(if changeable { 0b100 } else { 0 });
                 }
@@ -505,8 +515,10 @@ impl Controller {
                 c.nn.set(s.max_nsid());
                 c.mnan.set(s.max_nsid());
                 c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
-                // Volatile write cache present; Flush with NSID FFFFFFFFh supported.
-                c.vwc = 0b111;
+                // Flush with NSID FFFFFFFFh supported; a volatile write cache is present when a
+                // namespace's backend has one (files and devices: the page cache or the
+                // device's cache), so hosts send Flush and FUA only where they matter.
+                c.vwc = 0b110 | u8::from(self.volatile_write_cache());
             }
             ControllerKind::Discovery => {
                 put_ascii_padded(&mut c.sn, &target.discovery_serial);
@@ -632,8 +644,8 @@ impl Controller {
                 st.aec = cdw11;
                 AdminReply::ok(0)
             }
-            features::VOLATILE_WRITE_CACHE if !self.is_discovery() => {
-                // The cache cannot be turned off; writes are made durable by Flush.
+            features::VOLATILE_WRITE_CACHE if self.volatile_write_cache() => {
+                // The cache cannot be turned off; writes are made durable by Flush and FUA.
                 if cdw11 & 1 == 0 {
                     return AdminReply::err(Status::specific(specific::FEATURE_NOT_CHANGEABLE));
                 }
@@ -652,7 +664,8 @@ impl Controller {
             }
             features::KEEP_ALIVE_TIMER => AdminReply::ok(st.kato_ms),
             features::ASYNC_EVENT_CONFIG => AdminReply::ok(st.aec),
-            features::VOLATILE_WRITE_CACHE if !self.is_discovery() => AdminReply::ok(1),
+            // Without a volatile write cache the feature does not exist (Invalid Field).
+            features::VOLATILE_WRITE_CACHE if self.volatile_write_cache() => AdminReply::ok(1),
             features::ARBITRATION
             | features::POWER_MANAGEMENT
             | features::TEMPERATURE_THRESHOLD

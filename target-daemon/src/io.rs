@@ -64,8 +64,12 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
             c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
             (status_of(ctrl, r), buf)
         }
-        IoOp::Write { lba, len, .. } => {
-            let (r, buf) = ns.backend.write(lba, buf).await;
+        IoOp::Write { lba, len, fua, .. } => {
+            let (r, buf) = if fua {
+                ns.backend.write_fua(lba, buf).await
+            } else {
+                ns.backend.write(lba, buf).await
+            };
             c.writes.fetch_add(1, Ordering::Relaxed);
             c.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
             (status_of(ctrl, r), buf)
@@ -75,12 +79,17 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
             lba,
             nlb,
             deallocate,
+            fua,
         } => {
-            let r = if deallocate && ns.backend.deallocate_reads_zeroes() {
+            let mut r = if deallocate && ns.backend.deallocate_reads_zeroes() {
                 ns.backend.deallocate(lba, u64::from(nlb)).await
             } else {
                 ns.backend.write_zeroes(lba, u64::from(nlb)).await
             };
+            // Zeroing has no per-call durability flag (fallocate): FUA is a flush after it.
+            if fua && r.is_ok() {
+                r = ns.backend.flush().await;
+            }
             (status_of(ctrl, r), buf)
         }
         IoOp::Dsm {

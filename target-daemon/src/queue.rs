@@ -73,6 +73,8 @@ pub enum IoOp {
         len: usize,
         /// Where the data is.
         src: DataSource,
+        /// Force Unit Access: durable before it completes.
+        fua: bool,
     },
     /// Make written data durable.
     Flush,
@@ -84,6 +86,8 @@ pub enum IoOp {
         nlb: u32,
         /// Deallocate instead of writing if possible.
         deallocate: bool,
+        /// Force Unit Access: durable before it completes.
+        fua: bool,
     },
     /// Dataset Management: the ranges in the command data (`ranges` 16-byte entries).
     Dsm {
@@ -564,6 +568,7 @@ impl QueueState {
                         lba: rw.slba,
                         len,
                         src,
+                        fua: rw.fua,
                     }
                 } else {
                     IoOp::Read { lba: rw.slba, len }
@@ -586,6 +591,7 @@ impl QueueState {
                         lba: range.slba,
                         nlb: range.nlb,
                         deallocate,
+                        fua: range.fua,
                     },
                 ))
             }

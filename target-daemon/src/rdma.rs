@@ -1167,7 +1167,8 @@ mod tests {
                     IoOp::Write {
                         lba: 0,
                         len: 8192,
-                        src: DataSource::Host
+                        src: DataSource::Host,
+                        fua: false
                     }
                 );
                 assert_eq!(req.op.host_data_len(), 8192);
@@ -1192,7 +1193,7 @@ mod tests {
         let mut ic = build::read_write(true, 12, 1, 0, 1);
         ic.dptr = SglDescriptor::in_capsule(4096);
         assert!(
-            matches!(io.submit(&ic, &[0u8; 4096]), Submit::Io(req) if req.op == IoOp::Write { lba: 0, len: 4096, src: DataSource::InCapsule })
+            matches!(io.submit(&ic, &[0u8; 4096]), Submit::Io(req) if req.op == IoOp::Write { lba: 0, len: 4096, src: DataSource::InCapsule, fua: false })
         );
 
         // NVMe/TCP's transport descriptor is refused on RDMA, as are keyed lengths that

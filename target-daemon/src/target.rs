@@ -218,6 +218,9 @@ impl Target {
                     block_size = ns.block_size,
                     "namespace ready"
                 );
+                if let Some(loss) = ns.backend.crash_warning() {
+                    warn!(subsystem = %sub.nqn, nsid = ns.nsid, "{loss}");
+                }
             }
             subsystems.insert(s.nqn.clone(), Arc::new(sub));
         }

@@ -27,6 +27,7 @@
 #   --add-bin HOSTPATH[:GUESTPATH]  copy an executable and its shared libraries (repeatable)
 #   --with-fio                    include fio (large initramfs segment)
 #   --with-rdma                   include rdma (iproute2), libibverbs + rxe, verbs/rdmacm tools
+#   --with-ext4                   include mke2fs and e2fsck (the ext4 module is always packed)
 #   --no-nvme-cli                 leave nvme-cli out
 #   --timeout SECS                run: whole run (default 600); start: until the marker (300)
 #   --mem MB                      guest memory (default 1024)
@@ -101,7 +102,7 @@ cmd_boot() {
     local mode=$1
     shift
     local script="" marker="" log="" pidfile="" timeout="" mem=1024 smp=2 loglevel=4
-    local with_fio=0 with_rdma=0 with_nvme=1 fail_on_trace=0 verbose=0
+    local with_fio=0 with_rdma=0 with_ext4=0 with_nvme=1 fail_on_trace=0 verbose=0
     local accel=${INTEROP_ACCEL:-tcg} append=""
     local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=() nvme_disks=()
 
@@ -113,6 +114,7 @@ cmd_boot() {
         --add-bin) addbins+=("${2:?--add-bin needs a path}"); shift ;;
         --with-fio) with_fio=1 ;;
         --with-rdma) with_rdma=1 ;;
+        --with-ext4) with_ext4=1 ;;
         --no-nvme-cli) with_nvme=0 ;;
         --timeout) timeout=${2:?}; shift ;;
         --mem) mem=${2:?}; shift ;;
@@ -146,6 +148,11 @@ cmd_boot() {
     fi
     [[ $timeout =~ ^[0-9]+$ ]] || die "--timeout takes seconds"
     load_setup
+    local seg
+    for seg in fio:$with_fio rdma:$with_rdma ext4:$with_ext4; do
+        [[ ${seg#*:} == 0 || -f $INTEROP_INITRD_DIR/${seg%:*}.cpio.zst ]] ||
+            die "missing ${seg%:*} initramfs segment: run tests/interop/setup.sh"
+    done
 
     local name stamp rundir
     name=$(basename "$script" .sh)
@@ -194,6 +201,7 @@ cmd_boot() {
         [[ $with_nvme == 0 ]] || cat "$INTEROP_INITRD_DIR/nvme.cpio.zst"
         [[ $with_fio == 0 ]] || cat "$INTEROP_INITRD_DIR/fio.cpio.zst"
         [[ $with_rdma == 0 ]] || cat "$INTEROP_INITRD_DIR/rdma.cpio.zst"
+        [[ $with_ext4 == 0 ]] || cat "$INTEROP_INITRD_DIR/ext4.cpio.zst"
         write_cpio "$st"
     } >"$initrd"
     rm -rf "$st"

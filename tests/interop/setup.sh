@@ -19,6 +19,7 @@
 #   initrd/nvme.cpio.zst        nvme-cli and its shared libraries
 #   initrd/fio.cpio.zst         fio and its shared libraries (large; only for --with-fio)
 #   initrd/rdma.cpio.zst        iproute2's rdma, libibverbs + rxe provider, verbs/rdmacm tools
+#   initrd/ext4.cpio.zst        mke2fs and e2fsck (e2fsprogs) and their shared libraries
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -70,7 +71,8 @@ PACKAGES=(
     cpio
     kmod # depmod / modprobe --show-depends on the host
     zstd
-    python3 # host-side NVMe/TCP probes
+    python3   # host-side NVMe/TCP probes
+    e2fsprogs # guest: mke2fs, e2fsck
 )
 APT_UPDATED=0
 apt_update() {
@@ -328,7 +330,7 @@ else
     pack "$st" base "$base_hash"
 fi
 
-# --- tool segments: nvme-cli, fio, rdma ------------------------------------------------------
+# --- tool segments: nvme-cli, fio, rdma, ext4 ------------------------------------------------------
 build_tool_segment() {
     local name=$1 pkgs=$2 files=$3 extra=${4:-} hash st
     hash=$(
@@ -365,6 +367,8 @@ RXE_PROVIDER=${rxe[0]}
 build_tool_segment rdma "libgcc-s1 iproute2 libibverbs1 librdmacm1 ibverbs-providers ibverbs-utils rdmacm-utils libc6" \
     "/usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ibv_rc_pingpong /usr/bin/rping /usr/bin/ucmatose $RXE_PROVIDER $LIBGCC_S" \
     "/etc/libibverbs.d/rxe.driver"
+build_tool_segment ext4 "e2fsprogs libext2fs2 libcom-err2 libblkid1 libuuid1 libc6" \
+    "/sbin/mke2fs /sbin/e2fsck" "/etc/mke2fs.conf"
 
 # ---------------------------------------------------------------------------------------------
 # 4. Record what guest.sh needs

@@ -1,11 +1,14 @@
 //! The Linux kernel NVMe/TCP host (in a QEMU guest) against `nvmeof-targetd`: discovery,
 //! connect with several I/O queues, Identify, fio with verify, digests on and off, discard,
-//! write zeroes, disconnect; and a file namespace that keeps its data across a daemon crash
-//! while the host reconnects.
+//! write zeroes, disconnect; a file namespace that keeps its data across a daemon crash while
+//! the host reconnects; and ext4 on a namespace with a volatile write cache that stays
+//! consistent, with every fsynced file intact, across power cuts (SIGKILL of the daemon loses
+//! whatever the host did not make durable with Flush or FUA).
 //!
 //! Needs the guest prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1` (`.ci/run` does
 //! both); without it each test prints why it did nothing.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -61,15 +64,20 @@ fn kernel_host_discover_connect_fio_verify() {
     assert_eq!(code, Some(0));
 }
 
-fn wait_for(path: &Path, needle: &str, timeout: Duration) -> bool {
+/// Polls the file at `path` until `done` accepts its contents; false after `timeout`.
+fn wait_until(path: &Path, timeout: Duration, done: impl Fn(&str) -> bool) -> bool {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
-        if std::fs::read_to_string(path).is_ok_and(|s| s.contains(needle)) {
+        if std::fs::read_to_string(path).is_ok_and(|s| done(&s)) {
             return true;
         }
         std::thread::sleep(Duration::from_millis(200));
     }
     false
+}
+
+fn wait_for(path: &Path, needle: &str, timeout: Duration) -> bool {
+    wait_until(path, timeout, |s| s.contains(needle))
 }
 
 #[test]
@@ -79,7 +87,11 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
     }
     // Under the build directory, not /tmp: the namespace file needs a filesystem with O_DIRECT.
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
-    let ns = format!("file:{}/ns1.img,size=64M", dir.path().display());
+    // Behind a volatile cache: only what the host flushed or wrote with FUA survives a crash.
+    let ns = format!(
+        "file:{}/ns1.img,size=64M,volatile_cache=32M",
+        dir.path().display()
+    );
     let port = nvmeof_tests::free_port();
     let listen = format!("tcp://127.0.0.1:{port}");
     let args = ["--listen", &listen, "--subsystem", NQN, "--namespace", &ns];
@@ -130,5 +142,143 @@ fn kernel_host_file_namespace_survives_daemon_crash() {
         console.contains("PASS: data written before the crash"),
         "{console}"
     );
+    assert!(
+        console.contains("PASS: the FUA write survived the crash and the plain one did not"),
+        "{console}"
+    );
     assert!(t.log().contains("controller connected"));
+}
+
+/// Power cuts of `kernel_host_ext4_survives_power_cuts`: in round `i` the daemon is killed once
+/// the guest has reported `POWER_CUTS[i]` returned fsyncs (more may return before it dies).
+const POWER_CUTS: [usize; 4] = [1, 12, 3, 30];
+
+/// Records `KIND ROUND NAME MD5` of the guest console with `ROUND` in `rounds`, as NAME -> MD5.
+fn console_records(
+    console: &str,
+    kind: &str,
+    rounds: std::ops::RangeInclusive<usize>,
+) -> BTreeMap<String, String> {
+    console
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.trim().split(' ').collect();
+            match f[..] {
+                [k, r, name, md5] if k == kind && r.parse().is_ok_and(|r| rounds.contains(&r)) => {
+                    Some((name.to_string(), md5.to_string()))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// ext4 through the kernel host on a `volatile_cache` namespace, the daemon killed with SIGKILL
+/// after `POWER_CUTS[i]` fsyncs in round `i` and restarted once the host has abandoned the
+/// controller (`tests/guest/kernel-host-powercut.sh` describes the guest's side). After each cut
+/// the journal must replay, `e2fsck -fn` must be clean, and every file whose fsync returned in any
+/// round so far must be found with the checksum recorded when its fsync returned. It catches a
+/// cache that keeps FUA writes volatile (the last fsynced file is gone after the first cut) and
+/// one whose Flush writes nothing back (no mountable filesystem is left).
+#[test]
+fn kernel_host_ext4_survives_power_cuts() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    // Every write stays in the daemon's memory (64 MiB: no eviction) until a Flush or FUA write.
+    let ns = format!(
+        "file:{}/ns1.img,size=64M,volatile_cache=64M",
+        dir.path().display()
+    );
+    let port = nvmeof_tests::free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let args = ["--listen", &listen, "--subsystem", NQN, "--namespace", &ns];
+    let mut target = Some(TargetProcess::spawn(&args, port));
+    let startup = target.as_mut().expect("target").log();
+    assert!(startup.contains("(testing feature)"), "{startup}");
+    let log = dir.path().join("console.log");
+    let start = Command::new(guest_sh())
+        .args(["start", "--with-ext4", "--timeout", "600"])
+        .args(["--ready-marker", "WORKLOAD-START 1", "--log"])
+        .arg(&log)
+        .args(["--env", &format!("TARGET_PORT={port}")])
+        .args(["--env", &format!("TARGET_NQN={NQN}")])
+        .args(["--env", &format!("ROUNDS={}", POWER_CUTS.len())])
+        .arg(script("kernel-host-powercut.sh"))
+        .output()
+        .expect("guest.sh start");
+    let console = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        start.status.success(),
+        "guest did not format the namespace:\n{}\n{}",
+        console(),
+        String::from_utf8_lossy(&start.stderr)
+    );
+    let pidfile = String::from_utf8_lossy(&start.stdout).trim().to_string();
+    let minutes = Duration::from_secs(300);
+
+    for (i, &cut_after) in POWER_CUTS.iter().enumerate() {
+        let round = i + 1;
+        let fsynced = format!("FSYNCED {round} ");
+        let abandoned = format!("HOST-ABANDONED {round}");
+        let reached = wait_until(&log, minutes, |c| {
+            c.contains("GUEST-EXIT")
+                || c.contains(&abandoned)
+                || c.lines().filter(|l| l.starts_with(&fsynced)).count() >= cut_after
+        });
+        let c = console();
+        assert!(
+            reached && !c.contains("GUEST-EXIT") && !c.contains(&abandoned),
+            "round {round}: no {cut_after} fsync records while the daemon ran:\n{c}\ntarget log:\n{}",
+            target.as_mut().expect("target").log()
+        );
+        // Power cut: whatever the daemon did not make durable is gone.
+        target.take().expect("target").crash();
+        wait_until(&log, minutes, |c| {
+            c.contains(&abandoned) || c.contains("GUEST-EXIT")
+        });
+        assert!(
+            console().contains(&abandoned),
+            "round {round}: the host did not abandon the controller:\n{}",
+            console()
+        );
+        let mut t = TargetProcess::spawn(&args, port);
+        let recovered = format!("RECOVERED {round}");
+        let ok = wait_until(&log, minutes, |c| {
+            c.contains(&recovered) || c.contains("GUEST-EXIT")
+        });
+        let c = console();
+        assert!(
+            ok && c.contains(&recovered),
+            "round {round}: recovery failed:\n{c}\ntarget log after restart:\n{}",
+            t.log()
+        );
+        assert!(c.contains(&format!("FSCK-CLEAN {round}")), "{c}");
+        let found = console_records(&c, "FOUND", round..=round);
+        let lost: Vec<String> = console_records(&c, "FSYNCED", 1..=round)
+            .into_iter()
+            .filter(|(name, md5)| found.get(name) != Some(md5))
+            .map(|(name, md5)| format!("{name} (fsynced {md5}, found {:?})", found.get(&name)))
+            .collect();
+        assert!(
+            lost.is_empty(),
+            "round {round}: fsynced files lost or changed by the power cut: {lost:?}\n{c}"
+        );
+        eprintln!(
+            "round {round}: power cut after {} fsyncs; {} fsynced files intact, fsck clean",
+            console_records(&c, "FSYNCED", round..=round).len(),
+            found.len()
+        );
+        target = Some(t);
+    }
+
+    let finished = wait_for(&log, "GUEST-EXIT", minutes);
+    let stop = Command::new(guest_sh())
+        .args(["stop", "--grace", "30", &pidfile])
+        .output()
+        .expect("guest.sh stop");
+    let c = console();
+    assert!(finished && stop.status.success(), "guest failed:\n{c}");
+    assert!(c.contains("PASS: ext4 consistent"), "{c}");
 }

@@ -1,8 +1,9 @@
 //! A small load generator for one backend: random reads or writes at a fixed queue depth on
-//! one current-thread runtime (one reactor), reporting IOPS.
+//! one current-thread runtime (one reactor), reporting IOPS. `fua` writes with
+//! [`Backend::write_fua`]; `write+flush` follows each write with its own flush.
 //!
 //! ```text
-//! cargo run --release -p blockdev --example iops -- SPEC [read|write] [BLOCKS_PER_IO] [QD] [SECONDS]
+//! cargo run --release -p blockdev --example iops -- SPEC [read|write|fua|write+flush] [BLOCKS_PER_IO] [QD] [SECONDS]
 //! cargo run --release -p blockdev --example iops -- file:/dev/shm/ns.img,size=1G read 1 32 5
 //! ```
 //!
@@ -26,7 +27,7 @@ use blockdev::{AnyBackend, Backend, BackendSpec, IoBuf, open};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(spec) = args.first() else {
-        eprintln!("usage: iops SPEC [read|write] [BLOCKS_PER_IO] [QD] [SECONDS]");
+        eprintln!("usage: iops SPEC [read|write|fua|write+flush] [BLOCKS_PER_IO] [QD] [SECONDS]");
         std::process::exit(2);
     };
     let spec: BackendSpec = match spec.parse() {
@@ -36,7 +37,16 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let write = args.get(1).is_some_and(|a| a == "write");
+    let mode: &'static str = match args.get(1).map_or("read", String::as_str) {
+        "read" => "read",
+        "write" => "write",
+        "fua" => "fua",
+        "write+flush" => "write+flush",
+        other => {
+            eprintln!("unknown mode {other}");
+            std::process::exit(2);
+        }
+    };
     let blocks: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1);
     let qd: u64 = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(32);
     let secs: u64 = args.get(4).and_then(|a| a.parse().ok()).unwrap_or(5);
@@ -74,10 +84,14 @@ fn main() {
                     x ^= x >> 7;
                     x ^= x << 17;
                     let lba = (x % span) * blocks;
-                    let (res, back) = if write {
-                        backend.write(lba, buf).await
-                    } else {
-                        backend.read(lba, buf).await
+                    let (res, back) = match mode {
+                        "read" => backend.read(lba, buf).await,
+                        "write" => backend.write(lba, buf).await,
+                        "fua" => backend.write_fua(lba, buf).await,
+                        _ => match backend.write(lba, buf).await {
+                            (Ok(()), back) => (backend.flush().await, back),
+                            failed => failed,
+                        },
                     };
                     buf = back;
                     if let Err(e) = res {
@@ -97,8 +111,7 @@ fn main() {
     let ios = done.load(Ordering::Relaxed);
     let bytes = ios * blocks * u64::from(backend.block_size());
     println!(
-        "{} {ios} I/Os in {elapsed:.2} s: {:.0} IOPS, {:.1} MiB/s",
-        if write { "write" } else { "read" },
+        "{mode} {ios} I/Os in {elapsed:.2} s: {:.0} IOPS, {:.1} MiB/s",
         ios as f64 / elapsed,
         bytes as f64 / elapsed / (1 << 20) as f64
     );

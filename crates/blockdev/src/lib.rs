@@ -11,10 +11,19 @@
 //! | [`MemoryBackend`] | sparse RAM namespace: chunks are allocated on first write |
 //! | [`NullBackend`] | reads return zeros, writes vanish: measures the transport alone |
 //! | [`FileBackend`] | a regular file or block device, `O_DIRECT` through io_uring |
+//! | [`VolatileCache`] | testing: a bounded in-memory write cache in front of another backend, lost on a crash unless flushed or written with FUA |
 //!
 //! Backends are named by a [`BackendSpec`] (`mem:1G`, `null:512M`, `file:/path,size=10G`,
-//! `bdev:/dev/nvme0n1`), parsed from a string or deserialized from TOML, and opened with
-//! [`open`].
+//! `bdev:/dev/nvme0n1`, `file:/path,volatile_cache=64M`), parsed from a string or deserialized
+//! from TOML, and opened with [`open`].
+//!
+//! # Durability
+//!
+//! [`Backend::volatile_write_cache`] says whether completed writes may be lost on a crash until
+//! a [`Backend::flush`]: true for files and devices (page cache, device cache) and for
+//! [`VolatileCache`], false for memory (lost at exit whatever is flushed) and null.
+//! [`Backend::write_fua`] is a write that is durable when it completes (NVMe Force Unit
+//! Access); its default is a write followed by a flush, and the file backend uses `RWF_DSYNC`.
 //!
 //! # Errors and NVMe status
 //!
@@ -52,6 +61,7 @@
 use std::future::Future;
 
 mod buf;
+mod cache;
 mod error;
 mod file;
 mod mem;
@@ -61,6 +71,7 @@ mod spec;
 mod sys;
 
 pub use buf::{BufPool, CapacityError, IO_ALIGN, IoBuf};
+pub use cache::VolatileCache;
 pub use error::{BackendError, IoOp, StatusHint};
 pub use file::{FileBackend, FileEngine};
 pub use mem::{DEFAULT_CHUNK_SIZE, MemoryBackend};
@@ -77,9 +88,10 @@ pub type BufResult = (Result<(), BackendError>, IoBuf);
 ///
 /// Reads and writes transfer `buf.len()` bytes, which must be a non-zero multiple of
 /// [`block_size`](Backend::block_size), starting at block `lba`. Writes are durable once a later
-/// [`flush`](Backend::flush) has completed (when
-/// [`volatile_write_cache`](Backend::volatile_write_cache) is false they are durable as soon as
-/// they complete). Out-of-range requests fail with [`BackendError::OutOfRange`] before touching
+/// [`flush`](Backend::flush) has completed, or on completion when written with
+/// [`write_fua`](Backend::write_fua) (when
+/// [`volatile_write_cache`](Backend::volatile_write_cache) is false nothing a flush could save
+/// is lost: they are durable as soon as they complete, or, for memory, never). Out-of-range requests fail with [`BackendError::OutOfRange`] before touching
 /// anything.
 pub trait Backend: Send + Sync {
     /// Bytes per logical block (512 or 4096 in practice).
@@ -104,6 +116,18 @@ pub trait Backend: Send + Sync {
 
     /// Writes `buf.len()` bytes from `buf` starting at block `lba`.
     fn write(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send;
+
+    /// Writes like [`write`](Backend::write) and completes only once the data is durable
+    /// (NVMe Force Unit Access). The default writes and then flushes, which is correct for any
+    /// backend; backends with a cheaper way override it.
+    fn write_fua(&self, lba: u64, buf: IoBuf) -> impl Future<Output = BufResult> + Send {
+        async move {
+            match self.write(lba, buf).await {
+                (Ok(()), buf) => (self.flush().await, buf),
+                failed => failed,
+            }
+        }
+    }
 
     /// Makes every completed write durable.
     fn flush(&self) -> impl Future<Output = Result<(), BackendError>> + Send;
@@ -161,6 +185,8 @@ pub enum AnyBackend {
     Null(NullBackend),
     /// File or block device.
     File(FileBackend),
+    /// File or block device behind a volatile write cache (a testing feature).
+    Cached(VolatileCache<FileBackend>),
 }
 
 impl AnyBackend {
@@ -171,6 +197,27 @@ impl AnyBackend {
             AnyBackend::Null(_) => "null",
             AnyBackend::File(f) if f.is_block_device() => "bdev",
             AnyBackend::File(_) => "file",
+            AnyBackend::Cached(c) if c.inner().is_block_device() => "bdev",
+            AnyBackend::Cached(_) => "file",
+        }
+    }
+
+    /// What a crash does to this backend's data, for a line in the log when it is opened:
+    /// `Some` for RAM (lost whatever the host does) and for a volatile cache (unflushed writes
+    /// lost), `None` where completed and flushed writes survive.
+    pub fn crash_warning(&self) -> Option<String> {
+        match self {
+            AnyBackend::Memory(_) => Some(
+                "RAM namespace: its contents are lost when the process ends, whatever the host \
+                 flushes"
+                    .into(),
+            ),
+            AnyBackend::Cached(c) => Some(format!(
+                "volatile_cache={} (testing feature): writes not made durable by a Flush or \
+                 Force Unit Access are lost when the process is killed",
+                format_size(c.capacity_bytes())
+            )),
+            AnyBackend::Null(_) | AnyBackend::File(_) => None,
         }
     }
 }
@@ -181,6 +228,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.block_size(),
             AnyBackend::Null(b) => b.block_size(),
             AnyBackend::File(b) => b.block_size(),
+            AnyBackend::Cached(b) => b.block_size(),
         }
     }
 
@@ -189,6 +237,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.num_blocks(),
             AnyBackend::Null(b) => b.num_blocks(),
             AnyBackend::File(b) => b.num_blocks(),
+            AnyBackend::Cached(b) => b.num_blocks(),
         }
     }
 
@@ -197,6 +246,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.volatile_write_cache(),
             AnyBackend::Null(b) => b.volatile_write_cache(),
             AnyBackend::File(b) => b.volatile_write_cache(),
+            AnyBackend::Cached(b) => b.volatile_write_cache(),
         }
     }
 
@@ -205,6 +255,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.deallocate_reads_zeroes(),
             AnyBackend::Null(b) => b.deallocate_reads_zeroes(),
             AnyBackend::File(b) => b.deallocate_reads_zeroes(),
+            AnyBackend::Cached(b) => b.deallocate_reads_zeroes(),
         }
     }
 
@@ -213,6 +264,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.read(lba, buf).await,
             AnyBackend::Null(b) => b.read(lba, buf).await,
             AnyBackend::File(b) => b.read(lba, buf).await,
+            AnyBackend::Cached(b) => b.read(lba, buf).await,
         }
     }
 
@@ -221,6 +273,16 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.write(lba, buf).await,
             AnyBackend::Null(b) => b.write(lba, buf).await,
             AnyBackend::File(b) => b.write(lba, buf).await,
+            AnyBackend::Cached(b) => b.write(lba, buf).await,
+        }
+    }
+
+    async fn write_fua(&self, lba: u64, buf: IoBuf) -> BufResult {
+        match self {
+            AnyBackend::Memory(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Null(b) => b.write_fua(lba, buf).await,
+            AnyBackend::File(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Cached(b) => b.write_fua(lba, buf).await,
         }
     }
 
@@ -229,6 +291,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.flush().await,
             AnyBackend::Null(b) => b.flush().await,
             AnyBackend::File(b) => b.flush().await,
+            AnyBackend::Cached(b) => b.flush().await,
         }
     }
 
@@ -237,6 +300,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::Null(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::File(b) => b.write_zeroes(lba, blocks).await,
+            AnyBackend::Cached(b) => b.write_zeroes(lba, blocks).await,
         }
     }
 
@@ -245,6 +309,7 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(b) => b.deallocate(lba, blocks).await,
             AnyBackend::Null(b) => b.deallocate(lba, blocks).await,
             AnyBackend::File(b) => b.deallocate(lba, blocks).await,
+            AnyBackend::Cached(b) => b.deallocate(lba, blocks).await,
         }
     }
 }
@@ -264,16 +329,18 @@ pub fn open(spec: &BackendSpec) -> Result<AnyBackend, BackendError> {
         BackendSpec::Null { size, block_size } => {
             Ok(AnyBackend::Null(NullBackend::new(*size, *block_size)?))
         }
-        BackendSpec::File(f) => Ok(AnyBackend::File(FileBackend::open(f)?)),
-        BackendSpec::Bdev(f) => {
+        BackendSpec::File(f) | BackendSpec::Bdev(f) => {
             let backend = FileBackend::open(f)?;
-            if !backend.is_block_device() {
+            if matches!(spec, BackendSpec::Bdev(_)) && !backend.is_block_device() {
                 return Err(BackendError::Config(format!(
                     "{} is not a block device",
                     f.path.display()
                 )));
             }
-            Ok(AnyBackend::File(backend))
+            match f.volatile_cache {
+                Some(size) => Ok(AnyBackend::Cached(VolatileCache::new(backend, size)?)),
+                None => Ok(AnyBackend::File(backend)),
+            }
         }
     }
 }

@@ -10,11 +10,15 @@
 //! | `file:/path` | existing file; its length is the capacity |
 //! | `file:/path,size=10G` | the file, created with 10 GiB if missing or empty; an existing file must be 10 GiB |
 //! | `bdev:/dev/nvme0n1` | block device; size and block size from the device |
+//! | `file:/path,volatile_cache=64M` | the file behind a 64 MiB volatile write cache (testing) |
 //!
 //! Sizes are bytes with an optional `K`, `M`, `G`, `T` or `P` suffix (powers of 1024; `KiB`,
 //! `KB` and lowercase are accepted too). File and block device specs also take
 //! `bs=N` (files only), `direct=on|off` (default on: `O_DIRECT`) and
-//! `engine=auto|uring|blocking` (default auto). A path ends at the first comma.
+//! `engine=auto|uring|blocking` (default auto) and `volatile_cache=SIZE`: a testing feature
+//! that keeps up to SIZE bytes of written blocks in process memory until a Flush or a Force Unit
+//! Access write (see [`VolatileCache`](crate::VolatileCache)), so killing the process loses
+//! them as a power cut would. A path ends at the first comma.
 //!
 //! In TOML a backend is either such a string or a table with a `kind` key:
 //!
@@ -93,6 +97,8 @@ pub struct FileSpec {
     /// the target refuses it for a second namespace). Set by programs that deliberately open
     /// one file several times, such as a benchmark comparing access paths; not a spec option.
     pub exclusive: bool,
+    /// Bytes of volatile write cache in front of it (a testing feature; `None`: no cache).
+    pub volatile_cache: Option<u64>,
 }
 
 impl FileSpec {
@@ -105,6 +111,7 @@ impl FileSpec {
             direct: true,
             engine: IoEngine::Auto,
             exclusive: true,
+            volatile_cache: None,
         }
     }
 }
@@ -237,6 +244,18 @@ fn parse_bool(key: &str, v: &str) -> Result<bool, SpecError> {
     }
 }
 
+/// A volatile cache must hold at least one block (of 512 bytes, the smallest block size;
+/// opening checks it against the real one).
+fn validate_cache(f: &FileSpec) -> Result<(), SpecError> {
+    match f.volatile_cache {
+        Some(size) if size < 512 => Err(SpecError::BadValue {
+            key: "volatile_cache".into(),
+            value: size.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl BackendSpec {
     /// The same backend, opened without claiming its file or device (see
     /// [`FileSpec::exclusive`]).
@@ -258,6 +277,7 @@ impl BackendSpec {
                 if f.path.as_os_str().is_empty() {
                     return Err(SpecError::Missing("path"));
                 }
+                validate_cache(f)?;
                 let bs = f.block_size.unwrap_or(DEFAULT_BLOCK_SIZE);
                 match f.create_size {
                     Some(size) => validate_geometry(size, bs),
@@ -268,6 +288,7 @@ impl BackendSpec {
                 if f.path.as_os_str().is_empty() {
                     return Err(SpecError::Missing("path"));
                 }
+                validate_cache(f)?;
                 if f.create_size.is_some() {
                     return Err(SpecError::UnknownOption("size".into()));
                 }
@@ -325,6 +346,7 @@ impl FromStr for BackendSpec {
                         }
                         ("direct", v) => f.direct = parse_bool("direct", v)?,
                         ("engine", v) => f.engine = v.parse()?,
+                        ("volatile_cache", v) => f.volatile_cache = Some(parse_size(v)?),
                         (k, _) => return Err(SpecError::UnknownOption(k.to_string())),
                     }
                 }
@@ -355,6 +377,9 @@ impl fmt::Display for BackendSpec {
             }
             if spec.engine != IoEngine::Auto {
                 write!(f, ",engine={}", spec.engine.as_str())?;
+            }
+            if let Some(size) = spec.volatile_cache {
+                write!(f, ",volatile_cache={}", format_size(size))?;
             }
             Ok(())
         }
@@ -419,11 +444,13 @@ enum TableSpec {
         block_size: Option<u32>,
         direct: Option<bool>,
         engine: Option<IoEngine>,
+        volatile_cache: Option<SizeRepr>,
     },
     Bdev {
         path: PathBuf,
         direct: Option<bool>,
         engine: Option<IoEngine>,
+        volatile_cache: Option<SizeRepr>,
     },
 }
 
@@ -454,6 +481,7 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 block_size,
                 direct,
                 engine,
+                volatile_cache,
             }) => BackendSpec::File(FileSpec {
                 path,
                 create_size: size.map(|s| s.bytes()).transpose()?,
@@ -461,14 +489,17 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 direct: direct.unwrap_or(true),
                 engine: engine.unwrap_or_default(),
                 exclusive: true,
+                volatile_cache: volatile_cache.map(|s| s.bytes()).transpose()?,
             }),
             SpecRepr::Table(TableSpec::Bdev {
                 path,
                 direct,
                 engine,
+                volatile_cache,
             }) => BackendSpec::Bdev(FileSpec {
                 direct: direct.unwrap_or(true),
                 engine: engine.unwrap_or_default(),
+                volatile_cache: volatile_cache.map(|s| s.bytes()).transpose()?,
                 ..FileSpec::new(path)
             }),
         };
@@ -540,6 +571,16 @@ mod tests {
                 direct: false,
                 engine: IoEngine::Blocking,
                 exclusive: true,
+                volatile_cache: None,
+            })
+        );
+        assert_eq!(
+            "bdev:/dev/sdb,volatile_cache=64M"
+                .parse::<BackendSpec>()
+                .unwrap(),
+            BackendSpec::Bdev(FileSpec {
+                volatile_cache: Some(64 << 20),
+                ..FileSpec::new("/dev/sdb")
             })
         );
         assert_eq!(
@@ -567,6 +608,9 @@ mod tests {
             "file:/x,direct=maybe",
             "bdev:/dev/x,size=1G",
             "bdev:/dev/x,bs=512",
+            "file:/x,volatile_cache=0",
+            "file:/x,volatile_cache=lots",
+            "mem:1G,volatile_cache=1M",
         ] {
             assert!(bad.parse::<BackendSpec>().is_err(), "{bad:?} accepted");
         }
@@ -580,6 +624,7 @@ mod tests {
             "file:/a/b.img",
             "file:/a/b.img,size=10G,bs=512,direct=off,engine=uring",
             "bdev:/dev/nvme0n1,engine=blocking",
+            "file:/a/b.img,size=1G,volatile_cache=64M",
         ] {
             let spec: BackendSpec = s.parse().unwrap();
             assert_eq!(spec.to_string(), s);
@@ -627,6 +672,17 @@ mod tests {
         let c: Config =
             toml::from_str("[backend]\nkind = \"bdev\"\npath = \"/dev/sda\"\n").unwrap();
         assert_eq!(c.backend, BackendSpec::Bdev(FileSpec::new("/dev/sda")));
+        let c: Config = toml::from_str(
+            "[backend]\nkind = \"bdev\"\npath = \"/dev/sda\"\nvolatile_cache = \"8M\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.backend.to_string(), "bdev:/dev/sda,volatile_cache=8M");
+        let c: Config =
+            toml::from_str("[backend]\nkind = \"file\"\npath = \"/a\"\nvolatile_cache = 1048576\n")
+                .unwrap();
+        assert_eq!(c.backend.to_string(), "file:/a,volatile_cache=1M");
+        let c: Config = toml::from_str(r#"backend = "file:/a,volatile_cache=64K""#).unwrap();
+        assert_eq!(c.backend.to_string(), "file:/a,volatile_cache=64K");
         for bad in [
             "backend = \"mem:1Q\"",
             "[backend]\nkind = \"mem\"\nsize = \"1G\"\nblock_size = 100\n",

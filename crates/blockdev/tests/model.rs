@@ -1,11 +1,13 @@
-//! Every backend against a naive model: random sequences of reads, writes, flushes, write
-//! zeroes and deallocates, some of them out of range.
+//! Every backend against a naive model: random sequences of reads, writes (some with Force
+//! Unit Access), flushes, write zeroes and deallocates, some of them out of range. The volatile
+//! cache is also checked for what its backend holds: everything after a Flush, FUA writes at
+//! once.
 
 mod common;
 
 use blockdev::{
     Backend, BackendError, FileBackend, FileEngine, FileSpec, IoBuf, IoEngine, MemoryBackend,
-    NullBackend,
+    NullBackend, VolatileCache,
 };
 use common::{block_pattern, pattern_buf};
 use proptest::prelude::*;
@@ -13,10 +15,24 @@ use proptest::test_runner::TestCaseError;
 
 #[derive(Debug, Clone)]
 enum Cmd {
-    Write { lba: u64, blocks: u64, seed: u8 },
-    Read { lba: u64, blocks: u64 },
-    Zeroes { lba: u64, blocks: u64 },
-    Dealloc { lba: u64, blocks: u64 },
+    Write {
+        lba: u64,
+        blocks: u64,
+        seed: u8,
+        fua: bool,
+    },
+    Read {
+        lba: u64,
+        blocks: u64,
+    },
+    Zeroes {
+        lba: u64,
+        blocks: u64,
+    },
+    Dealloc {
+        lba: u64,
+        blocks: u64,
+    },
     Flush,
 }
 
@@ -24,8 +40,8 @@ enum Cmd {
 fn cmds(num_blocks: u64, max_len: usize) -> impl Strategy<Value = Vec<Cmd>> {
     let lba = 0..num_blocks + 3;
     let cmd = prop_oneof![
-        4 => (lba.clone(), 1u64..12, any::<u8>())
-            .prop_map(|(lba, blocks, seed)| Cmd::Write { lba, blocks, seed }),
+        4 => (lba.clone(), 1u64..12, any::<u8>(), prop::bool::weighted(0.25))
+            .prop_map(|(lba, blocks, seed, fua)| Cmd::Write { lba, blocks, seed, fua }),
         4 => (lba.clone(), 1u64..12).prop_map(|(lba, blocks)| Cmd::Read { lba, blocks }),
         2 => (lba.clone(), 0u64..24).prop_map(|(lba, blocks)| Cmd::Zeroes { lba, blocks }),
         2 => (lba, 0u64..24).prop_map(|(lba, blocks)| Cmd::Dealloc { lba, blocks }),
@@ -80,9 +96,18 @@ async fn run(b: &impl Backend, model: &mut Model, cmds: &[Cmd]) -> Result<(), Te
     let bs = model.block_size;
     for cmd in cmds {
         match *cmd {
-            Cmd::Write { lba, blocks, seed } => {
+            Cmd::Write {
+                lba,
+                blocks,
+                seed,
+                fua,
+            } => {
                 let buf = pattern_buf(seed, lba, blocks, bs);
-                let (res, back) = b.write(lba, buf).await;
+                let (res, back) = if fua {
+                    b.write_fua(lba, buf).await
+                } else {
+                    b.write(lba, buf).await
+                };
                 prop_assert_eq!(back.len(), blocks as usize * bs);
                 if expect_range_error(res, model.in_range(lba, blocks), "write")? && model.stores {
                     for i in 0..blocks {
@@ -197,8 +222,66 @@ fn check_file(
     rt.block_on(run(&b, &mut model, cmds))
 }
 
+/// Checks that `inner` holds what the model says for blocks `range`.
+async fn holds(
+    inner: &MemoryBackend,
+    model: &Model,
+    range: std::ops::Range<u64>,
+) -> Result<(), TestCaseError> {
+    let bs = model.block_size;
+    let n = (range.end - range.start) as usize;
+    let (res, buf) = inner.read(range.start, IoBuf::new(n * bs)).await;
+    res.map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (i, got) in buf.chunks(bs).enumerate() {
+        let l = range.start as usize + i;
+        prop_assert!(
+            got == &model.blocks[l][..] || (model.maybe_zero[l] && got.iter().all(|&x| x == 0)),
+            "block {} is not durable",
+            l
+        );
+    }
+    Ok(())
+}
+
+/// A volatile cache of `cache_blocks` blocks over a memory namespace: it reads like the model,
+/// stays within its size, and its backend holds every block after a Flush and a FUA write's
+/// blocks as soon as it completes.
+fn check_cache(cache_blocks: u64, cmds: &[Cmd]) -> Result<(), TestCaseError> {
+    let (bs, blocks) = (512u64, 64u64);
+    let inner = MemoryBackend::with_chunk_size(blocks * bs, bs as u32, 4096).unwrap();
+    let b = VolatileCache::new(inner, cache_blocks * bs).unwrap();
+    let mut model = Model::new(&b, true);
+    common::current_thread().block_on(async {
+        for cmd in cmds {
+            run(&b, &mut model, std::slice::from_ref(cmd)).await?;
+            prop_assert!(b.cached_blocks() as u64 <= cache_blocks);
+            match *cmd {
+                Cmd::Flush => holds(b.inner(), &model, 0..blocks).await?,
+                Cmd::Write {
+                    lba,
+                    blocks: n,
+                    fua: true,
+                    ..
+                } if lba + n <= blocks => holds(b.inner(), &model, lba..lba + n).await?,
+                _ => {}
+            }
+        }
+        Ok(())
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn volatile_cache_small(cmds in cmds(64, 60)) {
+        check_cache(6, &cmds)?;
+    }
+
+    #[test]
+    fn volatile_cache_roomy(cmds in cmds(64, 60)) {
+        check_cache(64, &cmds)?;
+    }
 
     #[test]
     fn memory_512_small_chunks(cmds in cmds(64, 60)) {

@@ -386,6 +386,14 @@ pub mod build {
         sqe
     }
 
+    /// Write of `nlb` blocks with Force Unit Access (CDW12 bit 30, NVM Command Set 1.0
+    /// Figure 65): the controller completes it once the data is in non-volatile media.
+    pub fn write_fua(cid: u16, nsid: u32, slba: u64, nlb: u32) -> Sqe {
+        let mut sqe = read_write(true, cid, nsid, slba, nlb);
+        sqe.cdw12 = U32::new(sqe.cdw12.get() | (1 << 30));
+        sqe
+    }
+
     /// Write Zeroes of `nlb` blocks, optionally deallocating them.
     pub fn write_zeroes(cid: u16, nsid: u32, slba: u64, nlb: u32, deallocate: bool) -> Sqe {
         let mut sqe = read_write(false, cid, nsid, slba, nlb);
@@ -476,6 +484,24 @@ mod tests {
             other => panic!("unexpected {other:?}"),
         }
         assert_eq!(sqe.cid(), 9);
+    }
+
+    #[test]
+    fn write_with_fua() {
+        let sqe = build::write_fua(5, 1, 7, 2);
+        assert_eq!(
+            IoCommand::parse(&sqe),
+            IoCommand::Write(ReadWrite {
+                nsid: 1,
+                slba: 7,
+                nlb: 2,
+                fua: true
+            })
+        );
+        assert!(matches!(
+            IoCommand::parse(&build::read_write(true, 5, 1, 7, 2)),
+            IoCommand::Write(ReadWrite { fua: false, .. })
+        ));
     }
 
     #[test]

@@ -188,10 +188,21 @@ multiple of the block size). Progress is shown on a terminal."
         /// Number of blocks to write (default: the size of --data).
         #[arg(long = "block-count", value_name = "N")]
         block_count: Option<u64>,
-        /// Send a Flush after the write so the data is durable.
-        #[arg(long)]
-        flush: bool,
+        #[command(flatten)]
+        durability: Durability,
     },
+}
+
+/// How `write` makes its data durable on targets with a volatile write cache.
+#[derive(Args, Clone, Copy, Default)]
+struct Durability {
+    /// Send a Flush after the write so the data is durable.
+    #[arg(long)]
+    flush: bool,
+    /// Write with Force Unit Access: each write command completes only once its data is
+    /// durable (nvme-cli's flag).
+    #[arg(short = 'f', long = "force-unit-access")]
+    force_unit_access: bool,
 }
 
 /// Where the target is (nvme-cli's flags).
@@ -423,7 +434,7 @@ async fn run(cli: Cli) -> Result<()> {
             queues,
             range,
             block_count,
-            flush,
+            durability,
         } => {
             cmd_write(
                 &ctx,
@@ -432,7 +443,7 @@ async fn run(cli: Cli) -> Result<()> {
                 &queues,
                 &range,
                 block_count,
-                flush,
+                durability,
             )
             .await
         }
@@ -1424,10 +1435,10 @@ async fn cmd_write(
     q: &QueueArgs,
     r: &RangeArgs,
     blocks: Option<u64>,
-    flush: bool,
+    durability: Durability,
 ) -> Result<()> {
     let ns = open_namespace(ctx, name, f, q, r.namespace_id).await?;
-    let res = do_write(ctx, &ns, r, blocks, flush).await;
+    let res = do_write(ctx, &ns, r, blocks, durability).await;
     let _ = ns.controller().clone().disconnect().await;
     res
 }
@@ -1437,7 +1448,7 @@ async fn do_write(
     ns: &Namespace,
     r: &RangeArgs,
     blocks: Option<u64>,
-    flush: bool,
+    durability: Durability,
 ) -> Result<()> {
     let bs = u64::from(ns.block_size());
     let (mut input, size): (Box<dyn Read>, Option<u64>) = if is_std(&r.data) {
@@ -1483,14 +1494,18 @@ async fn do_write(
             )
         })?;
         let lba = r.start_block + done;
-        ns.write(lba, &buf[..len])
-            .await
-            .with_context(|| format!("write of {n} blocks at block {lba}"))?;
+        let data = &buf[..len];
+        let written = if durability.force_unit_access {
+            ns.write_fua(lba, data).await
+        } else {
+            ns.write(lba, data).await
+        };
+        written.with_context(|| format!("write of {n} blocks at block {lba}"))?;
         done += n;
         progress.update(done * bs);
     }
     progress.finish();
-    if flush {
+    if durability.flush {
         ns.flush().await.context("flush")?;
     }
     summary(

@@ -459,13 +459,15 @@ pub(crate) fn read_at(
     })
 }
 
-/// Writes `buf[start..start + len]` at file `offset`.
+/// Writes `buf[start..start + len]` at file `offset`; with `dsync` the write completes only
+/// once the data is durable (`RWF_DSYNC`, as `pwritev2` takes it).
 pub(crate) fn write_at(
     file: &Arc<File>,
     offset: u64,
     buf: IoBuf,
     start: usize,
     len: u32,
+    dsync: bool,
 ) -> Result<Op, SubmitError> {
     if start
         .checked_add(len as usize)
@@ -476,7 +478,11 @@ pub(crate) fn write_at(
     submit(file, Some(buf), |fd, buf| match buf {
         Some(buf) => {
             let ptr = buf.data_ptr().wrapping_add(start);
-            opcode::Write::new(fd, ptr, len).offset(offset).build()
+            let flags = if dsync { libc::RWF_DSYNC } else { 0 };
+            opcode::Write::new(fd, ptr, len)
+                .offset(offset)
+                .rw_flags(flags)
+                .build()
         }
         None => opcode::Nop::new().build(),
     })
