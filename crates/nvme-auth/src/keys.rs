@@ -132,6 +132,11 @@ impl DhchapKey {
         format!("DHHC-1:{xx:02}:{}:", encode_with_crc(self.secret.expose()))
     }
 
+    /// The key bytes as the representation carries them (before any transformation).
+    pub fn secret(&self) -> &Secret {
+        &self.secret
+    }
+
     /// The hash that transforms the key, if any.
     pub fn transform_hash(&self) -> Option<HashId> {
         self.transform
