@@ -1,4 +1,4 @@
-//! The DH-HMAC-CHAP computations (NVMe Base 2.0 section 8.13.5.7-8.13.5.8), as the Linux host
+//! The DH-HMAC-CHAP computations (NVMe Base 2.0 section 8.13.5), as the Linux host
 //! and target perform them.
 
 use nvme_spec::auth::HashId;

@@ -1,5 +1,5 @@
 //! The DHHC-1 secret representation (`DHHC-1:XX:<base64(key || crc32)>:`) and the host and
-//! controller key transformation (NVMe Base 2.0 section 8.13.5.7).
+//! controller key transformation (NVMe Base 2.0 section 8.13.5).
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;

@@ -1,6 +1,6 @@
-//! In-band authentication: the Authentication Send/Receive fabrics commands and the
-//! DH-HMAC-CHAP messages they carry (NVMe Base 2.0 sections 6.3 and 8.13.5; Figures 553-567
-//! of the NVMe Base 2.0c numbering, the same layouts as Linux's `include/linux/nvme.h`).
+//! In-band authentication: the Authentication Receive/Send fabrics commands (NVMe Base 2.0
+//! sections 6.1 and 6.2) and the DH-HMAC-CHAP messages they carry (section 8.13.5, the
+//! message data figures; the same layouts as Linux's `include/linux/nvme.h`).
 //!
 //! [`AuthCommand`] reads and writes the command dwords; [`AuthMessage`] parses and encodes
 //! the message payloads. Parsing never panics: every length is checked against the buffer and
@@ -210,8 +210,8 @@ impl FailureExplanation {
     }
 }
 
-/// Command dwords 10-11 of Authentication Send/Receive, Figures 386/389 of NVMe Base 2.0
-/// (bytes 40-47 of the SQE).
+/// Command dwords 10-11 of Authentication Send/Receive (bytes 40-47 of the SQE): the
+/// command figures of NVMe Base 2.0 sections 6.1 and 6.2.
 #[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
 pub struct AuthCommandDwords {
@@ -316,7 +316,8 @@ impl AuthCommand {
     }
 }
 
-/// AUTH_Negotiate header, 8 bytes (Figure 554), followed by NAPD protocol descriptors.
+/// AUTH_Negotiate header, 8 bytes (the AUTH_Negotiate message figure), followed by NAPD
+/// protocol descriptors.
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
 pub struct NegotiateHeader {
@@ -336,7 +337,7 @@ pub struct NegotiateHeader {
 const _: () = assert!(size_of::<NegotiateHeader>() == 8);
 const _: () = assert!(std::mem::offset_of!(NegotiateHeader, t_id) == 4);
 
-/// DH-HMAC-CHAP protocol descriptor, 64 bytes (Figure 555).
+/// DH-HMAC-CHAP protocol descriptor, 64 bytes (the protocol descriptor figure).
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
 pub struct ProtocolDescriptor {
@@ -354,7 +355,7 @@ pub struct ProtocolDescriptor {
 const _: () = assert!(size_of::<ProtocolDescriptor>() == 64);
 const _: () = assert!(std::mem::offset_of!(ProtocolDescriptor, idlist) == 4);
 
-/// Header of DH-HMAC-CHAP_Challenge, _Reply and _Success1, 16 bytes (Figures 557, 558, 559).
+/// Header of DH-HMAC-CHAP_Challenge, _Reply and _Success1, 16 bytes (their message figures).
 ///
 /// The bytes 6-15 differ by message: Challenge has HL, rsvd, HashID, DHgID, DHVLEN, SEQNUM;
 /// Reply has HL, rsvd, CVALID, rsvd, DHVLEN, SEQNUM; Success1 has HL, rsvd, RVALID, rsvd.
@@ -387,7 +388,7 @@ const _: () = assert!(std::mem::offset_of!(DhchapHeader, hl) == 6);
 const _: () = assert!(std::mem::offset_of!(DhchapHeader, dhvlen) == 10);
 const _: () = assert!(std::mem::offset_of!(DhchapHeader, seqnum) == 12);
 
-/// AUTH_Failure1/AUTH_Failure2, 8 bytes (Figure 562).
+/// AUTH_Failure1/AUTH_Failure2, 8 bytes (the failure message figure).
 #[derive(Clone, Copy, Debug, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
 pub struct FailureMessage {
@@ -406,7 +407,7 @@ pub struct FailureMessage {
 }
 const _: () = assert!(size_of::<FailureMessage>() == 8);
 
-/// Size of a DH-HMAC-CHAP_Success2 message (Figure 560).
+/// Size of a DH-HMAC-CHAP_Success2 message.
 pub const SUCCESS2_LEN: usize = 16;
 
 /// The DH-HMAC-CHAP entry of an AUTH_Negotiate: what the host offers.
