@@ -61,12 +61,20 @@ fn pad(v: &BigUint, len: usize) -> Vec<u8> {
 }
 
 /// One side's ephemeral DH key pair.
-#[derive(Debug)]
 pub struct DhKeyPair {
     group: DhGroupId,
     p: BigUint,
     private: Secret,
     public: Vec<u8>,
+}
+
+impl std::fmt::Debug for DhKeyPair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DhKeyPair")
+            .field("group", &self.group)
+            .field("private", &self.private)
+            .finish_non_exhaustive()
+    }
 }
 
 impl DhKeyPair {

@@ -37,14 +37,18 @@ pub fn digest(hash: HashId, data: &[u8]) -> Vec<u8> {
 }
 
 /// HKDF-Extract with the all-zero salt (RFC 5869's default) followed by HKDF-Expand of `len`
-/// bytes with `info` (the concatenation of `info_parts`). `len` is at most 255 digests.
-pub(crate) fn hkdf(hash: HashId, ikm: &[u8], info_parts: &[&[u8]], len: usize) -> Option<Secret> {
-    let mut okm = vec![0u8; len];
-    let ok = match hash {
-        HashId::Sha256 => Hkdf::<Sha256>::new(None, ikm).expand_multi_info(info_parts, &mut okm),
-        HashId::Sha384 => Hkdf::<Sha384>::new(None, ikm).expand_multi_info(info_parts, &mut okm),
-        HashId::Sha512 => Hkdf::<Sha512>::new(None, ikm).expand_multi_info(info_parts, &mut okm),
+/// bytes with `info` (the concatenation of `info_parts`). `len` is at most one digest here.
+pub(crate) fn hkdf(hash: HashId, ikm: &[u8], info_parts: &[&[u8]], len: usize) -> Secret {
+    let mut okm = Secret::new(vec![0u8; len]);
+    let out = okm.expose_mut();
+    let res = match hash {
+        HashId::Sha256 => Hkdf::<Sha256>::new(None, ikm).expand_multi_info(info_parts, out),
+        HashId::Sha384 => Hkdf::<Sha384>::new(None, ikm).expand_multi_info(info_parts, out),
+        HashId::Sha512 => Hkdf::<Sha512>::new(None, ikm).expand_multi_info(info_parts, out),
     };
-    let out = Secret::new(okm);
-    ok.ok().map(|()| out)
+    // HKDF-Expand refuses only outputs longer than 255 digests.
+    if res.is_err() {
+        unreachable!("HKDF output of {len} bytes is within 255 digests");
+    }
+    okm
 }

@@ -21,6 +21,11 @@ impl Secret {
         &self.0
     }
 
+    /// The key bytes, to fill in place.
+    pub(crate) fn expose_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.0.len()

@@ -108,6 +108,18 @@ fn succeeds_for_every_hash_null_and_ffdhe_groups_both_directions() {
 }
 
 #[test]
+fn largest_group_succeeds() {
+    let host = host_cfg(&[HashId::Sha512], &[DhGroupId::Ffdhe8192], true);
+    let (h, c) = run(host, ctrl_cfg());
+    let want = Outcome {
+        hash: HashId::Sha512,
+        dh_group: DhGroupId::Ffdhe8192,
+        bidirectional: true,
+    };
+    assert_eq!((h, c), (Some(Ok(want)), Some(Ok(want))));
+}
+
+#[test]
 fn controller_picks_its_preferred_hash_and_group_among_those_offered() {
     let mut ctrl = ctrl_cfg();
     ctrl.hashes = vec![HashId::Sha512, HashId::Sha256];
