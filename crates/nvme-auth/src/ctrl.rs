@@ -41,13 +41,14 @@ impl CtrlConfig {
             host_key,
             ctrl_key: None,
             hashes: HashId::ALL.to_vec(),
-            dh_groups: DhGroupId::ALL
-                .iter()
-                .copied()
-                .cycle()
-                .skip(1)
-                .take(6)
-                .collect(),
+            dh_groups: vec![
+                DhGroupId::Ffdhe2048,
+                DhGroupId::Ffdhe3072,
+                DhGroupId::Ffdhe4096,
+                DhGroupId::Ffdhe6144,
+                DhGroupId::Ffdhe8192,
+                DhGroupId::Null,
+            ],
         }
     }
 }
