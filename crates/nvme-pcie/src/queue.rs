@@ -287,8 +287,9 @@ impl IoQueuePair {
         self.ring.ring(&*self.shared.dev)
     }
 
-    /// Reaps at most `max` completions, calling `done` for each, and writes the CQ head
-    /// doorbell once if any were reaped. If the controller was reset or failed, every
+    /// Reaps at most `max` completion queue entries, calling `done` for each completed
+    /// command, and writes the CQ head doorbell once if any were reaped. Returns the number of
+    /// commands completed. If the controller was reset or failed, every
     /// outstanding command completes here with [`Error::Reset`] or [`Error::ControllerFailed`].
     #[inline]
     pub fn poll(&mut self, max: usize, mut done: impl FnMut(Completion)) -> usize {
@@ -296,15 +297,16 @@ impl IoQueuePair {
             return self.fail_all(&e, &mut done);
         }
         let mut n = 0;
-        let mut reaped = false;
-        while n < max {
+        let mut reaped = 0;
+        while reaped < max {
             let Some(cqe) = self.ring.next_cqe() else {
                 break;
             };
-            reaped = true;
+            reaped += 1;
             let cid = cqe.cid();
             let Some(t) = self.trackers.get_mut(usize::from(cid)).filter(|t| t.busy) else {
-                // A completion for no outstanding command: a controller bug; skip it.
+                // A completion for no outstanding command (a controller bug): consumed and
+                // counted against `max`, so a misbehaving device cannot keep this loop going.
                 continue;
             };
             t.busy = false;
@@ -322,7 +324,7 @@ impl IoQueuePair {
             self.free.push(cid);
             n += 1;
         }
-        if reaped {
+        if reaped > 0 {
             self.ring.ack(&*self.shared.dev);
         }
         n
