@@ -282,7 +282,9 @@ impl Admin {
         let dw0 = self.exec(shared, sqe, false)?.dw0.get();
         let granted = ((dw0 & 0xFFFF).min(dw0 >> 16) + 1).min(u32::from(wanted));
         let granted = u16::try_from(granted).unwrap_or(wanted);
-        self.qids = vec![false; usize::from(granted) + 1];
+        // Identifiers still held by queue pairs of an earlier generation stay taken until those
+        // are dropped, so a stale doorbell write can never reach a new queue.
+        self.qids.resize(usize::from(granted) + 1, false);
         self.qids[0] = true;
         Ok(granted)
     }
@@ -441,7 +443,7 @@ impl Controller {
 
     /// Resets the controller (also the way back from a failure). Every existing
     /// [`IoQueuePair`] fails its outstanding commands with [`Error::Reset`] and stays dead;
-    /// create new ones.
+    /// drop them and create new ones (a dead pair keeps its queue identifier until dropped).
     pub fn reset(&self) -> Result<(), Error> {
         let mut admin = self.shared.admin.lock();
         self.shared.reset_locked(&mut admin)

@@ -281,7 +281,7 @@ impl IoQueuePair {
     /// Makes every command queued since the last call visible to the controller with one SQ
     /// tail doorbell write. Returns whether a doorbell was written.
     pub fn ring(&mut self) -> bool {
-        if self.dead.is_some() {
+        if self.live().is_err() {
             return false;
         }
         self.ring.ring(&*self.shared.dev)
@@ -417,8 +417,8 @@ impl Drop for IoQueuePair {
     fn drop(&mut self) {
         let mut admin = self.shared.admin.lock();
         if self.shared.generation.load(Ordering::Acquire) != self.generation {
-            // The queue no longer exists on the controller (reset or failure); the reset
-            // renumbered the free queue identifiers already.
+            // The queue no longer exists on the controller (reset or failure).
+            admin.release_qid(self.qid);
             return;
         }
         // Deleting the SQ aborts what it still holds; the buffers are dropped after that.

@@ -400,7 +400,13 @@ fn abort_that_does_not_help_resets_the_controller() {
 
 #[test]
 fn hung_controller_is_reset_and_nothing_hangs() {
-    let (m, c) = setup(ModelConfig::default(), short_timeouts());
+    let (m, c) = setup(
+        ModelConfig::default(),
+        Config {
+            io_queues: 2,
+            ..short_timeouts()
+        },
+    );
     let ns = c.namespace(1).unwrap();
     let mut q = c.create_io_queue().unwrap();
     let t0 = Instant::now();
@@ -416,11 +422,29 @@ fn hung_controller_is_reset_and_nothing_hangs() {
     let done = reap(&mut q, 5);
     assert!(done.iter().all(|c| c.result == Err(Error::Reset)));
     assert!(!c.is_failed());
+    // While the dead pair lives, its queue identifier is not handed out again, and it writes
+    // no more doorbells.
+    let mut fresh = c.create_io_queue().unwrap();
+    assert_ne!(fresh.qid(), q.qid());
+    let old = m.doorbells(q.qid());
+    let r = q.read(&ns, 0, 1, c.alloc(512).unwrap(), 9).unwrap_err();
+    assert_eq!(r.error, Error::Reset);
+    assert!(!q.ring());
+    assert_eq!(m.doorbells(q.qid()), old);
+    assert_eq!(
+        io_one(&mut fresh, &ns, false, 0, c.alloc(512).unwrap()).result,
+        Ok(0)
+    );
+    let old_qid = q.qid();
+    drop(q);
+    drop(fresh);
     let mut q = c.create_io_queue().unwrap();
+    assert_eq!(q.qid(), old_qid);
     assert_eq!(
         io_one(&mut q, &ns, false, 0, c.alloc(512).unwrap()).result,
         Ok(0)
     );
+    assert_eq!(m.bad_doorbells(), 0);
 }
 
 #[test]
