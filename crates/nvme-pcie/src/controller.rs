@@ -8,7 +8,6 @@ use nvme_spec::command::{build, cns};
 use nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvme_spec::{Cqe, FromBytes, Sqe};
 use parking_lot::Mutex;
-use zerocopy::little_endian::U32;
 
 use crate::arena::{ARENA_PAGE, DmaArena, DmaBuf};
 use crate::error::Error;
@@ -466,9 +465,8 @@ fn identify(shared: &Shared, admin: &mut Admin) -> Result<(ControllerInfo, Vec<N
         m if m < 32 => min_page << m,
         _ => u64::MAX,
     };
-    let mut sqe = build::identify(0, cns::ACTIVE_NS_LIST, 0);
-    sqe.nsid = U32::new(0);
-    admin.exec(shared, sqe, true)?;
+    // Active namespace IDs above NSID 0: the whole list.
+    admin.exec(shared, build::identify(0, cns::ACTIVE_NS_LIST, 0), true)?;
     let mut list = vec![0u8; 4096];
     admin.data.read(0, &mut list)?;
     let mut namespaces = Vec::new();

@@ -261,13 +261,15 @@ impl ModelController {
         self.inner.lock().sqs.iter().skip(1).flatten().count()
     }
 
-    /// Reads namespace bytes directly (to check what writes stored).
+    /// Reads namespace bytes directly (to check what writes stored). Panics if the range is
+    /// outside the namespace or the model discards data.
     pub fn read_media(&self, offset: usize, dst: &mut [u8]) {
         let s = self.inner.lock();
         dst.copy_from_slice(&s.data[offset..offset + dst.len()]);
     }
 
-    /// Writes namespace bytes directly (to seed data for reads).
+    /// Writes namespace bytes directly (to seed data for reads). Panics if the range is
+    /// outside the namespace or the model discards data.
     pub fn write_media(&self, offset: usize, src: &[u8]) {
         let mut s = self.inner.lock();
         s.data[offset..offset + src.len()].copy_from_slice(src);
