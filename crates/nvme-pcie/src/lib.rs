@@ -4,9 +4,10 @@
 //! completion queues live in memory the device reaches by DMA, completions are polled by phase
 //! tag, and each doorbell is written once per batch. It is built around a narrow seam, the
 //! [`Device`] trait: 32/64-bit accesses to BAR0 registers and doorbells, plus a one-time call
-//! that maps the [`DmaArena`] for the device. A VFIO-backed device implements it for real
-//! hardware; [`model::ModelController`] implements it with an in-memory controller for tests
-//! and benchmarks.
+//! that maps the [`DmaArena`] for the device. [`vfio::VfioNvme`] implements it for a controller
+//! bound to `vfio-pci` (BAR0 mapped, bus mastering on, the arena mapped through the IOMMU);
+//! [`model::ModelController`] implements it with an in-memory controller for tests and
+//! benchmarks.
 //!
 //! - [`Controller::new`] brings a controller up: CC.EN = 0 and wait for CSTS.RDY = 0 (within
 //!   CAP.TO), admin queue (AQA/ASQ/ACQ), CC with MPS, CSS = NVM, IOSQES = 6, IOCQES = 4 and
@@ -47,6 +48,7 @@ pub mod regs;
 mod ring;
 #[allow(unsafe_code)]
 mod sys;
+pub mod vfio;
 
 pub use arena::{ARENA_PAGE, DEFAULT_IOVA_BASE, DmaArena, DmaBuf, DmaWindow};
 pub use controller::{Config, Controller, ControllerInfo, Namespace};
