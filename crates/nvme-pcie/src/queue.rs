@@ -390,9 +390,12 @@ impl IoQueuePair {
             t.aborted = true;
             t.since = now;
             let abort = build::abort(0, self.qid, cid as u16);
-            if admin.exec(&self.shared, abort, false).is_err() {
+            match admin.exec(&self.shared, abort, false) {
+                // Refused (e.g. Abort Command Limit Exceeded): the command is reset with the
+                // controller if it is still outstanding one timeout from now.
+                Ok(_) | Err(Error::Status(_)) => {}
                 // The admin timeout already reset the controller, or the controller failed.
-                return;
+                Err(_) => return,
             }
         }
         if reset {

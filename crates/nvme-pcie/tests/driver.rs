@@ -12,6 +12,15 @@ use nvme_spec::opcode::{admin, io};
 use nvme_spec::status::{generic, sct};
 use proptest::prelude::*;
 
+/// Each reactor owns a queue pair; the controller is shared between them.
+const _: () = {
+    const fn send<T: Send>() {}
+    const fn send_sync<T: Send + Sync>() {}
+    send::<IoQueuePair>();
+    send::<Completion>();
+    send_sync::<Controller>();
+};
+
 fn setup(model: ModelConfig, config: Config) -> (Arc<ModelController>, Controller) {
     let m = Arc::new(ModelController::new(model));
     let c = Controller::new(m.clone(), config).expect("bring-up");
@@ -362,40 +371,45 @@ fn timed_out_command_is_aborted() {
     );
 }
 
+/// The Abort is acknowledged (or refused, as over the Abort Command Limit) but the command
+/// stays lost: one timeout later the controller is reset and the command fails with `Reset`.
 #[test]
 fn abort_that_does_not_help_resets_the_controller() {
-    let (m, c) = setup(ModelConfig::default(), short_timeouts());
-    let ns = c.namespace(1).unwrap();
-    let mut q = c.create_io_queue().unwrap();
-    let t0 = Instant::now();
-    q.check(t0);
-    m.inject(Fault::Lose {
-        admin: false,
-        opcode: io::WRITE,
-    });
-    // The Abort is acknowledged but the command stays lost.
-    m.inject(Fault::Status {
-        admin: true,
-        opcode: admin::ABORT,
-        status: Status::SUCCESS,
-    });
-    q.write(&ns, 0, 1, c.alloc(512).unwrap(), 5).unwrap();
-    q.ring();
-    q.check(t0 + Duration::from_secs(11));
-    assert_eq!(q.poll(8, |_| unreachable!()), 0);
-    q.check(t0 + Duration::from_secs(22));
-    let done = reap(&mut q, 1).pop().unwrap();
-    assert_eq!((done.tag, done.result), (5, Err(Error::Reset)));
-    assert!(done.buf.is_some());
-    let r = q.read(&ns, 0, 1, c.alloc(512).unwrap(), 6).unwrap_err();
-    assert_eq!(r.error, Error::Reset);
-    drop(q);
-    assert_eq!(m.io_queues(), 0);
-    let mut q = c.create_io_queue().unwrap();
-    assert_eq!(
-        io_one(&mut q, &ns, false, 0, c.alloc(512).unwrap()).result,
-        Ok(0)
-    );
+    let refused = Status::specific(nvme_spec::status::specific::ABORT_LIMIT_EXCEEDED).with_dnr();
+    for abort_status in [Status::SUCCESS, refused] {
+        let (m, c) = setup(ModelConfig::default(), short_timeouts());
+        let ns = c.namespace(1).unwrap();
+        let mut q = c.create_io_queue().unwrap();
+        let t0 = Instant::now();
+        q.check(t0);
+        m.inject(Fault::Lose {
+            admin: false,
+            opcode: io::WRITE,
+        });
+        m.inject(Fault::Status {
+            admin: true,
+            opcode: admin::ABORT,
+            status: abort_status,
+        });
+        q.write(&ns, 0, 1, c.alloc(512).unwrap(), 5).unwrap();
+        q.ring();
+        q.check(t0 + Duration::from_secs(11));
+        assert_eq!(q.poll(8, |_| unreachable!()), 0);
+        assert_eq!(m.lost(), 1);
+        q.check(t0 + Duration::from_secs(22));
+        let done = reap(&mut q, 1).pop().unwrap();
+        assert_eq!((done.tag, done.result), (5, Err(Error::Reset)));
+        assert!(done.buf.is_some());
+        let r = q.read(&ns, 0, 1, c.alloc(512).unwrap(), 6).unwrap_err();
+        assert_eq!(r.error, Error::Reset);
+        drop(q);
+        assert_eq!(m.io_queues(), 0);
+        let mut q = c.create_io_queue().unwrap();
+        assert_eq!(
+            io_one(&mut q, &ns, false, 0, c.alloc(512).unwrap()).result,
+            Ok(0)
+        );
+    }
 }
 
 #[test]
