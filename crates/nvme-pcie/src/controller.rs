@@ -342,6 +342,11 @@ impl Controller {
             return Err(Error::ControllerFailed);
         }
         let cap = Cap::from_raw(raw_cap);
+        if cap.mqes < 2 {
+            return Err(Error::Unsupported(
+                "queues of fewer than 2 entries (CAP.MQES)",
+            ));
+        }
         if !cap.css_nvm {
             return Err(Error::Unsupported(
                 "the NVM command set is not supported (CAP.CSS)",

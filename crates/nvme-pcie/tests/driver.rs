@@ -153,7 +153,22 @@ fn model_enable_checks() {
 
 #[test]
 fn read_after_write_across_pages() {
-    let (m, c) = default_setup();
+    // 4 KiB and 8 KiB controller pages (CAP.MPSMIN 0 and 1).
+    for mpsmin in [0, 1] {
+        read_after_write_with_pages(mpsmin);
+    }
+}
+
+fn read_after_write_with_pages(mpsmin: u8) {
+    let (m, c) = setup(
+        ModelConfig {
+            mpsmin,
+            blocks: 16384,
+            ..ModelConfig::default()
+        },
+        Config::default(),
+    );
+    assert_eq!(c.info().page_size, 4096 << mpsmin);
     let ns = c.namespace(1).unwrap();
     let mut q = c.create_io_queue().unwrap();
     let max_blocks = (c.info().max_transfer / u64::from(ns.block_size)) as usize;
@@ -163,7 +178,7 @@ fn read_after_write_across_pages() {
         (17, 9),
         (100, 24),
         (1000, max_blocks),
-        (8191, 1),
+        (16383, 1),
     ] {
         let len = blocks * ns.block_size as usize;
         let data = pattern(slba, len);
@@ -509,6 +524,33 @@ fn controller_that_never_becomes_ready() {
             ms: 30
         }
     );
+}
+
+#[test]
+fn unusable_capabilities_are_refused() {
+    for (model, what) in [
+        (
+            ModelConfig {
+                mqes: 1,
+                ..ModelConfig::default()
+            },
+            "MQES",
+        ),
+        (
+            ModelConfig {
+                mpsmin: 5,
+                mpsmax: 5,
+                ..ModelConfig::default()
+            },
+            "MPSMIN",
+        ),
+    ] {
+        let m = Arc::new(ModelController::new(model));
+        match Controller::new(m, Config::default()) {
+            Err(Error::Unsupported(msg)) => assert!(msg.contains(what), "{msg}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[test]
