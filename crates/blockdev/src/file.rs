@@ -212,8 +212,21 @@ impl FileBackend {
     fn open_with(spec: &FileSpec, open: &Opener<'_>) -> Result<Self, BackendError> {
         let path = spec.path.as_path();
         let engine = choose_engine(spec.engine)?;
-        let (mut file, mut direct) =
-            open_with_fallback(path, spec.create_size.is_some(), spec.direct, open)?;
+        let create = spec.create_size.is_some();
+        let (mut file, mut direct) = match open_with_fallback(path, create, spec.direct, open) {
+            Err(BackendError::Open { source, .. })
+                if !create
+                    && source.kind() == io::ErrorKind::NotFound
+                    && path.parent().is_some_and(|d| d.is_dir()) =>
+            {
+                return Err(BackendError::Config(format!(
+                    "{} does not exist; add size=SIZE to create it (e.g. file:{},size=1G)",
+                    path.display(),
+                    path.display()
+                )));
+            }
+            r => r?,
+        };
         if spec.exclusive {
             claim(&file, path)?;
         }
@@ -737,6 +750,17 @@ mod tests {
         .unwrap();
         drop(first);
         FileBackend::open(&FileSpec::new(&path)).unwrap();
+    }
+
+    #[test]
+    fn a_missing_file_without_a_size_names_the_fix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing.img");
+        let err = FileBackend::open(&FileSpec::new(&path))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not exist; add size=SIZE"), "{err}");
+        assert!(!path.exists());
     }
 
     #[test]
