@@ -8,6 +8,12 @@
 #
 # Environment: VFIO_BIND (1: bind to vfio-pci at the end; 0: leave it on the nvme driver).
 # Prints "VFIO-GROUP <pci address> /dev/vfio/<group>" for a program run after it.
+#
+# With /usr/bin/nvme-pcie-probe present (crates/nvme-pcie's vfio_probe example, guest.sh
+# --add-bin target/debug/examples/vfio_probe:/usr/bin/nvme-pcie-probe), the user-space driver
+# then drives the controller through VFIO: it reads back the pattern the kernel wrote, writes
+# and reads on two queue pairs and shuts the controller down. The function is then handed back
+# to the kernel nvme driver, which reads what the probe wrote and compares it.
 # shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
@@ -34,6 +40,7 @@ if [ "${VFIO_BIND:-1}" = 1 ]; then
     dev=/sys/bus/pci/devices/$bdf
     [ -e /sys/kernel/iommu_groups/0 ] || fail "no IOMMU groups (intel_iommu=on missing?)"
     step modprobe vfio_pci
+    step modprobe vfio_iommu_type1
     echo "$bdf" >"$dev/driver/unbind" || fail "cannot unbind $bdf from nvme"
     echo vfio-pci >"$dev/driver_override"
     echo "$bdf" >/sys/bus/pci/drivers_probe
@@ -43,5 +50,35 @@ if [ "${VFIO_BIND:-1}" = 1 ]; then
     group=${group##*/}
     [ -c "/dev/vfio/$group" ] || fail "/dev/vfio/$group missing"
     echo "VFIO-GROUP $bdf /dev/vfio/$group"
+
+    probe=/usr/bin/nvme-pcie-probe
+    if [ -x $probe ]; then
+        offset=1048576
+        step $probe "$dev" --expect /tmp/pattern --saved /tmp/ours --offset $offset
+        echo "$bdf" >/sys/bus/pci/drivers/vfio-pci/unbind || fail "cannot unbind $bdf from vfio-pci"
+        echo >"$dev/driver_override"
+        echo "$bdf" >/sys/bus/pci/drivers_probe
+        blk=""
+        i=0
+        while [ -z "$blk" ] && [ $i -lt 100 ]; do
+            for c in /sys/bus/pci/devices/$bdf/nvme/nvme*/nvme*n1; do
+                [ -e "$c" ] && [ -b "/dev/${c##*/}" ] && blk=/dev/${c##*/}
+            done
+            sleep 0.1
+            i=$((i + 1))
+        done
+        [ -n "$blk" ] || fail "$bdf did not come back as a block device on the nvme driver"
+        size=$(wc -c </tmp/ours)
+        step dd if="$blk" of=/tmp/theirs bs=512 skip=$((offset / 512)) count=$((size / 512)) iflag=direct
+        cmp /tmp/ours /tmp/theirs || fail "the kernel reads different data than the probe wrote"
+        log "PASS: kernel nvme driver reads what the user-space driver wrote ($size bytes)"
+        # Bound to the kernel driver again: refused in one line, nothing unbound.
+        out=$($probe "$dev" 2>&1) && fail "probe on a device bound to nvme succeeded: $out"
+        echo "$out"
+        expect_contains "$out" "bound to the nvme driver, not vfio-pci" "refusal of a kernel-bound device"
+        [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "the refusal is not one line: $out"
+        [ -b "$blk" ] || fail "$blk vanished after the refused probe"
+        log "PASS: user-space driver refuses a controller bound to the nvme driver"
+    fi
 fi
 log "PASS: emulated NVMe PCIe controller"
