@@ -5,25 +5,27 @@
 //! writes and reads every PRP shape up to MDTS on one queue pair, wraps a small queue on a
 //! second one, and shuts the controller down. The function is rebound to the kernel's nvme
 //! driver, which must read exactly what the probe wrote; the probe must then refuse the
-//! kernel-bound function in one line. See `tests/interop/guest-scripts/nvme-pcie-vfio.sh`.
+//! kernel-bound function in one line. In the same boot, `nvmeof-targetd --namespace
+//! pcie:ADDRESS` must refuse the kernel-bound function, then, with it on `vfio-pci`, serve it
+//! over NVMe/TCP to the guest kernel's NVMe/TCP host (loopback) through a fio verify. See
+//! `tests/interop/guest-scripts/nvme-pcie-vfio.sh`.
 //!
 //! Needs the guest prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1`; without it the
 //! test prints why it did nothing. The probe is built by `cargo test` (an example of
-//! `nvme-pcie`).
+//! `nvme-pcie`), the daemon by `cargo build --workspace --bins`.
 
 use std::process::Command;
 
 use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
 
 #[test]
-fn user_space_driver_against_qemu_nvme_through_vfio() {
+fn user_space_driver_and_pcie_namespace_against_qemu_nvme_through_vfio() {
     if !interop_enabled() {
         eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
         return;
     }
-    let probe = bin_path("nvmeof-targetd")
-        .with_file_name("examples")
-        .join("vfio_probe");
+    let targetd = bin_path("nvmeof-targetd");
+    let probe = targetd.with_file_name("examples").join("vfio_probe");
     assert!(
         probe.exists(),
         "{} is not built (cargo build -p nvme-pcie --example vfio_probe)",
@@ -35,11 +37,19 @@ fn user_space_driver_against_qemu_nvme_through_vfio() {
         .and_then(|f| f.set_len(64 << 20))
         .expect("disk image");
     let out = Command::new(guest_sh())
-        .args(["run", "--timeout", "300", "--fail-on-kernel-trace"])
+        .args([
+            "run",
+            "--with-fio",
+            "--timeout",
+            "300",
+            "--fail-on-kernel-trace",
+        ])
         .arg("--nvme-disk")
         .arg(&disk)
         .arg("--add-bin")
         .arg(format!("{}:/usr/bin/nvme-pcie-probe", probe.display()))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
         .arg(workspace_root().join("tests/interop/guest-scripts/nvme-pcie-vfio.sh"))
         .output()
         .expect("guest.sh");
@@ -59,6 +69,10 @@ fn user_space_driver_against_qemu_nvme_through_vfio() {
         "PROBE PASS",
         "PASS: kernel nvme driver reads what the user-space driver wrote (1466880 bytes)",
         "PASS: user-space driver refuses a controller bound to the nvme driver",
+        "namespace 1: invalid backend configuration: pcie:0000:00:02.0: device: \
+         /sys/bus/pci/devices/0000:00:02.0 is bound to the nvme driver, not vfio-pci",
+        "NVMe PCIe namespace opened (QEMU NVMe Ctrl",
+        "PASS: kernel NVMe/TCP host -> nvmeof-targetd -> pcie:0000:00:02.0 (fio verify)",
         "PASS: emulated NVMe PCIe controller",
     ] {
         assert!(

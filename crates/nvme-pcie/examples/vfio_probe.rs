@@ -18,10 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use nvme_pcie::vfio::{VfioNvme, choose_iova_base};
-use nvme_pcie::{
-    Completion, Config, Controller, DEFAULT_IOVA_BASE, DmaBuf, IoQueuePair, Namespace,
-};
+use nvme_pcie::vfio::VfioNvme;
+use nvme_pcie::{Completion, Config, Controller, DmaBuf, IoQueuePair, Namespace};
 
 struct Args {
     device: PathBuf,
@@ -220,8 +218,7 @@ fn run() -> anyhow::Result<()> {
         .collect();
     println!("PROBE IOVA-RANGES {}", ranges_text.join(" "));
     let arena_size = 16 << 20;
-    let iova_base = choose_iova_base(&ranges, arena_size as u64, DEFAULT_IOVA_BASE)
-        .context("no IOVA range fits the DMA arena")?;
+    let iova_base = dev.arena_iova(arena_size)?;
     let config = Config {
         io_queues: 2,
         // Small queues so that the runs below wrap them several times.

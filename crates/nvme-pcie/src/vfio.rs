@@ -101,6 +101,18 @@ impl VfioNvme {
         parse_iova_ranges(&info)
             .ok_or_else(|| DeviceError("malformed IOMMU capability chain".into()))
     }
+
+    /// An IOVA for an arena of `len` bytes inside the IOMMU's ranges ([`choose_iova_base`]
+    /// from [`DEFAULT_IOVA_BASE`](crate::DEFAULT_IOVA_BASE) up): the value for
+    /// [`Config::iova_base`](crate::Config::iova_base).
+    pub fn arena_iova(&self, len: usize) -> Result<u64, DeviceError> {
+        let ranges = self.iova_ranges()?;
+        choose_iova_base(&ranges, len as u64, crate::DEFAULT_IOVA_BASE).ok_or_else(|| {
+            DeviceError(format!(
+                "no IOVA range of the IOMMU holds a {len}-byte DMA arena below 2^39: {ranges:x?}"
+            ))
+        })
+    }
 }
 
 /// Refuses a PCI function that is not bound to `vfio-pci`, naming the driver it is bound to.
