@@ -15,6 +15,11 @@
 //! Deallocate is accepted as the hint it is and does nothing (deallocated blocks keep their
 //! data, so `deallocate_reads_zeroes` is false).
 //!
+//! A controller reset (after a command timed out and its Abort did not help) or failure
+//! (CSTS.CFS) fails the commands in flight with an error; the next command on each queue pair
+//! drops the dead pair, resets a failed controller (at most once a second; in between commands
+//! fail at once) and creates a new pair.
+//!
 //! Dropping a future with commands in flight is safe: the driver owns the DMA buffers until
 //! the device completes them, and the completions are reaped (and the buffers freed) by the
 //! next poll of that queue.
@@ -45,6 +50,8 @@ const QUEUE_SIZE: u32 = 128;
 const ARENA_PER_QUEUE: usize = (QUEUE_SIZE as usize + 8) * 4096 + (2 << 20);
 /// Interval of timeout checks on a busy queue.
 const CHECK_EVERY: Duration = Duration::from_millis(10);
+/// Resets of a failed controller are attempted at most this often.
+const RESET_INTERVAL: Duration = Duration::from_secs(1);
 /// Longest wait for room in the DMA arena before a command fails.
 const DMA_WAIT: Duration = Duration::from_secs(5);
 
@@ -63,6 +70,8 @@ pub struct PcieBackend {
     max_transfer: usize,
     queues: Mutex<Vec<Arc<Mutex<Queue>>>>,
     next_shared: AtomicUsize,
+    /// When a failed controller was last reset by this backend.
+    last_reset: Mutex<Option<Instant>>,
     // Dropped last: the queues above hold the controller too; it shuts down with the last.
     ctrl: Controller,
 }
@@ -78,7 +87,8 @@ impl std::fmt::Debug for PcieBackend {
 
 /// One queue pair and the requests in flight on it.
 struct Queue {
-    qp: IoQueuePair,
+    /// `None` between dropping a dead pair (after a reset) and creating its replacement.
+    qp: Option<IoQueuePair>,
     /// Requests by index (the high half of a command's tag); `free` lists unused slots.
     reqs: Vec<Req>,
     free: Vec<u32>,
@@ -103,10 +113,17 @@ struct Req {
 impl Queue {
     fn new(qp: IoQueuePair) -> Self {
         Queue {
-            qp,
+            qp: Some(qp),
             reqs: Vec::new(),
             free: Vec::new(),
             next_check: Instant::now(),
+        }
+    }
+
+    /// Writes the SQ tail doorbell for what was queued.
+    fn ring(&mut self) {
+        if let Some(qp) = &mut self.qp {
+            qp.ring();
         }
     }
 
@@ -132,6 +149,9 @@ impl Queue {
             free,
             next_check,
         } = self;
+        let Some(qp) = qp else {
+            return;
+        };
         let n = qp.poll(REAP_BATCH, |c| {
             let (id, index) = ((c.tag >> 32) as u32, c.tag as u32);
             let Some(r) = reqs.get_mut(id as usize) else {
@@ -294,6 +314,7 @@ impl PcieBackend {
             max_transfer,
             queues: Mutex::new(Vec::new()),
             next_shared: AtomicUsize::new(0),
+            last_reset: Mutex::new(None),
             ctrl,
         })
     }
@@ -388,7 +409,7 @@ impl PcieBackend {
                         Err(DriverError::OutOfDmaMemory)
                             if dma_wait.get_or_insert_with(Instant::now).elapsed() < DMA_WAIT =>
                         {
-                            queue.lock().qp.ring();
+                            queue.lock().ring();
                             yield_polling(&queue).await;
                             continue;
                         }
@@ -408,7 +429,7 @@ impl PcieBackend {
                 }
             }
         }
-        queue.lock().qp.ring();
+        queue.lock().ring();
         poll_fn(|cx| {
             let mut q = queue.lock();
             if q.reqs[id as usize].remaining > 0 {
@@ -448,10 +469,14 @@ impl PcieBackend {
         dma: Option<DmaBuf>,
     ) -> Result<bool, DriverError> {
         let mut q = queue.lock();
+        let Some(qp) = &mut q.qp else {
+            self.renew(&mut q)?;
+            return Ok(false);
+        };
         let submitted = match (cmd, dma) {
-            (Cmd::Read, Some(d)) => q.qp.read(&self.ns, slba, nlb, d, tag),
-            (Cmd::Write, Some(d)) => q.qp.write(&self.ns, slba, nlb, d, tag),
-            _ => q.qp.flush(&self.ns, tag),
+            (Cmd::Read, Some(d)) => qp.read(&self.ns, slba, nlb, d, tag),
+            (Cmd::Write, Some(d)) => qp.write(&self.ns, slba, nlb, d, tag),
+            _ => qp.flush(&self.ns, tag),
         };
         match submitted {
             Ok(()) => {
@@ -459,13 +484,41 @@ impl PcieBackend {
                 Ok(true)
             }
             Err(r) => {
-                q.qp.ring();
+                q.ring();
                 match r.error {
                     DriverError::QueueFull => Ok(false),
+                    // The pair died with a controller reset or failure: replace it and retry.
+                    DriverError::Reset | DriverError::ControllerFailed => {
+                        self.renew(&mut q)?;
+                        Ok(false)
+                    }
                     e => Err(e),
                 }
             }
         }
+    }
+
+    /// Replaces a queue pair that a reset or a controller failure killed: its commands fail
+    /// (delivered to their requests), it is dropped, a failed controller is reset (at most once
+    /// per [`RESET_INTERVAL`]; otherwise the command fails at once), and a new pair is created.
+    fn renew(&self, q: &mut Queue) -> Result<(), DriverError> {
+        if q.qp.is_some() {
+            q.reap();
+            q.qp = None;
+        }
+        if self.ctrl.is_failed() {
+            let mut last = self.last_reset.lock();
+            if last.is_some_and(|t| t.elapsed() < RESET_INTERVAL) {
+                return Err(DriverError::ControllerFailed);
+            }
+            *last = Some(Instant::now());
+            if self.ctrl.is_failed() {
+                tracing::warn!(device = %self.name, "NVMe controller failed; resetting it");
+                self.ctrl.reset()?;
+            }
+        }
+        q.qp = Some(self.ctrl.create_io_queue()?);
+        Ok(())
     }
 
     async fn transfer(&self, cmd: Cmd, lba: u64, mut buf: IoBuf) -> BufResult {

@@ -231,3 +231,32 @@ fn spec_names_a_pci_function_that_must_be_bound_to_vfio() {
     assert_eq!(ns.backend.to_string(), "pcie:0000:01:00.0");
     assert!(toml::from_str::<Ns>("[backend]\nkind = \"pcie\"\naddress = \"1:0.0\"\n").is_err());
 }
+
+#[test]
+fn a_failed_controller_is_reset_and_queue_pairs_replaced() {
+    let (model, b) = backend(4, 8);
+    current_thread().block_on(async {
+        let (r, _) = b.write(0, pattern_buf(3, 0, 2, 512)).await;
+        r.unwrap();
+        for round in 0..2 {
+            // CSTS.CFS with a command in flight: that command fails, nothing hangs.
+            model.inject(Fault::Fatal);
+            let (r, _) = b.read(0, IoBuf::new(1024)).await;
+            let e = r.unwrap_err();
+            assert_eq!(e.status_hint(), StatusHint::InternalError, "{e}");
+            assert!(b.controller().is_failed());
+            if round == 1 {
+                // A second failure within the reset interval fails at once, without a reset.
+                let (r, _) = b.read(0, IoBuf::new(1024)).await;
+                assert!(r.unwrap_err().to_string().contains("controller failed"));
+                tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+            }
+            // The next request resets the controller, replaces the dead pair and succeeds.
+            let (r, got) = b.read(0, IoBuf::new(1024)).await;
+            r.unwrap();
+            assert!(got[..] == pattern_buf(3, 0, 2, 512)[..]);
+            assert!(!b.controller().is_failed());
+            assert_eq!(model.io_queues(), 1);
+        }
+    });
+}
