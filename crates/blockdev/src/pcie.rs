@@ -9,7 +9,8 @@
 //! again, so a thread spins while it has I/O outstanding and is idle otherwise.
 //!
 //! Data is bounce-copied between the caller's [`IoBuf`] and buffers of the driver's DMA arena
-//! (memory mapped through the IOMMU at IOVAs the device may use): one copy per read or write.
+//! (memory mapped through the IOMMU at IOVAs the device may use): one copy per read or write;
+//! each queue pair keeps up to 2 MiB of those buffers for reuse.
 //! Transfers larger than the controller's limit (MDTS) are split into several commands that
 //! run together. Flush is the NVMe Flush command; Write Zeroes writes zeroed buffers;
 //! Deallocate is accepted as the hint it is and does nothing (deallocated blocks keep their
@@ -32,7 +33,9 @@ use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use nvme_pcie::{Config, Controller, Device, DmaBuf, Error as DriverError, IoQueuePair, Namespace};
+use nvme_pcie::{
+    ARENA_PAGE, Config, Controller, Device, DmaBuf, Error as DriverError, IoQueuePair, Namespace,
+};
 use parking_lot::Mutex;
 
 use crate::{Backend, BackendError, BufResult, IoBuf, IoOp, check_range, check_transfer};
@@ -48,6 +51,8 @@ const QUEUE_SIZE: u32 = 128;
 /// DMA arena bytes per queue pair: its queues, a PRP list page per entry, and 2 MiB more of
 /// bounce buffers.
 const ARENA_PER_QUEUE: usize = (QUEUE_SIZE as usize + 8) * 4096 + (2 << 20);
+/// Bounce buffer bytes each queue pair keeps for reuse (the 2 MiB of [`ARENA_PER_QUEUE`]).
+const POOL_BYTES: usize = 2 << 20;
 /// Interval of timeout checks on a busy queue.
 const CHECK_EVERY: Duration = Duration::from_millis(10);
 /// Resets of a failed controller are attempted at most this often.
@@ -85,8 +90,48 @@ impl std::fmt::Debug for PcieBackend {
     }
 }
 
+/// Bounce buffers a queue pair keeps for reuse, by power-of-two page count, so that steady
+/// I/O neither searches the arena nor zeroes memory.
+#[derive(Default)]
+struct Pool {
+    classes: Vec<Vec<DmaBuf>>,
+    bytes: usize,
+}
+
+impl Pool {
+    /// Pages of the buffer class holding `len` bytes.
+    fn class_pages(len: usize) -> usize {
+        len.div_ceil(ARENA_PAGE).max(1).next_power_of_two()
+    }
+
+    fn take(&mut self, ctrl: &Controller, len: usize) -> Result<DmaBuf, DriverError> {
+        let pages = Self::class_pages(len);
+        let class = pages.trailing_zeros() as usize;
+        if let Some(buf) = self.classes.get_mut(class).and_then(Vec::pop) {
+            self.bytes -= buf.len();
+            return Ok(buf);
+        }
+        ctrl.alloc(pages * ARENA_PAGE)
+    }
+
+    /// Keeps `buf` for reuse, or frees it when the pool is full.
+    fn give(&mut self, buf: DmaBuf) {
+        let pages = buf.len() / ARENA_PAGE;
+        if !pages.is_power_of_two() || self.bytes + buf.len() > POOL_BYTES {
+            return;
+        }
+        let class = pages.trailing_zeros() as usize;
+        if self.classes.len() <= class {
+            self.classes.resize_with(class + 1, Vec::new);
+        }
+        self.bytes += buf.len();
+        self.classes[class].push(buf);
+    }
+}
+
 /// One queue pair and the requests in flight on it.
 struct Queue {
+    pool: Pool,
     /// `None` between dropping a dead pair (after a reset) and creating its replacement.
     qp: Option<IoQueuePair>,
     /// Requests by index (the high half of a command's tag); `free` lists unused slots.
@@ -113,6 +158,7 @@ struct Req {
 impl Queue {
     fn new(qp: IoQueuePair) -> Self {
         Queue {
+            pool: Pool::default(),
             qp: Some(qp),
             reqs: Vec::new(),
             free: Vec::new(),
@@ -148,6 +194,7 @@ impl Queue {
             reqs,
             free,
             next_check,
+            pool,
         } = self;
         let Some(qp) = qp else {
             return;
@@ -161,8 +208,10 @@ impl Queue {
             if let Err(e) = c.result {
                 r.error.get_or_insert(e);
             }
-            if let (Some(buf), true, false) = (c.buf, r.keep, r.abandoned) {
-                r.bufs.push((index, buf));
+            match (c.buf, r.keep && !r.abandoned) {
+                (Some(buf), true) => r.bufs.push((index, buf)),
+                (Some(buf), false) => pool.give(buf),
+                (None, _) => {}
             }
             if r.abandoned && r.remaining == 0 {
                 *r = Req::default();
@@ -335,6 +384,13 @@ impl PcieBackend {
         self.queues.lock().len()
     }
 
+    /// Bytes of DMA memory the queue pairs keep as bounce buffers for reuse (at most 2 MiB
+    /// each); the rest of [`DmaArena::pages_in_use`](nvme_pcie::DmaArena::pages_in_use) is
+    /// queues and commands in flight.
+    pub fn pooled_dma_bytes(&self) -> usize {
+        self.queues.lock().iter().map(|q| q.lock().pool.bytes).sum()
+    }
+
     /// This thread's queue pair, created on first use.
     fn queue(&self, op: IoOp) -> Result<Arc<Mutex<Queue>>, BackendError> {
         let found = QUEUES.with(|m| {
@@ -404,7 +460,8 @@ impl PcieBackend {
                 let dma = if cmd == Cmd::Flush {
                     None
                 } else {
-                    match self.ctrl.alloc(len) {
+                    let taken = queue.lock().pool.take(&self.ctrl, len);
+                    match taken {
                         Ok(d) => Some(d),
                         Err(DriverError::OutOfDmaMemory)
                             if dma_wait.get_or_insert_with(Instant::now).elapsed() < DMA_WAIT =>
@@ -446,13 +503,18 @@ impl PcieBackend {
         if let Some(e) = error {
             return Err(fail(e));
         }
-        if let Some(b) = buf {
-            for (index, d) in bufs {
-                let (at, len) = chunks[index as usize];
-                d.read(0, &mut b[at..at + len]).map_err(fail)?;
-            }
+        let copied = match buf {
+            Some(b) => bufs.iter().try_for_each(|(index, d)| {
+                let (at, len) = chunks[*index as usize];
+                d.read(0, &mut b[at..at + len])
+            }),
+            None => Ok(()),
+        };
+        let mut q = queue.lock();
+        for (_, d) in bufs {
+            q.pool.give(d);
         }
-        Ok(())
+        copied.map_err(fail)
     }
 
     /// Submits one command of request `id`. `Ok(false)`: the queue is full (it was rung; poll
@@ -485,6 +547,9 @@ impl PcieBackend {
             }
             Err(r) => {
                 q.ring();
+                if let Some(buf) = r.buf {
+                    q.pool.give(buf);
+                }
                 match r.error {
                     DriverError::QueueFull => Ok(false),
                     // The pair died with a controller reset or failure: replace it and retry.
