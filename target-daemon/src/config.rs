@@ -278,7 +278,8 @@ pub struct NamespaceConfig {
     /// Namespace ID (default: position + 1).
     #[serde(default)]
     pub nsid: Option<u32>,
-    /// The backend: `mem:SIZE`, `null:SIZE`, `file:PATH[,size=SIZE]`, `bdev:PATH`.
+    /// The backend: `mem:SIZE`, `null:SIZE`, `file:PATH[,size=SIZE]`, `bdev:PATH`,
+    /// `pcie:DOMAIN:BUS:DEV.FN[,nsid=N]`.
     pub backend: BackendSpec,
     /// Namespace UUID override (default: derived from subsystem NQN and NSID).
     #[serde(default)]
@@ -646,7 +647,7 @@ mod tests {
                 let size = match &ns.backend {
                     BackendSpec::Memory { size, .. } | BackendSpec::Null { size, .. } => *size,
                     BackendSpec::File(f) => f.create_size.unwrap_or(0),
-                    BackendSpec::Bdev(_) => 0,
+                    BackendSpec::Bdev(_) | BackendSpec::Pcie { .. } => 0,
                 };
                 assert!(size <= 16 << 30, "{}", ns.backend);
             }

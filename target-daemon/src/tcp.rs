@@ -502,7 +502,7 @@ impl Conn {
         let read: ReadNow<'_> = match &*ns.backend {
             AnyBackend::Memory(m) => &|lba, out| m.read_into(lba, out),
             AnyBackend::Null(n) => &|lba, out| n.read_into(lba, out),
-            AnyBackend::File(_) | AnyBackend::Cached(_) => return false,
+            AnyBackend::File(_) | AnyBackend::Cached(_) | AnyBackend::Pcie(_) => return false,
         };
         let bs = ns.backend.block_size() as usize;
         if self.engine.config().max_c2h_data as usize % bs != 0 {

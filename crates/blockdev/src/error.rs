@@ -79,6 +79,15 @@ pub enum BackendError {
     /// The backend's configuration is unusable (sizes, block size, file type).
     #[error("invalid backend configuration: {0}")]
     Config(String),
+    /// The NVMe PCIe driver failed a command (a status from the controller, a reset, a failed
+    /// controller, a timeout).
+    #[error("{op} failed: {source}")]
+    Nvme {
+        /// The operation.
+        op: IoOp,
+        /// The driver's error.
+        source: nvme_pcie::Error,
+    },
 }
 
 /// The NVMe completion status a [`BackendError`] is meant to produce.
@@ -149,9 +158,19 @@ impl BackendError {
                 },
                 _ => StatusHint::InternalError,
             },
-            BackendError::NoRuntime | BackendError::Open { .. } | BackendError::Config(_) => {
-                StatusHint::InternalError
-            }
+            // Media errors the controller reports keep their meaning; anything else (a reset,
+            // a failed controller, a timeout) is an internal error of this target.
+            BackendError::Nvme {
+                op,
+                source: nvme_pcie::Error::Status(s),
+            } if s.sct == nvme_spec::status::sct::MEDIA => match op {
+                IoOp::Read => StatusHint::UnrecoveredReadError,
+                _ => StatusHint::WriteFault,
+            },
+            BackendError::NoRuntime
+            | BackendError::Open { .. }
+            | BackendError::Config(_)
+            | BackendError::Nvme { .. } => StatusHint::InternalError,
         }
     }
 }

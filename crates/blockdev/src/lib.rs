@@ -1,4 +1,5 @@
-//! Block storage backends for the target: memory, null, file and block device through io_uring.
+//! Block storage backends for the target: memory, null, file and block device through io_uring,
+//! and a local NVMe controller driven from user space through VFIO.
 //!
 //! The target's data plane and the load generator call a [`Backend`] with owned, aligned
 //! buffers ([`IoBuf`]); every call takes its buffer by value and returns it with the result, so
@@ -12,9 +13,10 @@
 //! | [`NullBackend`] | reads return zeros, writes vanish: measures the transport alone |
 //! | [`FileBackend`] | a regular file or block device, `O_DIRECT` through io_uring |
 //! | [`VolatileCache`] | testing: a bounded in-memory write cache in front of another backend, lost on a crash unless flushed or written with FUA |
+//! | [`PcieBackend`] | a namespace of an NVMe controller bound to `vfio-pci`, polled queue pairs (one per thread), bounce-copied through DMA memory |
 //!
 //! Backends are named by a [`BackendSpec`] (`mem:1G`, `null:512M`, `file:/path,size=10G`,
-//! `bdev:/dev/nvme0n1`, `file:/path,volatile_cache=64M`), parsed from a string or deserialized
+//! `bdev:/dev/nvme0n1`, `file:/path,volatile_cache=64M`, `pcie:0000:01:00.0,nsid=1`), parsed from a string or deserialized
 //! from TOML, and opened with [`open`].
 //!
 //! # Durability
@@ -66,6 +68,7 @@ mod error;
 mod file;
 mod mem;
 mod null;
+mod pcie;
 mod spec;
 #[allow(unsafe_code)]
 mod sys;
@@ -76,6 +79,7 @@ pub use error::{BackendError, IoOp, StatusHint};
 pub use file::{FileBackend, FileEngine};
 pub use mem::{DEFAULT_CHUNK_SIZE, MemoryBackend};
 pub use null::NullBackend;
+pub use pcie::PcieBackend;
 pub use spec::{
     BackendSpec, DEFAULT_BLOCK_SIZE, FileSpec, IoEngine, SpecError, format_size, parse_size,
     validate_block_size,
@@ -187,10 +191,12 @@ pub enum AnyBackend {
     File(FileBackend),
     /// File or block device behind a volatile write cache (a testing feature).
     Cached(VolatileCache<FileBackend>),
+    /// A namespace of an NVMe controller driven through VFIO.
+    Pcie(PcieBackend),
 }
 
 impl AnyBackend {
-    /// A short name of the backend kind: `mem`, `null`, `file` or `bdev`.
+    /// A short name of the backend kind: `mem`, `null`, `file`, `bdev` or `pcie`.
     pub fn kind(&self) -> &'static str {
         match self {
             AnyBackend::Memory(_) => "mem",
@@ -199,6 +205,7 @@ impl AnyBackend {
             AnyBackend::File(_) => "file",
             AnyBackend::Cached(c) if c.inner().is_block_device() => "bdev",
             AnyBackend::Cached(_) => "file",
+            AnyBackend::Pcie(_) => "pcie",
         }
     }
 
@@ -217,7 +224,7 @@ impl AnyBackend {
                  Force Unit Access are lost when the process is killed",
                 format_size(c.capacity_bytes())
             )),
-            AnyBackend::Null(_) | AnyBackend::File(_) => None,
+            AnyBackend::Null(_) | AnyBackend::File(_) | AnyBackend::Pcie(_) => None,
         }
     }
 }
@@ -229,6 +236,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.block_size(),
             AnyBackend::File(b) => b.block_size(),
             AnyBackend::Cached(b) => b.block_size(),
+            AnyBackend::Pcie(b) => b.block_size(),
         }
     }
 
@@ -238,6 +246,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.num_blocks(),
             AnyBackend::File(b) => b.num_blocks(),
             AnyBackend::Cached(b) => b.num_blocks(),
+            AnyBackend::Pcie(b) => b.num_blocks(),
         }
     }
 
@@ -247,6 +256,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.volatile_write_cache(),
             AnyBackend::File(b) => b.volatile_write_cache(),
             AnyBackend::Cached(b) => b.volatile_write_cache(),
+            AnyBackend::Pcie(b) => b.volatile_write_cache(),
         }
     }
 
@@ -256,6 +266,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.deallocate_reads_zeroes(),
             AnyBackend::File(b) => b.deallocate_reads_zeroes(),
             AnyBackend::Cached(b) => b.deallocate_reads_zeroes(),
+            AnyBackend::Pcie(b) => b.deallocate_reads_zeroes(),
         }
     }
 
@@ -265,6 +276,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.read(lba, buf).await,
             AnyBackend::File(b) => b.read(lba, buf).await,
             AnyBackend::Cached(b) => b.read(lba, buf).await,
+            AnyBackend::Pcie(b) => b.read(lba, buf).await,
         }
     }
 
@@ -274,6 +286,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.write(lba, buf).await,
             AnyBackend::File(b) => b.write(lba, buf).await,
             AnyBackend::Cached(b) => b.write(lba, buf).await,
+            AnyBackend::Pcie(b) => b.write(lba, buf).await,
         }
     }
 
@@ -283,6 +296,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.write_fua(lba, buf).await,
             AnyBackend::File(b) => b.write_fua(lba, buf).await,
             AnyBackend::Cached(b) => b.write_fua(lba, buf).await,
+            AnyBackend::Pcie(b) => b.write_fua(lba, buf).await,
         }
     }
 
@@ -292,6 +306,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.flush().await,
             AnyBackend::File(b) => b.flush().await,
             AnyBackend::Cached(b) => b.flush().await,
+            AnyBackend::Pcie(b) => b.flush().await,
         }
     }
 
@@ -301,6 +316,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::File(b) => b.write_zeroes(lba, blocks).await,
             AnyBackend::Cached(b) => b.write_zeroes(lba, blocks).await,
+            AnyBackend::Pcie(b) => b.write_zeroes(lba, blocks).await,
         }
     }
 
@@ -310,6 +326,7 @@ impl Backend for AnyBackend {
             AnyBackend::Null(b) => b.deallocate(lba, blocks).await,
             AnyBackend::File(b) => b.deallocate(lba, blocks).await,
             AnyBackend::Cached(b) => b.deallocate(lba, blocks).await,
+            AnyBackend::Pcie(b) => b.deallocate(lba, blocks).await,
         }
     }
 }
@@ -341,6 +358,9 @@ pub fn open(spec: &BackendSpec) -> Result<AnyBackend, BackendError> {
                 Some(size) => Ok(AnyBackend::Cached(VolatileCache::new(backend, size)?)),
                 None => Ok(AnyBackend::File(backend)),
             }
+        }
+        BackendSpec::Pcie { address, nsid } => {
+            Ok(AnyBackend::Pcie(PcieBackend::open(address, *nsid)?))
         }
     }
 }

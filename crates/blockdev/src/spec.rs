@@ -11,6 +11,8 @@
 //! | `file:/path,size=10G` | the file, created with 10 GiB if missing or empty; an existing file must be 10 GiB |
 //! | `bdev:/dev/nvme0n1` | block device; size and block size from the device |
 //! | `file:/path,volatile_cache=64M` | the file behind a 64 MiB volatile write cache (testing) |
+//! | `pcie:0000:01:00.0` | the first active namespace of the NVMe controller at that PCI address, bound to `vfio-pci` ([`PcieBackend`](crate::PcieBackend)) |
+//! | `pcie:0000:01:00.0,nsid=2` | its namespace 2 |
 //!
 //! Sizes are bytes with an optional `K`, `M`, `G`, `T` or `P` suffix (powers of 1024; `KiB`,
 //! `KB` and lowercase are accepted too). File and block device specs also take
@@ -26,7 +28,8 @@
 //! backend = "file:/var/lib/ns1.img,size=100G"
 //! # or
 //! [backend]
-//! kind = "mem"          # mem | null | file | bdev
+//! kind = "mem"          # mem | null | file | bdev | pcie
+//! # pcie: address = "0000:01:00.0", nsid = 1 (optional)
 //! size = "1T"           # or a number of bytes
 //! block_size = 512
 //! ```
@@ -138,13 +141,20 @@ pub enum BackendSpec {
     File(FileSpec),
     /// A block device; size and block size come from the device.
     Bdev(FileSpec),
+    /// A namespace of an NVMe controller bound to `vfio-pci`, driven from user space.
+    Pcie {
+        /// PCI address `DOMAIN:BUS:DEV.FN` (lowercase hex, e.g. `0000:01:00.0`).
+        address: String,
+        /// Namespace ID (`None`: the first active namespace).
+        nsid: Option<u32>,
+    },
 }
 
 /// An error in a backend spec.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
     /// The spec has no `kind:` prefix or names an unknown kind.
-    #[error("unknown backend kind in {0:?} (expected mem:, null:, file: or bdev:)")]
+    #[error("unknown backend kind in {0:?} (expected mem:, null:, file:, bdev: or pcie:)")]
     UnknownKind(String),
     /// A size could not be parsed.
     #[error("invalid size {0:?} (expected bytes with an optional K/M/G/T/P suffix)")]
@@ -256,6 +266,41 @@ fn validate_cache(f: &FileSpec) -> Result<(), SpecError> {
     }
 }
 
+/// Checks a PCI address `DOMAIN:BUS:DEV.FN` (4, 2, 2 and 1 hex digits; device below 0x20,
+/// function below 8) and returns it in lowercase.
+fn parse_pci_address(a: &str) -> Result<String, SpecError> {
+    let bad = || SpecError::BadValue {
+        key: "PCI address (DOMAIN:BUS:DEV.FN, e.g. 0000:01:00.0)".into(),
+        value: a.into(),
+    };
+    let hex = |s: &str, digits: usize| {
+        (s.len() == digits && s.chars().all(|c| c.is_ascii_hexdigit()))
+            .then(|| u32::from_str_radix(s, 16).ok())
+            .flatten()
+    };
+    let mut parts = a.split(':');
+    let (Some(domain), Some(bus), Some(devfn), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let (dev, func) = devfn.split_once('.').ok_or_else(bad)?;
+    match (hex(domain, 4), hex(bus, 2), hex(dev, 2), hex(func, 1)) {
+        (Some(_), Some(_), Some(d), Some(f)) if d < 0x20 && f < 8 => Ok(a.to_ascii_lowercase()),
+        _ => Err(bad()),
+    }
+}
+
+fn check_nsid(nsid: Option<u32>) -> Result<(), SpecError> {
+    match nsid {
+        Some(n @ (0 | u32::MAX)) => Err(SpecError::BadValue {
+            key: "nsid".into(),
+            value: n.to_string(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl BackendSpec {
     /// The same backend, opened without claiming its file or device (see
     /// [`FileSpec::exclusive`]).
@@ -296,6 +341,15 @@ impl BackendSpec {
                     return Err(SpecError::UnknownOption("bs".into()));
                 }
                 Ok(())
+            }
+            BackendSpec::Pcie { address, nsid } => {
+                if parse_pci_address(address)? != *address {
+                    return Err(SpecError::BadValue {
+                        key: "PCI address (lowercase hex)".into(),
+                        value: address.clone(),
+                    });
+                }
+                check_nsid(*nsid)
             }
         }
     }
@@ -356,6 +410,25 @@ impl FromStr for BackendSpec {
                     BackendSpec::Bdev(f)
                 }
             }
+            "pcie" => {
+                if first.is_empty() {
+                    return Err(SpecError::Missing("PCI address"));
+                }
+                let address = parse_pci_address(first)?;
+                let mut nsid = None;
+                for opt in options {
+                    match opt? {
+                        ("nsid", v) => {
+                            nsid = Some(v.parse().map_err(|_| SpecError::BadValue {
+                                key: "nsid".into(),
+                                value: v.into(),
+                            })?)
+                        }
+                        (k, _) => return Err(SpecError::UnknownOption(k.to_string())),
+                    }
+                }
+                BackendSpec::Pcie { address, nsid }
+            }
             _ => return Err(SpecError::UnknownKind(s.to_string())),
         };
         spec.validate()?;
@@ -397,6 +470,13 @@ impl fmt::Display for BackendSpec {
             BackendSpec::Bdev(spec) => {
                 write!(f, "bdev:{}", spec.path.display())?;
                 file_opts(f, spec)
+            }
+            BackendSpec::Pcie { address, nsid } => {
+                write!(f, "pcie:{address}")?;
+                match nsid {
+                    Some(n) => write!(f, ",nsid={n}"),
+                    None => Ok(()),
+                }
             }
         }
     }
@@ -452,6 +532,10 @@ enum TableSpec {
         engine: Option<IoEngine>,
         volatile_cache: Option<SizeRepr>,
     },
+    Pcie {
+        address: String,
+        nsid: Option<u32>,
+    },
 }
 
 #[derive(Deserialize)]
@@ -502,6 +586,10 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 volatile_cache: volatile_cache.map(|s| s.bytes()).transpose()?,
                 ..FileSpec::new(path)
             }),
+            SpecRepr::Table(TableSpec::Pcie { address, nsid }) => BackendSpec::Pcie {
+                address: parse_pci_address(&address)?,
+                nsid,
+            },
         };
         spec.validate()?;
         Ok(spec)

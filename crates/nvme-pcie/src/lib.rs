@@ -7,7 +7,9 @@
 //! that maps the [`DmaArena`] for the device. [`vfio::VfioNvme`] implements it for a controller
 //! bound to `vfio-pci` (BAR0 mapped, bus mastering on, the arena mapped through the IOMMU);
 //! [`model::ModelController`] implements it with an in-memory controller for tests and
-//! benchmarks.
+//! benchmarks. The `vfio_probe` example drives a real controller end to end (run against
+//! QEMU's emulated NVMe controller by `tests/tests/nvme_pcie_vfio.rs`); `blockdev`'s `pcie:`
+//! backend serves namespaces through it.
 //!
 //! - [`Controller::new`] brings a controller up: CC.EN = 0 and wait for CSTS.RDY = 0 (within
 //!   CAP.TO), admin queue (AQA/ASQ/ACQ), CC with MPS, CSS = NVM, IOSQES = 6, IOCQES = 4 and

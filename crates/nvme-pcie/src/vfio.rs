@@ -47,9 +47,16 @@ fn err(what: &str, e: impl std::fmt::Display) -> DeviceError {
 
 impl VfioNvme {
     /// Opens the PCI function at `sysfs_path` (e.g. `/sys/bus/pci/devices/0000:00:04.0`),
-    /// which must be bound to `vfio-pci` with its IOMMU group viable.
+    /// which must be bound to `vfio-pci` with its IOMMU group viable. A function bound to any
+    /// other driver (or to none) is refused; nothing is ever unbound or rebound here.
     pub fn open(sysfs_path: &Path) -> Result<Self, DeviceError> {
-        let container = Arc::new(VfioContainer::new(None).map_err(|e| err("VFIO container", e))?);
+        check_bound_to_vfio(sysfs_path)?;
+        let container = Arc::new(VfioContainer::new(None).map_err(|e| {
+            err(
+                "VFIO container (is vfio_iommu_type1 loaded and an IOMMU enabled?)",
+                e,
+            )
+        })?);
         let ops: Arc<dyn VfioOps> = container.clone();
         let device = VfioDevice::new(sysfs_path, ops, false)
             .map_err(|e| err(&format!("VFIO device {}", sysfs_path.display()), e))?;
@@ -93,6 +100,42 @@ impl VfioNvme {
         let info = sys::iommu_info(self.container.as_raw_fd()).map_err(|e| err("IOMMU info", e))?;
         parse_iova_ranges(&info)
             .ok_or_else(|| DeviceError("malformed IOMMU capability chain".into()))
+    }
+
+    /// An IOVA for an arena of `len` bytes inside the IOMMU's ranges ([`choose_iova_base`]
+    /// from [`DEFAULT_IOVA_BASE`](crate::DEFAULT_IOVA_BASE) up): the value for
+    /// [`Config::iova_base`](crate::Config::iova_base).
+    pub fn arena_iova(&self, len: usize) -> Result<u64, DeviceError> {
+        let ranges = self.iova_ranges()?;
+        choose_iova_base(&ranges, len as u64, crate::DEFAULT_IOVA_BASE).ok_or_else(|| {
+            DeviceError(format!(
+                "no IOVA range of the IOMMU holds a {len}-byte DMA arena below 2^39: {ranges:x?}"
+            ))
+        })
+    }
+}
+
+/// Refuses a PCI function that is not bound to `vfio-pci`, naming the driver it is bound to.
+fn check_bound_to_vfio(sysfs_path: &Path) -> Result<(), DeviceError> {
+    let name = sysfs_path.display();
+    if !sysfs_path.join("config").exists() {
+        return Err(DeviceError(format!("{name}: no such PCI function")));
+    }
+    match std::fs::read_link(sysfs_path.join("driver")) {
+        Ok(link) => {
+            let driver = link.file_name().map(|n| n.to_string_lossy().into_owned());
+            match driver.as_deref() {
+                Some("vfio-pci") => Ok(()),
+                other => Err(DeviceError(format!(
+                    "{name} is bound to the {} driver, not vfio-pci: unbind it and bind it to \
+                     vfio-pci first",
+                    other.unwrap_or("?")
+                ))),
+            }
+        }
+        Err(_) => Err(DeviceError(format!(
+            "{name} is bound to no driver: bind it to vfio-pci first"
+        ))),
     }
 }
 
@@ -271,6 +314,19 @@ mod tests {
     fn open_without_vfio_is_an_error() {
         // This machine has no VFIO device: a clear error, no panic.
         let e = VfioNvme::open(Path::new("/sys/bus/pci/devices/0000:ff:1f.7")).unwrap_err();
-        assert!(!e.0.is_empty());
+        assert!(e.0.contains("no such PCI function"), "{e}");
+        // A function bound to another driver (or none) is refused, naming it.
+        let dir = std::env::temp_dir().join(format!("vfio-bound-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config"), [0u8; 64]).unwrap();
+        let e = VfioNvme::open(&dir).unwrap_err();
+        assert!(e.0.contains("bound to no driver"), "{e}");
+        std::os::unix::fs::symlink("/sys/bus/pci/drivers/nvme", dir.join("driver")).unwrap();
+        let e = VfioNvme::open(&dir).unwrap_err();
+        assert!(
+            e.0.contains("bound to the nvme driver, not vfio-pci"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -40,7 +40,8 @@ struct Args {
     subsystem: Option<String>,
 
     /// A namespace (repeatable, NSIDs from 1 in order): mem:SIZE, null:SIZE,
-    /// file:PATH[,size=SIZE] or bdev:PATH. SIZE takes K, M, G, T suffixes (powers of 1024).
+    /// file:PATH[,size=SIZE], bdev:PATH or pcie:DOMAIN:BUS:DEV.FN[,nsid=N] (an NVMe controller
+    /// bound to vfio-pci). SIZE takes K, M, G, T suffixes (powers of 1024).
     #[arg(long, value_name = "SPEC")]
     namespace: Vec<BackendSpec>,
 
