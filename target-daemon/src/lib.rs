@@ -10,6 +10,9 @@
 //!   sans-IO `nvmf-tcp` engine; data moves by C2HData and R2T/H2CData.
 //! - [`rdma`]: NVMe/RDMA on `nvmf-rdma` (libibverbs/librdmacm loaded at run time): capsules by
 //!   SEND/RECV, data by RDMA READ/WRITE of the host's keyed buffers.
+//! - [`engine`]: the command engine every transport shares, from a validated command to its
+//!   single completion: inline or concurrent execution, the error log, asynchronous events,
+//!   keep-alive, shutdown and the closing log.
 //! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
 //!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
@@ -27,6 +30,7 @@ pub mod admission;
 pub mod config;
 pub mod controller;
 pub mod discovery;
+pub mod engine;
 pub mod io;
 pub mod queue;
 pub mod rdma;
