@@ -18,7 +18,9 @@
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
-//! - [`target`] and [`reactor`]: listeners, thread-per-core reactors, orderly shutdown.
+//! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
+//! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
+//!   (with the busy-poll window), the accept loops, orderly shutdown.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
 //!
@@ -32,6 +34,7 @@ pub mod controller;
 pub mod discovery;
 pub mod engine;
 pub mod io;
+pub mod launcher;
 pub mod queue;
 pub mod rdma;
 pub mod reactor;
@@ -40,4 +43,5 @@ pub mod target;
 pub mod tcp;
 
 pub use config::Config;
-pub use target::{RunningTarget, Target};
+pub use launcher::RunningTarget;
+pub use target::Target;

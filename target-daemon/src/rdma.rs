@@ -2,8 +2,8 @@
 //!
 //! An acceptor task per listener takes RDMA-CM connection requests, validates the NVMe
 //! private data (record format, queue ID, HSQSIZE, HRQSIZE, the host's IRD) and rejects bad
-//! ones with the matching NVMe reject status; good ones go to an RDMA reactor thread, which
-//! sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
+//! ones with the matching NVMe reject status; good ones go to a reactor thread (the same pool
+//! as NVMe/TCP's, with the same busy-poll window), which sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
 //! [`crate::tcp`]):
 //!
 //! - command capsules arrive by SEND into HSQSIZE + 1 pre-posted registered receive buffers
@@ -24,7 +24,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use blockdev::IoBuf;
@@ -39,7 +38,6 @@ use nvmf_rdma::{
     Access, CapsuleQueue, CmEvent, ConnectRequest, DataOut, Event, Listener, ProtectionDomain,
     QueueConfig, RecvSlot, Registered, RemoteKey,
 };
-use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
 
 use crate::admission::Permit;
@@ -47,7 +45,8 @@ use crate::config::{ListenAddr, Transport};
 use crate::controller::QueueOrigin;
 use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
-use crate::target::{StartError, Target};
+use crate::reactor::{Connection, Pool};
+use crate::target::Target;
 
 /// Largest data a non-I/O command may bring (Connect carries 1 KiB).
 const MAX_ADMIN_DATA: usize = 64 * 1024;
@@ -76,64 +75,40 @@ impl RdmaListener {
 }
 
 /// A validated connection request on its way to a reactor.
-struct Incoming {
+pub struct Incoming {
     req: ConnectRequest,
     params: QueueRequest,
     ord: u8,
     permit: Permit,
 }
 
-/// Starts the RDMA reactor threads (as many as the target's reactors) and one acceptor task
-/// per listener on the current tokio runtime. Returns the thread and task handles, which end
-/// when the target shuts down.
-#[allow(clippy::type_complexity)]
+/// Starts one acceptor task per listener on the current tokio runtime; accepted connections
+/// go to the reactors of `pool`. Returns the task handles, which end when the target shuts
+/// down.
 pub fn start(
     target: &Arc<Target>,
     listeners: Vec<(ListenAddr, RdmaListener)>,
-) -> Result<
-    (
-        Vec<std::thread::JoinHandle<()>>,
-        Vec<tokio::task::JoinHandle<()>>,
-    ),
-    StartError,
-> {
-    if listeners.is_empty() {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    let n = match target.settings.reactors {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let mut senders = Vec::new();
-    let mut threads = Vec::new();
-    for i in 0..n {
-        let (tx, rx) = mpsc::unbounded_channel();
-        senders.push(tx);
-        let t = Arc::clone(target);
-        let handle = std::thread::Builder::new()
-            .name(format!("nvmeof-rdma-{i}"))
-            .spawn(move || reactor(i, t, rx))
-            .map_err(StartError::Reactor)?;
-        threads.push(handle);
-    }
-    let next = Arc::new(AtomicUsize::new(0));
+    pool: &Arc<Pool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     for (addr, l) in listeners {
         info!(listener = %addr, "listening");
         let t = Arc::clone(target);
-        let senders = senders.clone();
-        let next = Arc::clone(&next);
-        tasks.push(tokio::spawn(accept_loop(t, addr, l.inner, senders, next)));
+        tasks.push(tokio::spawn(accept_loop(
+            t,
+            addr,
+            l.inner,
+            Arc::clone(pool),
+        )));
     }
-    Ok((threads, tasks))
+    tasks
 }
 
 async fn accept_loop(
     target: Arc<Target>,
     addr: ListenAddr,
     mut listener: Listener,
-    senders: Vec<mpsc::UnboundedSender<Incoming>>,
-    next: Arc<AtomicUsize>,
+    pool: Arc<Pool>,
 ) {
     let mut shutdown = target.subscribe_shutdown();
     let gate = target.listener_gate(addr.clone());
@@ -148,8 +123,7 @@ async fn accept_loop(
                         continue;
                     };
                     if let Some(inc) = validate(&target, req, permit) {
-                        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-                        if let Err(mpsc::error::SendError(inc)) = senders[i].send(inc) {
+                        if let Err(Connection::Rdma(inc)) = pool.hand(Connection::Rdma(Box::new(inc))) {
                             let _ = inc.req.reject(&reject_data(reject::NO_RESOURCES));
                             break;
                         }
@@ -228,27 +202,6 @@ fn validate(target: &Target, req: ConnectRequest, permit: Permit) -> Option<Inco
     })
 }
 
-/// An RDMA reactor: a current-thread runtime owning the connections handed to it.
-fn reactor(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Incoming>) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            error!(reactor = index, error = %e, "cannot start RDMA reactor runtime");
-            return;
-        }
-    };
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, async {
-        while let Some(inc) = rx.recv().await {
-            tokio::task::spawn_local(serve(Arc::clone(&target), inc));
-        }
-    });
-    rt.block_on(local);
-}
-
 /// A command between its arrival and its answer.
 struct Cmd {
     slot: RecvSlot,
@@ -309,7 +262,8 @@ struct Conn {
     held: HashMap<u16, Cmd>,
 }
 
-async fn serve(target: Arc<Target>, inc: Incoming) {
+/// Accepts a validated connection request and serves the queue pair until it closes.
+pub(crate) async fn serve(target: Arc<Target>, inc: Incoming) {
     let Incoming {
         req,
         params,
@@ -378,6 +332,9 @@ impl Conn {
         loop {
             if let Err(e) = self.q.poll(&mut evs) {
                 return Closed::Transport(e.to_string());
+            }
+            if !evs.is_empty() {
+                crate::reactor::note_activity();
             }
             for ev in evs.drain(..) {
                 self.on_event(ev);
