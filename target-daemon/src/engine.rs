@@ -428,3 +428,362 @@ impl<T: 'static> Engine<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use nvme_spec::FromBytes;
+    use nvme_spec::command::build;
+    use nvme_spec::log::ErrorLogEntry;
+    use nvme_spec::queue::SglDescriptor;
+    use nvme_spec::status::{media, sct};
+
+    use super::*;
+    use crate::queue::{HostSgl, Submit};
+    use crate::target::Target;
+    use crate::testing::{connected, origin, target};
+
+    /// A transport that keeps what it would send.
+    struct Fake {
+        e: Engine<Sqe>,
+        /// Completions in the order sent.
+        sent: Vec<Cqe>,
+        /// Data sent before a completion: (CID, bytes).
+        data: Vec<(u16, Vec<u8>)>,
+    }
+
+    impl Transport for Fake {
+        type Tag = Sqe;
+
+        fn engine(&mut self) -> &mut Engine<Sqe> {
+            &mut self.e
+        }
+
+        fn complete(&mut self, done: Done<Sqe>) {
+            if done.status.is_success() && matches!(done.req.op, IoOp::Read { .. }) {
+                self.data.push((done.req.cid, done.buf.to_vec()));
+            }
+            let cqe = self.e.io_completion(&done.tag, &done.req, done.status);
+            self.sent.push(cqe);
+        }
+
+        fn complete_held(&mut self, cqe: Cqe) {
+            self.sent.push(cqe);
+        }
+    }
+
+    fn permit(t: &Target) -> Permit {
+        t.listener_gate("tcp://127.0.0.1:4420".parse().unwrap())
+            .admit()
+            .unwrap()
+    }
+
+    impl Fake {
+        fn new(q: QueueState) -> Fake {
+            let p = permit(&q.target);
+            let mut e = Engine::new(q, p);
+            e.watch_controller();
+            Fake {
+                e,
+                sent: Vec::new(),
+                data: Vec::new(),
+            }
+        }
+
+        /// What a transport does with a command that arrived with `data`.
+        fn command(&mut self, sqe: Sqe, data: &[u8]) {
+            match self.e.q.submit(&sqe, data) {
+                Submit::Complete(c) | Submit::CompleteWithData(_, c) => self.sent.push(c),
+                Submit::CompleteAndClose(c) => {
+                    self.sent.push(c);
+                    self.e.close(Closed::Local("host disconnected the queue"));
+                }
+                Submit::Held => {}
+                Submit::Io(req) => {
+                    let buf = match req.op {
+                        IoOp::Read { len, .. } => IoBuf::new(len),
+                        _ => {
+                            let mut b = IoBuf::new(data.len());
+                            b.copy_from_slice(data);
+                            b
+                        }
+                    };
+                    self.start(sqe, req, buf);
+                }
+            }
+            self.e.watch_controller();
+        }
+
+        /// The one completion sent since the last call.
+        fn answer(&mut self) -> Cqe {
+            assert_eq!(self.sent.len(), 1, "one completion: {:?}", self.sent);
+            self.sent.pop().unwrap()
+        }
+
+        /// Waits (at most 10 s) for the engine and acts on what it woke for, until `until`.
+        fn drive(&mut self, rt: &tokio::runtime::Runtime, until: impl Fn(&Fake) -> bool) {
+            rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while !until(self) {
+                        let wake = self.e.next().await;
+                        if let Some(r) = self.on_wake(wake) {
+                            self.e.close(r);
+                        }
+                    }
+                })
+                .await
+                .expect("engine woke for the expected event");
+            });
+        }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    fn queues(namespaces: &[&str]) -> (Fake, Fake) {
+        let t = target(namespaces);
+        let (admin, io) = connected(&t, HostSgl::Transport);
+        (Fake::new(admin), Fake::new(io))
+    }
+
+    /// The error log's newest entry, read as a host reads it.
+    fn last_error(admin: &mut Fake) -> ErrorLogEntry {
+        let mut glp = build::get_log_page(40, nvme_spec::command::log_id::ERROR_INFO, 0, 64, 0);
+        glp.dptr = SglDescriptor::tcp_transport(64);
+        match admin.e.q.submit(&glp, &[]) {
+            Submit::CompleteWithData(data, cqe) => {
+                assert!(cqe.status().is_success());
+                ErrorLogEntry::read_from_bytes(&data[..64]).unwrap()
+            }
+            _ => panic!("Get Log Page returned no data"),
+        }
+    }
+
+    /// A write of 512-byte blocks with its data in the capsule.
+    fn write(cid: u16, slba: u64, nlb: u32) -> Sqe {
+        let mut sqe = build::read_write(true, cid, 1, slba, nlb);
+        sqe.dptr = SglDescriptor::in_capsule(nlb * 512);
+        sqe
+    }
+
+    /// A read of 512-byte blocks of namespace `nsid`, data by C2HData.
+    fn read(cid: u16, nsid: u32, slba: u64, nlb: u32) -> Sqe {
+        let mut sqe = build::read_write(false, cid, nsid, slba, nlb);
+        sqe.dptr = SglDescriptor::tcp_transport(nlb * 512);
+        sqe
+    }
+
+    #[test]
+    fn memory_requests_complete_inline_exactly_once() {
+        let (_admin, mut io) = queues(&["mem:1M,bs=512"]);
+        io.command(write(1, 7, 2), &[0x5a; 1024]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        assert_eq!(io.e.in_flight(), 0, "memory runs inline");
+        io.command(read(2, 1, 7, 2), &[]);
+        let cqe = io.answer();
+        assert_eq!((cqe.cid(), cqe.status()), (2, Status::SUCCESS));
+        assert_eq!(io.data, vec![(2, vec![0x5a; 1024])]);
+    }
+
+    #[test]
+    fn invalid_commands_get_their_status_and_an_error_log_entry() {
+        let (mut admin, mut io) = queues(&["mem:1M,bs=512"]);
+        let mut bad = read(3, 1, 0, 1);
+        bad.opcode = 0x55;
+        io.command(bad, &[]);
+        let st = io.answer().status();
+        assert_eq!(st, Status::generic(generic::INVALID_OPCODE).with_dnr());
+        assert_eq!(last_error(&mut admin).cid.get(), 3);
+
+        // 1 MiB of 512-byte blocks: block 2048 is past the end.
+        io.command(read(4, 1, 2047, 2), &[]);
+        let st = io.answer().status();
+        assert_eq!(st, Status::generic(generic::LBA_OUT_OF_RANGE).with_dnr());
+        assert_eq!(last_error(&mut admin).cid.get(), 4);
+
+        io.command(read(5, 9, 0, 1), &[]);
+        let st = io.answer().status();
+        assert_eq!(st.sct, sct::GENERIC);
+        assert!(st.dnr, "unknown namespace: {st}");
+    }
+
+    #[test]
+    fn a_controller_not_ready_fails_io_and_a_queue_without_one_runs_nothing() {
+        let (mut admin, mut io) = queues(&["mem:1M"]);
+        let cc = nvme_spec::FabricsCommand::PropertySet {
+            size8: false,
+            offset: nvme_spec::fabrics::property::CC,
+            value: 0,
+        }
+        .encode(9);
+        admin.command(cc, &[]);
+        assert!(admin.answer().status().is_success());
+        io.command(read(6, 1, 0, 1), &[]);
+        let st = io.answer().status();
+        assert_eq!(
+            st,
+            Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr()
+        );
+
+        // The engine never runs a request on a queue without a controller.
+        let t = target(&["mem:1M"]);
+        let ns = t
+            .subsystems
+            .values()
+            .next()
+            .unwrap()
+            .namespaces
+            .values()
+            .next();
+        let mut e: Engine<()> = Engine::new(QueueState::new(Arc::clone(&t), origin()), permit(&t));
+        let req = IoRequest {
+            cid: 1,
+            ns: ns.cloned(),
+            op: IoOp::Flush,
+        };
+        let done = e.run((), req, IoBuf::new(0)).expect("answered at once");
+        assert_eq!(
+            done.status,
+            Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr()
+        );
+    }
+
+    #[test]
+    fn backend_media_errors_are_logged_with_their_lba() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns");
+        let spec = format!("file:{},size=1M,bs=512,direct=off", path.display());
+        let (mut admin, mut io) = queues(&[spec.as_str()]);
+        let rt = rt();
+        // The file shrinks under the namespace: reads past its new end fail on the medium.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(4096)
+            .unwrap();
+        io.command(read(7, 1, 100, 1), &[]);
+        assert_eq!(io.e.in_flight(), 1, "file requests run concurrently");
+        io.drive(&rt, |f| !f.sent.is_empty());
+        let cqe = io.answer();
+        assert_eq!(cqe.cid(), 7);
+        assert_eq!(cqe.status(), Status::media(media::UNRECOVERED_READ_ERROR));
+        assert!(io.data.is_empty(), "no data for a failed read");
+        let e = last_error(&mut admin);
+        assert_eq!((e.cid.get(), e.lba.get(), e.sqid.get()), (7, 100, 1));
+        let ctrl = admin.e.q.ctrl.clone().unwrap();
+        assert_eq!(
+            ctrl.counters
+                .media_errors
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[test]
+    fn transport_faults_become_statuses_in_the_error_log() {
+        let (mut admin, io) = queues(&["mem:1M"]);
+        let table = [
+            (
+                Fault::DataDigest,
+                Status::generic(generic::TRANSIENT_TRANSPORT_ERROR),
+            ),
+            (
+                Fault::CommandIdConflict,
+                Status::generic(generic::COMMAND_ID_CONFLICT).with_dnr(),
+            ),
+            (
+                Fault::SglType,
+                Status::generic(generic::SGL_TYPE_INVALID).with_dnr(),
+            ),
+            (
+                Fault::SglLength,
+                Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+            ),
+            (Fault::Resources, Status::generic(generic::INTERNAL_ERROR)),
+        ];
+        for (i, (fault, status)) in table.into_iter().enumerate() {
+            let sqe = read(20 + i as u16, 1, 0, 1);
+            let cqe = io.e.fail(&sqe, fault);
+            assert_eq!((cqe.cid(), cqe.status()), (20 + i as u16, status));
+            let e = last_error(&mut admin);
+            assert_eq!(
+                (e.cid.get(), e.status.get() >> 1),
+                (20 + i as u16, status.to_field())
+            );
+        }
+    }
+
+    #[test]
+    fn asynchronous_event_requests_are_held_until_an_event() {
+        let (mut admin, _io) = queues(&["mem:1M"]);
+        let rt = rt();
+        admin.command(build::async_event_request(11), &[]);
+        assert!(admin.sent.is_empty(), "an AER is held");
+        let ctrl = admin.e.q.ctrl.clone().unwrap();
+        assert!(ctrl.raise_event(0, 0x0002_0002));
+        admin.drive(&rt, |f| !f.sent.is_empty());
+        let cqe = admin.answer();
+        assert_eq!(
+            (cqe.cid(), cqe.status(), cqe.dw0.get()),
+            (11, Status::SUCCESS, 0x0002_0002)
+        );
+        assert!(!ctrl.raise_event(0, 1), "no AER left to complete");
+    }
+
+    #[test]
+    fn keep_alive_expiry_tears_the_controller_down() {
+        let (mut admin, _io) = queues(&["mem:1M"]);
+        let rt = rt();
+        // Keep Alive Timer: 100 ms.
+        admin.command(build::set_features(12, 0x0f, 100), &[]);
+        assert!(admin.answer().status().is_success());
+        let ctrl = admin.e.q.ctrl.clone().unwrap();
+        admin.drive(&rt, |f| f.e.closing.is_some());
+        assert!(matches!(
+            admin.e.closing,
+            Some(Closed::Local("keep alive timeout"))
+        ));
+        assert!(ctrl.is_torn_down());
+    }
+
+    #[test]
+    fn a_queue_without_connect_expires_at_the_handshake_timeout() {
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.target.handshake_timeout = Duration::from_millis(50);
+        let t = Target::build(&cfg).unwrap().0;
+        let mut f = Fake::new(QueueState::new(Arc::clone(&t), origin()));
+        f.drive(&rt(), |f| f.e.closing.is_some());
+        assert!(matches!(f.e.closing, Some(Closed::HandshakeTimeout)));
+    }
+
+    #[test]
+    fn shutdown_closes_but_lets_running_writes_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!("file:{},size=1M,bs=512", dir.path().join("ns").display());
+        let (_admin, mut io) = queues(&[spec.as_str()]);
+        let rt = rt();
+        io.command(write(13, 0, 8), &[0xa5; 4096]);
+        assert_eq!(io.e.in_flight(), 1);
+        io.e.q.target.begin_shutdown();
+        io.drive(&rt, |f| f.e.closing.is_some() && f.e.in_flight() == 0);
+        assert!(matches!(
+            io.e.closing,
+            Some(Closed::Local("target shutting down"))
+        ));
+        let cqe = io.answer();
+        assert_eq!((cqe.cid(), cqe.status()), (13, Status::SUCCESS));
+        io.command(read(14, 1, 0, 8), &[]);
+        io.drive(&rt, |f| !f.sent.is_empty());
+        assert_eq!(
+            io.data,
+            vec![(14, vec![0xa5; 4096])],
+            "the acknowledged write is there"
+        );
+    }
+}

@@ -41,6 +41,8 @@ pub mod reactor;
 pub mod subsystem;
 pub mod target;
 pub mod tcp;
+#[cfg(test)]
+mod testing;
 
 pub use config::Config;
 pub use launcher::RunningTarget;

@@ -747,95 +747,14 @@ impl crate::engine::Transport for Conn {
 
 #[cfg(test)]
 mod tests {
+    use nvme_spec::FromBytes;
     use nvme_spec::Status;
     use nvme_spec::command::build;
-    use nvme_spec::fabrics::{Cc, ConnectData, property};
     use nvme_spec::identify::{IdentifyController, SGLS_KEYED, SGLS_TRANSPORT};
     use nvme_spec::status::generic;
-    use nvme_spec::{FabricsCommand, FromBytes, IntoBytes};
 
     use super::*;
-    use crate::config::Config;
-
-    const NQN: &str = "nqn.2026-11.io.nvmeof-direct:rdma-unit";
-    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000aa";
-
-    fn target() -> Arc<Target> {
-        let cfg = Config::quick(
-            &["tcp://127.0.0.1:0".parse().unwrap()],
-            NQN,
-            &["mem:4M".parse().unwrap()],
-            true,
-            &[],
-        )
-        .unwrap();
-        Target::build(&cfg).unwrap().0
-    }
-
-    fn origin() -> QueueOrigin {
-        QueueOrigin {
-            local: SocketAddr::from(([10, 0, 2, 15], 4420)),
-            peer: SocketAddr::from(([10, 0, 2, 15], 40000)),
-        }
-    }
-
-    fn connect_sqe(qid: u16, keyed: bool) -> Sqe {
-        let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
-            recfmt: 0,
-            qid,
-            sqsize: 32,
-            cattr: 0,
-            kato_ms: 0,
-        })
-        .encode(0);
-        sqe.dptr = if keyed {
-            SglDescriptor::keyed(0x1000, 1024, 0x1234, true)
-        } else {
-            SglDescriptor::in_capsule(1024)
-        };
-        sqe
-    }
-
-    fn status(s: Submit) -> Status {
-        match s {
-            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => {
-                c.status()
-            }
-            Submit::Held => panic!("held"),
-            Submit::Io(_) => Status::SUCCESS,
-        }
-    }
-
-    /// Connects an admin queue (Connect data fetched by RDMA READ, as the Linux host sends
-    /// it), enables the controller, grants queues, and connects I/O queue 1 with in-capsule
-    /// Connect data.
-    fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState) {
-        let mut admin = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
-        let sqe = connect_sqe(0, host_sgl == HostSgl::Keyed);
-        let data = ConnectData::new([7; 16], 0xFFFF, NQN, HOST);
-        assert!(
-            admin.wants_data_at_submit(&sqe),
-            "Connect data is read at submit"
-        );
-        assert_eq!(status(admin.submit(&sqe, data.as_bytes())), Status::SUCCESS);
-        let ctrl = admin.ctrl.clone().unwrap();
-        let cc = FabricsCommand::PropertySet {
-            size8: false,
-            offset: property::CC,
-            value: u64::from(Cc::enable_value()),
-        }
-        .encode(1);
-        assert!(!admin.wants_data_at_submit(&cc));
-        assert_eq!(status(admin.submit(&cc, &[])), Status::SUCCESS);
-        let sf = build::set_features(2, 7, 0x0001_0001);
-        assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
-        let mut io = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
-        let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, HOST);
-        let sqe = connect_sqe(1, false);
-        assert!(io.wants_data_at_submit(&sqe));
-        assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);
-        (admin, io)
-    }
+    use crate::testing::{connected, status, target};
 
     fn sgls(admin: &mut QueueState) -> u32 {
         let mut id = build::identify(5, 1, 0);
@@ -854,7 +773,7 @@ mod tests {
 
     #[test]
     fn rdma_queues_take_keyed_sgls_and_advertise_them() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let (mut admin, mut io) = connected(&t, HostSgl::Keyed);
         let s = sgls(&mut admin);
         assert_ne!(s & SGLS_KEYED, 0, "keyed SGL data blocks advertised");
@@ -927,7 +846,7 @@ mod tests {
 
     #[test]
     fn tcp_queues_keep_transport_sgls() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let (mut admin, mut io) = connected(&t, HostSgl::Transport);
         let s = sgls(&mut admin);
         assert_eq!(s & SGLS_KEYED, 0);
@@ -956,7 +875,7 @@ mod tests {
 
     #[test]
     fn limits_follow_the_target_settings() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let l = limits(&t);
         assert_eq!(l.max_io_depth, t.settings.max_queue_depth);
         assert_eq!(l.max_qid, t.settings.max_io_queues);
