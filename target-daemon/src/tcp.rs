@@ -379,27 +379,19 @@ impl crate::engine::Transport for Conn {
     /// A read's data goes in C2HData PDUs (with the SUCCESS flag in place of the completion
     /// when the host disabled SQ flow control), then the CapsuleResp.
     fn complete(&mut self, done: Done<Sqe>) {
-        let Done {
-            tag: sqe,
-            req,
-            status,
-            buf,
-        } = done;
-        let cid = req.cid;
-        if status.is_success() && matches!(req.op, IoOp::Read { .. }) {
-            let success = self.e.q.sq_flow_disabled;
-            if let Err(e) = self.engine.send_c2h_data(cid, 0, &buf, true, success) {
+        let cid = done.req.cid;
+        let read_data = done.status.is_success() && matches!(done.req.op, IoOp::Read { .. });
+        let success = read_data && self.e.q.sq_flow_disabled;
+        if read_data {
+            if let Err(e) = self.engine.send_c2h_data(cid, 0, &done.buf, true, success) {
                 debug!(error = %e, cid, "cannot queue C2HData");
             }
-            self.pool.put(buf);
-            if success {
-                return;
-            }
-        } else {
-            self.pool.put(buf);
         }
-        let cqe = self.e.io_completion(&sqe, &req, status);
-        self.respond(&cqe);
+        self.pool.put(done.buf);
+        if !success {
+            let cqe = self.e.io_completion(&done.tag, &done.req, done.status);
+            self.respond(&cqe);
+        }
     }
 
     fn complete_held(&mut self, cqe: Cqe) {
