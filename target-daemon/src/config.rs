@@ -194,9 +194,9 @@ pub struct TargetSettings {
     pub max_c2h_data: u32,
     /// Keep alive timeout granted when the host asks for none on an I/O controller, in ms.
     pub default_kato_ms: u32,
-    /// After each receive, a reactor keeps polling its sockets for this many microseconds
-    /// instead of sleeping in the kernel, so the next command of a busy host is picked up
-    /// without a wake-up. 0 = never poll (purely event-driven). An idle reactor sleeps.
+    /// After each receive, a reactor keeps polling its connections (NVMe/TCP and NVMe/RDMA)
+    /// for this many microseconds instead of sleeping in the kernel, so the next command of a
+    /// busy host is picked up without a wake-up. 0 = never poll (purely event-driven). An idle reactor sleeps.
     pub poll_us: u32,
     /// A connection must finish the transport handshake (NVMe/TCP ICReq, NVMe/RDMA queue
     /// pair set-up) and the Fabrics Connect within this time, else it is closed. Written like

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use blockdev::{Backend, BackendError, IoBuf, StatusHint};
+use blockdev::{AnyBackend, Backend, BackendError, IoBuf, StatusHint};
 use nvme_spec::Status;
 use nvme_spec::status::{generic, media};
 use tracing::warn;
@@ -22,6 +22,26 @@ pub fn backend_status(e: &BackendError) -> Status {
         StatusHint::WriteFault => Status::media(media::WRITE_FAULT),
         StatusHint::UnrecoveredReadError => Status::media(media::UNRECOVERED_READ_ERROR),
         StatusHint::InternalError => Status::generic(generic::INTERNAL_ERROR),
+    }
+}
+
+/// Whether a backend completes every call without waiting (memory, null): its requests run
+/// inline, with no task per command.
+pub(crate) fn never_waits(backend: &AnyBackend) -> bool {
+    matches!(backend, AnyBackend::Memory(_) | AnyBackend::Null(_))
+}
+
+/// Reads block `lba` onwards into `out` from a backend that never waits, without a staging
+/// buffer; None, doing nothing, for other backends.
+pub(crate) fn read_now(
+    backend: &AnyBackend,
+    lba: u64,
+    out: &mut [u8],
+) -> Option<Result<(), BackendError>> {
+    match backend {
+        AnyBackend::Memory(m) => Some(m.read_into(lba, out)),
+        AnyBackend::Null(n) => Some(n.read_into(lba, out)),
+        AnyBackend::File(_) | AnyBackend::Cached(_) | AnyBackend::Pcie(_) => None,
     }
 }
 

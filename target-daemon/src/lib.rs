@@ -10,12 +10,17 @@
 //!   sans-IO `nvmf-tcp` engine; data moves by C2HData and R2T/H2CData.
 //! - [`rdma`]: NVMe/RDMA on `nvmf-rdma` (libibverbs/librdmacm loaded at run time): capsules by
 //!   SEND/RECV, data by RDMA READ/WRITE of the host's keyed buffers.
+//! - [`engine`]: the command engine every transport shares, from a validated command to its
+//!   single completion: inline or concurrent execution, the error log, asynchronous events,
+//!   keep-alive, shutdown and the closing log.
 //! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
 //!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
-//! - [`target`] and [`reactor`]: listeners, thread-per-core reactors, orderly shutdown.
+//! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
+//! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
+//!   (with the busy-poll window), the accept loops, orderly shutdown.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
 //!
@@ -27,13 +32,18 @@ pub mod admission;
 pub mod config;
 pub mod controller;
 pub mod discovery;
+pub mod engine;
 pub mod io;
+pub mod launcher;
 pub mod queue;
 pub mod rdma;
 pub mod reactor;
 pub mod subsystem;
 pub mod target;
 pub mod tcp;
+#[cfg(test)]
+mod testing;
 
 pub use config::Config;
-pub use target::{RunningTarget, Target};
+pub use launcher::RunningTarget;
+pub use target::Target;

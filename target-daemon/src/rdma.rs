@@ -2,8 +2,8 @@
 //!
 //! An acceptor task per listener takes RDMA-CM connection requests, validates the NVMe
 //! private data (record format, queue ID, HSQSIZE, HRQSIZE, the host's IRD) and rejects bad
-//! ones with the matching NVMe reject status; good ones go to an RDMA reactor thread, which
-//! sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
+//! ones with the matching NVMe reject status; good ones go to a reactor thread (the same pool
+//! as NVMe/TCP's, with the same busy-poll window), which sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
 //! [`crate::tcp`]):
 //!
 //! - command capsules arrive by SEND into HSQSIZE + 1 pre-posted registered receive buffers
@@ -22,20 +22,14 @@
 //! NVMe/TCP is unaffected.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use blockdev::{AnyBackend, IoBuf};
-use futures_util::FutureExt;
-use futures_util::stream::{FuturesUnordered, StreamExt};
+use blockdev::IoBuf;
 use nvme_spec::queue::{SglDescriptor, sgl_subtype, sgl_type};
 use nvme_spec::rdma::reject;
-use nvme_spec::status::generic;
-use nvme_spec::{Cqe, Sqe, Status};
+use nvme_spec::{Cqe, Sqe};
 use nvmf_rdma::nvme::{
     QueueLimits, QueueRequest, accept_data, negotiate_ord, parse_request, reject_data,
     reject_reason,
@@ -44,14 +38,15 @@ use nvmf_rdma::{
     Access, CapsuleQueue, CmEvent, ConnectRequest, DataOut, Event, Listener, ProtectionDomain,
     QueueConfig, RecvSlot, Registered, RemoteKey,
 };
-use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
-use crate::admission::{DropReason, Permit};
+use crate::admission::Permit;
 use crate::config::{ListenAddr, Transport};
-use crate::controller::{Controller, EventReceiver, QueueOrigin};
+use crate::controller::QueueOrigin;
+use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
-use crate::target::{StartError, Target};
+use crate::reactor::{Connection, Pool};
+use crate::target::Target;
 
 /// Largest data a non-I/O command may bring (Connect carries 1 KiB).
 const MAX_ADMIN_DATA: usize = 64 * 1024;
@@ -80,64 +75,40 @@ impl RdmaListener {
 }
 
 /// A validated connection request on its way to a reactor.
-struct Incoming {
+pub struct Incoming {
     req: ConnectRequest,
     params: QueueRequest,
     ord: u8,
     permit: Permit,
 }
 
-/// Starts the RDMA reactor threads (as many as the target's reactors) and one acceptor task
-/// per listener on the current tokio runtime. Returns the thread and task handles, which end
-/// when the target shuts down.
-#[allow(clippy::type_complexity)]
+/// Starts one acceptor task per listener on the current tokio runtime; accepted connections
+/// go to the reactors of `pool`. Returns the task handles, which end when the target shuts
+/// down.
 pub fn start(
     target: &Arc<Target>,
     listeners: Vec<(ListenAddr, RdmaListener)>,
-) -> Result<
-    (
-        Vec<std::thread::JoinHandle<()>>,
-        Vec<tokio::task::JoinHandle<()>>,
-    ),
-    StartError,
-> {
-    if listeners.is_empty() {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    let n = match target.settings.reactors {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let mut senders = Vec::new();
-    let mut threads = Vec::new();
-    for i in 0..n {
-        let (tx, rx) = mpsc::unbounded_channel();
-        senders.push(tx);
-        let t = Arc::clone(target);
-        let handle = std::thread::Builder::new()
-            .name(format!("nvmeof-rdma-{i}"))
-            .spawn(move || reactor(i, t, rx))
-            .map_err(StartError::Reactor)?;
-        threads.push(handle);
-    }
-    let next = Arc::new(AtomicUsize::new(0));
+    pool: &Arc<Pool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     for (addr, l) in listeners {
         info!(listener = %addr, "listening");
         let t = Arc::clone(target);
-        let senders = senders.clone();
-        let next = Arc::clone(&next);
-        tasks.push(tokio::spawn(accept_loop(t, addr, l.inner, senders, next)));
+        tasks.push(tokio::spawn(accept_loop(
+            t,
+            addr,
+            l.inner,
+            Arc::clone(pool),
+        )));
     }
-    Ok((threads, tasks))
+    tasks
 }
 
 async fn accept_loop(
     target: Arc<Target>,
     addr: ListenAddr,
     mut listener: Listener,
-    senders: Vec<mpsc::UnboundedSender<Incoming>>,
-    next: Arc<AtomicUsize>,
+    pool: Arc<Pool>,
 ) {
     let mut shutdown = target.subscribe_shutdown();
     let gate = target.listener_gate(addr.clone());
@@ -152,8 +123,7 @@ async fn accept_loop(
                         continue;
                     };
                     if let Some(inc) = validate(&target, req, permit) {
-                        let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-                        if let Err(mpsc::error::SendError(inc)) = senders[i].send(inc) {
+                        if let Err(Connection::Rdma(inc)) = pool.hand(Connection::Rdma(Box::new(inc))) {
                             let _ = inc.req.reject(&reject_data(reject::NO_RESOURCES));
                             break;
                         }
@@ -232,50 +202,6 @@ fn validate(target: &Target, req: ConnectRequest, permit: Permit) -> Option<Inco
     })
 }
 
-/// An RDMA reactor: a current-thread runtime owning the connections handed to it.
-fn reactor(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Incoming>) {
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            error!(reactor = index, error = %e, "cannot start RDMA reactor runtime");
-            return;
-        }
-    };
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, async {
-        while let Some(inc) = rx.recv().await {
-            tokio::task::spawn_local(serve(Arc::clone(&target), inc));
-        }
-    });
-    rt.block_on(local);
-}
-
-/// Why a connection ended.
-#[derive(Debug)]
-enum Closed {
-    /// The host disconnected.
-    Disconnected,
-    /// The queue pair or connection failed.
-    Transport(String),
-    /// The host broke the protocol.
-    Protocol(String),
-    /// Disconnect command, controller teardown or target shutdown.
-    Local(&'static str),
-}
-
-type IoFuture = Pin<Box<dyn Future<Output = Done>>>;
-
-/// A finished backend request.
-struct Done {
-    token: u32,
-    req: IoRequest,
-    status: Status,
-    buf: IoBuf,
-}
-
 /// A command between its arrival and its answer.
 struct Cmd {
     slot: RecvSlot,
@@ -328,29 +254,22 @@ impl RegPool {
 
 struct Conn {
     q: CapsuleQueue<IoBuf>,
-    state: QueueState,
+    /// The command engine; a running request's tag is its command token.
+    e: Engine<u32>,
     pool: RegPool,
-    inflight: FuturesUnordered<IoFuture>,
     cmds: Vec<Option<Cmd>>,
     free_tokens: Vec<u32>,
     held: HashMap<u16, Cmd>,
-    events: Option<EventReceiver>,
-    ctrl_shutdown: Option<watch::Receiver<bool>>,
-    target_shutdown: watch::Receiver<bool>,
-    closing: Option<Closed>,
-    /// Until the Fabrics Connect succeeds: when the connection is closed.
-    handshake_deadline: Option<Instant>,
-    permit: Permit,
 }
 
-async fn serve(target: Arc<Target>, inc: Incoming) {
+/// Accepts a validated connection request and serves the queue pair until it closes.
+pub(crate) async fn serve(target: Arc<Target>, inc: Incoming) {
     let Incoming {
         req,
         params,
         ord,
         permit,
     } = inc;
-    let handshake_deadline = Some(Instant::now() + target.settings.handshake_timeout);
     let (local, peer) = (req.local, req.peer);
     let in_capsule = (target.settings.in_capsule_data as usize).max(8192);
     let cfg = QueueConfig::target(params.depth, in_capsule, ord);
@@ -372,52 +291,16 @@ async fn serve(target: Arc<Target>, inc: Incoming) {
         .on_listener(Transport::Rdma);
     let mut conn = Conn {
         q,
-        state,
+        e: Engine::new(state, permit),
         pool: RegPool {
             classes: HashMap::new(),
         },
-        inflight: FuturesUnordered::new(),
         cmds: Vec::new(),
         free_tokens: Vec::new(),
         held: HashMap::new(),
-        events: None,
-        ctrl_shutdown: None,
-        target_shutdown: target.subscribe_shutdown(),
-        closing: None,
-        handshake_deadline,
-        permit,
     };
     let reason = conn.run().await;
-    conn.finish(reason, peer);
-}
-
-async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
-    match rx {
-        Some(rx) => {
-            if rx.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d.into()).await,
-        None => std::future::pending().await,
-    }
-}
-
-fn is_sync(backend: &AnyBackend) -> bool {
-    matches!(backend, AnyBackend::Memory(_) | AnyBackend::Null(_))
+    conn.e.finish(&reason, peer, "rdma");
 }
 
 /// The host memory a keyed SGL data block names, if the descriptor is one.
@@ -450,41 +333,29 @@ impl Conn {
             if let Err(e) = self.q.poll(&mut evs) {
                 return Closed::Transport(e.to_string());
             }
+            if !evs.is_empty() {
+                crate::reactor::note_activity();
+            }
             for ev in evs.drain(..) {
                 self.on_event(ev);
             }
-            if self.closing.is_none() {
-                if let Some(f) = self.q.failed() {
-                    self.closing = Some(Closed::Transport(f.to_string()));
-                }
+            if let Some(f) = self.q.failed() {
+                self.e.close(Closed::Transport(f.to_string()));
             }
-            if let Some(reason) = self.closing.take() {
+            if let Some(reason) = self.e.closing.take() {
                 let deadline = *close_deadline.get_or_insert_with(|| Instant::now() + CLOSE_GRACE);
                 let idle =
-                    self.inflight.is_empty() && (self.q.is_idle() || self.q.failed().is_some());
-                if idle || (Instant::now() >= deadline && self.inflight.is_empty()) {
+                    self.e.in_flight() == 0 && (self.q.is_idle() || self.q.failed().is_some());
+                if idle || (Instant::now() >= deadline && self.e.in_flight() == 0) {
                     return reason;
                 }
-                self.closing = Some(reason);
+                self.e.closing = Some(reason);
             }
-            if self.state.ctrl.is_some() || self.closing.is_some() {
-                self.handshake_deadline = None;
-            }
-            let deadline = self.handshake_deadline.or_else(|| {
-                self.state
-                    .ctrl
-                    .as_ref()
-                    .filter(|_| self.state.qid == 0)
-                    .and_then(|c| c.keep_alive_deadline())
-            });
             tokio::select! {
                 biased;
-                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
-                    self.complete(done);
-                    // Every other I/O that has finished by now too (the next `select!` polls
-                    // `inflight` again with this task's waker before the task can sleep).
-                    while let Some(Some(done)) = self.inflight.next().now_or_never() {
-                        self.complete(done);
+                wake = self.e.next() => {
+                    if let Some(reason) = self.on_wake(wake) {
+                        self.e.closing = Some(reason);
                     }
                 }
                 r = self.q.wait() => {
@@ -493,55 +364,13 @@ impl Conn {
                     }
                 }
                 ev = self.q.cm_event() => match ev {
-                    Ok(CmEvent::Established) => debug!(peer = %self.state.origin.peer, "NVMe/RDMA connection established"),
-                    Ok(CmEvent::Disconnected) => {
-                        if self.closing.is_none() {
-                            self.closing = Some(Closed::Disconnected);
-                        }
-                    }
-                    Ok(CmEvent::Other(what)) => debug!(peer = %self.state.origin.peer, event = %what, "RDMA-CM event"),
-                    Ok(other) => {
-                        if self.closing.is_none() {
-                            self.closing = Some(Closed::Transport(format!("{other:?}")));
-                        }
-                    }
-                    Err(e) => {
-                        if self.closing.is_none() {
-                            self.closing = Some(Closed::Transport(e.to_string()));
-                        }
-                    }
+                    Ok(CmEvent::Established) => debug!(peer = %self.e.q.origin.peer, "NVMe/RDMA connection established"),
+                    Ok(CmEvent::Disconnected) => self.e.close(Closed::HostClosed),
+                    Ok(CmEvent::Other(what)) => debug!(peer = %self.e.q.origin.peer, event = %what, "RDMA-CM event"),
+                    Ok(other) => self.e.close(Closed::Transport(format!("{other:?}"))),
+                    Err(e) => self.e.close(Closed::Transport(e.to_string())),
                 },
-                Some(cqe) = next_event(&mut self.events) => self.respond_held(cqe),
-                _ = changed(&mut self.ctrl_shutdown) => {
-                    if self.closing.is_none() {
-                        self.closing = Some(Closed::Local("controller torn down"));
-                    }
-                    self.ctrl_shutdown = None;
-                }
-                _ = self.target_shutdown.changed() => {
-                    if self.closing.is_none() {
-                        self.closing = Some(Closed::Local("target shutting down"));
-                    }
-                }
-                _ = sleep_until(deadline), if deadline.is_some() => {
-                    if self.handshake_deadline.is_some_and(|d| d <= Instant::now()) {
-                        self.permit.gate().note_dropped(DropReason::HandshakeTimeout);
-                        self.closing = Some(Closed::Local("handshake timeout"));
-                    }
-                    if let Some(ctrl) = &self.state.ctrl {
-                        if ctrl.keep_alive_deadline().is_some_and(|d| d <= Instant::now()) {
-                            warn!(
-                                cntlid = ctrl.cntlid,
-                                hostnqn = %ctrl.hostnqn,
-                                peer = %self.state.origin.peer,
-                                "keep alive timeout expired: tearing the controller down"
-                            );
-                            ctrl.tear_down();
-                            self.closing = Some(Closed::Local("keep alive timeout"));
-                        }
-                    }
-                }
-                _ = sleep_until(close_deadline), if close_deadline.is_some() => {}
+                _ = tokio::time::sleep_until(close_deadline.unwrap_or_else(Instant::now).into()), if close_deadline.is_some() => {}
             }
         }
     }
@@ -565,7 +394,7 @@ impl Conn {
     fn on_event(&mut self, ev: Event<IoBuf>) {
         match ev {
             Event::Received(slot) => {
-                if self.closing.is_some() {
+                if self.e.closing.is_some() {
                     // No new work once closing; the slot goes with the queue.
                     return;
                 }
@@ -575,10 +404,9 @@ impl Conn {
                 if let Some(b) = data {
                     self.pool.put(b);
                 }
-                if !ok && self.closing.is_none() {
-                    self.closing = Some(Closed::Transport(
-                        self.q.failed().unwrap_or("send failed").to_string(),
-                    ));
+                if !ok {
+                    let why = self.q.failed().unwrap_or("send failed").to_string();
+                    self.e.close(Closed::Transport(why));
                 }
             }
             Event::ReadDone { token, buf, ok } => self.read_done(token as u32, buf, ok),
@@ -589,13 +417,13 @@ impl Conn {
         let msg = self.q.message(&slot);
         if msg.len() < 64 {
             let why = format!("capsule of {} bytes", msg.len());
-            self.closing = Some(Closed::Protocol(why));
+            self.e.closing = Some(Closed::Protocol(why));
             return;
         }
         let mut raw = [0u8; 64];
         raw.copy_from_slice(&msg[..64]);
         let sqe = Sqe::from_array(&raw);
-        if self.state.wants_data_at_submit(&sqe) {
+        if self.e.q.wants_data_at_submit(&sqe) {
             if let Some(remote) = keyed_remote(&sqe.dptr).filter(|r| r.len > 0) {
                 let len = remote.len as usize;
                 if len <= MAX_ADMIN_DATA {
@@ -611,19 +439,14 @@ impl Conn {
                                 debug!(error = %e, "cannot fetch command data");
                                 self.pool.put(buf);
                                 if let Some(cmd) = self.take_cmd(token) {
-                                    self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                                    self.fail_cmd(cmd, Fault::Resources);
                                 }
                             }
                             return;
                         }
                         Err(e) => {
                             warn!(error = %e, "cannot register a buffer for command data");
-                            let cmd = Cmd {
-                                slot,
-                                sqe,
-                                stage: Stage::AdminData,
-                            };
-                            self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                            self.fail_slot(slot, sqe, Fault::Resources);
                             return;
                         }
                     }
@@ -633,7 +456,7 @@ impl Conn {
             }
         }
         let icd = &msg[64..];
-        let submit = self.state.submit(&sqe, icd);
+        let submit = self.e.q.submit(&sqe, icd);
         let needs_icd = matches!(
             &submit,
             Submit::Io(req) if matches!(
@@ -652,10 +475,7 @@ impl Conn {
                 }
                 Err(e) => {
                     warn!(error = %e, "cannot register a buffer for in-capsule data");
-                    let status = Status::generic(generic::INTERNAL_ERROR);
-                    self.state.record_error(&sqe, status, 0);
-                    let cqe = self.state.completion(sqe.cid(), status, 0);
-                    self.respond(slot, &sqe, cqe, None);
+                    self.fail_slot(slot, sqe, Fault::Resources);
                     return;
                 }
             }
@@ -677,7 +497,7 @@ impl Conn {
             Submit::CompleteWithData(data, cqe) => self.respond_with_data(slot, &sqe, cqe, &data),
             Submit::CompleteAndClose(cqe) => {
                 self.respond(slot, &sqe, cqe, None);
-                self.closing = Some(Closed::Local("host disconnected the queue"));
+                self.e.closing = Some(Closed::Local("host disconnected the queue"));
             }
             Submit::Held => {
                 let cid = sqe.cid();
@@ -690,22 +510,16 @@ impl Conn {
                     },
                 ) {
                     // A held command reusing the CID of another: answer the older one.
-                    let st = Status::generic(generic::COMMAND_ID_CONFLICT).with_dnr();
-                    self.fail_cmd(old, st);
+                    self.fail_cmd(old, Fault::CommandIdConflict);
                 }
             }
             Submit::Io(req) => {
-                self.connected_hook();
+                self.e.watch_controller();
                 let host_len = req.op.host_data_len();
                 if host_len > 0 {
                     // queue.rs accepted a keyed descriptor of exactly this length.
                     let Some(remote) = keyed_remote(&sqe.dptr) else {
-                        let cmd = Cmd {
-                            slot,
-                            sqe,
-                            stage: Stage::Running(None),
-                        };
-                        self.fail_cmd(cmd, Status::generic(generic::SGL_TYPE_INVALID).with_dnr());
+                        self.fail_slot(slot, sqe, Fault::SglType);
                         return;
                     };
                     let pd = Arc::clone(self.q.pd());
@@ -713,12 +527,7 @@ impl Conn {
                         Ok(b) => b,
                         Err(e) => {
                             warn!(error = %e, "cannot register a buffer for write data");
-                            let cmd = Cmd {
-                                slot,
-                                sqe,
-                                stage: Stage::Running(None),
-                            };
-                            self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                            self.fail_slot(slot, sqe, Fault::Resources);
                             return;
                         }
                     };
@@ -731,10 +540,7 @@ impl Conn {
                         debug!(error = %e, "cannot fetch write data");
                         self.pool.put(buf);
                         if let Some(cmd) = self.take_cmd(token) {
-                            self.fail_cmd(
-                                cmd,
-                                Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
-                            );
+                            self.fail_cmd(cmd, Fault::SglLength);
                         }
                     }
                     return;
@@ -747,34 +553,17 @@ impl Conn {
                             Ok(b) => Some(b),
                             Err(e) => {
                                 warn!(error = %e, "cannot register a buffer for read data");
-                                let cmd = Cmd {
-                                    slot,
-                                    sqe,
-                                    stage: Stage::Running(None),
-                                };
-                                self.fail_cmd(cmd, Status::generic(generic::INTERNAL_ERROR));
+                                self.fail_slot(slot, sqe, Fault::Resources);
                                 return;
                             }
                         }
                     }
                     (None, _) => None,
                 };
-                self.start(slot, sqe, req, buf);
+                self.start_registered(slot, sqe, req, buf);
             }
         }
-        self.connected_hook();
-    }
-
-    /// After a successful Connect: watch the controller and, on an admin queue, its events.
-    fn connected_hook(&mut self) {
-        if self.ctrl_shutdown.is_none() {
-            if let Some(ctrl) = &self.state.ctrl {
-                self.ctrl_shutdown = Some(ctrl.subscribe_shutdown());
-                if self.events.is_none() {
-                    self.events = self.state.events.take();
-                }
-            }
-        }
+        self.e.watch_controller();
     }
 
     fn read_done(&mut self, token: u32, buf: Registered<IoBuf>, ok: bool) {
@@ -785,21 +574,19 @@ impl Conn {
         if !ok {
             // The queue pair is in the error state: nothing more can be sent.
             self.pool.put(buf);
-            if self.closing.is_none() {
-                let why = self.q.failed().unwrap_or("RDMA READ failed").to_string();
-                self.closing = Some(Closed::Transport(why));
-            }
+            let why = self.q.failed().unwrap_or("RDMA READ failed").to_string();
+            self.e.close(Closed::Transport(why));
             drop(cmd.slot);
             return;
         }
         let Cmd { slot, sqe, stage } = cmd;
         match stage {
             Stage::AdminData => {
-                let submit = self.state.submit(&sqe, &buf.get()[..]);
+                let submit = self.e.q.submit(&sqe, &buf.get()[..]);
                 self.pool.put(buf);
                 self.dispatch(slot, sqe, submit, None);
             }
-            Stage::HostData(req) => self.start(slot, sqe, req, Some(buf)),
+            Stage::HostData(req) => self.start_registered(slot, sqe, req, Some(buf)),
             Stage::Running(_) => {
                 self.pool.put(buf);
                 drop(slot);
@@ -807,20 +594,15 @@ impl Conn {
         }
     }
 
-    /// Runs a request: inline for memory and null namespaces, as a future otherwise.
-    fn start(&mut self, slot: RecvSlot, sqe: Sqe, req: IoRequest, buf: Option<Registered<IoBuf>>) {
-        let Some(ctrl) = self.state.ctrl.clone() else {
-            let cmd = Cmd {
-                slot,
-                sqe,
-                stage: Stage::Running(None),
-            };
-            self.fail_cmd(
-                cmd,
-                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
-            );
-            return;
-        };
+    /// Runs a request on the engine with its registered buffer, whose registration waits
+    /// with the command.
+    fn start_registered(
+        &mut self,
+        slot: RecvSlot,
+        sqe: Sqe,
+        req: IoRequest,
+        buf: Option<Registered<IoBuf>>,
+    ) {
         let (iobuf, reg) = match buf {
             Some(b) => {
                 let (b, r) = b.detach();
@@ -833,32 +615,78 @@ impl Conn {
             sqe,
             stage: Stage::Running(reg),
         });
-        let inline = req.ns.as_ref().is_some_and(|ns| is_sync(&ns.backend));
-        if inline {
-            let done = match crate::io::execute(&ctrl, &req, iobuf).now_or_never() {
-                Some((status, buf)) => Done {
-                    token,
-                    req,
-                    status,
-                    buf,
-                },
-                None => Done {
-                    token,
-                    req,
-                    status: Status::generic(generic::INTERNAL_ERROR),
-                    buf: IoBuf::new(0),
-                },
-            };
-            self.complete(done);
-        } else {
-            self.inflight
-                .push(Box::pin(run_io(ctrl, token, req, iobuf)));
+        self.start(token, req, iobuf);
+    }
+
+    /// Answers a command with the status of `fault` (no data).
+    fn fail_cmd(&mut self, cmd: Cmd, fault: Fault) {
+        self.fail_slot(cmd.slot, cmd.sqe, fault);
+    }
+
+    /// Answers the command in `slot` with the status of `fault` (no data).
+    fn fail_slot(&mut self, slot: RecvSlot, sqe: Sqe, fault: Fault) {
+        let cqe = self.e.fail(&sqe, fault);
+        self.respond(slot, &sqe, cqe, None);
+    }
+
+    /// Sends admin data (Identify, log pages...) to the host's keyed buffer, then the
+    /// completion.
+    fn respond_with_data(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: &[u8]) {
+        if data.is_empty() {
+            self.respond(slot, sqe, cqe, None);
+            return;
+        }
+        let Some(remote) = keyed_remote(&sqe.dptr).filter(|r| r.len as usize >= data.len()) else {
+            self.fail_slot(slot, *sqe, Fault::SglType);
+            return;
+        };
+        let pd = Arc::clone(self.q.pd());
+        match self.pool.get(&pd, data.len()) {
+            Ok(mut b) => {
+                b.bytes_mut()[..data.len()].copy_from_slice(data);
+                let out = DataOut {
+                    buf: b,
+                    len: data.len(),
+                    remote,
+                };
+                self.respond(slot, sqe, cqe, Some(out));
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot register a buffer for command data");
+                self.fail_slot(slot, *sqe, Fault::Resources);
+            }
         }
     }
 
-    fn complete(&mut self, done: Done) {
+    /// The one place a completion leaves: re-posts the command's receive buffer, writes the
+    /// data if any, and sends the CQE.
+    fn respond(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: Option<DataOut<IoBuf>>) {
+        let invalidate = invalidate_key(&sqe.dptr);
+        if let Err(e) = self.q.respond(
+            slot,
+            &cqe.to_array(),
+            data,
+            invalidate,
+            u64::from(cqe.cid()),
+        ) {
+            debug!(error = %e, cid = cqe.cid(), "cannot send the completion");
+            self.e.close(Closed::Transport(e.to_string()));
+        }
+    }
+}
+
+impl crate::engine::Transport for Conn {
+    type Tag = u32;
+
+    fn engine(&mut self) -> &mut Engine<u32> {
+        &mut self.e
+    }
+
+    /// A read's data goes by RDMA WRITE to the host's keyed buffer, posted with the
+    /// completion's SEND.
+    fn complete(&mut self, done: Done<u32>) {
         let Done {
-            token,
+            tag: token,
             req,
             status,
             buf,
@@ -880,16 +708,7 @@ impl Conn {
             }
             _ => None,
         };
-        if !status.is_success() {
-            let lba = match req.op {
-                IoOp::Read { lba, .. }
-                | IoOp::Write { lba, .. }
-                | IoOp::WriteZeroes { lba, .. } => lba,
-                _ => 0,
-            };
-            self.state.record_error(&sqe, status, lba);
-        }
-        let cqe = self.state.completion(req.cid, status, 0);
+        let cqe = self.e.io_completion(&sqe, &req, status);
         match (status.is_success(), req.op, rbuf) {
             (true, IoOp::Read { len, .. }, Some(b)) => match keyed_remote(&sqe.dptr) {
                 Some(remote) => self.respond(
@@ -904,16 +723,10 @@ impl Conn {
                 ),
                 None => {
                     self.pool.put(b);
-                    let st = Status::generic(generic::SGL_TYPE_INVALID).with_dnr();
-                    let cqe = self.state.completion(req.cid, st, 0);
-                    self.respond(slot, &sqe, cqe, None);
+                    self.fail_slot(slot, sqe, Fault::SglType);
                 }
             },
-            (true, IoOp::Read { .. }, None) => {
-                let st = Status::generic(generic::INTERNAL_ERROR);
-                let cqe = self.state.completion(req.cid, st, 0);
-                self.respond(slot, &sqe, cqe, None);
-            }
+            (true, IoOp::Read { .. }, None) => self.fail_slot(slot, sqe, Fault::Resources),
             (_, _, b) => {
                 if let Some(b) = b {
                     self.pool.put(b);
@@ -923,211 +736,25 @@ impl Conn {
         }
     }
 
-    /// Answers a command with an error status (no data).
-    fn fail_cmd(&mut self, cmd: Cmd, status: Status) {
-        self.state.record_error(&cmd.sqe, status, 0);
-        let cqe = self.state.completion(cmd.sqe.cid(), status, 0);
-        self.respond(cmd.slot, &cmd.sqe, cqe, None);
-    }
-
-    /// Sends admin data (Identify, log pages...) to the host's keyed buffer, then the
-    /// completion.
-    fn respond_with_data(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: &[u8]) {
-        if data.is_empty() {
-            self.respond(slot, sqe, cqe, None);
-            return;
-        }
-        let Some(remote) = keyed_remote(&sqe.dptr).filter(|r| r.len as usize >= data.len()) else {
-            let st = Status::generic(generic::SGL_TYPE_INVALID).with_dnr();
-            self.state.record_error(sqe, st, 0);
-            let cqe = self.state.completion(sqe.cid(), st, 0);
-            self.respond(slot, sqe, cqe, None);
-            return;
-        };
-        let pd = Arc::clone(self.q.pd());
-        match self.pool.get(&pd, data.len()) {
-            Ok(mut b) => {
-                b.bytes_mut()[..data.len()].copy_from_slice(data);
-                let out = DataOut {
-                    buf: b,
-                    len: data.len(),
-                    remote,
-                };
-                self.respond(slot, sqe, cqe, Some(out));
-            }
-            Err(e) => {
-                warn!(error = %e, "cannot register a buffer for command data");
-                let st = Status::generic(generic::INTERNAL_ERROR);
-                let cqe = self.state.completion(sqe.cid(), st, 0);
-                self.respond(slot, sqe, cqe, None);
-            }
-        }
-    }
-
-    /// The one place a completion leaves: re-posts the command's receive buffer, writes the
-    /// data if any, and sends the CQE.
-    fn respond(&mut self, slot: RecvSlot, sqe: &Sqe, cqe: Cqe, data: Option<DataOut<IoBuf>>) {
-        let invalidate = invalidate_key(&sqe.dptr);
-        if let Err(e) = self.q.respond(
-            slot,
-            &cqe.to_array(),
-            data,
-            invalidate,
-            u64::from(cqe.cid()),
-        ) {
-            debug!(error = %e, cid = cqe.cid(), "cannot send the completion");
-            if self.closing.is_none() {
-                self.closing = Some(Closed::Transport(e.to_string()));
-            }
-        }
-    }
-
     /// Completes a held command (Asynchronous Event Request) with an event's CQE.
-    fn respond_held(&mut self, cqe: Cqe) {
+    fn complete_held(&mut self, cqe: Cqe) {
         match self.held.remove(&cqe.cid()) {
             Some(cmd) => self.respond(cmd.slot, &cmd.sqe, cqe, None),
             None => debug!(cid = cqe.cid(), "event for a command that is not held"),
         }
     }
-
-    fn finish(&mut self, reason: Closed, peer: SocketAddr) {
-        let ctrl: Option<Arc<Controller>> = self.state.ctrl.clone();
-        let Some(ctrl) = ctrl else {
-            match &reason {
-                Closed::Protocol(r) => {
-                    warn!(%peer, reason = %r, "NVMe/RDMA connection closed: protocol error")
-                }
-                Closed::Disconnected | Closed::Local(_) => {
-                    debug!(%peer, "NVMe/RDMA connection closed before Connect")
-                }
-                other => {
-                    info!(%peer, reason = ?other, "NVMe/RDMA connection closed before Connect")
-                }
-            }
-            return;
-        };
-        let admin = self.state.qid == 0;
-        let why = match &reason {
-            Closed::Disconnected => "host disconnected".to_string(),
-            Closed::Transport(e) => format!("transport error: {e}"),
-            Closed::Protocol(r) => format!("protocol error: {r}"),
-            Closed::Local(r) => (*r).to_string(),
-        };
-        let error = matches!(reason, Closed::Transport(_) | Closed::Protocol(_));
-        if admin {
-            ctrl.tear_down();
-            if error {
-                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, transport = "rdma", "controller disconnected");
-            } else {
-                info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, transport = "rdma", "controller disconnected");
-            }
-        } else if error {
-            warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.state.qid, reason = %why, "I/O queue closed");
-        } else {
-            debug!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.state.qid, reason = %why, "I/O queue closed");
-        }
-    }
-}
-
-async fn run_io(ctrl: Arc<Controller>, token: u32, req: IoRequest, buf: IoBuf) -> Done {
-    let (status, buf) = crate::io::execute(&ctrl, &req, buf).await;
-    Done {
-        token,
-        req,
-        status,
-        buf,
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use nvme_spec::FromBytes;
+    use nvme_spec::Status;
     use nvme_spec::command::build;
-    use nvme_spec::fabrics::{Cc, ConnectData, property};
     use nvme_spec::identify::{IdentifyController, SGLS_KEYED, SGLS_TRANSPORT};
-    use nvme_spec::{FabricsCommand, FromBytes, IntoBytes};
+    use nvme_spec::status::generic;
 
     use super::*;
-    use crate::config::Config;
-
-    const NQN: &str = "nqn.2026-11.io.nvmeof-direct:rdma-unit";
-    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000aa";
-
-    fn target() -> Arc<Target> {
-        let cfg = Config::quick(
-            &["tcp://127.0.0.1:0".parse().unwrap()],
-            NQN,
-            &["mem:4M".parse().unwrap()],
-            true,
-            &[],
-        )
-        .unwrap();
-        Target::build(&cfg).unwrap().0
-    }
-
-    fn origin() -> QueueOrigin {
-        QueueOrigin {
-            local: SocketAddr::from(([10, 0, 2, 15], 4420)),
-            peer: SocketAddr::from(([10, 0, 2, 15], 40000)),
-        }
-    }
-
-    fn connect_sqe(qid: u16, keyed: bool) -> Sqe {
-        let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
-            recfmt: 0,
-            qid,
-            sqsize: 32,
-            cattr: 0,
-            kato_ms: 0,
-        })
-        .encode(0);
-        sqe.dptr = if keyed {
-            SglDescriptor::keyed(0x1000, 1024, 0x1234, true)
-        } else {
-            SglDescriptor::in_capsule(1024)
-        };
-        sqe
-    }
-
-    fn status(s: Submit) -> Status {
-        match s {
-            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => {
-                c.status()
-            }
-            Submit::Held => panic!("held"),
-            Submit::Io(_) => Status::SUCCESS,
-        }
-    }
-
-    /// Connects an admin queue (Connect data fetched by RDMA READ, as the Linux host sends
-    /// it), enables the controller, grants queues, and connects I/O queue 1 with in-capsule
-    /// Connect data.
-    fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState) {
-        let mut admin = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
-        let sqe = connect_sqe(0, host_sgl == HostSgl::Keyed);
-        let data = ConnectData::new([7; 16], 0xFFFF, NQN, HOST);
-        assert!(
-            admin.wants_data_at_submit(&sqe),
-            "Connect data is read at submit"
-        );
-        assert_eq!(status(admin.submit(&sqe, data.as_bytes())), Status::SUCCESS);
-        let ctrl = admin.ctrl.clone().unwrap();
-        let cc = FabricsCommand::PropertySet {
-            size8: false,
-            offset: property::CC,
-            value: u64::from(Cc::enable_value()),
-        }
-        .encode(1);
-        assert!(!admin.wants_data_at_submit(&cc));
-        assert_eq!(status(admin.submit(&cc, &[])), Status::SUCCESS);
-        let sf = build::set_features(2, 7, 0x0001_0001);
-        assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
-        let mut io = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
-        let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, HOST);
-        let sqe = connect_sqe(1, false);
-        assert!(io.wants_data_at_submit(&sqe));
-        assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);
-        (admin, io)
-    }
+    use crate::testing::{connected, status, target};
 
     fn sgls(admin: &mut QueueState) -> u32 {
         let mut id = build::identify(5, 1, 0);
@@ -1146,7 +773,7 @@ mod tests {
 
     #[test]
     fn rdma_queues_take_keyed_sgls_and_advertise_them() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let (mut admin, mut io) = connected(&t, HostSgl::Keyed);
         let s = sgls(&mut admin);
         assert_ne!(s & SGLS_KEYED, 0, "keyed SGL data blocks advertised");
@@ -1219,7 +846,7 @@ mod tests {
 
     #[test]
     fn tcp_queues_keep_transport_sgls() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let (mut admin, mut io) = connected(&t, HostSgl::Transport);
         let s = sgls(&mut admin);
         assert_eq!(s & SGLS_KEYED, 0);
@@ -1248,7 +875,7 @@ mod tests {
 
     #[test]
     fn limits_follow_the_target_settings() {
-        let t = target();
+        let t = target(&["mem:4M"]);
         let l = limits(&t);
         assert_eq!(l.max_io_depth, t.settings.max_queue_depth);
         assert_eq!(l.max_qid, t.settings.max_io_queues);

@@ -1,5 +1,6 @@
 //! Reactors: one OS thread per core, each running a current-thread tokio runtime that owns the
-//! connections handed to it. Connections never migrate, so per-connection state needs no locks.
+//! connections handed to it, of every transport. Connections never migrate, so per-connection
+//! state needs no locks. Listeners hand new connections round-robin through a [`Pool`].
 //!
 //! With a poll window (`poll_us`), a reactor that has just received data keeps asking the
 //! kernel for socket readiness without sleeping (`epoll_wait` with a zero timeout, through the
@@ -10,13 +11,66 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, mpsc};
 use tracing::{error, warn};
 
 use crate::admission::Permit;
-use crate::target::Target;
+use crate::target::{StartError, Target};
+
+/// A new connection on its way to a reactor.
+pub enum Connection {
+    /// An accepted NVMe/TCP socket.
+    Tcp(std::net::TcpStream, Permit),
+    /// A validated NVMe/RDMA connection request, accepted by the reactor.
+    Rdma(Box<crate::rdma::Incoming>),
+}
+
+/// The reactor threads' inboxes. Dropping every clone of the pool lets the reactors end once
+/// their connections have.
+pub struct Pool {
+    senders: Vec<mpsc::UnboundedSender<Connection>>,
+    next: AtomicUsize,
+}
+
+impl Pool {
+    /// Starts the target's reactor threads (`reactors` in the settings; 0: one per core).
+    pub fn start(
+        target: &Arc<Target>,
+    ) -> Result<(Arc<Pool>, Vec<std::thread::JoinHandle<()>>), StartError> {
+        let n = match target.settings.reactors {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let mut senders = Vec::with_capacity(n);
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
+            let (tx, rx) = mpsc::unbounded_channel();
+            senders.push(tx);
+            let t = Arc::clone(target);
+            let handle = std::thread::Builder::new()
+                .name(format!("nvmeof-reactor-{i}"))
+                .spawn(move || run(i, t, rx))
+                .map_err(StartError::Reactor)?;
+            threads.push(handle);
+        }
+        let pool = Pool {
+            senders,
+            next: AtomicUsize::new(0),
+        };
+        Ok((Arc::new(pool), threads))
+    }
+
+    /// Hands `conn` to the next reactor; gives it back when the reactors have stopped.
+    pub fn hand(&self, conn: Connection) -> Result<(), Connection> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.senders.len();
+        self.senders[i]
+            .send(conn)
+            .map_err(|mpsc::error::SendError(c)| c)
+    }
+}
 
 /// The busy-poll state of one reactor thread.
 struct Poller {
@@ -59,11 +113,7 @@ async fn poll_loop(p: Rc<Poller>) {
 }
 
 /// Runs reactor `index` until its connection channel closes and its connections have ended.
-pub fn run(
-    index: usize,
-    target: Arc<Target>,
-    mut rx: mpsc::UnboundedReceiver<(std::net::TcpStream, Permit)>,
-) {
+fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Connection>) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -93,16 +143,23 @@ pub fn run(
         p
     });
     local.block_on(&rt, async {
-        while let Some((stream, permit)) = rx.recv().await {
-            let stream = match tokio::net::TcpStream::from_std(stream) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(reactor = index, error = %e, "cannot register connection");
-                    continue;
-                }
-            };
+        while let Some(conn) = rx.recv().await {
             let t = Arc::clone(&target);
-            tokio::task::spawn_local(crate::tcp::serve(t, stream, permit));
+            match conn {
+                Connection::Tcp(stream, permit) => {
+                    let stream = match tokio::net::TcpStream::from_std(stream) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            warn!(reactor = index, error = %e, "cannot register connection");
+                            continue;
+                        }
+                    };
+                    tokio::task::spawn_local(crate::tcp::serve(t, stream, permit));
+                }
+                Connection::Rdma(inc) => {
+                    tokio::task::spawn_local(crate::rdma::serve(t, *inc));
+                }
+            }
         }
     });
     // Stop polling, then let every connection finish its in-flight commands and close.

@@ -1,16 +1,16 @@
-//! The target: subsystems, listeners, thread-per-core reactors, and orderly shutdown.
+//! The target: the registry of subsystems, bound listeners, limits and the shutdown signal.
+//! [`crate::launcher`] starts and stops its reactors and accept loops.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 
 use blockdev::Backend;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tracing::{error, info, warn};
 
-use crate::admission::{ConnectionCount, ListenerGate, Permit};
+use crate::admission::{ConnectionCount, ListenerGate};
 use crate::config::{Config, ListenAddr, TargetSettings, Transport};
 use crate::subsystem::{Subsystem, stable_id128};
 
@@ -314,6 +314,11 @@ impl Target {
         self.shutdown_tx.subscribe()
     }
 
+    /// Signals shutdown to listeners and connections.
+    pub(crate) fn begin_shutdown(&self) {
+        self.shutdown_tx.send_replace(true);
+    }
+
     /// Whether shutdown has begun.
     pub fn is_shutting_down(&self) -> bool {
         *self.shutdown_tx.borrow()
@@ -368,122 +373,4 @@ fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
     s.listen(1024).map_err(err)?;
     s.set_nonblocking(true).map_err(err)?;
     Ok(s.into())
-}
-
-/// A handle to a running target.
-pub struct RunningTarget {
-    /// Shared state.
-    pub target: Arc<Target>,
-    reactors: Vec<std::thread::JoinHandle<()>>,
-    acceptors: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl RunningTarget {
-    /// Starts reactors and accept loops on the current tokio runtime.
-    pub fn start(
-        target: Arc<Target>,
-        listeners: Vec<BoundListener>,
-    ) -> Result<RunningTarget, StartError> {
-        let n = match target.settings.reactors {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
-        let mut senders = Vec::new();
-        let mut reactors = Vec::new();
-        for i in 0..n {
-            let (tx, rx) = mpsc::unbounded_channel::<(std::net::TcpStream, Permit)>();
-            senders.push(tx);
-            let t = Arc::clone(&target);
-            let handle = std::thread::Builder::new()
-                .name(format!("nvmeof-reactor-{i}"))
-                .spawn(move || crate::reactor::run(i, t, rx))
-                .map_err(StartError::Reactor)?;
-            reactors.push(handle);
-        }
-        let mut acceptors = Vec::new();
-        let next = Arc::new(AtomicUsize::new(0));
-        let mut rdma = Vec::new();
-        for l in listeners {
-            let socket = match l.socket {
-                ListenerSocket::Tcp(s) => s,
-                ListenerSocket::Rdma(r) => {
-                    rdma.push((l.addr, r));
-                    continue;
-                }
-            };
-            let listener =
-                tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
-                    addr: l.addr.to_string(),
-                    source,
-                })?;
-            info!(listener = %l.addr, "listening");
-            let senders = senders.clone();
-            let next = Arc::clone(&next);
-            let mut shutdown = target.subscribe_shutdown();
-            let gate = target.listener_gate(l.addr.clone());
-            acceptors.push(tokio::spawn(async move {
-                let report = gate.report_drops();
-                tokio::pin!(report);
-                loop {
-                    tokio::select! {
-                        r = listener.accept() => match r {
-                            Ok((stream, peer)) => {
-                                // Over a limit: closed here, at once.
-                                let Some(permit) = gate.admit() else { continue };
-                                let stream = match stream.into_std() {
-                                    Ok(s) => s,
-                                    Err(e) => {
-                                        warn!(%peer, error = %e, "cannot hand connection to a reactor");
-                                        continue;
-                                    }
-                                };
-                                let i = next.fetch_add(1, Ordering::Relaxed) % senders.len();
-                                if senders[i].send((stream, permit)).is_err() {
-                                    break;
-                                }
-                            }
-                            Err(e) => {
-                                warn!(listener = %l.addr, error = %e, "accept failed");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                            }
-                        },
-                        _ = shutdown.changed() => break,
-                        _ = &mut report => {}
-                    }
-                }
-                gate.flush_drops();
-            }));
-        }
-        let (rdma_reactors, rdma_acceptors) = crate::rdma::start(&target, rdma)?;
-        reactors.extend(rdma_reactors);
-        acceptors.extend(rdma_acceptors);
-        Ok(RunningTarget {
-            target,
-            reactors,
-            acceptors,
-        })
-    }
-
-    /// Stops accepting, lets connections finish their in-flight commands and close, then
-    /// flushes every backend. Returns the number of flush failures.
-    pub async fn shutdown(self) -> usize {
-        info!(
-            connections = self.target.connection_count(),
-            "shutting down: no new connections, completing in-flight commands"
-        );
-        self.target.shutdown_tx.send_replace(true);
-        for a in self.acceptors {
-            let _ = a.await;
-        }
-        let reactors = self.reactors;
-        let _ = tokio::task::spawn_blocking(move || {
-            for r in reactors {
-                let _ = r.join();
-            }
-        })
-        .await;
-        let failures = self.target.flush_all().await;
-        info!(flush_failures = failures, "shutdown complete");
-        failures
-    }
 }

@@ -10,28 +10,21 @@
 //! buffers.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
-use blockdev::{AnyBackend, Backend, BackendError, BufPool, IoBuf};
-use futures_util::FutureExt;
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use nvme_spec::status::generic;
+use blockdev::{Backend, BufPool, IoBuf};
 use nvme_spec::{Cqe, Sqe, Status};
 use nvmf_tcp::{TargetConfig, TargetConn, TargetEvent};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
-use crate::admission::{DropReason, Permit};
+use crate::admission::Permit;
 use crate::config::Transport;
-use crate::controller::{Controller, EventReceiver, QueueOrigin};
+use crate::controller::QueueOrigin;
+use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::target::Target;
 
@@ -39,18 +32,6 @@ use crate::target::Target;
 const MAX_PENDING_SEND: usize = 8 << 20;
 /// Bytes asked of the socket per read.
 const READ_CHUNK: usize = 256 * 1024;
-
-type IoFuture = Pin<Box<dyn Future<Output = Done>>>;
-/// A read from a backend that never waits: `(lba, out)`.
-type ReadNow<'a> = &'a dyn Fn(u64, &mut [u8]) -> Result<(), BackendError>;
-
-/// A finished data-plane request.
-struct Done {
-    req: IoRequest,
-    sqe: Sqe,
-    status: Status,
-    buf: IoBuf,
-}
 
 /// A write (or Dataset Management) waiting for its data from the host.
 struct PendingWrite {
@@ -60,38 +41,14 @@ struct PendingWrite {
     digest_error: bool,
 }
 
-/// Why a connection ended.
-#[derive(Debug)]
-enum Closed {
-    /// The host closed the socket.
-    Eof,
-    /// A socket error.
-    Io(io::Error),
-    /// A protocol violation (a TermReq was sent).
-    Protocol(String),
-    /// The host sent a TermReq.
-    HostTermReq(u16),
-    /// Disconnect command, controller teardown or target shutdown.
-    Local(&'static str),
-    /// ICReq and Connect were not done within the handshake timeout.
-    HandshakeTimeout,
-}
-
 struct Conn {
     stream: TcpStream,
     engine: TargetConn,
-    q: QueueState,
+    /// The command engine; a running request's tag is its SQE.
+    e: Engine<Sqe>,
     pool: BufPool,
-    inflight: FuturesUnordered<IoFuture>,
     writes: HashMap<u16, PendingWrite>,
     next_ttag: u16,
-    events: Option<EventReceiver>,
-    ctrl_shutdown: Option<watch::Receiver<bool>>,
-    target_shutdown: watch::Receiver<bool>,
-    closing: Option<Closed>,
-    /// Until the Fabrics Connect succeeds: when the connection is closed.
-    handshake_deadline: Option<Instant>,
-    permit: Permit,
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -117,55 +74,20 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
             return;
         }
     };
-    let handshake_deadline = Some(Instant::now() + s.handshake_timeout);
     let mdts = s.mdts_kib as usize * 1024;
+    let q = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
+        .on_listener(Transport::Tcp);
     let mut conn = Conn {
         stream,
         engine,
-        q: QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
-            .on_listener(Transport::Tcp),
+        e: Engine::new(q, permit),
         pool: BufPool::new(mdts, 32),
-        inflight: FuturesUnordered::new(),
         writes: HashMap::new(),
         next_ttag: 0,
-        events: None,
-        ctrl_shutdown: None,
-        target_shutdown: target.subscribe_shutdown(),
-        closing: None,
-        handshake_deadline,
-        permit,
     };
     let reason = conn.run().await;
-    conn.finish(reason, peer);
-}
-
-async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
-    match rx {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
-    match rx {
-        Some(rx) => {
-            if rx.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d.into()).await,
-        None => std::future::pending().await,
-    }
-}
-
-fn is_sync(backend: &AnyBackend) -> bool {
-    matches!(backend, AnyBackend::Memory(_) | AnyBackend::Null(_))
+    let _ = conn.flush();
+    conn.e.finish(&reason, peer, "tcp");
 }
 
 impl Conn {
@@ -174,15 +96,15 @@ impl Conn {
             if let Err(e) = self.flush() {
                 return Closed::Io(e);
             }
-            if let Some(reason) = self.closing.take() {
-                if self.inflight.is_empty() && self.engine.pending_send().is_empty() {
+            if let Some(reason) = self.e.closing.take() {
+                if self.e.in_flight() == 0 && self.engine.pending_send().is_empty() {
                     return reason;
                 }
-                self.closing = Some(reason);
+                self.e.closing = Some(reason);
             }
-            let depth = self.q.sqsize.max(2) as usize;
-            let can_read = self.closing.is_none()
-                && self.inflight.len() + self.writes.len() < depth
+            let depth = self.e.q.sqsize.max(2) as usize;
+            let can_read = self.e.closing.is_none()
+                && self.e.in_flight() + self.writes.len() < depth
                 && self.engine.pending_send().len() < MAX_PENDING_SEND;
             let want_write = !self.engine.pending_send().is_empty();
             let interest = match (can_read, want_write) {
@@ -191,25 +113,11 @@ impl Conn {
                 (false, true) => Some(Interest::WRITABLE),
                 (false, false) => None,
             };
-            if self.q.ctrl.is_some() {
-                self.handshake_deadline = None;
-            }
-            let deadline = self.handshake_deadline.or_else(|| {
-                self.q
-                    .ctrl
-                    .as_ref()
-                    .filter(|_| self.q.qid == 0)
-                    .and_then(|c| c.keep_alive_deadline())
-            });
             tokio::select! {
                 biased;
-                Some(done) = self.inflight.next(), if !self.inflight.is_empty() => {
-                    self.complete(done);
-                    // Every other I/O that has finished by now too, so that their responses
-                    // leave in one write. (The next `select!` polls `inflight` again with this
-                    // task's waker before the task can sleep.)
-                    while let Some(Some(done)) = self.inflight.next().now_or_never() {
-                        self.complete(done);
+                wake = self.e.next() => {
+                    if let Some(reason) = self.on_wake(wake) {
+                        return reason;
                     }
                 }
                 r = async { self.stream.ready(interest.unwrap_or(Interest::READABLE)).await }, if interest.is_some() => {
@@ -220,43 +128,13 @@ impl Conn {
                                     return reason;
                                 }
                                 // Flush the queued TermReq, then close.
-                                self.inflight.clear();
+                                self.e.abandon_in_flight();
                                 self.writes.clear();
-                                self.closing = Some(reason);
+                                self.e.closing = Some(reason);
                             }
                         }
                         Ok(_) => {}
                         Err(e) => return Closed::Io(e),
-                    }
-                }
-                Some(cqe) = next_event(&mut self.events) => self.respond(&cqe),
-                _ = changed(&mut self.ctrl_shutdown) => {
-                    if self.closing.is_none() {
-                        self.closing = Some(Closed::Local("controller torn down"));
-                    }
-                    self.ctrl_shutdown = None;
-                }
-                _ = self.target_shutdown.changed() => {
-                    if self.closing.is_none() {
-                        self.closing = Some(Closed::Local("target shutting down"));
-                    }
-                }
-                _ = sleep_until(deadline), if deadline.is_some() => {
-                    if self.handshake_deadline.is_some_and(|d| d <= Instant::now()) {
-                        self.permit.gate().note_dropped(DropReason::HandshakeTimeout);
-                        return Closed::HandshakeTimeout;
-                    }
-                    if let Some(ctrl) = &self.q.ctrl {
-                        if ctrl.keep_alive_deadline().is_some_and(|d| d <= Instant::now()) {
-                            warn!(
-                                cntlid = ctrl.cntlid,
-                                hostnqn = %ctrl.hostnqn,
-                                peer = %self.q.origin.peer,
-                                "keep alive timeout expired: tearing the controller down"
-                            );
-                            ctrl.tear_down();
-                            self.closing = Some(Closed::Local("keep alive timeout"));
-                        }
                     }
                 }
             }
@@ -281,7 +159,7 @@ impl Conn {
         for _ in 0..4 {
             let buf = self.engine.recv_buf(self.engine.recv_hint(READ_CHUNK));
             match self.stream.try_read(buf) {
-                Ok(0) => return Err(Closed::Eof),
+                Ok(0) => return Err(Closed::HostClosed),
                 Ok(n) => {
                     self.engine.commit_recv(n);
                     crate::reactor::note_activity();
@@ -306,12 +184,12 @@ impl Conn {
             };
             match ev {
                 TargetEvent::Connected(p) => {
-                    debug!(peer = %self.q.origin.peer, hdgst = p.digests.header, ddgst = p.digests.data, "NVMe/TCP connection initialized");
+                    debug!(peer = %self.e.q.origin.peer, hdgst = p.digests.header, ddgst = p.digests.data, "NVMe/TCP connection initialized");
                 }
                 TargetEvent::Command { sqe, data } => {
                     let sqe = Sqe::from_array(&sqe);
                     // Copy in-capsule data out of the receive buffer only when needed.
-                    let submit = self.q.submit(&sqe, data);
+                    let submit = self.e.q.submit(&sqe, data);
                     let icd = match &submit {
                         Submit::Io(req)
                             if matches!(
@@ -335,9 +213,7 @@ impl Conn {
                 }
                 TargetEvent::CommandDataDigestError { sqe } => {
                     let sqe = Sqe::from_array(&sqe);
-                    let status = Status::generic(generic::TRANSIENT_TRANSPORT_ERROR);
-                    self.q.record_error(&sqe, status, 0);
-                    let cqe = self.q.completion(sqe.cid(), status, 0);
+                    let cqe = self.e.fail(&sqe, Fault::DataDigest);
                     self.respond(&cqe);
                 }
                 TargetEvent::H2CData {
@@ -381,11 +257,11 @@ impl Conn {
             }
             Submit::CompleteAndClose(cqe) => {
                 self.respond(&cqe);
-                self.closing = Some(Closed::Local("host disconnected the queue"));
+                self.e.closing = Some(Closed::Local("host disconnected the queue"));
             }
             Submit::Held => {}
             Submit::Io(req) => {
-                self.connected_hook();
+                self.e.watch_controller();
                 let host_len = req.op.host_data_len();
                 if host_len > 0 {
                     let ttag = self.alloc_ttag();
@@ -405,8 +281,7 @@ impl Conn {
                         }
                         Err(e) => {
                             debug!(error = %e, cid, "cannot queue R2T");
-                            let st = Status::generic(generic::COMMAND_ID_CONFLICT).with_dnr();
-                            let cqe = self.q.completion(cid, st, 0);
+                            let cqe = self.e.fail(&sqe, Fault::CommandIdConflict);
                             self.pool.put(buf);
                             self.respond(&cqe);
                         }
@@ -421,22 +296,10 @@ impl Conn {
                     (None, IoOp::Read { len, .. }) => self.pool.get(len),
                     (None, _) => IoBuf::new(0),
                 };
-                self.start(req, sqe, buf);
+                self.start(sqe, req, buf);
             }
         }
-        self.connected_hook();
-    }
-
-    /// After a successful Connect: watch the controller and, on an admin queue, its events.
-    fn connected_hook(&mut self) {
-        if self.ctrl_shutdown.is_none() {
-            if let Some(ctrl) = &self.q.ctrl {
-                self.ctrl_shutdown = Some(ctrl.subscribe_shutdown());
-                if self.events.is_none() {
-                    self.events = self.q.events.take();
-                }
-            }
-        }
+        self.e.watch_controller();
     }
 
     fn alloc_ttag(&mut self) -> u16 {
@@ -454,65 +317,34 @@ impl Conn {
             return;
         };
         if w.digest_error {
-            let status = Status::generic(generic::TRANSIENT_TRANSPORT_ERROR);
-            self.q.record_error(&w.sqe, status, 0);
-            let cqe = self.q.completion(w.req.cid, status, 0);
+            let cqe = self.e.fail(&w.sqe, Fault::DataDigest);
             self.pool.put(w.buf);
             self.respond(&cqe);
             return;
         }
-        self.start(w.req, w.sqe, w.buf);
-    }
-
-    /// Runs a request: inline for memory and null namespaces, as a future otherwise.
-    fn start(&mut self, req: IoRequest, sqe: Sqe, buf: IoBuf) {
-        let Some(ctrl) = self.q.ctrl.clone() else {
-            return;
-        };
-        let inline = req.ns.as_ref().is_some_and(|ns| is_sync(&ns.backend));
-        if inline {
-            let done = match crate::io::execute(&ctrl, &req, buf).now_or_never() {
-                Some((status, buf)) => Done {
-                    req,
-                    sqe,
-                    status,
-                    buf,
-                },
-                None => Done {
-                    req,
-                    sqe,
-                    status: Status::generic(generic::INTERNAL_ERROR),
-                    buf: IoBuf::new(0),
-                },
-            };
-            self.complete(done);
-        } else {
-            self.inflight.push(Box::pin(run_io(ctrl, req, sqe, buf)));
-        }
+        self.start(w.sqe, w.req, w.buf);
     }
 
     /// Serves a read from a backend that never waits (memory, null) straight into the send
     /// buffer: one copy from the namespace to the socket's buffer, no staging buffer. Returns
     /// false, doing nothing, for other backends.
     fn read_in_place(&mut self, req: &IoRequest, sqe: &Sqe) -> bool {
-        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.q.ctrl)
+        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.e.q.ctrl)
         else {
             return false;
         };
-        let read: ReadNow<'_> = match &*ns.backend {
-            AnyBackend::Memory(m) => &|lba, out| m.read_into(lba, out),
-            AnyBackend::Null(n) => &|lba, out| n.read_into(lba, out),
-            AnyBackend::File(_) | AnyBackend::Cached(_) | AnyBackend::Pcie(_) => return false,
-        };
+        if !crate::io::never_waits(&ns.backend) {
+            return false;
+        }
         let bs = ns.backend.block_size() as usize;
         if self.engine.config().max_c2h_data as usize % bs != 0 {
             return false;
         }
-        let success = self.q.sq_flow_disabled;
+        let success = self.e.q.sq_flow_disabled;
         let sent = self
             .engine
             .send_c2h_data_with(req.cid, len as u32, success, |off, out| {
-                read(lba + (off / bs) as u64, out)
+                crate::io::read_now(&ns.backend, lba + (off / bs) as u64, out).unwrap_or(Ok(()))
             });
         let c = &ctrl.counters;
         c.reads.fetch_add(1, Ordering::Relaxed);
@@ -525,45 +357,9 @@ impl Conn {
                 Status::SUCCESS
             }
         };
-        if !status.is_success() {
-            self.q.record_error(sqe, status, lba);
-        }
-        let cqe = self.q.completion(req.cid, status, 0);
+        let cqe = self.e.io_completion(sqe, req, status);
         self.respond(&cqe);
         true
-    }
-
-    fn complete(&mut self, done: Done) {
-        let Done {
-            req,
-            sqe,
-            status,
-            buf,
-        } = done;
-        if !status.is_success() {
-            let lba = match req.op {
-                IoOp::Read { lba, .. }
-                | IoOp::Write { lba, .. }
-                | IoOp::WriteZeroes { lba, .. } => lba,
-                _ => 0,
-            };
-            self.q.record_error(&sqe, status, lba);
-        }
-        let cid = req.cid;
-        if status.is_success() && matches!(req.op, IoOp::Read { .. }) {
-            let success = self.q.sq_flow_disabled;
-            if let Err(e) = self.engine.send_c2h_data(cid, 0, &buf, true, success) {
-                debug!(error = %e, cid, "cannot queue C2HData");
-            }
-            self.pool.put(buf);
-            if success {
-                return;
-            }
-        } else {
-            self.pool.put(buf);
-        }
-        let cqe = self.q.completion(cid, status, 0);
-        self.respond(&cqe);
     }
 
     fn respond(&mut self, cqe: &Cqe) {
@@ -571,57 +367,34 @@ impl Conn {
             debug!(error = %e, cid = cqe.cid(), "cannot queue CapsuleResp");
         }
     }
-
-    fn finish(&mut self, reason: Closed, peer: SocketAddr) {
-        let _ = self.flush();
-        let ctrl: Option<Arc<Controller>> = self.q.ctrl.clone();
-        let Some(ctrl) = ctrl else {
-            match &reason {
-                Closed::Protocol(r) => {
-                    warn!(%peer, reason = %r, "connection closed: protocol error")
-                }
-                Closed::Eof | Closed::Local(_) => debug!(%peer, "connection closed before Connect"),
-                Closed::HandshakeTimeout => {
-                    debug!(%peer, "connection closed: no ICReq and Connect within the handshake timeout")
-                }
-                other => info!(%peer, reason = ?other, "connection closed before Connect"),
-            }
-            return;
-        };
-        let admin = self.q.qid == 0;
-        let why = match &reason {
-            Closed::Eof => "host closed the connection".to_string(),
-            Closed::Io(e) => format!("socket error: {e}"),
-            Closed::Protocol(r) => format!("protocol error: {r}"),
-            Closed::HostTermReq(fes) => format!("host sent TermReq (FES {fes:#x})"),
-            Closed::Local(r) => (*r).to_string(),
-            Closed::HandshakeTimeout => "handshake timeout".to_string(),
-        };
-        let error = matches!(
-            reason,
-            Closed::Io(_) | Closed::Protocol(_) | Closed::HostTermReq(_)
-        );
-        if admin {
-            ctrl.tear_down();
-            if error {
-                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, "controller disconnected");
-            } else {
-                info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %why, "controller disconnected");
-            }
-        } else if error {
-            warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %why, "I/O queue closed");
-        } else {
-            debug!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %why, "I/O queue closed");
-        }
-    }
 }
 
-async fn run_io(ctrl: Arc<Controller>, req: IoRequest, sqe: Sqe, buf: IoBuf) -> Done {
-    let (status, buf) = crate::io::execute(&ctrl, &req, buf).await;
-    Done {
-        req,
-        sqe,
-        status,
-        buf,
+impl crate::engine::Transport for Conn {
+    type Tag = Sqe;
+
+    fn engine(&mut self) -> &mut Engine<Sqe> {
+        &mut self.e
+    }
+
+    /// A read's data goes in C2HData PDUs (with the SUCCESS flag in place of the completion
+    /// when the host disabled SQ flow control), then the CapsuleResp.
+    fn complete(&mut self, done: Done<Sqe>) {
+        let cid = done.req.cid;
+        let read_data = done.status.is_success() && matches!(done.req.op, IoOp::Read { .. });
+        let success = read_data && self.e.q.sq_flow_disabled;
+        if read_data {
+            if let Err(e) = self.engine.send_c2h_data(cid, 0, &done.buf, true, success) {
+                debug!(error = %e, cid, "cannot queue C2HData");
+            }
+        }
+        self.pool.put(done.buf);
+        if !success {
+            let cqe = self.e.io_completion(&done.tag, &done.req, done.status);
+            self.respond(&cqe);
+        }
+    }
+
+    fn complete_held(&mut self, cqe: Cqe) {
+        self.respond(&cqe);
     }
 }

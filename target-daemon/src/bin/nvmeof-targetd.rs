@@ -57,7 +57,7 @@ struct Args {
     #[arg(long, value_name = "N")]
     reactors: Option<usize>,
 
-    /// Busy-poll window in microseconds: after traffic, reactors poll their sockets this long
+    /// Busy-poll window in microseconds: after traffic, reactors poll their connections this long
     /// before sleeping (lower latency at the cost of CPU while busy; 0 = event-driven).
     #[arg(long, value_name = "US")]
     poll_us: Option<u32>,

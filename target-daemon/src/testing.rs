@@ -1,0 +1,100 @@
+//! Helpers of the crate's unit tests: a target with chosen namespaces and queues connected
+//! through the command layer, no sockets.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nvme_spec::command::build;
+use nvme_spec::fabrics::{Cc, ConnectData, property};
+use nvme_spec::queue::SglDescriptor;
+use nvme_spec::{FabricsCommand, IntoBytes, Sqe, Status};
+
+use crate::config::Config;
+use crate::controller::QueueOrigin;
+use crate::queue::{HostSgl, QueueState, Submit};
+use crate::target::Target;
+
+/// The subsystem of [`target`].
+pub const NQN: &str = "nqn.2026-11.io.nvmeof-direct:unit";
+/// The host NQN of [`connected`].
+pub const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000aa";
+
+/// The configuration of a target with one subsystem of `namespaces` (backend specs), open to
+/// any host.
+pub fn config(namespaces: &[&str]) -> Config {
+    let ns: Vec<_> = namespaces.iter().map(|n| n.parse().unwrap()).collect();
+    Config::quick(&["tcp://127.0.0.1:0".parse().unwrap()], NQN, &ns, true, &[]).unwrap()
+}
+
+/// A built target of [`config`].
+pub fn target(namespaces: &[&str]) -> Arc<Target> {
+    Target::build(&config(namespaces)).unwrap().0
+}
+
+/// The addresses of the test's queues.
+pub fn origin() -> QueueOrigin {
+    QueueOrigin {
+        local: SocketAddr::from(([10, 0, 2, 15], 4420)),
+        peer: SocketAddr::from(([10, 0, 2, 15], 40000)),
+    }
+}
+
+/// A Fabrics Connect of queue `qid` whose data is keyed (host memory) or in the capsule.
+pub fn connect_sqe(qid: u16, keyed: bool) -> Sqe {
+    let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
+        recfmt: 0,
+        qid,
+        sqsize: 32,
+        cattr: 0,
+        kato_ms: 0,
+    })
+    .encode(0);
+    sqe.dptr = if keyed {
+        SglDescriptor::keyed(0x1000, 1024, 0x1234, true)
+    } else {
+        SglDescriptor::in_capsule(1024)
+    };
+    sqe
+}
+
+/// The status a submission answers with at once (success for a request to run).
+pub fn status(s: Submit) -> Status {
+    match s {
+        Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => {
+            c.status()
+        }
+        Submit::Held => panic!("held"),
+        Submit::Io(_) => Status::SUCCESS,
+    }
+}
+
+/// Connects an admin queue (Connect data fetched from host memory on keyed queues, as the
+/// Linux host sends it over RDMA), enables the controller, grants queues, and connects I/O
+/// queue 1 with in-capsule Connect data.
+pub fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState) {
+    let mut admin = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
+    let sqe = connect_sqe(0, host_sgl == HostSgl::Keyed);
+    let data = ConnectData::new([7; 16], 0xFFFF, NQN, HOST);
+    assert!(
+        admin.wants_data_at_submit(&sqe),
+        "Connect data is read at submit"
+    );
+    assert_eq!(status(admin.submit(&sqe, data.as_bytes())), Status::SUCCESS);
+    let ctrl = admin.ctrl.clone().unwrap();
+    let cc = FabricsCommand::PropertySet {
+        size8: false,
+        offset: property::CC,
+        value: u64::from(Cc::enable_value()),
+    }
+    .encode(1);
+    assert!(!admin.wants_data_at_submit(&cc));
+    assert_eq!(status(admin.submit(&cc, &[])), Status::SUCCESS);
+    let sf = build::set_features(2, 7, 0x0001_0001);
+    assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
+    let mut io = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
+    let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, HOST);
+    let sqe = connect_sqe(1, false);
+    assert!(io.wants_data_at_submit(&sqe));
+    assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);
+    (admin, io)
+}
