@@ -31,10 +31,12 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
-use crate::queue::{DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry};
+use crate::queue::{
+    DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry, SupMsg,
+};
 use crate::rdma::SharedPd;
 use crate::setup::{QueueSpec, SetupConn};
-use crate::{ConnectOptions, Error, Namespace, QueuePolicy, RegisteredBuffer, Transport};
+use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
@@ -46,8 +48,6 @@ const RDMA_MAX_TRANSFER: u64 = 8 << 20;
 const RDMA_MAX_IN_CAPSULE: u32 = 16384;
 /// Transfer limit used when the controller reports none (MDTS 0).
 const DEFAULT_MAX_TRANSFER: u64 = 1 << 20;
-/// Largest number of logical blocks in one Read/Write (16-bit 0's based NLB).
-pub(crate) const MAX_NLB: u64 = 65536;
 
 /// Connection state of a controller.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,22 +92,6 @@ pub enum ControllerEvent {
     NamespacesChanged {
         /// Active namespace IDs now.
         nsids: Vec<u32>,
-    },
-}
-
-/// Messages to the supervisor.
-pub(crate) enum SupMsg {
-    /// A queue lost its connection.
-    QueueFailed {
-        qid: u16,
-        generation: u64,
-        error: Error,
-    },
-    /// Keep Alive failed with an error status.
-    KeepAliveFailed { generation: u64, error: Error },
-    /// Disconnect gracefully.
-    Shutdown {
-        reply: Option<oneshot::Sender<Result<(), Error>>>,
     },
 }
 
@@ -264,7 +248,7 @@ impl CtrlShared {
 
 /// A connection to one NVM subsystem: an admin queue and a set of I/O queues, each its own
 /// TCP connection or RDMA queue pair. Cheap to clone; the connection closes (gracefully, in the background) when
-/// the last clone and the last [`Namespace`] of it are dropped, or at once with
+/// the last clone and the last [`Namespace`](crate::Namespace) of it are dropped, or at once with
 /// [`disconnect`](Self::disconnect).
 #[derive(Clone)]
 pub struct Controller {
@@ -614,7 +598,8 @@ impl Controller {
 
     /// Allocates `len` bytes of zeroed, page-aligned host memory and, over NVMe/RDMA,
     /// registers it once with the protection domain all the controller's queues share: reads
-    /// and writes through [`Namespace::read_registered`] / [`Namespace::write_registered`]
+    /// and writes through [`Namespace::read_registered`](crate::Namespace::read_registered) /
+    /// [`Namespace::write_registered`](crate::Namespace::write_registered)
     /// then go straight between the target and this memory. Over NVMe/TCP the buffer is plain
     /// memory and the same calls copy as ordinary reads and writes do.
     ///
@@ -627,7 +612,7 @@ impl Controller {
     /// Registers GPU memory for NVMe/RDMA: the dma-buf of the buffer
     /// (`ibv_reg_dmabuf_mr`), or, where the export or the NIC refuses it, the device address
     /// (`ibv_reg_mr`, resolved by nvidia-peermem). Reads through
-    /// [`Namespace::read_registered_gpu`] then land in device memory straight from the NIC.
+    /// [`Namespace::read_registered_gpu`](crate::Namespace::read_registered_gpu) then land in device memory straight from the NIC.
     ///
     /// On an NVMe/TCP controller this is [`Error::Unsupported`]: there read into GPU memory
     /// through [`gpu`](crate::gpu), which stages through pinned host memory.
@@ -771,52 +756,6 @@ impl Controller {
             .info
             .insert(nsid, info.clone());
         Ok(info)
-    }
-
-    /// A handle for I/O on namespace `nsid` (its geometry is read with Identify Namespace).
-    pub async fn namespace(&self, nsid: u32) -> Result<Namespace, Error> {
-        let info = self.namespace_info(nsid).await?;
-        Ok(Namespace::new(self.clone(), info))
-    }
-
-    /// Handles for every active namespace.
-    pub async fn namespaces(&self) -> Result<Vec<Namespace>, Error> {
-        let mut out = Vec::new();
-        for nsid in self.namespace_ids() {
-            out.push(self.namespace(nsid).await?);
-        }
-        Ok(out)
-    }
-
-    /// A handle for namespace `nsid` with a given block size and size, without asking the
-    /// controller (for namespaces known from elsewhere). The controller still checks every
-    /// command.
-    pub fn namespace_unchecked(
-        &self,
-        nsid: u32,
-        block_size: u32,
-        blocks: u64,
-    ) -> Result<Namespace, Error> {
-        if !block_size.is_power_of_two() || block_size < 512 {
-            return Err(Error::InvalidArgument(format!(
-                "block size {block_size} is not a power of two of at least 512"
-            )));
-        }
-        Ok(Namespace::new(
-            self.clone(),
-            NamespaceInfo {
-                nsid,
-                blocks,
-                capacity_blocks: blocks,
-                utilization_blocks: blocks,
-                block_size,
-                size_bytes: blocks.saturating_mul(u64::from(block_size)),
-                metadata_size: 0,
-                nguid: String::new(),
-                eui64: String::new(),
-                uuid: None,
-            },
-        ))
     }
 
     /// Identify Controller, read now.

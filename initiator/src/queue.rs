@@ -38,17 +38,17 @@ use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
 use parking_lot::Mutex;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
-use crate::controller::SupMsg;
+use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
-use crate::namespace::LentBuffer;
-use crate::rdma::{DataPath, RdmaConn, RdmaWake, SlotBuf};
+use crate::rdma::{DataPath, RdmaConn, RdmaWake};
 use crate::registered::Direct;
-use crate::setup::READ_CHUNK;
 
+/// Bytes asked of the socket per read.
+pub(crate) const READ_CHUNK: usize = 256 * 1024;
 /// A command is sent at most this many times (first try included) before its error is
 /// returned.
 const MAX_ATTEMPTS: u8 = 5;
@@ -63,6 +63,22 @@ const IN_PLACE_MIN: usize = 8192;
 const SMALL_READ: usize = 2048;
 /// See [`SMALL_READ`].
 const LARGE_PDU: u32 = 32 * 1024;
+
+/// Messages to the supervisor.
+pub(crate) enum SupMsg {
+    /// A queue lost its connection.
+    QueueFailed {
+        qid: u16,
+        generation: u64,
+        error: Error,
+    },
+    /// Keep Alive failed with an error status.
+    KeepAliveFailed { generation: u64, error: Error },
+    /// Disconnect gracefully.
+    Shutdown {
+        reply: Option<oneshot::Sender<Result<(), Error>>>,
+    },
+}
 
 /// Direction of a command's data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,120 +12,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Sqe};
-use nvmf_rdma::{
-    Access, CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Registered, RemoteKey,
-};
+use nvmf_rdma::{CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, RemoteKey};
 use tokio::time::{Instant, timeout_at};
 
+use crate::buffer::SlotBuf;
 use crate::error::command_name;
-use crate::namespace::LentBuffer;
 use crate::{Error, TargetAddr};
 
 /// RDMA READs the target may have in flight towards one host queue (the host's IRD).
 const RESPONDER_RESOURCES: u8 = 16;
-/// Registered data buffers grow in steps of at least this many bytes.
-const MIN_REGISTRATION: usize = 4096;
-
-/// A command slot's data buffer: plain memory (NVMe/TCP, or not yet used over RDMA), or memory
-/// registered for remote access by the target of an RDMA queue.
-///
-/// Over RDMA the target reads or writes the bytes while the command is in flight; the queue
-/// task owns the buffer during that time, and the queue pair is destroyed before a buffer of a
-/// command that did not complete is handed back.
-pub(crate) enum SlotBuf {
-    /// Unregistered memory.
-    Heap(Vec<u8>),
-    /// Memory registered (remote read and write) with an RDMA queue's protection domain.
-    Registered(Registered<Box<[u8]>>),
-    /// A buffer the caller lent for one NVMe/TCP read, received into directly.
-    Lent(Box<dyn LentBuffer>),
-}
-
-impl Default for SlotBuf {
-    fn default() -> Self {
-        SlotBuf::Heap(Vec::new())
-    }
-}
-
-impl SlotBuf {
-    /// The whole buffer.
-    pub fn as_slice(&self) -> &[u8] {
-        match self {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.get(),
-            SlotBuf::Lent(l) => l.bytes(),
-        }
-    }
-
-    /// The whole buffer, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.bytes_mut(),
-            SlotBuf::Lent(l) => l.bytes_mut(),
-        }
-    }
-
-    /// Makes the buffer at least `len` bytes long (keeping its contents); a lent buffer
-    /// cannot grow.
-    pub fn ensure(&mut self, len: usize) -> Result<(), Error> {
-        if self.as_slice().len() >= len {
-            return Ok(());
-        }
-        let mut v = match std::mem::take(self) {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.detach().0.into_vec(),
-            lent @ SlotBuf::Lent(_) => {
-                let have = lent.as_slice().len();
-                *self = lent;
-                return Err(Error::InvalidArgument(format!(
-                    "a lent buffer of {have} bytes cannot hold {len}"
-                )));
-            }
-        };
-        v.resize(len, 0);
-        *self = SlotBuf::Heap(v);
-        Ok(())
-    }
-
-    /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
-    /// is, and returns what the target needs to reach its first `len` bytes.
-    fn remote(
-        &mut self,
-        pd: &std::sync::Arc<ProtectionDomain>,
-        len: usize,
-    ) -> Result<RemoteKey, nvmf_rdma::Error> {
-        let ok = matches!(self, SlotBuf::Registered(r)
-            if r.is_registered_with(pd) && r.capacity() >= len);
-        if !ok {
-            let mut v = match std::mem::take(self) {
-                SlotBuf::Heap(v) => v,
-                SlotBuf::Registered(r) => r.detach().0.into_vec(),
-                lent @ SlotBuf::Lent(_) => {
-                    *self = lent;
-                    return Err(nvmf_rdma::Error::Invalid(
-                        "a lent buffer is not registered for RDMA".into(),
-                    ));
-                }
-            };
-            let want = len.max(MIN_REGISTRATION).next_power_of_two().max(v.len());
-            v.resize(want, 0);
-            let reg = pd.register(
-                v.into_boxed_slice(),
-                Access::REMOTE_WRITE | Access::REMOTE_READ,
-            )?;
-            *self = SlotBuf::Registered(reg);
-        }
-        match self {
-            SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
-                nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
-            }),
-            SlotBuf::Heap(_) | SlotBuf::Lent(_) => {
-                Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
-            }
-        }
-    }
-}
 
 /// The protection domain a controller's NVMe/RDMA queues share (one per RDMA device): the
 /// first queue allocates it, the others and later reconnects through the same device reuse it,

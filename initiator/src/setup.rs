@@ -12,12 +12,10 @@ use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::command_name;
-use crate::queue::{Link, Live};
+use crate::queue::{Link, Live, READ_CHUNK};
 use crate::rdma::{RdmaConn, SharedPd};
 use crate::{Error, HostIdentity, TargetAddr, Transport};
 
-/// Bytes asked of the socket per read.
-pub(crate) const READ_CHUNK: usize = 256 * 1024;
 /// Delay between two polls of CSTS.
 const CSTS_POLL: Duration = Duration::from_millis(20);
 
