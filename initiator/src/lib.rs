@@ -72,6 +72,7 @@ mod info;
 mod namespace;
 mod options;
 mod queue;
+mod queue_core;
 mod rdma;
 mod registered;
 mod setup;

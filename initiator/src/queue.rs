@@ -25,15 +25,13 @@
 //! retried); it reports the loss to the controller's supervisor, which reconnects and hands a
 //! new connection over.
 
-use std::collections::VecDeque;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use nvme_spec::status::generic;
-use nvme_spec::{Cqe, SglDescriptor, Sqe, Status};
+use nvme_spec::{Cqe, SglDescriptor, Status};
 use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
 use parking_lot::Mutex;
 use tokio::io::Interest;
@@ -44,14 +42,13 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::Error;
 use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
+use crate::queue_core::{Cmd, Completions, Core, QueueCounters, Wire, bump};
+pub(crate) use crate::queue_core::{DataDir, Request, Retry};
 use crate::rdma::{DataPath, RdmaConn, RdmaWake};
 use crate::registered::Direct;
 
 /// Bytes asked of the socket per read.
 pub(crate) const READ_CHUNK: usize = 256 * 1024;
-/// A command is sent at most this many times (first try included) before its error is
-/// returned.
-const MAX_ATTEMPTS: u8 = 5;
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
 /// The rest of a C2HData PDU at least this long is read from the socket straight into the
@@ -80,43 +77,6 @@ pub(crate) enum SupMsg {
     },
 }
 
-/// Direction of a command's data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DataDir {
-    /// No data.
-    None,
-    /// Controller to host (read).
-    ToHost,
-    /// Host to controller (write).
-    FromHost,
-}
-
-/// What happens to a command in flight when its connection is lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Retry {
-    /// Resend it on the next connection (reads, Identify, Flush).
-    Always,
-    /// Fail it (Keep Alive, Asynchronous Event Request, properties).
-    Never,
-    /// A write: resend only when the caller allowed retrying writes.
-    Write,
-}
-
-/// A command as a caller hands it to a queue.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Request {
-    /// The command; the command identifier and data pointer are filled in by the queue.
-    pub sqe: Sqe,
-    /// Data direction.
-    pub dir: DataDir,
-    /// Data length in bytes.
-    pub len: u32,
-    /// Behaviour across a connection loss.
-    pub retry: Retry,
-    /// Time allowed from submission to completion; `None` for no limit.
-    pub timeout: Option<Duration>,
-}
-
 struct Submission {
     tag: u16,
     req: Request,
@@ -137,6 +97,8 @@ pub(crate) struct Live {
     pub link: Link,
     /// Largest write sent in the capsule.
     pub icd_limit: usize,
+    /// The target address (for errors).
+    pub addr: String,
 }
 
 /// The transport of a queue connection.
@@ -158,13 +120,6 @@ enum LiveWake {
 impl Live {
     fn is_rdma(&self) -> bool {
         matches!(self.link, Link::Rdma(_))
-    }
-
-    /// Forgets the transfer state of a command the queue no longer waits for (NVMe/TCP).
-    fn forget_command(&mut self, tag: u16) {
-        if let Link::Tcp { engine, .. } = &mut self.link {
-            engine.forget_command(tag);
-        }
     }
 
     /// Waits until the connection has something to handle (or can take more bytes).
@@ -210,24 +165,6 @@ struct SlotState {
     buf: SlotBuf,
     /// The slot's own buffer while `buf` is one lent by the caller.
     spare: SlotBuf,
-}
-
-/// Counters of one queue (relaxed atomics written by the queue task).
-#[derive(Default, Debug)]
-pub(crate) struct QueueCounters {
-    commands: AtomicU64,
-    in_capsule_writes: AtomicU64,
-    r2t_writes: AtomicU64,
-    r2ts: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    retries: AtomicU64,
-    timeouts: AtomicU64,
-    connections: AtomicU64,
-    registered_commands: AtomicU64,
-    registered_bytes: AtomicU64,
-    in_place_bytes: AtomicU64,
-    lent_commands: AtomicU64,
 }
 
 /// A snapshot of a queue's counters.
@@ -283,7 +220,7 @@ impl QueueShared {
     }
 
     /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+    fn finish_slot(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         let Some(slot) = self.slots.get(usize::from(tag)) else {
             return;
         };
@@ -331,18 +268,24 @@ impl QueueShared {
     }
 }
 
+impl Completions for QueueShared {
+    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+        self.finish_slot(tag, result, buf);
+    }
+
+    fn counters(&self) -> &QueueCounters {
+        &self.counters
+    }
+}
+
 /// Where the pending C2HData of a command goes in its buffer, if the command is known and the
 /// range fits.
-fn data_buf(cmds: &mut [Option<Cmd>], p: PendingData) -> Option<&mut [u8]> {
-    let cmd = cmds.get_mut(usize::from(p.cccid))?.as_mut()?;
+fn data_buf(core: &mut Core<QueueShared>, p: PendingData) -> Option<&mut [u8]> {
+    let cmd = core.cmd_mut(p.cccid)?;
     let start = p.datao as usize;
     cmd.buf
         .as_mut_slice()
         .get_mut(start..start.checked_add(p.len)?)
-}
-
-fn bump(a: &AtomicU64, n: u64) {
-    a.fetch_add(n, Ordering::Relaxed);
 }
 
 /// The caller side of a queue.
@@ -393,17 +336,15 @@ impl QueueHandle {
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let task = Task {
             live: None,
-            core: Core {
-                shared: Arc::clone(&shared),
-                addr: cfg.addr,
-                cmds: (0..n).map(|_| None).collect(),
-                cqes: Vec::with_capacity(usize::from(n)),
-                waiting: VecDeque::with_capacity(usize::from(n)),
-                failed: None,
-                retry_writes: cfg.retry_writes,
-                now: Instant::now(),
-                admin: cfg.qid == 0,
-            },
+            core: Core::new(
+                Arc::clone(&shared),
+                cfg.addr,
+                n,
+                cfg.retry_writes,
+                cfg.qid == 0,
+            ),
+            shared: Arc::clone(&shared),
+            cqes: Vec::with_capacity(usize::from(n)),
             sub_rx,
             ctl_rx,
             report,
@@ -516,7 +457,7 @@ impl QueueHandle {
         };
         if direct.is_none() {
             if let Err(e) = buf.ensure(len) {
-                self.shared.finish(tag, Err(e.clone()), buf);
+                self.shared.finish_slot(tag, Err(e.clone()), buf);
                 return Err(e);
             }
         }
@@ -529,7 +470,7 @@ impl QueueHandle {
         };
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
-                self.shared.finish(tag, Err(e.clone()), buf);
+                self.shared.finish_slot(tag, Err(e.clone()), buf);
                 return Err(e);
             }
         }
@@ -541,7 +482,7 @@ impl QueueHandle {
         };
         if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(sub) {
             let e = self.closed_error();
-            self.shared.finish(tag, Err(e.clone()), s.buf);
+            self.shared.finish_slot(tag, Err(e.clone()), s.buf);
             return Err(e);
         }
         Ok(pending)
@@ -637,36 +578,13 @@ impl Drop for Pending<'_> {
     }
 }
 
-/// A command owned by the queue task.
-struct Cmd {
-    req: Request,
-    buf: SlotBuf,
-    /// Caller-registered memory the data goes to or comes from (instead of `buf`).
-    direct: Option<Direct>,
-    deadline: Option<Instant>,
-    sent: bool,
-    digest_error: bool,
-    attempts: u8,
-}
-
-/// The task's command table and everything except the connection.
-struct Core {
-    shared: Arc<QueueShared>,
-    addr: String,
-    cmds: Vec<Option<Cmd>>,
-    /// Completions taken from an NVMe/RDMA completion queue (reused).
-    cqes: Vec<Cqe>,
-    /// Commands not sent on the current connection, in submission order.
-    waiting: VecDeque<u16>,
-    failed: Option<Error>,
-    retry_writes: bool,
-    now: Instant,
-    admin: bool,
-}
-
+/// A queue task: the core, its link and the channels that drive them.
 struct Task {
     live: Option<Live>,
-    core: Core,
+    core: Core<QueueShared>,
+    shared: Arc<QueueShared>,
+    /// Completions taken from an NVMe/RDMA completion queue (reused).
+    cqes: Vec<Cqe>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
     report: mpsc::UnboundedSender<SupMsg>,
@@ -687,52 +605,31 @@ enum Wake {
     Poll,
 }
 
-impl Core {
-    fn name(&self, req: &Request) -> &'static str {
-        command_name(self.admin, req.sqe.opcode, req.sqe.fctype())
-    }
-
-    fn retryable(&self, cmd: &Cmd) -> bool {
-        match cmd.req.retry {
-            Retry::Always => true,
-            Retry::Never => false,
-            Retry::Write => self.retry_writes,
-        }
-    }
-
-    /// Completes a command towards its caller.
-    fn complete(&mut self, tag: u16, result: Result<Cqe, Error>) {
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
-            return;
-        };
-        // Release registered memory before the caller wakes up: it may read the bytes at once.
-        drop(cmd.direct);
-        self.shared.finish(tag, result, cmd.buf);
-    }
-
-    /// Queues the capsule of command `tag` in the engine.
-    fn send(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
-        if let Link::Rdma(conn) = &mut live.link {
-            return self.send_rdma(conn, live.icd_limit, tag);
-        }
-        let Link::Tcp { engine, .. } = &mut live.link else {
-            return Ok(());
-        };
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
-            return Ok(());
+/// The link contract of both transports: NVMe/TCP builds the capsule in the engine's send
+/// buffer (in-capsule data or a transport SGL answered on R2T), NVMe/RDMA posts it with an
+/// in-capsule or keyed SGL.
+impl Wire for Live {
+    fn send(
+        &mut self,
+        tag: u16,
+        cmd: &mut Cmd,
+        c: &QueueCounters,
+    ) -> Result<Result<(), Error>, Error> {
+        let icd_limit = self.icd_limit;
+        let engine = match &mut self.link {
+            Link::Rdma(conn) => return send_rdma(conn, icd_limit, tag, cmd, c),
+            Link::Tcp { engine, .. } => engine,
         };
         if cmd.direct.is_some() {
-            let e =
-                Error::InvalidArgument("internal: registered memory on an NVMe/TCP queue".into());
-            self.complete(tag, Err(e));
-            return Ok(());
+            return Ok(Err(Error::InvalidArgument(
+                "internal: registered memory on an NVMe/TCP queue".into(),
+            )));
         }
-        let c = &self.shared.counters;
         let mut sqe = cmd.req.sqe;
         sqe.cid.set(tag);
         sqe.set_sgl();
         let len = cmd.req.len as usize;
-        let in_capsule = cmd.req.dir == DataDir::FromHost && len > 0 && len <= live.icd_limit;
+        let in_capsule = cmd.req.dir == DataDir::FromHost && len > 0 && len <= icd_limit;
         let data: &[u8] = if in_capsule {
             sqe.dptr = SglDescriptor::in_capsule(cmd.req.len);
             bump(&c.in_capsule_writes, 1);
@@ -750,332 +647,181 @@ impl Core {
             }
             &[]
         };
-        if cmd.attempts > 0 {
-            bump(&c.retries, 1);
-        }
-        cmd.sent = true;
-        cmd.digest_error = false;
-        cmd.attempts = cmd.attempts.saturating_add(1);
-        bump(&c.commands, 1);
         engine
             .send_capsule_cmd(&sqe.to_array(), data)
+            .map(Ok)
             .map_err(|e| Error::lost(&self.addr, format!("cannot queue a command: {e}")))
     }
 
-    /// Sends command `tag` on an NVMe/RDMA queue pair.
-    fn send_rdma(&mut self, conn: &mut RdmaConn, icd_limit: usize, tag: u16) -> Result<(), Error> {
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
-            return Ok(());
+    fn forget(&mut self, tag: u16) {
+        if let Link::Tcp { engine, .. } = &mut self.link {
+            engine.forget_command(tag);
+        }
+    }
+}
+
+/// Sends command `tag` on an NVMe/RDMA queue pair.
+fn send_rdma(
+    conn: &mut RdmaConn,
+    icd_limit: usize,
+    tag: u16,
+    cmd: &mut Cmd,
+    c: &QueueCounters,
+) -> Result<Result<(), Error>, Error> {
+    let mut sqe = cmd.req.sqe;
+    sqe.cid.set(tag);
+    let len = match cmd.req.dir {
+        DataDir::None => 0,
+        _ => cmd.req.len as usize,
+    };
+    let to_host = cmd.req.dir == DataDir::ToHost;
+    let path = if let Some(d) = &cmd.direct {
+        match d.remote_key(conn.pd(), len) {
+            Ok(key) => {
+                conn.send_keyed(sqe, key)?;
+                bump(&c.registered_commands, 1);
+                bump(&c.registered_bytes, len as u64);
+                DataPath::Keyed
+            }
+            // Not reachable through this queue pair; the connection is fine.
+            Err(e) => return Ok(Err(e)),
+        }
+    } else {
+        // Err inside: this command's buffer could not be registered; the connection is fine.
+        match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+            Ok(p) => p,
+            Err(e) => return Ok(Err(e)),
+        }
+    };
+    if cmd.req.dir == DataDir::FromHost {
+        bump(&c.bytes_written, len as u64);
+        match path {
+            DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
+            DataPath::Keyed => bump(&c.r2t_writes, 1),
+            DataPath::None => {}
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// Handles the completions an NVMe/RDMA queue pair delivered; returns whether there were any.
+fn process_rdma(
+    core: &mut Core<QueueShared>,
+    live: &mut Live,
+    cqes: &mut Vec<Cqe>,
+) -> Result<bool, Error> {
+    let polled = match &mut live.link {
+        Link::Rdma(conn) => conn.poll(cqes),
+        Link::Tcp { .. } => Ok(()),
+    };
+    let got = !cqes.is_empty();
+    let mut res = Ok(());
+    for cqe in cqes.drain(..) {
+        if res.is_err() {
+            continue;
+        }
+        if let Some(cmd) = core.sent_cmd(cqe.cid()) {
+            if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
+                bump(&core.counters().bytes_read, u64::from(cmd.req.len));
+            }
+        }
+        res = core.on_response(live, cqe);
+    }
+    res.and(polled).map(|()| got)
+}
+
+/// Handles every event the link can produce from what it received so far.
+fn process(
+    core: &mut Core<QueueShared>,
+    live: &mut Live,
+    cqes: &mut Vec<Cqe>,
+) -> Result<(), Error> {
+    if live.is_rdma() {
+        return process_rdma(core, live, cqes).map(|_| ());
+    }
+    loop {
+        let next = match &mut live.link {
+            Link::Tcp { engine, .. } => engine.next_event(),
+            Link::Rdma(_) => return Ok(()),
         };
-        let mut sqe = cmd.req.sqe;
-        sqe.cid.set(tag);
-        let len = match cmd.req.dir {
-            DataDir::None => 0,
-            _ => cmd.req.len as usize,
+        let ev = match next {
+            Ok(Some(ev)) => ev,
+            Ok(None) => return Ok(()),
+            Err(source) => {
+                return Err(Error::Protocol {
+                    addr: core.addr().to_owned(),
+                    source,
+                });
+            }
         };
-        let to_host = cmd.req.dir == DataDir::ToHost;
-        let c = &self.shared.counters;
-        let path = if let Some(d) = &cmd.direct {
-            match d.remote_key(conn.pd(), len) {
-                Ok(key) => {
-                    conn.send_keyed(sqe, key)?;
-                    bump(&c.registered_commands, 1);
-                    bump(&c.registered_bytes, len as u64);
-                    DataPath::Keyed
+        match ev {
+            HostEvent::CapsuleResp { cqe } => {
+                let cqe = Cqe::from_array(&cqe);
+                core.on_response(live, cqe)?;
+            }
+            HostEvent::C2HData {
+                cccid,
+                datao,
+                data,
+                last,
+                success,
+            } => {
+                if let Some(cmd) = core.cmd_mut(cccid) {
+                    let off = datao as usize;
+                    if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
+                        dst.copy_from_slice(data);
+                    }
+                    bump(&core.counters().bytes_read, data.len() as u64);
                 }
-                Err(e) => {
-                    // Not reachable through this queue pair; the connection is fine.
-                    self.complete(tag, Err(e));
+                if last && success {
+                    core.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                }
+            }
+            HostEvent::C2HDataDigestError {
+                cccid,
+                last,
+                success,
+            } => {
+                if let Some(cmd) = core.cmd_mut(cccid) {
+                    cmd.digest_error = true;
+                }
+                if last && success {
+                    core.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                }
+            }
+            HostEvent::R2T {
+                cccid,
+                ttag,
+                r2to,
+                r2tl,
+            } => {
+                let addr = core.addr();
+                let Some(cmd) = core.sent_cmd(cccid) else {
+                    return Err(Error::lost(addr, "R2T for an unknown command"));
+                };
+                let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
+                let Some(data) = cmd.buf.as_slice().get(start..end) else {
+                    return Err(Error::lost(addr, "R2T outside the command data"));
+                };
+                let Link::Tcp { engine, .. } = &mut live.link else {
                     return Ok(());
-                }
+                };
+                engine
+                    .send_h2c_data(cccid, ttag, r2to, data, true)
+                    .map_err(|e| Error::lost(addr, format!("cannot answer R2T: {e}")))?;
+                let c = core.counters();
+                bump(&c.r2ts, 1);
+                bump(&c.bytes_written, u64::from(r2tl));
             }
-        } else {
-            match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
-                Ok(p) => p,
-                Err(e) => {
-                    // This command's buffer could not be registered; the connection is fine.
-                    self.complete(tag, Err(e));
-                    return Ok(());
-                }
+            HostEvent::TermReq { fes, fei, .. } => {
+                return Err(Error::TermReq {
+                    addr: core.addr().to_owned(),
+                    fes,
+                    fei,
+                });
             }
-        };
-        if cmd.attempts > 0 {
-            bump(&c.retries, 1);
+            HostEvent::Connected(_) => {}
         }
-        cmd.sent = true;
-        cmd.attempts = cmd.attempts.saturating_add(1);
-        bump(&c.commands, 1);
-        if cmd.req.dir == DataDir::FromHost {
-            bump(&c.bytes_written, len as u64);
-            match path {
-                DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
-                DataPath::Keyed => bump(&c.r2t_writes, 1),
-                DataPath::None => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Handles the completions an NVMe/RDMA queue pair delivered; returns whether there were
-    /// any.
-    fn process_rdma(&mut self, live: &mut Live) -> Result<bool, Error> {
-        let mut cqes = std::mem::take(&mut self.cqes);
-        let polled = match &mut live.link {
-            Link::Rdma(conn) => conn.poll(&mut cqes),
-            Link::Tcp { .. } => Ok(()),
-        };
-        let got = !cqes.is_empty();
-        let mut res = Ok(());
-        for cqe in cqes.drain(..) {
-            if res.is_err() {
-                break;
-            }
-            let tag = cqe.cid();
-            if let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) {
-                if !cmd.sent {
-                    continue;
-                }
-                if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
-                    bump(&self.shared.counters.bytes_read, u64::from(cmd.req.len));
-                }
-            }
-            res = self.on_response(live, cqe);
-        }
-        self.cqes = cqes;
-        res.and(polled).map(|()| got)
-    }
-
-    /// Puts a command back at the head of the waiting list and sends it again if connected.
-    fn resend(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
-        live.forget_command(tag);
-        self.send(live, tag)
-    }
-
-    fn on_submit(&mut self, live: Option<&mut Live>, s: Submission) -> Result<(), Error> {
-        if let Some(e) = &self.failed {
-            self.shared.finish(s.tag, Err(e.clone()), s.buf);
-            return Ok(());
-        }
-        let Some(entry) = self.cmds.get_mut(usize::from(s.tag)) else {
-            return Ok(());
-        };
-        *entry = Some(Cmd {
-            deadline: s.req.timeout.map(|t| self.now + t),
-            req: s.req,
-            buf: s.buf,
-            direct: s.direct,
-            sent: false,
-            digest_error: false,
-            attempts: 0,
-        });
-        match live {
-            Some(live) if self.waiting.is_empty() => self.send(live, s.tag),
-            _ => {
-                self.waiting.push_back(s.tag);
-                Ok(())
-            }
-        }
-    }
-
-    /// Handles every event the engine can produce from the bytes received so far.
-    fn process(&mut self, live: &mut Live) -> Result<(), Error> {
-        if live.is_rdma() {
-            return self.process_rdma(live).map(|_| ());
-        }
-        loop {
-            let next = match &mut live.link {
-                Link::Tcp { engine, .. } => engine.next_event(),
-                Link::Rdma(_) => return Ok(()),
-            };
-            let ev = match next {
-                Ok(Some(ev)) => ev,
-                Ok(None) => return Ok(()),
-                Err(source) => {
-                    return Err(Error::Protocol {
-                        addr: self.addr.clone(),
-                        source,
-                    });
-                }
-            };
-            match ev {
-                HostEvent::CapsuleResp { cqe } => {
-                    let cqe = Cqe::from_array(&cqe);
-                    self.on_response(live, cqe)?;
-                }
-                HostEvent::C2HData {
-                    cccid,
-                    datao,
-                    data,
-                    last,
-                    success,
-                } => {
-                    if let Some(cmd) = self
-                        .cmds
-                        .get_mut(usize::from(cccid))
-                        .and_then(Option::as_mut)
-                    {
-                        let off = datao as usize;
-                        if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
-                            dst.copy_from_slice(data);
-                        }
-                        bump(&self.shared.counters.bytes_read, data.len() as u64);
-                    }
-                    if last && success {
-                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                    }
-                }
-                HostEvent::C2HDataDigestError {
-                    cccid,
-                    last,
-                    success,
-                } => {
-                    if let Some(cmd) = self
-                        .cmds
-                        .get_mut(usize::from(cccid))
-                        .and_then(Option::as_mut)
-                    {
-                        cmd.digest_error = true;
-                    }
-                    if last && success {
-                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                    }
-                }
-                HostEvent::R2T {
-                    cccid,
-                    ttag,
-                    r2to,
-                    r2tl,
-                } => {
-                    let Some(cmd) = self.cmds.get(usize::from(cccid)).and_then(Option::as_ref)
-                    else {
-                        return Err(Error::lost(&self.addr, "R2T for an unknown command"));
-                    };
-                    let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
-                    let Some(data) = cmd.buf.as_slice().get(start..end) else {
-                        return Err(Error::lost(&self.addr, "R2T outside the command data"));
-                    };
-                    let Link::Tcp { engine, .. } = &mut live.link else {
-                        return Ok(());
-                    };
-                    engine
-                        .send_h2c_data(cccid, ttag, r2to, data, true)
-                        .map_err(|e| Error::lost(&self.addr, format!("cannot answer R2T: {e}")))?;
-                    bump(&self.shared.counters.r2ts, 1);
-                    bump(&self.shared.counters.bytes_written, u64::from(r2tl));
-                }
-                HostEvent::TermReq { fes, fei, .. } => {
-                    return Err(Error::TermReq {
-                        addr: self.addr.clone(),
-                        fes,
-                        fei,
-                    });
-                }
-                HostEvent::Connected(_) => {}
-            }
-        }
-    }
-
-    /// A completion arrived for `cqe.cid()`.
-    fn on_response(&mut self, live: &mut Live, mut cqe: Cqe) -> Result<(), Error> {
-        let tag = cqe.cid();
-        let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) else {
-            return Ok(());
-        };
-        if cmd.digest_error && cqe.status().is_success() {
-            cqe = Cqe::new(tag, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
-        }
-        let st = cqe.status();
-        let transient = st.sct == 0 && st.sc == generic::TRANSIENT_TRANSPORT_ERROR && !st.dnr;
-        if transient && self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
-            return self.resend(live, tag);
-        }
-        self.complete(tag, Ok(cqe));
-        Ok(())
-    }
-
-    /// The connection is gone: keep what may be resent, fail the rest.
-    fn connection_lost(&mut self, reason: &Error) {
-        let mut resend = Vec::new();
-        for tag in 0..self.cmds.len() {
-            let tag = tag as u16;
-            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
-                continue;
-            };
-            if !cmd.sent {
-                continue;
-            }
-            if self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
-                if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
-                    c.sent = false;
-                }
-                resend.push(tag);
-                continue;
-            }
-            let name = self.name(&cmd.req);
-            let err = if cmd.req.retry == Retry::Write {
-                Error::Interrupted {
-                    command: name,
-                    addr: self.addr.clone(),
-                    reason: reason.to_string(),
-                }
-            } else {
-                Error::lost(&self.addr, format!("{name} interrupted: {reason}"))
-            };
-            self.complete(tag, Err(err));
-        }
-        for tag in resend.into_iter().rev() {
-            self.waiting.push_front(tag);
-        }
-    }
-
-    /// Fails every command, sent or waiting.
-    fn fail_all(&mut self, err: &Error) {
-        self.waiting.clear();
-        for tag in 0..self.cmds.len() {
-            self.complete(tag as u16, Err(err.clone()));
-        }
-    }
-
-    /// Whether a command on the wire is past its deadline.
-    fn sent_command_expired(&self) -> bool {
-        self.cmds
-            .iter()
-            .flatten()
-            .any(|c| c.sent && c.deadline.is_some_and(|d| d <= self.now))
-    }
-
-    /// Fails commands whose deadline passed. Returns true if one of them was on the wire
-    /// (the connection must then be reset: the target stopped answering).
-    fn scan_deadlines(&mut self, live: Option<&mut Live>) -> Option<Error> {
-        let now = self.now;
-        let mut on_wire: Option<Error> = None;
-        let mut live = live;
-        for tag in 0..self.cmds.len() {
-            let tag = tag as u16;
-            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
-                continue;
-            };
-            let Some(deadline) = cmd.deadline else {
-                continue;
-            };
-            if deadline > now {
-                continue;
-            }
-            let after = cmd.req.timeout.unwrap_or_default();
-            let name = self.name(&cmd.req);
-            let err = Error::timeout(name, after);
-            if cmd.sent {
-                if let Some(l) = live.as_deref_mut() {
-                    l.forget_command(tag);
-                }
-                on_wire.get_or_insert_with(|| err.clone());
-            } else {
-                self.waiting.retain(|&t| t != tag);
-            }
-            bump(&self.shared.counters.timeouts, 1);
-            self.complete(tag, Err(err));
-        }
-        on_wire
     }
 }
 
@@ -1099,7 +845,7 @@ impl Task {
                 };
                 let had_rdma = dropped.is_some();
                 drop(dropped);
-                if let Some(err) = self.core.scan_deadlines(self.live.as_mut()) {
+                if let Some(err) = self.core.expire(self.live.as_mut()) {
                     if had_rdma {
                         self.report_loss(err);
                     } else {
@@ -1109,7 +855,7 @@ impl Task {
             }
             if let Some(live) = self.live.as_mut() {
                 if let Err(e) = flush(live) {
-                    let err = Error::lost(&self.core.addr, format!("send failed: {e}"));
+                    let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
                     self.lose(err);
                     continue;
                 }
@@ -1152,11 +898,15 @@ impl Task {
                     for s in batch.drain(..) {
                         if res.is_err() {
                             // The connection failed mid-batch: queue the rest.
-                            let r = self.core.on_submit(None, s);
+                            let r =
+                                self.core
+                                    .submit(None::<&mut Live>, s.tag, s.req, s.buf, s.direct);
                             debug_assert!(r.is_ok());
                             continue;
                         }
-                        res = self.core.on_submit(self.live.as_mut(), s);
+                        res = self
+                            .core
+                            .submit(self.live.as_mut(), s.tag, s.req, s.buf, s.direct);
                     }
                     self.batch = batch;
                     if let Err(e) = res {
@@ -1177,7 +927,7 @@ impl Task {
                     Err(e) => self.lose(e),
                 },
                 Wake::Ready(LiveWake::Tcp(Err(e))) => {
-                    let err = Error::lost(&self.core.addr, format!("socket error: {e}"));
+                    let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
                     self.lose(err);
                 }
                 Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Ok(())))) => {
@@ -1187,7 +937,7 @@ impl Task {
                     }
                 }
                 Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Err(e)))) => {
-                    let err = Error::lost(&self.core.addr, format!("completion queue: {e}"));
+                    let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
                     self.lose(err);
                 }
                 Wake::Ready(LiveWake::Rdma(RdmaWake::Cm(ev))) => {
@@ -1211,7 +961,7 @@ impl Task {
             return Ok(false);
         };
         if live.is_rdma() {
-            return self.core.process_rdma(live);
+            return process_rdma(&mut self.core, live, &mut self.cqes);
         }
         let mut got = false;
         for _ in 0..8 {
@@ -1219,9 +969,7 @@ impl Task {
                 return Ok(got);
             };
             let pending = engine.pending_data().filter(|p| p.len >= IN_PLACE_MIN);
-            if let Some((p, dst)) =
-                pending.and_then(|p| Some((p, data_buf(&mut self.core.cmds, p)?)))
-            {
+            if let Some((p, dst)) = pending.and_then(|p| Some((p, data_buf(&mut self.core, p)?))) {
                 // The rest of the PDU straight into the command's buffer, what follows it
                 // (a little) into the receive buffer, in one read.
                 let spare = engine.recv_buf(SMALL_READ);
@@ -1233,19 +981,22 @@ impl Task {
                 let n = match stream.try_read_vectored(&mut iov) {
                     Ok(0) => {
                         return Err(Error::lost(
-                            &self.core.addr,
+                            self.core.addr(),
                             "the target closed the connection",
                         ));
                     }
                     Ok(n) => n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) => {
-                        return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
+                        return Err(Error::lost(
+                            self.core.addr(),
+                            format!("receive failed: {e}"),
+                        ));
                     }
                 };
                 got = true;
                 let in_place = n.min(p.len);
-                let c = &self.core.shared.counters;
+                let c = &self.shared.counters;
                 bump(&c.bytes_read, in_place as u64);
                 bump(&c.in_place_bytes, in_place as u64);
                 let commit = engine.commit_data(&dst[..in_place]);
@@ -1259,7 +1010,7 @@ impl Task {
                         .on_response(live, Cqe::new(p.cccid, Status::SUCCESS, 0))?;
                 }
                 if n > in_place {
-                    self.core.process(live)?;
+                    process(&mut self.core, live, &mut self.cqes)?;
                 }
                 if n < p.len + spare_len {
                     break;
@@ -1280,23 +1031,26 @@ impl Task {
             match stream.try_read(buf) {
                 Ok(0) => {
                     // Handle what arrived before the close (a TermReq explains it).
-                    self.core.process(live)?;
+                    process(&mut self.core, live, &mut self.cqes)?;
                     return Err(Error::lost(
-                        &self.core.addr,
+                        self.core.addr(),
                         "the target closed the connection",
                     ));
                 }
                 Ok(n) => {
                     got = true;
                     engine.commit_recv(n);
-                    self.core.process(live)?;
+                    process(&mut self.core, live, &mut self.cqes)?;
                     if n < want {
                         break;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
-                    return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
+                    return Err(Error::lost(
+                        self.core.addr(),
+                        format!("receive failed: {e}"),
+                    ));
                 }
             }
         }
@@ -1306,24 +1060,20 @@ impl Task {
     fn control(&mut self, msg: QueueCtl) {
         match msg {
             QueueCtl::Attach(live, generation) => {
-                if self.core.failed.is_some() {
+                if self.core.failed().is_some() {
                     return;
                 }
                 if self.live.take().is_some() {
-                    let reason = Error::lost(&self.core.addr, "connection replaced");
-                    self.core.connection_lost(&reason);
+                    let reason = Error::lost(self.core.addr(), "connection replaced");
+                    self.core.link_lost(&reason);
                 }
                 let mut live = *live;
                 self.generation = generation;
-                bump(&self.core.shared.counters.connections, 1);
-                let mut res = Ok(());
-                while let Some(tag) = self.core.waiting.pop_front() {
-                    res = self.core.send(&mut live, tag);
-                    if res.is_err() {
-                        break;
-                    }
-                }
-                let res = res.and_then(|()| self.core.process(&mut live));
+                bump(&self.shared.counters.connections, 1);
+                let res = self
+                    .core
+                    .link_restored(&mut live)
+                    .and_then(|()| process(&mut self.core, &mut live, &mut self.cqes));
                 self.live = Some(live);
                 if let Err(e) = res {
                     self.lose(e);
@@ -1331,16 +1081,15 @@ impl Task {
             }
             QueueCtl::Detach => {
                 if self.live.take().is_some() {
-                    let reason = Error::lost(&self.core.addr, "controller reset");
-                    self.core.connection_lost(&reason);
+                    let reason = Error::lost(self.core.addr(), "controller reset");
+                    self.core.link_lost(&reason);
                 }
             }
             QueueCtl::Fail(err) => {
                 self.live = None;
-                self.core.failed = Some(err.clone());
-                *self.core.shared.closed_error.lock() = Some(err.clone());
-                self.core.shared.permits.close();
-                self.core.fail_all(&err);
+                *self.shared.closed_error.lock() = Some(err.clone());
+                self.shared.permits.close();
+                self.core.fail(err);
             }
             QueueCtl::Close => self.shutdown(Error::Closed),
         }
@@ -1359,9 +1108,9 @@ impl Task {
 
     /// After the connection was dropped: keeps or fails its commands and tells the supervisor.
     fn report_loss(&mut self, err: Error) {
-        self.core.connection_lost(&err);
+        self.core.link_lost(&err);
         let _ = self.report.send(SupMsg::QueueFailed {
-            qid: self.core.shared.qid,
+            qid: self.shared.qid,
             generation: self.generation,
             error: err,
         });
@@ -1369,21 +1118,22 @@ impl Task {
 
     fn shutdown(&mut self, err: Error) {
         self.live = None;
-        if self.core.failed.is_none() {
-            self.core.failed = Some(err.clone());
-        }
         {
-            let mut ce = self.core.shared.closed_error.lock();
+            let mut ce = self.shared.closed_error.lock();
             if ce.is_none() {
                 *ce = Some(err.clone());
             }
         }
-        self.core.shared.permits.close();
+        self.shared.permits.close();
         self.sub_rx.close();
         while let Ok(s) = self.sub_rx.try_recv() {
-            self.core.shared.finish(s.tag, Err(err.clone()), s.buf);
+            self.shared.finish_slot(s.tag, Err(err.clone()), s.buf);
         }
-        self.core.fail_all(&err);
+        if self.core.failed().is_none() {
+            self.core.fail(err);
+        } else {
+            self.core.fail_all(&err);
+        }
     }
 }
 

@@ -158,7 +158,11 @@ impl SetupConn {
             SetupLink::Tcp(TcpLink { stream, engine }) => Link::Tcp { stream, engine },
             SetupLink::Rdma(r) => Link::Rdma(r),
         };
-        Live { link, icd_limit }
+        Live {
+            link,
+            icd_limit,
+            addr: self.addr,
+        }
     }
 
     /// Runs one command: `data_out` goes to the target, `data_in` bytes are expected back.
