@@ -31,21 +31,17 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
+use crate::link::Link;
 use crate::queue::{
-    DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry, SupMsg,
+    DataDir, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry, SupMsg,
 };
+use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
 use crate::setup::{QueueSpec, SetupConn};
 use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
-/// In-capsule data accepted on admin queues (NVMe/TCP: 8 KiB).
-const ADMIN_IN_CAPSULE: usize = 8192;
-/// Largest transfer per NVMe/RDMA command (a keyed SGL data block has a 24-bit length).
-const RDMA_MAX_TRANSFER: u64 = 8 << 20;
-/// Largest in-capsule data of NVMe/RDMA writes (each send slot of a queue has room for it).
-const RDMA_MAX_IN_CAPSULE: u32 = 16384;
 /// Transfer limit used when the controller reports none (MDTS 0).
 const DEFAULT_MAX_TRANSFER: u64 = 1 << 20;
 
@@ -125,6 +121,8 @@ pub(crate) struct CtrlShared {
     reconnects: AtomicU64,
     /// The protection domain of the NVMe/RDMA queues (kept across reconnects).
     pub pd: SharedPd,
+    /// What the transport allows.
+    pub limits: LinkLimits,
 }
 
 impl CtrlShared {
@@ -280,8 +278,8 @@ impl std::fmt::Debug for Controller {
 
 /// The result of setting up an association.
 struct Established {
-    admin: Live,
-    ios: Vec<Live>,
+    admin: Link,
+    ios: Vec<Link>,
     info: ControllerInfo,
     identify: Box<IdentifyController>,
     active_ns: Vec<u32>,
@@ -399,9 +397,9 @@ async fn establish(
     if let Some(m) = opts.max_transfer {
         max_transfer = max_transfer.min(u64::from(m));
     }
-    if opts.addr.transport == Transport::Rdma {
-        // One keyed SGL data block describes at most 16 MiB - 1.
-        max_transfer = max_transfer.min(RDMA_MAX_TRANSFER);
+    let limits = admin.link.limits();
+    if let Some(m) = limits.max_transfer {
+        max_transfer = max_transfer.min(m);
     }
     let max_transfer = max_transfer.min(u64::from(u32::MAX)) as u32;
     let ioccsz = id.ioccsz.get();
@@ -410,16 +408,13 @@ async fn establish(
     } else {
         0
     };
-    let rdma = opts.addr.transport == Transport::Rdma;
-    if rdma {
-        // Every NVMe/RDMA send slot is that large: keep the slots of a queue small.
-        icd = icd.min(RDMA_MAX_IN_CAPSULE);
-        if id.sgls.get() & SGLS_KEYED == 0 {
-            return Err(Error::Refused(
-                "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs"
-                    .into(),
-            ));
-        }
+    if let Some(m) = limits.max_in_capsule {
+        icd = icd.min(m);
+    }
+    if limits.needs_keyed_sgls && id.sgls.get() & SGLS_KEYED == 0 {
+        return Err(Error::Refused(
+            "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs".into(),
+        ));
     }
     let mut info = ControllerInfo {
         addr: opts.addr.to_string(),
@@ -448,7 +443,7 @@ async fn establish(
     };
     fill_from_identify(&mut info, &id);
 
-    let mut set: JoinSet<Result<(u16, Live), Error>> = JoinSet::new();
+    let mut set: JoinSet<Result<(u16, Link), Error>> = JoinSet::new();
     for qid in 1..=granted {
         let opts = opts.clone();
         let pd = pd.clone();
@@ -463,10 +458,10 @@ async fn establish(
             let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin, &pd).await?;
             q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
                 .await?;
-            Ok((qid, q.into_live(icd as usize)))
+            Ok((qid, q.into_link(icd as usize)))
         });
     }
-    let mut ios: Vec<Option<Live>> = (0..granted).map(|_| None).collect();
+    let mut ios: Vec<Option<Link>> = (0..granted).map(|_| None).collect();
     while let Some(r) = set.join_next().await {
         let (qid, live) = r.map_err(|e| {
             Error::lost(
@@ -478,7 +473,7 @@ async fn establish(
     }
     let ios = ios.into_iter().flatten().collect();
     Ok(Established {
-        admin: admin.into_live(if rdma { 0 } else { ADMIN_IN_CAPSULE }),
+        admin: admin.into_link(limits.admin_in_capsule),
         ios,
         info,
         identify: Box::new(id),
@@ -566,6 +561,7 @@ impl Controller {
             events,
             reconnects: AtomicU64::new(0),
             pd,
+            limits: est.admin.limits(),
             opts,
         });
         shared
@@ -627,11 +623,6 @@ impl Controller {
                 "GPU memory is registered for NVMe/RDMA only; over NVMe/TCP read into GPU memory through nvmeof_initiator::gpu (pinned staging)".into(),
             )),
         }
-    }
-
-    /// Whether the controller's queues are NVMe/TCP connections.
-    pub(crate) fn is_tcp(&self) -> bool {
-        self.inner.shared.opts.addr.transport == Transport::Tcp
     }
 
     /// The protection domain of an NVMe/RDMA controller (None over NVMe/TCP).

@@ -69,6 +69,7 @@ mod error;
 pub mod gpu;
 pub mod identity;
 mod info;
+mod link;
 mod namespace;
 mod options;
 mod queue;
@@ -76,6 +77,7 @@ mod queue_core;
 mod rdma;
 mod registered;
 mod setup;
+mod tcp;
 
 pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};

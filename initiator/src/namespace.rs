@@ -157,7 +157,7 @@ impl Namespace {
         let max = self.max_chunk();
         // Lent buffers are received into over NVMe/TCP; over NVMe/RDMA the target writes into
         // registered memory only.
-        let lend = self.ctrl.is_tcp();
+        let lend = self.ctrl.shared().limits.lends_buffers;
         if total <= max {
             let req = self.rw_request(false, lba, total);
             let mut lent = if lend { dest.lend(0, total) } else { None };

@@ -25,41 +25,27 @@
 //! retried); it reports the loss to the controller's supervisor, which reconnects and hands a
 //! new connection over.
 
-use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use nvme_spec::{Cqe, SglDescriptor, Status};
-use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
+use nvme_spec::Cqe;
 use parking_lot::Mutex;
-use tokio::io::Interest;
-use tokio::net::TcpStream;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
 use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
-use crate::queue_core::{Cmd, Completions, Core, QueueCounters, Wire, bump};
+use crate::link::{Link, LinkWake};
+use crate::queue_core::{Completions, Core, QueueCounters, bump};
 pub(crate) use crate::queue_core::{DataDir, Request, Retry};
-use crate::rdma::{DataPath, RdmaConn, RdmaWake};
+use crate::rdma::RdmaWake;
 use crate::registered::Direct;
 
-/// Bytes asked of the socket per read.
-pub(crate) const READ_CHUNK: usize = 256 * 1024;
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
-/// The rest of a C2HData PDU at least this long is read from the socket straight into the
-/// command's buffer; shorter rests go through the receive buffer with what follows them.
-const IN_PLACE_MIN: usize = 8192;
-/// While read data arrives in PDUs at least [`LARGE_PDU`] long, the receive buffer takes at
-/// most this much per read (the next PDU header and a little data), so that the rest of each
-/// PDU goes straight into its command's buffer.
-const SMALL_READ: usize = 2048;
-/// See [`SMALL_READ`].
-const LARGE_PDU: u32 = 32 * 1024;
 
 /// Messages to the supervisor.
 pub(crate) enum SupMsg {
@@ -92,56 +78,10 @@ enum Data {
     Lent(Box<dyn LentBuffer>),
 }
 
-/// A connected, initialized queue connection.
-pub(crate) struct Live {
-    pub link: Link,
-    /// Largest write sent in the capsule.
-    pub icd_limit: usize,
-    /// The target address (for errors).
-    pub addr: String,
-}
-
-/// The transport of a queue connection.
-// One value per queue, moved only while a connection is set up: no boxing on the data path.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Link {
-    /// NVMe/TCP: the socket and the engine.
-    Tcp { stream: TcpStream, engine: HostConn },
-    /// NVMe/RDMA.
-    Rdma(RdmaConn),
-}
-
-/// What woke a queue task up on its connection.
-enum LiveWake {
-    Tcp(io::Result<tokio::io::Ready>),
-    Rdma(RdmaWake),
-}
-
-impl Live {
-    fn is_rdma(&self) -> bool {
-        matches!(self.link, Link::Rdma(_))
-    }
-
-    /// Waits until the connection has something to handle (or can take more bytes).
-    async fn ready(&self) -> LiveWake {
-        match &self.link {
-            Link::Tcp { stream, engine } => {
-                let interest = if engine.pending_send().is_empty() {
-                    Interest::READABLE
-                } else {
-                    Interest::READABLE | Interest::WRITABLE
-                };
-                LiveWake::Tcp(stream.ready(interest).await)
-            }
-            Link::Rdma(r) => LiveWake::Rdma(r.ready().await),
-        }
-    }
-}
-
 /// Messages from the supervisor to a queue task.
 pub(crate) enum QueueCtl {
     /// Use this connection (of association `generation`).
-    Attach(Box<Live>, u64),
+    Attach(Box<Link>, u64),
     /// Drop the connection (the supervisor is resetting the association); keep commands.
     Detach,
     /// Fail everything now and from now on.
@@ -278,16 +218,6 @@ impl Completions for QueueShared {
     }
 }
 
-/// Where the pending C2HData of a command goes in its buffer, if the command is known and the
-/// range fits.
-fn data_buf(core: &mut Core<QueueShared>, p: PendingData) -> Option<&mut [u8]> {
-    let cmd = core.cmd_mut(p.cccid)?;
-    let start = p.datao as usize;
-    cmd.buf
-        .as_mut_slice()
-        .get_mut(start..start.checked_add(p.len)?)
-}
-
 /// The caller side of a queue.
 pub(crate) struct QueueHandle {
     shared: Arc<QueueShared>,
@@ -344,7 +274,6 @@ impl QueueHandle {
                 cfg.qid == 0,
             ),
             shared: Arc::clone(&shared),
-            cqes: Vec::with_capacity(usize::from(n)),
             sub_rx,
             ctl_rx,
             report,
@@ -580,11 +509,9 @@ impl Drop for Pending<'_> {
 
 /// A queue task: the core, its link and the channels that drive them.
 struct Task {
-    live: Option<Live>,
+    live: Option<Link>,
     core: Core<QueueShared>,
     shared: Arc<QueueShared>,
-    /// Completions taken from an NVMe/RDMA completion queue (reused).
-    cqes: Vec<Cqe>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
     report: mpsc::UnboundedSender<SupMsg>,
@@ -599,230 +526,10 @@ struct Task {
 enum Wake {
     Ctl(Option<QueueCtl>),
     Submit(usize),
-    Ready(LiveWake),
+    Ready(LinkWake),
     Tick,
     /// Inside the busy-poll window: check the connection without waiting.
     Poll,
-}
-
-/// The link contract of both transports: NVMe/TCP builds the capsule in the engine's send
-/// buffer (in-capsule data or a transport SGL answered on R2T), NVMe/RDMA posts it with an
-/// in-capsule or keyed SGL.
-impl Wire for Live {
-    fn send(
-        &mut self,
-        tag: u16,
-        cmd: &mut Cmd,
-        c: &QueueCounters,
-    ) -> Result<Result<(), Error>, Error> {
-        let icd_limit = self.icd_limit;
-        let engine = match &mut self.link {
-            Link::Rdma(conn) => return send_rdma(conn, icd_limit, tag, cmd, c),
-            Link::Tcp { engine, .. } => engine,
-        };
-        if cmd.direct.is_some() {
-            return Ok(Err(Error::InvalidArgument(
-                "internal: registered memory on an NVMe/TCP queue".into(),
-            )));
-        }
-        let mut sqe = cmd.req.sqe;
-        sqe.cid.set(tag);
-        sqe.set_sgl();
-        let len = cmd.req.len as usize;
-        let in_capsule = cmd.req.dir == DataDir::FromHost && len > 0 && len <= icd_limit;
-        let data: &[u8] = if in_capsule {
-            sqe.dptr = SglDescriptor::in_capsule(cmd.req.len);
-            bump(&c.in_capsule_writes, 1);
-            bump(&c.bytes_written, len as u64);
-            &cmd.buf.as_slice()[..len]
-        } else {
-            let l = if cmd.req.dir == DataDir::None {
-                0
-            } else {
-                cmd.req.len
-            };
-            sqe.dptr = SglDescriptor::tcp_transport(l);
-            if cmd.req.dir == DataDir::FromHost && len > 0 {
-                bump(&c.r2t_writes, 1);
-            }
-            &[]
-        };
-        engine
-            .send_capsule_cmd(&sqe.to_array(), data)
-            .map(Ok)
-            .map_err(|e| Error::lost(&self.addr, format!("cannot queue a command: {e}")))
-    }
-
-    fn forget(&mut self, tag: u16) {
-        if let Link::Tcp { engine, .. } = &mut self.link {
-            engine.forget_command(tag);
-        }
-    }
-}
-
-/// Sends command `tag` on an NVMe/RDMA queue pair.
-fn send_rdma(
-    conn: &mut RdmaConn,
-    icd_limit: usize,
-    tag: u16,
-    cmd: &mut Cmd,
-    c: &QueueCounters,
-) -> Result<Result<(), Error>, Error> {
-    let mut sqe = cmd.req.sqe;
-    sqe.cid.set(tag);
-    let len = match cmd.req.dir {
-        DataDir::None => 0,
-        _ => cmd.req.len as usize,
-    };
-    let to_host = cmd.req.dir == DataDir::ToHost;
-    let path = if let Some(d) = &cmd.direct {
-        match d.remote_key(conn.pd(), len) {
-            Ok(key) => {
-                conn.send_keyed(sqe, key)?;
-                bump(&c.registered_commands, 1);
-                bump(&c.registered_bytes, len as u64);
-                DataPath::Keyed
-            }
-            // Not reachable through this queue pair; the connection is fine.
-            Err(e) => return Ok(Err(e)),
-        }
-    } else {
-        // Err inside: this command's buffer could not be registered; the connection is fine.
-        match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
-            Ok(p) => p,
-            Err(e) => return Ok(Err(e)),
-        }
-    };
-    if cmd.req.dir == DataDir::FromHost {
-        bump(&c.bytes_written, len as u64);
-        match path {
-            DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
-            DataPath::Keyed => bump(&c.r2t_writes, 1),
-            DataPath::None => {}
-        }
-    }
-    Ok(Ok(()))
-}
-
-/// Handles the completions an NVMe/RDMA queue pair delivered; returns whether there were any.
-fn process_rdma(
-    core: &mut Core<QueueShared>,
-    live: &mut Live,
-    cqes: &mut Vec<Cqe>,
-) -> Result<bool, Error> {
-    let polled = match &mut live.link {
-        Link::Rdma(conn) => conn.poll(cqes),
-        Link::Tcp { .. } => Ok(()),
-    };
-    let got = !cqes.is_empty();
-    let mut res = Ok(());
-    for cqe in cqes.drain(..) {
-        if res.is_err() {
-            continue;
-        }
-        if let Some(cmd) = core.sent_cmd(cqe.cid()) {
-            if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
-                bump(&core.counters().bytes_read, u64::from(cmd.req.len));
-            }
-        }
-        res = core.on_response(live, cqe);
-    }
-    res.and(polled).map(|()| got)
-}
-
-/// Handles every event the link can produce from what it received so far.
-fn process(
-    core: &mut Core<QueueShared>,
-    live: &mut Live,
-    cqes: &mut Vec<Cqe>,
-) -> Result<(), Error> {
-    if live.is_rdma() {
-        return process_rdma(core, live, cqes).map(|_| ());
-    }
-    loop {
-        let next = match &mut live.link {
-            Link::Tcp { engine, .. } => engine.next_event(),
-            Link::Rdma(_) => return Ok(()),
-        };
-        let ev = match next {
-            Ok(Some(ev)) => ev,
-            Ok(None) => return Ok(()),
-            Err(source) => {
-                return Err(Error::Protocol {
-                    addr: core.addr().to_owned(),
-                    source,
-                });
-            }
-        };
-        match ev {
-            HostEvent::CapsuleResp { cqe } => {
-                let cqe = Cqe::from_array(&cqe);
-                core.on_response(live, cqe)?;
-            }
-            HostEvent::C2HData {
-                cccid,
-                datao,
-                data,
-                last,
-                success,
-            } => {
-                if let Some(cmd) = core.cmd_mut(cccid) {
-                    let off = datao as usize;
-                    if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
-                        dst.copy_from_slice(data);
-                    }
-                    bump(&core.counters().bytes_read, data.len() as u64);
-                }
-                if last && success {
-                    core.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                }
-            }
-            HostEvent::C2HDataDigestError {
-                cccid,
-                last,
-                success,
-            } => {
-                if let Some(cmd) = core.cmd_mut(cccid) {
-                    cmd.digest_error = true;
-                }
-                if last && success {
-                    core.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                }
-            }
-            HostEvent::R2T {
-                cccid,
-                ttag,
-                r2to,
-                r2tl,
-            } => {
-                let addr = core.addr();
-                let Some(cmd) = core.sent_cmd(cccid) else {
-                    return Err(Error::lost(addr, "R2T for an unknown command"));
-                };
-                let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
-                let Some(data) = cmd.buf.as_slice().get(start..end) else {
-                    return Err(Error::lost(addr, "R2T outside the command data"));
-                };
-                let Link::Tcp { engine, .. } = &mut live.link else {
-                    return Ok(());
-                };
-                engine
-                    .send_h2c_data(cccid, ttag, r2to, data, true)
-                    .map_err(|e| Error::lost(addr, format!("cannot answer R2T: {e}")))?;
-                let c = core.counters();
-                bump(&c.r2ts, 1);
-                bump(&c.bytes_written, u64::from(r2tl));
-            }
-            HostEvent::TermReq { fes, fei, .. } => {
-                return Err(Error::TermReq {
-                    addr: core.addr().to_owned(),
-                    fes,
-                    fei,
-                });
-            }
-            HostEvent::Connected(_) => {}
-        }
-    }
 }
 
 impl Task {
@@ -836,7 +543,7 @@ impl Task {
                 next_scan = self.core.now + self.scan_period;
                 // Over RDMA the target may still write a timed-out command's buffer: destroy
                 // the queue pair before the buffer goes back to its caller.
-                let dropped = if self.live.as_ref().is_some_and(Live::is_rdma)
+                let dropped = if self.live.as_ref().is_some_and(Link::is_rdma)
                     && self.core.sent_command_expired()
                 {
                     self.live.take()
@@ -854,7 +561,7 @@ impl Task {
                 }
             }
             if let Some(live) = self.live.as_mut() {
-                if let Err(e) = flush(live) {
+                if let Err(e) = live.try_flush() {
                     let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
                     self.lose(err);
                     continue;
@@ -900,7 +607,7 @@ impl Task {
                             // The connection failed mid-batch: queue the rest.
                             let r =
                                 self.core
-                                    .submit(None::<&mut Live>, s.tag, s.req, s.buf, s.direct);
+                                    .submit(None::<&mut Link>, s.tag, s.req, s.buf, s.direct);
                             debug_assert!(r.is_ok());
                             continue;
                         }
@@ -913,7 +620,7 @@ impl Task {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(LiveWake::Tcp(Ok(ready))) => {
+                Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
                         self.last_activity = self.core.now;
                         if let Err(e) = self.receive() {
@@ -926,22 +633,22 @@ impl Task {
                     Ok(false) => {}
                     Err(e) => self.lose(e),
                 },
-                Wake::Ready(LiveWake::Tcp(Err(e))) => {
+                Wake::Ready(LinkWake::Tcp(Err(e))) => {
                     let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
                     self.lose(err);
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Ok(())))) => {
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
                     self.last_activity = self.core.now;
                     if let Err(e) = self.receive() {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Err(e)))) => {
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Err(e)))) => {
                     let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
                     self.lose(err);
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Cm(ev))) => {
-                    let outcome = match self.live.as_ref().map(|l| &l.link) {
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Cm(ev))) => {
+                    let outcome = match self.live.as_ref() {
                         Some(Link::Rdma(conn)) => conn.cm_outcome(ev),
                         _ => None,
                     };
@@ -954,107 +661,12 @@ impl Task {
         }
     }
 
-    /// Reads what the socket has and handles it. Returns whether bytes arrived (over NVMe/RDMA:
-    /// whether completions arrived).
+    /// Takes what the link has and handles it. Returns whether anything arrived.
     fn receive(&mut self) -> Result<bool, Error> {
-        let Some(live) = self.live.as_mut() else {
-            return Ok(false);
-        };
-        if live.is_rdma() {
-            return process_rdma(&mut self.core, live, &mut self.cqes);
+        match self.live.as_mut() {
+            Some(live) => live.receive(&mut self.core),
+            None => Ok(false),
         }
-        let mut got = false;
-        for _ in 0..8 {
-            let Link::Tcp { stream, engine } = &mut live.link else {
-                return Ok(got);
-            };
-            let pending = engine.pending_data().filter(|p| p.len >= IN_PLACE_MIN);
-            if let Some((p, dst)) = pending.and_then(|p| Some((p, data_buf(&mut self.core, p)?))) {
-                // The rest of the PDU straight into the command's buffer, what follows it
-                // (a little) into the receive buffer, in one read.
-                let spare = engine.recv_buf(SMALL_READ);
-                let spare_len = spare.len().min(SMALL_READ);
-                let mut iov = [
-                    io::IoSliceMut::new(&mut *dst),
-                    io::IoSliceMut::new(&mut spare[..spare_len]),
-                ];
-                let n = match stream.try_read_vectored(&mut iov) {
-                    Ok(0) => {
-                        return Err(Error::lost(
-                            self.core.addr(),
-                            "the target closed the connection",
-                        ));
-                    }
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => {
-                        return Err(Error::lost(
-                            self.core.addr(),
-                            format!("receive failed: {e}"),
-                        ));
-                    }
-                };
-                got = true;
-                let in_place = n.min(p.len);
-                let c = &self.shared.counters;
-                bump(&c.bytes_read, in_place as u64);
-                bump(&c.in_place_bytes, in_place as u64);
-                let commit = engine.commit_data(&dst[..in_place]);
-                engine.commit_recv(n - in_place);
-                if let DataCommit::End {
-                    last: true,
-                    success: true,
-                } = commit
-                {
-                    self.core
-                        .on_response(live, Cqe::new(p.cccid, Status::SUCCESS, 0))?;
-                }
-                if n > in_place {
-                    process(&mut self.core, live, &mut self.cqes)?;
-                }
-                if n < p.len + spare_len {
-                    break;
-                }
-                continue;
-            }
-            let Link::Tcp { stream, engine } = &mut live.link else {
-                return Ok(got);
-            };
-            let want = if engine.last_data_pdu_len() >= LARGE_PDU {
-                SMALL_READ
-            } else {
-                READ_CHUNK
-            };
-            let buf = engine.recv_buf(want);
-            let want = want.min(buf.len());
-            let buf = &mut buf[..want];
-            match stream.try_read(buf) {
-                Ok(0) => {
-                    // Handle what arrived before the close (a TermReq explains it).
-                    process(&mut self.core, live, &mut self.cqes)?;
-                    return Err(Error::lost(
-                        self.core.addr(),
-                        "the target closed the connection",
-                    ));
-                }
-                Ok(n) => {
-                    got = true;
-                    engine.commit_recv(n);
-                    process(&mut self.core, live, &mut self.cqes)?;
-                    if n < want {
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    return Err(Error::lost(
-                        self.core.addr(),
-                        format!("receive failed: {e}"),
-                    ));
-                }
-            }
-        }
-        Ok(got)
     }
 
     fn control(&mut self, msg: QueueCtl) {
@@ -1073,7 +685,7 @@ impl Task {
                 let res = self
                     .core
                     .link_restored(&mut live)
-                    .and_then(|()| process(&mut self.core, &mut live, &mut self.cqes));
+                    .and_then(|()| live.process(&mut self.core));
                 self.live = Some(live);
                 if let Err(e) = res {
                     self.lose(e);
@@ -1101,7 +713,7 @@ impl Task {
             return;
         };
         // A protocol error leaves a TermReq to send; give it one try.
-        let _ = flush(&mut live);
+        let _ = live.try_flush();
         drop(live);
         self.report_loss(err);
     }
@@ -1142,21 +754,4 @@ impl Drop for Task {
         // However the task ends (even when its runtime shuts down), no caller is left waiting.
         self.shutdown(Error::Closed);
     }
-}
-
-/// Writes as much of the engine's send buffer as the socket takes without blocking (NVMe/TCP;
-/// NVMe/RDMA posts each capsule when it is sent).
-fn flush(live: &mut Live) -> io::Result<()> {
-    let Link::Tcp { stream, engine } = &mut live.link else {
-        return Ok(());
-    };
-    while !engine.pending_send().is_empty() {
-        match stream.try_write(engine.pending_send()) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => engine.consume_sent(n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -137,6 +137,23 @@ pub(crate) trait Wire {
     fn forget(&mut self, tag: u16);
 }
 
+/// What a transport allows; the controller combines it with what the controller reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LinkLimits {
+    /// Largest transfer one command may describe (`None`: no limit of the transport's own).
+    pub max_transfer: Option<u64>,
+    /// Largest write data carried in an I/O command capsule (`None`: as the controller
+    /// offers).
+    pub max_in_capsule: Option<u32>,
+    /// Write data carried in an admin command capsule.
+    pub admin_in_capsule: usize,
+    /// Whether read data may be received into a buffer the caller lends
+    /// ([`ReadDest::lend`](crate::ReadDest::lend)).
+    pub lends_buffers: bool,
+    /// Whether the controller must support keyed SGL data blocks.
+    pub needs_keyed_sgls: bool,
+}
+
 /// A queue's command table and its rules (see the module documentation).
 pub(crate) struct Core<C> {
     sink: Arc<C>,

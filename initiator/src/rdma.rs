@@ -16,7 +16,8 @@ use nvmf_rdma::{CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Rem
 use tokio::time::{Instant, timeout_at};
 
 use crate::buffer::SlotBuf;
-use crate::error::command_name;
+use crate::error::{command_name, rdma_error};
+use crate::queue_core::{Cmd, Completions, Core, DataDir, LinkLimits, QueueCounters, Wire, bump};
 use crate::{Error, TargetAddr};
 
 /// RDMA READs the target may have in flight towards one host queue (the host's IRD).
@@ -73,6 +74,10 @@ pub(crate) struct RdmaConn {
     capsule: Vec<u8>,
     in_capsule: usize,
     addr: String,
+    /// Largest write sent in the capsule by the queue task (at most `in_capsule`).
+    pub icd_limit: usize,
+    /// Completions taken from the completion queue (reused).
+    cqes: Vec<Cqe>,
 }
 
 /// `sqe` with its data described by one keyed SGL data block for `remote`.
@@ -98,51 +103,19 @@ pub(crate) fn unavailable() -> Option<String> {
 /// The RDMA-CM device node of the kernel.
 const RDMA_CM_NODE: &str = "/dev/infiniband/rdma_cm";
 
-/// Maps an `nvmf-rdma` error to the initiator's.
-fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
-    match e {
-        nvmf_rdma::Error::Unavailable(why) => Error::RdmaUnavailable(why),
-        nvmf_rdma::Error::Rejected {
-            status,
-            private_data,
-        } => match nvmf_rdma::nvme::parse_reject(&private_data) {
-            // Status 0 is no NVMe reject status: the transport refused (nothing listens).
-            Some(s) if s != 0 => Error::Refused(format!(
-                "{addr} rejected the NVMe/RDMA connection: {} ({s:#x})",
-                nvmf_rdma::nvme::reject_reason(s)
-            )),
-            _ => Error::Rdma {
-                addr: addr.to_string(),
-                reason: format!(
-                    "connection rejected (RDMA-CM reason {status}): does an NVMe/RDMA target listen there?"
-                ),
-            },
-        },
-        nvmf_rdma::Error::Os {
-            op: "ibv_reg_mr",
-            source,
-        } if source.raw_os_error() == Some(ENOMEM) => Error::Rdma {
-            addr: addr.to_string(),
-            reason: format!(
-                "ibv_reg_mr: {source} (registered memory counts against RLIMIT_MEMLOCK: raise it, e.g. `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
-            ),
-        },
-        e => Error::Rdma {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        },
-    }
-}
-
-/// Maps the error of registering caller memory.
-pub(crate) fn registration_error(e: nvmf_rdma::Error) -> Error {
-    rdma_error("memory registration", e)
-}
-
-/// `ENOMEM` on Linux.
-const ENOMEM: i32 = 12;
-
 impl RdmaConn {
+    /// What NVMe/RDMA allows: a keyed SGL data block describes at most 16 MiB - 1 (8 MiB
+    /// per command here), every send slot of a queue has room for the in-capsule data (16 KiB
+    /// here, to keep the slots small), none on the admin queue, and the target writes read
+    /// data into registered memory only (no lent buffers).
+    pub const LIMITS: LinkLimits = LinkLimits {
+        max_transfer: Some(8 << 20),
+        max_in_capsule: Some(16384),
+        admin_in_capsule: 0,
+        lends_buffers: false,
+        needs_keyed_sgls: true,
+    };
+
     /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
     /// queue), with capsules that carry up to `in_capsule` bytes of data, in protection domain
     /// `pd` when the route goes through its device (a new domain is stored there otherwise).
@@ -204,6 +177,8 @@ impl RdmaConn {
             capsule: Vec::with_capacity(64 + in_capsule),
             in_capsule,
             addr: addr_s,
+            icd_limit: 0,
+            cqes: Vec::with_capacity(usize::from(depth)),
         })
     }
 
@@ -366,6 +341,82 @@ impl RdmaConn {
             }
         }
     }
+}
+
+impl RdmaConn {
+    /// Hands the completions the queue pair delivered to `core`; returns whether there were
+    /// any.
+    pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<bool, Error> {
+        let mut cqes = std::mem::take(&mut self.cqes);
+        let polled = self.poll(&mut cqes);
+        let got = !cqes.is_empty();
+        let mut res = Ok(());
+        for cqe in cqes.drain(..) {
+            if res.is_err() {
+                continue;
+            }
+            if let Some(cmd) = core.sent_cmd(cqe.cid()) {
+                if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
+                    bump(&core.counters().bytes_read, u64::from(cmd.req.len));
+                }
+            }
+            res = core.on_response(self, cqe);
+        }
+        self.cqes = cqes;
+        res.and(polled).map(|()| got)
+    }
+}
+
+/// NVMe/RDMA capsules: write data up to the in-capsule limit travels in the capsule; other
+/// data is described by a keyed SGL on the slot's registered buffer or on caller-registered
+/// memory, which the target RDMA WRITEs (reads) or RDMA READs (writes).
+impl Wire for RdmaConn {
+    fn send(
+        &mut self,
+        tag: u16,
+        cmd: &mut Cmd,
+        c: &QueueCounters,
+    ) -> Result<Result<(), Error>, Error> {
+        let mut sqe = cmd.req.sqe;
+        sqe.cid.set(tag);
+        let len = match cmd.req.dir {
+            DataDir::None => 0,
+            _ => cmd.req.len as usize,
+        };
+        let to_host = cmd.req.dir == DataDir::ToHost;
+        let path = if let Some(d) = &cmd.direct {
+            match d.remote_key(self.pd(), len) {
+                Ok(key) => {
+                    self.send_keyed(sqe, key)?;
+                    bump(&c.registered_commands, 1);
+                    bump(&c.registered_bytes, len as u64);
+                    DataPath::Keyed
+                }
+                // Not reachable through this queue pair; the connection is fine.
+                Err(e) => return Ok(Err(e)),
+            }
+        } else {
+            let icd_limit = self.icd_limit;
+            // Err inside: this command's buffer could not be registered; the connection is
+            // fine.
+            match self.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+                Ok(p) => p,
+                Err(e) => return Ok(Err(e)),
+            }
+        };
+        if cmd.req.dir == DataDir::FromHost {
+            bump(&c.bytes_written, len as u64);
+            match path {
+                DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
+                DataPath::Keyed => bump(&c.r2t_writes, 1),
+                DataPath::None => {}
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    /// Nothing to forget: an NVMe/RDMA command has no transfer state on the host.
+    fn forget(&mut self, _tag: u16) {}
 }
 
 #[cfg(test)]

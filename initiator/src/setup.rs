@@ -5,15 +5,14 @@
 use std::time::Duration;
 
 use nvme_spec::fabrics::{ConnectData, csts, property};
-use nvme_spec::{Cqe, FabricsCommand, IntoBytes, SglDescriptor, Sqe, Status};
+use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
 use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
-use crate::error::command_name;
-use crate::queue::{Link, Live, READ_CHUNK};
+use crate::link::Link;
 use crate::rdma::{RdmaConn, SharedPd};
+use crate::tcp::{READ_CHUNK, TcpConn};
 use crate::{Error, HostIdentity, TargetAddr, Transport};
 
 /// Delay between two polls of CSTS.
@@ -32,25 +31,9 @@ pub(crate) struct QueueSpec {
     pub in_capsule: usize,
 }
 
-/// An NVMe/TCP connection: the socket and the engine.
-pub(crate) struct TcpLink {
-    pub stream: TcpStream,
-    pub engine: HostConn,
-}
-
-/// The transport of a set-up connection.
-// One value per queue, moved only while a connection is set up: no boxing on the data path.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum SetupLink {
-    /// NVMe/TCP.
-    Tcp(TcpLink),
-    /// NVMe/RDMA.
-    Rdma(RdmaConn),
-}
-
 /// A freshly opened queue connection driven one command at a time.
 pub(crate) struct SetupConn {
-    pub link: SetupLink,
+    pub link: Link,
     pub params: HostParams,
     pub addr: String,
     admin_timeout: Duration,
@@ -88,7 +71,7 @@ impl SetupConn {
             )
             .await?;
             return Ok(SetupConn {
-                link: SetupLink::Rdma(conn),
+                link: Link::Rdma(conn),
                 params: no_digests,
                 addr: addr_s,
                 admin_timeout,
@@ -114,14 +97,19 @@ impl SetupConn {
             recv_buffer_size: READ_CHUNK,
             max_outstanding_commands: usize::from(q.depth).max(2),
         });
-        let mut tcp = TcpLink { stream, engine };
+        let mut tcp = TcpConn {
+            stream,
+            engine,
+            addr: addr_s.clone(),
+            icd_limit: 0,
+        };
         tcp.flush(&addr_s, deadline, "the ICResp", connect_timeout)
             .await?;
         loop {
             match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
                     return Ok(SetupConn {
-                        link: SetupLink::Tcp(tcp),
+                        link: Link::Tcp(tcp),
                         params: p,
                         addr: addr_s,
                         admin_timeout,
@@ -153,16 +141,9 @@ impl SetupConn {
     }
 
     /// The connection as a queue task's, with writes of up to `icd_limit` bytes in capsules.
-    pub fn into_live(self, icd_limit: usize) -> Live {
-        let link = match self.link {
-            SetupLink::Tcp(TcpLink { stream, engine }) => Link::Tcp { stream, engine },
-            SetupLink::Rdma(r) => Link::Rdma(r),
-        };
-        Live {
-            link,
-            icd_limit,
-            addr: self.addr,
-        }
+    pub fn into_link(mut self, icd_limit: usize) -> Link {
+        self.link.set_icd_limit(icd_limit);
+        self.link
     }
 
     /// Runs one command: `data_out` goes to the target, `data_in` bytes are expected back.
@@ -177,8 +158,8 @@ impl SetupConn {
         self.next_cid = self.next_cid.wrapping_add(1);
         let t = self.admin_timeout;
         match &mut self.link {
-            SetupLink::Rdma(r) => r.command(sqe, cid, self.admin, data_out, data_in, t).await,
-            SetupLink::Tcp(tcp) => {
+            Link::Rdma(r) => r.command(sqe, cid, self.admin, data_out, data_in, t).await,
+            Link::Tcp(tcp) => {
                 tcp.command(&self.addr, self.admin, cid, sqe, data_out, data_in, t)
                     .await
             }
@@ -290,151 +271,4 @@ impl SetupConn {
         let sqe = nvme_spec::command::build::get_log_page(0, lid, 0, len, offset);
         self.command(sqe, &[], len as usize).await.map(|(_, d)| d)
     }
-}
-
-impl TcpLink {
-    /// Writes everything queued in the engine.
-    async fn flush(
-        &mut self,
-        addr: &str,
-        deadline: Instant,
-        what: &'static str,
-        t: Duration,
-    ) -> Result<(), Error> {
-        while !self.engine.pending_send().is_empty() {
-            let pending = self.engine.pending_send();
-            let n = match timeout_at(deadline, self.stream.write(pending)).await {
-                Err(_) => return Err(Error::timeout(what, t)),
-                Ok(Err(e)) => return Err(Error::lost(addr, format!("send failed: {e}"))),
-                Ok(Ok(0)) => return Err(Error::lost(addr, "send returned 0")),
-                Ok(Ok(n)) => n,
-            };
-            self.engine.consume_sent(n);
-        }
-        Ok(())
-    }
-
-    /// Sends a queued TermReq if the socket takes it at once.
-    async fn flush_best_effort(&mut self, addr: &str) {
-        let deadline = Instant::now() + Duration::from_millis(100);
-        let _ = self
-            .flush(addr, deadline, "a TermReq", Duration::ZERO)
-            .await;
-    }
-
-    async fn read_more(
-        &mut self,
-        addr: &str,
-        deadline: Instant,
-        what: &'static str,
-        t: Duration,
-    ) -> Result<(), Error> {
-        let buf = self.engine.recv_buf(64 * 1024);
-        match timeout_at(deadline, self.stream.read(buf)).await {
-            Err(_) => Err(Error::timeout(what, t)),
-            Ok(Err(e)) => Err(Error::lost(addr, format!("receive failed: {e}"))),
-            Ok(Ok(0)) => Err(Error::lost(addr, "the target closed the connection")),
-            Ok(Ok(n)) => {
-                self.engine.commit_recv(n);
-                Ok(())
-            }
-        }
-    }
-
-    /// One command over NVMe/TCP: `data_out` in the capsule, `data_in` bytes in C2HData.
-    #[allow(clippy::too_many_arguments)]
-    async fn command(
-        &mut self,
-        addr: &str,
-        admin: bool,
-        cid: u16,
-        mut sqe: Sqe,
-        data_out: &[u8],
-        data_in: usize,
-        t: Duration,
-    ) -> Result<(Cqe, Vec<u8>), Error> {
-        let name = command_name(admin, sqe.opcode, sqe.fctype());
-        sqe.cid.set(cid);
-        sqe.set_sgl();
-        let len = u32::try_from(data_out.len().max(data_in))
-            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
-        sqe.dptr = if data_out.is_empty() {
-            SglDescriptor::tcp_transport(len)
-        } else {
-            SglDescriptor::in_capsule(len)
-        };
-        self.engine
-            .send_capsule_cmd(&sqe.to_array(), data_out)
-            .map_err(|e| Error::lost(addr, format!("cannot send {name}: {e}")))?;
-        let deadline = Instant::now() + t;
-        self.flush(addr, deadline, name, t).await?;
-        let mut data = vec![0u8; data_in];
-        let mut digest_error = false;
-        loop {
-            match self.engine.next_event() {
-                Ok(Some(HostEvent::C2HData {
-                    cccid,
-                    datao,
-                    data: d,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    let off = datao as usize;
-                    if let Some(dst) = data.get_mut(off..off + d.len()) {
-                        dst.copy_from_slice(d);
-                    }
-                    if last && success {
-                        return Ok((Cqe::new(cid, Status::SUCCESS, 0), data));
-                    }
-                }
-                Ok(Some(HostEvent::C2HDataDigestError {
-                    cccid,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    digest_error = true;
-                    if last && success {
-                        return Err(digest_status(name));
-                    }
-                }
-                Ok(Some(HostEvent::CapsuleResp { cqe })) => {
-                    let cqe = Cqe::from_array(&cqe);
-                    if cqe.cid() != cid {
-                        continue;
-                    }
-                    let status = cqe.status();
-                    if !status.is_success() {
-                        return Err(Error::status_of(name, status));
-                    }
-                    if digest_error {
-                        return Err(digest_status(name));
-                    }
-                    return Ok((cqe, data));
-                }
-                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
-                    return Err(Error::TermReq {
-                        addr: addr.to_string(),
-                        fes,
-                        fei,
-                    });
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => self.read_more(addr, deadline, name, t).await?,
-                Err(source) => {
-                    self.flush_best_effort(addr).await;
-                    return Err(Error::Protocol {
-                        addr: addr.to_string(),
-                        source,
-                    });
-                }
-            }
-        }
-    }
-}
-
-fn digest_status(name: &'static str) -> Error {
-    Error::status_of(
-        name,
-        Status::generic(nvme_spec::status::generic::TRANSIENT_TRANSPORT_ERROR),
-    )
 }
