@@ -1,29 +1,23 @@
-//! Queues: one task per queue owns the connection (the TCP socket and the NVMe/TCP engine,
-//! or the NVMe/RDMA queue pair).
+//! Queues: one task per queue drives the queue core ([`crate::queue_core`]: the command
+//! table, deadlines, retries, reconnect hand-over) and owns the queue's link
+//! ([`crate::link`]: the NVMe/TCP socket and engine, or the NVMe/RDMA queue pair).
 //!
 //! A caller takes a command slot (a tag, which is also the command identifier on the wire),
 //! fills the slot's staging buffer, and hands the command to the queue task through a
-//! channel. The task gathers every command that is ready into the engine's send buffer and
-//! writes them with one `write`; it reads everything the socket has, copies read data into
-//! the slots' staging buffers, answers R2Ts, and on each completion stores the result in the
-//! slot and wakes that one caller. When the socket holds the rest of a large C2HData PDU, the
-//! task reads it straight into the command's buffer (no copy out of the receive buffer); a
-//! caller may lend its own buffer for a read (pinned memory for a GPU copy, for example) so
-//! the data lands there directly.
-//!
-//! Over NVMe/RDMA a slot's buffer is registered with the queue pair's protection domain the
-//! first time it carries data (and again only when it must grow or after a reconnect): the
-//! command names it in a keyed SGL, the target RDMA WRITEs read data into it or RDMA READs
-//! write data from it, and its completion arrives by SEND. Small writes travel in the capsule.
+//! channel. The task gives every command that is ready to the core, which sends it through
+//! the link (NVMe/TCP gathers the capsules in the engine's send buffer and writes them with
+//! one `write`); what the link receives goes to the core, which stores each completion in
+//! its slot and wakes that one caller. A caller may lend its own buffer for a read (pinned
+//! memory for a GPU copy, for example) so the data lands there directly (NVMe/TCP).
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
 //! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
-//! the task: a target that stops answering gives a timeout error, never a hang.
+//! the task on a timer: a target that stops answering gives a timeout error, never a hang.
 //!
-//! When the connection is lost the task keeps reads (and everything idempotent) to resend on
-//! the next connection and fails writes with [`Error::Interrupted`] (unless writes may be
-//! retried); it reports the loss to the controller's supervisor, which reconnects and hands a
-//! new connection over.
+//! When the link is lost the core keeps reads (and everything idempotent) to resend on the
+//! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried); the
+//! task reports the loss to the controller's supervisor, which reconnects and hands a new
+//! link over.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
