@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use nvme_spec::command::{build, cns, log_id};
-use nvme_spec::fabrics::{Cc, csts, property};
+use nvme_spec::fabrics::{Cc, property};
 use nvme_spec::identify::{
     IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
 };
@@ -37,7 +37,7 @@ use crate::queue::{
 };
 use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
-use crate::setup::{QueueSpec, SetupConn};
+use crate::setup::{self, Properties, QueueSpec, SetupConn};
 use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
@@ -1037,19 +1037,18 @@ impl Supervisor {
 
 /// CC.SHN, then CSTS.SHST polling, through the admin queue.
 async fn shutdown_controller(s: &CtrlShared) -> Result<(), Error> {
-    let cc = s.property_get(property::CC).await?;
-    s.property_set(property::CC, Cc::shutdown_value(cc)).await?;
-    let limit = s.opts.timeouts.shutdown;
-    let deadline = Instant::now() + limit;
-    loop {
-        let v = s.property_get(property::CSTS).await?;
-        if v & csts::SHST_MASK == csts::SHST_COMPLETE {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut admin = s;
+    setup::shutdown(&mut admin, s.opts.timeouts.shutdown).await
+}
+
+/// Properties through the running admin queue.
+impl Properties for &CtrlShared {
+    async fn get(&mut self, offset: u32) -> Result<u32, Error> {
+        self.property_get(offset).await
+    }
+
+    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
+        self.property_set(offset, value).await
     }
 }
 

@@ -238,20 +238,7 @@ impl SetupConn {
 
     /// Requests a normal shutdown (CC.SHN) and waits for CSTS.SHST, at most `limit`.
     pub async fn shutdown(&mut self, limit: Duration) -> Result<(), Error> {
-        let cc = self.property_get(property::CC, false).await? as u32;
-        self.property_set(property::CC, nvme_spec::fabrics::Cc::shutdown_value(cc))
-            .await?;
-        let deadline = Instant::now() + limit;
-        loop {
-            let v = self.property_get(property::CSTS, false).await? as u32;
-            if v & csts::SHST_MASK == csts::SHST_COMPLETE {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
-            }
-            tokio::time::sleep(CSTS_POLL).await;
-        }
+        shutdown(self, limit).await
     }
 
     /// Identify with the given CNS and NSID (4096 bytes).
@@ -270,5 +257,42 @@ impl SetupConn {
     pub async fn get_log_page(&mut self, lid: u8, len: u32, offset: u64) -> Result<Vec<u8>, Error> {
         let sqe = nvme_spec::command::build::get_log_page(0, lid, 0, len, offset);
         self.command(sqe, &[], len as usize).await.map(|(_, d)| d)
+    }
+}
+
+/// Access to a controller's 4-byte properties: through the one-at-a-time commands of a
+/// connection being set up, or through a running admin queue.
+pub(crate) trait Properties {
+    /// Property Get.
+    async fn get(&mut self, offset: u32) -> Result<u32, Error>;
+    /// Property Set.
+    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error>;
+}
+
+impl Properties for SetupConn {
+    async fn get(&mut self, offset: u32) -> Result<u32, Error> {
+        Ok(self.property_get(offset, false).await? as u32)
+    }
+
+    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
+        self.property_set(offset, value).await
+    }
+}
+
+/// Requests a normal shutdown (CC.SHN) and waits for CSTS.SHST, at most `limit`.
+pub(crate) async fn shutdown<P: Properties>(p: &mut P, limit: Duration) -> Result<(), Error> {
+    let cc = p.get(property::CC).await?;
+    p.set(property::CC, nvme_spec::fabrics::Cc::shutdown_value(cc))
+        .await?;
+    let deadline = Instant::now() + limit;
+    loop {
+        let v = p.get(property::CSTS).await?;
+        if v & csts::SHST_MASK == csts::SHST_COMPLETE {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
+        }
+        tokio::time::sleep(CSTS_POLL).await;
     }
 }
