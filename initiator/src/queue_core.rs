@@ -152,6 +152,8 @@ pub(crate) struct LinkLimits {
     pub lends_buffers: bool,
     /// Whether the controller must support keyed SGL data blocks.
     pub needs_keyed_sgls: bool,
+    /// Write data of set-up commands (the Fabrics Connect data) carried in the capsule.
+    pub setup_in_capsule: usize,
 }
 
 /// A queue's command table and its rules (see the module documentation).

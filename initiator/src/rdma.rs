@@ -16,7 +16,7 @@ use nvmf_rdma::{CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Rem
 use tokio::time::{Instant, timeout_at};
 
 use crate::buffer::SlotBuf;
-use crate::error::{command_name, rdma_error};
+use crate::error::rdma_error;
 use crate::queue_core::{Cmd, Completions, Core, DataDir, LinkLimits, QueueCounters, Wire, bump};
 use crate::{Error, TargetAddr};
 
@@ -107,13 +107,15 @@ impl RdmaConn {
     /// What NVMe/RDMA allows: a keyed SGL data block describes at most 16 MiB - 1 (8 MiB
     /// per command here), every send slot of a queue has room for the in-capsule data (16 KiB
     /// here, to keep the slots small), none on the admin queue, and the target writes read
-    /// data into registered memory only (no lent buffers).
+    /// data into registered memory only (no lent buffers); set-up commands name their data
+    /// (the Connect data) with a keyed SGL.
     pub const LIMITS: LinkLimits = LinkLimits {
         max_transfer: Some(8 << 20),
         max_in_capsule: Some(16384),
         admin_in_capsule: 0,
         lends_buffers: false,
         needs_keyed_sgls: true,
+        setup_in_capsule: 0,
     };
 
     /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
@@ -294,51 +296,6 @@ impl RdmaConn {
             Ok(CmEvent::Disconnected) => Some(Error::lost(&self.addr, "the target disconnected")),
             Ok(other) => Some(Error::lost(&self.addr, format!("{other:?}"))),
             Err(e) => Some(Error::lost(&self.addr, e.to_string())),
-        }
-    }
-
-    /// Runs one command at a time during set-up: `data_out` goes to the target, `data_in`
-    /// bytes come back, both through a keyed SGL (RDMA READ / RDMA WRITE by the target).
-    pub async fn command(
-        &mut self,
-        mut sqe: Sqe,
-        cid: u16,
-        admin: bool,
-        data_out: &[u8],
-        data_in: usize,
-        t: Duration,
-    ) -> Result<(Cqe, Vec<u8>), Error> {
-        let name = command_name(admin, sqe.opcode, sqe.fctype());
-        sqe.cid.set(cid);
-        let len = data_out.len().max(data_in);
-        let mut buf = SlotBuf::Heap(data_out.to_vec());
-        buf.ensure(len)?;
-        self.send_command(sqe, &mut buf, len, data_in > 0, 0)??;
-        let deadline = Instant::now() + t;
-        let mut cqes = Vec::new();
-        loop {
-            self.poll(&mut cqes)?;
-            if let Some(cqe) = cqes.iter().find(|c| c.cid() == cid) {
-                let cqe = *cqe;
-                let status = cqe.status();
-                if !status.is_success() {
-                    return Err(Error::status_of(name, status));
-                }
-                return Ok((cqe, buf.as_slice()[..data_in].to_vec()));
-            }
-            cqes.clear();
-            match timeout_at(deadline, self.ready()).await {
-                Err(_) => return Err(Error::timeout(name, t)),
-                Ok(RdmaWake::Completions(Ok(()))) => {}
-                Ok(RdmaWake::Completions(Err(e))) => {
-                    return Err(Error::lost(&self.addr, format!("completion queue: {e}")));
-                }
-                Ok(RdmaWake::Cm(ev)) => {
-                    if let Some(e) = self.cm_outcome(ev) {
-                        return Err(e);
-                    }
-                }
-            }
         }
     }
 }

@@ -1,17 +1,23 @@
 //! Connection set-up: TCP connect and ICReq/ICResp (NVMe/TCP) or the RDMA-CM connection
 //! (NVMe/RDMA), and commands issued one at a time before a queue is handed to its I/O task
-//! (Fabrics Connect, properties, Identify, discovery).
+//! (Fabrics Connect, properties, Identify, discovery). Those commands go through a queue
+//! core of one slot on the connection's link: the same command path as I/O.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use nvme_spec::fabrics::{ConnectData, csts, property};
 use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
 use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
+use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
-use crate::link::Link;
-use crate::rdma::{RdmaConn, SharedPd};
+use crate::buffer::SlotBuf;
+use crate::error::command_name;
+use crate::link::{Link, LinkWake};
+use crate::queue_core::{Completions, Core, DataDir, QueueCounters, Request, Retry};
+use crate::rdma::{RdmaConn, RdmaWake, SharedPd};
 use crate::tcp::{READ_CHUNK, TcpConn};
 use crate::{Error, HostIdentity, TargetAddr, Transport};
 
@@ -37,8 +43,26 @@ pub(crate) struct SetupConn {
     pub params: HostParams,
     pub addr: String,
     admin_timeout: Duration,
-    next_cid: u16,
-    admin: bool,
+    /// The queue core the set-up commands go through, one at a time (command identifier 0).
+    core: Core<SetupSlot>,
+    slot: Arc<SetupSlot>,
+}
+
+/// The one command slot of a connection being set up.
+#[derive(Default)]
+struct SetupSlot {
+    done: Mutex<Option<(Result<Cqe, Error>, SlotBuf)>>,
+    counters: QueueCounters,
+}
+
+impl Completions for SetupSlot {
+    fn finish(&self, _tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+        *self.done.lock() = Some((result, buf));
+    }
+
+    fn counters(&self) -> &QueueCounters {
+        &self.counters
+    }
 }
 
 impl SetupConn {
@@ -70,13 +94,15 @@ impl SetupConn {
                 pd,
             )
             .await?;
+            let slot = Arc::new(SetupSlot::default());
+            let core = Core::new(Arc::clone(&slot), addr_s.clone(), 1, false, true);
             return Ok(SetupConn {
                 link: Link::Rdma(conn),
                 params: no_digests,
                 addr: addr_s,
                 admin_timeout,
-                next_cid: 0,
-                admin: true,
+                core,
+                slot,
             });
         }
         let deadline = Instant::now() + connect_timeout;
@@ -108,13 +134,15 @@ impl SetupConn {
         loop {
             match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
+                    let slot = Arc::new(SetupSlot::default());
+                    let core = Core::new(Arc::clone(&slot), addr_s.clone(), 1, false, true);
                     return Ok(SetupConn {
                         link: Link::Tcp(tcp),
                         params: p,
                         addr: addr_s,
                         admin_timeout,
-                        next_cid: 0,
-                        admin: true,
+                        core,
+                        slot,
                     });
                 }
                 Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
@@ -154,14 +182,90 @@ impl SetupConn {
         data_out: &[u8],
         data_in: usize,
     ) -> Result<(Cqe, Vec<u8>), Error> {
-        let cid = self.next_cid;
-        self.next_cid = self.next_cid.wrapping_add(1);
+        let name = command_name(true, sqe.opcode, sqe.fctype());
+        let res = self.run(sqe, data_out, data_in).await;
+        let (cqe, buf) = match res {
+            Ok(r) => r,
+            Err(e) => {
+                // The connection is given up: nothing stays in the table.
+                self.core.fail_all(&e);
+                self.slot.done.lock().take();
+                return Err(e);
+            }
+        };
+        let status = cqe.status();
+        if !status.is_success() {
+            return Err(Error::status_of(name, status));
+        }
+        Ok((cqe, buf.as_slice()[..data_in].to_vec()))
+    }
+
+    /// Sends one command through the queue core and drives the link until it completes.
+    async fn run(
+        &mut self,
+        sqe: Sqe,
+        data_out: &[u8],
+        data_in: usize,
+    ) -> Result<(Cqe, SlotBuf), Error> {
         let t = self.admin_timeout;
-        match &mut self.link {
-            Link::Rdma(r) => r.command(sqe, cid, self.admin, data_out, data_in, t).await,
-            Link::Tcp(tcp) => {
-                tcp.command(&self.addr, self.admin, cid, sqe, data_out, data_in, t)
-                    .await
+        let name = command_name(true, sqe.opcode, sqe.fctype());
+        let len = data_out.len().max(data_in);
+        let req = Request {
+            sqe,
+            dir: if !data_out.is_empty() {
+                DataDir::FromHost
+            } else if data_in > 0 {
+                DataDir::ToHost
+            } else {
+                DataDir::None
+            },
+            len: u32::try_from(len)
+                .map_err(|_| Error::InvalidArgument("transfer too large".into()))?,
+            retry: Retry::Never,
+            timeout: Some(t),
+        };
+        let mut buf = SlotBuf::Heap(data_out.to_vec());
+        buf.ensure(len)?;
+        let icd = self.link.limits().setup_in_capsule;
+        self.link.set_icd_limit(icd);
+        let deadline = Instant::now() + t;
+        self.core.now = Instant::now();
+        self.core.submit(Some(&mut self.link), 0, req, buf, None)?;
+        // What arrived already (a completion queue is polled before it is waited on).
+        if let Err(e) = self.link.process(&mut self.core) {
+            let _ = self.link.try_flush();
+            return Err(e);
+        }
+        loop {
+            if let Some((result, buf)) = self.slot.done.lock().take() {
+                return result.map(|cqe| (cqe, buf));
+            }
+            if let Err(e) = self.link.try_flush() {
+                return Err(Error::lost(&self.addr, format!("send failed: {e}")));
+            }
+            let wake = match timeout_at(deadline, self.link.ready()).await {
+                Err(_) => return Err(Error::timeout(name, t)),
+                Ok(w) => w,
+            };
+            let err = match wake {
+                LinkWake::Tcp(Ok(_)) | LinkWake::Rdma(RdmaWake::Completions(Ok(()))) => {
+                    self.link.receive(&mut self.core).err()
+                }
+                LinkWake::Tcp(Err(e)) => {
+                    Some(Error::lost(&self.addr, format!("socket error: {e}")))
+                }
+                LinkWake::Rdma(RdmaWake::Completions(Err(e))) => {
+                    Some(Error::lost(&self.addr, format!("completion queue: {e}")))
+                }
+                LinkWake::Rdma(RdmaWake::Cm(ev)) => match &self.link {
+                    Link::Rdma(conn) => conn.cm_outcome(ev),
+                    Link::Tcp(_) => None,
+                },
+            };
+            if let Some(e) = err {
+                // A protocol error leaves a TermReq to send; give it one try.
+                let _ = self.link.try_flush();
+                return Err(e);
             }
         }
     }
@@ -176,7 +280,6 @@ impl SetupConn {
         subnqn: &str,
         host: &HostIdentity,
     ) -> Result<u16, Error> {
-        self.admin = qid == 0;
         let cmd = FabricsCommand::Connect(nvme_spec::command::Connect {
             recfmt: 0,
             qid,

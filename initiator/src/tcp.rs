@@ -6,14 +6,13 @@
 use std::io;
 use std::time::Duration;
 
-use nvme_spec::{Cqe, SglDescriptor, Sqe, Status};
+use nvme_spec::{Cqe, SglDescriptor, Status};
 use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest, Ready};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
 use crate::Error;
-use crate::error::command_name;
 use crate::queue_core::{Cmd, Completions, Core, DataDir, LinkLimits, QueueCounters, Wire, bump};
 
 /// Bytes asked of the socket per read.
@@ -41,13 +40,15 @@ pub(crate) struct TcpConn {
 impl TcpConn {
     /// What NVMe/TCP allows: no transfer limit of its own, in-capsule data as the
     /// controller offers (8 KiB on the admin queue), and read data received by the host, so
-    /// into a buffer the caller lends if it wants.
+    /// into a buffer the caller lends if it wants; set-up commands carry their data in the
+    /// capsule.
     pub const LIMITS: LinkLimits = LinkLimits {
         max_transfer: None,
         max_in_capsule: None,
         admin_in_capsule: 8192,
         lends_buffers: true,
         needs_keyed_sgls: false,
+        setup_in_capsule: usize::MAX,
     };
 
     /// Waits until the socket is readable (or writable while bytes wait to be sent).
@@ -275,96 +276,6 @@ impl TcpConn {
             }
         }
     }
-
-    /// One command over NVMe/TCP: `data_out` in the capsule, `data_in` bytes in C2HData.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn command(
-        &mut self,
-        addr: &str,
-        admin: bool,
-        cid: u16,
-        mut sqe: Sqe,
-        data_out: &[u8],
-        data_in: usize,
-        t: Duration,
-    ) -> Result<(Cqe, Vec<u8>), Error> {
-        let name = command_name(admin, sqe.opcode, sqe.fctype());
-        sqe.cid.set(cid);
-        sqe.set_sgl();
-        let len = u32::try_from(data_out.len().max(data_in))
-            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
-        sqe.dptr = if data_out.is_empty() {
-            SglDescriptor::tcp_transport(len)
-        } else {
-            SglDescriptor::in_capsule(len)
-        };
-        self.engine
-            .send_capsule_cmd(&sqe.to_array(), data_out)
-            .map_err(|e| Error::lost(addr, format!("cannot send {name}: {e}")))?;
-        let deadline = Instant::now() + t;
-        self.flush(addr, deadline, name, t).await?;
-        let mut data = vec![0u8; data_in];
-        let mut digest_error = false;
-        loop {
-            match self.engine.next_event() {
-                Ok(Some(HostEvent::C2HData {
-                    cccid,
-                    datao,
-                    data: d,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    let off = datao as usize;
-                    if let Some(dst) = data.get_mut(off..off + d.len()) {
-                        dst.copy_from_slice(d);
-                    }
-                    if last && success {
-                        return Ok((Cqe::new(cid, Status::SUCCESS, 0), data));
-                    }
-                }
-                Ok(Some(HostEvent::C2HDataDigestError {
-                    cccid,
-                    last,
-                    success,
-                })) if cccid == cid => {
-                    digest_error = true;
-                    if last && success {
-                        return Err(digest_status(name));
-                    }
-                }
-                Ok(Some(HostEvent::CapsuleResp { cqe })) => {
-                    let cqe = Cqe::from_array(&cqe);
-                    if cqe.cid() != cid {
-                        continue;
-                    }
-                    let status = cqe.status();
-                    if !status.is_success() {
-                        return Err(Error::status_of(name, status));
-                    }
-                    if digest_error {
-                        return Err(digest_status(name));
-                    }
-                    return Ok((cqe, data));
-                }
-                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
-                    return Err(Error::TermReq {
-                        addr: addr.to_string(),
-                        fes,
-                        fei,
-                    });
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => self.read_more(addr, deadline, name, t).await?,
-                Err(source) => {
-                    self.flush_best_effort(addr).await;
-                    return Err(Error::Protocol {
-                        addr: addr.to_string(),
-                        source,
-                    });
-                }
-            }
-        }
-    }
 }
 
 /// NVMe/TCP capsules: write data up to the in-capsule limit travels in the capsule, the rest
@@ -422,11 +333,4 @@ fn data_buf<C: Completions>(core: &mut Core<C>, p: PendingData) -> Option<&mut [
     cmd.buf
         .as_mut_slice()
         .get_mut(start..start.checked_add(p.len)?)
-}
-
-fn digest_status(name: &'static str) -> Error {
-    Error::status_of(
-        name,
-        Status::generic(nvme_spec::status::generic::TRANSIENT_TRANSPORT_ERROR),
-    )
 }
