@@ -22,7 +22,7 @@ use nvme_spec::fabrics::{Cc, property};
 use nvme_spec::identify::{
     IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
 };
-use nvme_spec::{FabricsCommand, FromBytes, features};
+use nvme_spec::{FromBytes, features};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -30,6 +30,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::admin::{self, Admin, admin_request};
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
 use crate::link::Link;
 use crate::queue::{
@@ -37,7 +38,7 @@ use crate::queue::{
 };
 use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
-use crate::setup::{self, Properties, QueueSpec, SetupConn};
+use crate::setup::{QueueSpec, SetupConn};
 use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
@@ -140,56 +141,13 @@ impl CtrlShared {
         self.state.borrow().generation
     }
 
-    fn admin_request(&self, sqe: nvme_spec::Sqe, dir: DataDir, len: u32, retry: Retry) -> Request {
-        Request {
-            sqe,
-            dir,
-            len,
-            retry,
-            timeout: Some(self.opts.timeouts.admin),
-        }
-    }
-
-    /// Runs an admin command that returns `len` bytes of data.
-    async fn admin_read(&self, sqe: nvme_spec::Sqe, len: u32) -> Result<Vec<u8>, Error> {
-        let req = self.admin_request(sqe, DataDir::ToHost, len, Retry::Always);
-        let (_, data) = self
-            .admin
-            .execute(req, |_| Ok(()), |d: &[u8]| d.to_vec())
-            .await?;
-        Ok(data)
-    }
-
-    /// Runs an admin command without data; returns completion DW0.
-    async fn admin_plain(&self, sqe: nvme_spec::Sqe, retry: Retry) -> Result<u32, Error> {
-        let req = self.admin_request(sqe, DataDir::None, 0, retry);
-        let (cqe, ()) = self.admin.execute(req, |_| Ok(()), |_| ()).await?;
-        Ok(cqe.dw0.get())
-    }
-
-    async fn property_get(&self, offset: u32) -> Result<u32, Error> {
-        let sqe = FabricsCommand::PropertyGet {
-            size8: false,
-            offset,
-        }
-        .encode(0);
-        self.admin_plain(sqe, Retry::Never).await
-    }
-
-    async fn property_set(&self, offset: u32, value: u32) -> Result<(), Error> {
-        let sqe = FabricsCommand::PropertySet {
-            size8: false,
-            offset,
-            value: u64::from(value),
-        }
-        .encode(0);
-        self.admin_plain(sqe, Retry::Never).await.map(|_| ())
+    /// The running admin queue as an [`Admin`].
+    fn admin_api(&self) -> AdminQueue<'_> {
+        AdminQueue(self)
     }
 
     async fn identify_namespace_raw(&self, nsid: u32) -> Result<IdentifyNamespace, Error> {
-        let raw = self
-            .admin_read(build::identify(0, cns::NAMESPACE, nsid), 4096)
-            .await?;
+        let raw = self.admin_api().identify(cns::NAMESPACE, nsid).await?;
         IdentifyNamespace::read_from_bytes(&raw)
             .map_err(|_| Error::Refused("short Identify Namespace data".into()))
     }
@@ -197,7 +155,8 @@ impl CtrlShared {
     async fn load_namespace(&self, nsid: u32) -> Result<Option<NamespaceInfo>, Error> {
         let id = self.identify_namespace_raw(nsid).await?;
         let desc = self
-            .admin_read(build::identify(0, cns::NS_DESCRIPTORS, nsid), 4096)
+            .admin_api()
+            .identify(cns::NS_DESCRIPTORS, nsid)
             .await
             .ok();
         Ok(namespace_info(nsid, &id, desc.as_deref()))
@@ -208,7 +167,8 @@ impl CtrlShared {
         let mut after = 0u32;
         loop {
             let raw = self
-                .admin_read(build::identify(0, cns::ACTIVE_NS_LIST, after), 4096)
+                .admin_api()
+                .identify(cns::ACTIVE_NS_LIST, after)
                 .await?;
             let ids = nvme_spec::identify::decode_ns_list(&raw);
             let full = ids.len() == 1024;
@@ -317,7 +277,7 @@ async fn establish(
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
     let cc = admin.property_get(property::CC, false).await? as u32;
     if !Cc(cc).enabled() {
-        admin.enable(cap_to_ms, Duration::from_millis(500)).await?;
+        admin::enable(&mut admin, cap_to_ms, Duration::from_millis(500)).await?;
     }
     let vs = admin.property_get(property::VS, false).await? as u32;
     let raw = admin.identify(cns::CONTROLLER, 0).await?;
@@ -754,7 +714,8 @@ impl Controller {
         let raw = self
             .inner
             .shared
-            .admin_read(build::identify(0, cns::CONTROLLER, 0), 4096)
+            .admin_api()
+            .identify(cns::CONTROLLER, 0)
             .await?;
         IdentifyController::read_from_bytes(&raw)
             .map_err(|_| Error::Refused("short Identify Controller data".into()))
@@ -780,21 +741,22 @@ impl Controller {
         }
         self.inner
             .shared
-            .admin_read(build::get_log_page(0, lid, nsid, len, offset), len)
+            .admin_api()
+            .get_log_page(lid, nsid, len, offset)
             .await
     }
 
     /// Get Features (current value); returns completion DW0.
     pub async fn get_features(&self, fid: u8) -> Result<u32, Error> {
-        let sqe = build::get_features(0, fid);
-        self.inner.shared.admin_plain(sqe, Retry::Always).await
+        self.inner.shared.admin_api().get_features(fid).await
     }
 
     /// Sends one Keep Alive now.
     pub async fn keep_alive(&self) -> Result<(), Error> {
         self.inner
             .shared
-            .admin_plain(build::keep_alive(0), Retry::Never)
+            .admin_api()
+            .run(build::keep_alive(0), &[], 0, Retry::Never)
             .await
             .map(|_| ())
     }
@@ -1037,18 +999,33 @@ impl Supervisor {
 
 /// CC.SHN, then CSTS.SHST polling, through the admin queue.
 async fn shutdown_controller(s: &CtrlShared) -> Result<(), Error> {
-    let mut admin = s;
-    setup::shutdown(&mut admin, s.opts.timeouts.shutdown).await
+    admin::shutdown(&mut s.admin_api(), s.opts.timeouts.shutdown).await
 }
 
-/// Properties through the running admin queue.
-impl Properties for &CtrlShared {
-    async fn get(&mut self, offset: u32) -> Result<u32, Error> {
-        self.property_get(offset).await
-    }
+/// A controller's running admin queue: commands go through its queue task, with the admin
+/// timeout.
+struct AdminQueue<'a>(&'a CtrlShared);
 
-    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
-        self.property_set(offset, value).await
+impl Admin for AdminQueue<'_> {
+    async fn run(
+        &mut self,
+        sqe: nvme_spec::Sqe,
+        data_out: &[u8],
+        data_in: u32,
+        retry: Retry,
+    ) -> Result<(nvme_spec::Cqe, Vec<u8>), Error> {
+        let s = self.0;
+        let req = admin_request(sqe, data_out, data_in, retry, s.opts.timeouts.admin)?;
+        s.admin
+            .execute(
+                req,
+                |b| {
+                    b[..data_out.len()].copy_from_slice(data_out);
+                    Ok(())
+                },
+                |d: &[u8]| d.to_vec(),
+            )
+            .await
     }
 }
 
@@ -1153,7 +1130,8 @@ async fn handle_event(s: &CtrlShared, dw0: u32) {
             512
         };
         if let Err(e) = s
-            .admin_read(build::get_log_page(0, log_page, 0xFFFF_FFFF, len, 0), len)
+            .admin_api()
+            .get_log_page(log_page, 0xFFFF_FFFF, len, 0)
             .await
         {
             debug!(log_page, error = %e, "cannot read the event's log page");

@@ -60,6 +60,7 @@
 //! data path in steady state, or panic on anything a target sends.
 #![forbid(unsafe_code)]
 
+mod admin;
 mod buffer;
 mod controller;
 pub mod daemon;

@@ -6,23 +6,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvme_spec::fabrics::{ConnectData, csts, property};
+use nvme_spec::fabrics::ConnectData;
 use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
 use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
+use crate::admin::{Admin, admin_request};
 use crate::buffer::SlotBuf;
 use crate::error::command_name;
 use crate::link::{Link, LinkWake};
-use crate::queue_core::{Completions, Core, DataDir, QueueCounters, Request, Retry};
+use crate::queue_core::{Completions, Core, QueueCounters, Retry};
 use crate::rdma::{RdmaConn, RdmaWake, SharedPd};
 use crate::tcp::{READ_CHUNK, TcpConn};
 use crate::{Error, HostIdentity, TargetAddr, Transport};
-
-/// Delay between two polls of CSTS.
-const CSTS_POLL: Duration = Duration::from_millis(20);
 
 /// Which queue a connection is for (NVMe/RDMA names it when connecting).
 #[derive(Clone, Copy, Debug)]
@@ -210,20 +208,9 @@ impl SetupConn {
         let t = self.admin_timeout;
         let name = command_name(true, sqe.opcode, sqe.fctype());
         let len = data_out.len().max(data_in);
-        let req = Request {
-            sqe,
-            dir: if !data_out.is_empty() {
-                DataDir::FromHost
-            } else if data_in > 0 {
-                DataDir::ToHost
-            } else {
-                DataDir::None
-            },
-            len: u32::try_from(len)
-                .map_err(|_| Error::InvalidArgument("transfer too large".into()))?,
-            retry: Retry::Never,
-            timeout: Some(t),
-        };
+        let data_in_len = u32::try_from(data_in)
+            .map_err(|_| Error::InvalidArgument("transfer too large".into()))?;
+        let req = admin_request(sqe, data_out, data_in_len, Retry::Never, t)?;
         let mut buf = SlotBuf::Heap(data_out.to_vec());
         buf.ensure(len)?;
         let icd = self.link.limits().setup_in_capsule;
@@ -291,111 +278,16 @@ impl SetupConn {
         let (cqe, _) = self.command(cmd.encode(0), data.as_bytes(), 0).await?;
         Ok((cqe.dw0.get() & 0xFFFF) as u16)
     }
-
-    /// Property Get.
-    pub async fn property_get(&mut self, offset: u32, size8: bool) -> Result<u64, Error> {
-        let cmd = FabricsCommand::PropertyGet { size8, offset };
-        let (cqe, _) = self.command(cmd.encode(0), &[], 0).await?;
-        Ok(if size8 {
-            cqe.value64()
-        } else {
-            u64::from(cqe.dw0.get())
-        })
-    }
-
-    /// Property Set of a 4-byte property.
-    pub async fn property_set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
-        let cmd = FabricsCommand::PropertySet {
-            size8: false,
-            offset,
-            value: u64::from(value),
-        };
-        self.command(cmd.encode(0), &[], 0).await.map(|_| ())
-    }
-
-    /// Sets CC.EN and waits for CSTS.RDY, at most CAP.TO (and at least `min_wait`).
-    pub async fn enable(&mut self, cap_timeout_ms: u32, min_wait: Duration) -> Result<(), Error> {
-        self.property_set(property::CC, nvme_spec::fabrics::Cc::enable_value())
-            .await?;
-        let limit = Duration::from_millis(u64::from(cap_timeout_ms)).max(min_wait);
-        let deadline = Instant::now() + limit;
-        loop {
-            let v = self.property_get(property::CSTS, false).await? as u32;
-            if v & csts::CFS != 0 {
-                return Err(Error::Refused(
-                    "the controller reports a fatal status (CSTS.CFS) after enable".into(),
-                ));
-            }
-            if v & csts::RDY != 0 {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::timeout(
-                    "CSTS.RDY after enabling the controller",
-                    limit,
-                ));
-            }
-            tokio::time::sleep(CSTS_POLL).await;
-        }
-    }
-
-    /// Requests a normal shutdown (CC.SHN) and waits for CSTS.SHST, at most `limit`.
-    pub async fn shutdown(&mut self, limit: Duration) -> Result<(), Error> {
-        shutdown(self, limit).await
-    }
-
-    /// Identify with the given CNS and NSID (4096 bytes).
-    pub async fn identify(&mut self, cns: u8, nsid: u32) -> Result<Vec<u8>, Error> {
-        let sqe = nvme_spec::command::build::identify(0, cns, nsid);
-        self.command(sqe, &[], 4096).await.map(|(_, d)| d)
-    }
-
-    /// Set Features; returns completion DW0.
-    pub async fn set_features(&mut self, fid: u8, cdw11: u32) -> Result<u32, Error> {
-        let sqe = nvme_spec::command::build::set_features(0, fid, cdw11);
-        self.command(sqe, &[], 0).await.map(|(c, _)| c.dw0.get())
-    }
-
-    /// Get Log Page of `len` bytes at `offset`.
-    pub async fn get_log_page(&mut self, lid: u8, len: u32, offset: u64) -> Result<Vec<u8>, Error> {
-        let sqe = nvme_spec::command::build::get_log_page(0, lid, 0, len, offset);
-        self.command(sqe, &[], len as usize).await.map(|(_, d)| d)
-    }
 }
 
-/// Access to a controller's 4-byte properties: through the one-at-a-time commands of a
-/// connection being set up, or through a running admin queue.
-pub(crate) trait Properties {
-    /// Property Get.
-    async fn get(&mut self, offset: u32) -> Result<u32, Error>;
-    /// Property Set.
-    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error>;
-}
-
-impl Properties for SetupConn {
-    async fn get(&mut self, offset: u32) -> Result<u32, Error> {
-        Ok(self.property_get(offset, false).await? as u32)
-    }
-
-    async fn set(&mut self, offset: u32, value: u32) -> Result<(), Error> {
-        self.property_set(offset, value).await
-    }
-}
-
-/// Requests a normal shutdown (CC.SHN) and waits for CSTS.SHST, at most `limit`.
-pub(crate) async fn shutdown<P: Properties>(p: &mut P, limit: Duration) -> Result<(), Error> {
-    let cc = p.get(property::CC).await?;
-    p.set(property::CC, nvme_spec::fabrics::Cc::shutdown_value(cc))
-        .await?;
-    let deadline = Instant::now() + limit;
-    loop {
-        let v = p.get(property::CSTS).await?;
-        if v & csts::SHST_MASK == csts::SHST_COMPLETE {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
-        }
-        tokio::time::sleep(CSTS_POLL).await;
+impl Admin for SetupConn {
+    async fn run(
+        &mut self,
+        sqe: Sqe,
+        data_out: &[u8],
+        data_in: u32,
+        _retry: Retry,
+    ) -> Result<(Cqe, Vec<u8>), Error> {
+        self.command(sqe, data_out, data_in as usize).await
     }
 }
