@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use nvme_spec::command::{build, cns, log_id};
-use nvme_spec::fabrics::{Cc, csts, property};
+use nvme_spec::fabrics::{Cc, property};
 use nvme_spec::identify::{
     IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
 };
-use nvme_spec::{FabricsCommand, FromBytes, features};
+use nvme_spec::{FromBytes, features};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -30,24 +30,21 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::admin::{self, Admin, admin_request};
 use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
-use crate::queue::{DataDir, Live, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry};
+use crate::link::Link;
+use crate::queue::{
+    DataDir, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry, SupMsg,
+};
+use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
 use crate::setup::{QueueSpec, SetupConn};
-use crate::{ConnectOptions, Error, Namespace, QueuePolicy, RegisteredBuffer, Transport};
+use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Entries of the admin queue.
 const ADMIN_QUEUE_ENTRIES: u16 = 32;
-/// In-capsule data accepted on admin queues (NVMe/TCP: 8 KiB).
-const ADMIN_IN_CAPSULE: usize = 8192;
-/// Largest transfer per NVMe/RDMA command (a keyed SGL data block has a 24-bit length).
-const RDMA_MAX_TRANSFER: u64 = 8 << 20;
-/// Largest in-capsule data of NVMe/RDMA writes (each send slot of a queue has room for it).
-const RDMA_MAX_IN_CAPSULE: u32 = 16384;
 /// Transfer limit used when the controller reports none (MDTS 0).
 const DEFAULT_MAX_TRANSFER: u64 = 1 << 20;
-/// Largest number of logical blocks in one Read/Write (16-bit 0's based NLB).
-pub(crate) const MAX_NLB: u64 = 65536;
 
 /// Connection state of a controller.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,22 +92,6 @@ pub enum ControllerEvent {
     },
 }
 
-/// Messages to the supervisor.
-pub(crate) enum SupMsg {
-    /// A queue lost its connection.
-    QueueFailed {
-        qid: u16,
-        generation: u64,
-        error: Error,
-    },
-    /// Keep Alive failed with an error status.
-    KeepAliveFailed { generation: u64, error: Error },
-    /// Disconnect gracefully.
-    Shutdown {
-        reply: Option<oneshot::Sender<Result<(), Error>>>,
-    },
-}
-
 #[derive(Clone, Debug)]
 struct StateInfo {
     state: ControllerState,
@@ -141,6 +122,8 @@ pub(crate) struct CtrlShared {
     reconnects: AtomicU64,
     /// The protection domain of the NVMe/RDMA queues (kept across reconnects).
     pub pd: SharedPd,
+    /// What the transport allows.
+    pub limits: LinkLimits,
 }
 
 impl CtrlShared {
@@ -158,56 +141,13 @@ impl CtrlShared {
         self.state.borrow().generation
     }
 
-    fn admin_request(&self, sqe: nvme_spec::Sqe, dir: DataDir, len: u32, retry: Retry) -> Request {
-        Request {
-            sqe,
-            dir,
-            len,
-            retry,
-            timeout: Some(self.opts.timeouts.admin),
-        }
-    }
-
-    /// Runs an admin command that returns `len` bytes of data.
-    async fn admin_read(&self, sqe: nvme_spec::Sqe, len: u32) -> Result<Vec<u8>, Error> {
-        let req = self.admin_request(sqe, DataDir::ToHost, len, Retry::Always);
-        let (_, data) = self
-            .admin
-            .execute(req, |_| Ok(()), |d: &[u8]| d.to_vec())
-            .await?;
-        Ok(data)
-    }
-
-    /// Runs an admin command without data; returns completion DW0.
-    async fn admin_plain(&self, sqe: nvme_spec::Sqe, retry: Retry) -> Result<u32, Error> {
-        let req = self.admin_request(sqe, DataDir::None, 0, retry);
-        let (cqe, ()) = self.admin.execute(req, |_| Ok(()), |_| ()).await?;
-        Ok(cqe.dw0.get())
-    }
-
-    async fn property_get(&self, offset: u32) -> Result<u32, Error> {
-        let sqe = FabricsCommand::PropertyGet {
-            size8: false,
-            offset,
-        }
-        .encode(0);
-        self.admin_plain(sqe, Retry::Never).await
-    }
-
-    async fn property_set(&self, offset: u32, value: u32) -> Result<(), Error> {
-        let sqe = FabricsCommand::PropertySet {
-            size8: false,
-            offset,
-            value: u64::from(value),
-        }
-        .encode(0);
-        self.admin_plain(sqe, Retry::Never).await.map(|_| ())
+    /// The running admin queue as an [`Admin`].
+    fn admin_api(&self) -> AdminQueue<'_> {
+        AdminQueue(self)
     }
 
     async fn identify_namespace_raw(&self, nsid: u32) -> Result<IdentifyNamespace, Error> {
-        let raw = self
-            .admin_read(build::identify(0, cns::NAMESPACE, nsid), 4096)
-            .await?;
+        let raw = self.admin_api().identify(cns::NAMESPACE, nsid).await?;
         IdentifyNamespace::read_from_bytes(&raw)
             .map_err(|_| Error::Refused("short Identify Namespace data".into()))
     }
@@ -215,7 +155,8 @@ impl CtrlShared {
     async fn load_namespace(&self, nsid: u32) -> Result<Option<NamespaceInfo>, Error> {
         let id = self.identify_namespace_raw(nsid).await?;
         let desc = self
-            .admin_read(build::identify(0, cns::NS_DESCRIPTORS, nsid), 4096)
+            .admin_api()
+            .identify(cns::NS_DESCRIPTORS, nsid)
             .await
             .ok();
         Ok(namespace_info(nsid, &id, desc.as_deref()))
@@ -226,7 +167,8 @@ impl CtrlShared {
         let mut after = 0u32;
         loop {
             let raw = self
-                .admin_read(build::identify(0, cns::ACTIVE_NS_LIST, after), 4096)
+                .admin_api()
+                .identify(cns::ACTIVE_NS_LIST, after)
                 .await?;
             let ids = nvme_spec::identify::decode_ns_list(&raw);
             let full = ids.len() == 1024;
@@ -264,7 +206,7 @@ impl CtrlShared {
 
 /// A connection to one NVM subsystem: an admin queue and a set of I/O queues, each its own
 /// TCP connection or RDMA queue pair. Cheap to clone; the connection closes (gracefully, in the background) when
-/// the last clone and the last [`Namespace`] of it are dropped, or at once with
+/// the last clone and the last [`Namespace`](crate::Namespace) of it are dropped, or at once with
 /// [`disconnect`](Self::disconnect).
 #[derive(Clone)]
 pub struct Controller {
@@ -296,8 +238,8 @@ impl std::fmt::Debug for Controller {
 
 /// The result of setting up an association.
 struct Established {
-    admin: Live,
-    ios: Vec<Live>,
+    admin: Link,
+    ios: Vec<Link>,
     info: ControllerInfo,
     identify: Box<IdentifyController>,
     active_ns: Vec<u32>,
@@ -335,7 +277,7 @@ async fn establish(
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
     let cc = admin.property_get(property::CC, false).await? as u32;
     if !Cc(cc).enabled() {
-        admin.enable(cap_to_ms, Duration::from_millis(500)).await?;
+        admin::enable(&mut admin, cap_to_ms, Duration::from_millis(500)).await?;
     }
     let vs = admin.property_get(property::VS, false).await? as u32;
     let raw = admin.identify(cns::CONTROLLER, 0).await?;
@@ -415,9 +357,9 @@ async fn establish(
     if let Some(m) = opts.max_transfer {
         max_transfer = max_transfer.min(u64::from(m));
     }
-    if opts.addr.transport == Transport::Rdma {
-        // One keyed SGL data block describes at most 16 MiB - 1.
-        max_transfer = max_transfer.min(RDMA_MAX_TRANSFER);
+    let limits = admin.link.limits();
+    if let Some(m) = limits.max_transfer {
+        max_transfer = max_transfer.min(m);
     }
     let max_transfer = max_transfer.min(u64::from(u32::MAX)) as u32;
     let ioccsz = id.ioccsz.get();
@@ -426,16 +368,13 @@ async fn establish(
     } else {
         0
     };
-    let rdma = opts.addr.transport == Transport::Rdma;
-    if rdma {
-        // Every NVMe/RDMA send slot is that large: keep the slots of a queue small.
-        icd = icd.min(RDMA_MAX_IN_CAPSULE);
-        if id.sgls.get() & SGLS_KEYED == 0 {
-            return Err(Error::Refused(
-                "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs"
-                    .into(),
-            ));
-        }
+    if let Some(m) = limits.max_in_capsule {
+        icd = icd.min(m);
+    }
+    if limits.needs_keyed_sgls && id.sgls.get() & SGLS_KEYED == 0 {
+        return Err(Error::Refused(
+            "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs".into(),
+        ));
     }
     let mut info = ControllerInfo {
         addr: opts.addr.to_string(),
@@ -464,7 +403,7 @@ async fn establish(
     };
     fill_from_identify(&mut info, &id);
 
-    let mut set: JoinSet<Result<(u16, Live), Error>> = JoinSet::new();
+    let mut set: JoinSet<Result<(u16, Link), Error>> = JoinSet::new();
     for qid in 1..=granted {
         let opts = opts.clone();
         let pd = pd.clone();
@@ -479,10 +418,10 @@ async fn establish(
             let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin, &pd).await?;
             q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
                 .await?;
-            Ok((qid, q.into_live(icd as usize)))
+            Ok((qid, q.into_link(icd as usize)))
         });
     }
-    let mut ios: Vec<Option<Live>> = (0..granted).map(|_| None).collect();
+    let mut ios: Vec<Option<Link>> = (0..granted).map(|_| None).collect();
     while let Some(r) = set.join_next().await {
         let (qid, live) = r.map_err(|e| {
             Error::lost(
@@ -494,7 +433,7 @@ async fn establish(
     }
     let ios = ios.into_iter().flatten().collect();
     Ok(Established {
-        admin: admin.into_live(if rdma { 0 } else { ADMIN_IN_CAPSULE }),
+        admin: admin.into_link(limits.admin_in_capsule),
         ios,
         info,
         identify: Box::new(id),
@@ -582,6 +521,7 @@ impl Controller {
             events,
             reconnects: AtomicU64::new(0),
             pd,
+            limits: est.admin.limits(),
             opts,
         });
         shared
@@ -614,7 +554,8 @@ impl Controller {
 
     /// Allocates `len` bytes of zeroed, page-aligned host memory and, over NVMe/RDMA,
     /// registers it once with the protection domain all the controller's queues share: reads
-    /// and writes through [`Namespace::read_registered`] / [`Namespace::write_registered`]
+    /// and writes through [`Namespace::read_registered`](crate::Namespace::read_registered) /
+    /// [`Namespace::write_registered`](crate::Namespace::write_registered)
     /// then go straight between the target and this memory. Over NVMe/TCP the buffer is plain
     /// memory and the same calls copy as ordinary reads and writes do.
     ///
@@ -627,7 +568,7 @@ impl Controller {
     /// Registers GPU memory for NVMe/RDMA: the dma-buf of the buffer
     /// (`ibv_reg_dmabuf_mr`), or, where the export or the NIC refuses it, the device address
     /// (`ibv_reg_mr`, resolved by nvidia-peermem). Reads through
-    /// [`Namespace::read_registered_gpu`] then land in device memory straight from the NIC.
+    /// [`Namespace::read_registered_gpu`](crate::Namespace::read_registered_gpu) then land in device memory straight from the NIC.
     ///
     /// On an NVMe/TCP controller this is [`Error::Unsupported`]: there read into GPU memory
     /// through [`gpu`](crate::gpu), which stages through pinned host memory.
@@ -642,11 +583,6 @@ impl Controller {
                 "GPU memory is registered for NVMe/RDMA only; over NVMe/TCP read into GPU memory through nvmeof_initiator::gpu (pinned staging)".into(),
             )),
         }
-    }
-
-    /// Whether the controller's queues are NVMe/TCP connections.
-    pub(crate) fn is_tcp(&self) -> bool {
-        self.inner.shared.opts.addr.transport == Transport::Tcp
     }
 
     /// The protection domain of an NVMe/RDMA controller (None over NVMe/TCP).
@@ -773,58 +709,13 @@ impl Controller {
         Ok(info)
     }
 
-    /// A handle for I/O on namespace `nsid` (its geometry is read with Identify Namespace).
-    pub async fn namespace(&self, nsid: u32) -> Result<Namespace, Error> {
-        let info = self.namespace_info(nsid).await?;
-        Ok(Namespace::new(self.clone(), info))
-    }
-
-    /// Handles for every active namespace.
-    pub async fn namespaces(&self) -> Result<Vec<Namespace>, Error> {
-        let mut out = Vec::new();
-        for nsid in self.namespace_ids() {
-            out.push(self.namespace(nsid).await?);
-        }
-        Ok(out)
-    }
-
-    /// A handle for namespace `nsid` with a given block size and size, without asking the
-    /// controller (for namespaces known from elsewhere). The controller still checks every
-    /// command.
-    pub fn namespace_unchecked(
-        &self,
-        nsid: u32,
-        block_size: u32,
-        blocks: u64,
-    ) -> Result<Namespace, Error> {
-        if !block_size.is_power_of_two() || block_size < 512 {
-            return Err(Error::InvalidArgument(format!(
-                "block size {block_size} is not a power of two of at least 512"
-            )));
-        }
-        Ok(Namespace::new(
-            self.clone(),
-            NamespaceInfo {
-                nsid,
-                blocks,
-                capacity_blocks: blocks,
-                utilization_blocks: blocks,
-                block_size,
-                size_bytes: blocks.saturating_mul(u64::from(block_size)),
-                metadata_size: 0,
-                nguid: String::new(),
-                eui64: String::new(),
-                uuid: None,
-            },
-        ))
-    }
-
     /// Identify Controller, read now.
     pub async fn identify_controller(&self) -> Result<IdentifyController, Error> {
         let raw = self
             .inner
             .shared
-            .admin_read(build::identify(0, cns::CONTROLLER, 0), 4096)
+            .admin_api()
+            .identify(cns::CONTROLLER, 0)
             .await?;
         IdentifyController::read_from_bytes(&raw)
             .map_err(|_| Error::Refused("short Identify Controller data".into()))
@@ -850,21 +741,22 @@ impl Controller {
         }
         self.inner
             .shared
-            .admin_read(build::get_log_page(0, lid, nsid, len, offset), len)
+            .admin_api()
+            .get_log_page(lid, nsid, len, offset)
             .await
     }
 
     /// Get Features (current value); returns completion DW0.
     pub async fn get_features(&self, fid: u8) -> Result<u32, Error> {
-        let sqe = build::get_features(0, fid);
-        self.inner.shared.admin_plain(sqe, Retry::Always).await
+        self.inner.shared.admin_api().get_features(fid).await
     }
 
     /// Sends one Keep Alive now.
     pub async fn keep_alive(&self) -> Result<(), Error> {
         self.inner
             .shared
-            .admin_plain(build::keep_alive(0), Retry::Never)
+            .admin_api()
+            .run(build::keep_alive(0), &[], 0, Retry::Never)
             .await
             .map(|_| ())
     }
@@ -1107,19 +999,33 @@ impl Supervisor {
 
 /// CC.SHN, then CSTS.SHST polling, through the admin queue.
 async fn shutdown_controller(s: &CtrlShared) -> Result<(), Error> {
-    let cc = s.property_get(property::CC).await?;
-    s.property_set(property::CC, Cc::shutdown_value(cc)).await?;
-    let limit = s.opts.timeouts.shutdown;
-    let deadline = Instant::now() + limit;
-    loop {
-        let v = s.property_get(property::CSTS).await?;
-        if v & csts::SHST_MASK == csts::SHST_COMPLETE {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(Error::timeout("CSTS.SHST after a shutdown request", limit));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    admin::shutdown(&mut s.admin_api(), s.opts.timeouts.shutdown).await
+}
+
+/// A controller's running admin queue: commands go through its queue task, with the admin
+/// timeout.
+struct AdminQueue<'a>(&'a CtrlShared);
+
+impl Admin for AdminQueue<'_> {
+    async fn run(
+        &mut self,
+        sqe: nvme_spec::Sqe,
+        data_out: &[u8],
+        data_in: u32,
+        retry: Retry,
+    ) -> Result<(nvme_spec::Cqe, Vec<u8>), Error> {
+        let s = self.0;
+        let req = admin_request(sqe, data_out, data_in, retry, s.opts.timeouts.admin)?;
+        s.admin
+            .execute(
+                req,
+                |b| {
+                    b[..data_out.len()].copy_from_slice(data_out);
+                    Ok(())
+                },
+                |d: &[u8]| d.to_vec(),
+            )
+            .await
     }
 }
 
@@ -1224,7 +1130,8 @@ async fn handle_event(s: &CtrlShared, dw0: u32) {
             512
         };
         if let Err(e) = s
-            .admin_read(build::get_log_page(0, log_page, 0xFFFF_FFFF, len, 0), len)
+            .admin_api()
+            .get_log_page(log_page, 0xFFFF_FFFF, len, 0)
             .await
         {
             debug!(log_page, error = %e, "cannot read the event's log page");

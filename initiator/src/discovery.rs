@@ -8,6 +8,7 @@ use nvme_spec::log::{DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, trt
 use serde::{Deserialize, Serialize};
 use tracing::debug;
 
+use crate::admin::{self, Admin};
 use crate::setup::{QueueSpec, SetupConn};
 use crate::{DiscoveryOptions, Error};
 
@@ -224,8 +225,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
     let cc = c.property_get(property::CC, false).await? as u32;
     if !Cc(cc).enabled() {
-        c.enable(cap_to_ms, std::time::Duration::from_millis(500))
-            .await?;
+        admin::enable(&mut c, cap_to_ms, std::time::Duration::from_millis(500)).await?;
     }
     let raw = c.identify(cns::CONTROLLER, 0).await?;
     let id = IdentifyController::read_from_bytes(&raw)
@@ -237,7 +237,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
     }
     let chunk = (chunk / RECORD).max(1) * RECORD;
     let log = read_log(&mut c, chunk, opts.max_attempts.max(1)).await;
-    if let Err(e) = c.shutdown(t.shutdown).await {
+    if let Err(e) = admin::shutdown(&mut c, t.shutdown).await {
         debug!(error = %e, "discovery controller shutdown incomplete");
     }
     log
@@ -251,7 +251,7 @@ fn header(raw: &[u8]) -> Result<DiscoveryLogHeader, Error> {
 
 async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<DiscoveryLog, Error> {
     for _ in 0..attempts {
-        let hdr = header(&c.get_log_page(log_id::DISCOVERY, RECORD, 0).await?)?;
+        let hdr = header(&c.get_log_page(log_id::DISCOVERY, 0, RECORD, 0).await?)?;
         let genctr = hdr.genctr.get();
         let numrec = hdr.numrec.get();
         if numrec > MAX_RECORDS {
@@ -265,7 +265,7 @@ async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<Discov
         while off < total {
             let n = (total - off).min(u64::from(chunk)) as u32;
             let data = c
-                .get_log_page(log_id::DISCOVERY, n, u64::from(RECORD) + off)
+                .get_log_page(log_id::DISCOVERY, 0, n, u64::from(RECORD) + off)
                 .await?;
             for rec in data.chunks_exact(RECORD as usize) {
                 if let Ok(e) = DiscoveryLogEntry::read_from_bytes(rec) {
@@ -274,7 +274,7 @@ async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<Discov
             }
             off += u64::from(n);
         }
-        let again = header(&c.get_log_page(log_id::DISCOVERY, RECORD, 0).await?)?;
+        let again = header(&c.get_log_page(log_id::DISCOVERY, 0, RECORD, 0).await?)?;
         if again.genctr.get() == genctr {
             return Ok(DiscoveryLog { genctr, entries });
         }

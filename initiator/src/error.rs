@@ -261,6 +261,50 @@ pub(crate) fn command_name(admin: bool, opcode: u8, fctype: u8) -> &'static str 
     }
 }
 
+/// Maps an `nvmf-rdma` error to the initiator's.
+pub(crate) fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
+    match e {
+        nvmf_rdma::Error::Unavailable(why) => Error::RdmaUnavailable(why),
+        nvmf_rdma::Error::Rejected {
+            status,
+            private_data,
+        } => match nvmf_rdma::nvme::parse_reject(&private_data) {
+            // Status 0 is no NVMe reject status: the transport refused (nothing listens).
+            Some(s) if s != 0 => Error::Refused(format!(
+                "{addr} rejected the NVMe/RDMA connection: {} ({s:#x})",
+                nvmf_rdma::nvme::reject_reason(s)
+            )),
+            _ => Error::Rdma {
+                addr: addr.to_string(),
+                reason: format!(
+                    "connection rejected (RDMA-CM reason {status}): does an NVMe/RDMA target listen there?"
+                ),
+            },
+        },
+        nvmf_rdma::Error::Os {
+            op: "ibv_reg_mr",
+            source,
+        } if source.raw_os_error() == Some(ENOMEM) => Error::Rdma {
+            addr: addr.to_string(),
+            reason: format!(
+                "ibv_reg_mr: {source} (registered memory counts against RLIMIT_MEMLOCK: raise it, e.g. `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
+            ),
+        },
+        e => Error::Rdma {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        },
+    }
+}
+
+/// Maps the error of registering caller memory.
+pub(crate) fn registration_error(e: nvmf_rdma::Error) -> Error {
+    rdma_error("memory registration", e)
+}
+
+/// `ENOMEM` on Linux.
+const ENOMEM: i32 = 12;
+
 #[cfg(test)]
 mod tests {
     use super::*;

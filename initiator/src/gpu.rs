@@ -34,7 +34,7 @@ use ::gpu::{
 };
 use nvmeof_cuda_kernels::{KernelError, KernelWorkspace, NvmfKernels, ScatterCopy};
 
-use crate::namespace::{BufferError, LentBuffer, ReadDest};
+use crate::buffer::{BufferError, LentBuffer, ReadDest};
 use crate::{Error, Namespace};
 
 /// The CUDA layer (`nvmeof-gpu`): contexts, device buffers, streams.

@@ -60,6 +60,8 @@
 //! data path in steady state, or panic on anything a target sends.
 #![forbid(unsafe_code)]
 
+mod admin;
+mod buffer;
 mod controller;
 pub mod daemon;
 mod discovery;
@@ -68,20 +70,24 @@ mod error;
 pub mod gpu;
 pub mod identity;
 mod info;
+mod link;
 mod namespace;
 mod options;
 mod queue;
+mod queue_core;
 mod rdma;
 mod registered;
 mod setup;
+mod tcp;
 
+pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
 pub use error::{Error, fes_name, status_name};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
-pub use namespace::{BufferError, LentBuffer, Namespace, ReadDest, WriteSource};
+pub use namespace::Namespace;
 pub use options::{
     ConnectOptions, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions, QueuePolicy,
     ReconnectPolicy, TargetAddr, Timeouts, Transport,

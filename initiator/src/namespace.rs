@@ -6,138 +6,13 @@ use std::sync::Arc;
 use nvme_spec::command::build;
 use nvme_spec::{Cqe, Sqe};
 
-use crate::controller::MAX_NLB;
+use crate::buffer::{ReadDest, WriteSource, buffer_error};
 use crate::queue::{DataDir, Pending, QueueHandle, Request, Retry};
 use crate::registered::{Direct, RegionMem, check_range as check_buffer_range, split};
 use crate::{Controller, Error, NamespaceInfo, RegisteredBuffer};
 
-/// An error reported by a caller buffer.
-pub type BufferError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// Where read data goes: host memory today; other memory (a GPU buffer staged through pinned
-/// host memory, for example) implements this trait too.
-///
-/// The initiator delivers each command's data with one `write_at` call per command, in
-/// completion order, so offsets arrive out of order when a transfer is split.
-pub trait ReadDest {
-    /// Size of the destination in bytes (the read length).
-    fn len(&self) -> usize;
-
-    /// Whether the destination is empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Stores `data` at byte `offset`.
-    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError>;
-
-    /// Lends a buffer of at least `len` bytes for the command that reads bytes
-    /// `offset..offset + len`, so that its data is received straight into it (over NVMe/TCP,
-    /// from the socket) instead of being copied in with [`write_at`](Self::write_at). Every
-    /// lent buffer comes back through [`take_back`](Self::take_back), unless the read is
-    /// abandoned (its future dropped, a connection error): then the buffer is dropped once its
-    /// command ended. The default lends nothing.
-    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
-        let _ = (offset, len);
-        None
-    }
-
-    /// Takes back a buffer from [`lend`](Self::lend). When `filled`, its first `len` bytes are
-    /// the data of `offset..offset + len`; otherwise the command failed and the bytes mean
-    /// nothing.
-    fn take_back(
-        &mut self,
-        offset: usize,
-        len: usize,
-        buf: Box<dyn LentBuffer>,
-        filled: bool,
-    ) -> Result<(), BufferError> {
-        let _ = (offset, len, buf, filled);
-        Err("this destination lends no buffers".into())
-    }
-}
-
-/// Memory a [`ReadDest`] lends to a read (for example pinned host memory that a GPU copy
-/// reads next), owned by the queue while the command is in flight.
-pub trait LentBuffer: Send + 'static {
-    /// The bytes.
-    fn bytes(&self) -> &[u8];
-
-    /// The bytes, writable.
-    fn bytes_mut(&mut self) -> &mut [u8];
-
-    /// The buffer as [`Any`](std::any::Any), for the lender to recover its own type.
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
-}
-
-/// Where write data comes from: host memory today, other memory through this trait.
-pub trait WriteSource {
-    /// Size of the source in bytes (the write length).
-    fn len(&self) -> usize;
-
-    /// Whether the source is empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Copies `out.len()` bytes starting at byte `offset` into `out`.
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError>;
-}
-
-fn out_of_bounds() -> BufferError {
-    "offset outside the buffer".into()
-}
-
-impl ReadDest for [u8] {
-    fn len(&self) -> usize {
-        <[u8]>::len(self)
-    }
-
-    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
-        self.get_mut(offset..offset + data.len())
-            .ok_or_else(out_of_bounds)?
-            .copy_from_slice(data);
-        Ok(())
-    }
-}
-
-impl ReadDest for Vec<u8> {
-    fn len(&self) -> usize {
-        Vec::len(self)
-    }
-
-    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
-        self.as_mut_slice().write_at(offset, data)
-    }
-}
-
-impl WriteSource for [u8] {
-    fn len(&self) -> usize {
-        <[u8]>::len(self)
-    }
-
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
-        out.copy_from_slice(
-            self.get(offset..offset + out.len())
-                .ok_or_else(out_of_bounds)?,
-        );
-        Ok(())
-    }
-}
-
-impl WriteSource for Vec<u8> {
-    fn len(&self) -> usize {
-        Vec::len(self)
-    }
-
-    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
-        self.as_slice().read_at(offset, out)
-    }
-}
-
-fn buffer_error(e: BufferError) -> Error {
-    Error::Buffer(e.to_string())
-}
+/// Largest number of logical blocks in one Read/Write (16-bit 0's based NLB).
+pub(crate) const MAX_NLB: u64 = 65536;
 
 /// A namespace of a connected controller. Cheap to clone; holds the controller open.
 ///
@@ -282,7 +157,7 @@ impl Namespace {
         let max = self.max_chunk();
         // Lent buffers are received into over NVMe/TCP; over NVMe/RDMA the target writes into
         // registered memory only.
-        let lend = self.ctrl.is_tcp();
+        let lend = self.ctrl.shared().limits.lends_buffers;
         if total <= max {
             let req = self.rw_request(false, lba, total);
             let mut lent = if lend { dest.lend(0, total) } else { None };
@@ -624,5 +499,55 @@ fn check(command: &'static str, cqe: &Cqe) -> Result<(), Error> {
         Ok(())
     } else {
         Err(Error::status_of(command, st))
+    }
+}
+
+/// Namespace handles (here rather than in `controller` so that the controller does not
+/// depend on the namespace API built on it).
+impl Controller {
+    /// A handle for I/O on namespace `nsid` (its geometry is read with Identify Namespace).
+    pub async fn namespace(&self, nsid: u32) -> Result<Namespace, Error> {
+        let info = self.namespace_info(nsid).await?;
+        Ok(Namespace::new(self.clone(), info))
+    }
+
+    /// Handles for every active namespace.
+    pub async fn namespaces(&self) -> Result<Vec<Namespace>, Error> {
+        let mut out = Vec::new();
+        for nsid in self.namespace_ids() {
+            out.push(self.namespace(nsid).await?);
+        }
+        Ok(out)
+    }
+
+    /// A handle for namespace `nsid` with a given block size and size, without asking the
+    /// controller (for namespaces known from elsewhere). The controller still checks every
+    /// command.
+    pub fn namespace_unchecked(
+        &self,
+        nsid: u32,
+        block_size: u32,
+        blocks: u64,
+    ) -> Result<Namespace, Error> {
+        if !block_size.is_power_of_two() || block_size < 512 {
+            return Err(Error::InvalidArgument(format!(
+                "block size {block_size} is not a power of two of at least 512"
+            )));
+        }
+        Ok(Namespace::new(
+            self.clone(),
+            NamespaceInfo {
+                nsid,
+                blocks,
+                capacity_blocks: blocks,
+                utilization_blocks: blocks,
+                block_size,
+                size_bytes: blocks.saturating_mul(u64::from(block_size)),
+                metadata_size: 0,
+                nguid: String::new(),
+                eui64: String::new(),
+                uuid: None,
+            },
+        ))
     }
 }

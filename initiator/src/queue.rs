@@ -1,104 +1,60 @@
-//! Queues: one task per queue owns the connection (the TCP socket and the NVMe/TCP engine,
-//! or the NVMe/RDMA queue pair).
+//! Queues: one task per queue drives the queue core ([`crate::queue_core`]: the command
+//! table, deadlines, retries, reconnect hand-over) and owns the queue's link
+//! ([`crate::link`]: the NVMe/TCP socket and engine, or the NVMe/RDMA queue pair).
 //!
 //! A caller takes a command slot (a tag, which is also the command identifier on the wire),
 //! fills the slot's staging buffer, and hands the command to the queue task through a
-//! channel. The task gathers every command that is ready into the engine's send buffer and
-//! writes them with one `write`; it reads everything the socket has, copies read data into
-//! the slots' staging buffers, answers R2Ts, and on each completion stores the result in the
-//! slot and wakes that one caller. When the socket holds the rest of a large C2HData PDU, the
-//! task reads it straight into the command's buffer (no copy out of the receive buffer); a
-//! caller may lend its own buffer for a read (pinned memory for a GPU copy, for example) so
-//! the data lands there directly.
-//!
-//! Over NVMe/RDMA a slot's buffer is registered with the queue pair's protection domain the
-//! first time it carries data (and again only when it must grow or after a reconnect): the
-//! command names it in a keyed SGL, the target RDMA WRITEs read data into it or RDMA READs
-//! write data from it, and its completion arrives by SEND. Small writes travel in the capsule.
+//! channel. The task gives every command that is ready to the core, which sends it through
+//! the link (NVMe/TCP gathers the capsules in the engine's send buffer and writes them with
+//! one `write`); what the link receives goes to the core, which stores each completion in
+//! its slot and wakes that one caller. A caller may lend its own buffer for a read (pinned
+//! memory for a GPU copy, for example) so the data lands there directly (NVMe/TCP).
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
 //! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
-//! the task: a target that stops answering gives a timeout error, never a hang.
+//! the task on a timer: a target that stops answering gives a timeout error, never a hang.
 //!
-//! When the connection is lost the task keeps reads (and everything idempotent) to resend on
-//! the next connection and fails writes with [`Error::Interrupted`] (unless writes may be
-//! retried); it reports the loss to the controller's supervisor, which reconnects and hands a
-//! new connection over.
+//! When the link is lost the core keeps reads (and everything idempotent) to resend on the
+//! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried); the
+//! task reports the loss to the controller's supervisor, which reconnects and hands a new
+//! link over.
 
-use std::collections::VecDeque;
-use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use nvme_spec::status::generic;
-use nvme_spec::{Cqe, SglDescriptor, Sqe, Status};
-use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
+use nvme_spec::Cqe;
 use parking_lot::Mutex;
-use tokio::io::Interest;
-use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
-use crate::controller::SupMsg;
+use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
-use crate::namespace::LentBuffer;
-use crate::rdma::{DataPath, RdmaConn, RdmaWake, SlotBuf};
+use crate::link::{Link, LinkWake};
+use crate::queue_core::{Completions, Core, QueueCounters, bump};
+pub(crate) use crate::queue_core::{DataDir, Request, Retry};
+use crate::rdma::RdmaWake;
 use crate::registered::Direct;
-use crate::setup::READ_CHUNK;
 
-/// A command is sent at most this many times (first try included) before its error is
-/// returned.
-const MAX_ATTEMPTS: u8 = 5;
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
-/// The rest of a C2HData PDU at least this long is read from the socket straight into the
-/// command's buffer; shorter rests go through the receive buffer with what follows them.
-const IN_PLACE_MIN: usize = 8192;
-/// While read data arrives in PDUs at least [`LARGE_PDU`] long, the receive buffer takes at
-/// most this much per read (the next PDU header and a little data), so that the rest of each
-/// PDU goes straight into its command's buffer.
-const SMALL_READ: usize = 2048;
-/// See [`SMALL_READ`].
-const LARGE_PDU: u32 = 32 * 1024;
 
-/// Direction of a command's data.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum DataDir {
-    /// No data.
-    None,
-    /// Controller to host (read).
-    ToHost,
-    /// Host to controller (write).
-    FromHost,
-}
-
-/// What happens to a command in flight when its connection is lost.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Retry {
-    /// Resend it on the next connection (reads, Identify, Flush).
-    Always,
-    /// Fail it (Keep Alive, Asynchronous Event Request, properties).
-    Never,
-    /// A write: resend only when the caller allowed retrying writes.
-    Write,
-}
-
-/// A command as a caller hands it to a queue.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Request {
-    /// The command; the command identifier and data pointer are filled in by the queue.
-    pub sqe: Sqe,
-    /// Data direction.
-    pub dir: DataDir,
-    /// Data length in bytes.
-    pub len: u32,
-    /// Behaviour across a connection loss.
-    pub retry: Retry,
-    /// Time allowed from submission to completion; `None` for no limit.
-    pub timeout: Option<Duration>,
+/// Messages to the supervisor.
+pub(crate) enum SupMsg {
+    /// A queue lost its connection.
+    QueueFailed {
+        qid: u16,
+        generation: u64,
+        error: Error,
+    },
+    /// Keep Alive failed with an error status.
+    KeepAliveFailed { generation: u64, error: Error },
+    /// Disconnect gracefully.
+    Shutdown {
+        reply: Option<oneshot::Sender<Result<(), Error>>>,
+    },
 }
 
 struct Submission {
@@ -116,61 +72,10 @@ enum Data {
     Lent(Box<dyn LentBuffer>),
 }
 
-/// A connected, initialized queue connection.
-pub(crate) struct Live {
-    pub link: Link,
-    /// Largest write sent in the capsule.
-    pub icd_limit: usize,
-}
-
-/// The transport of a queue connection.
-// One value per queue, moved only while a connection is set up: no boxing on the data path.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Link {
-    /// NVMe/TCP: the socket and the engine.
-    Tcp { stream: TcpStream, engine: HostConn },
-    /// NVMe/RDMA.
-    Rdma(RdmaConn),
-}
-
-/// What woke a queue task up on its connection.
-enum LiveWake {
-    Tcp(io::Result<tokio::io::Ready>),
-    Rdma(RdmaWake),
-}
-
-impl Live {
-    fn is_rdma(&self) -> bool {
-        matches!(self.link, Link::Rdma(_))
-    }
-
-    /// Forgets the transfer state of a command the queue no longer waits for (NVMe/TCP).
-    fn forget_command(&mut self, tag: u16) {
-        if let Link::Tcp { engine, .. } = &mut self.link {
-            engine.forget_command(tag);
-        }
-    }
-
-    /// Waits until the connection has something to handle (or can take more bytes).
-    async fn ready(&self) -> LiveWake {
-        match &self.link {
-            Link::Tcp { stream, engine } => {
-                let interest = if engine.pending_send().is_empty() {
-                    Interest::READABLE
-                } else {
-                    Interest::READABLE | Interest::WRITABLE
-                };
-                LiveWake::Tcp(stream.ready(interest).await)
-            }
-            Link::Rdma(r) => LiveWake::Rdma(r.ready().await),
-        }
-    }
-}
-
 /// Messages from the supervisor to a queue task.
 pub(crate) enum QueueCtl {
     /// Use this connection (of association `generation`).
-    Attach(Box<Live>, u64),
+    Attach(Box<Link>, u64),
     /// Drop the connection (the supervisor is resetting the association); keep commands.
     Detach,
     /// Fail everything now and from now on.
@@ -194,24 +99,6 @@ struct SlotState {
     buf: SlotBuf,
     /// The slot's own buffer while `buf` is one lent by the caller.
     spare: SlotBuf,
-}
-
-/// Counters of one queue (relaxed atomics written by the queue task).
-#[derive(Default, Debug)]
-pub(crate) struct QueueCounters {
-    commands: AtomicU64,
-    in_capsule_writes: AtomicU64,
-    r2t_writes: AtomicU64,
-    r2ts: AtomicU64,
-    bytes_read: AtomicU64,
-    bytes_written: AtomicU64,
-    retries: AtomicU64,
-    timeouts: AtomicU64,
-    connections: AtomicU64,
-    registered_commands: AtomicU64,
-    registered_bytes: AtomicU64,
-    in_place_bytes: AtomicU64,
-    lent_commands: AtomicU64,
 }
 
 /// A snapshot of a queue's counters.
@@ -267,7 +154,7 @@ impl QueueShared {
     }
 
     /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+    fn finish_slot(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         let Some(slot) = self.slots.get(usize::from(tag)) else {
             return;
         };
@@ -315,18 +202,14 @@ impl QueueShared {
     }
 }
 
-/// Where the pending C2HData of a command goes in its buffer, if the command is known and the
-/// range fits.
-fn data_buf(cmds: &mut [Option<Cmd>], p: PendingData) -> Option<&mut [u8]> {
-    let cmd = cmds.get_mut(usize::from(p.cccid))?.as_mut()?;
-    let start = p.datao as usize;
-    cmd.buf
-        .as_mut_slice()
-        .get_mut(start..start.checked_add(p.len)?)
-}
+impl Completions for QueueShared {
+    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+        self.finish_slot(tag, result, buf);
+    }
 
-fn bump(a: &AtomicU64, n: u64) {
-    a.fetch_add(n, Ordering::Relaxed);
+    fn counters(&self) -> &QueueCounters {
+        &self.counters
+    }
 }
 
 /// The caller side of a queue.
@@ -377,17 +260,14 @@ impl QueueHandle {
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let task = Task {
             live: None,
-            core: Core {
-                shared: Arc::clone(&shared),
-                addr: cfg.addr,
-                cmds: (0..n).map(|_| None).collect(),
-                cqes: Vec::with_capacity(usize::from(n)),
-                waiting: VecDeque::with_capacity(usize::from(n)),
-                failed: None,
-                retry_writes: cfg.retry_writes,
-                now: Instant::now(),
-                admin: cfg.qid == 0,
-            },
+            core: Core::new(
+                Arc::clone(&shared),
+                cfg.addr,
+                n,
+                cfg.retry_writes,
+                cfg.qid == 0,
+            ),
+            shared: Arc::clone(&shared),
             sub_rx,
             ctl_rx,
             report,
@@ -500,7 +380,7 @@ impl QueueHandle {
         };
         if direct.is_none() {
             if let Err(e) = buf.ensure(len) {
-                self.shared.finish(tag, Err(e.clone()), buf);
+                self.shared.finish_slot(tag, Err(e.clone()), buf);
                 return Err(e);
             }
         }
@@ -513,7 +393,7 @@ impl QueueHandle {
         };
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
-                self.shared.finish(tag, Err(e.clone()), buf);
+                self.shared.finish_slot(tag, Err(e.clone()), buf);
                 return Err(e);
             }
         }
@@ -525,7 +405,7 @@ impl QueueHandle {
         };
         if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(sub) {
             let e = self.closed_error();
-            self.shared.finish(tag, Err(e.clone()), s.buf);
+            self.shared.finish_slot(tag, Err(e.clone()), s.buf);
             return Err(e);
         }
         Ok(pending)
@@ -621,36 +501,11 @@ impl Drop for Pending<'_> {
     }
 }
 
-/// A command owned by the queue task.
-struct Cmd {
-    req: Request,
-    buf: SlotBuf,
-    /// Caller-registered memory the data goes to or comes from (instead of `buf`).
-    direct: Option<Direct>,
-    deadline: Option<Instant>,
-    sent: bool,
-    digest_error: bool,
-    attempts: u8,
-}
-
-/// The task's command table and everything except the connection.
-struct Core {
-    shared: Arc<QueueShared>,
-    addr: String,
-    cmds: Vec<Option<Cmd>>,
-    /// Completions taken from an NVMe/RDMA completion queue (reused).
-    cqes: Vec<Cqe>,
-    /// Commands not sent on the current connection, in submission order.
-    waiting: VecDeque<u16>,
-    failed: Option<Error>,
-    retry_writes: bool,
-    now: Instant,
-    admin: bool,
-}
-
+/// A queue task: the core, its link and the channels that drive them.
 struct Task {
-    live: Option<Live>,
-    core: Core,
+    live: Option<Link>,
+    core: Core<QueueShared>,
+    shared: Arc<QueueShared>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
     report: mpsc::UnboundedSender<SupMsg>,
@@ -665,402 +520,10 @@ struct Task {
 enum Wake {
     Ctl(Option<QueueCtl>),
     Submit(usize),
-    Ready(LiveWake),
+    Ready(LinkWake),
     Tick,
     /// Inside the busy-poll window: check the connection without waiting.
     Poll,
-}
-
-impl Core {
-    fn name(&self, req: &Request) -> &'static str {
-        command_name(self.admin, req.sqe.opcode, req.sqe.fctype())
-    }
-
-    fn retryable(&self, cmd: &Cmd) -> bool {
-        match cmd.req.retry {
-            Retry::Always => true,
-            Retry::Never => false,
-            Retry::Write => self.retry_writes,
-        }
-    }
-
-    /// Completes a command towards its caller.
-    fn complete(&mut self, tag: u16, result: Result<Cqe, Error>) {
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
-            return;
-        };
-        // Release registered memory before the caller wakes up: it may read the bytes at once.
-        drop(cmd.direct);
-        self.shared.finish(tag, result, cmd.buf);
-    }
-
-    /// Queues the capsule of command `tag` in the engine.
-    fn send(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
-        if let Link::Rdma(conn) = &mut live.link {
-            return self.send_rdma(conn, live.icd_limit, tag);
-        }
-        let Link::Tcp { engine, .. } = &mut live.link else {
-            return Ok(());
-        };
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
-            return Ok(());
-        };
-        if cmd.direct.is_some() {
-            let e =
-                Error::InvalidArgument("internal: registered memory on an NVMe/TCP queue".into());
-            self.complete(tag, Err(e));
-            return Ok(());
-        }
-        let c = &self.shared.counters;
-        let mut sqe = cmd.req.sqe;
-        sqe.cid.set(tag);
-        sqe.set_sgl();
-        let len = cmd.req.len as usize;
-        let in_capsule = cmd.req.dir == DataDir::FromHost && len > 0 && len <= live.icd_limit;
-        let data: &[u8] = if in_capsule {
-            sqe.dptr = SglDescriptor::in_capsule(cmd.req.len);
-            bump(&c.in_capsule_writes, 1);
-            bump(&c.bytes_written, len as u64);
-            &cmd.buf.as_slice()[..len]
-        } else {
-            let l = if cmd.req.dir == DataDir::None {
-                0
-            } else {
-                cmd.req.len
-            };
-            sqe.dptr = SglDescriptor::tcp_transport(l);
-            if cmd.req.dir == DataDir::FromHost && len > 0 {
-                bump(&c.r2t_writes, 1);
-            }
-            &[]
-        };
-        if cmd.attempts > 0 {
-            bump(&c.retries, 1);
-        }
-        cmd.sent = true;
-        cmd.digest_error = false;
-        cmd.attempts = cmd.attempts.saturating_add(1);
-        bump(&c.commands, 1);
-        engine
-            .send_capsule_cmd(&sqe.to_array(), data)
-            .map_err(|e| Error::lost(&self.addr, format!("cannot queue a command: {e}")))
-    }
-
-    /// Sends command `tag` on an NVMe/RDMA queue pair.
-    fn send_rdma(&mut self, conn: &mut RdmaConn, icd_limit: usize, tag: u16) -> Result<(), Error> {
-        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
-            return Ok(());
-        };
-        let mut sqe = cmd.req.sqe;
-        sqe.cid.set(tag);
-        let len = match cmd.req.dir {
-            DataDir::None => 0,
-            _ => cmd.req.len as usize,
-        };
-        let to_host = cmd.req.dir == DataDir::ToHost;
-        let c = &self.shared.counters;
-        let path = if let Some(d) = &cmd.direct {
-            match d.remote_key(conn.pd(), len) {
-                Ok(key) => {
-                    conn.send_keyed(sqe, key)?;
-                    bump(&c.registered_commands, 1);
-                    bump(&c.registered_bytes, len as u64);
-                    DataPath::Keyed
-                }
-                Err(e) => {
-                    // Not reachable through this queue pair; the connection is fine.
-                    self.complete(tag, Err(e));
-                    return Ok(());
-                }
-            }
-        } else {
-            match conn.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
-                Ok(p) => p,
-                Err(e) => {
-                    // This command's buffer could not be registered; the connection is fine.
-                    self.complete(tag, Err(e));
-                    return Ok(());
-                }
-            }
-        };
-        if cmd.attempts > 0 {
-            bump(&c.retries, 1);
-        }
-        cmd.sent = true;
-        cmd.attempts = cmd.attempts.saturating_add(1);
-        bump(&c.commands, 1);
-        if cmd.req.dir == DataDir::FromHost {
-            bump(&c.bytes_written, len as u64);
-            match path {
-                DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
-                DataPath::Keyed => bump(&c.r2t_writes, 1),
-                DataPath::None => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Handles the completions an NVMe/RDMA queue pair delivered; returns whether there were
-    /// any.
-    fn process_rdma(&mut self, live: &mut Live) -> Result<bool, Error> {
-        let mut cqes = std::mem::take(&mut self.cqes);
-        let polled = match &mut live.link {
-            Link::Rdma(conn) => conn.poll(&mut cqes),
-            Link::Tcp { .. } => Ok(()),
-        };
-        let got = !cqes.is_empty();
-        let mut res = Ok(());
-        for cqe in cqes.drain(..) {
-            if res.is_err() {
-                break;
-            }
-            let tag = cqe.cid();
-            if let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) {
-                if !cmd.sent {
-                    continue;
-                }
-                if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
-                    bump(&self.shared.counters.bytes_read, u64::from(cmd.req.len));
-                }
-            }
-            res = self.on_response(live, cqe);
-        }
-        self.cqes = cqes;
-        res.and(polled).map(|()| got)
-    }
-
-    /// Puts a command back at the head of the waiting list and sends it again if connected.
-    fn resend(&mut self, live: &mut Live, tag: u16) -> Result<(), Error> {
-        live.forget_command(tag);
-        self.send(live, tag)
-    }
-
-    fn on_submit(&mut self, live: Option<&mut Live>, s: Submission) -> Result<(), Error> {
-        if let Some(e) = &self.failed {
-            self.shared.finish(s.tag, Err(e.clone()), s.buf);
-            return Ok(());
-        }
-        let Some(entry) = self.cmds.get_mut(usize::from(s.tag)) else {
-            return Ok(());
-        };
-        *entry = Some(Cmd {
-            deadline: s.req.timeout.map(|t| self.now + t),
-            req: s.req,
-            buf: s.buf,
-            direct: s.direct,
-            sent: false,
-            digest_error: false,
-            attempts: 0,
-        });
-        match live {
-            Some(live) if self.waiting.is_empty() => self.send(live, s.tag),
-            _ => {
-                self.waiting.push_back(s.tag);
-                Ok(())
-            }
-        }
-    }
-
-    /// Handles every event the engine can produce from the bytes received so far.
-    fn process(&mut self, live: &mut Live) -> Result<(), Error> {
-        if live.is_rdma() {
-            return self.process_rdma(live).map(|_| ());
-        }
-        loop {
-            let next = match &mut live.link {
-                Link::Tcp { engine, .. } => engine.next_event(),
-                Link::Rdma(_) => return Ok(()),
-            };
-            let ev = match next {
-                Ok(Some(ev)) => ev,
-                Ok(None) => return Ok(()),
-                Err(source) => {
-                    return Err(Error::Protocol {
-                        addr: self.addr.clone(),
-                        source,
-                    });
-                }
-            };
-            match ev {
-                HostEvent::CapsuleResp { cqe } => {
-                    let cqe = Cqe::from_array(&cqe);
-                    self.on_response(live, cqe)?;
-                }
-                HostEvent::C2HData {
-                    cccid,
-                    datao,
-                    data,
-                    last,
-                    success,
-                } => {
-                    if let Some(cmd) = self
-                        .cmds
-                        .get_mut(usize::from(cccid))
-                        .and_then(Option::as_mut)
-                    {
-                        let off = datao as usize;
-                        if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
-                            dst.copy_from_slice(data);
-                        }
-                        bump(&self.shared.counters.bytes_read, data.len() as u64);
-                    }
-                    if last && success {
-                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                    }
-                }
-                HostEvent::C2HDataDigestError {
-                    cccid,
-                    last,
-                    success,
-                } => {
-                    if let Some(cmd) = self
-                        .cmds
-                        .get_mut(usize::from(cccid))
-                        .and_then(Option::as_mut)
-                    {
-                        cmd.digest_error = true;
-                    }
-                    if last && success {
-                        self.on_response(live, Cqe::new(cccid, Status::SUCCESS, 0))?;
-                    }
-                }
-                HostEvent::R2T {
-                    cccid,
-                    ttag,
-                    r2to,
-                    r2tl,
-                } => {
-                    let Some(cmd) = self.cmds.get(usize::from(cccid)).and_then(Option::as_ref)
-                    else {
-                        return Err(Error::lost(&self.addr, "R2T for an unknown command"));
-                    };
-                    let (start, end) = (r2to as usize, r2to as usize + r2tl as usize);
-                    let Some(data) = cmd.buf.as_slice().get(start..end) else {
-                        return Err(Error::lost(&self.addr, "R2T outside the command data"));
-                    };
-                    let Link::Tcp { engine, .. } = &mut live.link else {
-                        return Ok(());
-                    };
-                    engine
-                        .send_h2c_data(cccid, ttag, r2to, data, true)
-                        .map_err(|e| Error::lost(&self.addr, format!("cannot answer R2T: {e}")))?;
-                    bump(&self.shared.counters.r2ts, 1);
-                    bump(&self.shared.counters.bytes_written, u64::from(r2tl));
-                }
-                HostEvent::TermReq { fes, fei, .. } => {
-                    return Err(Error::TermReq {
-                        addr: self.addr.clone(),
-                        fes,
-                        fei,
-                    });
-                }
-                HostEvent::Connected(_) => {}
-            }
-        }
-    }
-
-    /// A completion arrived for `cqe.cid()`.
-    fn on_response(&mut self, live: &mut Live, mut cqe: Cqe) -> Result<(), Error> {
-        let tag = cqe.cid();
-        let Some(cmd) = self.cmds.get(usize::from(tag)).and_then(Option::as_ref) else {
-            return Ok(());
-        };
-        if cmd.digest_error && cqe.status().is_success() {
-            cqe = Cqe::new(tag, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
-        }
-        let st = cqe.status();
-        let transient = st.sct == 0 && st.sc == generic::TRANSIENT_TRANSPORT_ERROR && !st.dnr;
-        if transient && self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
-            return self.resend(live, tag);
-        }
-        self.complete(tag, Ok(cqe));
-        Ok(())
-    }
-
-    /// The connection is gone: keep what may be resent, fail the rest.
-    fn connection_lost(&mut self, reason: &Error) {
-        let mut resend = Vec::new();
-        for tag in 0..self.cmds.len() {
-            let tag = tag as u16;
-            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
-                continue;
-            };
-            if !cmd.sent {
-                continue;
-            }
-            if self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
-                if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
-                    c.sent = false;
-                }
-                resend.push(tag);
-                continue;
-            }
-            let name = self.name(&cmd.req);
-            let err = if cmd.req.retry == Retry::Write {
-                Error::Interrupted {
-                    command: name,
-                    addr: self.addr.clone(),
-                    reason: reason.to_string(),
-                }
-            } else {
-                Error::lost(&self.addr, format!("{name} interrupted: {reason}"))
-            };
-            self.complete(tag, Err(err));
-        }
-        for tag in resend.into_iter().rev() {
-            self.waiting.push_front(tag);
-        }
-    }
-
-    /// Fails every command, sent or waiting.
-    fn fail_all(&mut self, err: &Error) {
-        self.waiting.clear();
-        for tag in 0..self.cmds.len() {
-            self.complete(tag as u16, Err(err.clone()));
-        }
-    }
-
-    /// Whether a command on the wire is past its deadline.
-    fn sent_command_expired(&self) -> bool {
-        self.cmds
-            .iter()
-            .flatten()
-            .any(|c| c.sent && c.deadline.is_some_and(|d| d <= self.now))
-    }
-
-    /// Fails commands whose deadline passed. Returns true if one of them was on the wire
-    /// (the connection must then be reset: the target stopped answering).
-    fn scan_deadlines(&mut self, live: Option<&mut Live>) -> Option<Error> {
-        let now = self.now;
-        let mut on_wire: Option<Error> = None;
-        let mut live = live;
-        for tag in 0..self.cmds.len() {
-            let tag = tag as u16;
-            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
-                continue;
-            };
-            let Some(deadline) = cmd.deadline else {
-                continue;
-            };
-            if deadline > now {
-                continue;
-            }
-            let after = cmd.req.timeout.unwrap_or_default();
-            let name = self.name(&cmd.req);
-            let err = Error::timeout(name, after);
-            if cmd.sent {
-                if let Some(l) = live.as_deref_mut() {
-                    l.forget_command(tag);
-                }
-                on_wire.get_or_insert_with(|| err.clone());
-            } else {
-                self.waiting.retain(|&t| t != tag);
-            }
-            bump(&self.shared.counters.timeouts, 1);
-            self.complete(tag, Err(err));
-        }
-        on_wire
-    }
 }
 
 impl Task {
@@ -1074,7 +537,7 @@ impl Task {
                 next_scan = self.core.now + self.scan_period;
                 // Over RDMA the target may still write a timed-out command's buffer: destroy
                 // the queue pair before the buffer goes back to its caller.
-                let dropped = if self.live.as_ref().is_some_and(Live::is_rdma)
+                let dropped = if self.live.as_ref().is_some_and(Link::is_rdma)
                     && self.core.sent_command_expired()
                 {
                     self.live.take()
@@ -1083,7 +546,7 @@ impl Task {
                 };
                 let had_rdma = dropped.is_some();
                 drop(dropped);
-                if let Some(err) = self.core.scan_deadlines(self.live.as_mut()) {
+                if let Some(err) = self.core.expire(self.live.as_mut()) {
                     if had_rdma {
                         self.report_loss(err);
                     } else {
@@ -1092,8 +555,8 @@ impl Task {
                 }
             }
             if let Some(live) = self.live.as_mut() {
-                if let Err(e) = flush(live) {
-                    let err = Error::lost(&self.core.addr, format!("send failed: {e}"));
+                if let Err(e) = live.try_flush() {
+                    let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
                     self.lose(err);
                     continue;
                 }
@@ -1136,18 +599,22 @@ impl Task {
                     for s in batch.drain(..) {
                         if res.is_err() {
                             // The connection failed mid-batch: queue the rest.
-                            let r = self.core.on_submit(None, s);
+                            let r =
+                                self.core
+                                    .submit(None::<&mut Link>, s.tag, s.req, s.buf, s.direct);
                             debug_assert!(r.is_ok());
                             continue;
                         }
-                        res = self.core.on_submit(self.live.as_mut(), s);
+                        res = self
+                            .core
+                            .submit(self.live.as_mut(), s.tag, s.req, s.buf, s.direct);
                     }
                     self.batch = batch;
                     if let Err(e) = res {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(LiveWake::Tcp(Ok(ready))) => {
+                Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
                         self.last_activity = self.core.now;
                         if let Err(e) = self.receive() {
@@ -1160,22 +627,22 @@ impl Task {
                     Ok(false) => {}
                     Err(e) => self.lose(e),
                 },
-                Wake::Ready(LiveWake::Tcp(Err(e))) => {
-                    let err = Error::lost(&self.core.addr, format!("socket error: {e}"));
+                Wake::Ready(LinkWake::Tcp(Err(e))) => {
+                    let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
                     self.lose(err);
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Ok(())))) => {
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
                     self.last_activity = self.core.now;
                     if let Err(e) = self.receive() {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Completions(Err(e)))) => {
-                    let err = Error::lost(&self.core.addr, format!("completion queue: {e}"));
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Err(e)))) => {
+                    let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
                     self.lose(err);
                 }
-                Wake::Ready(LiveWake::Rdma(RdmaWake::Cm(ev))) => {
-                    let outcome = match self.live.as_ref().map(|l| &l.link) {
+                Wake::Ready(LinkWake::Rdma(RdmaWake::Cm(ev))) => {
+                    let outcome = match self.live.as_ref() {
                         Some(Link::Rdma(conn)) => conn.cm_outcome(ev),
                         _ => None,
                     };
@@ -1188,126 +655,31 @@ impl Task {
         }
     }
 
-    /// Reads what the socket has and handles it. Returns whether bytes arrived (over NVMe/RDMA:
-    /// whether completions arrived).
+    /// Takes what the link has and handles it. Returns whether anything arrived.
     fn receive(&mut self) -> Result<bool, Error> {
-        let Some(live) = self.live.as_mut() else {
-            return Ok(false);
-        };
-        if live.is_rdma() {
-            return self.core.process_rdma(live);
+        match self.live.as_mut() {
+            Some(live) => live.receive(&mut self.core),
+            None => Ok(false),
         }
-        let mut got = false;
-        for _ in 0..8 {
-            let Link::Tcp { stream, engine } = &mut live.link else {
-                return Ok(got);
-            };
-            let pending = engine.pending_data().filter(|p| p.len >= IN_PLACE_MIN);
-            if let Some((p, dst)) =
-                pending.and_then(|p| Some((p, data_buf(&mut self.core.cmds, p)?)))
-            {
-                // The rest of the PDU straight into the command's buffer, what follows it
-                // (a little) into the receive buffer, in one read.
-                let spare = engine.recv_buf(SMALL_READ);
-                let spare_len = spare.len().min(SMALL_READ);
-                let mut iov = [
-                    io::IoSliceMut::new(&mut *dst),
-                    io::IoSliceMut::new(&mut spare[..spare_len]),
-                ];
-                let n = match stream.try_read_vectored(&mut iov) {
-                    Ok(0) => {
-                        return Err(Error::lost(
-                            &self.core.addr,
-                            "the target closed the connection",
-                        ));
-                    }
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => {
-                        return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
-                    }
-                };
-                got = true;
-                let in_place = n.min(p.len);
-                let c = &self.core.shared.counters;
-                bump(&c.bytes_read, in_place as u64);
-                bump(&c.in_place_bytes, in_place as u64);
-                let commit = engine.commit_data(&dst[..in_place]);
-                engine.commit_recv(n - in_place);
-                if let DataCommit::End {
-                    last: true,
-                    success: true,
-                } = commit
-                {
-                    self.core
-                        .on_response(live, Cqe::new(p.cccid, Status::SUCCESS, 0))?;
-                }
-                if n > in_place {
-                    self.core.process(live)?;
-                }
-                if n < p.len + spare_len {
-                    break;
-                }
-                continue;
-            }
-            let Link::Tcp { stream, engine } = &mut live.link else {
-                return Ok(got);
-            };
-            let want = if engine.last_data_pdu_len() >= LARGE_PDU {
-                SMALL_READ
-            } else {
-                READ_CHUNK
-            };
-            let buf = engine.recv_buf(want);
-            let want = want.min(buf.len());
-            let buf = &mut buf[..want];
-            match stream.try_read(buf) {
-                Ok(0) => {
-                    // Handle what arrived before the close (a TermReq explains it).
-                    self.core.process(live)?;
-                    return Err(Error::lost(
-                        &self.core.addr,
-                        "the target closed the connection",
-                    ));
-                }
-                Ok(n) => {
-                    got = true;
-                    engine.commit_recv(n);
-                    self.core.process(live)?;
-                    if n < want {
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    return Err(Error::lost(&self.core.addr, format!("receive failed: {e}")));
-                }
-            }
-        }
-        Ok(got)
     }
 
     fn control(&mut self, msg: QueueCtl) {
         match msg {
             QueueCtl::Attach(live, generation) => {
-                if self.core.failed.is_some() {
+                if self.core.failed().is_some() {
                     return;
                 }
                 if self.live.take().is_some() {
-                    let reason = Error::lost(&self.core.addr, "connection replaced");
-                    self.core.connection_lost(&reason);
+                    let reason = Error::lost(self.core.addr(), "connection replaced");
+                    self.core.link_lost(&reason);
                 }
                 let mut live = *live;
                 self.generation = generation;
-                bump(&self.core.shared.counters.connections, 1);
-                let mut res = Ok(());
-                while let Some(tag) = self.core.waiting.pop_front() {
-                    res = self.core.send(&mut live, tag);
-                    if res.is_err() {
-                        break;
-                    }
-                }
-                let res = res.and_then(|()| self.core.process(&mut live));
+                bump(&self.shared.counters.connections, 1);
+                let res = self
+                    .core
+                    .link_restored(&mut live)
+                    .and_then(|()| live.process(&mut self.core));
                 self.live = Some(live);
                 if let Err(e) = res {
                     self.lose(e);
@@ -1315,16 +687,15 @@ impl Task {
             }
             QueueCtl::Detach => {
                 if self.live.take().is_some() {
-                    let reason = Error::lost(&self.core.addr, "controller reset");
-                    self.core.connection_lost(&reason);
+                    let reason = Error::lost(self.core.addr(), "controller reset");
+                    self.core.link_lost(&reason);
                 }
             }
             QueueCtl::Fail(err) => {
                 self.live = None;
-                self.core.failed = Some(err.clone());
-                *self.core.shared.closed_error.lock() = Some(err.clone());
-                self.core.shared.permits.close();
-                self.core.fail_all(&err);
+                *self.shared.closed_error.lock() = Some(err.clone());
+                self.shared.permits.close();
+                self.core.fail(err);
             }
             QueueCtl::Close => self.shutdown(Error::Closed),
         }
@@ -1336,16 +707,16 @@ impl Task {
             return;
         };
         // A protocol error leaves a TermReq to send; give it one try.
-        let _ = flush(&mut live);
+        let _ = live.try_flush();
         drop(live);
         self.report_loss(err);
     }
 
     /// After the connection was dropped: keeps or fails its commands and tells the supervisor.
     fn report_loss(&mut self, err: Error) {
-        self.core.connection_lost(&err);
+        self.core.link_lost(&err);
         let _ = self.report.send(SupMsg::QueueFailed {
-            qid: self.core.shared.qid,
+            qid: self.shared.qid,
             generation: self.generation,
             error: err,
         });
@@ -1353,21 +724,22 @@ impl Task {
 
     fn shutdown(&mut self, err: Error) {
         self.live = None;
-        if self.core.failed.is_none() {
-            self.core.failed = Some(err.clone());
-        }
         {
-            let mut ce = self.core.shared.closed_error.lock();
+            let mut ce = self.shared.closed_error.lock();
             if ce.is_none() {
                 *ce = Some(err.clone());
             }
         }
-        self.core.shared.permits.close();
+        self.shared.permits.close();
         self.sub_rx.close();
         while let Ok(s) = self.sub_rx.try_recv() {
-            self.core.shared.finish(s.tag, Err(err.clone()), s.buf);
+            self.shared.finish_slot(s.tag, Err(err.clone()), s.buf);
         }
-        self.core.fail_all(&err);
+        if self.core.failed().is_none() {
+            self.core.fail(err);
+        } else {
+            self.core.fail_all(&err);
+        }
     }
 }
 
@@ -1376,21 +748,4 @@ impl Drop for Task {
         // However the task ends (even when its runtime shuts down), no caller is left waiting.
         self.shutdown(Error::Closed);
     }
-}
-
-/// Writes as much of the engine's send buffer as the socket takes without blocking (NVMe/TCP;
-/// NVMe/RDMA posts each capsule when it is sent).
-fn flush(live: &mut Live) -> io::Result<()> {
-    let Link::Tcp { stream, engine } = &mut live.link else {
-        return Ok(());
-    };
-    while !engine.pending_send().is_empty() {
-        match stream.try_write(engine.pending_send()) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => engine.consume_sent(n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

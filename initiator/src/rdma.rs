@@ -12,120 +12,16 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Sqe};
-use nvmf_rdma::{
-    Access, CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, Registered, RemoteKey,
-};
+use nvmf_rdma::{CapsuleQueue, CmEvent, Event, ProtectionDomain, QueueConfig, RemoteKey};
 use tokio::time::{Instant, timeout_at};
 
-use crate::error::command_name;
-use crate::namespace::LentBuffer;
+use crate::buffer::SlotBuf;
+use crate::error::rdma_error;
+use crate::queue_core::{Cmd, Completions, Core, DataDir, LinkLimits, QueueCounters, Wire, bump};
 use crate::{Error, TargetAddr};
 
 /// RDMA READs the target may have in flight towards one host queue (the host's IRD).
 const RESPONDER_RESOURCES: u8 = 16;
-/// Registered data buffers grow in steps of at least this many bytes.
-const MIN_REGISTRATION: usize = 4096;
-
-/// A command slot's data buffer: plain memory (NVMe/TCP, or not yet used over RDMA), or memory
-/// registered for remote access by the target of an RDMA queue.
-///
-/// Over RDMA the target reads or writes the bytes while the command is in flight; the queue
-/// task owns the buffer during that time, and the queue pair is destroyed before a buffer of a
-/// command that did not complete is handed back.
-pub(crate) enum SlotBuf {
-    /// Unregistered memory.
-    Heap(Vec<u8>),
-    /// Memory registered (remote read and write) with an RDMA queue's protection domain.
-    Registered(Registered<Box<[u8]>>),
-    /// A buffer the caller lent for one NVMe/TCP read, received into directly.
-    Lent(Box<dyn LentBuffer>),
-}
-
-impl Default for SlotBuf {
-    fn default() -> Self {
-        SlotBuf::Heap(Vec::new())
-    }
-}
-
-impl SlotBuf {
-    /// The whole buffer.
-    pub fn as_slice(&self) -> &[u8] {
-        match self {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.get(),
-            SlotBuf::Lent(l) => l.bytes(),
-        }
-    }
-
-    /// The whole buffer, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        match self {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.bytes_mut(),
-            SlotBuf::Lent(l) => l.bytes_mut(),
-        }
-    }
-
-    /// Makes the buffer at least `len` bytes long (keeping its contents); a lent buffer
-    /// cannot grow.
-    pub fn ensure(&mut self, len: usize) -> Result<(), Error> {
-        if self.as_slice().len() >= len {
-            return Ok(());
-        }
-        let mut v = match std::mem::take(self) {
-            SlotBuf::Heap(v) => v,
-            SlotBuf::Registered(r) => r.detach().0.into_vec(),
-            lent @ SlotBuf::Lent(_) => {
-                let have = lent.as_slice().len();
-                *self = lent;
-                return Err(Error::InvalidArgument(format!(
-                    "a lent buffer of {have} bytes cannot hold {len}"
-                )));
-            }
-        };
-        v.resize(len, 0);
-        *self = SlotBuf::Heap(v);
-        Ok(())
-    }
-
-    /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
-    /// is, and returns what the target needs to reach its first `len` bytes.
-    fn remote(
-        &mut self,
-        pd: &std::sync::Arc<ProtectionDomain>,
-        len: usize,
-    ) -> Result<RemoteKey, nvmf_rdma::Error> {
-        let ok = matches!(self, SlotBuf::Registered(r)
-            if r.is_registered_with(pd) && r.capacity() >= len);
-        if !ok {
-            let mut v = match std::mem::take(self) {
-                SlotBuf::Heap(v) => v,
-                SlotBuf::Registered(r) => r.detach().0.into_vec(),
-                lent @ SlotBuf::Lent(_) => {
-                    *self = lent;
-                    return Err(nvmf_rdma::Error::Invalid(
-                        "a lent buffer is not registered for RDMA".into(),
-                    ));
-                }
-            };
-            let want = len.max(MIN_REGISTRATION).next_power_of_two().max(v.len());
-            v.resize(want, 0);
-            let reg = pd.register(
-                v.into_boxed_slice(),
-                Access::REMOTE_WRITE | Access::REMOTE_READ,
-            )?;
-            *self = SlotBuf::Registered(reg);
-        }
-        match self {
-            SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
-                nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
-            }),
-            SlotBuf::Heap(_) | SlotBuf::Lent(_) => {
-                Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
-            }
-        }
-    }
-}
 
 /// The protection domain a controller's NVMe/RDMA queues share (one per RDMA device): the
 /// first queue allocates it, the others and later reconnects through the same device reuse it,
@@ -178,6 +74,10 @@ pub(crate) struct RdmaConn {
     capsule: Vec<u8>,
     in_capsule: usize,
     addr: String,
+    /// Largest write sent in the capsule by the queue task (at most `in_capsule`).
+    pub icd_limit: usize,
+    /// Completions taken from the completion queue (reused).
+    cqes: Vec<Cqe>,
 }
 
 /// `sqe` with its data described by one keyed SGL data block for `remote`.
@@ -203,51 +103,21 @@ pub(crate) fn unavailable() -> Option<String> {
 /// The RDMA-CM device node of the kernel.
 const RDMA_CM_NODE: &str = "/dev/infiniband/rdma_cm";
 
-/// Maps an `nvmf-rdma` error to the initiator's.
-fn rdma_error(addr: &str, e: nvmf_rdma::Error) -> Error {
-    match e {
-        nvmf_rdma::Error::Unavailable(why) => Error::RdmaUnavailable(why),
-        nvmf_rdma::Error::Rejected {
-            status,
-            private_data,
-        } => match nvmf_rdma::nvme::parse_reject(&private_data) {
-            // Status 0 is no NVMe reject status: the transport refused (nothing listens).
-            Some(s) if s != 0 => Error::Refused(format!(
-                "{addr} rejected the NVMe/RDMA connection: {} ({s:#x})",
-                nvmf_rdma::nvme::reject_reason(s)
-            )),
-            _ => Error::Rdma {
-                addr: addr.to_string(),
-                reason: format!(
-                    "connection rejected (RDMA-CM reason {status}): does an NVMe/RDMA target listen there?"
-                ),
-            },
-        },
-        nvmf_rdma::Error::Os {
-            op: "ibv_reg_mr",
-            source,
-        } if source.raw_os_error() == Some(ENOMEM) => Error::Rdma {
-            addr: addr.to_string(),
-            reason: format!(
-                "ibv_reg_mr: {source} (registered memory counts against RLIMIT_MEMLOCK: raise it, e.g. `ulimit -l unlimited` or LimitMEMLOCK=infinity)"
-            ),
-        },
-        e => Error::Rdma {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        },
-    }
-}
-
-/// Maps the error of registering caller memory.
-pub(crate) fn registration_error(e: nvmf_rdma::Error) -> Error {
-    rdma_error("memory registration", e)
-}
-
-/// `ENOMEM` on Linux.
-const ENOMEM: i32 = 12;
-
 impl RdmaConn {
+    /// What NVMe/RDMA allows: a keyed SGL data block describes at most 16 MiB - 1 (8 MiB
+    /// per command here), every send slot of a queue has room for the in-capsule data (16 KiB
+    /// here, to keep the slots small), none on the admin queue, and the target writes read
+    /// data into registered memory only (no lent buffers); set-up commands name their data
+    /// (the Connect data) with a keyed SGL.
+    pub const LIMITS: LinkLimits = LinkLimits {
+        max_transfer: Some(8 << 20),
+        max_in_capsule: Some(16384),
+        admin_in_capsule: 0,
+        lends_buffers: false,
+        needs_keyed_sgls: true,
+        setup_in_capsule: 0,
+    };
+
     /// Connects queue `qid` of `depth` entries (controller `cntlid`, 0xFFFF for the admin
     /// queue), with capsules that carry up to `in_capsule` bytes of data, in protection domain
     /// `pd` when the route goes through its device (a new domain is stored there otherwise).
@@ -309,6 +179,8 @@ impl RdmaConn {
             capsule: Vec::with_capacity(64 + in_capsule),
             in_capsule,
             addr: addr_s,
+            icd_limit: 0,
+            cqes: Vec::with_capacity(usize::from(depth)),
         })
     }
 
@@ -426,51 +298,82 @@ impl RdmaConn {
             Err(e) => Some(Error::lost(&self.addr, e.to_string())),
         }
     }
+}
 
-    /// Runs one command at a time during set-up: `data_out` goes to the target, `data_in`
-    /// bytes come back, both through a keyed SGL (RDMA READ / RDMA WRITE by the target).
-    pub async fn command(
-        &mut self,
-        mut sqe: Sqe,
-        cid: u16,
-        admin: bool,
-        data_out: &[u8],
-        data_in: usize,
-        t: Duration,
-    ) -> Result<(Cqe, Vec<u8>), Error> {
-        let name = command_name(admin, sqe.opcode, sqe.fctype());
-        sqe.cid.set(cid);
-        let len = data_out.len().max(data_in);
-        let mut buf = SlotBuf::Heap(data_out.to_vec());
-        buf.ensure(len)?;
-        self.send_command(sqe, &mut buf, len, data_in > 0, 0)??;
-        let deadline = Instant::now() + t;
-        let mut cqes = Vec::new();
-        loop {
-            self.poll(&mut cqes)?;
-            if let Some(cqe) = cqes.iter().find(|c| c.cid() == cid) {
-                let cqe = *cqe;
-                let status = cqe.status();
-                if !status.is_success() {
-                    return Err(Error::status_of(name, status));
-                }
-                return Ok((cqe, buf.as_slice()[..data_in].to_vec()));
+impl RdmaConn {
+    /// Hands the completions the queue pair delivered to `core`; returns whether there were
+    /// any.
+    pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<bool, Error> {
+        let mut cqes = std::mem::take(&mut self.cqes);
+        let polled = self.poll(&mut cqes);
+        let got = !cqes.is_empty();
+        let mut res = Ok(());
+        for cqe in cqes.drain(..) {
+            if res.is_err() {
+                continue;
             }
-            cqes.clear();
-            match timeout_at(deadline, self.ready()).await {
-                Err(_) => return Err(Error::timeout(name, t)),
-                Ok(RdmaWake::Completions(Ok(()))) => {}
-                Ok(RdmaWake::Completions(Err(e))) => {
-                    return Err(Error::lost(&self.addr, format!("completion queue: {e}")));
+            if let Some(cmd) = core.sent_cmd(cqe.cid()) {
+                if cmd.req.dir == DataDir::ToHost && cqe.status().is_success() {
+                    bump(&core.counters().bytes_read, u64::from(cmd.req.len));
                 }
-                Ok(RdmaWake::Cm(ev)) => {
-                    if let Some(e) = self.cm_outcome(ev) {
-                        return Err(e);
-                    }
+            }
+            res = core.on_response(self, cqe);
+        }
+        self.cqes = cqes;
+        res.and(polled).map(|()| got)
+    }
+}
+
+/// NVMe/RDMA capsules: write data up to the in-capsule limit travels in the capsule; other
+/// data is described by a keyed SGL on the slot's registered buffer or on caller-registered
+/// memory, which the target RDMA WRITEs (reads) or RDMA READs (writes).
+impl Wire for RdmaConn {
+    fn send(
+        &mut self,
+        tag: u16,
+        cmd: &mut Cmd,
+        c: &QueueCounters,
+    ) -> Result<Result<(), Error>, Error> {
+        let mut sqe = cmd.req.sqe;
+        sqe.cid.set(tag);
+        let len = match cmd.req.dir {
+            DataDir::None => 0,
+            _ => cmd.req.len as usize,
+        };
+        let to_host = cmd.req.dir == DataDir::ToHost;
+        let path = if let Some(d) = &cmd.direct {
+            match d.remote_key(self.pd(), len) {
+                Ok(key) => {
+                    self.send_keyed(sqe, key)?;
+                    bump(&c.registered_commands, 1);
+                    bump(&c.registered_bytes, len as u64);
+                    DataPath::Keyed
                 }
+                // Not reachable through this queue pair; the connection is fine.
+                Err(e) => return Ok(Err(e)),
+            }
+        } else {
+            let icd_limit = self.icd_limit;
+            // Err inside: this command's buffer could not be registered; the connection is
+            // fine.
+            match self.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+                Ok(p) => p,
+                Err(e) => return Ok(Err(e)),
+            }
+        };
+        if cmd.req.dir == DataDir::FromHost {
+            bump(&c.bytes_written, len as u64);
+            match path {
+                DataPath::InCapsule => bump(&c.in_capsule_writes, 1),
+                DataPath::Keyed => bump(&c.r2t_writes, 1),
+                DataPath::None => {}
             }
         }
+        Ok(Ok(()))
     }
+
+    /// Nothing to forget: an NVMe/RDMA command has no transfer state on the host.
+    fn forget(&mut self, _tag: u16) {}
 }
 
 #[cfg(test)]

@@ -149,7 +149,7 @@ impl RegisteredBuffer {
             Some(pd) => {
                 let reg = pd
                     .register(page, remote_access())
-                    .map_err(crate::rdma::registration_error)?;
+                    .map_err(crate::error::registration_error)?;
                 HostMem::Rdma(Arc::new(RegionMem::Host(reg)))
             }
         };

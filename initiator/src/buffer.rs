@@ -1,0 +1,244 @@
+//! Buffers: the caller-side traits through which read data leaves and write data enters the
+//! initiator ([`ReadDest`], [`WriteSource`], [`LentBuffer`]), and a command slot's own data
+//! buffer ([`SlotBuf`]), plain or registered for NVMe/RDMA.
+//!
+//! A leaf of the crate: it depends on nothing here but [`Error`], so the queue core, both
+//! links and the namespace API can all use it.
+
+use std::sync::Arc;
+
+use nvmf_rdma::{Access, ProtectionDomain, Registered, RemoteKey};
+
+use crate::Error;
+
+/// An error reported by a caller buffer.
+pub type BufferError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Where read data goes: host memory today; other memory (a GPU buffer staged through pinned
+/// host memory, for example) implements this trait too.
+///
+/// The initiator delivers each command's data with one `write_at` call per command, in
+/// completion order, so offsets arrive out of order when a transfer is split.
+pub trait ReadDest {
+    /// Size of the destination in bytes (the read length).
+    fn len(&self) -> usize;
+
+    /// Whether the destination is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Stores `data` at byte `offset`.
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError>;
+
+    /// Lends a buffer of at least `len` bytes for the command that reads bytes
+    /// `offset..offset + len`, so that its data is received straight into it (over NVMe/TCP,
+    /// from the socket) instead of being copied in with [`write_at`](Self::write_at). Every
+    /// lent buffer comes back through [`take_back`](Self::take_back), unless the read is
+    /// abandoned (its future dropped, a connection error): then the buffer is dropped once its
+    /// command ended. The default lends nothing.
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+        let _ = (offset, len);
+        None
+    }
+
+    /// Takes back a buffer from [`lend`](Self::lend). When `filled`, its first `len` bytes are
+    /// the data of `offset..offset + len`; otherwise the command failed and the bytes mean
+    /// nothing.
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Box<dyn LentBuffer>,
+        filled: bool,
+    ) -> Result<(), BufferError> {
+        let _ = (offset, len, buf, filled);
+        Err("this destination lends no buffers".into())
+    }
+}
+
+/// Memory a [`ReadDest`] lends to a read (for example pinned host memory that a GPU copy
+/// reads next), owned by the queue while the command is in flight.
+pub trait LentBuffer: Send + 'static {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+
+    /// The bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+
+    /// The buffer as [`Any`](std::any::Any), for the lender to recover its own type.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+/// Where write data comes from: host memory today, other memory through this trait.
+pub trait WriteSource {
+    /// Size of the source in bytes (the write length).
+    fn len(&self) -> usize;
+
+    /// Whether the source is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `out.len()` bytes starting at byte `offset` into `out`.
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError>;
+}
+
+fn out_of_bounds() -> BufferError {
+    "offset outside the buffer".into()
+}
+
+impl ReadDest for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        self.get_mut(offset..offset + data.len())
+            .ok_or_else(out_of_bounds)?
+            .copy_from_slice(data);
+        Ok(())
+    }
+}
+
+impl ReadDest for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        self.as_mut_slice().write_at(offset, data)
+    }
+}
+
+impl WriteSource for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
+        out.copy_from_slice(
+            self.get(offset..offset + out.len())
+                .ok_or_else(out_of_bounds)?,
+        );
+        Ok(())
+    }
+}
+
+impl WriteSource for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<(), BufferError> {
+        self.as_slice().read_at(offset, out)
+    }
+}
+
+pub(crate) fn buffer_error(e: BufferError) -> Error {
+    Error::Buffer(e.to_string())
+}
+
+/// Registered data buffers grow in steps of at least this many bytes.
+const MIN_REGISTRATION: usize = 4096;
+
+/// A command slot's data buffer: plain memory (NVMe/TCP, or not yet used over RDMA), or memory
+/// registered for remote access by the target of an RDMA queue.
+///
+/// Over RDMA the target reads or writes the bytes while the command is in flight; the queue
+/// task owns the buffer during that time, and the queue pair is destroyed before a buffer of a
+/// command that did not complete is handed back.
+pub(crate) enum SlotBuf {
+    /// Unregistered memory.
+    Heap(Vec<u8>),
+    /// Memory registered (remote read and write) with an RDMA queue's protection domain.
+    Registered(Registered<Box<[u8]>>),
+    /// A buffer the caller lent for one NVMe/TCP read, received into directly.
+    Lent(Box<dyn LentBuffer>),
+}
+
+impl Default for SlotBuf {
+    fn default() -> Self {
+        SlotBuf::Heap(Vec::new())
+    }
+}
+
+impl SlotBuf {
+    /// The whole buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.get(),
+            SlotBuf::Lent(l) => l.bytes(),
+        }
+    }
+
+    /// The whole buffer, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.bytes_mut(),
+            SlotBuf::Lent(l) => l.bytes_mut(),
+        }
+    }
+
+    /// Makes the buffer at least `len` bytes long (keeping its contents); a lent buffer
+    /// cannot grow.
+    pub fn ensure(&mut self, len: usize) -> Result<(), Error> {
+        if self.as_slice().len() >= len {
+            return Ok(());
+        }
+        let mut v = match std::mem::take(self) {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.detach().0.into_vec(),
+            lent @ SlotBuf::Lent(_) => {
+                let have = lent.as_slice().len();
+                *self = lent;
+                return Err(Error::InvalidArgument(format!(
+                    "a lent buffer of {have} bytes cannot hold {len}"
+                )));
+            }
+        };
+        v.resize(len, 0);
+        *self = SlotBuf::Heap(v);
+        Ok(())
+    }
+
+    /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
+    /// is, and returns what the target needs to reach its first `len` bytes.
+    pub(crate) fn remote(
+        &mut self,
+        pd: &Arc<ProtectionDomain>,
+        len: usize,
+    ) -> Result<RemoteKey, nvmf_rdma::Error> {
+        let ok = matches!(self, SlotBuf::Registered(r)
+            if r.is_registered_with(pd) && r.capacity() >= len);
+        if !ok {
+            let mut v = match std::mem::take(self) {
+                SlotBuf::Heap(v) => v,
+                SlotBuf::Registered(r) => r.detach().0.into_vec(),
+                lent @ SlotBuf::Lent(_) => {
+                    *self = lent;
+                    return Err(nvmf_rdma::Error::Invalid(
+                        "a lent buffer is not registered for RDMA".into(),
+                    ));
+                }
+            };
+            let want = len.max(MIN_REGISTRATION).next_power_of_two().max(v.len());
+            v.resize(want, 0);
+            let reg = pd.register(
+                v.into_boxed_slice(),
+                Access::REMOTE_WRITE | Access::REMOTE_READ,
+            )?;
+            *self = SlotBuf::Registered(reg);
+        }
+        match self {
+            SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
+                nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
+            }),
+            SlotBuf::Heap(_) | SlotBuf::Lent(_) => {
+                Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
+            }
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! The link contract: a queue's connection, NVMe/TCP ([`TcpConn`]) or NVMe/RDMA
+//! ([`RdmaConn`]), as set-up, the queue core and the queue task see it. Each transport
+//! implements [`Wire`] (how a command goes out), receives into the core (how completions and
+//! read data come in), and states its limits ([`LinkLimits`]); this enum dispatches without
+//! boxing. The contract itself ([`Wire`], [`LinkLimits`]) lives with the queue core.
+
+use std::io;
+
+use tokio::io::Ready;
+
+use crate::Error;
+use crate::queue_core::{Cmd, Completions, Core, LinkLimits, QueueCounters, Wire};
+use crate::rdma::{RdmaConn, RdmaWake};
+use crate::tcp::TcpConn;
+
+/// A connected queue connection.
+// One value per queue, moved only while a connection is set up: no boxing on the data path.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Link {
+    /// NVMe/TCP.
+    Tcp(TcpConn),
+    /// NVMe/RDMA.
+    Rdma(RdmaConn),
+}
+
+/// What woke a queue task up on its link.
+pub(crate) enum LinkWake {
+    /// The socket is ready (or failed).
+    Tcp(io::Result<Ready>),
+    /// Completions or a connection-manager event.
+    Rdma(RdmaWake),
+}
+
+impl Link {
+    /// The transport's limits.
+    pub fn limits(&self) -> LinkLimits {
+        match self {
+            Link::Tcp(_) => TcpConn::LIMITS,
+            Link::Rdma(_) => RdmaConn::LIMITS,
+        }
+    }
+
+    /// Whether this is an NVMe/RDMA queue pair (the target may write host memory until it is
+    /// destroyed).
+    pub fn is_rdma(&self) -> bool {
+        matches!(self, Link::Rdma(_))
+    }
+
+    /// Sets the largest write sent in the capsule.
+    pub fn set_icd_limit(&mut self, icd_limit: usize) {
+        match self {
+            Link::Tcp(t) => t.icd_limit = icd_limit,
+            Link::Rdma(r) => r.icd_limit = icd_limit,
+        }
+    }
+
+    /// Waits until the link has something to handle (or can take more bytes).
+    pub async fn ready(&self) -> LinkWake {
+        match self {
+            Link::Tcp(t) => LinkWake::Tcp(t.ready().await),
+            Link::Rdma(r) => LinkWake::Rdma(r.ready().await),
+        }
+    }
+
+    /// Sends what waits to be sent, as far as possible without blocking (NVMe/RDMA posts
+    /// each capsule when it is sent).
+    pub fn try_flush(&mut self) -> io::Result<()> {
+        match self {
+            Link::Tcp(t) => t.try_flush(),
+            Link::Rdma(_) => Ok(()),
+        }
+    }
+
+    /// Takes what arrived and hands it to `core`. Returns whether anything arrived.
+    pub fn receive<C: Completions>(&mut self, core: &mut Core<C>) -> Result<bool, Error> {
+        match self {
+            Link::Tcp(t) => t.receive(core),
+            Link::Rdma(r) => r.process(core),
+        }
+    }
+
+    /// Hands `core` what arrived already (without reading the connection).
+    pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<(), Error> {
+        match self {
+            Link::Tcp(t) => t.process(core),
+            Link::Rdma(r) => r.process(core).map(|_| ()),
+        }
+    }
+}
+
+impl Wire for Link {
+    fn send(
+        &mut self,
+        tag: u16,
+        cmd: &mut Cmd,
+        c: &QueueCounters,
+    ) -> Result<Result<(), Error>, Error> {
+        match self {
+            Link::Tcp(t) => t.send(tag, cmd, c),
+            Link::Rdma(r) => r.send(tag, cmd, c),
+        }
+    }
+
+    fn forget(&mut self, tag: u16) {
+        match self {
+            Link::Tcp(t) => t.forget(tag),
+            Link::Rdma(r) => r.forget(tag),
+        }
+    }
+}

@@ -1,0 +1,791 @@
+//! The queue core: a queue's command table, deadlines, retries and reconnect hand-over,
+//! without any connection.
+//!
+//! The core is driven by events and answers through two seams, so that it runs (and is
+//! tested) without a socket or a queue pair:
+//!
+//! - events in: a command submitted ([`Core::submit`]), a response received
+//!   ([`Core::on_response`]), the link lost ([`Core::link_lost`]), a link restored
+//!   ([`Core::link_restored`]), the timer ([`Core::expire`]);
+//! - actions out: capsules to put on the wire and transfer state to forget go to the link
+//!   ([`Wire`]: NVMe/TCP in `tcp`, NVMe/RDMA in `rdma`); completions go to the callers
+//!   ([`Completions`]: the queue's slots).
+//!
+//! Rules the core keeps: every command completes exactly once (a response for a command
+//! id the table does not hold is ignored); a command on the wire past its deadline fails
+//! with a timeout and asks for the link to be reset; after a link loss, commands that may be
+//! resent (reads, idempotent admin commands, writes where allowed) go back to the head of the
+//! waiting list in their order and are sent first on the next link, the others fail; a
+//! transient transport error is retried up to [`MAX_ATTEMPTS`] sends.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use nvme_spec::status::generic;
+use nvme_spec::{Cqe, Sqe, Status};
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::buffer::SlotBuf;
+use crate::error::command_name;
+use crate::registered::Direct;
+
+/// A command is sent at most this many times (first try included) before its error is
+/// returned.
+pub(crate) const MAX_ATTEMPTS: u8 = 5;
+
+/// Direction of a command's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DataDir {
+    /// No data.
+    None,
+    /// Controller to host (read).
+    ToHost,
+    /// Host to controller (write).
+    FromHost,
+}
+
+/// What happens to a command in flight when its connection is lost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Retry {
+    /// Resend it on the next connection (reads, Identify, Flush).
+    Always,
+    /// Fail it (Keep Alive, Asynchronous Event Request, properties).
+    Never,
+    /// A write: resend only when the caller allowed retrying writes.
+    Write,
+}
+
+/// A command as a caller hands it to a queue.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    /// The command; the command identifier and data pointer are filled in by the queue.
+    pub sqe: Sqe,
+    /// Data direction.
+    pub dir: DataDir,
+    /// Data length in bytes.
+    pub len: u32,
+    /// Behaviour across a connection loss.
+    pub retry: Retry,
+    /// Time allowed from submission to completion; `None` for no limit.
+    pub timeout: Option<Duration>,
+}
+
+/// Counters of one queue (relaxed atomics written by the queue task).
+#[derive(Default, Debug)]
+pub(crate) struct QueueCounters {
+    pub(crate) commands: AtomicU64,
+    pub(crate) in_capsule_writes: AtomicU64,
+    pub(crate) r2t_writes: AtomicU64,
+    pub(crate) r2ts: AtomicU64,
+    pub(crate) bytes_read: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+    pub(crate) connections: AtomicU64,
+    pub(crate) registered_commands: AtomicU64,
+    pub(crate) registered_bytes: AtomicU64,
+    pub(crate) in_place_bytes: AtomicU64,
+    pub(crate) lent_commands: AtomicU64,
+}
+
+/// Adds `n` to a counter.
+pub(crate) fn bump(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A command in the table.
+pub(crate) struct Cmd {
+    /// The command as submitted.
+    pub req: Request,
+    /// Its data buffer (unused when `direct` is set).
+    pub buf: SlotBuf,
+    /// Caller-registered memory the data goes to or comes from (instead of `buf`).
+    pub direct: Option<Direct>,
+    deadline: Option<Instant>,
+    sent: bool,
+    /// Read data of this command failed its digest (NVMe/TCP): a successful completion
+    /// becomes a transient transport error.
+    pub digest_error: bool,
+    attempts: u8,
+}
+
+/// Where the core's completions go: the callers' command slots.
+pub(crate) trait Completions {
+    /// Hands command `tag`'s result and buffer back to its caller.
+    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf);
+    /// The queue's counters.
+    fn counters(&self) -> &QueueCounters;
+}
+
+/// The link contract as the core sees it: how a command reaches the wire.
+pub(crate) trait Wire {
+    /// Puts command `tag` on the wire (the link sets the command identifier and the data
+    /// pointer, and counts its transport counters). `Err`: the link is broken. `Ok(Err)`:
+    /// this command cannot go over this link (its memory cannot be reached, say); the link
+    /// is fine and the command fails with that error.
+    fn send(
+        &mut self,
+        tag: u16,
+        cmd: &mut Cmd,
+        counters: &QueueCounters,
+    ) -> Result<Result<(), Error>, Error>;
+
+    /// Forgets the transfer state of command `tag` (the core no longer waits for it).
+    fn forget(&mut self, tag: u16);
+}
+
+/// What a transport allows; the controller combines it with what the controller reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LinkLimits {
+    /// Largest transfer one command may describe (`None`: no limit of the transport's own).
+    pub max_transfer: Option<u64>,
+    /// Largest write data carried in an I/O command capsule (`None`: as the controller
+    /// offers).
+    pub max_in_capsule: Option<u32>,
+    /// Write data carried in an admin command capsule.
+    pub admin_in_capsule: usize,
+    /// Whether read data may be received into a buffer the caller lends
+    /// ([`ReadDest::lend`](crate::ReadDest::lend)).
+    pub lends_buffers: bool,
+    /// Whether the controller must support keyed SGL data blocks.
+    pub needs_keyed_sgls: bool,
+    /// Write data of set-up commands (the Fabrics Connect data) carried in the capsule.
+    pub setup_in_capsule: usize,
+}
+
+/// A queue's command table and its rules (see the module documentation).
+pub(crate) struct Core<C> {
+    sink: Arc<C>,
+    addr: String,
+    cmds: Vec<Option<Cmd>>,
+    /// Commands not sent on the current link, in submission order.
+    waiting: VecDeque<u16>,
+    failed: Option<Error>,
+    retry_writes: bool,
+    admin: bool,
+    /// The time events are handled at (set by the driver before each event).
+    pub now: Instant,
+}
+
+impl<C: Completions> Core<C> {
+    /// A core for `slots` command identifiers of the queue to `addr` (`admin`: queue 0).
+    pub fn new(sink: Arc<C>, addr: String, slots: u16, retry_writes: bool, admin: bool) -> Self {
+        Core {
+            sink,
+            addr,
+            cmds: (0..slots).map(|_| None).collect(),
+            waiting: VecDeque::with_capacity(usize::from(slots)),
+            failed: None,
+            retry_writes,
+            admin,
+            now: Instant::now(),
+        }
+    }
+
+    /// The target address (for errors).
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The queue's counters.
+    pub fn counters(&self) -> &QueueCounters {
+        self.sink.counters()
+    }
+
+    /// The error every command gets since [`fail`](Self::fail), if any.
+    pub fn failed(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+
+    /// Command `tag`, if the table holds it.
+    pub fn cmd_mut(&mut self, tag: u16) -> Option<&mut Cmd> {
+        self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut)
+    }
+
+    /// Command `tag` if the table holds it and it is on the wire.
+    pub fn sent_cmd(&self, tag: u16) -> Option<&Cmd> {
+        self.cmds
+            .get(usize::from(tag))
+            .and_then(Option::as_ref)
+            .filter(|c| c.sent)
+    }
+
+    fn name(&self, req: &Request) -> &'static str {
+        command_name(self.admin, req.sqe.opcode, req.sqe.fctype())
+    }
+
+    fn retryable(&self, cmd: &Cmd) -> bool {
+        match cmd.req.retry {
+            Retry::Always => true,
+            Retry::Never => false,
+            Retry::Write => self.retry_writes,
+        }
+    }
+
+    /// Completes a command towards its caller (nothing if the table does not hold `tag`).
+    pub fn complete(&mut self, tag: u16, result: Result<Cqe, Error>) {
+        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
+            return;
+        };
+        // Release registered memory before the caller wakes up: it may read the bytes at once.
+        drop(cmd.direct);
+        self.sink.finish(tag, result, cmd.buf);
+    }
+
+    /// Puts command `tag` on `link`.
+    fn send<W: Wire>(&mut self, link: &mut W, tag: u16) -> Result<(), Error> {
+        let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
+            return Ok(());
+        };
+        let c = self.sink.counters();
+        match link.send(tag, cmd, c) {
+            Ok(Ok(())) => {
+                if cmd.attempts > 0 {
+                    bump(&c.retries, 1);
+                }
+                cmd.sent = true;
+                cmd.digest_error = false;
+                cmd.attempts = cmd.attempts.saturating_add(1);
+                bump(&c.commands, 1);
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                self.complete(tag, Err(e));
+                Ok(())
+            }
+            Err(e) => {
+                // Part of it may have reached the wire: the link loss that follows decides
+                // whether it is sent again.
+                cmd.sent = true;
+                cmd.attempts = cmd.attempts.saturating_add(1);
+                Err(e)
+            }
+        }
+    }
+
+    /// Event: a caller submitted command `tag` (a free identifier) with its buffer. Sent at
+    /// once on `link` if there is one and nothing waits before it. `Err`: the link broke.
+    pub fn submit<W: Wire>(
+        &mut self,
+        link: Option<&mut W>,
+        tag: u16,
+        req: Request,
+        buf: SlotBuf,
+        direct: Option<Direct>,
+    ) -> Result<(), Error> {
+        if let Some(e) = &self.failed {
+            self.sink.finish(tag, Err(e.clone()), buf);
+            return Ok(());
+        }
+        let Some(entry) = self.cmds.get_mut(usize::from(tag)) else {
+            let e = Error::InvalidArgument(format!("internal: command identifier {tag}"));
+            self.sink.finish(tag, Err(e), buf);
+            return Ok(());
+        };
+        *entry = Some(Cmd {
+            deadline: req.timeout.map(|t| self.now + t),
+            req,
+            buf,
+            direct,
+            sent: false,
+            digest_error: false,
+            attempts: 0,
+        });
+        match link {
+            Some(link) if self.waiting.is_empty() => self.send(link, tag),
+            _ => {
+                self.waiting.push_back(tag);
+                Ok(())
+            }
+        }
+    }
+
+    /// Event: a completion arrived on `link` for `cqe.cid()`. Completes the command, or sends
+    /// it again after a transient transport error it may be retried on; a completion for a
+    /// command not on the wire is ignored. `Err`: the link broke while resending.
+    pub fn on_response<W: Wire>(&mut self, link: &mut W, mut cqe: Cqe) -> Result<(), Error> {
+        let tag = cqe.cid();
+        let Some(cmd) = self.sent_cmd(tag) else {
+            return Ok(());
+        };
+        if cmd.digest_error && cqe.status().is_success() {
+            cqe = Cqe::new(tag, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
+        }
+        let st = cqe.status();
+        let transient = st.sct == 0 && st.sc == generic::TRANSIENT_TRANSPORT_ERROR && !st.dnr;
+        if transient && self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
+            link.forget(tag);
+            return self.send(link, tag);
+        }
+        self.complete(tag, Ok(cqe));
+        Ok(())
+    }
+
+    /// Event: the link is gone (`reason`). Commands on the wire that may be resent go back
+    /// to the head of the waiting list, in their order; the others fail.
+    pub fn link_lost(&mut self, reason: &Error) {
+        let mut resend = Vec::new();
+        for tag in 0..self.cmds.len() {
+            let tag = tag as u16;
+            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
+                continue;
+            };
+            if !cmd.sent {
+                continue;
+            }
+            if self.retryable(cmd) && cmd.attempts < MAX_ATTEMPTS {
+                if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
+                    c.sent = false;
+                }
+                resend.push(tag);
+                continue;
+            }
+            let name = self.name(&cmd.req);
+            let err = if cmd.req.retry == Retry::Write {
+                Error::Interrupted {
+                    command: name,
+                    addr: self.addr.clone(),
+                    reason: reason.to_string(),
+                }
+            } else {
+                Error::lost(&self.addr, format!("{name} interrupted: {reason}"))
+            };
+            self.complete(tag, Err(err));
+        }
+        for tag in resend.into_iter().rev() {
+            self.waiting.push_front(tag);
+        }
+    }
+
+    /// Event: a new link is up. Sends everything waiting, in order. `Err`: the link broke
+    /// (what was not sent keeps waiting for the link loss that follows).
+    pub fn link_restored<W: Wire>(&mut self, link: &mut W) -> Result<(), Error> {
+        while let Some(tag) = self.waiting.pop_front() {
+            self.send(link, tag)?;
+        }
+        Ok(())
+    }
+
+    /// Fails every command now and every later submission with `err`.
+    pub fn fail(&mut self, err: Error) {
+        self.fail_all(&err);
+        self.failed = Some(err);
+    }
+
+    /// Fails every command, sent or waiting.
+    pub fn fail_all(&mut self, err: &Error) {
+        self.waiting.clear();
+        for tag in 0..self.cmds.len() {
+            self.complete(tag as u16, Err(err.clone()));
+        }
+    }
+
+    /// Whether a command on the wire is past its deadline at [`now`](Self::now).
+    pub fn sent_command_expired(&self) -> bool {
+        self.cmds
+            .iter()
+            .flatten()
+            .any(|c| c.sent && c.deadline.is_some_and(|d| d <= self.now))
+    }
+
+    /// Event: the timer. Fails the commands whose deadline passed at [`now`](Self::now).
+    /// Returns the error of one that was on the wire: the target stopped answering, and the
+    /// link must be reset.
+    pub fn expire<W: Wire>(&mut self, mut link: Option<&mut W>) -> Option<Error> {
+        let now = self.now;
+        let mut on_wire: Option<Error> = None;
+        for tag in 0..self.cmds.len() {
+            let tag = tag as u16;
+            let Some(cmd) = self.cmds[usize::from(tag)].as_ref() else {
+                continue;
+            };
+            if cmd.deadline.is_none_or(|d| d > now) {
+                continue;
+            }
+            let err = Error::timeout(self.name(&cmd.req), cmd.req.timeout.unwrap_or_default());
+            if cmd.sent {
+                if let Some(l) = link.as_deref_mut() {
+                    l.forget(tag);
+                }
+                on_wire.get_or_insert_with(|| err.clone());
+            } else {
+                self.waiting.retain(|&t| t != tag);
+            }
+            bump(&self.sink.counters().timeouts, 1);
+            self.complete(tag, Err(err));
+        }
+        on_wire
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The core driven by synthetic events: a recording link and recording callers, no
+    //! socket.
+    use super::*;
+    use nvme_spec::command::build;
+    use parking_lot::Mutex;
+
+    /// The callers' side: every completion, in order.
+    #[derive(Default)]
+    struct Callers {
+        done: Mutex<Vec<(u16, Result<Cqe, Error>)>>,
+        counters: QueueCounters,
+    }
+
+    impl Completions for Callers {
+        fn finish(&self, tag: u16, result: Result<Cqe, Error>, _buf: SlotBuf) {
+            self.done.lock().push((tag, result));
+        }
+
+        fn counters(&self) -> &QueueCounters {
+            &self.counters
+        }
+    }
+
+    impl Callers {
+        /// The completions so far, taken.
+        fn take(&self) -> Vec<(u16, Result<Cqe, Error>)> {
+            std::mem::take(&mut *self.done.lock())
+        }
+    }
+
+    /// A link that records what the core asks of it.
+    #[derive(Default)]
+    struct Link {
+        sent: Vec<u16>,
+        forgotten: Vec<u16>,
+        /// Refuse the next command (its memory is out of reach).
+        refuse: bool,
+        /// The link is broken: every send fails.
+        broken: bool,
+    }
+
+    impl Wire for Link {
+        fn send(
+            &mut self,
+            tag: u16,
+            cmd: &mut Cmd,
+            _c: &QueueCounters,
+        ) -> Result<Result<(), Error>, Error> {
+            assert!(cmd.buf.as_slice().len() >= cmd.req.len as usize);
+            if self.broken {
+                return Err(Error::lost("t", "broken"));
+            }
+            if std::mem::take(&mut self.refuse) {
+                return Ok(Err(Error::InvalidArgument("refused".into())));
+            }
+            self.sent.push(tag);
+            Ok(Ok(()))
+        }
+
+        fn forget(&mut self, tag: u16) {
+            self.forgotten.push(tag);
+        }
+    }
+
+    fn core(retry_writes: bool) -> (Core<Callers>, Arc<Callers>) {
+        let callers = Arc::new(Callers::default());
+        let core = Core::new(Arc::clone(&callers), "t".into(), 8, retry_writes, false);
+        (core, callers)
+    }
+
+    fn read(timeout: Option<Duration>) -> Request {
+        Request {
+            sqe: build::read_write(false, 0, 1, 0, 1),
+            dir: DataDir::ToHost,
+            len: 512,
+            retry: Retry::Always,
+            timeout,
+        }
+    }
+
+    fn write() -> Request {
+        Request {
+            sqe: build::read_write(true, 0, 1, 0, 1),
+            dir: DataDir::FromHost,
+            len: 512,
+            retry: Retry::Write,
+            timeout: None,
+        }
+    }
+
+    fn buf() -> SlotBuf {
+        SlotBuf::Heap(vec![0; 512])
+    }
+
+    fn ok(tag: u16) -> Cqe {
+        Cqe::new(tag, Status::SUCCESS, 0)
+    }
+
+    fn submit(core: &mut Core<Callers>, link: Option<&mut Link>, tag: u16, req: Request) {
+        core.submit(link, tag, req, buf(), None).unwrap();
+    }
+
+    fn lost() -> Error {
+        Error::lost("t", "reset by peer")
+    }
+
+    #[test]
+    fn response_completes_once_and_unknown_ids_are_ignored() {
+        let (mut core, callers) = core(false);
+        let mut link = Link::default();
+        submit(&mut core, Some(&mut link), 3, read(None));
+        assert_eq!(link.sent, [3]);
+        // Not in the table, out of range, or already completed: ignored.
+        core.on_response(&mut link, ok(4)).unwrap();
+        core.on_response(&mut link, ok(999)).unwrap();
+        assert!(callers.take().is_empty());
+        core.on_response(&mut link, ok(3)).unwrap();
+        core.on_response(&mut link, ok(3)).unwrap();
+        let done = callers.take();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].0, 3);
+        assert!(done[0].1.as_ref().unwrap().status().is_success());
+    }
+
+    #[test]
+    fn link_loss_resends_reads_and_fails_writes() {
+        let (mut core, callers) = core(false);
+        let mut old = Link::default();
+        submit(&mut core, Some(&mut old), 0, read(None));
+        submit(&mut core, Some(&mut old), 1, write());
+        submit(&mut core, Some(&mut old), 2, read(None));
+        core.link_lost(&lost());
+        let done = callers.take();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].0, 1);
+        assert!(matches!(done[0].1, Err(Error::Interrupted { .. })));
+        // Submitted while no link is up: waits behind the commands to resend.
+        submit(&mut core, None, 5, read(None));
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [0, 2, 5]);
+        // A late response from the old link for the failed write changes nothing.
+        core.on_response(&mut new, ok(1)).unwrap();
+        for tag in [5, 0, 2] {
+            core.on_response(&mut new, ok(tag)).unwrap();
+        }
+        let mut tags: Vec<u16> = callers
+            .take()
+            .into_iter()
+            .map(|(t, r)| {
+                assert!(r.is_ok());
+                t
+            })
+            .collect();
+        tags.sort_unstable();
+        assert_eq!(tags, [0, 2, 5]);
+        assert_eq!(core.counters().retries.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn writes_are_resent_when_allowed() {
+        let (mut core, callers) = core(true);
+        let mut old = Link::default();
+        submit(&mut core, Some(&mut old), 1, write());
+        core.link_lost(&lost());
+        assert!(callers.take().is_empty());
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [1]);
+    }
+
+    #[test]
+    fn commands_stop_being_resent_after_max_attempts() {
+        let (mut core, callers) = core(false);
+        let mut link = Link::default();
+        submit(&mut core, Some(&mut link), 0, read(None));
+        for _ in 1..MAX_ATTEMPTS {
+            core.link_lost(&lost());
+            link = Link::default();
+            core.link_restored(&mut link).unwrap();
+            assert_eq!(link.sent, [0]);
+        }
+        core.link_lost(&lost());
+        let done = callers.take();
+        assert_eq!(done.len(), 1);
+        assert!(matches!(done[0].1, Err(Error::ConnectionLost { .. })));
+    }
+
+    #[test]
+    fn transient_transport_errors_are_retried_then_returned() {
+        let (mut core, callers) = core(false);
+        let mut link = Link::default();
+        submit(&mut core, Some(&mut link), 2, read(None));
+        let transient = Cqe::new(2, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
+        for _ in 1..MAX_ATTEMPTS {
+            core.on_response(&mut link, transient).unwrap();
+        }
+        assert_eq!(link.sent.len(), usize::from(MAX_ATTEMPTS));
+        assert_eq!(link.forgotten.len(), usize::from(MAX_ATTEMPTS) - 1);
+        assert!(callers.take().is_empty());
+        core.on_response(&mut link, transient).unwrap();
+        let done = callers.take();
+        assert_eq!(done.len(), 1);
+        let st = done[0].1.as_ref().unwrap().status();
+        assert_eq!(st.sc, generic::TRANSIENT_TRANSPORT_ERROR);
+        // A write is not retried when writes may not be.
+        submit(&mut core, Some(&mut link), 3, write());
+        let t3 = Cqe::new(3, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR), 0);
+        core.on_response(&mut link, t3).unwrap();
+        assert_eq!(callers.take().len(), 1);
+    }
+
+    #[test]
+    fn digest_error_turns_success_into_a_retry() {
+        let (mut core, callers) = core(false);
+        let mut link = Link::default();
+        submit(&mut core, Some(&mut link), 0, read(None));
+        core.cmd_mut(0).unwrap().digest_error = true;
+        core.on_response(&mut link, ok(0)).unwrap();
+        assert_eq!(link.sent, [0, 0]);
+        assert!(callers.take().is_empty());
+        // The resend clears the mark.
+        core.on_response(&mut link, ok(0)).unwrap();
+        assert!(callers.take()[0].1.is_ok());
+    }
+
+    #[test]
+    fn deadline_on_the_wire_fails_the_command_and_asks_for_a_reset() {
+        let (mut core, callers) = core(false);
+        let t0 = core.now;
+        let mut link = Link::default();
+        submit(
+            &mut core,
+            Some(&mut link),
+            4,
+            read(Some(Duration::from_secs(1))),
+        );
+        submit(&mut core, Some(&mut link), 5, read(None));
+        core.now = t0 + Duration::from_millis(999);
+        assert!(!core.sent_command_expired());
+        assert!(core.expire(Some(&mut link)).is_none());
+        assert!(callers.take().is_empty());
+        core.now = t0 + Duration::from_secs(1);
+        assert!(core.sent_command_expired());
+        let reset = core.expire(Some(&mut link));
+        assert!(matches!(reset, Some(Error::Timeout { .. })));
+        assert_eq!(link.forgotten, [4]);
+        let done = callers.take();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].0, 4);
+        assert!(matches!(done[0].1, Err(Error::Timeout { .. })));
+        // Its late response is ignored; the command without a deadline lives on.
+        core.on_response(&mut link, ok(4)).unwrap();
+        assert!(callers.take().is_empty());
+        core.now = t0 + Duration::from_secs(3600);
+        assert!(core.expire(Some(&mut link)).is_none());
+        assert!(callers.take().is_empty());
+        assert_eq!(core.counters().timeouts.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn deadline_while_waiting_for_a_link_needs_no_reset() {
+        let (mut core, callers) = core(false);
+        let t0 = core.now;
+        submit(&mut core, None, 1, read(Some(Duration::from_secs(1))));
+        submit(&mut core, None, 2, read(None));
+        core.now = t0 + Duration::from_secs(2);
+        assert!(core.expire(None::<&mut Link>).is_none());
+        assert_eq!(callers.take().len(), 1);
+        let mut link = Link::default();
+        core.link_restored(&mut link).unwrap();
+        assert_eq!(link.sent, [2]);
+    }
+
+    #[test]
+    fn a_refused_command_fails_alone_and_a_broken_link_loses_nothing() {
+        let (mut core, callers) = core(false);
+        let mut link = Link {
+            refuse: true,
+            ..Link::default()
+        };
+        submit(&mut core, Some(&mut link), 0, read(None));
+        let done = callers.take();
+        assert!(matches!(done[..], [(0, Err(Error::InvalidArgument(_)))]));
+        // A send that breaks the link: the loss that follows resends the read.
+        link.broken = true;
+        assert!(
+            core.submit(Some(&mut link), 1, read(None), buf(), None)
+                .is_err()
+        );
+        core.link_lost(&lost());
+        assert!(callers.take().is_empty());
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [1]);
+    }
+
+    #[test]
+    fn fail_completes_everything_now_and_later() {
+        let (mut core, callers) = core(false);
+        let mut link = Link::default();
+        submit(&mut core, Some(&mut link), 0, read(None));
+        submit(&mut core, None, 1, read(None));
+        core.fail(Error::Closed);
+        assert_eq!(callers.take().len(), 2);
+        submit(&mut core, Some(&mut link), 2, read(None));
+        assert!(matches!(callers.take()[..], [(2, Err(Error::Closed))]));
+        assert_eq!(link.sent, [0]);
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert!(new.sent.is_empty());
+    }
+
+    /// Whatever the order of events, each command completes exactly once.
+    #[test]
+    fn every_command_completes_exactly_once() {
+        let (mut core, callers) = core(false);
+        let t0 = core.now;
+        let mut link = Link::default();
+        let mut up = true;
+        let mut submitted = [0usize; 8];
+        for step in 0u32..400 {
+            let tag = (step % 8) as u16;
+            core.now = t0 + Duration::from_millis(u64::from(step));
+            match step.wrapping_mul(2_654_435_761) % 7 {
+                0 | 1 => {
+                    let req = if step % 3 == 0 {
+                        write()
+                    } else {
+                        read(Some(Duration::from_millis(20)))
+                    };
+                    if core.cmd_mut(tag).is_none() {
+                        core.submit(up.then_some(&mut link), tag, req, buf(), None)
+                            .unwrap();
+                        submitted[usize::from(tag)] += 1;
+                    }
+                }
+                2 | 3 => {
+                    let _ = core.on_response(&mut link, ok(tag));
+                }
+                4 => {
+                    core.link_lost(&lost());
+                    up = false;
+                }
+                5 => {
+                    link = Link::default();
+                    core.link_restored(&mut link).unwrap();
+                    up = true;
+                }
+                _ => {
+                    let _ = core.expire(Some(&mut link));
+                }
+            }
+        }
+        core.fail(Error::Closed);
+        let mut completed = [0usize; 8];
+        for (tag, _) in callers.take() {
+            completed[usize::from(tag)] += 1;
+        }
+        // A tag is submitted again only once its command completed, so equal counts mean
+        // exactly one completion per command.
+        assert!(submitted.iter().all(|&n| n > 1));
+        assert_eq!(completed, submitted);
+        assert!(core.cmds.iter().all(Option::is_none));
+    }
+}
