@@ -61,11 +61,11 @@ fn bad_files_are_refused() {
     ));
     // 512-byte blocks fit it.
     assert_eq!(open(&file_spec(&odd, ",bs=512")).unwrap().num_blocks(), 9);
-    // Missing file without size=.
-    assert!(matches!(
-        open(&file_spec(&dir.path().join("missing"), "")),
-        Err(BackendError::Open { .. })
-    ));
+    // Missing file without size=: the error names the fix.
+    match open(&file_spec(&dir.path().join("missing"), "")) {
+        Err(BackendError::Config(m)) => assert!(m.contains("add size=SIZE"), "{m}"),
+        other => panic!("unexpected {other:?}"),
+    }
     // A directory.
     assert!(open(&file_spec(dir.path(), "")).is_err());
     // bdev: on a regular file.
