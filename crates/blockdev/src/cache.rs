@@ -263,22 +263,24 @@ impl<B: Backend> Backend for VolatileCache<B> {
             Ok(_) => (buf.len() / self.bs()) as u64,
             Err(e) => return (Err(e), buf),
         };
+        let bs = self.bs();
         // Copied before the backend is read: a block written back meanwhile still reads as
-        // what the cache held.
+        // what the cache held. A read the cache holds whole is served under the lock.
         let cached: Vec<(usize, Box<[u8]>)> = {
             let st = self.state.lock();
-            st.blocks
-                .range(lba..lba + blocks)
-                .map(|(&l, c)| ((l - lba) as usize, c.data.clone()))
+            let hits = st.blocks.range(lba..lba + blocks);
+            if hits.clone().count() as u64 == blocks {
+                let mut buf = buf;
+                for (dst, (_, c)) in buf.chunks_mut(bs).zip(hits) {
+                    dst.copy_from_slice(&c.data);
+                }
+                return (Ok(()), buf);
+            }
+            hits.map(|(&l, c)| ((l - lba) as usize, c.data.clone()))
                 .collect()
         };
-        let (res, mut buf) = if cached.len() as u64 == blocks {
-            (Ok(()), buf)
-        } else {
-            self.inner.read(lba, buf).await
-        };
+        let (res, mut buf) = self.inner.read(lba, buf).await;
         if res.is_ok() {
-            let bs = self.bs();
             for (i, data) in cached {
                 buf[i * bs..(i + 1) * bs].copy_from_slice(&data);
             }

@@ -446,15 +446,18 @@ impl PcieBackend {
             done: false,
         };
         let bs = self.ns.block_size as usize;
-        let chunks: Vec<(usize, usize)> = match &buf {
-            Some(b) => (0..b.len())
-                .step_by(self.max_transfer)
-                .map(|at| (at, self.max_transfer.min(b.len() - at)))
-                .collect(),
-            None => vec![(0, 0)],
+        // Command `index` moves `len` bytes at byte `at` of `buf` (a Flush: none).
+        let total = buf.as_ref().map_or(0, |b| b.len());
+        let chunk = |index: usize| {
+            let at = index * self.max_transfer;
+            (at, self.max_transfer.min(total - at))
         };
+        let commands = buf
+            .as_ref()
+            .map_or(1, |b| b.len().div_ceil(self.max_transfer));
         let mut dma_wait: Option<Instant> = None;
-        for (index, &(at, len)) in chunks.iter().enumerate() {
+        for index in 0..commands {
+            let (at, len) = chunk(index);
             let tag = (u64::from(id) << 32) | index as u64;
             loop {
                 let dma = if cmd == Cmd::Flush {
@@ -505,7 +508,7 @@ impl PcieBackend {
         }
         let copied = match buf {
             Some(b) => bufs.iter().try_for_each(|(index, d)| {
-                let (at, len) = chunks[*index as usize];
+                let (at, len) = chunk(*index as usize);
                 d.read(0, &mut b[at..at + len])
             }),
             None => Ok(()),
