@@ -293,7 +293,7 @@ impl<T: 'static> Engine<T> {
     /// at once for backends that never wait; otherwise the request runs concurrently and
     /// [`Engine::next`] returns it when done.
     pub fn run(&mut self, tag: T, req: IoRequest, buf: IoBuf) -> Option<Done<T>> {
-        let Some(ctrl) = self.q.ctrl.clone() else {
+        let Some(ctrl) = &self.q.ctrl else {
             let status = Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr();
             return Some(Done {
                 tag,
@@ -307,7 +307,7 @@ impl<T: 'static> Engine<T> {
             .as_ref()
             .is_some_and(|ns| crate::io::never_waits(&ns.backend))
         {
-            let (status, buf) = match crate::io::execute(&ctrl, &req, buf).now_or_never() {
+            let (status, buf) = match crate::io::execute(ctrl, &req, buf).now_or_never() {
                 Some(r) => r,
                 None => (Status::generic(generic::INTERNAL_ERROR), IoBuf::new(0)),
             };
@@ -318,7 +318,8 @@ impl<T: 'static> Engine<T> {
                 buf,
             });
         }
-        self.inflight.push(Box::pin(run_io(ctrl, tag, req, buf)));
+        self.inflight
+            .push(Box::pin(run_io(Arc::clone(ctrl), tag, req, buf)));
         None
     }
 
