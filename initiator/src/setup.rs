@@ -127,8 +127,7 @@ impl SetupConn {
             addr: addr_s.clone(),
             icd_limit: 0,
         };
-        tcp.flush(&addr_s, deadline, "the ICResp", connect_timeout)
-            .await?;
+        tcp.flush(deadline, "the ICResp", connect_timeout).await?;
         loop {
             match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
@@ -152,11 +151,11 @@ impl SetupConn {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    tcp.read_more(&addr_s, deadline, "the ICResp", connect_timeout)
+                    tcp.read_more(deadline, "the ICResp", connect_timeout)
                         .await?
                 }
                 Err(source) => {
-                    tcp.flush_best_effort(&addr_s).await;
+                    tcp.flush_best_effort().await;
                     return Err(Error::Protocol {
                         addr: addr_s,
                         source,
