@@ -185,8 +185,8 @@ impl RdmaConn {
     }
 
     /// Sends command `sqe` (its command identifier set) with `len` bytes of data in `buf`
-    /// (`to_host`: read data). Data up to `icd_limit` bytes of a write travels in the
-    /// capsule; other data gets a keyed SGL data block. A registration failure is an error
+    /// (`to_host`: read data). Data up to [`icd_limit`](Self::icd_limit) bytes of a write
+    /// travels in the capsule; other data gets a keyed SGL data block. A registration failure is an error
     /// of this command only ([`Error::Rdma`], `Ok(Err(..))`); a failed send is a connection
     /// error (`Err`).
     pub fn send_command(
@@ -195,7 +195,6 @@ impl RdmaConn {
         buf: &mut SlotBuf,
         len: usize,
         to_host: bool,
-        icd_limit: usize,
     ) -> Result<Result<DataPath, Error>, Error> {
         sqe.set_sgl();
         if len == 0 {
@@ -203,7 +202,7 @@ impl RdmaConn {
             self.post(&sqe, &[])?;
             return Ok(Ok(DataPath::None));
         }
-        if !to_host && len <= icd_limit.min(self.in_capsule) {
+        if !to_host && len <= self.icd_limit.min(self.in_capsule) {
             sqe.dptr = SglDescriptor::in_capsule(len as u32);
             self.post(&sqe, &buf.as_slice()[..len])?;
             return Ok(Ok(DataPath::InCapsule));
@@ -353,10 +352,9 @@ impl Wire for RdmaConn {
                 Err(e) => return Ok(Err(e)),
             }
         } else {
-            let icd_limit = self.icd_limit;
             // Err inside: this command's buffer could not be registered; the connection is
             // fine.
-            match self.send_command(sqe, &mut cmd.buf, len, to_host, icd_limit)? {
+            match self.send_command(sqe, &mut cmd.buf, len, to_host)? {
                 Ok(p) => p,
                 Err(e) => return Ok(Err(e)),
             }

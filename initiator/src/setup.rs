@@ -64,6 +64,20 @@ impl Completions for SetupSlot {
 }
 
 impl SetupConn {
+    /// A connection just opened, with its one-slot queue core.
+    fn new(link: Link, params: HostParams, addr: String, admin_timeout: Duration) -> Self {
+        let slot = Arc::new(SetupSlot::default());
+        let core = Core::new(Arc::clone(&slot), addr.clone(), 1, false, true);
+        SetupConn {
+            link,
+            params,
+            addr,
+            admin_timeout,
+            core,
+            slot,
+        }
+    }
+
     /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection
     /// and the ICReq/ICResp exchange, for NVMe/RDMA the RDMA-CM connection with the NVMe
     /// private data of queue `q`, in the protection domain `pd` shares.
@@ -92,16 +106,12 @@ impl SetupConn {
                 pd,
             )
             .await?;
-            let slot = Arc::new(SetupSlot::default());
-            let core = Core::new(Arc::clone(&slot), addr_s.clone(), 1, false, true);
-            return Ok(SetupConn {
-                link: Link::Rdma(conn),
-                params: no_digests,
-                addr: addr_s,
+            return Ok(SetupConn::new(
+                Link::Rdma(conn),
+                no_digests,
+                addr_s,
                 admin_timeout,
-                core,
-                slot,
-            });
+            ));
         }
         let deadline = Instant::now() + connect_timeout;
         let stream = match timeout_at(
@@ -127,21 +137,11 @@ impl SetupConn {
             addr: addr_s.clone(),
             icd_limit: 0,
         };
-        tcp.flush(&addr_s, deadline, "the ICResp", connect_timeout)
-            .await?;
+        tcp.flush(deadline, "the ICResp", connect_timeout).await?;
         loop {
             match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
-                    let slot = Arc::new(SetupSlot::default());
-                    let core = Core::new(Arc::clone(&slot), addr_s.clone(), 1, false, true);
-                    return Ok(SetupConn {
-                        link: Link::Tcp(tcp),
-                        params: p,
-                        addr: addr_s,
-                        admin_timeout,
-                        core,
-                        slot,
-                    });
+                    return Ok(SetupConn::new(Link::Tcp(tcp), p, addr_s, admin_timeout));
                 }
                 Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
                     return Err(Error::TermReq {
@@ -152,11 +152,11 @@ impl SetupConn {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    tcp.read_more(&addr_s, deadline, "the ICResp", connect_timeout)
+                    tcp.read_more(deadline, "the ICResp", connect_timeout)
                         .await?
                 }
                 Err(source) => {
-                    tcp.flush_best_effort(&addr_s).await;
+                    tcp.flush_best_effort().await;
                     return Err(Error::Protocol {
                         addr: addr_s,
                         source,

@@ -231,7 +231,6 @@ impl TcpConn {
     /// Writes everything queued in the engine.
     pub async fn flush(
         &mut self,
-        addr: &str,
         deadline: Instant,
         what: &'static str,
         t: Duration,
@@ -240,8 +239,8 @@ impl TcpConn {
             let pending = self.engine.pending_send();
             let n = match timeout_at(deadline, self.stream.write(pending)).await {
                 Err(_) => return Err(Error::timeout(what, t)),
-                Ok(Err(e)) => return Err(Error::lost(addr, format!("send failed: {e}"))),
-                Ok(Ok(0)) => return Err(Error::lost(addr, "send returned 0")),
+                Ok(Err(e)) => return Err(Error::lost(&self.addr, format!("send failed: {e}"))),
+                Ok(Ok(0)) => return Err(Error::lost(&self.addr, "send returned 0")),
                 Ok(Ok(n)) => n,
             };
             self.engine.consume_sent(n);
@@ -250,17 +249,14 @@ impl TcpConn {
     }
 
     /// Sends a queued TermReq if the socket takes it at once.
-    pub async fn flush_best_effort(&mut self, addr: &str) {
+    pub async fn flush_best_effort(&mut self) {
         let deadline = Instant::now() + Duration::from_millis(100);
-        let _ = self
-            .flush(addr, deadline, "a TermReq", Duration::ZERO)
-            .await;
+        let _ = self.flush(deadline, "a TermReq", Duration::ZERO).await;
     }
 
     /// Reads what the socket has into the engine's buffer (waiting until `deadline`).
     pub async fn read_more(
         &mut self,
-        addr: &str,
         deadline: Instant,
         what: &'static str,
         t: Duration,
@@ -268,8 +264,8 @@ impl TcpConn {
         let buf = self.engine.recv_buf(64 * 1024);
         match timeout_at(deadline, self.stream.read(buf)).await {
             Err(_) => Err(Error::timeout(what, t)),
-            Ok(Err(e)) => Err(Error::lost(addr, format!("receive failed: {e}"))),
-            Ok(Ok(0)) => Err(Error::lost(addr, "the target closed the connection")),
+            Ok(Err(e)) => Err(Error::lost(&self.addr, format!("receive failed: {e}"))),
+            Ok(Ok(0)) => Err(Error::lost(&self.addr, "the target closed the connection")),
             Ok(Ok(n)) => {
                 self.engine.commit_recv(n);
                 Ok(())
