@@ -451,7 +451,40 @@ pub fn interop_enabled() -> bool {
     std::env::var("NVMEOF_INTEROP").is_ok_and(|v| v == "1")
 }
 
+/// Whether a guest test must do nothing: true, after saying why, unless [`interop_enabled`].
+pub fn skip_without_interop() -> bool {
+    if interop_enabled() {
+        return false;
+    }
+    eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+    true
+}
+
 /// `tests/interop/guest.sh`.
 pub fn guest_sh() -> PathBuf {
     workspace_root().join("tests/interop/guest.sh")
+}
+
+/// Runs `cmd` (a `guest.sh run` command line) to its end and returns the guest's console;
+/// panics with the console and guest.sh's stderr if the guest failed.
+pub fn run_guest(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("guest.sh");
+    let console = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "guest failed ({:?}):\n{console}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    console
+}
+
+/// Asserts that the guest's `console` holds every one of `needles`.
+pub fn assert_console_has(console: &str, needles: &[&str]) {
+    for needle in needles {
+        assert!(
+            console.contains(needle),
+            "{needle:?} not in the console:\n{console}"
+        );
+    }
 }

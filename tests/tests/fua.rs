@@ -21,6 +21,7 @@ use nvme_spec::{FromBytes, SglDescriptor, features};
 use nvmeof_initiator::{
     ConnectOptions, Controller, HostIdentity, Namespace, ReconnectPolicy, TargetAddr, Timeouts,
 };
+use nvmeof_tests::verified_io::runtime;
 use nvmeof_tests::{RawHost, Reply, TEST_HOSTNQN, TargetProcess, bin_path};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:fua";
@@ -37,14 +38,6 @@ const LBA_CLI_PLAIN: u64 = 80;
 
 fn pattern(tag: u8) -> Vec<u8> {
     (0..N * BS).map(|i| tag ^ (i % 251) as u8).collect()
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// Starts the daemon on `img` behind a volatile cache and checks its warning line.

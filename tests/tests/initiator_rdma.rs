@@ -18,12 +18,13 @@
 
 use std::process::Command;
 
-use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
+use nvmeof_tests::{
+    assert_console_has, bin_path, guest_sh, run_guest, skip_without_interop, workspace_root,
+};
 
 #[test]
 fn initiator_over_rdma_against_kernel_and_own_target() {
-    if !interop_enabled() {
-        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+    if skip_without_interop() {
         return;
     }
     let nvmeof = bin_path("nvmeof");
@@ -36,48 +37,39 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         "{} is not built (cargo build -p nvmeof-initiator --example verify)",
         verify.display()
     );
-    let out = Command::new(guest_sh())
-        .args(["run", "--with-rdma", "--timeout", "900"])
-        // Five debug binaries in the initramfs: more than the default 1 GiB guest holds.
-        .args(["--mem", "2048"])
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof", nvmeof.display()))
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-verify", verify.display()))
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-bench", bench.display()))
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-initd", initd.display()))
-        .arg(workspace_root().join("tests/guest/initiator-rdma.sh"))
-        .output()
-        .expect("guest.sh");
-    let console = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "guest failed ({:?}):\n{console}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    let console = run_guest(
+        Command::new(guest_sh())
+            .args(["run", "--with-rdma", "--timeout", "900"])
+            // Five debug binaries in the initramfs: more than the default 1 GiB guest holds.
+            .args(["--mem", "2048"])
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof", nvmeof.display()))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof-verify", verify.display()))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof-bench", bench.display()))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof-initd", initd.display()))
+            .arg(workspace_root().join("tests/guest/initiator-rdma.sh")),
     );
-    for needle in [
-        "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target",
-        "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
-        "PASS: nvmeof-direct initiator over NVMe/RDMA",
-        "VERIFY RECONNECTED reconnects=",
-        "VERIFY REGISTERED-ACROSS-RECONNECT",
-        "VERIFY STALL-RECOVERED",
-        "VERIFY REGISTERED-TIMEOUT-RELEASED",
-        "PASS: nvmeof-bench rdma mode",
-        "NVMe/RDMA queue pair accepted",
-        "qid=3",
-        "+ /usr/bin/nvmeof detach rdma0",
-    ] {
-        assert!(
-            console.contains(needle),
-            "{needle:?} not in the console:\n{console}"
-        );
-    }
+    assert_console_has(
+        &console,
+        &[
+            "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target",
+            "PASS: initiator over NVMe/RDMA against nvmeof-targetd",
+            "PASS: nvmeof-direct initiator over NVMe/RDMA",
+            "VERIFY RECONNECTED reconnects=",
+            "VERIFY REGISTERED-ACROSS-RECONNECT",
+            "VERIFY STALL-RECOVERED",
+            "VERIFY REGISTERED-TIMEOUT-RELEASED",
+            "PASS: nvmeof-bench rdma mode",
+            "NVMe/RDMA queue pair accepted",
+            "qid=3",
+            "+ /usr/bin/nvmeof detach rdma0",
+        ],
+    );
     assert_eq!(
         console
             .matches("VERIFY PASS transport=rdma queues=3")

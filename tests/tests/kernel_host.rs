@@ -13,17 +13,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nvmeof_tests::{TargetProcess, guest_sh, interop_enabled};
+use nvmeof_tests::{TargetProcess, guest_sh, skip_without_interop};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-host";
-
-fn skip() -> bool {
-    if !interop_enabled() {
-        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
-        return true;
-    }
-    false
-}
 
 fn script(name: &str) -> String {
     nvmeof_tests::workspace_root()
@@ -35,7 +27,7 @@ fn script(name: &str) -> String {
 
 #[test]
 fn kernel_host_discover_connect_fio_verify() {
-    if skip() {
+    if skip_without_interop() {
         return;
     }
     let mut t = TargetProcess::quick(NQN, &["mem:256M"]);
@@ -82,7 +74,7 @@ fn wait_for(path: &Path, needle: &str, timeout: Duration) -> bool {
 
 #[test]
 fn kernel_host_file_namespace_survives_daemon_crash() {
-    if skip() {
+    if skip_without_interop() {
         return;
     }
     // Under the build directory, not /tmp: the namespace file needs a filesystem with O_DIRECT.
@@ -182,7 +174,7 @@ fn console_records(
 /// one whose Flush writes nothing back (no mountable filesystem is left).
 #[test]
 fn kernel_host_ext4_survives_power_cuts() {
-    if skip() {
+    if skip_without_interop() {
         return;
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nvmeof_tests::verified_io::{BusyHost, connect, runtime, write_read_verify};
-use nvmeof_tests::{TargetProcess, free_port, guest_sh, interop_enabled, workspace_root};
+use nvmeof_tests::{TargetProcess, free_port, guest_sh, skip_without_interop, workspace_root};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-faults";
 /// Keep alive timeout the guest asks for, in seconds.
@@ -122,8 +122,7 @@ fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn kernel_host_rides_through_stalls_and_cuts_and_its_death_is_cleaned_up() {
-    if !interop_enabled() {
-        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+    if skip_without_interop() {
         return;
     }
     let port = free_port();

@@ -15,14 +15,13 @@
 
 use std::process::Command;
 
-use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
+use nvmeof_tests::{bin_path, guest_sh, run_guest, skip_without_interop, workspace_root};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-host-rdma";
 
 #[test]
 fn kernel_rdma_host_discover_connect_fio_verify() {
-    if !interop_enabled() {
-        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+    if skip_without_interop() {
         return;
     }
     let targetd = bin_path("nvmeof-targetd");
@@ -44,19 +43,10 @@ fn kernel_rdma_host_discover_connect_fio_verify() {
             loopback.display()
         );
     }
-    let out = cmd
-        .arg("--env")
+    cmd.arg("--env")
         .arg(format!("TARGET_NQN={NQN}"))
-        .arg(workspace_root().join("tests/guest/kernel-host-rdma.sh"))
-        .output()
-        .expect("guest.sh");
-    let console = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "guest failed ({:?}):\n{console}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .arg(workspace_root().join("tests/guest/kernel-host-rdma.sh"));
+    let console = run_guest(&mut cmd);
     assert!(console.contains("PASS: kernel NVMe/RDMA host"), "{console}");
     if loopback.exists() {
         assert!(console.contains("LOOPBACK PASS"), "{console}");

@@ -16,12 +16,13 @@
 
 use std::process::Command;
 
-use nvmeof_tests::{bin_path, guest_sh, interop_enabled, workspace_root};
+use nvmeof_tests::{
+    assert_console_has, bin_path, guest_sh, run_guest, skip_without_interop, workspace_root,
+};
 
 #[test]
 fn user_space_driver_and_pcie_namespace_against_qemu_nvme_through_vfio() {
-    if !interop_enabled() {
-        eprintln!("skipped: set NVMEOF_INTEROP=1 after running tests/interop/setup.sh");
+    if skip_without_interop() {
         return;
     }
     let targetd = bin_path("nvmeof-targetd");
@@ -36,48 +37,39 @@ fn user_space_driver_and_pcie_namespace_against_qemu_nvme_through_vfio() {
     std::fs::File::create(&disk)
         .and_then(|f| f.set_len(64 << 20))
         .expect("disk image");
-    let out = Command::new(guest_sh())
-        .args([
-            "run",
-            "--with-fio",
-            "--timeout",
-            "300",
-            "--fail-on-kernel-trace",
-        ])
-        .arg("--nvme-disk")
-        .arg(&disk)
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvme-pcie-probe", probe.display()))
-        .arg("--add-bin")
-        .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
-        .arg(workspace_root().join("tests/interop/guest-scripts/nvme-pcie-vfio.sh"))
-        .output()
-        .expect("guest.sh");
-    let console = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "guest failed ({:?}):\n{console}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    let console = run_guest(
+        Command::new(guest_sh())
+            .args([
+                "run",
+                "--with-fio",
+                "--timeout",
+                "300",
+                "--fail-on-kernel-trace",
+            ])
+            .arg("--nvme-disk")
+            .arg(&disk)
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvme-pcie-probe", probe.display()))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+            .arg(workspace_root().join("tests/interop/guest-scripts/nvme-pcie-vfio.sh")),
     );
-    for needle in [
-        "PROBE IDENTIFY vid=0x1b36",
-        "PROBE EXPECTED-DATA bytes=262144",
-        "PROBE PRP-SHAPES qid=1 commands=14 max_transfer=524288",
-        "PROBE WRAP qid=2 commands=80 depth=7",
-        "PROBE CROSS-QUEUE",
-        "PROBE PASS",
-        "PASS: kernel nvme driver reads what the user-space driver wrote (1466880 bytes)",
-        "PASS: user-space driver refuses a controller bound to the nvme driver",
-        "namespace 1: invalid backend configuration: pcie:0000:00:02.0: device: \
+    assert_console_has(
+        &console,
+        &[
+            "PROBE IDENTIFY vid=0x1b36",
+            "PROBE EXPECTED-DATA bytes=262144",
+            "PROBE PRP-SHAPES qid=1 commands=14 max_transfer=524288",
+            "PROBE WRAP qid=2 commands=80 depth=7",
+            "PROBE CROSS-QUEUE",
+            "PROBE PASS",
+            "PASS: kernel nvme driver reads what the user-space driver wrote (1466880 bytes)",
+            "PASS: user-space driver refuses a controller bound to the nvme driver",
+            "namespace 1: invalid backend configuration: pcie:0000:00:02.0: device: \
          /sys/bus/pci/devices/0000:00:02.0 is bound to the nvme driver, not vfio-pci",
-        "NVMe PCIe namespace opened (QEMU NVMe Ctrl",
-        "PASS: kernel NVMe/TCP host -> nvmeof-targetd -> pcie:0000:00:02.0 (fio verify)",
-        "PASS: emulated NVMe PCIe controller",
-    ] {
-        assert!(
-            console.contains(needle),
-            "{needle:?} not in the console:\n{console}"
-        );
-    }
+            "NVMe PCIe namespace opened (QEMU NVMe Ctrl",
+            "PASS: kernel NVMe/TCP host -> nvmeof-targetd -> pcie:0000:00:02.0 (fio verify)",
+            "PASS: emulated NVMe PCIe controller",
+        ],
+    );
 }
