@@ -673,9 +673,11 @@ pub struct Plan {
     pub hostnqn: Option<String>,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
-    /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven).
+    /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven;
+    /// default: the target's default).
     pub target_poll_us: u32,
-    /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven).
+    /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven;
+    /// default: the initiator's default).
     pub client_poll_us: u32,
     /// Repeats.
     pub repeat: u32,
@@ -775,11 +777,17 @@ impl Plan {
         if target_reactors > 256 {
             return Err(invalid("global", "target_reactors", "must be 0..=256"));
         }
-        let target_poll_us = ov.target_poll_us.or(g.target_poll_us).unwrap_or(0);
+        let target_poll_us = ov
+            .target_poll_us
+            .or(g.target_poll_us)
+            .unwrap_or(nvmeof_target::config::DEFAULT_POLL_US);
         if target_poll_us > 1_000_000 {
             return Err(invalid("global", "target_poll_us", "must be 0..=1000000"));
         }
-        let client_poll_us = ov.client_poll_us.or(g.client_poll_us).unwrap_or(0);
+        let client_poll_us = ov
+            .client_poll_us
+            .or(g.client_poll_us)
+            .unwrap_or(nvmeof_initiator::DEFAULT_BUSY_POLL.as_micros() as u32);
         if client_poll_us > 1_000_000 {
             return Err(invalid("global", "client_poll_us", "must be 0..=1000000"));
         }
