@@ -23,7 +23,7 @@
 #
 # With /usr/bin/nvmeof-bench present, the load generator runs a short job over the function
 # in its das and tcp (in-process target) modes, reads verified, and prints its table with the
-# tcp/das ratio. Environment: BENCH_RUNTIME (2s).
+# tcp/das ratio. Environment: BENCH_RUNTIME (1s).
 # shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
@@ -151,7 +151,7 @@ if [ -x $bench ]; then
 modes = ["das", "tcp"]
 backend = "pcie:$bdf"
 size = "8M"
-runtime = "${BENCH_RUNTIME:-2s}"
+runtime = "${BENCH_RUNTIME:-1s}"
 ramp_time = "0s"
 verify = true
 
