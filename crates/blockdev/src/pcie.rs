@@ -22,8 +22,8 @@
 //! at most MDTS that run together) and for writes from ordinary memory, data is copied through
 //! buffers of the arena that each queue pair keeps for reuse (up to 2 MiB each).
 //!
-//! Flush is the NVMe Flush command, and the volatile write cache reported is the controller's
-//! (Identify Controller VWC). Write Zeroes and Deallocate are the NVMe Write Zeroes and
+//! Flush is the NVMe Flush command, a write with Force Unit Access is an NVMe Write with FUA,
+//! and the volatile write cache reported is the controller's (Identify Controller VWC). Write Zeroes and Deallocate are the NVMe Write Zeroes and
 //! Dataset Management commands when the controller supports them (Identify Controller ONCS);
 //! otherwise Write Zeroes writes zeroed buffers and Deallocate is accepted as the hint it is and
 //! does nothing. Deallocated blocks are never promised to read as zeroes.
@@ -331,6 +331,7 @@ async fn yield_polling(queue: &Mutex<Queue>) {
 enum Cmd {
     Read,
     Write,
+    WriteFua,
     WriteZeroes,
     Deallocate,
     Flush,
@@ -340,7 +341,7 @@ impl Cmd {
     fn op(self) -> IoOp {
         match self {
             Cmd::Read => IoOp::Read,
-            Cmd::Write => IoOp::Write,
+            Cmd::Write | Cmd::WriteFua => IoOp::Write,
             Cmd::WriteZeroes => IoOp::WriteZeroes,
             Cmd::Deallocate => IoOp::Deallocate,
             Cmd::Flush => IoOp::Flush,
@@ -684,7 +685,7 @@ impl PcieBackend {
                 }
             };
             match (&mut dma, &*data) {
-                (Some(d), Data::Bounce(b)) if plan.cmd == Cmd::Write => {
+                (Some(d), Data::Bounce(b)) if matches!(plan.cmd, Cmd::Write | Cmd::WriteFua) => {
                     let at = (slba - plan.lba) as usize * bs;
                     d.as_mut_slice()[..len].copy_from_slice(&b[at..at + len]);
                 }
@@ -736,6 +737,7 @@ impl PcieBackend {
         let submitted = match (cmd, dma) {
             (Cmd::Read, Some(d)) => qp.read(ns, slba, nlb, d, tag),
             (Cmd::Write | Cmd::WriteZeroes, Some(d)) => qp.write(ns, slba, nlb, d, tag),
+            (Cmd::WriteFua, Some(d)) => qp.write_fua(ns, slba, nlb, d, tag),
             (Cmd::WriteZeroes, None) => qp.write_zeroes(ns, slba, nlb, tag),
             (Cmd::Deallocate, None) => qp.deallocate(ns, slba, nlb, tag),
             (Cmd::Flush, None) => qp.flush(ns, tag),
@@ -914,6 +916,12 @@ impl Backend for PcieBackend {
 
     async fn write(&self, lba: u64, buf: IoBuf) -> BufResult {
         self.transfer(Cmd::Write, lba, buf).await
+    }
+
+    /// NVMe Write with Force Unit Access (every command of a split transfer), not a write
+    /// and a Flush of the whole cache.
+    async fn write_fua(&self, lba: u64, buf: IoBuf) -> BufResult {
+        self.transfer(Cmd::WriteFua, lba, buf).await
     }
 
     async fn flush(&self) -> Result<(), BackendError> {

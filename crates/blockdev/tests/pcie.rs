@@ -338,7 +338,7 @@ fn reads_hand_over_dma_memory_and_reuse_it_without_copies() {
 }
 
 #[test]
-fn write_zeroes_deallocate_and_cache_follow_the_controller() {
+fn write_zeroes_deallocate_fua_and_cache_follow_the_controller() {
     for native in [true, false] {
         let (model, b) = model_backend(
             ModelConfig {
@@ -366,6 +366,13 @@ fn write_zeroes_deallocate_and_cache_follow_the_controller() {
             assert!(b.write_zeroes(8190, 4).await.is_err());
             assert!(b.deallocate(8190, 4).await.is_err());
             b.flush().await.unwrap();
+            // Force Unit Access on each command of a split write, no Flush.
+            let (r, _) = b.write_fua(300, pattern_buf(8, 300, 40, 512)).await;
+            r.unwrap();
+            assert_eq!(model.fua_writes(), 2);
+            let (r, got) = b.read(300, IoBuf::new(40 * 512)).await;
+            r.unwrap();
+            assert!(got[..] == pattern_buf(8, 300, 40, 512)[..]);
             let (r, got) = b.read(0, IoBuf::new(200 * 512)).await;
             r.unwrap();
             for block in 0..200 {
@@ -382,7 +389,7 @@ fn write_zeroes_deallocate_and_cache_follow_the_controller() {
             let (wz, dsm, extra_writes) = if native { (1, 1, 0) } else { (0, 0, 4) };
             assert_eq!(model.io_commands(io::WRITE_ZEROES), wz);
             assert_eq!(model.io_commands(io::DATASET_MANAGEMENT), dsm);
-            assert_eq!(model.io_commands(io::WRITE) - writes, extra_writes);
+            assert_eq!(model.io_commands(io::WRITE) - writes, extra_writes + 2);
             assert_eq!(model.io_commands(io::FLUSH), 1);
         });
     }

@@ -157,6 +157,8 @@ struct Inner {
     bad_doorbells: u64,
     /// I/O commands executed, by opcode.
     io_commands: Vec<u64>,
+    /// Writes executed with Force Unit Access.
+    fua_writes: u64,
 }
 
 /// The in-memory controller. Share it as `Arc<ModelController>`: the driver gets one clone as
@@ -228,6 +230,7 @@ impl ModelController {
                 doorbells: vec![Doorbells::default(); queues],
                 bad_doorbells: 0,
                 io_commands: vec![0; 256],
+                fua_writes: 0,
                 cfg,
             }),
         }
@@ -265,6 +268,11 @@ impl ModelController {
     /// Commands taken but not completed (lost completions not yet aborted).
     pub fn lost(&self) -> usize {
         self.inner.lock().lost.len()
+    }
+
+    /// Writes executed with Force Unit Access (CDW12 bit 30).
+    pub fn fua_writes(&self) -> u64 {
+        self.inner.lock().fua_writes
     }
 
     /// I/O commands with `opcode` executed (not counting those an injected fault consumed).
@@ -494,6 +502,9 @@ impl Inner {
             self.admin(window, sqe)
         } else {
             self.io_commands[usize::from(sqe.opcode)] += 1;
+            if sqe.opcode == io::WRITE && sqe.cdw12.get() & (1 << 30) != 0 {
+                self.fua_writes += 1;
+            }
             self.io(window, sqe)
         }
     }

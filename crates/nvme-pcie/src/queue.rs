@@ -248,7 +248,7 @@ impl IoQueuePair {
         buf: DmaBuf,
         tag: u64,
     ) -> Result<(), Rejected> {
-        self.read_write(false, ns, slba, nlb, buf, tag)
+        self.read_write(Rw::Read, ns, slba, nlb, buf, tag)
     }
 
     /// Queues a write of `nlb` blocks at `slba` of `ns` from `buf`.
@@ -260,12 +260,25 @@ impl IoQueuePair {
         buf: DmaBuf,
         tag: u64,
     ) -> Result<(), Rejected> {
-        self.read_write(true, ns, slba, nlb, buf, tag)
+        self.read_write(Rw::Write, ns, slba, nlb, buf, tag)
+    }
+
+    /// Queues a write with Force Unit Access: it completes once the data is in non-volatile
+    /// media, without flushing anything else.
+    pub fn write_fua(
+        &mut self,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        buf: DmaBuf,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        self.read_write(Rw::WriteFua, ns, slba, nlb, buf, tag)
     }
 
     fn read_write(
         &mut self,
-        write: bool,
+        rw: Rw,
         ns: &Namespace,
         slba: u64,
         nlb: u32,
@@ -277,7 +290,11 @@ impl IoQueuePair {
             return Err(r);
         }
         let len = u64::from(nlb) * u64::from(ns.block_size);
-        let sqe = build::read_write(write, 0, ns.nsid, slba, nlb);
+        let sqe = match rw {
+            Rw::Read => build::read_write(false, 0, ns.nsid, slba, nlb),
+            Rw::Write => build::read_write(true, 0, ns.nsid, slba, nlb),
+            Rw::WriteFua => build::write_fua(0, ns.nsid, slba, nlb),
+        };
         self.submit(sqe, Data::Buf(buf, len), tag)
     }
 
@@ -444,6 +461,13 @@ impl IoQueuePair {
     pub fn timeout(&self) -> Duration {
         self.shared.config.io_timeout
     }
+}
+
+/// A data transfer's direction.
+enum Rw {
+    Read,
+    Write,
+    WriteFua,
 }
 
 /// What a command transfers.
