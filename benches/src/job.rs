@@ -9,7 +9,9 @@
 //! ```toml
 //! [global]
 //! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma
-//! backend = "mem:1G"         # the namespace kind, for DAS and for the in-process target
+//! backend = "mem:1G"         # the namespace kind, for DAS and for the target the load
+//!                            # generator starts (tcp, tcp-bin); pcie:DOMAIN:BUS:DEV.FN drives
+//!                            # a drive bound to vfio-pci (das and tcp share its controller)
 //! runtime = "5s"
 //! ramp_time = "1s"
 //! verify = true
@@ -766,11 +768,32 @@ impl Plan {
                 format!("must be 1..={MAX_NAMESPACES}"),
             ));
         }
-        if namespaces > 1 && matches!(backend, BackendSpec::File(_) | BackendSpec::Bdev(_)) {
+        if namespaces > 1
+            && matches!(
+                backend,
+                BackendSpec::File(_) | BackendSpec::Bdev(_) | BackendSpec::Pcie { .. }
+            )
+        {
             return Err(invalid(
                 "global",
                 "namespaces",
-                "several namespaces need a mem or null backend (one file cannot back several)",
+                "several namespaces need a mem or null backend (one file or drive cannot back \
+                 several)",
+            ));
+        }
+        // One process at a time may hold a controller through VFIO: the das mode and the
+        // in-process target share it, a target process cannot open it beside them.
+        if matches!(backend, BackendSpec::Pcie { .. })
+            && modes.contains(&Mode::Das)
+            && modes
+                .iter()
+                .any(|m| matches!(m, Mode::Tcp(TcpTarget::Process(_))))
+        {
+            return Err(invalid(
+                "global",
+                "modes",
+                "a pcie: backend serves das and tcp (in-process) together, or tcp-bin alone: \
+                 only one process can hold the controller",
             ));
         }
         let target_reactors = ov.target_reactors.or(g.target_reactors).unwrap_or(1);
@@ -1196,6 +1219,14 @@ mod tests {
             ("[[job]]\nsize = \"4k\"\nbs = \"8k\"", "size"),
             ("[[job]]\niodepth = []", "empty"),
             ("[global]\nbackend = \"mem:0\"\n[[job]]", "backend"),
+            (
+                "[global]\nbackend = \"pcie:0000:01:00.0\"\nnamespaces = 2\n[[job]]",
+                "several namespaces",
+            ),
+            (
+                "[global]\nbackend = \"pcie:0000:01:00.0\"\nmodes = [\"das\", \"tcp-bin\"]\n[[job]]",
+                "only one process can hold the controller",
+            ),
             ("[global]\n", "no [[job]]"),
         ] {
             let err = plan(text)
