@@ -33,9 +33,17 @@ use tracing::{debug, warn};
 use crate::queue::IoOp;
 use crate::target::Target;
 
-/// Names of the I/O operations counted, in cell order ("other" is any opcode the target does
-/// not implement).
-pub const IO_OPS: [&str; 6] = ["read", "write", "flush", "write_zeroes", "dsm", "other"];
+/// Names of the I/O queue commands counted, in cell order ("fabrics": Fabrics commands such as
+/// Disconnect; "other": any opcode the target does not implement).
+pub const IO_OPS: [&str; 7] = [
+    "read",
+    "write",
+    "flush",
+    "write_zeroes",
+    "dsm",
+    "fabrics",
+    "other",
+];
 
 /// Latency histogram buckets: bucket `k` holds latencies up to `2^(12 + k)` ns (4.096 µs up to
 /// about 2.1 s); one more bucket holds the rest.
@@ -133,7 +141,8 @@ fn opcode_index(opcode: u8) -> usize {
         0x00 => 2,
         0x08 => 3,
         0x09 => 4,
-        _ => 5,
+        nvme_spec::opcode::FABRICS => 5,
+        _ => 6,
     }
 }
 
@@ -740,18 +749,17 @@ impl Collector for TargetCollector {
                 if count == 0 {
                     continue;
                 }
-                let mut cumulative = 0;
+                // Counts per bucket (the encoder accumulates them); f64::MAX is its +Inf.
                 let buckets: Vec<(f64, u64)> = f.latency[i]
                     .iter()
                     .enumerate()
                     .map(|(k, n)| {
-                        cumulative += n;
                         let bound = if k == LATENCY_BUCKETS {
-                            f64::INFINITY
+                            f64::MAX
                         } else {
                             bucket_bound_s(k)
                         };
-                        (bound, cumulative)
+                        (bound, *n)
                     })
                     .collect();
                 let mut l = base.clone();
@@ -765,13 +773,57 @@ impl Collector for TargetCollector {
     }
 }
 
-/// Renders the target's figures in the Prometheus (OpenMetrics) text format.
-pub fn render(target: &Arc<Target>) -> String {
+/// The OpenMetrics media type (what Prometheus asks for first).
+pub const OPENMETRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The classic Prometheus text format's media type (what other clients get).
+pub const TEXT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Renders the target's figures in the OpenMetrics text format.
+pub fn render_openmetrics(target: &Arc<Target>) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(TargetCollector(Arc::clone(target))));
     let mut out = String::new();
     // Writing to a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+    out
+}
+
+/// Renders the target's figures in the classic Prometheus text format (0.0.4): the
+/// OpenMetrics rendering with counter families named by their samples' `_total` name and
+/// without the `# EOF` marker.
+pub fn render_text(target: &Arc<Target>) -> String {
+    openmetrics_to_text(&render_openmetrics(target))
+}
+
+fn openmetrics_to_text(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let descriptor = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        match descriptor {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let total = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                out.push_str(&format!("{prefix}{name}{total} {tail}\n"));
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
     out
 }
 
@@ -786,8 +838,9 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 /// Serves `GET /metrics` on `listener` until the target shuts down: one request per
-/// connection, answered with the figures of the moment; other paths get 404, other methods
-/// 405, a request head over 8 KiB 431.
+/// connection, answered with the figures of the moment in OpenMetrics when the request
+/// accepts it, in the classic text format otherwise; other paths get 404, other methods 405,
+/// a request head over 8 KiB 431.
 pub async fn serve(target: Arc<Target>, listener: TcpListener) {
     let mut shutdown = target.subscribe_shutdown();
     loop {
@@ -809,6 +862,16 @@ pub async fn serve(target: Arc<Target>, listener: TcpListener) {
             }
         }
     }
+}
+
+/// Whether the request's Accept header names the OpenMetrics format.
+fn wants_openmetrics(head: &[u8]) -> bool {
+    String::from_utf8_lossy(head).lines().any(|l| {
+        l.split_once(':').is_some_and(|(name, value)| {
+            name.trim().eq_ignore_ascii_case("accept")
+                && value.contains("application/openmetrics-text")
+        })
+    })
 }
 
 /// Reads one request head and answers it.
@@ -845,11 +908,10 @@ async fn answer(target: &Arc<Target>, mut stream: TcpStream) -> std::io::Result<
         );
         let path = path.split(|&b| b == b'?').next().unwrap_or_default();
         match (method, path) {
-            (b"GET", b"/metrics") => (
-                "200 OK",
-                render(target),
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            ),
+            (b"GET", b"/metrics") if wants_openmetrics(&head) => {
+                ("200 OK", render_openmetrics(target), OPENMETRICS_TYPE)
+            }
+            (b"GET", b"/metrics") => ("200 OK", render_text(target), TEXT_TYPE),
             (b"GET", _) => (
                 "404 Not Found",
                 "not found: try /metrics\n".into(),

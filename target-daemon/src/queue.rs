@@ -253,7 +253,13 @@ impl QueueState {
                 (Some(a), status) => a.record(sqe.opcode, status),
                 // I/O requests are counted when they finish.
                 (None, Some(status)) => {
-                    if let Some(c) = m.io(sqe.nsid.get()) {
+                    // Fabrics commands name no namespace.
+                    let nsid = if sqe.opcode == nvme_spec::opcode::FABRICS {
+                        0
+                    } else {
+                        sqe.nsid.get()
+                    };
+                    if let Some(c) = m.io(nsid) {
                         c.record_answered(sqe.opcode, status);
                     }
                 }
