@@ -930,7 +930,75 @@ async fn answer(target: &Arc<Target>, mut stream: TcpStream) -> std::io::Result<
 
 #[cfg(test)]
 mod tests {
+    use nvme_spec::command::build;
+    use nvme_spec::queue::SglDescriptor;
+
     use super::*;
+    use crate::engine::Engine;
+    use crate::queue::{HostSgl, Submit};
+    use crate::testing::{NQN, connected, target};
+
+    /// Submits `sqe` on `e`'s queue and runs it as a transport would (memory: inline).
+    fn run(e: &mut Engine<()>, sqe: &nvme_spec::Sqe, data: &[u8]) {
+        if let Submit::Io(req) = e.q.submit(sqe, data) {
+            let mut buf = blockdev::IoBuf::new(sqe.dptr.data_length() as usize);
+            if !data.is_empty() {
+                buf.copy_from_slice(data);
+            }
+            assert!(e.run((), req, buf).is_some(), "memory runs inline");
+        }
+    }
+
+    #[test]
+    fn queues_count_io_and_their_totals_survive_the_close() {
+        let t = target(&["mem:1M"]);
+        let (admin, io) = connected(&t, HostSgl::Transport);
+        let permit = t
+            .listener_gate("tcp://127.0.0.1:4420".parse().unwrap())
+            .admit()
+            .unwrap();
+        let mut e: Engine<()> = Engine::new(io, permit);
+        let mut w = build::read_write(true, 1, 1, 0, 2);
+        w.dptr = SglDescriptor::in_capsule(8192);
+        run(&mut e, &w, &[0x5a; 8192]);
+        let mut r = build::read_write(false, 2, 1, 0, 1);
+        r.dptr = SglDescriptor::tcp_transport(4096);
+        run(&mut e, &r, &[]);
+        let mut bad = build::read_write(false, 3, 1, 1 << 20, 1);
+        bad.dptr = SglDescriptor::tcp_transport(4096);
+        run(&mut e, &bad, &[]);
+        let mut unknown_ns = build::read_write(false, 4, 9, 0, 1);
+        unknown_ns.dptr = SglDescriptor::tcp_transport(4096);
+        run(&mut e, &unknown_ns, &[]);
+
+        let live = t.metrics_snapshot();
+        let s = &live.subsystems[NQN];
+        assert_eq!(s.controllers, 1);
+        assert!(s.admin.commands["fabrics"] >= 1, "{:?}", s.admin);
+        let ns1 = &s.namespaces[&1];
+        assert_eq!((ns1.bytes_written, ns1.bytes_read), (8192, 4096));
+        assert_eq!(ns1.commands[..2], [2, 1], "two reads, one write");
+        assert_eq!(
+            ns1.latency[0].iter().sum::<u64>(),
+            1,
+            "refused reads have no latency"
+        );
+        let lba = Status::generic(nvme_spec::status::generic::LBA_OUT_OF_RANGE);
+        assert_eq!(ns1.errors[&status_key(lba)], 1);
+        let invalid_ns = Status::generic(nvme_spec::status::generic::INVALID_NAMESPACE);
+        assert_eq!(s.namespaces[&0].errors[&status_key(invalid_ns)], 1);
+
+        drop(e);
+        drop(admin);
+        let closed = t.metrics_snapshot();
+        let s = &closed.subsystems[NQN];
+        assert_eq!(
+            s.namespaces, live.subsystems[NQN].namespaces,
+            "nothing lost at close"
+        );
+        assert_eq!(s.admin, live.subsystems[NQN].admin);
+        assert!(t.subsystems[NQN].metrics.reg.lock().live_io.is_empty());
+    }
 
     #[test]
     fn latency_buckets_hold_their_bounds() {
