@@ -307,6 +307,18 @@ fn prometheus_scrapes_counters_that_follow_io() {
         v >= 2.0
     });
 
+    // A second daemon cannot take the same endpoint: one line, non-zero exit.
+    let out = Command::new(bin_path("nvmeof-targetd"))
+        .args(["--listen", "tcp://127.0.0.1:0", "--metrics", &metrics_arg])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("cannot bind the metrics endpoint {metrics}")),
+        "{stderr}"
+    );
+
     let (code, after) = http_get(metrics, "/metrics").unwrap();
     assert_eq!(code, 200);
     promtool_accepts(&after, dir.path());
