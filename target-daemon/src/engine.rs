@@ -780,6 +780,11 @@ mod tests {
             Some(Closed::Local("keep alive timeout"))
         ));
         assert!(ctrl.is_torn_down());
+        let figures = admin.e.q.target.metrics_snapshot();
+        assert_eq!(
+            figures.subsystems[crate::testing::NQN].keep_alive_expiries,
+            1
+        );
     }
 
     #[test]

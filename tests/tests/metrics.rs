@@ -3,15 +3,15 @@
 //! server's HTTP API while the `nvmeof` CLI (and a raw host, for an error and a protocol
 //! violation) move data, and `promtool check metrics` accepts a scrape.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nvme_spec::SglDescriptor;
 use nvme_spec::command::build;
-use nvmeof_tests::{RawHost, Reply, TargetProcess, bin_path, free_port};
+use nvmeof_tests::{
+    RawHost, Reply, TargetProcess, bin_path, free_port, http_get, promtool_accepts,
+};
 
 const NQN: &str = "nqn.2026-11.io.example:metrics";
 
@@ -35,22 +35,6 @@ fn prometheus_installed() -> bool {
         );
     }
     found
-}
-
-/// A GET over HTTP/1.0; returns the status code and the body.
-fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut reply = String::new();
-    s.read_to_string(&mut reply)?;
-    let (head, body) = reply.split_once("\r\n\r\n").unwrap_or((&reply, ""));
-    let code = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    Ok((code, body.to_string()))
 }
 
 /// Percent-encodes a query for a URL.
@@ -156,22 +140,6 @@ fn cli(t: &TargetProcess, args: &[&str]) {
     );
 }
 
-fn promtool_accepts(scrape: &str, dir: &Path) {
-    let file = dir.join("scrape.txt");
-    std::fs::write(&file, scrape).unwrap();
-    let out = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::fs::File::open(&file).unwrap())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics: {}{}\n{scrape}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[test]
 fn prometheus_scrapes_counters_that_follow_io() {
     if !prometheus_installed() {
@@ -202,7 +170,7 @@ fn prometheus_scrapes_counters_that_follow_io() {
     let (code, before) = http_get(metrics, "/metrics").unwrap();
     assert_eq!(code, 200, "{before}");
     assert!(!before.contains("nvmeof_io_commands_total{"), "{before}");
-    promtool_accepts(&before, dir.path());
+    promtool_accepts(&before);
 
     let prom = Prometheus::start(metrics);
     prom.wait_for("up{job=\"nvmeof\"}", "the target is scraped", |v| v == 1.0);
@@ -321,7 +289,7 @@ fn prometheus_scrapes_counters_that_follow_io() {
 
     let (code, after) = http_get(metrics, "/metrics").unwrap();
     assert_eq!(code, 200);
-    promtool_accepts(&after, dir.path());
+    promtool_accepts(&after);
     let (code, log) = t.terminate();
     assert_eq!(code, Some(0), "{log}");
 }
