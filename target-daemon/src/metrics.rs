@@ -281,10 +281,42 @@ pub fn admin_opcode_name(opcode: u8) -> String {
     name.to_string()
 }
 
-/// I/O figures of one namespace (summed over its queues).
+/// Serializes per-operation figures as a map from the operation's name (see [`IO_OPS`]),
+/// leaving out operations never seen.
+fn by_op<S: serde::Serializer, T: Serialize>(v: &[T; IO_OPS.len()], s: S) -> Result<S::Ok, S::Error>
+where
+    T: Default + PartialEq,
+{
+    let zero = T::default();
+    s.collect_map(IO_OPS.iter().zip(v).filter(|(_, x)| **x != zero))
+}
+
+/// Serializes error counts as a list of `{status, sct, sc, count}` with the status's name.
+fn by_status<S: serde::Serializer>(v: &BTreeMap<u16, u64>, s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct StatusCount {
+        status: String,
+        sct: String,
+        sc: String,
+        count: u64,
+    }
+    s.collect_seq(v.iter().map(|(k, n)| {
+        let (status, sct, sc) = status_label(*k);
+        StatusCount {
+            status,
+            sct,
+            sc,
+            count: *n,
+        }
+    }))
+}
+
+/// I/O figures of one namespace (summed over its queues). Serialized with per-operation
+/// figures keyed by operation name and errors as a list with the status's name.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct IoFigures {
     /// Commands completed, by operation (in [`IO_OPS`] order).
+    #[serde(serialize_with = "by_op")]
     pub commands: [u64; IO_OPS.len()],
     /// Bytes read by successful reads.
     pub bytes_read: u64,
@@ -292,10 +324,13 @@ pub struct IoFigures {
     pub bytes_written: u64,
     /// Latency histogram by operation: counts per bucket (see [`LATENCY_BUCKETS`]), the last
     /// one unbounded. Latency runs from the command's arrival to its completion.
+    #[serde(serialize_with = "by_op")]
     pub latency: [[u64; LATENCY_BUCKETS + 1]; IO_OPS.len()],
     /// Sum of the latencies by operation, in nanoseconds.
+    #[serde(serialize_with = "by_op")]
     pub latency_ns: [u64; IO_OPS.len()],
     /// Failed commands by status key (`sct << 8 | sc`, [`OTHER_STATUS`] for the rest).
+    #[serde(serialize_with = "by_status")]
     pub errors: BTreeMap<u16, u64>,
     /// Requests running on a backend now.
     pub queue_depth: u64,
@@ -307,6 +342,7 @@ pub struct AdminFigures {
     /// Commands by opcode name.
     pub commands: BTreeMap<String, u64>,
     /// Failed commands by status key (`sct << 8 | sc`).
+    #[serde(serialize_with = "by_status")]
     pub errors: BTreeMap<u16, u64>,
 }
 
@@ -987,6 +1023,12 @@ mod tests {
         assert_eq!(ns1.errors[&status_key(lba)], 1);
         let invalid_ns = Status::generic(nvme_spec::status::generic::INVALID_NAMESPACE);
         assert_eq!(s.namespaces[&0].errors[&status_key(invalid_ns)], 1);
+        // The serialized form names operations and statuses.
+        let json = serde_json::to_value(&live).unwrap();
+        let ns1 = &json["subsystems"][NQN]["namespaces"]["1"];
+        assert_eq!(ns1["commands"]["read"], 2, "{ns1}");
+        assert_eq!(ns1["errors"][0]["status"], "LBA Out of Range", "{ns1}");
+        assert_eq!(ns1["errors"][0]["count"], 1, "{ns1}");
 
         drop(e);
         drop(admin);
