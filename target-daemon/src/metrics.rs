@@ -283,9 +283,10 @@ pub fn admin_opcode_name(opcode: u8) -> String {
 
 /// Serializes per-operation figures as a map from the operation's name (see [`IO_OPS`]),
 /// leaving out operations never seen.
-fn by_op<S: serde::Serializer, T: Serialize>(v: &[T; IO_OPS.len()], s: S) -> Result<S::Ok, S::Error>
+fn by_op<S, T>(v: &[T; IO_OPS.len()], s: S) -> Result<S::Ok, S::Error>
 where
-    T: Default + PartialEq,
+    S: serde::Serializer,
+    T: Serialize + Default + PartialEq,
 {
     let zero = T::default();
     s.collect_map(IO_OPS.iter().zip(v).filter(|(_, x)| **x != zero))
