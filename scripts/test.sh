@@ -61,6 +61,17 @@ if command -v systemd-analyze >/dev/null; then
     fi
 fi
 
+stage "prometheus"
+# Debian's Prometheus server and promtool: the metrics test scrapes the target with them.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+    if [[ $quick == 1 && $(id -u) != 0 ]] && ! command -v sudo >/dev/null; then
+        echo "prometheus not installed and no root to install it: the metrics test skips"
+    else
+        sudo_ apt-get update -qq
+        sudo_ apt-get install -y -qq --no-install-recommends prometheus
+    fi
+fi
+
 stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -6,6 +6,9 @@
 //! - `target_submit_reject`: a Read past the end of the namespace, answered with an error.
 //! - `host_submit_read`: the host engine queueing a Read CapsuleCmd (command tracking and
 //!   PDU encoding into the send buffer).
+//! - `metrics_record_read_4k`: what the target's metrics add per I/O: the arrival time stamp
+//!   and the count of a finished 4 KiB read in its queue's cell (command, bytes, latency
+//!   bucket and sum).
 //!
 //! `cargo bench -p nvmeof-bench --bench submit`
 // criterion_group! expands to an undocumented public function.
@@ -153,5 +156,19 @@ fn host_submit(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, target_submit, host_submit);
+fn metrics_record(c: &mut Criterion) {
+    let cell = nvmeof_target::metrics::IoCell::default();
+    let op = IoOp::Read { lba: 0, len: 4096 };
+    let mut g = c.benchmark_group("metrics");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("metrics_record_read_4k", |b| {
+        b.iter(|| {
+            let arrived = std::time::Instant::now();
+            cell.record(black_box(&op), Status::SUCCESS, arrived);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, target_submit, host_submit, metrics_record);
 criterion_main!(benches);

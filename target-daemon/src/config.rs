@@ -209,6 +209,9 @@ pub struct TargetSettings {
     pub max_connections: usize,
     /// Most connections open on one listener; more are closed as soon as accepted.
     pub max_connections_per_listener: usize,
+    /// Serve Prometheus metrics at `http://ADDR:PORT/metrics` (off unless set), written like
+    /// `"127.0.0.1:9464"` in the file.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
@@ -228,6 +231,7 @@ impl Default for TargetSettings {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 16384,
             max_connections_per_listener: 4096,
+            metrics: None,
         }
     }
 }

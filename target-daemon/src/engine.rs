@@ -40,6 +40,7 @@ use tracing::{debug, info, warn};
 
 use crate::admission::{DropReason, Permit};
 use crate::controller::{Controller, EventReceiver};
+use crate::metrics::IoCell;
 use crate::queue::{IoOp, IoRequest, QueueState};
 
 /// Why a connection ended.
@@ -230,8 +231,17 @@ fn error_lba(op: &IoOp) -> u64 {
     }
 }
 
-async fn run_io<T>(ctrl: Arc<Controller>, tag: T, req: IoRequest, buf: IoBuf) -> Done<T> {
+async fn run_io<T>(
+    ctrl: Arc<Controller>,
+    tag: T,
+    req: IoRequest,
+    buf: IoBuf,
+    cell: Option<Arc<IoCell>>,
+) -> Done<T> {
     let (status, buf) = crate::io::execute(&ctrl, &req, buf).await;
+    if let Some(c) = cell {
+        c.record_finished(&req.op, status, req.arrived);
+    }
     Done {
         tag,
         req,
@@ -311,6 +321,7 @@ impl<T: 'static> Engine<T> {
                 Some(r) => r,
                 None => (Status::generic(generic::INTERNAL_ERROR), IoBuf::new(0)),
             };
+            self.q.record_io(&req, status);
             return Some(Done {
                 tag,
                 req,
@@ -318,8 +329,14 @@ impl<T: 'static> Engine<T> {
                 buf,
             });
         }
+        let ctrl = Arc::clone(ctrl);
+        let cell = self.q.metrics.as_mut().and_then(|m| {
+            let cell = m.io_handle(req.ns.as_ref().map_or(0, |ns| ns.nsid))?;
+            cell.record_started();
+            Some(cell)
+        });
         self.inflight
-            .push(Box::pin(run_io(Arc::clone(ctrl), tag, req, buf)));
+            .push(Box::pin(run_io(ctrl, tag, req, buf, cell)));
         None
     }
 
@@ -340,6 +357,9 @@ impl<T: 'static> Engine<T> {
     pub fn fail(&self, sqe: &Sqe, fault: Fault) -> Cqe {
         let status = fault.status();
         self.q.record_error(sqe, status, 0);
+        if let Some(m) = &self.q.metrics {
+            m.record_fault(sqe, status);
+        }
         self.q.completion(sqe.cid(), status, 0)
     }
 
@@ -389,6 +409,9 @@ impl<T: 'static> Engine<T> {
                     "keep alive timeout expired: tearing the controller down"
                 );
                 ctrl.tear_down();
+                if let Some(s) = ctrl.subsystem() {
+                    s.metrics.note_keep_alive_expiry();
+                }
                 self.closing = Some(Closed::Local("keep alive timeout"));
             }
         }
@@ -397,6 +420,11 @@ impl<T: 'static> Engine<T> {
 
     /// Logs why the connection ended; an admin queue's end tears its controller down.
     pub fn finish(&self, reason: &Closed, peer: SocketAddr, transport: &'static str) {
+        match reason {
+            Closed::Protocol(_) => self.q.target.metrics.note_protocol_error(transport),
+            Closed::HostTermReq(_) => self.q.target.metrics.note_host_term_req(transport),
+            _ => {}
+        }
         let Some(ctrl) = &self.q.ctrl else {
             match reason {
                 Closed::Protocol(r) => {
@@ -646,6 +674,7 @@ mod tests {
             cid: 1,
             ns: ns.cloned(),
             op: IoOp::Flush,
+            arrived: Instant::now(),
         };
         let done = e.run((), req, IoBuf::new(0)).expect("answered at once");
         assert_eq!(
@@ -751,6 +780,11 @@ mod tests {
             Some(Closed::Local("keep alive timeout"))
         ));
         assert!(ctrl.is_torn_down());
+        let figures = admin.e.q.target.metrics_snapshot();
+        assert_eq!(
+            figures.subsystems[crate::testing::NQN].keep_alive_expiries,
+            1
+        );
     }
 
     #[test]

@@ -21,6 +21,8 @@
 //! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
 //! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
 //!   (with the busy-poll window), the accept loops, orderly shutdown.
+//! - [`metrics`]: per-queue counters and latency histograms added up at scrape time, the
+//!   [`metrics::MetricsSnapshot`] and the Prometheus endpoint.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
 //!
@@ -35,6 +37,7 @@ pub mod discovery;
 pub mod engine;
 pub mod io;
 pub mod launcher;
+pub mod metrics;
 pub mod queue;
 pub mod rdma;
 pub mod reactor;

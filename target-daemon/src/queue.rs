@@ -6,6 +6,7 @@
 //! completion per command built by [`QueueState::completion`].
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use nvme_spec::command::{AdminCommand, FabricsCommand, IoCommand, ReadWrite};
 use nvme_spec::fabrics::{
@@ -19,6 +20,7 @@ use tracing::{debug, info};
 
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
+use crate::metrics::QueueMetrics;
 use crate::subsystem::Namespace;
 use crate::target::Target;
 
@@ -53,6 +55,8 @@ pub struct IoRequest {
     pub ns: Option<Arc<Namespace>>,
     /// What to do.
     pub op: IoOp,
+    /// When the command arrived (its latency runs from here).
+    pub arrived: Instant,
 }
 
 /// Data-plane operations.
@@ -151,6 +155,8 @@ pub struct QueueState {
     pub sq_flow_disabled: bool,
     /// Asynchronous completions for an admin queue (taken by the transport after Connect).
     pub events: Option<EventReceiver>,
+    /// The queue's counters, once connected to an NVM subsystem.
+    pub metrics: Option<QueueMetrics>,
     host_sgl: HostSgl,
     discovery_only: bool,
     sqhd: u32,
@@ -173,6 +179,7 @@ impl QueueState {
             ctrl: None,
             sq_flow_disabled: false,
             events: None,
+            metrics: None,
             host_sgl: HostSgl::Transport,
             discovery_only: false,
             sqhd: 0,
@@ -234,6 +241,46 @@ impl QueueState {
 
     /// Handles one command capsule.
     pub fn submit(&mut self, sqe: &Sqe, icd: &[u8]) -> Submit {
+        let r = self.submit_uncounted(sqe, icd);
+        if let Some(m) = &mut self.metrics {
+            let status = match &r {
+                Submit::Complete(c)
+                | Submit::CompleteWithData(_, c)
+                | Submit::CompleteAndClose(c) => Some(c.status()),
+                Submit::Held | Submit::Io(_) => None,
+            };
+            match (m.admin(), status) {
+                (Some(a), status) => a.record(sqe.opcode, status),
+                // I/O requests are counted when they finish.
+                (None, Some(status)) => {
+                    // Fabrics commands name no namespace.
+                    let nsid = if sqe.opcode == nvme_spec::opcode::FABRICS {
+                        0
+                    } else {
+                        sqe.nsid.get()
+                    };
+                    if let Some(c) = m.io(nsid) {
+                        c.record_answered(sqe.opcode, status);
+                    }
+                }
+                (None, None) => {}
+            }
+        }
+        r
+    }
+
+    /// Counts a request that ran on the backend (or was served by the transport at once).
+    #[inline]
+    pub fn record_io(&mut self, req: &IoRequest, status: Status) {
+        if let Some(m) = &mut self.metrics {
+            let nsid = req.ns.as_ref().map_or(0, |ns| ns.nsid);
+            if let Some(c) = m.io(nsid) {
+                c.record(&req.op, status, req.arrived);
+            }
+        }
+    }
+
+    fn submit_uncounted(&mut self, sqe: &Sqe, icd: &[u8]) -> Submit {
         if self.sqsize > 0 {
             self.sqhd = (self.sqhd + 1) % self.sqsize;
         }
@@ -333,6 +380,7 @@ impl QueueState {
                         cid,
                         ns: None,
                         op: IoOp::Flush,
+                        arrived: Instant::now(),
                     })
                 }
                 Ok(false) => Submit::Complete(self.completion(cid, Status::SUCCESS, 0)),
@@ -483,6 +531,9 @@ impl QueueState {
             ctrl.set_keyed_sgls();
         }
         let dw0 = u32::from(ctrl.cntlid);
+        self.metrics = ctrl
+            .subsystem()
+            .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));
         self.ctrl = Some(ctrl);
         self.events = events;
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
@@ -552,7 +603,13 @@ impl QueueState {
         if !ctrl.is_ready() {
             return Err(Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
         }
-        let req = |ns, op| IoRequest { cid, ns, op };
+        let arrived = Instant::now();
+        let req = |ns, op| IoRequest {
+            cid,
+            ns,
+            op,
+            arrived,
+        };
         match cmd {
             IoCommand::Read(rw) | IoCommand::Write(rw) => {
                 let write = matches!(cmd, IoCommand::Write(_));

@@ -91,6 +91,8 @@ pub struct Subsystem {
     next_cntlid: Mutex<u16>,
     /// Incremented on every namespace change (for AENs).
     pub generation: AtomicU64,
+    /// Live queues' counters and the totals of closed ones.
+    pub metrics: crate::metrics::SubsystemMetrics,
 }
 
 /// Highest controller ID handed out (0xFFF0.. are reserved).
@@ -127,6 +129,7 @@ impl Subsystem {
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: Mutex::new(1),
             generation: AtomicU64::new(0),
+            metrics: Default::default(),
         }
     }
 

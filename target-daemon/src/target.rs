@@ -90,6 +90,8 @@ pub struct Target {
     next_discovery_cntlid: AtomicU16,
     shutdown_tx: watch::Sender<bool>,
     connections: Arc<ConnectionCount>,
+    /// Target-wide counters (protocol errors).
+    pub metrics: crate::metrics::TargetMetrics,
 }
 
 /// A bound listener ready to accept.
@@ -276,6 +278,7 @@ impl Target {
             next_discovery_cntlid: AtomicU16::new(1),
             shutdown_tx,
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
+            metrics: Default::default(),
         };
         Ok((Arc::new(target), bound))
     }

@@ -349,14 +349,18 @@ impl Conn {
         let c = &ctrl.counters;
         c.reads.fetch_add(1, Ordering::Relaxed);
         c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        let answered = success && matches!(sent, Ok(Ok(())));
         let status = match sent {
-            Ok(Ok(())) if success => return true,
             Ok(r) => crate::io::status_of(ctrl, r),
             Err(e) => {
                 debug!(error = %e, cid = req.cid, "cannot queue C2HData");
                 Status::SUCCESS
             }
         };
+        self.e.q.record_io(req, status);
+        if answered {
+            return true;
+        }
         let cqe = self.e.io_completion(sqe, req, status);
         self.respond(&cqe);
         true

@@ -1,6 +1,6 @@
 //! The Linux kernel NVMe/TCP host (in a QEMU guest) against `nvmeof-targetd`: discovery,
 //! connect with several I/O queues, Identify, fio with verify, digests on and off, discard,
-//! write zeroes, disconnect; a file namespace that keeps its data across a daemon crash while
+//! write zeroes, disconnect, and the metrics those commands leave; a file namespace that keeps its data across a daemon crash while
 //! the host reconnects; and ext4 on a namespace with a volatile write cache that stays
 //! consistent, with every fsynced file intact, across power cuts (SIGKILL of the daemon loses
 //! whatever the host did not make durable with Flush or FUA).
@@ -13,7 +13,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nvmeof_tests::{TargetProcess, guest_sh, skip_without_interop};
+use std::net::SocketAddr;
+
+use nvmeof_tests::{
+    TargetProcess, free_port, guest_sh, http_get, promtool_accepts, scraped, skip_without_interop,
+};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-host";
 
@@ -30,7 +34,23 @@ fn kernel_host_discover_connect_fio_verify() {
     if skip_without_interop() {
         return;
     }
-    let mut t = TargetProcess::quick(NQN, &["mem:256M"]);
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_arg = metrics.to_string();
+    let args = [
+        "--listen",
+        &listen,
+        "--subsystem",
+        NQN,
+        "--namespace",
+        "mem:256M",
+        "--reactors",
+        "2",
+        "--metrics",
+        &metrics_arg,
+    ];
+    let mut t = TargetProcess::spawn(&args, port);
     let out = Command::new(guest_sh())
         .args(["run", "--with-fio", "--timeout", "900"])
         .arg("--env")
@@ -52,6 +72,42 @@ fn kernel_host_discover_connect_fio_verify() {
     let log = t.log();
     assert!(log.contains("controller connected"), "{log}");
     assert!(log.contains("discovery controller connected"), "{log}");
+    // What the kernel host did shows in the metrics: data both ways, the flush, the discard
+    // and the write zeroes, and no controller left after its disconnect.
+    let (code, scrape) = http_get(metrics, "/metrics").expect("scrape");
+    assert_eq!(code, 200);
+    let ns1 = format!("subsystem=\"{NQN}\",nsid=\"1\"");
+    for (series, min) in [
+        (
+            format!("nvmeof_io_bytes_total{{{ns1},direction=\"read\"}}"),
+            1 << 20,
+        ),
+        (
+            format!("nvmeof_io_bytes_total{{{ns1},direction=\"write\"}}"),
+            1 << 20,
+        ),
+        (
+            format!("nvmeof_io_commands_total{{{ns1},opcode=\"flush\"}}"),
+            1,
+        ),
+        (
+            format!("nvmeof_io_commands_total{{{ns1},opcode=\"dsm\"}}"),
+            1,
+        ),
+        (
+            format!("nvmeof_io_commands_total{{{ns1},opcode=\"write_zeroes\"}}"),
+            1,
+        ),
+    ] {
+        let v = scraped(&scrape, &series);
+        assert!(
+            v.is_some_and(|v| v >= f64::from(min)),
+            "{series} = {v:?}:\n{scrape}"
+        );
+    }
+    let controllers = format!("nvmeof_controllers{{subsystem=\"{NQN}\"}}");
+    assert_eq!(scraped(&scrape, &controllers), Some(0.0), "{scrape}");
+    promtool_accepts(&scrape);
     let (code, _) = t.terminate();
     assert_eq!(code, Some(0));
 }

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -78,6 +79,11 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_connections_per_listener: Option<usize>,
 
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9464 (default: the
+    /// config's `metrics`, else off).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<std::net::SocketAddr>,
+
     /// Check the configuration, open the backends that exist, bind the listeners, then exit.
     /// Creates nothing: prints the files that starting would create.
     #[arg(long)]
@@ -123,6 +129,7 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     let t = &mut cfg.target;
     t.handshake_timeout = args.handshake_timeout.unwrap_or(t.handshake_timeout);
     t.max_connections = args.max_connections.unwrap_or(t.max_connections);
+    t.metrics = args.metrics.or(t.metrics);
     t.max_connections_per_listener = args
         .max_connections_per_listener
         .unwrap_or(t.max_connections_per_listener);
@@ -152,6 +159,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let (target, listeners) = Target::build(&cfg)?;
+    let metrics = match cfg.target.metrics {
+        Some(addr) => Some(
+            nvmeof_target::metrics::bind(addr)
+                .await
+                .with_context(|| format!("cannot bind the metrics endpoint {addr}"))?,
+        ),
+        None => None,
+    };
+    if let Some(listener) = metrics {
+        if let Ok(addr) = listener.local_addr() {
+            info!(%addr, "serving metrics at http://{addr}/metrics");
+        }
+        tokio::spawn(nvmeof_target::metrics::serve(Arc::clone(&target), listener));
+    }
     let running = RunningTarget::start(target, listeners)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
