@@ -151,6 +151,8 @@ pub struct QueueState {
     pub sq_flow_disabled: bool,
     /// Asynchronous completions for an admin queue (taken by the transport after Connect).
     pub events: Option<EventReceiver>,
+    /// In-band authentication, when the host must authenticate this queue.
+    pub(crate) auth: Option<crate::auth::QueueAuth>,
     host_sgl: HostSgl,
     discovery_only: bool,
     sqhd: u32,
@@ -173,6 +175,7 @@ impl QueueState {
             ctrl: None,
             sq_flow_disabled: false,
             events: None,
+            auth: None,
             host_sgl: HostSgl::Transport,
             discovery_only: false,
             sqhd: 0,
@@ -257,6 +260,9 @@ impl QueueState {
                 cid,
                 Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
             );
+        }
+        if let Some(reply) = self.auth_gate(&ctrl, sqe, icd) {
+            return reply;
         }
         if self.qid == 0 {
             match AdminCommand::parse(sqe) {
@@ -482,7 +488,7 @@ impl QueueState {
         if c.qid == 0 && self.host_sgl == HostSgl::Keyed {
             ctrl.set_keyed_sgls();
         }
-        let dw0 = u32::from(ctrl.cntlid);
+        let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.ctrl = Some(ctrl);
         self.events = events;
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
