@@ -93,7 +93,7 @@ impl Attachment {
         let h = self.health.lock();
         AttachmentStatus {
             name: self.name.clone(),
-            params: self.params.clone(),
+            params: self.params.without_secrets(),
             state: h.state.clone(),
             last_error: h.last_error.clone(),
             controller: h.controller.clone(),
@@ -316,7 +316,20 @@ impl Daemon {
         };
         let text = serde_json::to_string_pretty(&state)?;
         let tmp = self.state_file.with_extension("json.tmp");
-        std::fs::write(&tmp, text + "\n")
+        // Root-only: attachments may hold DH-HMAC-CHAP secrets.
+        let write = |text: String| {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        };
+        write(text + "\n")
             .and_then(|()| std::fs::rename(&tmp, &self.state_file))
             .with_context(|| format!("cannot write {}", self.state_file.display()))
     }
@@ -365,9 +378,14 @@ impl Daemon {
             Request::Get { name } => {
                 let map = self.attachments.lock().await;
                 match map.get(&name) {
+                    // A process opening the attachment connects itself: it gets the secrets
+                    // (the socket is root's and the daemon group's only).
                     Some(a) => Response {
                         ok: true,
-                        attachment: Some(a.status()),
+                        attachment: Some(AttachmentStatus {
+                            params: a.params.clone(),
+                            ..a.status()
+                        }),
                         ..Default::default()
                     },
                     None => Response::error(format!("no attachment named {name:?}")),
