@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs a script inside the interop test guest: Debian's 6.1 kernel (NVMe-oF host and target,
-# Soft-RoCE) booted by QEMU TCG into a busybox initramfs. Prepare it once with setup.sh.
+# Soft-RoCE) booted by QEMU TCG into a busybox initramfs, or with --kernel 612 Debian trixie's
+# 6.12 kernel (adds NVMe in-band authentication and NVMe/TCP TLS) with trixie's nvme-cli and
+# tlshd. Prepare it once with setup.sh (setup.sh --with-k612 for the 6.12 guest).
 #
 # Usage:
 #   guest.sh run   [OPTIONS] SCRIPT
@@ -20,6 +22,8 @@
 #       Prints a TCP port that is free on 127.0.0.1 (for --hostfwd).
 #
 # Options (run and start):
+#   --kernel 61|612               guest kernel (default 61, or $INTEROP_GUEST_KERNEL): 612 boots
+#                                 trixie's 6.12 with nvme-cli 2.13 and tlshd (setup.sh --with-k612)
 #   --hostfwd HOSTPORT:GUESTPORT  forward 127.0.0.1:HOSTPORT on the host to the guest's
 #                                 GUESTPORT (TCP; repeatable)
 #   --env NAME=VALUE              variable for the guest script (repeatable; written to /env)
@@ -103,7 +107,7 @@ cmd_boot() {
     shift
     local script="" marker="" log="" pidfile="" timeout="" mem=1024 smp=2 loglevel=4
     local with_fio=0 with_rdma=0 with_ext4=0 with_nvme=1 fail_on_trace=0 verbose=0
-    local accel=${INTEROP_ACCEL:-tcg} append=""
+    local accel=${INTEROP_ACCEL:-tcg} append="" kernel=${INTEROP_GUEST_KERNEL:-61}
     local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=() nvme_disks=()
 
     while [[ $# -gt 0 ]]; do
@@ -112,6 +116,7 @@ cmd_boot() {
         --env) envs+=("${2:?--env needs NAME=VALUE}"); shift ;;
         --add) adds+=("${2:?--add needs a path}"); shift ;;
         --add-bin) addbins+=("${2:?--add-bin needs a path}"); shift ;;
+        --kernel) kernel=${2:?--kernel needs 61 or 612}; shift ;;
         --with-fio) with_fio=1 ;;
         --with-rdma) with_rdma=1 ;;
         --with-ext4) with_ext4=1 ;;
@@ -148,10 +153,22 @@ cmd_boot() {
     fi
     [[ $timeout =~ ^[0-9]+$ ]] || die "--timeout takes seconds"
     load_setup
+    # The kernel's image and version, and its base and nvme-cli segments.
+    local kimage=$INTEROP_KERNEL_IMAGE kver=$INTEROP_KVER base=base nvme=nvme setup_flag=""
+    case "$kernel" in
+    61) ;;
+    612)
+        [[ -n ${INTEROP_K612_KERNEL_IMAGE:-} && -f ${INTEROP_K612_KERNEL_IMAGE:-} ]] ||
+            die "the 6.12 guest is not prepared: run tests/interop/setup.sh --with-k612"
+        kimage=$INTEROP_K612_KERNEL_IMAGE kver=$INTEROP_K612_KVER base=base-612 nvme=nvme-612
+        setup_flag=" --with-k612"
+        ;;
+    *) die "--kernel 61|612 (got '$kernel')" ;;
+    esac
     local seg
-    for seg in fio:$with_fio rdma:$with_rdma ext4:$with_ext4; do
+    for seg in $base:1 $nvme:$with_nvme fio:$with_fio rdma:$with_rdma ext4:$with_ext4; do
         [[ ${seg#*:} == 0 || -f $INTEROP_INITRD_DIR/${seg%:*}.cpio.zst ]] ||
-            die "missing ${seg%:*} initramfs segment: run tests/interop/setup.sh"
+            die "missing ${seg%:*} initramfs segment: run tests/interop/setup.sh$setup_flag"
     done
 
     local name stamp rundir
@@ -197,11 +214,13 @@ cmd_boot() {
     done
     local initrd=$rundir/initrd
     {
-        cat "$INTEROP_INITRD_DIR/base.cpio.zst"
-        [[ $with_nvme == 0 ]] || cat "$INTEROP_INITRD_DIR/nvme.cpio.zst"
+        cat "$INTEROP_INITRD_DIR/$base.cpio.zst"
         [[ $with_fio == 0 ]] || cat "$INTEROP_INITRD_DIR/fio.cpio.zst"
         [[ $with_rdma == 0 ]] || cat "$INTEROP_INITRD_DIR/rdma.cpio.zst"
         [[ $with_ext4 == 0 ]] || cat "$INTEROP_INITRD_DIR/ext4.cpio.zst"
+        # Last: on the 6.12 guest its trixie libraries (glibc included) replace the bookworm
+        # copies that the segments above carry; bookworm's programs run on them as well.
+        [[ $with_nvme == 0 ]] || cat "$INTEROP_INITRD_DIR/$nvme.cpio.zst"
         write_cpio "$st"
     } >"$initrd"
     rm -rf "$st"
@@ -235,13 +254,13 @@ cmd_boot() {
         qemu-system-x86_64
         -accel "$accel_arg" -cpu max -smp "$smp" -m "$mem"
         -nodefaults -display none -no-reboot
-        -kernel "$INTEROP_KERNEL_IMAGE" -initrd "$initrd" -append "$cmdline"
+        -kernel "$kimage" -initrd "$initrd" -append "$cmdline"
         -netdev "$netdev" -device "virtio-net-pci,netdev=net0,romfile="
         "${nvme_args[@]}"
     )
 
     if [[ $mode == run ]]; then
-        say "booting $INTEROP_KVER (TCG) with $(basename "$script"); console log: $log"
+        say "booting $kver (TCG) with $(basename "$script"); console log: $log"
         qemu+=(-chardev "stdio,id=con0,signal=on,logfile=$log" -serial chardev:con0)
         local rc=0 qpid
         timeout --kill-after=10 "$timeout" "${qemu[@]}" "${qemu_extra[@]}" </dev/null &
@@ -271,7 +290,7 @@ cmd_boot() {
 LOG=$log
 RUNDIR=$rundir
 EOF
-    say "starting $INTEROP_KVER (TCG) with $(basename "$script") in the background; console log: $log"
+    say "starting $kver (TCG) with $(basename "$script") in the background; console log: $log"
     if ! "${qemu[@]}" "${qemu_extra[@]}" </dev/null >"$rundir/qemu.out" 2>&1; then
         cat "$rundir/qemu.out" >&2
         rm -rf "$rundir" "$pidfile.state"
