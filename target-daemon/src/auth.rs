@@ -41,6 +41,12 @@ impl QueueAuth {
     pub fn new(subnqn: &str, hostnqn: &str, keys: &crate::subsystem::HostKeys) -> Self {
         let mut cfg = CtrlConfig::new(subnqn, hostnqn, keys.host.clone());
         cfg.ctrl_key = keys.ctrl.clone();
+        if let Some(h) = keys.hash {
+            cfg.hashes = vec![h];
+        }
+        if let Some(g) = keys.dh_group {
+            cfg.dh_groups = vec![g];
+        }
         QueueAuth {
             proto: CtrlAuth::new(cfg),
             authenticated: false,
@@ -188,6 +194,8 @@ mod tests {
             nqn: HOST.to_string(),
             dhchap_key: key(1),
             dhchap_ctrl_key: ctrl_key.then(|| key(2)),
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
         });
         cfg.validate().unwrap();
         Target::build(&cfg).unwrap().0
@@ -391,6 +399,37 @@ mod tests {
             Ok(nvme_spec::auth::AuthMessage::Failure1 { .. })
         ));
         assert!(admin.auth_pending());
+    }
+
+    #[test]
+    fn a_host_restricted_to_one_hash_and_group_gets_them_or_a_failure() {
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: key(1),
+            dhchap_ctrl_key: None,
+            dhchap_hash: Some(HashId::Sha512),
+            dhchap_dhgroup: Some(DhGroupId::Ffdhe4096),
+        });
+        let t = Target::build(&cfg).unwrap().0;
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        let want = nvme_auth::Outcome {
+            hash: HashId::Sha512,
+            dh_group: DhGroupId::Ffdhe4096,
+            bidirectional: false,
+        };
+        let next = authenticate(&mut admin, host_cfg(key(1), None), 1);
+        assert_eq!(next, HostNext::Authenticated(want));
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        let mut only_sha256 = host_cfg(key(1), None);
+        only_sha256.hashes = vec![HashId::Sha256];
+        match authenticate(&mut admin, only_sha256, 1) {
+            HostNext::Failed(e) => assert_eq!(
+                e.explanation(),
+                nvme_auth::FailureExplanation::HashUnusable as u8
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

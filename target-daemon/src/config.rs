@@ -23,6 +23,8 @@
 //! nqn = "nqn.2014-08.org.nvmexpress:uuid:..."
 //! dhchap_key = "DHHC-1:01:...:"     # from `nvme gen-dhchap-key`
 //! dhchap_ctrl_key = "DHHC-1:01:...:" # optional: the controller authenticates itself too
+//! dhchap_hash = "hmac(sha384)"      # optional: the only hash allowed (default: any)
+//! dhchap_dhgroup = "ffdhe3072"      # optional: the only DH group allowed (default: any)
 //!
 //! [[subsystem.namespace]]
 //! backend = "file:/var/lib/nvmeof/ns1.img,size=10G"
@@ -34,7 +36,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use blockdev::BackendSpec;
-use nvme_auth::DhchapKey;
+use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use serde::Deserialize;
 
 /// NQN of the subsystem served when no configuration is given.
@@ -290,6 +292,43 @@ pub struct HostAuthConfig {
     /// the host asks (bidirectional authentication).
     #[serde(default, deserialize_with = "deserialize_opt_key")]
     pub dhchap_ctrl_key: Option<DhchapKey>,
+    /// The only hash function this host may use, `hmac(sha256)`, `hmac(sha384)` or
+    /// `hmac(sha512)` (default: any, SHA-256 preferred).
+    #[serde(default, deserialize_with = "deserialize_hash")]
+    pub dhchap_hash: Option<HashId>,
+    /// The only DH group this host may use, `null` or `ffdhe2048` ... `ffdhe8192` (default:
+    /// any, ffdhe2048 preferred, null last).
+    #[serde(default, deserialize_with = "deserialize_dhgroup")]
+    pub dhchap_dhgroup: Option<DhGroupId>,
+}
+
+fn deserialize_hash<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<HashId>, D::Error> {
+    let s = String::deserialize(d)?;
+    HashId::ALL
+        .into_iter()
+        .find(|h| h.name() == s || h.name().strip_prefix("hmac(") == Some(&format!("{s})")))
+        .map(Some)
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "dhchap_hash {s:?}: expected hmac(sha256), hmac(sha384) or hmac(sha512)"
+            ))
+        })
+}
+
+fn deserialize_dhgroup<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<DhGroupId>, D::Error> {
+    let s = String::deserialize(d)?;
+    DhGroupId::ALL
+        .into_iter()
+        .find(|g| g.name() == s)
+        .map(Some)
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "dhchap_dhgroup {s:?}: expected null, ffdhe2048, ffdhe3072, ffdhe4096, \
+                 ffdhe6144 or ffdhe8192"
+            ))
+        })
 }
 
 fn deserialize_key<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DhchapKey, D::Error> {
@@ -605,10 +644,20 @@ mod tests {
                 "#
             )
         };
-        let c = Config::from_toml(&doc(key, &format!("dhchap_ctrl_key = \"{key}\""))).unwrap();
+        let extra = format!(
+            "dhchap_ctrl_key = \"{key}\"\ndhchap_hash = \"hmac(sha384)\"\n\
+             dhchap_dhgroup = \"ffdhe3072\""
+        );
+        let c = Config::from_toml(&doc(key, &extra)).unwrap();
         let h = &c.subsystems[0].auth_hosts[0];
         assert_eq!(h.dhchap_key.to_dhhc1(), key);
         assert!(h.dhchap_ctrl_key.is_some());
+        assert_eq!(h.dhchap_hash, Some(HashId::Sha384));
+        assert_eq!(h.dhchap_dhgroup, Some(DhGroupId::Ffdhe3072));
+        let e = Config::from_toml(&doc(key, "dhchap_dhgroup = \"ffdhe1024\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("dhchap_dhgroup \"ffdhe1024\""), "{e}");
         assert!(
             !format!("{c:?}").contains(&key[10..30]),
             "keys are redacted"

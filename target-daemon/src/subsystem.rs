@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
-use nvme_auth::DhchapKey;
+use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use parking_lot::Mutex;
 
 use crate::config::{SubsystemConfig, parse_uuid};
@@ -80,6 +80,10 @@ pub struct HostKeys {
     pub host: DhchapKey,
     /// The controller's secret, for bidirectional authentication.
     pub ctrl: Option<DhchapKey>,
+    /// The only hash function allowed, if restricted.
+    pub hash: Option<HashId>,
+    /// The only DH group allowed, if restricted.
+    pub dh_group: Option<DhGroupId>,
 }
 
 /// An NVM subsystem: NQN, identity strings, namespaces, host access list, live controllers.
@@ -142,6 +146,8 @@ impl Subsystem {
                     let keys = HostKeys {
                         host: h.dhchap_key.clone(),
                         ctrl: h.dhchap_ctrl_key.clone(),
+                        hash: h.dhchap_hash,
+                        dh_group: h.dhchap_dhgroup,
                     };
                     (h.nqn.clone(), keys)
                 })
