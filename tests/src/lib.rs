@@ -103,6 +103,21 @@ impl TargetProcess {
         Self::spawn(&args, port)
     }
 
+    /// Starts `nvmeof-targetd --config FILE`, FILE holding `toml` in `dir` with permission
+    /// bits `mode`; `port` is its first listener's.
+    pub fn with_config(dir: &Path, toml: &str, mode: u32, port: u16) -> Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = dir.join("target.toml");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&path)
+            .expect("create the config file");
+        f.write_all(toml.as_bytes()).expect("write the config file");
+        Self::spawn(&["--config", path.to_str().expect("UTF-8 path")], port)
+    }
+
     /// The address of its first listener.
     pub fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))

@@ -4,8 +4,6 @@
 //! the target does not have, a wrong controller key, a host that skips authentication) while
 //! the daemon keeps serving the others. Keys never reach the daemon's log.
 
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::process::Command;
 use std::time::Duration;
 
@@ -50,7 +48,6 @@ fn keys() -> Keys {
 /// and TEST_HOSTNQN without authentication. Its config file is group-readable on purpose.
 fn start(dir: &std::path::Path, k: &Keys) -> TargetProcess {
     let port = free_port();
-    let path = dir.join("target.toml");
     let text = format!(
         r#"
 [[listener]]
@@ -74,14 +71,7 @@ backend = "mem:8M"
 "#,
         k.one, k.two, k.two_ctrl
     );
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o640)
-        .open(&path)
-        .unwrap();
-    f.write_all(text.as_bytes()).unwrap();
-    TargetProcess::spawn(&["--config", path.to_str().unwrap()], port)
+    TargetProcess::with_config(dir, &text, 0o640, port)
 }
 
 fn options(
