@@ -494,6 +494,53 @@ pub fn run_guest(cmd: &mut Command) -> String {
     console
 }
 
+/// A guest started in the background by `guest.sh start`, stopped (and its script's exit
+/// code collected) by [`BackgroundGuest::stop`] or when dropped.
+pub struct BackgroundGuest {
+    pidfile: Option<String>,
+    log: PathBuf,
+}
+
+impl BackgroundGuest {
+    /// Runs `cmd` (a `guest.sh start` command line); panics with its output if it failed.
+    pub fn start(cmd: &mut Command) -> Self {
+        let out = cmd.output().expect("guest.sh start");
+        assert!(
+            out.status.success(),
+            "guest.sh start failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pidfile = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        BackgroundGuest {
+            log: Path::new(&pidfile).with_extension("log"),
+            pidfile: Some(pidfile),
+        }
+    }
+
+    /// The guest's console so far.
+    pub fn console(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Asks the guest script to finish; returns its exit code.
+    pub fn stop(&mut self) -> Option<i32> {
+        let pidfile = self.pidfile.take()?;
+        Command::new(guest_sh())
+            .args(["stop", "--grace", "30", &pidfile])
+            .status()
+            .ok()?
+            .code()
+    }
+}
+
+impl Drop for BackgroundGuest {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
 /// Asserts that the guest's `console` holds every one of `needles`.
 pub fn assert_console_has(console: &str, needles: &[&str]) {
     for needle in needles {
