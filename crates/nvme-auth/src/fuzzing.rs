@@ -1,23 +1,23 @@
-//! What each fuzz target does with one input, shared by the cargo-fuzz targets
-//! (`fuzz/fuzz_targets/`) and the corpus replay test that CI runs
-//! (`crates/nvme-auth/tests/fuzz_corpus.rs`).
+//! Drivers shared by the fuzz targets (`fuzz/`) and the replay test (`tests/fuzz_inputs.rs`):
+//! what each target does with one input. The caller supplies the random source (a seeded one,
+//! so that a crash reproduces).
 //!
 //! The state-machine targets read the input as a script of steps mixing the genuine exchange
 //! between a [`HostAuth`] and a [`CtrlAuth`] with raw messages, replays of the last message
 //! and bit flips in a message about to be sent, so that inputs reach every state with bad
-//! messages. Whatever happens, neither side may panic, and a side that fails has its failure
-//! message to send (the controller queues Failure1, the host sends Failure2 unless the
-//! controller ended the transaction).
-// Each target uses one entry point of this file.
-#![allow(dead_code)]
+//! messages. The drivers panic only when an invariant breaks: a side that fails must have its
+//! failure message to send (the controller queues Failure1, the host sends Failure2 unless the
+//! controller ended the transaction), a Send is always accepted, a Receive never returns more
+//! than the host's buffer, and a parsed message encodes to itself. Any panic inside the state
+//! machines or the parsers is a bug.
 
-use nvme_auth::{
-    CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent, DhGroupId, DhchapKey, HashId, HostAuth,
+use nvme_spec::auth::AuthMessage;
+use rand_core::CryptoRng;
+
+use crate::{
+    AuthError, CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent, DhGroupId, DhchapKey, HashId, HostAuth,
     HostConfig, HostEvent, HostNext, MAX_MESSAGE_LEN, Secret,
 };
-use nvme_spec::auth::AuthMessage;
-use rand::SeedableRng;
-use rand::rngs::StdRng;
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:0f0e0d0c-0b0a-4908-8706-050403020100";
 const SUBNQN: &str = "nqn.2026-11.io.nvmeof-direct:fuzz";
@@ -71,8 +71,8 @@ fn pair(setup: u8) -> (HostAuth, CtrlAuth) {
 
 /// Checks the invariant of a controller that has failed: the Failure1 is what the next
 /// Authentication Receive returns, unless the host ended the transaction itself.
-fn check_ctrl_failure(ctrl: &mut CtrlAuth, rng: &mut StdRng) {
-    if let Some(Err(nvme_auth::AuthError::Sent { .. })) = ctrl.outcome() {
+fn check_ctrl_failure(ctrl: &mut CtrlAuth, rng: &mut impl CryptoRng) {
+    if let Some(Err(AuthError::Sent { .. })) = ctrl.outcome() {
         if let CtrlAction::Data(d) = ctrl.handle(CtrlEvent::Receive { len: 4096 }, rng) {
             assert!(
                 matches!(AuthMessage::parse(&d), Ok(AuthMessage::Failure1 { .. })),
@@ -84,35 +84,34 @@ fn check_ctrl_failure(ctrl: &mut CtrlAuth, rng: &mut StdRng) {
 
 /// Drives the controller with the script: genuine host messages, raw messages, replays and
 /// bit flips.
-pub fn controller(data: &[u8]) {
+pub fn controller(data: &[u8], rng: &mut impl CryptoRng) {
     let mut s = Script(data);
-    let mut rng = StdRng::seed_from_u64(0x5eed);
     let (mut host, mut ctrl) = pair(s.byte().unwrap_or(0));
-    let mut pending = host.handle(HostEvent::Start, &mut rng).send;
+    let mut pending = host.handle(HostEvent::Start, rng).send;
     let mut last = Vec::new();
     while let Some(op) = s.byte() {
         match op % 6 {
             0 => {
                 if let Some(m) = pending.take() {
-                    let action = ctrl.handle(CtrlEvent::Send(&m), &mut rng);
+                    let action = ctrl.handle(CtrlEvent::Send(&m), rng);
                     assert_eq!(action, CtrlAction::Accepted, "a Send is always accepted");
                     last = m;
                 }
             }
             1 => {
                 let len = u32::from(s.byte().unwrap_or(0)) * 32;
-                if let CtrlAction::Data(d) = ctrl.handle(CtrlEvent::Receive { len }, &mut rng) {
+                if let CtrlAction::Data(d) = ctrl.handle(CtrlEvent::Receive { len }, rng) {
                     assert!(d.len() <= len as usize, "never more than the host's buffer");
-                    pending = host.handle(HostEvent::Received(&d), &mut rng).send;
+                    pending = host.handle(HostEvent::Received(&d), rng).send;
                 }
             }
             2 => {
                 let n = usize::from(s.byte().unwrap_or(0)) * 8;
                 let raw = s.bytes(n).to_vec();
-                ctrl.handle(CtrlEvent::Send(&raw), &mut rng);
+                ctrl.handle(CtrlEvent::Send(&raw), rng);
             }
             3 => {
-                ctrl.handle(CtrlEvent::Send(&last), &mut rng);
+                ctrl.handle(CtrlEvent::Send(&last), rng);
             }
             4 => {
                 let (i, x) = (usize::from(s.byte().unwrap_or(0)), s.byte().unwrap_or(1));
@@ -123,31 +122,30 @@ pub fn controller(data: &[u8]) {
                     *b ^= x.max(1);
                 }
             }
-            _ => check_ctrl_failure(&mut ctrl, &mut rng),
+            _ => check_ctrl_failure(&mut ctrl, rng),
         }
     }
-    check_ctrl_failure(&mut ctrl, &mut rng);
+    check_ctrl_failure(&mut ctrl, rng);
 }
 
 /// Drives the host with the script: genuine controller messages, raw ones and replays.
-pub fn host(data: &[u8]) {
+pub fn host(data: &[u8], rng: &mut impl CryptoRng) {
     let mut s = Script(data);
-    let mut rng = StdRng::seed_from_u64(0x5eed);
     let (mut host, mut ctrl) = pair(s.byte().unwrap_or(0));
-    let mut pending = host.handle(HostEvent::Start, &mut rng).send;
+    let mut pending = host.handle(HostEvent::Start, rng).send;
     let mut last = Vec::new();
     while let Some(op) = s.byte() {
         let was_running = host.outcome().is_none();
         let step = match op % 4 {
             0 => {
                 if let Some(m) = pending.take() {
-                    ctrl.handle(CtrlEvent::Send(&m), &mut rng);
+                    ctrl.handle(CtrlEvent::Send(&m), rng);
                 }
                 let len = MAX_MESSAGE_LEN as u32;
-                match ctrl.handle(CtrlEvent::Receive { len }, &mut rng) {
+                match ctrl.handle(CtrlEvent::Receive { len }, rng) {
                     CtrlAction::Data(d) => {
                         last = d;
-                        host.handle(HostEvent::Received(&last), &mut rng)
+                        host.handle(HostEvent::Received(&last), rng)
                     }
                     _ => continue,
                 }
@@ -155,15 +153,12 @@ pub fn host(data: &[u8]) {
             1 => {
                 let n = usize::from(s.byte().unwrap_or(0)) * 8;
                 let raw = s.bytes(n).to_vec();
-                host.handle(HostEvent::Received(&raw), &mut rng)
+                host.handle(HostEvent::Received(&raw), rng)
             }
-            2 => host.handle(HostEvent::Received(&last), &mut rng),
-            _ => host.handle(HostEvent::Start, &mut rng),
+            2 => host.handle(HostEvent::Received(&last), rng),
+            _ => host.handle(HostEvent::Start, rng),
         };
-        let failed_now = matches!(
-            step.next,
-            HostNext::Failed(nvme_auth::AuthError::Sent { .. })
-        );
+        let failed_now = matches!(step.next, HostNext::Failed(AuthError::Sent { .. }));
         if was_running && failed_now {
             let failure = step.send.as_deref().map(AuthMessage::parse);
             assert!(
@@ -173,4 +168,73 @@ pub fn host(data: &[u8]) {
         }
         pending = step.send;
     }
+}
+
+/// Inputs that reach the interesting states (a whole exchange each way, a replayed Reply, a
+/// tampered Reply, a wrong key, a short Receive buffer, truncated and replayed messages), by
+/// target name: the start of a corpus, and what the replay test runs.
+pub fn seed_inputs() -> Vec<(&'static str, &'static str, Vec<u8>)> {
+    let seeds: [(&str, &str, &[u8]); 13] = [
+        (
+            "auth_controller",
+            "one-way-null",
+            b"\x00\x00\x01\x80\x00\x01\x80\x00\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "two-way-ffdhe2048",
+            b"\x05\x00\x01\x80\x00\x01\x80\x00\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "replayed-reply",
+            b"\x05\x00\x01\x80\x00\x03\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "tampered-reply",
+            b"\x05\x00\x01\x80\x04\x30\xff\x00\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "wrong-key",
+            b"\x02\x00\x01\x80\x00\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "short-receive",
+            b"\x04\x00\x01\x01\x01\x80\x05",
+        ),
+        (
+            "auth_controller",
+            "raw-truncated",
+            b"\x00\x02\x01\x00\x01\x00\x00\x00\x00\x00\x00\x00\x05",
+        ),
+        ("auth_host", "two-way-ffdhe2048", b"\x05\x00\x00\x00"),
+        ("auth_host", "replayed-challenge", b"\x05\x00\x02\x00"),
+        (
+            "auth_host",
+            "raw-then-start",
+            b"\x01\x01\x01\xf1\x00\x00\x00\x01\x00\x01\x00\x03\x00",
+        ),
+        (
+            "auth_message",
+            "failure1",
+            b"\x00\xf1\x00\x00\x01\x00\x01\x03",
+        ),
+        (
+            "auth_message",
+            "negotiate-too-many-ids",
+            b"\x00\x00\x00\x00\x01\x00\x00\x01\x01\x00\xff\xff",
+        ),
+        (
+            "auth_message",
+            "challenge-truncated",
+            b"\x01\x01\x00\x00\x01\x00\x20\x00\x01\x01\x00\x01",
+        ),
+    ];
+    seeds
+        .into_iter()
+        .map(|(t, n, d)| (t, n, d.to_vec()))
+        .collect()
 }

@@ -1,7 +1,0 @@
-//! cargo-fuzz target: see `harness::host`.
-#![no_main]
-
-#[path = "../harness.rs"]
-mod harness;
-
-libfuzzer_sys::fuzz_target!(|data: &[u8]| harness::host(data));
