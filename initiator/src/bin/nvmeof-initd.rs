@@ -32,7 +32,8 @@ Each attachment (added with `nvmeof attach NAME -t tcp -a ADDRESS -s PORT -n NQN
 namespace of a subsystem that the daemon keeps connected: Keep Alive on the admin queue,
 reconnect with backoff after a lost connection, health reported by `nvmeof list`
 (connected / reconnecting / failed, with the last error). Attachments are stored in
-STATE_DIR/attachments.json and restored at start.
+STATE_DIR/attachments.json (mode 0600: it holds the DH-HMAC-CHAP secrets given with
+--dhchap-secret, which `nvmeof list` never shows) and restored at start.
 
 Programs call nvmeof_initiator::open_attached(\"NAME\"): the daemon answers with the
 connection parameters and its host identity, and the program connects its own I/O queues,
@@ -275,6 +276,15 @@ impl Daemon {
                     .with_context(|| format!("cannot read {}", self.state_file.display()));
             }
         };
+        // Files written before secrets were stored may be readable by others: root-only now.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let f = &self.state_file;
+            if std::fs::metadata(f).is_ok_and(|m| m.permissions().mode() & 0o077 != 0) {
+                std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600))
+                    .with_context(|| format!("cannot make {} root-only", f.display()))?;
+            }
+        }
         let state: StateFile = serde_json::from_str(&text)
             .with_context(|| format!("{} is not a valid state file", self.state_file.display()))?;
         let mut map = self.attachments.lock().await;
