@@ -433,6 +433,43 @@ mod tests {
     }
 
     #[test]
+    fn a_connected_queue_that_never_authenticates_expires_at_the_handshake_timeout() {
+        use crate::engine::{Engine, Wake};
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.target.handshake_timeout = std::time::Duration::from_millis(50);
+        cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: key(1),
+            dhchap_ctrl_key: None,
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
+        });
+        let t = Target::build(&cfg).unwrap().0;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let permit = || {
+            t.listener_gate("tcp://127.0.0.1:4420".parse().unwrap())
+                .admit()
+                .unwrap()
+        };
+        let (q, _) = connect(&t, 0, 0xFFFF);
+        let mut e: Engine<()> = Engine::new(q, permit());
+        e.watch_controller();
+        assert!(matches!(rt.block_on(e.next()), Wake::HandshakeExpired));
+        // Authenticated in time: the timeout no longer runs.
+        let (mut q, _) = connect(&t, 0, 0xFFFF);
+        authenticate(&mut q, host_cfg(key(1), None), 1);
+        let mut e: Engine<()> = Engine::new(q, permit());
+        e.watch_controller();
+        let woke = rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(200), e.next()).await
+        });
+        assert!(!matches!(woke, Ok(Wake::HandshakeExpired)));
+    }
+
+    #[test]
     fn hosts_without_keys_are_not_asked_to_authenticate() {
         let t = crate::testing::target(&["mem:1M"]);
         let (_, dw0) = connect(&t, 0, 0xFFFF);
