@@ -9,7 +9,9 @@
 //! ```toml
 //! [global]
 //! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma
-//! backend = "mem:1G"         # the namespace kind, for DAS and for the in-process target
+//! backend = "mem:1G"         # the namespace kind, for DAS and for the target the load
+//!                            # generator starts (tcp, tcp-bin); pcie:DOMAIN:BUS:DEV.FN drives
+//!                            # a drive bound to vfio-pci (das and tcp share its controller)
 //! runtime = "5s"
 //! ramp_time = "1s"
 //! verify = true
@@ -673,9 +675,11 @@ pub struct Plan {
     pub hostnqn: Option<String>,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
-    /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven).
+    /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven;
+    /// default: the target's default).
     pub target_poll_us: u32,
-    /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven).
+    /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven;
+    /// default: the initiator's default).
     pub client_poll_us: u32,
     /// Repeats.
     pub repeat: u32,
@@ -764,22 +768,49 @@ impl Plan {
                 format!("must be 1..={MAX_NAMESPACES}"),
             ));
         }
-        if namespaces > 1 && matches!(backend, BackendSpec::File(_) | BackendSpec::Bdev(_)) {
+        if namespaces > 1
+            && matches!(
+                backend,
+                BackendSpec::File(_) | BackendSpec::Bdev(_) | BackendSpec::Pcie { .. }
+            )
+        {
             return Err(invalid(
                 "global",
                 "namespaces",
-                "several namespaces need a mem or null backend (one file cannot back several)",
+                "several namespaces need a mem or null backend (one file or drive cannot back \
+                 several)",
+            ));
+        }
+        // One process at a time may hold a controller through VFIO: the das mode and the
+        // in-process target share it, a target process cannot open it beside them.
+        if matches!(backend, BackendSpec::Pcie { .. })
+            && modes.contains(&Mode::Das)
+            && modes
+                .iter()
+                .any(|m| matches!(m, Mode::Tcp(TcpTarget::Process(_))))
+        {
+            return Err(invalid(
+                "global",
+                "modes",
+                "a pcie: backend serves das and tcp (in-process) together, or tcp-bin alone: \
+                 only one process can hold the controller",
             ));
         }
         let target_reactors = ov.target_reactors.or(g.target_reactors).unwrap_or(1);
         if target_reactors > 256 {
             return Err(invalid("global", "target_reactors", "must be 0..=256"));
         }
-        let target_poll_us = ov.target_poll_us.or(g.target_poll_us).unwrap_or(0);
+        let target_poll_us = ov
+            .target_poll_us
+            .or(g.target_poll_us)
+            .unwrap_or(nvmeof_target::config::DEFAULT_POLL_US);
         if target_poll_us > 1_000_000 {
             return Err(invalid("global", "target_poll_us", "must be 0..=1000000"));
         }
-        let client_poll_us = ov.client_poll_us.or(g.client_poll_us).unwrap_or(0);
+        let client_poll_us = ov
+            .client_poll_us
+            .or(g.client_poll_us)
+            .unwrap_or(nvmeof_initiator::DEFAULT_BUSY_POLL.as_micros() as u32);
         if client_poll_us > 1_000_000 {
             return Err(invalid("global", "client_poll_us", "must be 0..=1000000"));
         }
@@ -1188,6 +1219,14 @@ mod tests {
             ("[[job]]\nsize = \"4k\"\nbs = \"8k\"", "size"),
             ("[[job]]\niodepth = []", "empty"),
             ("[global]\nbackend = \"mem:0\"\n[[job]]", "backend"),
+            (
+                "[global]\nbackend = \"pcie:0000:01:00.0\"\nnamespaces = 2\n[[job]]",
+                "several namespaces",
+            ),
+            (
+                "[global]\nbackend = \"pcie:0000:01:00.0\"\nmodes = [\"das\", \"tcp-bin\"]\n[[job]]",
+                "only one process can hold the controller",
+            ),
             ("[global]\n", "no [[job]]"),
         ] {
             let err = plan(text)

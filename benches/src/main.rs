@@ -103,11 +103,13 @@ struct Args {
     #[arg(long)]
     target_reactors: Option<usize>,
 
-    /// Busy-poll window of the started target's reactors in microseconds (0: event-driven).
+    /// Busy-poll window of the started target's reactors in microseconds (0: event-driven;
+    /// default: the target's default, 50).
     #[arg(long, value_name = "US")]
     target_poll_us: Option<u32>,
 
-    /// Busy-poll window of the initiator's I/O queues in microseconds (0: event-driven).
+    /// Busy-poll window of the initiator's I/O queues in microseconds (0: event-driven;
+    /// default: the initiator's default, 50).
     #[arg(long, value_name = "US")]
     client_poll_us: Option<u32>,
 

@@ -92,8 +92,8 @@ pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::Namespace;
 pub use options::{
-    ConnectOptions, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets, DiscoveryOptions,
-    QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, Transport,
+    ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
+    DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, Transport,
 };
 pub use queue::QueueStats;
 pub use registered::RegisteredBuffer;

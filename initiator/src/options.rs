@@ -276,13 +276,17 @@ pub struct ConnectOptions {
     pub queue_policy: QueuePolicy,
     /// Busy-poll window of each I/O queue: after submitting or receiving, a queue keeps
     /// checking its connection for this long before it sleeps, so a completion is picked up
-    /// without a wake-up from idle (lower latency; costs CPU while I/O flows). Zero (the
-    /// default) = purely event-driven.
+    /// without a wake-up from idle (lower latency; costs CPU while I/O flows). The window opens
+    /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
+    /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
     /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
     /// `None`: a controller that requires authentication is refused with [`Error::Auth`].
     pub dhchap: Option<DhchapSecrets>,
 }
+
+/// The default busy-poll window of an I/O queue ([`ConnectOptions::busy_poll`]).
+pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 
 impl ConnectOptions {
     /// Settings with the defaults: one I/O queue per core, 128 entries, KATO 5 s, no digests.
@@ -301,7 +305,7 @@ impl ConnectOptions {
             retry_writes: false,
             max_transfer: None,
             queue_policy: QueuePolicy::default(),
-            busy_poll: Duration::ZERO,
+            busy_poll: DEFAULT_BUSY_POLL,
             dhchap: None,
         }
     }

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use busy_poll::PollGate;
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -274,8 +275,7 @@ impl QueueHandle {
             generation: 0,
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
-            busy_poll: cfg.busy_poll,
-            last_activity: Instant::now(),
+            poll: PollGate::new(cfg.busy_poll),
         };
         tokio::spawn(task.run());
         QueueHandle {
@@ -512,9 +512,9 @@ struct Task {
     generation: u64,
     scan_period: Duration,
     batch: Vec<Submission>,
-    busy_poll: Duration,
-    /// Last submission or received data, for the busy-poll window.
-    last_activity: Instant,
+    /// Whether to busy-poll rather than sleep (the window after activity, while traffic is
+    /// dense enough to pay for it).
+    poll: PollGate,
 }
 
 enum Wake {
@@ -561,9 +561,7 @@ impl Task {
                     continue;
                 }
             }
-            let polling = !self.busy_poll.is_zero()
-                && self.live.is_some()
-                && self.core.now.saturating_duration_since(self.last_activity) < self.busy_poll;
+            let polling = self.live.is_some() && self.poll.polling(self.core.now.into_std());
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -593,7 +591,7 @@ impl Task {
                     return;
                 }
                 Wake::Submit(_) => {
-                    self.last_activity = self.core.now;
+                    self.poll.submitted(self.core.now.into_std());
                     let mut batch = std::mem::take(&mut self.batch);
                     let mut res = Ok(());
                     for s in batch.drain(..) {
@@ -616,14 +614,14 @@ impl Task {
                 }
                 Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
-                        self.last_activity = self.core.now;
+                        self.poll.arrived(self.core.now.into_std());
                         if let Err(e) = self.receive() {
                             self.lose(e);
                         }
                     }
                 }
                 Wake::Poll => match self.receive() {
-                    Ok(true) => self.last_activity = self.core.now,
+                    Ok(true) => self.poll.arrived(self.core.now.into_std()),
                     Ok(false) => {}
                     Err(e) => self.lose(e),
                 },
@@ -632,7 +630,7 @@ impl Task {
                     self.lose(err);
                 }
                 Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
-                    self.last_activity = self.core.now;
+                    self.poll.arrived(self.core.now.into_std());
                     if let Err(e) = self.receive() {
                         self.lose(e);
                     }

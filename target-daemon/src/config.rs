@@ -3,7 +3,7 @@
 //! ```toml
 //! [target]
 //! reactors = 2                      # data-plane threads (default: one per core)
-//! poll_us = 50                      # busy-poll window after activity (default 0: event-driven)
+//! poll_us = 50                      # busy-poll window after activity (default 50; 0: event-driven)
 //! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
 //! max_connections = 16384           # open connections on the whole target
 //! max_connections_per_listener = 4096
@@ -204,7 +204,9 @@ pub struct TargetSettings {
     pub default_kato_ms: u32,
     /// After each receive, a reactor keeps polling its connections (NVMe/TCP and NVMe/RDMA)
     /// for this many microseconds instead of sleeping in the kernel, so the next command of a
-    /// busy host is picked up without a wake-up. 0 = never poll (purely event-driven). An idle reactor sleeps.
+    /// busy host is picked up without a wake-up; only while commands arrive densely enough for
+    /// that to pay ([`busy_poll::PollGate`]). 0 = never poll (purely event-driven). An idle
+    /// reactor sleeps either way.
     pub poll_us: u32,
     /// A connection must finish the transport handshake (NVMe/TCP ICReq, NVMe/RDMA queue
     /// pair set-up) and the Fabrics Connect within this time, else it is closed. Written like
@@ -217,6 +219,9 @@ pub struct TargetSettings {
     pub max_connections_per_listener: usize,
 }
 
+/// The default busy-poll window of a reactor, in microseconds (`poll_us`).
+pub const DEFAULT_POLL_US: u32 = 50;
+
 impl Default for TargetSettings {
     fn default() -> Self {
         TargetSettings {
@@ -227,7 +232,7 @@ impl Default for TargetSettings {
             in_capsule_data: 8192,
             max_c2h_data: 128 * 1024,
             default_kato_ms: 120_000,
-            poll_us: 0,
+            poll_us: DEFAULT_POLL_US,
             handshake_timeout: Duration::from_secs(5),
             max_connections: 16384,
             max_connections_per_listener: 4096,

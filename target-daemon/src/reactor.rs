@@ -6,7 +6,9 @@
 //! kernel for socket readiness without sleeping (`epoll_wait` with a zero timeout, through the
 //! runtime's own driver) until the window passes with no new data; then it sleeps as usual. A
 //! busy host's next command is picked up without a wake-up from idle, which on virtual machines
-//! and deep C-states costs tens of microseconds; an idle reactor costs nothing.
+//! and deep C-states costs tens of microseconds; an idle reactor costs nothing. The window
+//! opens only while commands arrive densely enough for polling to catch them
+//! ([`busy_poll::PollGate`]): sparse traffic does not keep a core spinning.
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -14,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use busy_poll::PollGate;
 use tokio::sync::{Notify, mpsc};
 use tracing::{error, warn};
 
@@ -74,8 +77,7 @@ impl Pool {
 
 /// The busy-poll state of one reactor thread.
 struct Poller {
-    window: Duration,
-    last: Cell<Instant>,
+    gate: Cell<PollGate>,
     sleeping: Cell<bool>,
     stop: Cell<bool>,
     wake: Notify,
@@ -90,8 +92,11 @@ thread_local! {
 pub(crate) fn note_activity() {
     POLLER.with(|p| {
         if let Some(p) = p.borrow().as_ref() {
-            p.last.set(Instant::now());
-            if p.sleeping.get() {
+            let now = Instant::now();
+            let mut gate = p.gate.get();
+            gate.arrived(now);
+            p.gate.set(gate);
+            if p.sleeping.get() && gate.polling(now) {
                 p.wake.notify_one();
             }
         }
@@ -102,7 +107,7 @@ pub(crate) fn note_activity() {
 /// within the window; sleeps until the next activity otherwise.
 async fn poll_loop(p: Rc<Poller>) {
     while !p.stop.get() {
-        if p.last.get().elapsed() < p.window {
+        if p.gate.get().polling(Instant::now()) {
             tokio::task::yield_now().await;
         } else {
             p.sleeping.set(true);
@@ -127,13 +132,8 @@ fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Connec
     let local = tokio::task::LocalSet::new();
     let poller = (target.settings.poll_us > 0).then(|| {
         let window = Duration::from_micros(u64::from(target.settings.poll_us));
-        // Start asleep: the window opens with the first data received.
-        let long_ago = Instant::now()
-            .checked_sub(window)
-            .unwrap_or_else(Instant::now);
         let p = Rc::new(Poller {
-            window,
-            last: Cell::new(long_ago),
+            gate: Cell::new(PollGate::new(window)),
             sleeping: Cell::new(false),
             stop: Cell::new(false),
             wake: Notify::new(),

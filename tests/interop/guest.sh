@@ -212,6 +212,14 @@ cmd_boot() {
         [[ $item == *:* ]] || dst=$src
         add_with_libs "$st" "$src" "$dst"
     done
+    # On the 6.12 guest the nvme segment's trixie libraries must win over this machine's copies
+    # that --add-bin brings along (this segment comes last); programs built here run on them.
+    if [[ $kernel == 612 && $with_nvme == 1 && -f $INTEROP_INITRD_DIR/$nvme.libs ]]; then
+        local lib
+        while read -r lib; do
+            rm -f "${st:?}/$lib"
+        done <"$INTEROP_INITRD_DIR/$nvme.libs"
+    fi
     local initrd=$rundir/initrd
     {
         cat "$INTEROP_INITRD_DIR/$base.cpio.zst"

@@ -10,6 +10,9 @@
 #              guest (the path the project's target tests use, with the kernel in both roles)
 #   soft-roce  rdma_rxe, `rdma link add`, ibv_devinfo, rping, NVMe/RDMA host<->target over rxe
 #   nvme-pcie  QEMU's emulated NVMe PCIe controller: nvme driver, then vfio-pci behind a vIOMMU
+#   k612       the 6.12 guest: kernel target + kernel host with DH-HMAC-CHAP (wrong keys
+#              refused), then TLS 1.3 through tlshd (plain TCP refused); skipped unless the
+#              6.12 guest is prepared (setup.sh --with-k612)
 #
 #   tests/interop/selftest.sh [NAME...]     (default: all; run setup.sh first)
 # shellcheck disable=SC2317  # test functions are called through "$t"
@@ -116,7 +119,16 @@ nvme_pcie() {
         "$G" run --nvme-disk "$TMP/nvme.img" "$S/nvme-pcie-vfio.sh"
 }
 
-ALL=(harness loopback icreq two_guests soft_roce nvme_pcie)
+k612() {
+    if ! grep -q '^INTEROP_K612_KERNEL_IMAGE=' "${INTEROP_CACHE:-$HERE/.cache}/guest.env" 2>/dev/null; then
+        RESULTS+=("SKIP  k612: the 6.12 guest is not prepared (setup.sh --with-k612)")
+        return
+    fi
+    check "k612: DH-HMAC-CHAP and TLS, kernel host <-> kernel target" 0 \
+        "$G" run --kernel 612 --fail-on-kernel-trace "$S/nvmet-tcp-auth-tls.sh"
+}
+
+ALL=(harness loopback icreq two_guests soft_roce nvme_pcie k612)
 if [[ $# -gt 0 ]]; then
     SEL=("${@//-/_}")
 else

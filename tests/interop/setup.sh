@@ -339,6 +339,8 @@ up_to_date() {
 # pack STAGING NAME HASH: writes a newc cpio archive, owned by root, compressed with zstd.
 pack() {
     local st=$1 name=$2 hash=$3
+    # The list of its libraries: guest.sh keeps per-run copies of them out of the 6.12 guest.
+    (cd "$st" && find usr/lib usr/lib64 -mindepth 1 ! -type d 2>/dev/null | LC_ALL=C sort) >"$IDIR/$name.libs"
     write_cpio "$st" | zstd -q -T0 "-$ZSTD_LEVEL" -f -o "$IDIR/$name.cpio.zst.tmp"
     # Zero padding to a 512-byte boundary: the kernel skips zeros between concatenated
     # segments, and an uncompressed cpio segment that follows must start 4-byte aligned.

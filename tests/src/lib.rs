@@ -480,6 +480,41 @@ pub fn guest_sh() -> PathBuf {
     workspace_root().join("tests/interop/guest.sh")
 }
 
+/// The kernels the QEMU guest boots (`guest.sh --kernel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestKernel {
+    /// Debian bookworm's Linux 6.1 with bookworm's nvme-cli (the default).
+    Linux61,
+    /// Debian trixie's Linux 6.12: NVMe in-band authentication (DH-HMAC-CHAP) and NVMe/TCP TLS
+    /// on both the host and the target, with nvme-cli 2.13 and tlshd. Prepared by
+    /// `tests/interop/setup.sh --with-k612`.
+    Linux612,
+}
+
+impl GuestKernel {
+    /// The value of `guest.sh --kernel`.
+    pub fn arg(self) -> &'static str {
+        match self {
+            GuestKernel::Linux61 => "61",
+            GuestKernel::Linux612 => "612",
+        }
+    }
+
+    /// `guest.sh SUBCOMMAND --kernel K` (`run` or `start`); add the options and the script.
+    pub fn guest_sh(self, subcommand: &str) -> Command {
+        let mut cmd = Command::new(guest_sh());
+        cmd.args([subcommand, "--kernel", self.arg()]);
+        cmd
+    }
+}
+
+/// `tests/interop/guest-scripts/NAME`, a guest script of the harness.
+pub fn interop_script(name: &str) -> PathBuf {
+    workspace_root()
+        .join("tests/interop/guest-scripts")
+        .join(name)
+}
+
 /// Runs `cmd` (a `guest.sh run` command line) to its end and returns the guest's console;
 /// panics with the console and guest.sh's stderr if the guest failed.
 pub fn run_guest(cmd: &mut Command) -> String {

@@ -7,12 +7,14 @@
 //! driver, which must read exactly what the probe wrote; the probe must then refuse the
 //! kernel-bound function in one line. In the same boot, `nvmeof-targetd --namespace
 //! pcie:ADDRESS` must refuse the kernel-bound function, then, with it on `vfio-pci`, serve it
-//! over NVMe/TCP to the guest kernel's NVMe/TCP host (loopback) through a fio verify. See
+//! over NVMe/TCP to the guest kernel's NVMe/TCP host (loopback) through a fio verify; then
+//! `nvmeof-bench` reads it in its das and tcp (in-process target) modes with every read
+//! verified (its figures are the emulation's, correctness only). See
 //! `tests/interop/guest-scripts/nvme-pcie-vfio.sh`.
 //!
 //! Needs the guest prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1`; without it the
 //! test prints why it did nothing. The probe is built by `cargo test` (an example of
-//! `nvme-pcie`), the daemon by `cargo build --workspace --bins`.
+//! `nvme-pcie`), the daemon and the load generator by `cargo build --workspace --bins`.
 
 use std::process::Command;
 
@@ -52,6 +54,11 @@ fn user_space_driver_and_pcie_namespace_against_qemu_nvme_through_vfio() {
             .arg(format!("{}:/usr/bin/nvme-pcie-probe", probe.display()))
             .arg("--add-bin")
             .arg(format!("{}:/usr/bin/nvmeof-targetd", targetd.display()))
+            .arg("--add-bin")
+            .arg(format!(
+                "{}:/usr/bin/nvmeof-bench",
+                bin_path("nvmeof-bench").display()
+            ))
             .arg(workspace_root().join("tests/interop/guest-scripts/nvme-pcie-vfio.sh")),
     );
     assert_console_has(
@@ -69,6 +76,7 @@ fn user_space_driver_and_pcie_namespace_against_qemu_nvme_through_vfio() {
          /sys/bus/pci/devices/0000:00:02.0 is bound to the nvme driver, not vfio-pci",
             "NVMe PCIe namespace opened (QEMU NVMe Ctrl",
             "PASS: kernel NVMe/TCP host -> nvmeof-targetd -> pcie:0000:00:02.0 (fio verify)",
+            "PASS: nvmeof-bench das and tcp over pcie:0000:00:02.0 (verified reads)",
             "PASS: emulated NVMe PCIe controller",
         ],
     );

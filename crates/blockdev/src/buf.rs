@@ -6,6 +6,11 @@
 //! capacity is a whole number of 4096-byte pages, which satisfies `O_DIRECT` on every Linux block
 //! device and file system.
 //!
+//! A buffer's memory is either the process heap or, for the `pcie:` backend, a buffer of an
+//! NVMe controller's DMA arena ([`nvme_pcie::DmaBuf`]): that backend reads straight into
+//! arena memory and hands it back as the caller's buffer, so the data the device wrote is the
+//! data the target sends, without a copy. Either kind behaves the same for every user.
+//!
 //! [`BufPool`] keeps free lists of buffers by power-of-two size class so that the data plane does
 //! not allocate per I/O.
 
@@ -36,8 +41,16 @@ const _: () = assert!(align_of::<Page>() == IO_ALIGN);
 /// Moving an `IoBuf` does not move its memory, so a pointer to its data stays valid while an
 /// operation owns it.
 pub struct IoBuf {
-    pages: Box<[Page]>,
+    mem: Mem,
     len: usize,
+}
+
+/// Where an [`IoBuf`]'s memory lives.
+enum Mem {
+    Heap(Box<[Page]>),
+    /// Memory of a controller's DMA arena (4096-byte aligned, whole pages), owned: no
+    /// command is using it.
+    Dma(nvme_pcie::DmaBuf),
 }
 
 /// The error returned by [`IoBuf::set_len`] when the length exceeds the capacity.
@@ -64,7 +77,50 @@ impl IoBuf {
                     .unwrap_or(std::alloc::Layout::new::<Page>()),
             ),
         };
-        IoBuf { pages, len }
+        IoBuf {
+            mem: Mem::Heap(pages),
+            len,
+        }
+    }
+
+    /// Wraps a DMA arena buffer (whose capacity is whole 4096-byte pages, 4096-byte aligned);
+    /// the length is `len`, at most its capacity.
+    pub(crate) fn from_dma(buf: nvme_pcie::DmaBuf, len: usize) -> Self {
+        debug_assert!(len <= buf.capacity());
+        let len = len.min(buf.capacity());
+        IoBuf {
+            mem: Mem::Dma(buf),
+            len,
+        }
+    }
+
+    /// The DMA arena buffer behind this one, if it is one (the length is the caller's to
+    /// remember); otherwise the buffer itself back.
+    pub(crate) fn into_dma(self) -> Result<nvme_pcie::DmaBuf, IoBuf> {
+        match self.mem {
+            Mem::Dma(d) => Ok(d),
+            Mem::Heap(_) => Err(self),
+        }
+    }
+
+    /// True if the memory belongs to an NVMe controller's DMA arena (a buffer the `pcie:`
+    /// backend read into and handed over without copying).
+    pub fn is_dma(&self) -> bool {
+        matches!(self.mem, Mem::Dma(_))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.mem {
+            Mem::Heap(p) => p.as_bytes(),
+            Mem::Dma(d) => d.as_slice(),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match &mut self.mem {
+            Mem::Heap(p) => p.as_mut_bytes(),
+            Mem::Dma(d) => d.as_mut_slice(),
+        }
     }
 
     /// Allocates a buffer holding a copy of `data`.
@@ -89,7 +145,10 @@ impl IoBuf {
     /// The allocated size in bytes (a multiple of [`IO_ALIGN`]).
     #[inline]
     pub fn capacity(&self) -> usize {
-        self.pages.len() * IO_ALIGN
+        match &self.mem {
+            Mem::Heap(p) => p.len() * IO_ALIGN,
+            Mem::Dma(d) => d.capacity(),
+        }
     }
 
     /// Sets the length. Bytes that become visible keep their previous contents.
@@ -107,19 +166,19 @@ impl IoBuf {
     /// The whole capacity as bytes, regardless of the length.
     #[inline]
     pub fn as_capacity_slice_mut(&mut self) -> &mut [u8] {
-        self.pages.as_mut_bytes()
+        self.bytes_mut()
     }
 
     /// A pointer to the first byte, valid for reads of `capacity()` bytes.
     #[inline]
     pub(crate) fn data_ptr(&self) -> *const u8 {
-        self.pages.as_bytes().as_ptr()
+        self.bytes().as_ptr()
     }
 
     /// A pointer to the first byte, valid for writes of `capacity()` bytes.
     #[inline]
     pub(crate) fn data_mut_ptr(&mut self) -> *mut u8 {
-        self.pages.as_mut_bytes().as_mut_ptr()
+        self.bytes_mut().as_mut_ptr()
     }
 }
 
@@ -128,7 +187,7 @@ impl Deref for IoBuf {
 
     #[inline]
     fn deref(&self) -> &[u8] {
-        &self.pages.as_bytes()[..self.len]
+        &self.bytes()[..self.len]
     }
 }
 
@@ -136,16 +195,17 @@ impl DerefMut for IoBuf {
     #[inline]
     fn deref_mut(&mut self) -> &mut [u8] {
         let len = self.len;
-        &mut self.pages.as_mut_bytes()[..len]
+        &mut self.bytes_mut()[..len]
     }
 }
 
 impl Clone for IoBuf {
     fn clone(&self) -> Self {
-        IoBuf {
-            pages: self.pages.clone(),
-            len: self.len,
-        }
+        // A copy of arena memory lives on the heap: the arena is the device's, and small.
+        let mut copy = IoBuf::new(self.capacity());
+        copy.bytes_mut().copy_from_slice(self.bytes());
+        copy.len = self.len;
+        copy
     }
 }
 
@@ -154,6 +214,7 @@ impl fmt::Debug for IoBuf {
         f.debug_struct("IoBuf")
             .field("len", &self.len)
             .field("capacity", &self.capacity())
+            .field("dma", &self.is_dma())
             .finish()
     }
 }

@@ -13,7 +13,7 @@
 //! | [`NullBackend`] | reads return zeros, writes vanish: measures the transport alone |
 //! | [`FileBackend`] | a regular file or block device, `O_DIRECT` through io_uring |
 //! | [`VolatileCache`] | testing: a bounded in-memory write cache in front of another backend, lost on a crash unless flushed or written with FUA |
-//! | [`PcieBackend`] | a namespace of an NVMe controller bound to `vfio-pci`, polled queue pairs (one per thread), bounce-copied through DMA memory |
+//! | [`PcieBackend`] | a namespace of an NVMe controller bound to `vfio-pci`, polled queue pairs (one per thread), reads handed over in DMA memory without a copy |
 //!
 //! Backends are named by a [`BackendSpec`] (`mem:1G`, `null:512M`, `file:/path,size=10G`,
 //! `bdev:/dev/nvme0n1`, `file:/path,volatile_cache=64M`, `pcie:0000:01:00.0,nsid=1`), parsed from a string or deserialized

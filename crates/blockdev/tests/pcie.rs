@@ -1,11 +1,13 @@
 //! The NVMe PCIe backend over the driver's in-memory controller model (the same driver that
 //! runs against a real controller through VFIO; see `tests/tests/nvme_pcie_vfio.rs` for that):
 //! one queue pair per reactor thread, transfers split at the controller's limit, back-pressure
-//! from full queues, statuses mapped to NVMe, and futures dropped with commands in flight.
+//! from full queues, statuses mapped to NVMe, futures dropped with commands in flight, reads
+//! handed over in DMA memory, native Write Zeroes and Deallocate, and timeouts.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use blockdev::{Backend, BackendError, BackendSpec, IoBuf, PcieBackend, StatusHint};
 use common::pattern_buf;
@@ -138,7 +140,7 @@ fn statuses_and_bad_requests() {
         let (r, _) = b.write(0, pattern_buf(9, 0, 4, 512)).await;
         r.unwrap();
         b.write_zeroes(1, 40).await.unwrap();
-        b.deallocate(0, 8).await.unwrap();
+        b.deallocate(64, 8).await.unwrap();
         assert!(b.deallocate(8190, 8).await.is_err());
         let (r, got) = b.read(0, IoBuf::new(42 * 512)).await;
         r.unwrap();
@@ -261,4 +263,207 @@ fn a_failed_controller_is_reset_and_queue_pairs_replaced() {
             assert_eq!(model.io_queues(), 1);
         }
     });
+}
+
+fn model_backend(model: ModelConfig, config: Config) -> (Arc<ModelController>, PcieBackend) {
+    let model = Arc::new(ModelController::new(model));
+    let dev: Arc<dyn Device> = model.clone();
+    let b = PcieBackend::with_device(dev, config, None, "model".into()).expect("bring-up");
+    (model, b)
+}
+
+#[test]
+fn reads_hand_over_dma_memory_and_reuse_it_without_copies() {
+    // 16 KiB per command; an 8 MiB arena, so that lending stops at 4 MiB in use.
+    let (model, b) = model_backend(
+        ModelConfig {
+            mdts: 2,
+            ..ModelConfig::default()
+        },
+        Config {
+            arena_size: 8 << 20,
+            ..Config::default()
+        },
+    );
+    current_thread().block_on(async {
+        let (r, data) = b.write(0, pattern_buf(5, 0, 64, 512)).await;
+        r.unwrap();
+        // A read from ordinary memory comes back in arena memory holding the data.
+        let (r, got) = b.read(0, IoBuf::new(8192)).await;
+        r.unwrap();
+        assert!(got.is_dma());
+        assert!(got[..] == data[..8192]);
+        // Passed back for a write, the device reads that very buffer...
+        let mut got = got;
+        got[..512].fill(0xA5);
+        let at = got.as_ptr();
+        let (r, back) = b.write(100, got).await;
+        r.unwrap();
+        assert!(back.is_dma() && back.as_ptr() == at);
+        let mut media = vec![0u8; 512];
+        model.read_media(100 * 512, &mut media);
+        assert!(media.iter().all(|&x| x == 0xA5));
+        // ... and for a read, it writes into it.
+        let (r, again) = b.read(8, back).await;
+        r.unwrap();
+        assert!(again.as_ptr() == at && again[..] == data[8 * 512..8 * 512 + 8192]);
+        // Clones live on the heap.
+        assert!(!again.clone().is_dma());
+        // A read above the transfer limit (two commands) fills the caller's buffer.
+        let mine = IoBuf::new(64 * 512);
+        let ptr = mine.as_ptr();
+        let (r, got) = b.read(0, mine).await;
+        r.unwrap();
+        assert!(!got.is_dma() && got.as_ptr() == ptr && got[..] == data[..]);
+        // Lending stops at half the arena: buffers held by callers are bounded.
+        let mut held = Vec::new();
+        let arena = b.controller().arena();
+        while held.len() < 10_000 {
+            let (r, got) = b.read(0, IoBuf::new(16384)).await;
+            r.unwrap();
+            assert!(got[..] == data[..16384]);
+            if !got.is_dma() {
+                break;
+            }
+            held.push(got);
+        }
+        assert!(!held.is_empty() && held.len() < 10_000);
+        assert!(arena.pages_in_use() >= arena.pages() / 2);
+        drop(held);
+        assert!(arena.pages_in_use() < arena.pages() / 2);
+        let (r, got) = b.read(0, IoBuf::new(512)).await;
+        r.unwrap();
+        assert!(got.is_dma());
+    });
+}
+
+#[test]
+fn write_zeroes_deallocate_fua_and_cache_follow_the_controller() {
+    for native in [true, false] {
+        let (model, b) = model_backend(
+            ModelConfig {
+                mdts: 2,
+                oncs: if native {
+                    nvme_spec::identify::ONCS_WRITE_ZEROES | nvme_spec::identify::ONCS_DSM
+                } else {
+                    0
+                },
+                volatile_write_cache: native,
+                ..ModelConfig::default()
+            },
+            Config::default(),
+        );
+        assert_eq!(b.volatile_write_cache(), native);
+        assert!(!b.deallocate_reads_zeroes());
+        current_thread().block_on(async {
+            let data = pattern_buf(7, 0, 200, 512);
+            let (r, data) = b.write(0, data).await;
+            r.unwrap();
+            let writes = model.io_commands(io::WRITE);
+            b.write_zeroes(10, 100).await.unwrap();
+            b.deallocate(150, 20).await.unwrap();
+            b.write_zeroes(0, 0).await.unwrap();
+            assert!(b.write_zeroes(8190, 4).await.is_err());
+            assert!(b.deallocate(8190, 4).await.is_err());
+            b.flush().await.unwrap();
+            // Force Unit Access on each command of a split write, no Flush.
+            let (r, _) = b.write_fua(300, pattern_buf(8, 300, 40, 512)).await;
+            r.unwrap();
+            assert_eq!(model.fua_writes(), 2);
+            let (r, got) = b.read(300, IoBuf::new(40 * 512)).await;
+            r.unwrap();
+            assert!(got[..] == pattern_buf(8, 300, 40, 512)[..]);
+            let (r, got) = b.read(0, IoBuf::new(200 * 512)).await;
+            r.unwrap();
+            for block in 0..200 {
+                let span = block * 512..(block + 1) * 512;
+                let zero = (10..110).contains(&block) || (native && (150..170).contains(&block));
+                if zero {
+                    assert!(got[span].iter().all(|&x| x == 0), "block {block}");
+                } else {
+                    assert!(got[span.clone()] == data[span], "block {block}");
+                }
+            }
+            // Natively one Write Zeroes and one Dataset Management command; otherwise zeroed
+            // writes of at most 32 blocks each and no command for the hint.
+            let (wz, dsm, extra_writes) = if native { (1, 1, 0) } else { (0, 0, 4) };
+            assert_eq!(model.io_commands(io::WRITE_ZEROES), wz);
+            assert_eq!(model.io_commands(io::DATASET_MANAGEMENT), dsm);
+            assert_eq!(model.io_commands(io::WRITE) - writes, extra_writes + 2);
+            assert_eq!(model.io_commands(io::FLUSH), 1);
+        });
+    }
+}
+
+/// Polls `fut` on the current runtime to completion, counting its polls.
+async fn counting_polls<F: std::future::Future>(fut: F) -> (F::Output, u64) {
+    let mut fut = std::pin::pin!(fut);
+    let mut polls = 0;
+    let out = std::future::poll_fn(|cx| {
+        polls += 1;
+        fut.as_mut().poll(cx)
+    })
+    .await;
+    (out, polls)
+}
+
+#[test]
+fn lost_commands_and_a_stopped_controller_fail_callers_without_spinning() {
+    let (model, b) = model_backend(
+        ModelConfig::default(),
+        Config {
+            io_timeout: Duration::from_millis(300),
+            admin_timeout: Duration::from_millis(100),
+            ..Config::default()
+        },
+    );
+    current_thread().block_on(async {
+        let (r, _) = b.write(0, pattern_buf(1, 0, 1, 512)).await;
+        r.unwrap();
+        // A lost completion: aborted after the timeout, the caller gets the abort status.
+        model.inject(Fault::Lose {
+            admin: false,
+            opcode: io::READ,
+        });
+        let t0 = Instant::now();
+        let ((r, _), polls) = counting_polls(b.read(0, IoBuf::new(512))).await;
+        let waited = t0.elapsed();
+        let e = r.unwrap_err();
+        assert!(e.to_string().to_lowercase().contains("abort"), "{e}");
+        assert!(waited >= Duration::from_millis(300), "{waited:?}");
+        // Waiting on an idle device is not a busy loop: after spinning 1 ms, about one
+        // poll per millisecond (a busy loop polls hundreds of thousands of times).
+        let bound = 2 * waited.as_millis() as u64 + 10_000;
+        assert!(polls < bound, "{polls} polls in {waited:?}");
+        // A controller that stops answering: Abort times out, the controller is reset, the
+        // caller gets an error; the next request runs on a new queue pair.
+        model.inject(Fault::Hang);
+        let (r, _) = b.write(0, pattern_buf(2, 0, 1, 512)).await;
+        let e = r.unwrap_err();
+        assert_eq!(e.status_hint(), StatusHint::InternalError, "{e}");
+        let (r, got) = b.read(0, IoBuf::new(512)).await;
+        r.unwrap();
+        assert!(got[..] == pattern_buf(1, 0, 1, 512)[..]);
+        assert!(!b.controller().is_failed());
+    });
+}
+
+#[test]
+fn namespaces_of_one_controller_share_its_queue_pairs() {
+    let (model, a) = model_backend(ModelConfig::default(), Config::default());
+    let b = a.share(Some(1)).unwrap();
+    assert!(a.share(Some(2)).unwrap_err().to_string().contains("model"));
+    current_thread().block_on(async {
+        let (r, _) = a.write(3, pattern_buf(4, 3, 2, 512)).await;
+        r.unwrap();
+        let (r, got) = b.read(3, IoBuf::new(1024)).await;
+        r.unwrap();
+        assert!(got[..] == pattern_buf(4, 3, 2, 512)[..]);
+    });
+    assert_eq!(
+        (a.queue_pairs(), b.queue_pairs(), model.io_queues()),
+        (1, 1, 1)
+    );
+    drop(a);
+    current_thread().block_on(async { b.flush().await.unwrap() });
 }

@@ -7,6 +7,7 @@
 //! `iova_base + offset`, never a process virtual address.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -24,6 +25,8 @@ struct ArenaInner {
     iova_base: u64,
     /// One flag per page: allocated or free.
     used: Mutex<Vec<bool>>,
+    /// Pages allocated (the count of `used` flags set), readable without the lock.
+    in_use: AtomicUsize,
 }
 
 /// The DMA arena: page-granular allocator over memory the device may touch.
@@ -58,6 +61,7 @@ impl DmaArena {
                 region,
                 iova_base,
                 used: Mutex::new(vec![false; len / ARENA_PAGE]),
+                in_use: AtomicUsize::new(0),
             }),
         })
     }
@@ -74,6 +78,7 @@ impl DmaArena {
             match used[start..start + pages].iter().rposition(|&u| u) {
                 None => {
                     used[start..start + pages].fill(true);
+                    self.inner.in_use.fetch_add(pages, Ordering::Relaxed);
                     drop(used);
                     let buf = DmaBuf {
                         arena: Arc::clone(&self.inner),
@@ -96,9 +101,19 @@ impl DmaArena {
         }
     }
 
-    /// Pages currently allocated (for leak checks).
+    /// Pages currently allocated (for leak checks and budgets; no lock taken).
     pub fn pages_in_use(&self) -> usize {
-        self.inner.used.lock().iter().filter(|&&u| u).count()
+        self.inner.in_use.load(Ordering::Relaxed)
+    }
+
+    /// Pages in the arena.
+    pub fn pages(&self) -> usize {
+        self.inner.region.len() / ARENA_PAGE
+    }
+
+    /// True if `buf` was allocated from this arena.
+    pub fn owns(&self, buf: &DmaBuf) -> bool {
+        Arc::ptr_eq(&self.inner, &buf.arena)
     }
 }
 
@@ -133,6 +148,29 @@ impl DmaBuf {
     /// True for a zero-length buffer.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Bytes the buffer spans: its length rounded up to whole arena pages.
+    pub fn capacity(&self) -> usize {
+        self.len.div_ceil(ARENA_PAGE).max(1) * ARENA_PAGE
+    }
+
+    /// The whole capacity as bytes. The device touches a data buffer only while a command
+    /// holds it (it moves into the driver on submission and comes back in the
+    /// [`Completion`](crate::Completion)), so the owner may borrow it like ordinary memory.
+    pub fn as_slice(&self) -> &[u8] {
+        self.arena
+            .region
+            .slice(self.off, self.capacity())
+            .unwrap_or(&[])
+    }
+
+    /// The whole capacity as mutable bytes (see [`DmaBuf::as_slice`]).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.arena
+            .region
+            .slice_mut(self.off, self.capacity())
+            .unwrap_or(&mut [])
     }
 
     fn range(&self, offset: usize, n: usize) -> Result<usize, Error> {
@@ -184,6 +222,7 @@ impl Drop for DmaBuf {
         let first = self.off / ARENA_PAGE;
         let pages = self.len.div_ceil(ARENA_PAGE).max(1);
         self.arena.used.lock()[first..first + pages].fill(false);
+        self.arena.in_use.fetch_sub(pages, Ordering::Relaxed);
     }
 }
 
@@ -284,6 +323,19 @@ mod tests {
         assert_eq!(got, [1, 2, 3, 4]);
         assert!(!w.read(DEFAULT_IOVA_BASE - 1, &mut got));
         assert!(!w.read(DEFAULT_IOVA_BASE + 8 * ARENA_PAGE as u64 - 2, &mut got));
+        // The owner borrows its whole capacity; the device's view sees the same bytes.
+        let mut a = a;
+        assert_eq!(a.capacity(), ARENA_PAGE);
+        assert_eq!(&a.as_slice()[96..100], &[1, 2, 3, 4]);
+        a.as_mut_slice()[ARENA_PAGE - 1] = 9;
+        assert!(w.read(DEFAULT_IOVA_BASE + ARENA_PAGE as u64 - 1, &mut got[..1]));
+        assert_eq!(got[0], 9);
+        assert!(arena.owns(&a));
+        let other = DmaArena::new(ARENA_PAGE, DEFAULT_IOVA_BASE).unwrap();
+        assert!(!other.owns(&a));
+        assert_eq!(arena.pages(), 8);
+        drop((a, c));
+        assert_eq!(arena.pages_in_use(), 0);
     }
 
     #[test]

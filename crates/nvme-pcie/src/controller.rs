@@ -74,6 +74,22 @@ pub struct ControllerInfo {
     pub max_transfer: u64,
     /// I/O queue pairs the controller granted.
     pub io_queues: u16,
+    /// Optional NVM commands supported (ONCS): Write Zeroes, Dataset Management, ...
+    pub oncs: u16,
+    /// A volatile write cache is present (VWC bit 0).
+    pub volatile_write_cache: bool,
+}
+
+impl ControllerInfo {
+    /// The controller supports Write Zeroes (ONCS bit 3).
+    pub fn supports_write_zeroes(&self) -> bool {
+        self.oncs & nvme_spec::identify::ONCS_WRITE_ZEROES != 0
+    }
+
+    /// The controller supports Dataset Management, i.e. Deallocate (ONCS bit 2).
+    pub fn supports_deallocate(&self) -> bool {
+        self.oncs & nvme_spec::identify::ONCS_DSM != 0
+    }
 }
 
 /// An active namespace.
@@ -390,6 +406,8 @@ impl Controller {
                 page_size: page,
                 max_transfer: 0,
                 io_queues: 0,
+                oncs: 0,
+                volatile_write_cache: false,
             },
             namespaces: Vec::new(),
         };
@@ -501,6 +519,8 @@ fn identify(shared: &Shared, admin: &mut Admin) -> Result<(ControllerInfo, Vec<N
         page_size: shared.page,
         max_transfer: mdts.min(prp::max_transfer(shared.page)),
         io_queues,
+        oncs: id.oncs.get(),
+        volatile_write_cache: id.vwc & 1 != 0,
     };
     Ok((info, namespaces))
 }

@@ -28,15 +28,19 @@
 //!
 //! Addresses given to the device are IOVAs this crate hands out from its arena (low memory, as
 //! QEMU's emulated IOMMU allows only 39-bit addresses), never process virtual addresses.
-//! Memory the device may touch is accessed only through volatile operations in the private
+//! Queue memory and PRP lists are accessed only through volatile operations in the private
 //! `sys` module, never through references; data buffers ([`DmaBuf`]) move into the driver on
 //! submission and come back in the [`Completion`], so they cannot be freed or reused while the
-//! device owns them.
+//! device owns them, and their owner may borrow them as slices in between
+//! ([`DmaBuf::as_slice`]), which is how callers read and write data without a copy.
+//! [`IoQueuePair::write_zeroes`] and [`IoQueuePair::deallocate`] exist for controllers whose
+//! ONCS lists them ([`ControllerInfo`]).
 //!
 //! What this crate must not do: spawn threads or tasks, depend on an async runtime, sleep or
 //! read the clock on the I/O path (only bring-up, admin commands and [`IoQueuePair::check`]
-//! wait), hand the device a process virtual address, create a Rust reference to device-visible
-//! memory, use `unsafe` outside the `sys` module, or panic on anything a device reports.
+//! wait), hand the device a process virtual address, create a Rust reference to memory the
+//! device may be using (queues, PRP lists, a submitted buffer), use `unsafe` outside the `sys`
+//! module, or panic on anything a device reports.
 //! Only admin commands allocate; steady-state I/O does not.
 #![deny(unsafe_code)]
 

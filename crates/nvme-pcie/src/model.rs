@@ -7,7 +7,8 @@
 //! synchronously (an SQ tail write executes the new entries before it returns), walks PRPs
 //! with [`crate::prp::walk`] and rejects bad ones with the status a controller uses, executes
 //! Identify (controller, namespace, active namespace list), Set Features Number of Queues,
-//! Create/Delete I/O SQ/CQ, Abort, and Read/Write/Flush on one in-memory namespace, and posts
+//! Create/Delete I/O SQ/CQ, Abort, and Read/Write/Flush (and Write Zeroes and Dataset
+//! Management Deallocate where [`ModelConfig::oncs`] has them) on one in-memory namespace, and posts
 //! completions with the right phase tag, holding them back while a completion queue is full.
 //!
 //! Faults can be injected ([`Fault`]): error statuses, lost completions (the command is taken
@@ -53,6 +54,11 @@ pub struct ModelConfig {
     /// Complete reads and writes without walking PRPs or moving data (for measuring the
     /// driver alone).
     pub discard_data: bool,
+    /// Identify ONCS: Write Zeroes and Dataset Management are executed only when their bit is
+    /// set (otherwise Invalid Opcode).
+    pub oncs: u16,
+    /// Identify VWC bit 0: a volatile write cache is present.
+    pub volatile_write_cache: bool,
 }
 
 impl Default for ModelConfig {
@@ -68,6 +74,8 @@ impl Default for ModelConfig {
             block_size: 512,
             blocks: 8192,
             discard_data: false,
+            oncs: nvme_spec::identify::ONCS_WRITE_ZEROES | nvme_spec::identify::ONCS_DSM,
+            volatile_write_cache: true,
         }
     }
 }
@@ -147,6 +155,10 @@ struct Inner {
     lost: Vec<(u16, u16)>,
     doorbells: Vec<Doorbells>,
     bad_doorbells: u64,
+    /// I/O commands executed, by opcode.
+    io_commands: Vec<u64>,
+    /// Writes executed with Force Unit Access.
+    fua_writes: u64,
 }
 
 /// The in-memory controller. Share it as `Arc<ModelController>`: the driver gets one clone as
@@ -217,6 +229,8 @@ impl ModelController {
                 lost: Vec::new(),
                 doorbells: vec![Doorbells::default(); queues],
                 bad_doorbells: 0,
+                io_commands: vec![0; 256],
+                fua_writes: 0,
                 cfg,
             }),
         }
@@ -254,6 +268,16 @@ impl ModelController {
     /// Commands taken but not completed (lost completions not yet aborted).
     pub fn lost(&self) -> usize {
         self.inner.lock().lost.len()
+    }
+
+    /// Writes executed with Force Unit Access (CDW12 bit 30).
+    pub fn fua_writes(&self) -> u64 {
+        self.inner.lock().fua_writes
+    }
+
+    /// I/O commands with `opcode` executed (not counting those an injected fault consumed).
+    pub fn io_commands(&self, opcode: u8) -> u64 {
+        self.inner.lock().io_commands[usize::from(opcode)]
     }
 
     /// Existing I/O submission queues.
@@ -477,6 +501,10 @@ impl Inner {
         if sqid == 0 {
             self.admin(window, sqe)
         } else {
+            self.io_commands[usize::from(sqe.opcode)] += 1;
+            if sqe.opcode == io::WRITE && sqe.cdw12.get() & (1 << 30) != 0 {
+                self.fua_writes += 1;
+            }
             self.io(window, sqe)
         }
     }
@@ -534,6 +562,8 @@ impl Inner {
                     id.sqes = 0x66;
                     id.cqes = 0x44;
                     id.nn = 1.into();
+                    id.oncs = self.cfg.oncs.into();
+                    id.vwc = u8::from(self.cfg.volatile_write_cache);
                     self.to_host(window, sqe, id.as_bytes().to_vec())
                 }
                 cns::NAMESPACE => {
@@ -652,8 +682,51 @@ impl Inner {
         if sqe.nsid.get() != 1 {
             return fail(Status::generic(generic::INVALID_NAMESPACE));
         }
+        let supported = |bit| self.cfg.oncs & bit != 0;
+        let lba_range = |slba: u64, nlb: u64| {
+            slba.checked_add(nlb)
+                .filter(|&end| end <= self.cfg.blocks)
+                .map(|_| {
+                    let bs = self.cfg.block_size as usize;
+                    slba as usize * bs..(slba + nlb) as usize * bs
+                })
+        };
         match sqe.opcode {
             io::FLUSH => ok(0),
+            io::WRITE_ZEROES if supported(nvme_spec::identify::ONCS_WRITE_ZEROES) => {
+                let slba = u64::from(sqe.cdw10.get()) | (u64::from(sqe.cdw11.get()) << 32);
+                let nlb = u64::from(sqe.cdw12.get() & 0xFFFF) + 1;
+                let Some(r) = lba_range(slba, nlb) else {
+                    return fail(Status::generic(generic::LBA_OUT_OF_RANGE));
+                };
+                self.data[r].fill(0);
+                ok(0)
+            }
+            io::DATASET_MANAGEMENT if supported(nvme_spec::identify::ONCS_DSM) => {
+                let nr = (sqe.cdw10.get() & 0xFF) as usize + 1;
+                let mut list = vec![0u8; nr * 16];
+                if let Err(s) = self.transfer(window, sqe, list.len() as u64, false, &mut list) {
+                    return Some((s, 0));
+                }
+                let deallocate = sqe.cdw11.get() & (1 << 2) != 0;
+                let mut ranges = Vec::with_capacity(nr);
+                for r in list.chunks_exact(16) {
+                    let nlb = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
+                    let mut slba = [0u8; 8];
+                    slba.copy_from_slice(&r[8..]);
+                    match lba_range(u64::from_le_bytes(slba), nlb) {
+                        Some(range) => ranges.push(range),
+                        None => return fail(Status::generic(generic::LBA_OUT_OF_RANGE)),
+                    }
+                }
+                // This model's deallocated blocks read as zeroes.
+                if deallocate {
+                    for r in ranges {
+                        self.data[r].fill(0);
+                    }
+                }
+                ok(0)
+            }
             io::READ | io::WRITE => {
                 let slba = u64::from(sqe.cdw10.get()) | (u64::from(sqe.cdw11.get()) << 32);
                 let nlb = u64::from(sqe.cdw12.get() & 0xFFFF) + 1;

@@ -176,18 +176,23 @@ impl IoQueuePair {
         }
     }
 
-    fn submit(
-        &mut self,
-        mut sqe: Sqe,
-        buf: Option<DmaBuf>,
-        len: u64,
-        tag: u64,
-    ) -> Result<(), Rejected> {
-        let reject = |error, buf| Err(Rejected { error, buf });
+    fn submit(&mut self, mut sqe: Sqe, data: Data, tag: u64) -> Result<(), Rejected> {
+        let (buf, range) = match data {
+            Data::None => (None, None),
+            Data::Buf(b, len) => (Some((b, len)), None),
+            Data::Range(slba, nlb) => (None, Some((slba, nlb))),
+        };
+        let reject = |error, buf: Option<(DmaBuf, u64)>| {
+            Err(Rejected {
+                error,
+                buf: buf.map(|(b, _)| b),
+            })
+        };
         if let Err(e) = self.live() {
             return reject(e, buf);
         }
-        if let Some(b) = &buf {
+        if let Some((b, len)) = &buf {
+            let len = *len;
             if len > self.max_transfer || len > b.len() as u64 {
                 let max = self.max_transfer.min(b.len() as u64);
                 return reject(Error::TooLarge { len, max }, buf);
@@ -204,22 +209,30 @@ impl IoQueuePair {
         };
         sqe.cid = cid.into();
         sqe.flags = 0; // PRPs
-        if let Some(b) = &buf {
-            let list_off = usize::from(cid) * self.page as usize;
-            let list_iova = self.prp_lists.iova() + list_off as u64;
+        let list_off = usize::from(cid) * self.page as usize;
+        let list_iova = self.prp_lists.iova() + list_off as u64;
+        if let Some((b, len)) = &buf {
             let lists = &self.prp_lists;
-            let (p1, p2) = prp::build(b.iova(), len, self.page, list_iova, |i, e| {
+            let (p1, p2) = prp::build(b.iova(), *len, self.page, list_iova, |i, e| {
                 lists.write_u64(list_off + i * 8, e.to_le())
             });
             sqe.dptr.address = U64::new(p1);
             sqe.dptr.body[..7].copy_from_slice(&p2.to_le_bytes()[..7]);
             sqe.dptr.identifier = (p2 >> 56) as u8;
         }
+        if let Some((slba, nlb)) = range {
+            // One Dataset Management range (context attributes, length in blocks, starting
+            // LBA) in this command's PRP list page: nothing to allocate.
+            self.prp_lists
+                .write_u64(list_off, (u64::from(nlb) << 32).to_le());
+            self.prp_lists.write_u64(list_off + 8, slba.to_le());
+            sqe.dptr.address = U64::new(list_iova);
+        }
         let t = &mut self.trackers[usize::from(cid)];
         t.busy = true;
         t.aborted = false;
         t.tag = tag;
-        t.buf = buf;
+        t.buf = buf.map(|(b, _)| b);
         t.since = self.now;
         self.ring.push(&sqe);
         Ok(())
@@ -235,7 +248,7 @@ impl IoQueuePair {
         buf: DmaBuf,
         tag: u64,
     ) -> Result<(), Rejected> {
-        self.read_write(false, ns, slba, nlb, buf, tag)
+        self.read_write(Rw::Read, ns, slba, nlb, buf, tag)
     }
 
     /// Queues a write of `nlb` blocks at `slba` of `ns` from `buf`.
@@ -247,35 +260,76 @@ impl IoQueuePair {
         buf: DmaBuf,
         tag: u64,
     ) -> Result<(), Rejected> {
-        self.read_write(true, ns, slba, nlb, buf, tag)
+        self.read_write(Rw::Write, ns, slba, nlb, buf, tag)
     }
 
-    fn read_write(
+    /// Queues a write with Force Unit Access: it completes once the data is in non-volatile
+    /// media, without flushing anything else.
+    pub fn write_fua(
         &mut self,
-        write: bool,
         ns: &Namespace,
         slba: u64,
         nlb: u32,
         buf: DmaBuf,
         tag: u64,
     ) -> Result<(), Rejected> {
-        if nlb == 0 || nlb > 65536 {
-            return Err(Rejected {
-                error: Error::TooLarge {
-                    len: u64::from(nlb),
-                    max: 65536,
-                },
-                buf: Some(buf),
-            });
+        self.read_write(Rw::WriteFua, ns, slba, nlb, buf, tag)
+    }
+
+    fn read_write(
+        &mut self,
+        rw: Rw,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        buf: DmaBuf,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        if let Err(mut r) = check_blocks(nlb, 65536) {
+            r.buf = Some(buf);
+            return Err(r);
         }
         let len = u64::from(nlb) * u64::from(ns.block_size);
-        let sqe = build::read_write(write, 0, ns.nsid, slba, nlb);
-        self.submit(sqe, Some(buf), len, tag)
+        let sqe = match rw {
+            Rw::Read => build::read_write(false, 0, ns.nsid, slba, nlb),
+            Rw::Write => build::read_write(true, 0, ns.nsid, slba, nlb),
+            Rw::WriteFua => build::write_fua(0, ns.nsid, slba, nlb),
+        };
+        self.submit(sqe, Data::Buf(buf, len), tag)
+    }
+
+    /// Queues a Write Zeroes of `nlb` blocks (1..=65536) at `slba` of `ns` (no data moves;
+    /// check [`ControllerInfo::supports_write_zeroes`](crate::ControllerInfo) first).
+    pub fn write_zeroes(
+        &mut self,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        check_blocks(nlb, 65536)?;
+        let sqe = build::write_zeroes(0, ns.nsid, slba, nlb, false);
+        self.submit(sqe, Data::None, tag)
+    }
+
+    /// Queues a Dataset Management Deallocate of one range: `nlb` blocks (at least 1) at
+    /// `slba` of `ns`. The range goes in the command's own PRP list page, so nothing is
+    /// allocated (check [`ControllerInfo::supports_deallocate`](crate::ControllerInfo) first).
+    pub fn deallocate(
+        &mut self,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        tag: u64,
+    ) -> Result<(), Rejected> {
+        check_blocks(nlb, u32::MAX)?;
+        let sqe = build::deallocate(0, ns.nsid, 1);
+        self.submit(sqe, Data::Range(slba, nlb), tag)
     }
 
     /// Queues a Flush of `ns`.
     pub fn flush(&mut self, ns: &Namespace, tag: u64) -> Result<(), Rejected> {
-        self.submit(build::flush(0, ns.nsid), None, 0, tag)
+        self.submit(build::flush(0, ns.nsid), Data::None, tag)
     }
 
     /// Makes every command queued since the last call visible to the controller with one SQ
@@ -407,6 +461,36 @@ impl IoQueuePair {
     pub fn timeout(&self) -> Duration {
         self.shared.config.io_timeout
     }
+}
+
+/// A data transfer's direction.
+enum Rw {
+    Read,
+    Write,
+    WriteFua,
+}
+
+/// What a command transfers.
+enum Data {
+    None,
+    /// A data buffer and the bytes the command moves.
+    Buf(DmaBuf, u64),
+    /// One Dataset Management range: starting LBA and blocks.
+    Range(u64, u32),
+}
+
+/// Refuses a block count of 0 or above `max`.
+fn check_blocks(nlb: u32, max: u32) -> Result<(), Rejected> {
+    if nlb == 0 || nlb > max {
+        return Err(Rejected {
+            error: Error::TooLarge {
+                len: u64::from(nlb),
+                max: u64::from(max),
+            },
+            buf: None,
+        });
+    }
+    Ok(())
 }
 
 fn delete(opcode: u8, qid: u16) -> Sqe {

@@ -2,8 +2,11 @@
 //! this crate with `unsafe`.
 //!
 //! A [`DmaRegion`] is a page-aligned, zeroed host allocation that a device reads and writes by
-//! DMA behind the program's back. It is therefore never turned into a Rust reference: every
-//! access is a bounds-checked volatile load or store through a raw pointer. [`Mmio`] is a
+//! DMA behind the program's back. Queue memory and PRP lists are therefore never turned into a
+//! Rust reference: every access to them is a bounds-checked volatile load or store through a
+//! raw pointer. The one exception is a data buffer its owner holds (a `DmaBuf` outside the
+//! driver): the device touches a data buffer only while a command the driver holds it for is
+//! outstanding, so its owner may borrow its bytes ([`DmaRegion::slice`]). [`Mmio`] is a
 //! mapping of a device BAR, accessed the same way. [`dma_map`] and [`iommu_info`] are the VFIO
 //! container calls (IOMMU mapping of the arena, IOMMU information with its capability chain).
 
@@ -101,6 +104,36 @@ impl DmaRegion {
                 .write_volatile(value)
         };
         true
+    }
+
+    /// The bytes `off..off + len` as a slice; `None` when out of range.
+    ///
+    /// Only for a data buffer its owner holds: the caller must guarantee that no device
+    /// access to the range is in progress or can start while the borrow lives (the driver
+    /// holds a data buffer for as long as a command uses it, so an owned `DmaBuf` qualifies).
+    pub(crate) fn slice(&self, off: usize, len: usize) -> Option<&[u8]> {
+        if !self.in_bounds(off, len, 1) {
+            return None;
+        }
+        // SAFETY: `off..off + len` lies inside the allocation (checked above), which lives as
+        // long as `self`; the bytes are initialised (zeroed at allocation). The caller
+        // guarantees that neither the device nor another borrow writes the range meanwhile.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len) })
+    }
+
+    /// The bytes `off..off + len` as a mutable slice; `None` when out of range.
+    ///
+    /// As [`DmaRegion::slice`], and the caller must hold the only access to the range (an
+    /// owned `DmaBuf` borrowed mutably).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn slice_mut(&self, off: usize, len: usize) -> Option<&mut [u8]> {
+        if !self.in_bounds(off, len, 1) {
+            return None;
+        }
+        // SAFETY: in bounds and initialised, as in `slice`; the caller guarantees exclusive
+        // access to the range (its `DmaBuf` is borrowed mutably, the device does not own it,
+        // and distinct buffers never overlap: the arena hands each page to one buffer).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off), len) })
     }
 
     /// Copies `src` into the region at `off` with volatile stores; false when out of range.

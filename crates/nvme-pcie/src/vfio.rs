@@ -50,7 +50,8 @@ impl VfioNvme {
     /// which must be bound to `vfio-pci` with its IOMMU group viable. A function bound to any
     /// other driver (or to none) is refused; nothing is ever unbound or rebound here.
     pub fn open(sysfs_path: &Path) -> Result<Self, DeviceError> {
-        check_bound_to_vfio(sysfs_path)?;
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        check_bound_to_vfio(sysfs_path, &mounts)?;
         let container = Arc::new(VfioContainer::new(None).map_err(|e| {
             err(
                 "VFIO container (is vfio_iommu_type1 loaded and an IOMMU enabled?)",
@@ -115,28 +116,80 @@ impl VfioNvme {
     }
 }
 
-/// Refuses a PCI function that is not bound to `vfio-pci`, naming the driver it is bound to.
-fn check_bound_to_vfio(sysfs_path: &Path) -> Result<(), DeviceError> {
+/// Refuses a PCI function that is not bound to `vfio-pci`, naming the driver it is bound to
+/// and, for the kernel's nvme driver, a filesystem mounted from it (`mounts`: the text of
+/// `/proc/self/mounts`) or another device stacked on it.
+fn check_bound_to_vfio(sysfs_path: &Path, mounts: &str) -> Result<(), DeviceError> {
     let name = sysfs_path.display();
     if !sysfs_path.join("config").exists() {
         return Err(DeviceError(format!("{name}: no such PCI function")));
     }
-    match std::fs::read_link(sysfs_path.join("driver")) {
-        Ok(link) => {
-            let driver = link.file_name().map(|n| n.to_string_lossy().into_owned());
-            match driver.as_deref() {
-                Some("vfio-pci") => Ok(()),
-                other => Err(DeviceError(format!(
-                    "{name} is bound to the {} driver, not vfio-pci: unbind it and bind it to \
-                     vfio-pci first",
-                    other.unwrap_or("?")
-                ))),
-            }
-        }
-        Err(_) => Err(DeviceError(format!(
+    let Ok(link) = std::fs::read_link(sysfs_path.join("driver")) else {
+        return Err(DeviceError(format!(
             "{name} is bound to no driver: bind it to vfio-pci first"
-        ))),
+        )));
+    };
+    let driver = link.file_name().map(|n| n.to_string_lossy().into_owned());
+    if driver.as_deref() == Some("vfio-pci") {
+        return Ok(());
     }
+    let driver = driver.unwrap_or_else(|| "?".into());
+    let what = format!("{name} is bound to the {driver} driver, not vfio-pci");
+    if let Some(busy) = in_use(sysfs_path, mounts) {
+        return Err(DeviceError(format!(
+            "{what}, and {busy}: stop using it before binding the device to vfio-pci"
+        )));
+    }
+    Err(DeviceError(format!(
+        "{what}: unbind it and bind it to vfio-pci first"
+    )))
+}
+
+/// How a block device of an NVMe function on the kernel driver is in use, if it is: the first
+/// of its namespaces or their partitions that is mounted (`/dev/NAME` in `mounts`) or holds
+/// another device (an entry in its sysfs `holders`, e.g. device-mapper or md).
+fn in_use(sysfs_path: &Path, mounts: &str) -> Option<String> {
+    let dirs = |p: &Path| -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(p)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        v.sort();
+        v
+    };
+    let named = |p: &Path, prefix: &str| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(prefix))
+    };
+    // nvme/nvmeX/nvmeXnY (namespaces) and nvmeXnYpZ inside them (partitions).
+    let mut blocks = Vec::new();
+    for ctrl in dirs(&sysfs_path.join("nvme")) {
+        for ns in dirs(&ctrl).into_iter().filter(|p| named(p, "nvme")) {
+            let parts = dirs(&ns).into_iter().filter(|p| named(p, "nvme"));
+            blocks.extend(parts);
+            blocks.push(ns);
+        }
+    }
+    for block in blocks {
+        let dev = block.file_name()?.to_str()?.to_owned();
+        let path = format!("/dev/{dev}");
+        let mounted = mounts.lines().find_map(|l| {
+            let mut f = l.split_whitespace();
+            (f.next() == Some(path.as_str())).then(|| f.next().unwrap_or("?").to_owned())
+        });
+        if let Some(on) = mounted {
+            return Some(format!("{path} is mounted on {on}"));
+        }
+        if let Some(holder) = dirs(&block.join("holders")).first() {
+            let holder = holder.file_name()?.to_string_lossy();
+            return Some(format!("{path} is held by {holder}"));
+        }
+    }
+    None
 }
 
 /// Reads the IOVA ranges out of a `vfio_iommu_type1_info` and its capability chain. `None` if
@@ -308,6 +361,56 @@ mod tests {
         );
         assert_eq!(choose_iova_base(&[(0x1001, 0x3fff)], 0x3000, 0), None);
         assert_eq!(choose_iova_base(&[], 4096, 0x1000_0000), Some(0x1000_0000));
+    }
+
+    /// A fake sysfs directory for a PCI function on the kernel's nvme driver with namespace
+    /// nvme0n1 and its partition nvme0n1p1.
+    fn fake_function(tag: &str) -> std::path::PathBuf {
+        let root = std::env::temp_dir().join(format!("nvme-pcie-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let func = root.join("devices/0000:00:04.0");
+        std::fs::create_dir_all(func.join("nvme/nvme0/nvme0n1/nvme0n1p1/holders")).unwrap();
+        std::fs::create_dir_all(func.join("nvme/nvme0/nvme0n1/holders")).unwrap();
+        std::fs::create_dir_all(root.join("drivers/nvme")).unwrap();
+        std::fs::write(func.join("config"), [0u8; 64]).unwrap();
+        std::os::unix::fs::symlink(root.join("drivers/nvme"), func.join("driver")).unwrap();
+        func
+    }
+
+    #[test]
+    fn a_kernel_bound_function_is_refused_naming_what_uses_it() {
+        let func = fake_function("bound");
+        let refuse = |mounts: &str| check_bound_to_vfio(&func, mounts).unwrap_err().0;
+        let e = refuse("/dev/sda1 / ext4 rw 0 0\n");
+        assert!(
+            e.ends_with(
+                "is bound to the nvme driver, not vfio-pci: unbind it and bind it to vfio-pci first"
+            ),
+            "{e}"
+        );
+        let e = refuse("/dev/sda1 / ext4 rw 0 0\n/dev/nvme0n1p1 /data xfs rw 0 0\n");
+        assert!(e.contains("bound to the nvme driver, not vfio-pci, and /dev/nvme0n1p1 is mounted on /data: stop using it"), "{e}");
+        let e = refuse("/dev/nvme0n1 /srv ext4 rw 0 0\n");
+        assert!(e.contains("/dev/nvme0n1 is mounted on /srv"), "{e}");
+        std::fs::create_dir(func.join("nvme/nvme0/nvme0n1/holders/dm-0")).unwrap();
+        let e = refuse("");
+        assert!(e.contains("/dev/nvme0n1 is held by dm-0"), "{e}");
+        assert!(!e.contains('\n'));
+        // Nothing was unbound: the driver link is where it was.
+        assert!(
+            std::fs::read_link(func.join("driver"))
+                .unwrap()
+                .ends_with("drivers/nvme")
+        );
+        // On vfio-pci, mounts of other devices do not matter.
+        let root = func.parent().unwrap().parent().unwrap().to_path_buf();
+        std::fs::create_dir_all(root.join("drivers/vfio-pci")).unwrap();
+        std::fs::remove_file(func.join("driver")).unwrap();
+        std::os::unix::fs::symlink(root.join("drivers/vfio-pci"), func.join("driver")).unwrap();
+        assert!(check_bound_to_vfio(&func, "/dev/nvme0n1p1 /data xfs rw 0 0\n").is_ok());
+        std::fs::remove_file(func.join("driver")).unwrap();
+        assert!(refuse("").contains("bound to no driver"));
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]

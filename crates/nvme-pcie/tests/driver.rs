@@ -203,6 +203,70 @@ fn read_after_write_with_pages(mpsmin: u8) {
 }
 
 #[test]
+fn write_zeroes_and_deallocate_follow_oncs() {
+    let (m, c) = default_setup();
+    assert!(c.info().supports_write_zeroes() && c.info().supports_deallocate());
+    assert!(c.info().volatile_write_cache);
+    let ns = c.namespace(1).unwrap();
+    let mut q = c.create_io_queue().unwrap();
+    let data = pattern(1, 64 * 512);
+    let buf = c.alloc(data.len()).unwrap();
+    buf.write(0, &data).unwrap();
+    assert_eq!(io_one(&mut q, &ns, true, 0, buf).result, Ok(0));
+    // Blocks 3..8 zeroed, 20..60 deallocated (this model reads them as zeroes); no data
+    // buffer for either, nothing allocated.
+    let pages = c.arena().pages_in_use();
+    q.write_zeroes(&ns, 3, 5, 1).unwrap();
+    q.deallocate(&ns, 20, 40, 2).unwrap();
+    q.ring();
+    let done = reap(&mut q, 2);
+    assert_eq!(
+        done.iter().map(|d| d.result.clone()).collect::<Vec<_>>(),
+        [Ok(0), Ok(0)]
+    );
+    assert_eq!(c.arena().pages_in_use(), pages);
+    let mut media = vec![0u8; data.len()];
+    m.read_media(0, &mut media);
+    for (block, (got, want)) in media.chunks(512).zip(data.chunks(512)).enumerate() {
+        let zeroed = (3..8).contains(&block) || (20..60).contains(&block);
+        assert!(
+            if zeroed {
+                got.iter().all(|&b| b == 0)
+            } else {
+                got == want
+            },
+            "block {block}"
+        );
+    }
+    assert_eq!(m.io_commands(io::WRITE_ZEROES), 1);
+    assert_eq!(m.io_commands(io::DATASET_MANAGEMENT), 1);
+    // Out of range and zero-length requests: a status from the controller, or refused.
+    q.deallocate(&ns, 8190, 8, 3).unwrap();
+    q.ring();
+    assert!(matches!(reap(&mut q, 1)[0].result, Err(Error::Status(_))));
+    assert!(q.write_zeroes(&ns, 0, 0, 4).is_err());
+    assert!(q.deallocate(&ns, 0, 0, 4).is_err());
+    drop(q);
+
+    // A controller without them says so in ONCS and VWC, and refuses the opcodes.
+    let (_, c) = setup(
+        ModelConfig {
+            oncs: 0,
+            volatile_write_cache: false,
+            ..ModelConfig::default()
+        },
+        Config::default(),
+    );
+    let info = c.info();
+    assert!(!info.supports_write_zeroes() && !info.supports_deallocate());
+    assert!(!info.volatile_write_cache);
+    let mut q = c.create_io_queue().unwrap();
+    q.write_zeroes(&ns, 0, 1, 1).unwrap();
+    q.ring();
+    assert!(matches!(reap(&mut q, 1)[0].result, Err(Error::Status(_))));
+}
+
+#[test]
 fn one_doorbell_per_batch_and_per_poll() {
     let (m, c) = default_setup();
     let ns = c.namespace(1).unwrap();

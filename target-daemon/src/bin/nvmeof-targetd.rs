@@ -57,8 +57,9 @@ struct Args {
     #[arg(long, value_name = "N")]
     reactors: Option<usize>,
 
-    /// Busy-poll window in microseconds: after traffic, reactors poll their connections this long
-    /// before sleeping (lower latency at the cost of CPU while busy; 0 = event-driven).
+    /// Busy-poll window in microseconds: while commands arrive densely, reactors poll their
+    /// connections this long after each before sleeping (lower latency at the cost of CPU
+    /// while busy; default: the config's value, else 50; 0 = event-driven).
     #[arg(long, value_name = "US")]
     poll_us: Option<u32>,
 

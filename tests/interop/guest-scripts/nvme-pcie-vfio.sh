@@ -20,6 +20,10 @@
 # function on vfio-pci, it exports it over NVMe/TCP on 127.0.0.1 and the kernel's NVMe/TCP host
 # runs a fio verify and a short throughput run through it. Environment: TARGET_PORT (4420),
 # FIO_SIZE (4M).
+#
+# With /usr/bin/nvmeof-bench present, the load generator runs a short job over the function
+# in its das and tcp (in-process target) modes, reads verified, and prints its table with the
+# tcp/das ratio. Environment: BENCH_RUNTIME (1s).
 # shellcheck source=../guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
@@ -136,6 +140,37 @@ if [ -x $targetd ]; then
     bind_nvme
     log "PASS: kernel NVMe/TCP host -> nvmeof-targetd -> pcie:$bdf (fio verify)"
 fi
-# Neither program given: leave the function on vfio-pci for whatever runs next.
-[ -x $probe ] || [ -x $targetd ] || bind_vfio
+bench=/usr/bin/nvmeof-bench
+if [ -x $bench ]; then
+    # The load generator over the same function: das reads through the pcie: backend, tcp
+    # through its in-process target serving that backend to its own NVMe/TCP initiator; every
+    # read verified against the prefilled pattern. Correctness only: the device is emulated.
+    bind_vfio
+    cat >/tmp/pcie-bench.toml <<EOF
+[global]
+modes = ["das", "tcp"]
+backend = "pcie:$bdf"
+size = "8M"
+runtime = "${BENCH_RUNTIME:-1s}"
+ramp_time = "0s"
+verify = true
+
+[[job]]
+name = "4k-randread"
+rw = "randread"
+bs = "4k"
+iodepth = 8
+
+[[job]]
+name = "128k-read"
+rw = "read"
+bs = "128k"
+iodepth = 4
+EOF
+    step $bench /tmp/pcie-bench.toml
+    bind_nvme
+    log "PASS: nvmeof-bench das and tcp over pcie:$bdf (verified reads)"
+fi
+# No program given: leave the function on vfio-pci for whatever runs next.
+[ -x $probe ] || [ -x $targetd ] || [ -x $bench ] || bind_vfio
 log "PASS: emulated NVMe PCIe controller"

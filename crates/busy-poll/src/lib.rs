@@ -1,0 +1,219 @@
+//! When a queue should busy-poll instead of sleeping.
+//!
+//! A thread that sleeps until its socket is readable pays a wake-up for every message: on
+//! virtual machines and in deep C-states that is tens of microseconds, more than the rest of
+//! a 4 KiB read over loopback. Polling for a short window after activity removes that cost
+//! while I/O flows, and an idle queue still sleeps. A fixed window wastes CPU when traffic is
+//! sparse, though: if the next message comes long after the window, every window is spun for
+//! nothing.
+//!
+//! [`PollGate`] decides. Each arrival (data received) is scored as a *hit* when it came within
+//! the window of the previous activity (an arrival or a submission), so polling would have
+//! caught it without a sleep, and a *miss* otherwise. The gate polls after activity only while
+//! enough recent arrivals were hits (an exponentially weighted share of at least a quarter):
+//!
+//! - dense traffic (a QD1 loop, a busy queue): arrivals are hits and the window stays open;
+//! - sparse traffic (a message every few milliseconds): arrivals are misses, the share decays
+//!   within a dozen arrivals and the queue goes back to sleeping between messages;
+//! - idle: no activity, so no window, whatever the share.
+//!
+//! Sans-IO: the caller passes the time; no clock, thread or allocation inside.
+
+use std::time::{Duration, Instant};
+
+/// Full scale of the hit share (fixed point: 256 = every recent arrival was a hit).
+const FULL: u16 = 256;
+/// Polls while the hit share is at least this (a quarter).
+const THRESHOLD: u16 = FULL / 4;
+/// Weight of the newest arrival: 1/8.
+const SHIFT: u16 = 3;
+
+/// The busy-poll decision of one queue or thread (see the crate documentation).
+#[derive(Debug, Clone, Copy)]
+pub struct PollGate {
+    window: Duration,
+    last: Option<Instant>,
+    share: u16,
+}
+
+impl PollGate {
+    /// A gate with this window; a zero window never polls. Starts closed: polling begins
+    /// once a few arrivals show traffic dense enough to pay for it.
+    pub fn new(window: Duration) -> Self {
+        PollGate {
+            window,
+            last: None,
+            share: 0,
+        }
+    }
+
+    /// The window.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Notes data received at `now`, scoring it against the previous activity.
+    pub fn arrived(&mut self, now: Instant) {
+        let hit = self
+            .last
+            .is_some_and(|last| now.saturating_duration_since(last) < self.window);
+        self.share = if hit {
+            self.share + ((FULL - self.share) >> SHIFT).max(u16::from(self.share < FULL))
+        } else {
+            self.share - (self.share >> SHIFT).max(self.share.min(1))
+        };
+        self.last = Some(now);
+    }
+
+    /// Notes a submission at `now`: it opens the window (its answer is the next arrival) but
+    /// is not scored.
+    pub fn submitted(&mut self, now: Instant) {
+        self.last = Some(now);
+    }
+
+    /// Whether to poll at `now` rather than sleep: recent traffic is dense enough and the last
+    /// activity is within the window.
+    pub fn polling(&self, now: Instant) -> bool {
+        self.share >= THRESHOLD
+            && self
+                .last
+                .is_some_and(|last| now.saturating_duration_since(last) < self.window)
+    }
+
+    /// How long from `now` the window stays open (zero when not polling).
+    pub fn remaining(&self, now: Instant) -> Duration {
+        match self.last {
+            Some(last) if self.polling(now) => self
+                .window
+                .saturating_sub(now.saturating_duration_since(last)),
+            _ => Duration::ZERO,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: Duration = Duration::from_micros(50);
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    /// Arrivals every `gap` starting at `t`; returns the time of the last.
+    fn arrivals(g: &mut PollGate, mut t: Instant, gap: Duration, n: usize) -> Instant {
+        for _ in 0..n {
+            t += gap;
+            g.arrived(t);
+        }
+        t
+    }
+
+    #[test]
+    fn starts_closed_and_a_zero_window_never_polls() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        assert!(!g.polling(t));
+        g.arrived(t);
+        assert!(!g.polling(t), "one arrival is not yet dense traffic");
+
+        let mut z = PollGate::new(Duration::ZERO);
+        let end = arrivals(&mut z, t, us(1), 100);
+        assert!(!z.polling(end));
+        assert_eq!(z.remaining(end), Duration::ZERO);
+    }
+
+    #[test]
+    fn dense_traffic_opens_the_window_within_a_few_arrivals() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        g.arrived(t);
+        let mut opened_after = None;
+        let mut now = t;
+        for i in 1..=10 {
+            now += us(30);
+            g.arrived(now);
+            if g.polling(now) && opened_after.is_none() {
+                opened_after = Some(i);
+            }
+        }
+        let n = opened_after.expect("the window opens");
+        assert!(n <= 4, "opened after {n} hits");
+        assert!(g.polling(now + us(49)));
+        assert!(
+            !g.polling(now + us(50)),
+            "the window ends {W:?} after the last activity"
+        );
+        assert_eq!(g.remaining(now + us(20)), us(30));
+    }
+
+    #[test]
+    fn sparse_traffic_closes_the_window() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let t = arrivals(&mut g, t, us(20), 50);
+        assert!(g.polling(t));
+        let mut closed_after = None;
+        let mut now = t;
+        for i in 1..=40 {
+            now += us(2_000);
+            g.arrived(now);
+            if !g.polling(now) && closed_after.is_none() {
+                closed_after = Some(i);
+            }
+        }
+        let n = closed_after.expect("the window closes");
+        assert!(n <= 12, "closed after {n} misses");
+        assert!(!g.polling(now), "stays closed while traffic is sparse");
+    }
+
+    #[test]
+    fn idle_never_polls_whatever_the_share() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let t = arrivals(&mut g, t, us(10), 100);
+        assert!(g.polling(t));
+        assert!(!g.polling(t + Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn a_submission_opens_the_window_for_its_answer() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let mut now = arrivals(&mut g, t, us(10), 20);
+        // A QD1 loop: submit, the answer 30 µs later, submit again at once.
+        for _ in 0..20 {
+            now += us(1);
+            g.submitted(now);
+            assert!(g.polling(now + us(29)));
+            now += us(30);
+            g.arrived(now);
+        }
+        assert!(g.polling(now));
+    }
+
+    #[test]
+    fn answers_slower_than_the_window_stop_the_polling_they_cannot_use() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let mut now = arrivals(&mut g, t, us(10), 20);
+        for _ in 0..20 {
+            now += us(1);
+            g.submitted(now);
+            now += us(200);
+            g.arrived(now);
+        }
+        assert!(!g.polling(now + us(1)));
+    }
+
+    #[test]
+    fn the_share_stays_in_range() {
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let now = arrivals(&mut g, t, us(1), 10_000);
+        assert!(g.share <= FULL);
+        arrivals(&mut g, now, us(1_000), 10_000);
+        assert_eq!(g.share, 0);
+    }
+}
