@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: installs what the tests need, then runs formatting and lint
 # checks, every unit and integration test (the Linux kernel NVMe-oF host and target in a QEMU
-# guest included), and brief fuzzing of the NVMe/TCP deframer.
+# guest included), and brief fuzzing of the NVMe/TCP deframer and the authentication messages.
 #
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    skip the QEMU guest and fuzzing (no root needed)
@@ -96,6 +96,13 @@ if [[ $quick == 0 ]]; then
     crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
     (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run capsule -- \
         -max_total_time="${FUZZ_SECONDS:-20}" -max_len=8192 -print_final_stats=1)
+    stage "fuzzing: authentication messages and the DH-HMAC-CHAP state machines"
+    NVME_AUTH_FUZZ_SEED_DIR="$PWD/crates/nvme-auth/fuzz/corpus" \
+        cargo test --quiet --locked -p nvme-auth --test fuzz_inputs seeds_run
+    for t in auth_message auth_controller auth_host; do
+        (cd crates/nvme-auth/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$t" "corpus/$t" -- \
+            -max_total_time="${FUZZ_SECONDS:-20}" -max_len=4096 -print_final_stats=1)
+    done
 fi
 
 stage "done"

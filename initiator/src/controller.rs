@@ -271,6 +271,7 @@ async fn establish(
             0xFFFF,
             &opts.subnqn,
             &opts.host,
+            opts.dhchap.as_ref(),
         )
         .await?;
     let cap = admin.property_get(property::CAP, true).await?;
@@ -416,8 +417,17 @@ async fn establish(
                 in_capsule: icd as usize,
             };
             let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin, &pd).await?;
-            q.connect(qid, u32::from(depth), 0, cntlid, &opts.subnqn, &opts.host)
-                .await?;
+            let dhchap = opts.dhchap.as_ref();
+            q.connect(
+                qid,
+                u32::from(depth),
+                0,
+                cntlid,
+                &opts.subnqn,
+                &opts.host,
+                dhchap,
+            )
+            .await?;
             Ok((qid, q.into_link(icd as usize)))
         });
     }

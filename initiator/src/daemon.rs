@@ -23,8 +23,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::identity::{is_root, parse_hostid};
 use crate::{
-    ConnectOptions, Controller, ControllerInfo, Error, HostIdentity, Namespace, NamespaceInfo,
-    TargetAddr, Transport,
+    ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, HostIdentity, Namespace,
+    NamespaceInfo, TargetAddr, Transport,
 };
 
 /// The daemon's socket path when running as root.
@@ -97,6 +97,24 @@ pub struct AttachParams {
     /// Keep alive timeout in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kato_ms: Option<u32>,
+    /// DH-HMAC-CHAP host secret (`DHHC-1:XX:<base64>:`), for controllers that require
+    /// authentication. Stored in the daemon's root-only state file; never listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_secret: Option<KeyText>,
+    /// DH-HMAC-CHAP controller secret: the controller must authenticate itself too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_secret: Option<KeyText>,
+}
+
+/// A secret in its text form. `Debug` shows no key material.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct KeyText(pub String);
+
+impl std::fmt::Debug for KeyText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyText([redacted])")
+    }
 }
 
 impl AttachParams {
@@ -128,7 +146,28 @@ impl AttachParams {
         if let Some(k) = self.kato_ms {
             o.kato = Duration::from_millis(u64::from(k));
         }
+        o.dhchap = self.dhchap()?;
         Ok(o)
+    }
+
+    /// The DH-HMAC-CHAP secrets, parsed (a controller secret needs a host secret).
+    pub fn dhchap(&self) -> Result<Option<DhchapSecrets>, Error> {
+        match (&self.dhchap_secret, &self.dhchap_ctrl_secret) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(Error::InvalidArgument(
+                "a DH-HMAC-CHAP controller secret needs a host secret too".into(),
+            )),
+            (Some(h), c) => DhchapSecrets::parse(&h.0, c.as_ref().map(|c| c.0.as_str())).map(Some),
+        }
+    }
+
+    /// The same parameters without the secrets, for listings.
+    pub fn without_secrets(&self) -> Self {
+        AttachParams {
+            dhchap_secret: None,
+            dhchap_ctrl_secret: None,
+            ..self.clone()
+        }
     }
 }
 
@@ -414,6 +453,8 @@ mod tests {
             nr_io_queues: Some(2),
             queue_size: None,
             kato_ms: None,
+            dhchap_secret: None,
+            dhchap_ctrl_secret: None,
         };
         let s = serde_json::to_string(&Request::Attach {
             name: "n".into(),
@@ -446,5 +487,47 @@ mod tests {
             ..p
         };
         assert!(fc.connect_options(host).is_err());
+    }
+
+    #[test]
+    fn attachment_secrets_are_parsed_and_never_shown() {
+        let key = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
+        let p = AttachParams {
+            transport: "tcp".into(),
+            traddr: "127.0.0.1".into(),
+            trsvcid: 4420,
+            subnqn: "nqn.x:y".into(),
+            nsid: 1,
+            hostnqn: None,
+            hostid: None,
+            hdr_digest: false,
+            data_digest: false,
+            nr_io_queues: None,
+            queue_size: None,
+            kato_ms: None,
+            dhchap_secret: Some(KeyText(key.into())),
+            dhchap_ctrl_secret: Some(KeyText(key.into())),
+        };
+        let host = HostIdentity::new("nqn.h:1", [1; 16]).unwrap();
+        let o = p.connect_options(host.clone()).unwrap();
+        let d = o.dhchap.as_ref().unwrap();
+        assert_eq!(d.host.to_dhhc1(), key);
+        assert!(d.ctrl.is_some());
+        for shown in [format!("{p:?}"), format!("{o:?}")] {
+            assert!(!shown.contains(&key[10..30]), "{shown}");
+        }
+        let listed = serde_json::to_string(&p.without_secrets()).unwrap();
+        assert!(!listed.contains("dhchap"), "{listed}");
+        let ctrl_only = AttachParams {
+            dhchap_secret: None,
+            ..p.clone()
+        };
+        assert!(ctrl_only.connect_options(host.clone()).is_err());
+        let bad = AttachParams {
+            dhchap_secret: Some(KeyText("DHHC-1:00:AAAA:".into())),
+            ..p
+        };
+        let e = bad.connect_options(host).unwrap_err().to_string();
+        assert!(e.contains("host secret"), "{e}");
     }
 }

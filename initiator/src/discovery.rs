@@ -219,7 +219,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         &crate::rdma::SharedPd::default(),
     )
     .await?;
-    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host)
+    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host, None)
         .await?;
     let cap = c.property_get(property::CAP, true).await?;
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;

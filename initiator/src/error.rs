@@ -107,6 +107,15 @@ pub enum Error {
         /// The last error seen while reconnecting.
         reason: String,
     },
+    /// In-band authentication (DH-HMAC-CHAP) of a queue failed, or the controller requires
+    /// it and no secret was given.
+    #[error("authentication of queue {qid} failed: {reason}")]
+    Auth {
+        /// The queue (0: admin).
+        qid: u16,
+        /// Why, as one line (never key material).
+        reason: String,
+    },
     /// The controller (or this queue) was closed by the host.
     #[error("the controller is closed")]
     Closed,
@@ -234,6 +243,8 @@ pub(crate) fn command_name(admin: bool, opcode: u8, fctype: u8) -> &'static str 
             f::PROPERTY_GET => "Property Get",
             f::PROPERTY_SET => "Property Set",
             f::DISCONNECT => "Disconnect",
+            f::AUTH_SEND => "Authentication Send",
+            f::AUTH_RECEIVE => "Authentication Receive",
             _ => "Fabrics command",
         };
     }

@@ -11,7 +11,9 @@
 //!   own task. Keep Alive is sent every KATO/2, an Asynchronous Event Request stays posted (a
 //!   namespace change refreshes the namespace list), and a lost connection is re-established
 //!   with exponential backoff: reads in flight are sent again, writes in flight fail with
-//!   [`Error::Interrupted`] unless [`ConnectOptions::retry_writes`] is set.
+//!   [`Error::Interrupted`] unless [`ConnectOptions::retry_writes`] is set. A queue whose
+//!   Connect answer asks for in-band authentication runs DH-HMAC-CHAP with the
+//!   [`ConnectOptions::dhchap`] secrets first ([`Error::Auth`] when it fails or none are given).
 //! - [`Namespace`] does the I/O: [`read`](Namespace::read), [`write`](Namespace::write),
 //!   [`flush`](Namespace::flush), [`write_zeroes`](Namespace::write_zeroes),
 //!   [`deallocate`](Namespace::deallocate). Transfers above the controller's MDTS are split
@@ -61,6 +63,7 @@
 #![forbid(unsafe_code)]
 
 mod admin;
+mod auth;
 mod buffer;
 mod controller;
 pub mod daemon;
@@ -89,8 +92,8 @@ pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::Namespace;
 pub use options::{
-    ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions,
-    QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, Transport,
+    ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
+    DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, Transport,
 };
 pub use queue::QueueStats;
 pub use registered::RegisteredBuffer;

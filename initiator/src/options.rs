@@ -4,6 +4,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use nvme_auth::DhchapKey;
+
 use crate::{Error, HostIdentity};
 
 /// The conventional NVMe-oF I/O port.
@@ -209,6 +211,34 @@ impl Default for Timeouts {
     }
 }
 
+/// DH-HMAC-CHAP secrets for in-band authentication, in nvme-cli's `DHHC-1:XX:<base64>:`
+/// format. `Debug` shows no key material.
+#[derive(Clone, Debug)]
+pub struct DhchapSecrets {
+    /// The host's secret (`--dhchap-secret`): the host proves it holds it whenever the
+    /// controller asks for authentication.
+    pub host: DhchapKey,
+    /// The controller's secret (`--dhchap-ctrl-secret`): with it the host also asks the
+    /// controller to prove it holds it (bidirectional authentication).
+    pub ctrl: Option<DhchapKey>,
+}
+
+impl DhchapSecrets {
+    /// Parses the host secret and the optional controller secret. The error names which
+    /// secret is malformed, never its content.
+    pub fn parse(host: &str, ctrl: Option<&str>) -> Result<Self, Error> {
+        let parse = |which: &str, s: &str| {
+            DhchapKey::parse(s).map_err(|e| Error::InvalidArgument(format!("{which}: {e}")))
+        };
+        Ok(DhchapSecrets {
+            host: parse("DH-HMAC-CHAP host secret", host)?,
+            ctrl: ctrl
+                .map(|c| parse("DH-HMAC-CHAP controller secret", c))
+                .transpose()?,
+        })
+    }
+}
+
 /// Settings of a connection to an NVM subsystem.
 #[derive(Clone, Debug)]
 pub struct ConnectOptions {
@@ -250,6 +280,9 @@ pub struct ConnectOptions {
     /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
     /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
+    /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
+    /// `None`: a controller that requires authentication is refused with [`Error::Auth`].
+    pub dhchap: Option<DhchapSecrets>,
 }
 
 /// The default busy-poll window of an I/O queue ([`ConnectOptions::busy_poll`]).
@@ -273,6 +306,7 @@ impl ConnectOptions {
             max_transfer: None,
             queue_policy: QueuePolicy::default(),
             busy_poll: DEFAULT_BUSY_POLL,
+            dhchap: None,
         }
     }
 

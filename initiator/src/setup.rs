@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvme_spec::fabrics::ConnectData;
+use nvme_spec::fabrics::{CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, ConnectData};
 use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
 use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
 use parking_lot::Mutex;
@@ -20,7 +20,7 @@ use crate::link::{Link, LinkWake};
 use crate::queue_core::{Completions, Core, QueueCounters, Retry};
 use crate::rdma::{RdmaConn, RdmaWake, SharedPd};
 use crate::tcp::{READ_CHUNK, TcpConn};
-use crate::{Error, HostIdentity, TargetAddr, Transport};
+use crate::{DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
 
 /// Which queue a connection is for (NVMe/RDMA names it when connecting).
 #[derive(Clone, Copy, Debug)]
@@ -257,7 +257,9 @@ impl SetupConn {
         }
     }
 
-    /// Fabrics Connect; returns the controller ID from the response.
+    /// Fabrics Connect, then the DH-HMAC-CHAP transaction with `dhchap` when the controller
+    /// asks for authentication; returns the controller ID from the response.
+    #[allow(clippy::too_many_arguments)]
     pub async fn connect(
         &mut self,
         qid: u16,
@@ -266,6 +268,7 @@ impl SetupConn {
         cntlid: u16,
         subnqn: &str,
         host: &HostIdentity,
+        dhchap: Option<&DhchapSecrets>,
     ) -> Result<u16, Error> {
         let cmd = FabricsCommand::Connect(nvme_spec::command::Connect {
             recfmt: 0,
@@ -276,7 +279,11 @@ impl SetupConn {
         });
         let data = ConnectData::new(host.hostid, cntlid, subnqn, &host.hostnqn);
         let (cqe, _) = self.command(cmd.encode(0), data.as_bytes(), 0).await?;
-        Ok((cqe.dw0.get() & 0xFFFF) as u16)
+        let dw0 = cqe.dw0.get();
+        if dw0 & (CONNECT_AUTHREQ_ATR | CONNECT_AUTHREQ_ASCR) != 0 {
+            crate::auth::authenticate(self, qid, dw0, subnqn, &host.hostnqn, dhchap).await?;
+        }
+        Ok((dw0 & 0xFFFF) as u16)
     }
 }
 

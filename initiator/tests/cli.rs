@@ -578,3 +578,64 @@ async fn a_user_in_the_group_finds_the_system_daemon() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert_eq!(d.terminate().await, Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_keeps_dhchap_secrets_root_only_and_never_lists_them() {
+    let key = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
+    let listen = "tcp://127.0.0.1:0".parse().unwrap();
+    let ns = ["mem:4M".parse().unwrap()];
+    let mut cfg = nvmeof_target::Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
+    cfg.subsystems[0].allow_any_host = false;
+    cfg.target.reactors = 1;
+    cfg.subsystems[0]
+        .auth_hosts
+        .push(nvmeof_target::config::HostAuthConfig {
+            nqn: HOSTNQN.to_string(),
+            dhchap_key: nvme_auth::DhchapKey::parse(key).unwrap(),
+            dhchap_ctrl_key: None,
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
+        });
+    let t = TestTarget::from_config(&cfg);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("run/initd.sock");
+    let state = dir.path().join("state");
+    let d = Daemon::start(&socket, &state, &dir.path().join("initd.log"));
+    d.wait_ready().await;
+
+    let mut a = args(&["attach", "nokey"]);
+    a.extend(fabric(&t));
+    let out = cli(a, Some(socket.clone())).await;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("authentication of queue 0 failed"),
+        "{err}"
+    );
+
+    let mut a = args(&["attach", "secure", "-o", "json", "--dhchap-secret", key]);
+    a.extend(fabric(&t));
+    let out = cli(a, Some(socket.clone())).await;
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("DHHC-1"));
+    assert_eq!(json_of(&out)["state"], "connected");
+    let listed = list(&socket).await;
+    assert!(!format!("{listed:?}").contains("DHHC-1"), "{listed:?}");
+    let file = state.join("attachments.json");
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(std::fs::read_to_string(&file).unwrap().contains(key));
+
+    // A process opening the attachment authenticates with the stored secret.
+    let out = cli(
+        args(&["read", "secure", "--start-block", "0", "--block-count", "1"]),
+        Some(socket.clone()),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout.len(), 4096);
+    assert!(!d.log().contains(&key[10..40]), "a key reached the log");
+    assert_eq!(d.terminate().await, Some(0));
+}

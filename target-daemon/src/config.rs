@@ -19,6 +19,13 @@
 //! allow_any_host = false
 //! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
 //!
+//! [[subsystem.host]]                # a host that must authenticate (DH-HMAC-CHAP)
+//! nqn = "nqn.2014-08.org.nvmexpress:uuid:..."
+//! dhchap_key = "DHHC-1:01:...:"     # from `nvme gen-dhchap-key`
+//! dhchap_ctrl_key = "DHHC-1:01:...:" # optional: the controller authenticates itself too
+//! dhchap_hash = "hmac(sha384)"      # optional: the only hash allowed (default: any)
+//! dhchap_dhgroup = "ffdhe3072"      # optional: the only DH group allowed (default: any)
+//!
 //! [[subsystem.namespace]]
 //! backend = "file:/var/lib/nvmeof/ns1.img,size=10G"
 //! ```
@@ -29,6 +36,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use blockdev::BackendSpec;
+use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use serde::Deserialize;
 
 /// NQN of the subsystem served when no configuration is given.
@@ -271,9 +279,75 @@ pub struct SubsystemConfig {
     /// Host NQNs allowed to connect (when `allow_any_host` is false).
     #[serde(default)]
     pub hosts: Vec<String>,
+    /// Hosts allowed to connect that must authenticate with DH-HMAC-CHAP (`[[subsystem.host]]`
+    /// tables).
+    #[serde(default, rename = "host")]
+    pub auth_hosts: Vec<HostAuthConfig>,
     /// Namespaces, NSIDs assigned in order from 1 unless given.
     #[serde(default, rename = "namespace")]
     pub namespaces: Vec<NamespaceConfig>,
+}
+
+/// A host that authenticates with DH-HMAC-CHAP before it may use the subsystem.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostAuthConfig {
+    /// The host NQN.
+    pub nqn: String,
+    /// The host's secret, `DHHC-1:XX:<base64>:` as `nvme gen-dhchap-key` writes it.
+    #[serde(deserialize_with = "deserialize_key")]
+    pub dhchap_key: DhchapKey,
+    /// The controller's secret: with it the controller authenticates itself to the host when
+    /// the host asks (bidirectional authentication).
+    #[serde(default, deserialize_with = "deserialize_opt_key")]
+    pub dhchap_ctrl_key: Option<DhchapKey>,
+    /// The only hash function this host may use, `hmac(sha256)`, `hmac(sha384)` or
+    /// `hmac(sha512)` (default: any, SHA-256 preferred).
+    #[serde(default, deserialize_with = "deserialize_hash")]
+    pub dhchap_hash: Option<HashId>,
+    /// The only DH group this host may use, `null` or `ffdhe2048` ... `ffdhe8192` (default:
+    /// any, ffdhe2048 preferred, null last).
+    #[serde(default, deserialize_with = "deserialize_dhgroup")]
+    pub dhchap_dhgroup: Option<DhGroupId>,
+}
+
+fn deserialize_hash<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<HashId>, D::Error> {
+    let s = String::deserialize(d)?;
+    HashId::ALL
+        .into_iter()
+        .find(|h| h.name() == s || h.name().strip_prefix("hmac(") == Some(&format!("{s})")))
+        .map(Some)
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "dhchap_hash {s:?}: expected hmac(sha256), hmac(sha384) or hmac(sha512)"
+            ))
+        })
+}
+
+fn deserialize_dhgroup<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<DhGroupId>, D::Error> {
+    let s = String::deserialize(d)?;
+    DhGroupId::ALL
+        .into_iter()
+        .find(|g| g.name() == s)
+        .map(Some)
+        .ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "dhchap_dhgroup {s:?}: expected null, ffdhe2048, ffdhe3072, ffdhe4096, \
+                 ffdhe6144 or ffdhe8192"
+            ))
+        })
+}
+
+fn deserialize_key<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DhchapKey, D::Error> {
+    DhchapKey::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+}
+
+fn deserialize_opt_key<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<DhchapKey>, D::Error> {
+    deserialize_key(d).map(Some)
 }
 
 fn default_model() -> String {
@@ -333,6 +407,7 @@ impl Config {
                 model: default_model(),
                 allow_any_host,
                 hosts: hosts.to_vec(),
+                auth_hosts: Vec::new(),
                 namespaces: namespaces
                     .iter()
                     .map(|b| NamespaceConfig {
@@ -424,15 +499,23 @@ impl Config {
             if !nqns.insert(&s.nqn) {
                 return bad(format!("subsystem {} is defined twice", s.nqn));
             }
-            if !s.allow_any_host && s.hosts.is_empty() {
+            if !s.allow_any_host && s.hosts.is_empty() && s.auth_hosts.is_empty() {
                 return bad(format!(
                     "subsystem {}: no host may connect (set allow_any_host = true or list hosts)",
                     s.nqn
                 ));
             }
-            for h in &s.hosts {
+            let mut seen = std::collections::HashSet::new();
+            for h in s.hosts.iter().chain(s.auth_hosts.iter().map(|a| &a.nqn)) {
                 if let Some(why) = nqn_problem(h) {
                     return bad(format!("subsystem {}: host NQN {h:?}: {why}", s.nqn));
+                }
+                if !seen.insert(h) {
+                    return bad(format!(
+                        "subsystem {}: host {h} is listed twice (a host with a dhchap_key \
+                         belongs in [[subsystem.host]] only)",
+                        s.nqn
+                    ));
                 }
             }
             if s.model.len() > 40 {
@@ -464,6 +547,24 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A warning when the file at `path` holds DH-HMAC-CHAP keys and users other than its owner
+/// may read it; `None` when it is fine.
+pub fn key_file_warning(path: &Path, cfg: &Config) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    if cfg.subsystems.iter().all(|s| s.auth_hosts.is_empty()) {
+        return None;
+    }
+    let mode = std::fs::metadata(path).ok()?.permissions().mode();
+    (mode & 0o077 != 0).then(|| {
+        format!(
+            "config file {} holds DH-HMAC-CHAP keys but is readable by group or others \
+             (mode {:o}): chmod 600 it",
+            path.display(),
+            mode & 0o777
+        )
+    })
 }
 
 /// Parses a duration written as a number and a unit: `500ms`, `5s`, `2m`, `1h`.
@@ -533,6 +634,51 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_tables_carry_keys_that_never_show() {
+        let key = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
+        let doc = |host_key: &str, extra: &str| {
+            format!(
+                r#"
+                [[listener]]
+                address = "tcp://127.0.0.1:4420"
+                [[subsystem]]
+                nqn = "nqn.2026-11.io.nvmeof-direct:auth"
+                hosts = ["nqn.2014-08.org.nvmexpress:uuid:2"]
+                [[subsystem.host]]
+                nqn = "nqn.2014-08.org.nvmexpress:uuid:1"
+                dhchap_key = "{host_key}"
+                {extra}
+                "#
+            )
+        };
+        let extra = format!(
+            "dhchap_ctrl_key = \"{key}\"\ndhchap_hash = \"hmac(sha384)\"\n\
+             dhchap_dhgroup = \"ffdhe3072\""
+        );
+        let c = Config::from_toml(&doc(key, &extra)).unwrap();
+        let h = &c.subsystems[0].auth_hosts[0];
+        assert_eq!(h.dhchap_key.to_dhhc1(), key);
+        assert!(h.dhchap_ctrl_key.is_some());
+        assert_eq!(h.dhchap_hash, Some(HashId::Sha384));
+        assert_eq!(h.dhchap_dhgroup, Some(DhGroupId::Ffdhe3072));
+        let e = Config::from_toml(&doc(key, "dhchap_dhgroup = \"ffdhe1024\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("dhchap_dhgroup \"ffdhe1024\""), "{e}");
+        assert!(
+            !format!("{c:?}").contains(&key[10..30]),
+            "keys are redacted"
+        );
+        let e = Config::from_toml(&doc(&key.replace("ZX", "ZY"), ""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CRC") && !e.contains(&key[10..30]), "{e}");
+        let twice = doc(key, "").replace("uuid:2", "uuid:1");
+        let e = Config::from_toml(&twice).unwrap_err().to_string();
+        assert!(e.contains("listed twice"), "{e}");
+    }
 
     #[test]
     fn default_is_valid() {

@@ -287,15 +287,18 @@ impl<T: 'static> Engine<T> {
 
     /// After a successful Connect: watch the controller and, on an admin queue, its events.
     /// Cheap to call after every command.
+    /// The handshake timeout runs until the queue is authenticated when it must be.
     pub fn watch_controller(&mut self) {
         if self.ctrl_shutdown.is_none() {
             if let Some(ctrl) = &self.q.ctrl {
                 self.ctrl_shutdown = Some(ctrl.subscribe_shutdown());
-                self.handshake_deadline = None;
                 if self.events.is_none() {
                     self.events = self.q.events.take();
                 }
             }
+        }
+        if self.handshake_deadline.is_some() && self.q.ctrl.is_some() && !self.q.auth_pending() {
+            self.handshake_deadline = None;
         }
     }
 

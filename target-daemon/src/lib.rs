@@ -15,6 +15,8 @@
 //!   keep-alive, shutdown and the closing log.
 //! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
 //!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
+//! - [`auth`]: in-band authentication (DH-HMAC-CHAP) of each queue, and the refusal of other
+//!   commands until it succeeds.
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
@@ -31,6 +33,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod auth;
 pub mod config;
 pub mod controller;
 pub mod discovery;

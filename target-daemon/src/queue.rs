@@ -157,6 +157,8 @@ pub struct QueueState {
     pub events: Option<EventReceiver>,
     /// The queue's counters, once connected to an NVM subsystem.
     pub metrics: Option<QueueMetrics>,
+    /// In-band authentication, when the host must authenticate this queue.
+    pub(crate) auth: Option<crate::auth::QueueAuth>,
     host_sgl: HostSgl,
     discovery_only: bool,
     sqhd: u32,
@@ -180,6 +182,7 @@ impl QueueState {
             sq_flow_disabled: false,
             events: None,
             metrics: None,
+            auth: None,
             host_sgl: HostSgl::Transport,
             discovery_only: false,
             sqhd: 0,
@@ -304,6 +307,9 @@ impl QueueState {
                 cid,
                 Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
             );
+        }
+        if let Some(reply) = self.auth_gate(&ctrl, sqe, icd) {
+            return reply;
         }
         if self.qid == 0 {
             match AdminCommand::parse(sqe) {
@@ -530,7 +536,7 @@ impl QueueState {
         if c.qid == 0 && self.host_sgl == HostSgl::Keyed {
             ctrl.set_keyed_sgls();
         }
-        let dw0 = u32::from(ctrl.cntlid);
+        let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.metrics = ctrl
             .subsystem()
             .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
+use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use parking_lot::Mutex;
 
 use crate::config::{SubsystemConfig, parse_uuid};
@@ -72,6 +73,19 @@ impl Namespace {
     }
 }
 
+/// The DH-HMAC-CHAP secrets of one host. `Debug` shows no key material.
+#[derive(Clone, Debug)]
+pub struct HostKeys {
+    /// The host's secret.
+    pub host: DhchapKey,
+    /// The controller's secret, for bidirectional authentication.
+    pub ctrl: Option<DhchapKey>,
+    /// The only hash function allowed, if restricted.
+    pub hash: Option<HashId>,
+    /// The only DH group allowed, if restricted.
+    pub dh_group: Option<DhGroupId>,
+}
+
 /// An NVM subsystem: NQN, identity strings, namespaces, host access list, live controllers.
 pub struct Subsystem {
     /// Subsystem NQN.
@@ -84,6 +98,8 @@ pub struct Subsystem {
     pub allow_any_host: bool,
     /// Allowed host NQNs.
     pub hosts: Vec<String>,
+    /// Allowed hosts that must authenticate, by host NQN.
+    pub auth_hosts: BTreeMap<String, HostKeys>,
     /// Namespaces by NSID.
     pub namespaces: BTreeMap<u32, Arc<Namespace>>,
     /// Live controllers by controller ID.
@@ -125,6 +141,19 @@ impl Subsystem {
             model: cfg.model.clone(),
             allow_any_host: cfg.allow_any_host,
             hosts: cfg.hosts.clone(),
+            auth_hosts: cfg
+                .auth_hosts
+                .iter()
+                .map(|h| {
+                    let keys = HostKeys {
+                        host: h.dhchap_key.clone(),
+                        ctrl: h.dhchap_ctrl_key.clone(),
+                        hash: h.dhchap_hash,
+                        dh_group: h.dhchap_dhgroup,
+                    };
+                    (h.nqn.clone(), keys)
+                })
+                .collect(),
             namespaces,
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: Mutex::new(1),
@@ -135,7 +164,14 @@ impl Subsystem {
 
     /// Whether `hostnqn` may connect.
     pub fn host_allowed(&self, hostnqn: &str) -> bool {
-        self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
+        self.allow_any_host
+            || self.hosts.iter().any(|h| h == hostnqn)
+            || self.auth_hosts.contains_key(hostnqn)
+    }
+
+    /// The keys `hostnqn` authenticates with, when it must.
+    pub fn host_keys(&self, hostnqn: &str) -> Option<&HostKeys> {
+        self.auth_hosts.get(hostnqn)
     }
 
     /// Highest NSID (Identify Controller NN).

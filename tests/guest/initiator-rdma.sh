@@ -23,7 +23,11 @@
 # NAME`, `detach`) is checked against each target; with /usr/bin/nvmeof-bench present, its
 # --quick job also runs in modes rdma and tcp against nvmeof-targetd (reads verified).
 #
-# Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3).
+# With AUTH_NQN, AUTH_HOSTID, AUTH_KEY and AUTH_CTRL_KEY, nvmeof-targetd also requires that host to
+# authenticate both ways (DH-HMAC-CHAP): `nvmeof connect` with the secrets over NVMe/RDMA, then a
+# wrong secret refused in one line.
+#
+# Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3), AUTH_* (above).
 # shellcheck source=../interop/guest-lib/interop.sh
 . /usr/lib/interop/interop.sh
 
@@ -180,8 +184,26 @@ nvmet_clear
 log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
 
 log "=== nvmeof-targetd on rdma://$addr:$OUR_PORT"
-NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --listen "rdma://$addr:$OUR_PORT" \
-    --listen "tcp://$addr:$OUR_PORT" --subsystem "$ONQN" --namespace mem:32M --reactors 2 >"$tlog" 2>&1 &
+# Any host, and with AUTH_NQN/AUTH_KEY/AUTH_CTRL_KEY given one that must authenticate both ways.
+cat >/tmp/targetd.toml <<EOF
+[target]
+reactors = 2
+[[listener]]
+address = "rdma://$addr:$OUR_PORT"
+[[listener]]
+address = "tcp://$addr:$OUR_PORT"
+[[subsystem]]
+nqn = "$ONQN"
+allow_any_host = true
+[[subsystem.namespace]]
+backend = "mem:32M"
+EOF
+if [ -n "${AUTH_KEY:-}" ]; then
+    printf '[[subsystem.host]]\nnqn = "%s"\ndhchap_key = "%s"\ndhchap_ctrl_key = "%s"\n' \
+        "$AUTH_NQN" "$AUTH_KEY" "$AUTH_CTRL_KEY" >>/tmp/targetd.toml
+fi
+chmod 600 /tmp/targetd.toml
+NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --config /tmp/targetd.toml >"$tlog" 2>&1 &
 tpid=$!
 i=0
 until grep -q "nvmeof-targetd ready" "$tlog"; do
@@ -194,6 +216,21 @@ until grep -q "nvmeof-targetd ready" "$tlog"; do
     sleep 0.1
 done
 check_target "nvmeof-targetd" "$OUR_PORT" "$ONQN"
+
+if [ -n "${AUTH_KEY:-}" ]; then
+    # Authentication Send data travels by RDMA READ of the host's buffer, Receive data by RDMA
+    # WRITE, on the admin queue and each I/O queue.
+    log "=== nvmeof-targetd: DH-HMAC-CHAP over NVMe/RDMA"
+    afab="-t rdma -a $addr -s $OUR_PORT -n $ONQN -q $AUTH_NQN -I $AUTH_HOSTID"
+    # shellcheck disable=SC2086
+    step "$NVMEOF" connect $afab -i 2 --dhchap-secret "$AUTH_KEY" --dhchap-ctrl-secret "$AUTH_CTRL_KEY"
+    # shellcheck disable=SC2086
+    out=$("$NVMEOF" connect $afab --dhchap-secret "$AUTH_CTRL_KEY" 2>&1) && fail "a wrong key connected: $out"
+    echo "$out"
+    [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "the error is not one line: $out"
+    expect_contains "$out" "authentication of queue 0 failed" "wrong key over NVMe/RDMA"
+    log "PASS: DH-HMAC-CHAP over NVMe/RDMA"
+fi
 
 log "=== nvmeof-targetd: the target stops answering (SIGSTOP) with a read in flight"
 rm -f /tmp/target-stopped

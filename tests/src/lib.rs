@@ -103,6 +103,21 @@ impl TargetProcess {
         Self::spawn(&args, port)
     }
 
+    /// Starts `nvmeof-targetd --config FILE`, FILE holding `toml` in `dir` with permission
+    /// bits `mode`; `port` is its first listener's.
+    pub fn with_config(dir: &Path, toml: &str, mode: u32, port: u16) -> Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = dir.join("target.toml");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&path)
+            .expect("create the config file");
+        f.write_all(toml.as_bytes()).expect("write the config file");
+        Self::spawn(&["--config", path.to_str().expect("UTF-8 path")], port)
+    }
+
     /// The address of its first listener.
     pub fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))
@@ -512,6 +527,53 @@ pub fn run_guest(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     console
+}
+
+/// A guest started in the background by `guest.sh start`, stopped (and its script's exit
+/// code collected) by [`BackgroundGuest::stop`] or when dropped.
+pub struct BackgroundGuest {
+    pidfile: Option<String>,
+    log: PathBuf,
+}
+
+impl BackgroundGuest {
+    /// Runs `cmd` (a `guest.sh start` command line); panics with its output if it failed.
+    pub fn start(cmd: &mut Command) -> Self {
+        let out = cmd.output().expect("guest.sh start");
+        assert!(
+            out.status.success(),
+            "guest.sh start failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pidfile = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        BackgroundGuest {
+            log: Path::new(&pidfile).with_extension("log"),
+            pidfile: Some(pidfile),
+        }
+    }
+
+    /// The guest's console so far.
+    pub fn console(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Asks the guest script to finish; returns its exit code.
+    pub fn stop(&mut self) -> Option<i32> {
+        let pidfile = self.pidfile.take()?;
+        Command::new(guest_sh())
+            .args(["stop", "--grace", "30", &pidfile])
+            .status()
+            .ok()?
+            .code()
+    }
+}
+
+impl Drop for BackgroundGuest {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// Asserts that the guest's `console` holds every one of `needles`.

@@ -6,7 +6,9 @@
 //! slot copy), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
 //! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
 //! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
-//! reconnect: its port drops the subsystem and takes it back while reads go on. Before the
+//! reconnect: its port drops the subsystem and takes it back while reads go on; against our
+//! target also DH-HMAC-CHAP both ways over RDMA (admin and I/O queues), and a wrong secret
+//! refused in one line. Before the
 //! RDMA device exists the CLI must fail with a one-line error. See
 //! `tests/guest/initiator-rdma.sh`.
 //!
@@ -21,6 +23,12 @@ use std::process::Command;
 use nvmeof_tests::{
     assert_console_has, bin_path, guest_sh, run_guest, skip_without_interop, workspace_root,
 };
+
+/// A host that must authenticate to nvmeof-targetd (DH-HMAC-CHAP, both ways).
+const AUTH_NQN: &str = "nqn.2014-08.org.nvmexpress:uuid:6a0f0c4e-0000-4000-8000-0000000000e1";
+const AUTH_KEY: &str = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
+const AUTH_CTRL_KEY: &str =
+    "DHHC-1:02:Y29udHJvbGxlci1rZXktZm9yLXJkbWEtdGVzdHMtNDgtc2l4dGVlbi1ieXRlcyEhmxm9aQ==:";
 
 #[test]
 fn initiator_over_rdma_against_kernel_and_own_target() {
@@ -52,6 +60,10 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
             .arg(format!("{}:/usr/bin/nvmeof-bench", bench.display()))
             .arg("--add-bin")
             .arg(format!("{}:/usr/bin/nvmeof-initd", initd.display()))
+            .args(["--env", &format!("AUTH_NQN={AUTH_NQN}")])
+            .args(["--env", "AUTH_HOSTID=6a0f0c4e-0000-4000-8000-0000000000e1"])
+            .args(["--env", &format!("AUTH_KEY={AUTH_KEY}")])
+            .args(["--env", &format!("AUTH_CTRL_KEY={AUTH_CTRL_KEY}")])
             .arg(workspace_root().join("tests/guest/initiator-rdma.sh")),
     );
     assert_console_has(
@@ -68,8 +80,15 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
             "NVMe/RDMA queue pair accepted",
             "qid=3",
             "+ /usr/bin/nvmeof detach rdma0",
+            "PASS: DH-HMAC-CHAP over NVMe/RDMA",
         ],
     );
+    // The admin queue and both I/O queues authenticated over NVMe/RDMA, both ways.
+    let authenticated = console
+        .lines()
+        .filter(|l| l.contains("host authenticated") && l.contains("bidirectional=true"))
+        .count();
+    assert_eq!(authenticated, 3, "{console}");
     assert_eq!(
         console
             .matches("VERIFY PASS transport=rdma queues=3")

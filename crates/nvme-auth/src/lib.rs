@@ -14,6 +14,7 @@
 //! - [`dhchap`] holds the response and augmented-challenge computations, [`dh`] the RFC 7919
 //!   groups, [`tls`] the `NVMeTLSkey-1` interchange format, retained PSK, PSK digest, TLS PSK
 //!   and PSK identities (versions 0 and 1).
+//! - [`fuzzing`] drives both state machines with arbitrary input for the fuzz targets.
 //! - [`Secret`] wraps every key: its `Debug` prints only the length and it is zeroed on drop.
 //!
 //! The wire formats are [`nvme_spec::auth`]'s. Randomness (challenges, sequence numbers, DH
@@ -30,6 +31,7 @@ mod ctrl;
 pub mod dh;
 pub mod dhchap;
 mod error;
+pub mod fuzzing;
 pub mod hash;
 mod host;
 mod keys;

@@ -70,6 +70,12 @@ pub const fn connect_invalid_param_dw0(in_data: bool, offset: u16) -> u32 {
     (in_data as u32) | ((offset as u32) << 16)
 }
 
+/// Connect response DW0, AUTHREQ field: authentication (a DH-HMAC-CHAP transaction) is
+/// required on this queue before any other command (ATR).
+pub const CONNECT_AUTHREQ_ATR: u32 = 1 << 17;
+/// Connect response DW0, AUTHREQ field: secure channel concatenation is required (ASCR).
+pub const CONNECT_AUTHREQ_ASCR: u32 = 1 << 18;
+
 /// Controller property offsets (NVMe Base 2.0, Figure 35).
 pub mod property {
     /// Controller Capabilities (8 bytes).

@@ -105,6 +105,9 @@ pub mod specific {
     pub const CONNECT_RESTART_DISCOVERY: u8 = 0x83;
     /// Fabrics Connect: invalid host.
     pub const CONNECT_INVALID_HOST: u8 = 0x84;
+    /// Authentication required: the queue has not completed the authentication its
+    /// controller requires (status 0x191 as Linux writes SCT and SC together).
+    pub const AUTH_REQUIRED: u8 = 0x91;
 }
 
 /// Media and data integrity errors (SCT 2).

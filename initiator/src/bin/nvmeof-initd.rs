@@ -32,7 +32,8 @@ Each attachment (added with `nvmeof attach NAME -t tcp -a ADDRESS -s PORT -n NQN
 namespace of a subsystem that the daemon keeps connected: Keep Alive on the admin queue,
 reconnect with backoff after a lost connection, health reported by `nvmeof list`
 (connected / reconnecting / failed, with the last error). Attachments are stored in
-STATE_DIR/attachments.json and restored at start.
+STATE_DIR/attachments.json (mode 0600: it holds the DH-HMAC-CHAP secrets given with
+--dhchap-secret, which `nvmeof list` never shows) and restored at start.
 
 Programs call nvmeof_initiator::open_attached(\"NAME\"): the daemon answers with the
 connection parameters and its host identity, and the program connects its own I/O queues,
@@ -93,7 +94,7 @@ impl Attachment {
         let h = self.health.lock();
         AttachmentStatus {
             name: self.name.clone(),
-            params: self.params.clone(),
+            params: self.params.without_secrets(),
             state: h.state.clone(),
             last_error: h.last_error.clone(),
             controller: h.controller.clone(),
@@ -275,6 +276,15 @@ impl Daemon {
                     .with_context(|| format!("cannot read {}", self.state_file.display()));
             }
         };
+        // Files written before secrets were stored may be readable by others: root-only now.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let f = &self.state_file;
+            if std::fs::metadata(f).is_ok_and(|m| m.permissions().mode() & 0o077 != 0) {
+                std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600))
+                    .with_context(|| format!("cannot make {} root-only", f.display()))?;
+            }
+        }
         let state: StateFile = serde_json::from_str(&text)
             .with_context(|| format!("{} is not a valid state file", self.state_file.display()))?;
         let mut map = self.attachments.lock().await;
@@ -316,7 +326,20 @@ impl Daemon {
         };
         let text = serde_json::to_string_pretty(&state)?;
         let tmp = self.state_file.with_extension("json.tmp");
-        std::fs::write(&tmp, text + "\n")
+        // Root-only: attachments may hold DH-HMAC-CHAP secrets.
+        let write = |text: String| {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        };
+        write(text + "\n")
             .and_then(|()| std::fs::rename(&tmp, &self.state_file))
             .with_context(|| format!("cannot write {}", self.state_file.display()))
     }
@@ -365,9 +388,14 @@ impl Daemon {
             Request::Get { name } => {
                 let map = self.attachments.lock().await;
                 match map.get(&name) {
+                    // A process opening the attachment connects itself: it gets the secrets
+                    // (the socket is root's and the daemon group's only).
                     Some(a) => Response {
                         ok: true,
-                        attachment: Some(a.status()),
+                        attachment: Some(AttachmentStatus {
+                            params: a.params.clone(),
+                            ..a.status()
+                        }),
                         ..Default::default()
                     },
                     None => Response::error(format!("no attachment named {name:?}")),

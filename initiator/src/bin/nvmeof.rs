@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClient};
+use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClient, KeyText};
 use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
-    ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DiscoveryOptions,
-    HostIdentity, Namespace, ReconnectPolicy, TargetAddr, Transport, default_state_dir, discover,
-    hex_id, version_string,
+    ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
+    DiscoveryOptions, HostIdentity, Namespace, ReconnectPolicy, TargetAddr, Transport,
+    default_state_dir, discover, hex_id, version_string,
 };
 use serde_json::{Value, json};
 
@@ -240,6 +240,14 @@ struct Fabric {
     /// Seconds to wait for the connection and for each admin command.
     #[arg(long = "timeout", default_value_t = 10, value_name = "SECS")]
     timeout: u64,
+    /// DH-HMAC-CHAP host secret, `DHHC-1:XX:<base64>:` as `nvme gen-dhchap-key` prints it:
+    /// used on every queue whose controller requires authentication.
+    #[arg(short = 'S', long = "dhchap-secret", value_name = "SECRET")]
+    dhchap_secret: Option<String>,
+    /// DH-HMAC-CHAP controller secret: the controller must prove it holds it too
+    /// (bidirectional authentication). Needs --dhchap-secret.
+    #[arg(short = 'C', long = "dhchap-ctrl-secret", value_name = "SECRET")]
+    dhchap_ctrl_secret: Option<String>,
 }
 
 #[derive(Args, Clone, Default)]
@@ -361,7 +369,10 @@ fn exit_status(e: &anyhow::Error) -> u8 {
                 E::InvalidArgument(_) => 2,
                 E::Status { .. } => 4,
                 E::Daemon(_) => 5,
-                E::ControllerFailed { .. } | E::Refused(_) | E::RdmaUnavailable(_) => 3,
+                E::ControllerFailed { .. }
+                | E::Refused(_)
+                | E::RdmaUnavailable(_)
+                | E::Auth { .. } => 3,
                 e if e.is_transport() => 3,
                 _ => 1,
             };
@@ -493,6 +504,15 @@ fn target_addr(f: &Fabric, default_port: u16) -> Result<TargetAddr> {
     Ok(TargetAddr::new(a, f.trsvcid.unwrap_or(default_port)).with_transport(t))
 }
 
+/// The DH-HMAC-CHAP secrets of the flags, checked.
+fn dhchap(f: &Fabric) -> Result<Option<DhchapSecrets>> {
+    match (&f.dhchap_secret, &f.dhchap_ctrl_secret) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => usage!("--dhchap-ctrl-secret needs --dhchap-secret"),
+        (Some(h), c) => Ok(Some(DhchapSecrets::parse(h, c.as_deref())?)),
+    }
+}
+
 fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions> {
     let addr = target_addr(f, DEFAULT_PORT)?;
     let Some(nqn) = f.nqn.as_deref() else {
@@ -501,6 +521,7 @@ fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions
     let mut o = ConnectOptions::new(addr, nqn, identity(ctx, f)?);
     o.header_digest = f.hdr_digest;
     o.data_digest = f.data_digest;
+    o.dhchap = dhchap(f)?;
     apply_queue_args(&mut o, q, f.timeout);
     Ok(o)
 }
@@ -599,6 +620,9 @@ async fn resolve(
             }
             if f.data_digest {
                 o.data_digest = true;
+            }
+            if let Some(d) = dhchap(f)? {
+                o.dhchap = Some(d);
             }
             apply_queue_args(&mut o, q, f.timeout);
             Ok((o, Some(nsid)))
@@ -813,7 +837,10 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         nr_io_queues: q.nr_io_queues,
         queue_size: q.queue_size,
         kato_ms: q.keep_alive_tmo.map(|s| s.saturating_mul(1000)),
+        dhchap_secret: f.dhchap_secret.clone().map(KeyText),
+        dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
     };
+    dhchap(f)?;
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {

@@ -48,7 +48,12 @@ impl TestTarget {
         let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).expect("config");
         cfg.target.reactors = 1;
         tweak(&mut cfg.target);
-        let (target, listeners) = Target::build(&cfg).expect("target build");
+        Self::from_config(&cfg)
+    }
+
+    /// Starts a target with the configuration `cfg`.
+    pub fn from_config(cfg: &Config) -> TestTarget {
+        let (target, listeners) = Target::build(cfg).expect("target build");
         let addr = listeners[0].addr.addr;
         let running = RunningTarget::start(target, listeners).expect("target start");
         TestTarget {

@@ -96,7 +96,11 @@ struct Args {
 
 fn load_config(args: &Args) -> anyhow::Result<Config> {
     let mut cfg = if let Some(path) = &args.config {
-        Config::from_file(path)?
+        let cfg = Config::from_file(path)?;
+        if let Some(w) = nvmeof_target::config::key_file_warning(path, &cfg) {
+            warn!("{w}");
+        }
+        cfg
     } else if args.listen.is_empty()
         && args.subsystem.is_none()
         && args.namespace.is_empty()

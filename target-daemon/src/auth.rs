@@ -1,0 +1,478 @@
+//! In-band authentication (DH-HMAC-CHAP) on the target, per queue.
+//!
+//! A host listed in a subsystem's `[[subsystem.host]]` tables must authenticate every queue it
+//! connects, the admin queue and each I/O queue: the Connect completion carries AUTHREQ.ATR,
+//! the host runs a DH-HMAC-CHAP transaction in Authentication Send/Receive commands on that
+//! queue, and until the transaction succeeds every other command but Disconnect is refused
+//! with Authentication Required (SCT 1h, SC 91h). A new AUTH_Negotiate on an authenticated
+//! queue starts a re-authentication; the queue keeps working while it runs and is refused
+//! again if it fails.
+//!
+//! The protocol is [`nvme_auth::CtrlAuth`]'s; this module carries its messages in the
+//! commands and applies the outcome. It never logs key material: keys are
+//! [`nvme_auth::DhchapKey`]s, whose `Debug` is redacted, and only outcomes are logged.
+
+use nvme_auth::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent};
+use nvme_spec::auth::AuthCommand;
+use nvme_spec::command::FabricsCommand;
+use nvme_spec::fabrics::CONNECT_AUTHREQ_ATR;
+use nvme_spec::status::{generic, specific};
+use nvme_spec::{Sqe, Status};
+use tracing::{info, warn};
+
+use crate::controller::Controller;
+use crate::queue::{QueueState, Submit};
+
+/// Largest Authentication Send payload accepted: an AUTH_Reply with two SHA-512 values and
+/// an ffdhe8192 public value is 1,168 bytes.
+const MAX_SEND_LEN: u32 = 4096;
+
+/// The authentication state of one queue.
+#[derive(Debug)]
+pub struct QueueAuth {
+    proto: CtrlAuth,
+    authenticated: bool,
+    /// Whether the current transaction's outcome has been applied and logged.
+    settled: bool,
+}
+
+impl QueueAuth {
+    /// A queue that must authenticate `hostnqn` to `subnqn` with `keys`.
+    pub fn new(subnqn: &str, hostnqn: &str, keys: &crate::subsystem::HostKeys) -> Self {
+        let mut cfg = CtrlConfig::new(subnqn, hostnqn, keys.host.clone());
+        cfg.ctrl_key = keys.ctrl.clone();
+        if let Some(h) = keys.hash {
+            cfg.hashes = vec![h];
+        }
+        if let Some(g) = keys.dh_group {
+            cfg.dh_groups = vec![g];
+        }
+        QueueAuth {
+            proto: CtrlAuth::new(cfg),
+            authenticated: false,
+            settled: false,
+        }
+    }
+
+    /// Whether the queue may run commands other than authentication ones.
+    pub fn is_authenticated(&self) -> bool {
+        self.authenticated
+    }
+
+    /// Handles one Authentication Send (`data`: its payload) or Receive (`room`: the host's
+    /// buffer) command: the completion status and, for a Receive, the message to return.
+    fn command(&mut self, cmd: AuthCommand, data: &[u8], room: u32) -> (Status, Option<Vec<u8>>) {
+        if !cmd.is_dhchap() {
+            return (Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+        }
+        let mut rng = rand::rng();
+        let action = if cmd.send {
+            if cmd.len > MAX_SEND_LEN {
+                return (Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+            }
+            let Some(msg) = data.get(..cmd.len as usize) else {
+                return (
+                    Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+                    None,
+                );
+            };
+            self.proto.handle(CtrlEvent::Send(msg), &mut rng)
+        } else {
+            let len = cmd.len.min(room);
+            self.proto.handle(CtrlEvent::Receive { len }, &mut rng)
+        };
+        match action {
+            CtrlAction::Accepted => (Status::SUCCESS, None),
+            CtrlAction::Data(d) => (Status::SUCCESS, Some(d)),
+            CtrlAction::Error(s) => (s.with_dnr(), None),
+        }
+    }
+
+    /// Applies a decided outcome once per transaction; returns it for logging when new.
+    fn settle(&mut self) -> Option<Result<nvme_auth::Outcome, nvme_auth::AuthError>> {
+        match self.proto.outcome() {
+            None => {
+                self.settled = false;
+                None
+            }
+            Some(_) if self.settled => None,
+            Some(r) => {
+                self.settled = true;
+                self.authenticated = r.is_ok();
+                Some(r)
+            }
+        }
+    }
+}
+
+impl QueueState {
+    /// After a successful Connect of `ctrl`: when the host must authenticate, arms the queue's
+    /// authentication and returns the AUTHREQ bits for the Connect completion's DW0.
+    pub(crate) fn require_auth(&mut self, ctrl: &Controller) -> u32 {
+        let keys = ctrl
+            .subsystem()
+            .and_then(|s| s.host_keys(&ctrl.hostnqn).map(|k| (s, k)));
+        match keys {
+            Some((s, k)) => {
+                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, k));
+                CONNECT_AUTHREQ_ATR
+            }
+            None => {
+                self.auth = None;
+                0
+            }
+        }
+    }
+
+    /// Whether the queue is connected but still has to authenticate.
+    pub fn auth_pending(&self) -> bool {
+        self.auth.as_ref().is_some_and(|a| !a.is_authenticated())
+    }
+
+    /// Authentication commands and the refusal of everything else until the queue is
+    /// authenticated; `None` when the command is not the authentication's business.
+    pub(crate) fn auth_gate(&mut self, ctrl: &Controller, sqe: &Sqe, icd: &[u8]) -> Option<Submit> {
+        let auth = self.auth.as_mut()?;
+        let cid = sqe.cid();
+        let Some(cmd) = AuthCommand::from_sqe(sqe) else {
+            if auth.is_authenticated()
+                || (sqe.opcode == nvme_spec::opcode::FABRICS
+                    && matches!(FabricsCommand::parse(sqe), FabricsCommand::Disconnect))
+            {
+                return None;
+            }
+            let status = Status::specific(specific::AUTH_REQUIRED).with_dnr();
+            return Some(Submit::Complete(self.completion(cid, status, 0)));
+        };
+        let (status, data) = auth.command(cmd, icd, sqe.dptr.data_length());
+        let (qid, peer) = (self.qid, self.origin.peer);
+        match auth.settle() {
+            Some(Ok(o)) => info!(
+                cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid,
+                hash = o.hash.name(), dhgroup = o.dh_group.name(), bidirectional = o.bidirectional,
+                "host authenticated"
+            ),
+            Some(Err(e)) => warn!(
+                cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid, reason = %e,
+                "host authentication failed"
+            ),
+            None => {}
+        }
+        let cqe = self.completion(cid, status, 0);
+        Some(match data {
+            Some(d) => Submit::CompleteWithData(d, cqe),
+            None => Submit::Complete(cqe),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use nvme_auth::{DhGroupId, DhchapKey, HashId, HostAuth, HostConfig, HostEvent, HostNext};
+    use nvme_spec::fabrics::{Cc, ConnectData, property};
+    use nvme_spec::queue::SglDescriptor;
+    use nvme_spec::{IntoBytes, status::sct};
+
+    use super::*;
+    use crate::config::HostAuthConfig;
+    use crate::target::Target;
+    use crate::testing::{HOST, NQN, connect_sqe, origin, status};
+
+    fn key(byte: u8) -> DhchapKey {
+        DhchapKey::new(nvme_auth::Secret::new(vec![byte; 32]), Some(HashId::Sha256)).unwrap()
+    }
+
+    /// A target whose subsystem requires [`HOST`] to authenticate with `key(1)` (and, with
+    /// `ctrl_key`, to be answered with `key(2)`).
+    fn target(ctrl_key: bool) -> Arc<Target> {
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        let s = &mut cfg.subsystems[0];
+        s.allow_any_host = false;
+        s.auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: key(1),
+            dhchap_ctrl_key: ctrl_key.then(|| key(2)),
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
+        });
+        cfg.validate().unwrap();
+        Target::build(&cfg).unwrap().0
+    }
+
+    /// Connects queue `qid` (controller `cntlid` for an I/O queue); returns the queue and
+    /// the Connect completion's DW0.
+    fn connect(t: &Arc<Target>, qid: u16, cntlid: u16) -> (QueueState, u32) {
+        let mut q = QueueState::new(Arc::clone(t), origin());
+        let data = ConnectData::new([7; 16], cntlid, NQN, HOST);
+        match q.submit(&connect_sqe(qid, false), data.as_bytes()) {
+            Submit::Complete(c) => {
+                assert!(c.status().is_success(), "{}", c.status());
+                (q, c.dw0.get())
+            }
+            _ => panic!("Connect answered without a completion"),
+        }
+    }
+
+    fn auth_sqe(cid: u16, cmd: AuthCommand) -> Sqe {
+        let mut sqe = FabricsCommand::AuthSend.encode(cid);
+        cmd.write_to_sqe(&mut sqe);
+        sqe.dptr = if cmd.send {
+            SglDescriptor::in_capsule(cmd.len)
+        } else {
+            SglDescriptor::tcp_transport(cmd.len)
+        };
+        sqe
+    }
+
+    fn host_cfg(host_key: DhchapKey, ctrl_key: Option<DhchapKey>) -> HostConfig {
+        let mut c = HostConfig::new(HOST, NQN, host_key);
+        c.ctrl_key = ctrl_key;
+        c
+    }
+
+    /// Runs the host side of a transaction over `q`'s commands, as a transport carries them.
+    fn authenticate(q: &mut QueueState, cfg: HostConfig, t_id: u16) -> HostNext {
+        let mut rng = rand::rng();
+        let mut host = HostAuth::new(cfg, t_id);
+        let mut step = host.handle(HostEvent::Start, &mut rng);
+        loop {
+            if let Some(msg) = step.send.take() {
+                let sqe = auth_sqe(t_id, AuthCommand::send(msg.len() as u32));
+                assert_eq!(status(q.submit(&sqe, &msg)), Status::SUCCESS);
+            }
+            match step.next {
+                HostNext::Receive => {
+                    let sqe = auth_sqe(t_id, AuthCommand::receive(4096));
+                    let Submit::CompleteWithData(d, c) = q.submit(&sqe, &[]) else {
+                        panic!("Authentication Receive returned no data");
+                    };
+                    assert!(c.status().is_success());
+                    step = host.handle(HostEvent::Received(&d), &mut rng);
+                }
+                done => return done,
+            }
+        }
+    }
+
+    fn enable(q: &mut QueueState) -> Status {
+        let cc = FabricsCommand::PropertySet {
+            size8: false,
+            offset: property::CC,
+            value: u64::from(Cc::enable_value()),
+        }
+        .encode(1);
+        status(q.submit(&cc, &[]))
+    }
+
+    fn auth_required() -> Status {
+        Status::specific(specific::AUTH_REQUIRED).with_dnr()
+    }
+
+    #[test]
+    fn every_queue_is_refused_until_it_authenticates() {
+        let t = target(false);
+        let (mut admin, dw0) = connect(&t, 0, 0xFFFF);
+        assert_eq!(dw0 & CONNECT_AUTHREQ_ATR, CONNECT_AUTHREQ_ATR);
+        let st = enable(&mut admin);
+        assert_eq!((st, st.sct), (auth_required(), sct::COMMAND_SPECIFIC));
+        assert_eq!(st.to_field() & 0x7ff, 0x191, "SCT/SC as Linux spells them");
+        let next = authenticate(&mut admin, host_cfg(key(1), None), 1);
+        assert!(matches!(next, HostNext::Authenticated(o) if !o.bidirectional));
+        assert_eq!(enable(&mut admin), Status::SUCCESS);
+        let sf = nvme_spec::command::build::set_features(2, 7, 0x0001_0001);
+        assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
+
+        let cntlid = admin.ctrl.as_ref().unwrap().cntlid;
+        let (mut io, dw0) = connect(&t, 1, cntlid);
+        assert_eq!(dw0 & CONNECT_AUTHREQ_ATR, CONNECT_AUTHREQ_ATR);
+        assert!(io.auth_pending());
+        let flush = nvme_spec::command::build::flush(3, 1);
+        assert_eq!(status(io.submit(&flush, &[])), auth_required());
+        authenticate(&mut io, host_cfg(key(1), None), 2);
+        assert!(!io.auth_pending());
+        assert_eq!(status(io.submit(&flush, &[])), Status::SUCCESS);
+    }
+
+    #[test]
+    fn every_hash_and_group_authenticates_both_ways() {
+        let t = target(true);
+        for hash in HashId::ALL {
+            for group in [DhGroupId::Null, DhGroupId::Ffdhe2048, DhGroupId::Ffdhe3072] {
+                let (mut admin, _) = connect(&t, 0, 0xFFFF);
+                let mut cfg = host_cfg(key(1), Some(key(2)));
+                cfg.hashes = vec![hash];
+                cfg.dh_groups = vec![group];
+                let next = authenticate(&mut admin, cfg, 7);
+                let want = nvme_auth::Outcome {
+                    hash,
+                    dh_group: group,
+                    bidirectional: true,
+                };
+                assert_eq!(next, HostNext::Authenticated(want));
+                assert!(!admin.auth_pending());
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_keys_and_unexpected_controller_keys_are_refused() {
+        let t = target(false);
+        let cases = [
+            (
+                host_cfg(key(3), None),
+                nvme_auth::FailureExplanation::Failed,
+            ),
+            // The host asks the controller to authenticate, which has no key to do it.
+            (
+                host_cfg(key(1), Some(key(2))),
+                nvme_auth::FailureExplanation::Failed,
+            ),
+        ];
+        for (cfg, why) in cases {
+            let (mut admin, _) = connect(&t, 0, 0xFFFF);
+            match authenticate(&mut admin, cfg, 1) {
+                HostNext::Failed(e) => assert_eq!(e.explanation(), why as u8, "{e}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(admin.auth_pending());
+            assert_eq!(enable(&mut admin), auth_required());
+        }
+        // The controller's answer is checked too: a wrong controller key fails at the host.
+        let t = target(true);
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        assert!(matches!(
+            authenticate(&mut admin, host_cfg(key(1), Some(key(4))), 1),
+            HostNext::Failed(_)
+        ));
+    }
+
+    #[test]
+    fn reauthentication_keeps_the_queue_until_it_fails() {
+        let t = target(false);
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        authenticate(&mut admin, host_cfg(key(1), None), 1);
+        assert!(matches!(
+            authenticate(&mut admin, host_cfg(key(1), None), 2),
+            HostNext::Authenticated(_)
+        ));
+        assert_eq!(enable(&mut admin), Status::SUCCESS);
+        assert!(matches!(
+            authenticate(&mut admin, host_cfg(key(5), None), 3),
+            HostNext::Failed(_)
+        ));
+        assert_eq!(enable(&mut admin), auth_required());
+    }
+
+    #[test]
+    fn bad_commands_get_statuses_and_bad_messages_failures() {
+        let t = target(false);
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        // Another security protocol.
+        let mut cmd = AuthCommand::send(8);
+        cmd.secp = 0xEA;
+        let st = status(admin.submit(&auth_sqe(1, cmd), &[0; 8]));
+        assert_eq!(st, Status::generic(generic::INVALID_FIELD).with_dnr());
+        // A transfer length past the data.
+        let st = status(admin.submit(&auth_sqe(1, AuthCommand::send(64)), &[0; 8]));
+        assert_eq!(
+            st,
+            Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr()
+        );
+        // Nothing to receive yet.
+        let st = status(admin.submit(&auth_sqe(1, AuthCommand::receive(4096)), &[]));
+        assert_eq!(
+            st,
+            Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr()
+        );
+        // A truncated message is accepted and answered with AUTH_Failure1.
+        let st = status(admin.submit(&auth_sqe(1, AuthCommand::send(3)), &[0, 1, 0]));
+        assert_eq!(st, Status::SUCCESS);
+        let Submit::CompleteWithData(d, _) =
+            admin.submit(&auth_sqe(1, AuthCommand::receive(4096)), &[])
+        else {
+            panic!("no Failure1")
+        };
+        assert!(matches!(
+            nvme_spec::auth::AuthMessage::parse(&d),
+            Ok(nvme_spec::auth::AuthMessage::Failure1 { .. })
+        ));
+        assert!(admin.auth_pending());
+    }
+
+    #[test]
+    fn a_host_restricted_to_one_hash_and_group_gets_them_or_a_failure() {
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: key(1),
+            dhchap_ctrl_key: None,
+            dhchap_hash: Some(HashId::Sha512),
+            dhchap_dhgroup: Some(DhGroupId::Ffdhe4096),
+        });
+        let t = Target::build(&cfg).unwrap().0;
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        let want = nvme_auth::Outcome {
+            hash: HashId::Sha512,
+            dh_group: DhGroupId::Ffdhe4096,
+            bidirectional: false,
+        };
+        let next = authenticate(&mut admin, host_cfg(key(1), None), 1);
+        assert_eq!(next, HostNext::Authenticated(want));
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        let mut only_sha256 = host_cfg(key(1), None);
+        only_sha256.hashes = vec![HashId::Sha256];
+        match authenticate(&mut admin, only_sha256, 1) {
+            HostNext::Failed(e) => assert_eq!(
+                e.explanation(),
+                nvme_auth::FailureExplanation::HashUnusable as u8
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_connected_queue_that_never_authenticates_expires_at_the_handshake_timeout() {
+        use crate::engine::{Engine, Wake};
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.target.handshake_timeout = std::time::Duration::from_millis(50);
+        cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: key(1),
+            dhchap_ctrl_key: None,
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
+        });
+        let t = Target::build(&cfg).unwrap().0;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let permit = || {
+            t.listener_gate("tcp://127.0.0.1:4420".parse().unwrap())
+                .admit()
+                .unwrap()
+        };
+        let (q, _) = connect(&t, 0, 0xFFFF);
+        let mut e: Engine<()> = Engine::new(q, permit());
+        e.watch_controller();
+        assert!(matches!(rt.block_on(e.next()), Wake::HandshakeExpired));
+        // Authenticated in time: the timeout no longer runs.
+        let (mut q, _) = connect(&t, 0, 0xFFFF);
+        authenticate(&mut q, host_cfg(key(1), None), 1);
+        let mut e: Engine<()> = Engine::new(q, permit());
+        e.watch_controller();
+        let woke = rt.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_millis(200), e.next()).await
+        });
+        assert!(!matches!(woke, Ok(Wake::HandshakeExpired)));
+    }
+
+    #[test]
+    fn hosts_without_keys_are_not_asked_to_authenticate() {
+        let t = crate::testing::target(&["mem:1M"]);
+        let (_, dw0) = connect(&t, 0, 0xFFFF);
+        assert_eq!(dw0 & CONNECT_AUTHREQ_ATR, 0);
+    }
+}
