@@ -285,7 +285,7 @@ async fn keep_alive_holds_an_idle_controller() {
     let ctrl = Controller::connect(o).await.expect("connect");
     let cntlid = ctrl.info().cntlid;
     assert_eq!(ctrl.info().kato_ms, 2000);
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     assert!(sub.controller(cntlid).is_some());
     tokio::time::sleep(Duration::from_secs(5)).await;
     // Without Keep Alive the target would have torn the controller down after 2 s.
@@ -317,7 +317,7 @@ async fn namespace_change_event_refreshes_the_list() {
     assert_eq!(ctrl.namespace_ids(), vec![1, 2]);
     let mut events = ctrl.subscribe_events();
     // Give the controller time to post its Asynchronous Event Request.
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     let target_ctrl = sub.controller(ctrl.info().cntlid).expect("controller");
     let dw0 = nvmeof_initiator::nvme_spec::features::aer_dw0(2, 0, 4);
     let mut raised = false;
@@ -382,7 +382,7 @@ async fn admin_only_controller_and_dropping_handles() {
         ns.read(0, &mut buf).await,
         Err(Error::InvalidArgument(_))
     ));
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     assert_eq!(sub.controller_count(), 1);
     drop(ns);
     drop(ctrl);

@@ -24,12 +24,12 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
 use blockdev::BackendSpec;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// NQN of the subsystem served when no configuration is given.
 pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -37,6 +37,8 @@ pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
 pub const DEFAULT_LISTEN: &str = "tcp://127.0.0.1:4420";
 /// Namespace used when no configuration is given.
 pub const DEFAULT_NAMESPACE: &str = "mem:1G";
+/// The control socket when none is configured.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/nvmeof/targetd.sock";
 
 /// Configuration errors, each with a one-line explanation.
 #[derive(Debug, thiserror::Error)]
@@ -151,6 +153,12 @@ impl std::fmt::Display for ListenAddr {
     }
 }
 
+impl Serialize for ListenAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl<'de> Deserialize<'de> for ListenAddr {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
@@ -159,7 +167,7 @@ impl<'de> Deserialize<'de> for ListenAddr {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Daemon-wide settings.
@@ -177,7 +185,7 @@ pub struct Config {
 }
 
 /// Daemon-wide settings and limits.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TargetSettings {
     /// Data-plane threads; 0 = one per available core.
@@ -201,12 +209,21 @@ pub struct TargetSettings {
     /// A connection must finish the transport handshake (NVMe/TCP ICReq, NVMe/RDMA queue
     /// pair set-up) and the Fabrics Connect within this time, else it is closed. Written like
     /// `"5s"` or `"500ms"` in the file.
-    #[serde(deserialize_with = "deserialize_duration")]
+    #[serde(
+        deserialize_with = "deserialize_duration",
+        serialize_with = "serialize_duration"
+    )]
     pub handshake_timeout: Duration,
     /// Most connections open on the whole target; more are closed as soon as accepted.
     pub max_connections: usize,
     /// Most connections open on one listener; more are closed as soon as accepted.
     pub max_connections_per_listener: usize,
+    /// The control socket (`nvmeof-targetd ctl`); default [`DEFAULT_CONTROL_SOCKET`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_socket: Option<PathBuf>,
+    /// Group (name or ID) whose members may use the control socket besides root.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_group: Option<String>,
 }
 
 impl Default for TargetSettings {
@@ -223,12 +240,14 @@ impl Default for TargetSettings {
             handshake_timeout: Duration::from_secs(5),
             max_connections: 16384,
             max_connections_per_listener: 4096,
+            control_socket: None,
+            control_group: None,
         }
     }
 }
 
 /// One listener.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerConfig {
     /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
@@ -236,7 +255,7 @@ pub struct ListenerConfig {
 }
 
 /// Discovery settings.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
     /// Dedicated discovery listeners (conventionally port 8009).
@@ -245,13 +264,13 @@ pub struct DiscoveryConfig {
 }
 
 /// One subsystem.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubsystemConfig {
     /// The subsystem NQN.
     pub nqn: String,
     /// Serial number (default: derived from the NQN, stable across restarts).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
     /// Model number.
     #[serde(default = "default_model")]
@@ -267,23 +286,36 @@ pub struct SubsystemConfig {
     pub namespaces: Vec<NamespaceConfig>,
 }
 
+/// The model number of a subsystem that names none.
+pub const DEFAULT_MODEL: &str = "nvmeof-direct";
+
 fn default_model() -> String {
-    "nvmeof-direct".to_string()
+    DEFAULT_MODEL.to_string()
 }
 
 /// One namespace.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NamespaceConfig {
     /// Namespace ID (default: position + 1).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nsid: Option<u32>,
     /// The backend: `mem:SIZE`, `null:SIZE`, `file:PATH[,size=SIZE]`, `bdev:PATH`,
     /// `pcie:DOMAIN:BUS:DEV.FN[,nsid=N]`.
     pub backend: BackendSpec,
     /// Namespace UUID override (default: derived from subsystem NQN and NSID).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+}
+
+impl SubsystemConfig {
+    /// The NSID of each namespace, given or by position.
+    pub fn nsids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.namespaces
+            .iter()
+            .enumerate()
+            .map(|(i, ns)| ns.nsid.unwrap_or(i as u32 + 1))
+    }
 }
 
 impl Config {
@@ -354,6 +386,23 @@ impl Config {
             discovery: DiscoveryConfig::default(),
             subsystems: vec![],
         })
+    }
+
+    /// The same configuration with every NSID written out, so that removing a namespace never
+    /// renumbers the ones after it.
+    pub fn with_explicit_nsids(mut self) -> Self {
+        for s in &mut self.subsystems {
+            let ids: Vec<u32> = s.nsids().collect();
+            for (ns, id) in s.namespaces.iter_mut().zip(ids) {
+                ns.nsid = Some(id);
+            }
+        }
+        self
+    }
+
+    /// The configuration as a TOML document that [`Config::from_toml`] reads back.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string(self).map_err(|e| ConfigError::Invalid(format!("cannot write TOML: {e}")))
     }
 
     /// Checks cross-field rules.
@@ -478,6 +527,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     ms.map(Duration::from_millis)
         .ok_or_else(|| format!("duration {s:?} is too long"))
+}
+
+fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&format_args!("{}ms", d.as_millis()))
 }
 
 fn deserialize_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {

@@ -633,18 +633,11 @@ mod tests {
 
         // The engine never runs a request on a queue without a controller.
         let t = target(&["mem:1M"]);
-        let ns = t
-            .subsystems
-            .values()
-            .next()
-            .unwrap()
-            .namespaces
-            .values()
-            .next();
+        let ns = t.subsystems().values().next().unwrap().namespaces()[&1].clone();
         let mut e: Engine<()> = Engine::new(QueueState::new(Arc::clone(&t), origin()), permit(&t));
         let req = IoRequest {
             cid: 1,
-            ns: ns.cloned(),
+            ns: Some(ns),
             op: IoOp::Flush,
         };
         let done = e.run((), req, IoBuf::new(0)).expect("answered at once");

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::config::{SubsystemConfig, parse_uuid};
 use crate::controller::Controller;
@@ -72,7 +72,30 @@ impl Namespace {
     }
 }
 
+/// The namespaces of a subsystem by NSID: an immutable snapshot, replaced whole on a change.
+pub type NamespaceMap = BTreeMap<u32, Arc<Namespace>>;
+
+/// Which hosts may connect to a subsystem.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostAccess {
+    /// Accept any host.
+    pub allow_any_host: bool,
+    /// Allowed host NQNs.
+    pub hosts: Vec<String>,
+}
+
+impl HostAccess {
+    /// Whether `hostnqn` may connect.
+    pub fn allows(&self, hostnqn: &str) -> bool {
+        self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
+    }
+}
+
 /// An NVM subsystem: NQN, identity strings, namespaces, host access list, live controllers.
+///
+/// Namespaces and host access change while the target runs: readers take a snapshot
+/// ([`Subsystem::namespaces`]); I/O queues keep theirs and refresh it only when
+/// [`Subsystem::namespace_generation`] moves, so the per-command lookup takes no lock.
 pub struct Subsystem {
     /// Subsystem NQN.
     pub nqn: String,
@@ -80,17 +103,13 @@ pub struct Subsystem {
     pub serial: String,
     /// Model number (ASCII, at most 40 bytes).
     pub model: String,
-    /// Accept any host.
-    pub allow_any_host: bool,
-    /// Allowed host NQNs.
-    pub hosts: Vec<String>,
-    /// Namespaces by NSID.
-    pub namespaces: BTreeMap<u32, Arc<Namespace>>,
+    access: RwLock<HostAccess>,
+    namespaces: RwLock<Arc<NamespaceMap>>,
     /// Live controllers by controller ID.
     controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
     next_cntlid: Mutex<u16>,
-    /// Incremented on every namespace change (for AENs).
-    pub generation: AtomicU64,
+    /// Incremented on every namespace change, after the new map is in place.
+    generation: AtomicU64,
 }
 
 /// Highest controller ID handed out (0xFFF0.. are reserved).
@@ -121,9 +140,11 @@ impl Subsystem {
             nqn: cfg.nqn.clone(),
             serial,
             model: cfg.model.clone(),
-            allow_any_host: cfg.allow_any_host,
-            hosts: cfg.hosts.clone(),
-            namespaces,
+            access: RwLock::new(HostAccess {
+                allow_any_host: cfg.allow_any_host,
+                hosts: cfg.hosts.clone(),
+            }),
+            namespaces: RwLock::new(Arc::new(namespaces)),
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: Mutex::new(1),
             generation: AtomicU64::new(0),
@@ -132,12 +153,46 @@ impl Subsystem {
 
     /// Whether `hostnqn` may connect.
     pub fn host_allowed(&self, hostnqn: &str) -> bool {
-        self.allow_any_host || self.hosts.iter().any(|h| h == hostnqn)
+        self.access.read().allows(hostnqn)
+    }
+
+    /// Who may connect.
+    pub fn access(&self) -> HostAccess {
+        self.access.read().clone()
+    }
+
+    /// Replaces who may connect. Controllers of hosts no longer allowed are the caller's to
+    /// disconnect.
+    pub fn set_access(&self, access: HostAccess) {
+        *self.access.write() = access;
+    }
+
+    /// The current namespaces.
+    pub fn namespaces(&self) -> Arc<NamespaceMap> {
+        Arc::clone(&self.namespaces.read())
+    }
+
+    /// A counter that moves after every change of the namespaces: a reader holding a snapshot
+    /// taken at the same value has the current one.
+    pub fn namespace_generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Replaces the namespaces. Commands already holding a namespace keep its backend until
+    /// they complete; new commands see the new map.
+    pub fn set_namespaces(&self, namespaces: NamespaceMap) {
+        *self.namespaces.write() = Arc::new(namespaces);
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Highest NSID (Identify Controller NN).
     pub fn max_nsid(&self) -> u32 {
-        self.namespaces.keys().next_back().copied().unwrap_or(0)
+        self.namespaces
+            .read()
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Reserves a free controller ID.
@@ -169,14 +224,14 @@ impl Subsystem {
         self.controllers.lock().get(&cntlid).cloned()
     }
 
+    /// The live controllers, by controller ID.
+    pub fn controllers(&self) -> Vec<Arc<Controller>> {
+        self.controllers.lock().values().cloned().collect()
+    }
+
     /// Number of live controllers.
     pub fn controller_count(&self) -> usize {
         self.controllers.lock().len()
-    }
-
-    /// Bumps the namespace generation.
-    pub fn namespaces_changed(&self) {
-        self.generation.fetch_add(1, Ordering::Relaxed);
     }
 }
 
