@@ -17,7 +17,8 @@ use crate::target::{BoundListener, ListenerSocket, StartError, Target};
 pub struct RunningTarget {
     /// Shared state.
     pub target: Arc<Target>,
-    pool: Arc<Pool>,
+    /// Taken at shutdown: reactors end once the last handle to the pool is gone.
+    pool: Mutex<Option<Arc<Pool>>>,
     reactors: Mutex<Vec<std::thread::JoinHandle<()>>>,
     acceptors: Mutex<Vec<Acceptor>>,
 }
@@ -35,9 +36,10 @@ impl RunningTarget {
         listeners: Vec<BoundListener>,
     ) -> Result<RunningTarget, StartError> {
         let (pool, reactors) = Pool::start(&target)?;
+        let tasks_pool = Arc::clone(&pool);
         let running = RunningTarget {
             target,
-            pool,
+            pool: Mutex::new(Some(pool)),
             reactors: Mutex::new(reactors),
             acceptors: Mutex::new(Vec::new()),
         };
@@ -49,7 +51,7 @@ impl RunningTarget {
             }
         }
         let addrs: Vec<ListenAddr> = rdma.iter().map(|(a, _)| a.clone()).collect();
-        let tasks = crate::rdma::start(&running.target, rdma, &running.pool);
+        let tasks = crate::rdma::start(&running.target, rdma, &tasks_pool);
         running.acceptors.lock().extend(
             addrs
                 .into_iter()
@@ -94,7 +96,12 @@ impl RunningTarget {
                 source,
             })?;
         info!(listener = %addr, "listening");
-        let pool = Arc::clone(&self.pool);
+        let Some(pool) = self.pool.lock().clone() else {
+            return Err(StartError::Transport {
+                addr: addr.to_string(),
+                reason: "the target is shutting down".into(),
+            });
+        };
         let mut shutdown = self.target.subscribe_shutdown();
         let gate = self.target.listener_gate(addr.clone());
         let l = addr.clone();
@@ -145,6 +152,7 @@ impl RunningTarget {
         for a in acceptors {
             let _ = a.task.await;
         }
+        self.pool.lock().take();
         let reactors = std::mem::take(&mut *self.reactors.lock());
         let _ = tokio::task::spawn_blocking(move || {
             for r in reactors {

@@ -551,3 +551,247 @@ fn flush_removed(namespaces: Vec<Arc<Namespace>>) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::command::{build, log_id};
+    use nvme_spec::fabrics::{Cc, ConnectData, DISCOVERY_NQN, property};
+    use nvme_spec::features::{self, aer_dw0, aer_notice, aer_type};
+    use nvme_spec::identify::IdentifyController;
+    use nvme_spec::status::generic;
+    use nvme_spec::{Cqe, FabricsCommand, FromBytes, IntoBytes, Sqe, Status};
+
+    use super::*;
+    use crate::config::{ListenerConfig, NamespaceConfig};
+    use crate::queue::{HostSgl, QueueState, Submit};
+    use crate::testing::{HOST, NQN, connect_sqe, connected, origin, registry, status};
+
+    fn add_ns(r: &Registry, spec: &str, nsid: Option<u32>) -> Result<Vec<String>, ChangeError> {
+        r.edit(|c| {
+            c.subsystems[0].namespaces.push(NamespaceConfig {
+                nsid,
+                backend: spec.parse().unwrap(),
+                uuid: None,
+            });
+            Ok(())
+        })
+    }
+
+    fn nsids(r: &Registry) -> Vec<u32> {
+        r.target().subsystem(NQN).unwrap().namespaces().keys().copied().collect()
+    }
+
+    fn aer(cid: u16) -> Sqe {
+        build::async_event_request(cid)
+    }
+
+    fn read(cid: u16, nsid: u32) -> Sqe {
+        let mut sqe = build::read_write(false, cid, nsid, 0, 1);
+        sqe.dptr = nvme_spec::queue::SglDescriptor::tcp_transport(4096);
+        sqe
+    }
+
+    /// Sends `sqe` on `q` and returns its completion.
+    fn answer(q: &mut QueueState, sqe: &Sqe) -> Cqe {
+        match q.submit(sqe, &[]) {
+            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => c,
+            Submit::Io(_) => Cqe::new(sqe.cid(), Status::SUCCESS, 0),
+            Submit::Held => panic!("held"),
+        }
+    }
+
+    fn data(q: &mut QueueState, sqe: &Sqe) -> Vec<u8> {
+        let mut sqe = *sqe;
+        sqe.dptr = nvme_spec::queue::SglDescriptor::tcp_transport(4096);
+        match q.submit(&sqe, &[]) {
+            Submit::CompleteWithData(d, c) if c.status().is_success() => d,
+            _ => panic!("no data"),
+        }
+    }
+
+    fn changed_ns_log(q: &mut QueueState) -> Vec<u32> {
+        let page = data(q, &build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0));
+        page.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .take_while(|&n| n != 0)
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_change_changes_nothing() {
+        let r = registry(&["mem:1M"]);
+        let before = r.config();
+        let listeners = r.target().listeners();
+        // A new listener and a backend that fails to open, in one change: neither happens.
+        let e = r
+            .edit(|c| {
+                c.listeners.push(ListenerConfig {
+                    address: "tcp://127.0.0.1:0".parse().unwrap(),
+                });
+                c.subsystems[0].namespaces.push(NamespaceConfig {
+                    nsid: Some(2),
+                    backend: "file:/nonexistent-dir/ns.img,size=1M".parse().unwrap(),
+                    uuid: None,
+                });
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("namespace 2") && e.contains("/nonexistent-dir/ns.img"), "{e}");
+        assert_eq!(r.target().listeners(), listeners);
+        assert_eq!(nsids(&r), vec![1]);
+        let e = add_ns(&r, "mem:1M", Some(1)).unwrap_err().to_string();
+        assert!(e.contains("nsid 1 used twice"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.target.max_queue_depth = 64;
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("change only at a restart"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "null:1M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only the size"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "mem:2M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mem namespaces cannot be resized"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].allow_any_host = false;
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no host may connect"), "{e}");
+        assert_eq!(r.config().to_toml().unwrap(), before.to_toml().unwrap());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_saved_configuration_restarts_to_the_same_state() {
+        let r = registry(&["mem:1M", "null:1M"]);
+        add_ns(&r, "null:4M", Some(7)).unwrap();
+        r.edit(|c| {
+            c.subsystems[0].namespaces.remove(0);
+            c.subsystems[0].hosts.push(HOST.into());
+            c.subsystems[0].allow_any_host = false;
+            c.discovery.listen.push("tcp://127.0.0.1:0".parse().unwrap());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(nsids(&r), vec![2, 7]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("saved.toml");
+        r.save(&path).unwrap();
+        let saved = Config::from_file(&path).unwrap();
+        assert_eq!(saved.to_toml().unwrap(), r.config().to_toml().unwrap());
+        // Bound ports are written, not port 0.
+        assert!(saved.discovery.listen.iter().all(|a| a.addr.port() != 0));
+        assert_eq!(saved.subsystems[0].nsids().collect::<Vec<_>>(), vec![2, 7]);
+        // Applying what runs changes nothing.
+        assert!(r.apply(saved).unwrap().is_empty());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn namespace_changes_raise_a_notice_and_fill_the_changed_list() {
+        let r = registry(&["mem:1M"]);
+        let (mut admin, mut io) = connected(r.target(), HostSgl::Transport);
+        let mut events = admin.events.take().unwrap();
+        let id = data(&mut admin, &build::identify(3, nvme_spec::command::cns::CONTROLLER, 0));
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(id.oaes.get() & (1 << 8), 0, "OAES: namespace attribute notices");
+        let aec = build::set_features(4, features::ASYNC_EVENT_CONFIG, features::AEC_NS_ATTRIBUTE_NOTICES);
+        assert!(answer(&mut admin, &aec).status().is_success());
+        assert!(matches!(admin.submit(&aer(5), &[]), Submit::Held));
+        let notice = aer_dw0(aer_type::NOTICE, aer_notice::NS_ATTRIBUTE_CHANGED, log_id::CHANGED_NS_LIST);
+
+        add_ns(&r, "null:1M", None).unwrap();
+        let cqe = events.try_recv().expect("the held AER completes");
+        assert_eq!((cqe.cid(), cqe.dw0.get()), (5, notice));
+        assert!(answer(&mut io, &read(1, 2)).status().is_success(), "the new namespace serves I/O");
+        // Another change before the log page is read only adds to the list.
+        r.edit(|c| {
+            c.subsystems[0].namespaces[1].backend = "null:2M".parse().unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert!(events.try_recv().is_err());
+        assert_eq!(changed_ns_log(&mut admin), vec![2]);
+        assert_eq!(changed_ns_log(&mut admin), Vec::<u32>::new(), "reading clears it");
+
+        // Raised while no AER is held: the next AER completes at once.
+        r.edit(|c| {
+            c.subsystems[0].namespaces.remove(1);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(answer(&mut admin, &aer(6)).dw0.get(), notice);
+        assert_eq!(changed_ns_log(&mut admin), vec![2]);
+        assert_eq!(
+            answer(&mut io, &read(2, 2)).status(),
+            Status::generic(generic::INVALID_NAMESPACE).with_dnr()
+        );
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_removed_host_is_disconnected_and_discovery_controllers_are_told() {
+        let r = registry(&["mem:1M"]);
+        r.edit(|c| {
+            let s = &mut c.subsystems[0];
+            s.allow_any_host = false;
+            s.hosts = vec![HOST.into(), "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into()];
+            Ok(())
+        })
+        .unwrap();
+        let (admin, _io) = connected(r.target(), HostSgl::Transport);
+        let ctrl = admin.ctrl.clone().unwrap();
+
+        // A discovery controller that asked for log change notices.
+        let mut disc = QueueState::new(Arc::clone(r.target()), origin());
+        let cd = ConnectData::new([7; 16], 0xFFFF, DISCOVERY_NQN, HOST);
+        assert_eq!(status(disc.submit(&connect_sqe(0, false), cd.as_bytes())), Status::SUCCESS);
+        let cc = FabricsCommand::PropertySet {
+            size8: false,
+            offset: property::CC,
+            value: u64::from(Cc::enable_value()),
+        }
+        .encode(1);
+        assert_eq!(status(disc.submit(&cc, &[])), Status::SUCCESS);
+        let id = data(&mut disc, &build::identify(2, nvme_spec::command::cns::CONTROLLER, 0));
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(id.oaes.get() & (1 << 31), 0, "OAES: discovery log change notices");
+        let aec = build::set_features(3, features::ASYNC_EVENT_CONFIG, features::AEC_DISCOVERY_LOG_CHANGE);
+        assert!(answer(&mut disc, &aec).status().is_success());
+        let mut events = disc.events.take().unwrap();
+        assert!(matches!(disc.submit(&aer(4), &[]), Submit::Held));
+        let genctr = r.target().discovery_genctr();
+
+        let changes = r
+            .edit(|c| {
+                c.subsystems[0].hosts.retain(|h| h != HOST);
+                Ok(())
+            })
+            .unwrap();
+        assert!(changes.iter().any(|c| c.contains("host no longer allowed")), "{changes:?}");
+        assert!(ctrl.is_torn_down());
+        assert!(!r.target().subsystem(NQN).unwrap().host_allowed(HOST));
+        let cqe = events.try_recv().expect("discovery log change notice");
+        let dlpc = aer_dw0(aer_type::NOTICE, aer_notice::DISCOVERY_LOG_CHANGE, log_id::DISCOVERY);
+        assert_eq!(cqe.dw0.get(), dlpc);
+        assert!(r.target().discovery_genctr() > genctr);
+        r.running().shutdown().await;
+    }
+}
