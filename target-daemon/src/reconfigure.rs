@@ -578,7 +578,13 @@ mod tests {
     }
 
     fn nsids(r: &Registry) -> Vec<u32> {
-        r.target().subsystem(NQN).unwrap().namespaces().keys().copied().collect()
+        r.target()
+            .subsystem(NQN)
+            .unwrap()
+            .namespaces()
+            .keys()
+            .copied()
+            .collect()
     }
 
     fn aer(cid: u16) -> Sqe {
@@ -610,7 +616,10 @@ mod tests {
     }
 
     fn changed_ns_log(q: &mut QueueState) -> Vec<u32> {
-        let page = data(q, &build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0));
+        let page = data(
+            q,
+            &build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0),
+        );
         page.chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
             .take_while(|&n| n != 0)
@@ -637,7 +646,10 @@ mod tests {
             })
             .unwrap_err()
             .to_string();
-        assert!(e.contains("namespace 2") && e.contains("/nonexistent-dir/ns.img"), "{e}");
+        assert!(
+            e.contains("namespace 2") && e.contains("/nonexistent-dir/ns.img"),
+            "{e}"
+        );
         assert_eq!(r.target().listeners(), listeners);
         assert_eq!(nsids(&r), vec![1]);
         let e = add_ns(&r, "mem:1M", Some(1)).unwrap_err().to_string();
@@ -686,7 +698,9 @@ mod tests {
             c.subsystems[0].namespaces.remove(0);
             c.subsystems[0].hosts.push(HOST.into());
             c.subsystems[0].allow_any_host = false;
-            c.discovery.listen.push("tcp://127.0.0.1:0".parse().unwrap());
+            c.discovery
+                .listen
+                .push("tcp://127.0.0.1:0".parse().unwrap());
             Ok(())
         })
         .unwrap();
@@ -709,18 +723,36 @@ mod tests {
         let r = registry(&["mem:1M"]);
         let (mut admin, mut io) = connected(r.target(), HostSgl::Transport);
         let mut events = admin.events.take().unwrap();
-        let id = data(&mut admin, &build::identify(3, nvme_spec::command::cns::CONTROLLER, 0));
+        let id = data(
+            &mut admin,
+            &build::identify(3, nvme_spec::command::cns::CONTROLLER, 0),
+        );
         let id = IdentifyController::read_from_bytes(&id).unwrap();
-        assert_ne!(id.oaes.get() & (1 << 8), 0, "OAES: namespace attribute notices");
-        let aec = build::set_features(4, features::ASYNC_EVENT_CONFIG, features::AEC_NS_ATTRIBUTE_NOTICES);
+        assert_ne!(
+            id.oaes.get() & (1 << 8),
+            0,
+            "OAES: namespace attribute notices"
+        );
+        let aec = build::set_features(
+            4,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_NS_ATTRIBUTE_NOTICES,
+        );
         assert!(answer(&mut admin, &aec).status().is_success());
         assert!(matches!(admin.submit(&aer(5), &[]), Submit::Held));
-        let notice = aer_dw0(aer_type::NOTICE, aer_notice::NS_ATTRIBUTE_CHANGED, log_id::CHANGED_NS_LIST);
+        let notice = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
 
         add_ns(&r, "null:1M", None).unwrap();
         let cqe = events.try_recv().expect("the held AER completes");
         assert_eq!((cqe.cid(), cqe.dw0.get()), (5, notice));
-        assert!(answer(&mut io, &read(1, 2)).status().is_success(), "the new namespace serves I/O");
+        assert!(
+            answer(&mut io, &read(1, 2)).status().is_success(),
+            "the new namespace serves I/O"
+        );
         // Another change before the log page is read only adds to the list.
         r.edit(|c| {
             c.subsystems[0].namespaces[1].backend = "null:2M".parse().unwrap();
@@ -729,7 +761,11 @@ mod tests {
         .unwrap();
         assert!(events.try_recv().is_err());
         assert_eq!(changed_ns_log(&mut admin), vec![2]);
-        assert_eq!(changed_ns_log(&mut admin), Vec::<u32>::new(), "reading clears it");
+        assert_eq!(
+            changed_ns_log(&mut admin),
+            Vec::<u32>::new(),
+            "reading clears it"
+        );
 
         // Raised while no AER is held: the next AER completes at once.
         r.edit(|c| {
@@ -752,7 +788,10 @@ mod tests {
         r.edit(|c| {
             let s = &mut c.subsystems[0];
             s.allow_any_host = false;
-            s.hosts = vec![HOST.into(), "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into()];
+            s.hosts = vec![
+                HOST.into(),
+                "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into(),
+            ];
             Ok(())
         })
         .unwrap();
@@ -762,7 +801,10 @@ mod tests {
         // A discovery controller that asked for log change notices.
         let mut disc = QueueState::new(Arc::clone(r.target()), origin());
         let cd = ConnectData::new([7; 16], 0xFFFF, DISCOVERY_NQN, HOST);
-        assert_eq!(status(disc.submit(&connect_sqe(0, false), cd.as_bytes())), Status::SUCCESS);
+        assert_eq!(
+            status(disc.submit(&connect_sqe(0, false), cd.as_bytes())),
+            Status::SUCCESS
+        );
         let cc = FabricsCommand::PropertySet {
             size8: false,
             offset: property::CC,
@@ -770,10 +812,21 @@ mod tests {
         }
         .encode(1);
         assert_eq!(status(disc.submit(&cc, &[])), Status::SUCCESS);
-        let id = data(&mut disc, &build::identify(2, nvme_spec::command::cns::CONTROLLER, 0));
+        let id = data(
+            &mut disc,
+            &build::identify(2, nvme_spec::command::cns::CONTROLLER, 0),
+        );
         let id = IdentifyController::read_from_bytes(&id).unwrap();
-        assert_ne!(id.oaes.get() & (1 << 31), 0, "OAES: discovery log change notices");
-        let aec = build::set_features(3, features::ASYNC_EVENT_CONFIG, features::AEC_DISCOVERY_LOG_CHANGE);
+        assert_ne!(
+            id.oaes.get() & (1 << 31),
+            0,
+            "OAES: discovery log change notices"
+        );
+        let aec = build::set_features(
+            3,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_DISCOVERY_LOG_CHANGE,
+        );
         assert!(answer(&mut disc, &aec).status().is_success());
         let mut events = disc.events.take().unwrap();
         assert!(matches!(disc.submit(&aer(4), &[]), Submit::Held));
@@ -785,11 +838,18 @@ mod tests {
                 Ok(())
             })
             .unwrap();
-        assert!(changes.iter().any(|c| c.contains("host no longer allowed")), "{changes:?}");
+        assert!(
+            changes.iter().any(|c| c.contains("host no longer allowed")),
+            "{changes:?}"
+        );
         assert!(ctrl.is_torn_down());
         assert!(!r.target().subsystem(NQN).unwrap().host_allowed(HOST));
         let cqe = events.try_recv().expect("discovery log change notice");
-        let dlpc = aer_dw0(aer_type::NOTICE, aer_notice::DISCOVERY_LOG_CHANGE, log_id::DISCOVERY);
+        let dlpc = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::DISCOVERY_LOG_CHANGE,
+            log_id::DISCOVERY,
+        );
         assert_eq!(cqe.dw0.get(), dlpc);
         assert!(r.target().discovery_genctr() > genctr);
         r.running().shutdown().await;

@@ -11,8 +11,8 @@ use nvme_spec::{FabricsCommand, IntoBytes, Sqe, Status};
 
 use crate::config::Config;
 use crate::controller::QueueOrigin;
-use crate::queue::{HostSgl, QueueState, Submit};
 use crate::launcher::RunningTarget;
+use crate::queue::{HostSgl, QueueState, Submit};
 use crate::reconfigure::Registry;
 use crate::target::Target;
 
