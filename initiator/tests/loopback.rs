@@ -367,6 +367,82 @@ async fn namespace_change_event_refreshes_the_list() {
     ctrl.disconnect().await.expect("disconnect");
 }
 
+/// Waits for the next refresh of the namespace list and returns it.
+async fn next_namespace_list(
+    events: &mut tokio::sync::broadcast::Receiver<ControllerEvent>,
+) -> Vec<u32> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let ev = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("event in time")
+            .expect("event");
+        if let ControllerEvent::NamespacesChanged { nsids } = ev {
+            return nsids;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_namespace_changes_on_the_target_refresh_the_namespace_list() {
+    use nvmeof_target::config::{Config, NamespaceConfig};
+    use nvmeof_target::reconfigure::Registry;
+    use nvmeof_target::{RunningTarget, Target};
+
+    let ns = vec!["mem:1M".parse().unwrap()];
+    let listen = "tcp://127.0.0.1:0".parse().unwrap();
+    let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
+    cfg.target.reactors = 1;
+    let (target, listeners) = Target::build(&cfg).unwrap();
+    let addr = listeners[0].addr.addr;
+    let registry = Registry::new(RunningTarget::start(target, listeners).unwrap(), cfg);
+    let o = options(nvmeof_initiator::TargetAddr::new(
+        addr.ip().to_string(),
+        addr.port(),
+    ));
+    let ctrl = Controller::connect(o).await.expect("connect");
+    assert_eq!(ctrl.namespace_ids(), vec![1]);
+    let mut events = ctrl.subscribe_events();
+
+    // Added on the target: the Namespace Attribute Notice refreshes the list.
+    registry
+        .edit(|c| {
+            c.subsystems[0].namespaces.push(NamespaceConfig {
+                nsid: Some(2),
+                backend: "mem:2M".parse().unwrap(),
+                uuid: None,
+            });
+            Ok(())
+        })
+        .expect("add a namespace");
+    assert_eq!(next_namespace_list(&mut events).await, vec![1, 2]);
+    assert_eq!(ctrl.namespace_ids(), vec![1, 2]);
+    let ns2 = ctrl.namespace(2).await.expect("namespace 2");
+    let data = pattern(7, 0, 8192);
+    ns2.write(0, &data)
+        .await
+        .expect("write to the new namespace");
+    let mut back = vec![0u8; 8192];
+    ns2.read(0, &mut back).await.expect("read");
+    assert_eq!(back, data);
+
+    // Removed: the list shrinks and I/O to it fails with Invalid Namespace.
+    registry
+        .edit(|c| {
+            c.subsystems[0].namespaces.retain(|n| n.nsid != Some(2));
+            Ok(())
+        })
+        .expect("remove the namespace");
+    assert_eq!(next_namespace_list(&mut events).await, vec![1]);
+    let e = ns2
+        .read(0, &mut back)
+        .await
+        .expect_err("read of a removed namespace");
+    assert!(e.to_string().contains("Invalid Namespace"), "{e}");
+    ctrl.disconnect().await.expect("disconnect");
+    registry.running().shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_only_controller_and_dropping_handles() {
     let t = TestTarget::start(&["mem:1M"], |_| {});
