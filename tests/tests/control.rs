@@ -101,7 +101,8 @@ impl Daemon {
         lines
             .iter()
             .map(|l| {
-                writeln!(s, "{l}").unwrap();
+                // The daemon may answer and close before it has read all of an over-long line.
+                let _ = writeln!(s, "{l}");
                 let mut answer = String::new();
                 r.read_line(&mut answer).unwrap();
                 serde_json::from_str(&answer).expect("a JSON answer")
