@@ -99,7 +99,7 @@ struct Args {
 
     /// The control socket (default: the config's control_socket, else
     /// /run/nvmeof/targetd.sock; the default is skipped with a warning when another daemon
-    /// holds it).
+    /// holds it or it cannot be created).
     #[arg(long, value_name = "PATH")]
     control_socket: Option<PathBuf>,
 
@@ -239,7 +239,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
 }
 
 /// Binds the control socket and serves it. Returns its path, to remove at exit; None when
-/// the default socket is held by another daemon (a warning says so).
+/// the default socket cannot be used (a warning says why).
 fn control_socket(
     args: &Args,
     cfg: &Config,
@@ -259,7 +259,9 @@ fn control_socket(
     let gid = group.map(|g| nvmeof_daemon::lookup_group(g)).transpose()?;
     let listener = match nvmeof_daemon::bind_socket(&path, gid, "nvmeof-targetd") {
         Ok(l) => l,
-        Err(e @ nvmeof_daemon::SocketError::InUse { .. }) if chosen.is_none() => {
+        // The default is best effort (another daemon holds it, or /run is not writable for
+        // this user); a socket asked for must work.
+        Err(e) if chosen.is_none() => {
             warn!("{e}: no control socket for this daemon (give --control-socket PATH)");
             return Ok(None);
         }
