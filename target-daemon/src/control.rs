@@ -38,12 +38,12 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(60);
 pub enum Request {
     /// Subsystems, namespaces, allowed hosts and listeners.
     List {},
-    /// [`Request::List`] plus connected controllers and connection counts.
+    /// Like `list`, plus the connected controllers and the number of open connections.
     Status {},
-    /// Adds a subsystem (without namespaces; add them with [`Request::AddNamespace`]).
+    /// Adds a subsystem (without namespaces: add them with `add-namespace`).
     AddSubsystem {
         /// Its NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         nqn: String,
         /// Accept any host.
         #[serde(default)]
@@ -55,73 +55,73 @@ pub enum Request {
         hosts: Vec<String>,
         /// Serial number (default: derived from the NQN).
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "SERIAL")]
         serial: Option<String>,
         /// Model number.
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "MODEL")]
         model: Option<String>,
     },
     /// Removes a subsystem, disconnecting its controllers.
     RemoveSubsystem {
         /// Its NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         nqn: String,
     },
     /// Adds a namespace with any backend spec (`mem:`, `null:`, `file:`, `bdev:`, `pcie:`).
     AddNamespace {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// Backend spec.
-        #[arg(long)]
+        #[arg(long, value_name = "SPEC")]
         backend: String,
         /// NSID (default: one more than the highest).
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "NSID")]
         nsid: Option<u32>,
         /// UUID (default: derived from the subsystem NQN and NSID).
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "UUID")]
         uuid: Option<String>,
     },
     /// Removes a namespace.
     RemoveNamespace {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// NSID.
-        #[arg(long)]
+        #[arg(long, value_name = "NSID")]
         nsid: u32,
     },
     /// Changes a namespace's size (null namespaces; files grow only).
     ResizeNamespace {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// NSID.
-        #[arg(long)]
+        #[arg(long, value_name = "NSID")]
         nsid: u32,
         /// New size, e.g. `2G`.
-        #[arg(long)]
+        #[arg(long, value_name = "SIZE")]
         size: String,
     },
     /// Allows a host.
     AddHost {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// Host NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         host: String,
     },
     /// Stops allowing a host and disconnects its controllers.
     RemoveHost {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// Host NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         host: String,
     },
     /// Starts listening on an address (NVMe/TCP).
@@ -147,18 +147,19 @@ pub enum Request {
     /// Disconnects controllers by ID or host NQN.
     Disconnect {
         /// Subsystem NQN.
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         subsystem: String,
         /// Controller ID.
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "CNTLID")]
         cntlid: Option<u16>,
         /// Host NQN.
         #[serde(default)]
-        #[arg(long)]
+        #[arg(long, value_name = "NQN")]
         host: Option<String>,
     },
-    /// Writes the running configuration as a TOML file (an absolute path).
+    /// Writes the running configuration to a TOML file (absolute on the wire; `ctl` makes it
+    /// absolute).
     Save {
         /// Where.
         #[arg(value_name = "FILE")]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use nvmeof_tests::{TargetProcess, bin_path, free_port};
+use nvmeof_tests::{RawHost, TEST_HOSTNQN, TargetProcess, bin_path, free_port};
 use serde_json::Value;
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:ctl";
@@ -305,4 +305,99 @@ fn sighup_reloads_and_the_saved_configuration_restarts_the_same() {
     assert_eq!(again.list(), before);
     let (code, log) = again.target.terminate();
     assert_eq!(code, Some(0), "{log}");
+}
+
+#[test]
+fn subsystems_listeners_and_controllers_change_from_the_command_line() {
+    let d = Daemon::start(&["null:1M"], &[]);
+    let other = "nqn.2026-11.io.nvmeof-direct:ctl-db";
+    let port = free_port();
+    let listener = format!("tcp://127.0.0.1:{port}");
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    d.ctl_json(&["add-subsystem", "--nqn", other, "--host", TEST_HOSTNQN]);
+    d.ctl_json(&[
+        "add-namespace",
+        "--subsystem",
+        other,
+        "--backend",
+        "mem:1M",
+        "--nsid",
+        "5",
+    ]);
+    d.ctl_json(&["add-listener", &listener]);
+
+    // A host connects to the new subsystem on the new listener.
+    let (mut h, cntlid) = RawHost::admin(addr, other);
+    let status = d.ctl_json(&["status"])["status"].clone();
+    let sub = status["subsystems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == other)
+        .expect("the new subsystem")
+        .clone();
+    assert_eq!(sub["hosts"][0], TEST_HOSTNQN);
+    assert_eq!(sub["namespaces"][0]["nsid"], 5);
+    let c = &sub["controllers"][0];
+    assert_eq!(
+        (c["cntlid"].as_u64(), c["host"].as_str()),
+        (Some(u64::from(cntlid)), Some(TEST_HOSTNQN))
+    );
+    assert_eq!(c["io_queues"], 4);
+    assert!(
+        status["listeners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l == &Value::from(listener.clone()))
+    );
+
+    // Disconnect: the target closes the host's connection.
+    let out = d.ctl_as(
+        &[],
+        &[
+            "disconnect",
+            "--subsystem",
+            other,
+            "--cntlid",
+            &cntlid.to_string(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    h.stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    RawHost::read_to_close(&mut h.stream);
+    let err = d.ctl_as(
+        &[],
+        &[
+            "disconnect",
+            "--subsystem",
+            other,
+            "--cntlid",
+            &cntlid.to_string(),
+        ],
+    );
+    assert!(String::from_utf8_lossy(&err.stderr).contains("has no such controller"));
+
+    // The listener goes: new connections are refused, the first listener still serves.
+    d.ctl_json(&["remove-listener", &listener]);
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "{listener} still accepts"
+    );
+    RawHost::admin(d.target.addr(), NQN);
+    let gone = d.ctl_json(&["remove-subsystem", "--nqn", other]);
+    assert!(
+        gone["changes"][0]
+            .as_str()
+            .unwrap()
+            .contains("removed subsystem"),
+        "{gone}"
+    );
+    assert_eq!(d.list()["subsystems"].as_array().unwrap().len(), 1);
 }
