@@ -348,6 +348,7 @@ impl Controller {
     fn post_event(&self, st: &mut AdminState, dw0: u32) {
         match st.aers.pop() {
             Some(cid) => {
+                tracing::debug!(cntlid = self.cntlid, subnqn = self.subnqn(), hostnqn = %self.hostnqn, dw0 = %format_args!("{dw0:#08x}"), "asynchronous event completed");
                 let _ = self.events_tx.send(Cqe::new(cid, Status::SUCCESS, dw0));
             }
             None if st.pending_events.len() < MAX_PENDING_EVENTS => {
@@ -484,6 +485,7 @@ impl Controller {
             AdminCommand::AsyncEventRequest => {
                 let mut st = self.state.lock();
                 if let Some(dw0) = st.pending_events.pop_front() {
+                    tracing::debug!(cntlid = self.cntlid, subnqn = self.subnqn(), hostnqn = %self.hostnqn, dw0 = %format_args!("{dw0:#08x}"), "asynchronous event completed");
                     return AdminReply::ok(dw0);
                 }
                 if st.aers.len() >= MAX_AERS {

@@ -5,8 +5,9 @@
 #   STEP add       the test adds namespace 2: its block device appears;
 #   STEP resize    the test grows namespace 2: the block device takes the new size;
 #   STEP remove    the test removes namespace 2: the block device goes;
-#   STEP unhost    (after fio passed) the test removes this host from the allowed list: the
-#                  controller is disconnected and, refused on reconnect, deleted.
+#   STEP unhost    (after fio passed, with a persistent discovery controller connected) the
+#                  test removes this host from the allowed list: the controller is
+#                  disconnected and, refused on reconnect, deleted.
 # The controller stays the same one throughout the namespace changes.
 #
 # Environment: TARGET_PORT, TARGET_NQN, HOST_NQN, NS2_BYTES, NS2_RESIZED_BYTES (required).
@@ -74,6 +75,12 @@ cat /tmp/fio.out
 rounds=$(cat /tmp/fio.rounds 2>/dev/null || echo 0)
 [ "$rounds" -ge 1 ] || fail "fio finished only $rounds round(s)"
 log "PASS: fio with verify on namespace 1 ran $rounds rounds without errors through the changes"
+
+# A persistent discovery controller: removing the host changes its discovery log, and the
+# target raises a Discovery Log Page Change event on it (the test checks the target's log).
+out=$(nvme discover -t tcp -a "$TARGET_ADDR" -s "$TARGET_PORT" --hostnqn="$HOST_NQN" --persistent) ||
+    fail "nvme discover --persistent failed"
+expect_contains "$out" "subnqn:  $TARGET_NQN" "discovery log page"
 
 echo "STEP unhost"
 i=0

@@ -186,6 +186,23 @@ fn kernel_host_sees_namespaces_come_grow_and_go_and_a_removed_host_leave() {
     let log = t.log();
     assert!(log.contains("host no longer allowed"), "{log}");
     assert!(log.contains("connect rejected: host not allowed"), "{log}");
+    // The host's persistent discovery controller enabled Discovery Log Page Change notices and
+    // got one when its host was removed.
+    assert!(
+        log.lines()
+            .any(|l| l.contains("asynchronous event completed")
+                && l.contains("nqn.2014-08.org.nvmexpress.discovery")
+                && l.contains("0x70f002")),
+        "{log}"
+    );
+    // The I/O controller got Namespace Attribute Notices.
+    assert!(
+        log.lines()
+            .any(|l| l.contains("asynchronous event completed")
+                && l.contains(NQN)
+                && l.contains("0x040002")),
+        "{log}"
+    );
     let (code, _) = t.terminate();
     assert_eq!(code, Some(0));
 }
