@@ -285,7 +285,7 @@ async fn keep_alive_holds_an_idle_controller() {
     let ctrl = Controller::connect(o).await.expect("connect");
     let cntlid = ctrl.info().cntlid;
     assert_eq!(ctrl.info().kato_ms, 2000);
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     assert!(sub.controller(cntlid).is_some());
     tokio::time::sleep(Duration::from_secs(5)).await;
     // Without Keep Alive the target would have torn the controller down after 2 s.
@@ -317,7 +317,7 @@ async fn namespace_change_event_refreshes_the_list() {
     assert_eq!(ctrl.namespace_ids(), vec![1, 2]);
     let mut events = ctrl.subscribe_events();
     // Give the controller time to post its Asynchronous Event Request.
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     let target_ctrl = sub.controller(ctrl.info().cntlid).expect("controller");
     let dw0 = nvmeof_initiator::nvme_spec::features::aer_dw0(2, 0, 4);
     let mut raised = false;
@@ -367,6 +367,82 @@ async fn namespace_change_event_refreshes_the_list() {
     ctrl.disconnect().await.expect("disconnect");
 }
 
+/// Waits for the next refresh of the namespace list and returns it.
+async fn next_namespace_list(
+    events: &mut tokio::sync::broadcast::Receiver<ControllerEvent>,
+) -> Vec<u32> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let ev = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("event in time")
+            .expect("event");
+        if let ControllerEvent::NamespacesChanged { nsids } = ev {
+            return nsids;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_namespace_changes_on_the_target_refresh_the_namespace_list() {
+    use nvmeof_target::config::{Config, NamespaceConfig};
+    use nvmeof_target::reconfigure::Registry;
+    use nvmeof_target::{RunningTarget, Target};
+
+    let ns = vec!["mem:1M".parse().unwrap()];
+    let listen = "tcp://127.0.0.1:0".parse().unwrap();
+    let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
+    cfg.target.reactors = 1;
+    let (target, listeners) = Target::build(&cfg).unwrap();
+    let addr = listeners[0].addr.addr;
+    let registry = Registry::new(RunningTarget::start(target, listeners).unwrap(), cfg);
+    let o = options(nvmeof_initiator::TargetAddr::new(
+        addr.ip().to_string(),
+        addr.port(),
+    ));
+    let ctrl = Controller::connect(o).await.expect("connect");
+    assert_eq!(ctrl.namespace_ids(), vec![1]);
+    let mut events = ctrl.subscribe_events();
+
+    // Added on the target: the Namespace Attribute Notice refreshes the list.
+    registry
+        .edit(|c| {
+            c.subsystems[0].namespaces.push(NamespaceConfig {
+                nsid: Some(2),
+                backend: "mem:2M".parse().unwrap(),
+                uuid: None,
+            });
+            Ok(())
+        })
+        .expect("add a namespace");
+    assert_eq!(next_namespace_list(&mut events).await, vec![1, 2]);
+    assert_eq!(ctrl.namespace_ids(), vec![1, 2]);
+    let ns2 = ctrl.namespace(2).await.expect("namespace 2");
+    let data = pattern(7, 0, 8192);
+    ns2.write(0, &data)
+        .await
+        .expect("write to the new namespace");
+    let mut back = vec![0u8; 8192];
+    ns2.read(0, &mut back).await.expect("read");
+    assert_eq!(back, data);
+
+    // Removed: the list shrinks and I/O to it fails with Invalid Namespace.
+    registry
+        .edit(|c| {
+            c.subsystems[0].namespaces.retain(|n| n.nsid != Some(2));
+            Ok(())
+        })
+        .expect("remove the namespace");
+    assert_eq!(next_namespace_list(&mut events).await, vec![1]);
+    let e = ns2
+        .read(0, &mut back)
+        .await
+        .expect_err("read of a removed namespace");
+    assert!(e.to_string().contains("Invalid Namespace"), "{e}");
+    ctrl.disconnect().await.expect("disconnect");
+    registry.running().shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_only_controller_and_dropping_handles() {
     let t = TestTarget::start(&["mem:1M"], |_| {});
@@ -382,7 +458,7 @@ async fn admin_only_controller_and_dropping_handles() {
         ns.read(0, &mut buf).await,
         Err(Error::InvalidArgument(_))
     ));
-    let sub = t.target().subsystems.get(NQN).expect("subsystem").clone();
+    let sub = t.target().subsystem(NQN).expect("subsystem").clone();
     assert_eq!(sub.controller_count(), 1);
     drop(ns);
     drop(ctrl);

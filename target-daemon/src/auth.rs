@@ -114,7 +114,7 @@ impl QueueState {
             .and_then(|s| s.host_keys(&ctrl.hostnqn).map(|k| (s, k)));
         match keys {
             Some((s, k)) => {
-                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, k));
+                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, &k));
                 CONNECT_AUTHREQ_ATR
             }
             None => {

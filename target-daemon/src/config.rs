@@ -7,6 +7,8 @@
 //! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
 //! max_connections = 16384           # open connections on the whole target
 //! max_connections_per_listener = 4096
+//! control_socket = "/run/nvmeof/targetd.sock"  # nvmeof-targetd ctl (default shown)
+//! control_group = "nvmeof"          # may use the control socket besides root
 //!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
@@ -31,13 +33,13 @@
 //! ```
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
 use blockdev::BackendSpec;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// NQN of the subsystem served when no configuration is given.
 pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -45,6 +47,8 @@ pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
 pub const DEFAULT_LISTEN: &str = "tcp://127.0.0.1:4420";
 /// Namespace used when no configuration is given.
 pub const DEFAULT_NAMESPACE: &str = "mem:1G";
+/// The control socket when none is configured.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/nvmeof/targetd.sock";
 
 /// Configuration errors, each with a one-line explanation.
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +163,12 @@ impl std::fmt::Display for ListenAddr {
     }
 }
 
+impl Serialize for ListenAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl<'de> Deserialize<'de> for ListenAddr {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
@@ -167,7 +177,7 @@ impl<'de> Deserialize<'de> for ListenAddr {
 }
 
 /// The whole configuration.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Daemon-wide settings.
@@ -185,7 +195,7 @@ pub struct Config {
 }
 
 /// Daemon-wide settings and limits.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TargetSettings {
     /// Data-plane threads; 0 = one per available core.
@@ -211,7 +221,10 @@ pub struct TargetSettings {
     /// A connection must finish the transport handshake (NVMe/TCP ICReq, NVMe/RDMA queue
     /// pair set-up) and the Fabrics Connect within this time, else it is closed. Written like
     /// `"5s"` or `"500ms"` in the file.
-    #[serde(deserialize_with = "deserialize_duration")]
+    #[serde(
+        deserialize_with = "deserialize_duration",
+        serialize_with = "serialize_duration"
+    )]
     pub handshake_timeout: Duration,
     /// Most connections open on the whole target; more are closed as soon as accepted.
     pub max_connections: usize,
@@ -219,7 +232,14 @@ pub struct TargetSettings {
     pub max_connections_per_listener: usize,
     /// Serve Prometheus metrics at `http://ADDR:PORT/metrics` (off unless set), written like
     /// `"127.0.0.1:9464"` in the file.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics: Option<SocketAddr>,
+    /// The control socket (`nvmeof-targetd ctl`); default [`DEFAULT_CONTROL_SOCKET`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_socket: Option<PathBuf>,
+    /// Group (name or ID) whose members may use the control socket besides root.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_group: Option<String>,
 }
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
@@ -240,12 +260,14 @@ impl Default for TargetSettings {
             max_connections: 16384,
             max_connections_per_listener: 4096,
             metrics: None,
+            control_socket: None,
+            control_group: None,
         }
     }
 }
 
 /// One listener.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListenerConfig {
     /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
@@ -253,7 +275,7 @@ pub struct ListenerConfig {
 }
 
 /// Discovery settings.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
     /// Dedicated discovery listeners (conventionally port 8009).
@@ -262,13 +284,13 @@ pub struct DiscoveryConfig {
 }
 
 /// One subsystem.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubsystemConfig {
     /// The subsystem NQN.
     pub nqn: String,
     /// Serial number (default: derived from the NQN, stable across restarts).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub serial: Option<String>,
     /// Model number.
     #[serde(default = "default_model")]
@@ -289,25 +311,40 @@ pub struct SubsystemConfig {
 }
 
 /// A host that authenticates with DH-HMAC-CHAP before it may use the subsystem.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostAuthConfig {
     /// The host NQN.
     pub nqn: String,
     /// The host's secret, `DHHC-1:XX:<base64>:` as `nvme gen-dhchap-key` writes it.
-    #[serde(deserialize_with = "deserialize_key")]
+    #[serde(deserialize_with = "deserialize_key", serialize_with = "serialize_key")]
     pub dhchap_key: DhchapKey,
     /// The controller's secret: with it the controller authenticates itself to the host when
     /// the host asks (bidirectional authentication).
-    #[serde(default, deserialize_with = "deserialize_opt_key")]
+    #[serde(
+        default,
+        deserialize_with = "deserialize_opt_key",
+        serialize_with = "serialize_opt_key",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub dhchap_ctrl_key: Option<DhchapKey>,
     /// The only hash function this host may use, `hmac(sha256)`, `hmac(sha384)` or
     /// `hmac(sha512)` (default: any, SHA-256 preferred).
-    #[serde(default, deserialize_with = "deserialize_hash")]
+    #[serde(
+        default,
+        deserialize_with = "deserialize_hash",
+        serialize_with = "serialize_hash",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub dhchap_hash: Option<HashId>,
     /// The only DH group this host may use, `null` or `ffdhe2048` ... `ffdhe8192` (default:
     /// any, ffdhe2048 preferred, null last).
-    #[serde(default, deserialize_with = "deserialize_dhgroup")]
+    #[serde(
+        default,
+        deserialize_with = "deserialize_dhgroup",
+        serialize_with = "serialize_dhgroup",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub dhchap_dhgroup: Option<DhGroupId>,
 }
 
@@ -350,23 +387,61 @@ fn deserialize_opt_key<'de, D: serde::Deserializer<'de>>(
     deserialize_key(d).map(Some)
 }
 
+fn serialize_key<S: serde::Serializer>(k: &DhchapKey, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&k.to_dhhc1())
+}
+
+fn serialize_opt_key<S: serde::Serializer>(k: &Option<DhchapKey>, s: S) -> Result<S::Ok, S::Error> {
+    match k {
+        Some(k) => serialize_key(k, s),
+        None => s.serialize_none(),
+    }
+}
+
+fn serialize_hash<S: serde::Serializer>(h: &Option<HashId>, s: S) -> Result<S::Ok, S::Error> {
+    match h {
+        Some(h) => s.serialize_str(h.name()),
+        None => s.serialize_none(),
+    }
+}
+
+fn serialize_dhgroup<S: serde::Serializer>(g: &Option<DhGroupId>, s: S) -> Result<S::Ok, S::Error> {
+    match g {
+        Some(g) => s.serialize_str(g.name()),
+        None => s.serialize_none(),
+    }
+}
+
+/// The model number of a subsystem that names none.
+pub const DEFAULT_MODEL: &str = "nvmeof-direct";
+
 fn default_model() -> String {
-    "nvmeof-direct".to_string()
+    DEFAULT_MODEL.to_string()
 }
 
 /// One namespace.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NamespaceConfig {
     /// Namespace ID (default: position + 1).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nsid: Option<u32>,
     /// The backend: `mem:SIZE`, `null:SIZE`, `file:PATH[,size=SIZE]`, `bdev:PATH`,
     /// `pcie:DOMAIN:BUS:DEV.FN[,nsid=N]`.
     pub backend: BackendSpec,
     /// Namespace UUID override (default: derived from subsystem NQN and NSID).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+}
+
+impl SubsystemConfig {
+    /// The NSID of each namespace, given or by position.
+    pub fn nsids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.namespaces
+            .iter()
+            .enumerate()
+            .map(|(i, ns)| ns.nsid.unwrap_or(i as u32 + 1))
+    }
 }
 
 impl Config {
@@ -438,6 +513,23 @@ impl Config {
             discovery: DiscoveryConfig::default(),
             subsystems: vec![],
         })
+    }
+
+    /// The same configuration with every NSID written out, so that removing a namespace never
+    /// renumbers the ones after it.
+    pub fn with_explicit_nsids(mut self) -> Self {
+        for s in &mut self.subsystems {
+            let ids: Vec<u32> = s.nsids().collect();
+            for (ns, id) in s.namespaces.iter_mut().zip(ids) {
+                ns.nsid = Some(id);
+            }
+        }
+        self
+    }
+
+    /// The configuration as a TOML document that [`Config::from_toml`] reads back.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string(self).map_err(|e| ConfigError::Invalid(format!("cannot write TOML: {e}")))
     }
 
     /// Checks cross-field rules.
@@ -588,6 +680,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     ms.map(Duration::from_millis)
         .ok_or_else(|| format!("duration {s:?} is too long"))
+}
+
+fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&format_args!("{}ms", d.as_millis()))
 }
 
 fn deserialize_duration<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {

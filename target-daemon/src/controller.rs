@@ -4,6 +4,7 @@
 //! reactor threads). Its mutable state is touched only by admin-path commands, behind a mutex;
 //! the I/O path reads immutable fields and bumps per-controller relaxed counters.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -51,9 +52,27 @@ struct AdminState {
     queues_set: bool,
     aec: u32,
     aers: Vec<u16>,
+    /// Events raised while no Asynchronous Event Request was held, oldest first.
+    pending_events: VecDeque<u32>,
+    /// NSIDs changed since the host last read the Changed Namespace List.
+    changed_ns: Vec<u32>,
+    /// A Namespace Attribute Notice was raised and the log page not read yet: further
+    /// changes only add to the list.
+    ns_notice_outstanding: bool,
+    /// Likewise for the Discovery Log Page Change notice.
+    discovery_notice_outstanding: bool,
     errors: Vec<ErrorLogEntry>,
     error_count: u64,
 }
+
+/// Entries of the Changed Namespace List log page; one more change reports FFFFFFFFh alone.
+pub const CHANGED_NS_LIST_ENTRIES: usize = 1024;
+/// Events kept for the host while it holds no Asynchronous Event Request.
+const MAX_PENDING_EVENTS: usize = 16;
+/// OAES bit: Namespace Attribute Notices are supported.
+pub const OAES_NS_ATTRIBUTE: u32 = 1 << 8;
+/// OAES bit: Discovery Log Page Change Notices are supported.
+pub const OAES_DISCOVERY_LOG_CHANGE: u32 = 1 << 31;
 
 /// Counters for the SMART / health log, bumped by I/O queues.
 #[derive(Default)]
@@ -180,6 +199,10 @@ impl Controller {
                 queues_set: false,
                 aec: 0,
                 aers: Vec::new(),
+                pending_events: VecDeque::new(),
+                changed_ns: Vec::new(),
+                ns_notice_outstanding: false,
+                discovery_notice_outstanding: false,
                 errors: Vec::new(),
                 error_count: 0,
             }),
@@ -219,7 +242,7 @@ impl Controller {
     /// may lose completed writes that no Flush or Force Unit Access made durable.
     fn volatile_write_cache(&self) -> bool {
         self.subsystem().is_some_and(|s| {
-            s.namespaces
+            s.namespaces()
                 .values()
                 .any(|ns| ns.backend.volatile_write_cache())
         })
@@ -257,6 +280,11 @@ impl Controller {
     /// Number of I/O queues granted by Set Features Number of Queues.
     pub fn io_queues(&self) -> u16 {
         self.state.lock().io_queues
+    }
+
+    /// The keep alive timeout in milliseconds (0: none).
+    pub fn kato_ms(&self) -> u32 {
+        self.state.lock().kato_ms
     }
 
     /// Whether CC.EN = 1 and CSTS.RDY = 1.
@@ -313,6 +341,65 @@ impl Controller {
         self.events_tx
             .send(Cqe::new(cid, Status::SUCCESS, dw0))
             .is_ok()
+    }
+
+    /// Reports an event to the host: completes a held Asynchronous Event Request, or keeps
+    /// the event until the host sends one.
+    fn post_event(&self, st: &mut AdminState, dw0: u32) {
+        match st.aers.pop() {
+            Some(cid) => {
+                tracing::debug!(cntlid = self.cntlid, subnqn = self.subnqn(), hostnqn = %self.hostnqn, dw0 = %format_args!("{dw0:#08x}"), "asynchronous event completed");
+                let _ = self.events_tx.send(Cqe::new(cid, Status::SUCCESS, dw0));
+            }
+            None if st.pending_events.len() < MAX_PENDING_EVENTS => {
+                st.pending_events.push_back(dw0);
+            }
+            None => {}
+        }
+    }
+
+    /// Namespaces `nsids` of this I/O controller's subsystem were added, removed or resized:
+    /// adds them to the Changed Namespace List and raises a Namespace Attribute Notice, unless
+    /// one is outstanding (not yet followed by a read of the log page) or the host did not
+    /// enable it.
+    pub fn notify_namespaces_changed(&self, nsids: &[u32]) {
+        let mut st = self.state.lock();
+        for &nsid in nsids {
+            if st.changed_ns.first() == Some(&u32::MAX) || st.changed_ns.contains(&nsid) {
+                continue;
+            }
+            if st.changed_ns.len() == CHANGED_NS_LIST_ENTRIES {
+                st.changed_ns = vec![u32::MAX];
+            } else {
+                st.changed_ns.push(nsid);
+            }
+        }
+        if st.aec & features::AEC_NS_ATTRIBUTE_NOTICES == 0 || st.ns_notice_outstanding {
+            return;
+        }
+        st.ns_notice_outstanding = true;
+        let dw0 = features::aer_dw0(
+            features::aer_type::NOTICE,
+            features::aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
+        self.post_event(&mut st, dw0);
+    }
+
+    /// The discovery log changed: raises a Discovery Log Page Change notice on this discovery
+    /// controller, unless one is outstanding or the host did not enable it.
+    pub fn notify_discovery_changed(&self) {
+        let mut st = self.state.lock();
+        if st.aec & features::AEC_DISCOVERY_LOG_CHANGE == 0 || st.discovery_notice_outstanding {
+            return;
+        }
+        st.discovery_notice_outstanding = true;
+        let dw0 = features::aer_dw0(
+            features::aer_type::NOTICE,
+            features::aer_notice::DISCOVERY_LOG_CHANGE,
+            log_id::DISCOVERY,
+        );
+        self.post_event(&mut st, dw0);
     }
 
     /// Property Get.
@@ -397,6 +484,10 @@ impl Controller {
             }
             AdminCommand::AsyncEventRequest => {
                 let mut st = self.state.lock();
+                if let Some(dw0) = st.pending_events.pop_front() {
+                    tracing::debug!(cntlid = self.cntlid, subnqn = self.subnqn(), hostnqn = %self.hostnqn, dw0 = %format_args!("{dw0:#08x}"), "asynchronous event completed");
+                    return AdminReply::ok(dw0);
+                }
                 if st.aers.len() >= MAX_AERS {
                     return AdminReply::err(Status::specific(specific::AER_LIMIT_EXCEEDED));
                 }
@@ -435,7 +526,8 @@ impl Controller {
                 if id.nsid == 0 || (id.nsid > s.max_nsid() && id.nsid != u32::MAX) {
                     return invalid_ns;
                 }
-                let Some(ns) = s.namespaces.get(&id.nsid) else {
+                let namespaces = s.namespaces();
+                let Some(ns) = namespaces.get(&id.nsid) else {
                     // An allocated but inactive NSID: a zero-filled structure.
                     if id.cns == cns::NS_DESCRIPTORS || id.nsid == u32::MAX {
                         return invalid_ns;
@@ -489,7 +581,7 @@ impl Controller {
                 if id.nsid >= 0xFFFF_FFFE {
                     return invalid_ns;
                 }
-                AdminReply::data(encode_ns_list(s.namespaces.keys().copied(), id.nsid).to_vec())
+                AdminReply::data(encode_ns_list(s.namespaces().keys().copied(), id.nsid).to_vec())
             }
             cns::CSI_CONTROLLER => {
                 if id.csi != 0 {
@@ -519,12 +611,14 @@ impl Controller {
                 // namespace's backend has one (files and devices: the page cache or the
                 // device's cache), so hosts send Flush and FUA only where they matter.
                 c.vwc = 0b110 | u8::from(self.volatile_write_cache());
+                c.oaes.set(OAES_NS_ATTRIBUTE);
             }
             ControllerKind::Discovery => {
                 put_ascii_padded(&mut c.sn, &target.discovery_serial);
                 put_ascii_padded(&mut c.mn, "nvmeof-direct discovery");
                 put_nul_padded(&mut c.subnqn, nvme_spec::fabrics::DISCOVERY_NQN);
                 c.cntrltype = cntrltype::DISCOVERY;
+                c.oaes.set(OAES_DISCOVERY_LOG_CHANGE);
             }
         }
         put_ascii_padded(&mut c.fr, FIRMWARE_REVISION);
@@ -562,7 +656,22 @@ impl Controller {
         }
         let page: Vec<u8> = match (glp.lid, &self.kind) {
             (log_id::DISCOVERY, ControllerKind::Discovery) => {
+                if !glp.rae {
+                    self.state.lock().discovery_notice_outstanding = false;
+                }
                 discovery::log_page(target, &self.hostnqn, origin.local)
+            }
+            (log_id::CHANGED_NS_LIST, ControllerKind::Io(_)) => {
+                let mut st = self.state.lock();
+                let mut page = vec![0u8; CHANGED_NS_LIST_ENTRIES * 4];
+                for (slot, nsid) in page.chunks_exact_mut(4).zip(&st.changed_ns) {
+                    slot.copy_from_slice(&nsid.to_le_bytes());
+                }
+                if !glp.rae {
+                    st.changed_ns.clear();
+                    st.ns_notice_outstanding = false;
+                }
+                page
             }
             (log_id::ERROR_INFO, _) => {
                 let st = self.state.lock();

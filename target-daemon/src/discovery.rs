@@ -57,18 +57,17 @@ fn entry(
 /// itself on every listener.
 pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
     let mut entries: Vec<DiscoveryLogEntry> = Vec::new();
-    for (i, l) in target.io_listeners.iter().enumerate() {
+    let listeners = target.listeners();
+    let subsystems = target.subsystems();
+    for (i, l) in listeners.io.iter().enumerate() {
         let portid = i as u16 + 1;
-        for s in target.subsystems.values() {
+        for s in subsystems.values() {
             if s.host_allowed(hostnqn) {
                 entries.push(entry(l, portid, local, &s.nqn, subtype::NVME));
             }
         }
     }
-    let all = target
-        .io_listeners
-        .iter()
-        .chain(&target.discovery_listeners);
+    let all = listeners.io.iter().chain(&listeners.discovery);
     for (i, l) in all.enumerate() {
         entries.push(entry(
             l,

@@ -664,18 +664,11 @@ mod tests {
 
         // The engine never runs a request on a queue without a controller.
         let t = target(&["mem:1M"]);
-        let ns = t
-            .subsystems
-            .values()
-            .next()
-            .unwrap()
-            .namespaces
-            .values()
-            .next();
+        let ns = t.subsystems().values().next().unwrap().namespaces()[&1].clone();
         let mut e: Engine<()> = Engine::new(QueueState::new(Arc::clone(&t), origin()), permit(&t));
         let req = IoRequest {
             cid: 1,
-            ns: ns.cloned(),
+            ns: Some(ns),
             op: IoOp::Flush,
             arrived: Instant::now(),
         };
@@ -823,5 +816,32 @@ mod tests {
             vec![(14, vec![0xa5; 4096])],
             "the acknowledged write is there"
         );
+    }
+
+    #[test]
+    fn a_command_running_on_a_removed_namespace_completes_normally() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns");
+        let spec = format!("file:{},size=1M,bs=512", path.display());
+        let (_admin, mut io) = queues(&[spec.as_str()]);
+        let rt = rt();
+        io.command(write(15, 0, 8), &[0x5a; 4096]);
+        assert_eq!(io.e.in_flight(), 1);
+        // Removed while the write runs: the write holds the backend and completes.
+        let sub = io.e.q.target.subsystems().values().next().unwrap().clone();
+        sub.set_namespaces(Default::default());
+        io.drive(&rt, |f| f.e.in_flight() == 0 && !f.sent.is_empty());
+        let cqe = io.answer();
+        assert_eq!((cqe.cid(), cqe.status()), (15, Status::SUCCESS));
+        // The next command on it finds no namespace.
+        io.command(read(16, 1, 0, 8), &[]);
+        io.drive(&rt, |f| !f.sent.is_empty());
+        assert_eq!(
+            io.answer().status(),
+            Status::generic(generic::INVALID_NAMESPACE).with_dnr()
+        );
+        // The write reached the file.
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(&data[..4096], &[0x5a; 4096][..]);
     }
 }

@@ -68,7 +68,7 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
         // Flush of every namespace (NSID FFFFFFFFh).
         let mut status = Status::SUCCESS;
         if let Some(s) = ctrl.subsystem() {
-            for ns in s.namespaces.values() {
+            for ns in s.namespaces().values() {
                 let st = status_of(ctrl, ns.backend.flush().await);
                 if !st.is_success() {
                     status = st;

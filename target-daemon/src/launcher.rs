@@ -6,8 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tracing::{info, warn};
 
+use crate::config::ListenAddr;
 use crate::reactor::{Connection, Pool};
 use crate::target::{BoundListener, ListenerSocket, StartError, Target};
 
@@ -15,8 +17,16 @@ use crate::target::{BoundListener, ListenerSocket, StartError, Target};
 pub struct RunningTarget {
     /// Shared state.
     pub target: Arc<Target>,
-    reactors: Vec<std::thread::JoinHandle<()>>,
-    acceptors: Vec<tokio::task::JoinHandle<()>>,
+    /// Taken at shutdown: reactors end once the last handle to the pool is gone.
+    pool: Mutex<Option<Arc<Pool>>>,
+    reactors: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    acceptors: Mutex<Vec<Acceptor>>,
+}
+
+/// The accept loop of one listener.
+struct Acceptor {
+    addr: ListenAddr,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl RunningTarget {
@@ -26,77 +36,124 @@ impl RunningTarget {
         listeners: Vec<BoundListener>,
     ) -> Result<RunningTarget, StartError> {
         let (pool, reactors) = Pool::start(&target)?;
-        let mut acceptors = Vec::new();
+        let tasks_pool = Arc::clone(&pool);
+        let running = RunningTarget {
+            target,
+            pool: Mutex::new(Some(pool)),
+            reactors: Mutex::new(reactors),
+            acceptors: Mutex::new(Vec::new()),
+        };
         let mut rdma = Vec::new();
         for l in listeners {
-            let socket = match l.socket {
-                ListenerSocket::Tcp(s) => s,
-                ListenerSocket::Rdma(r) => {
-                    rdma.push((l.addr, r));
-                    continue;
-                }
-            };
-            let listener =
-                tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
-                    addr: l.addr.to_string(),
-                    source,
-                })?;
-            info!(listener = %l.addr, "listening");
-            let pool = Arc::clone(&pool);
-            let mut shutdown = target.subscribe_shutdown();
-            let gate = target.listener_gate(l.addr.clone());
-            acceptors.push(tokio::spawn(async move {
-                let report = gate.report_drops();
-                tokio::pin!(report);
-                loop {
-                    tokio::select! {
-                        r = listener.accept() => match r {
-                            Ok((stream, peer)) => {
-                                // Over a limit: closed here, at once.
-                                let Some(permit) = gate.admit() else { continue };
-                                let stream = match stream.into_std() {
-                                    Ok(s) => s,
-                                    Err(e) => {
-                                        warn!(%peer, error = %e, "cannot hand connection to a reactor");
-                                        continue;
-                                    }
-                                };
-                                if pool.hand(Connection::Tcp(stream, permit)).is_err() {
-                                    break;
-                                }
-                            }
-                            Err(e) => {
-                                warn!(listener = %l.addr, error = %e, "accept failed");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                            }
-                        },
-                        _ = shutdown.changed() => break,
-                        _ = &mut report => {}
-                    }
-                }
-                gate.flush_drops();
-            }));
+            match l.socket {
+                ListenerSocket::Tcp(s) => running.accept_tcp(l.addr, s)?,
+                ListenerSocket::Rdma(r) => rdma.push((l.addr, r)),
+            }
         }
-        acceptors.extend(crate::rdma::start(&target, rdma, &pool));
-        Ok(RunningTarget {
-            target,
-            reactors,
-            acceptors,
-        })
+        let addrs: Vec<ListenAddr> = rdma.iter().map(|(a, _)| a.clone()).collect();
+        let tasks = crate::rdma::start(&running.target, rdma, &tasks_pool);
+        running.acceptors.lock().extend(
+            addrs
+                .into_iter()
+                .zip(tasks)
+                .map(|(addr, task)| Acceptor { addr, task }),
+        );
+        Ok(running)
+    }
+
+    /// Starts accepting on a listener bound while the target runs (NVMe/TCP only: RDMA
+    /// listeners are set at start).
+    pub fn start_listener(&self, l: BoundListener) -> Result<(), StartError> {
+        match l.socket {
+            ListenerSocket::Tcp(s) => self.accept_tcp(l.addr, s),
+            ListenerSocket::Rdma(_) => Err(StartError::Transport {
+                addr: l.addr.to_string(),
+                reason: "RDMA listeners are set at start".into(),
+            }),
+        }
+    }
+
+    /// Stops accepting on `addr` and closes its socket; connections it accepted stay.
+    /// Returns false when nothing listens there.
+    pub fn stop_listener(&self, addr: &ListenAddr) -> bool {
+        let mut acceptors = self.acceptors.lock();
+        let Some(i) = acceptors.iter().position(|a| &a.addr == addr) else {
+            return false;
+        };
+        acceptors.remove(i).task.abort();
+        info!(listener = %addr, "stopped listening");
+        true
+    }
+
+    fn accept_tcp(
+        &self,
+        addr: ListenAddr,
+        socket: std::net::TcpListener,
+    ) -> Result<(), StartError> {
+        let listener =
+            tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+        info!(listener = %addr, "listening");
+        let Some(pool) = self.pool.lock().clone() else {
+            return Err(StartError::Transport {
+                addr: addr.to_string(),
+                reason: "the target is shutting down".into(),
+            });
+        };
+        let mut shutdown = self.target.subscribe_shutdown();
+        let gate = self.target.listener_gate(addr.clone());
+        let l = addr.clone();
+        let task = tokio::spawn(async move {
+            let report = gate.report_drops();
+            tokio::pin!(report);
+            loop {
+                tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok((stream, peer)) => {
+                            // Over a limit: closed here, at once.
+                            let Some(permit) = gate.admit() else { continue };
+                            let stream = match stream.into_std() {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    warn!(%peer, error = %e, "cannot hand connection to a reactor");
+                                    continue;
+                                }
+                            };
+                            if pool.hand(Connection::Tcp(stream, permit)).is_err() {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            warn!(listener = %l, error = %e, "accept failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    },
+                    _ = shutdown.changed() => break,
+                    _ = &mut report => {}
+                }
+            }
+            gate.flush_drops();
+        });
+        self.acceptors.lock().push(Acceptor { addr, task });
+        Ok(())
     }
 
     /// Stops accepting, lets connections finish their in-flight commands and close, then
     /// flushes every backend. Returns the number of flush failures.
-    pub async fn shutdown(self) -> usize {
+    pub async fn shutdown(&self) -> usize {
         info!(
             connections = self.target.connection_count(),
             "shutting down: no new connections, completing in-flight commands"
         );
         self.target.begin_shutdown();
-        for a in self.acceptors {
-            let _ = a.await;
+        let acceptors = std::mem::take(&mut *self.acceptors.lock());
+        for a in acceptors {
+            let _ = a.task.await;
         }
-        let reactors = self.reactors;
+        self.pool.lock().take();
+        let reactors = std::mem::take(&mut *self.reactors.lock());
         let _ = tokio::task::spawn_blocking(move || {
             for r in reactors {
                 let _ = r.join();

@@ -21,6 +21,8 @@
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
 //! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
+//! - [`reconfigure`]: changes to the running target, validated as a whole before any is
+//!   applied, with the hosts notified; [`control`]: the control socket's protocol.
 //! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
 //!   (with the busy-poll window), the accept loops, orderly shutdown.
 //! - [`metrics`]: per-queue counters and latency histograms added up at scrape time, the
@@ -35,6 +37,7 @@
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod control;
 pub mod controller;
 pub mod discovery;
 pub mod engine;
@@ -44,6 +47,7 @@ pub mod metrics;
 pub mod queue;
 pub mod rdma;
 pub mod reactor;
+pub mod reconfigure;
 pub mod subsystem;
 pub mod target;
 pub mod tcp;

@@ -439,7 +439,7 @@ impl QueueMetrics {
                 .push(Arc::clone(&cell));
             q.admin = Some(cell);
         } else {
-            let nsids: Vec<u32> = q.subsystem.namespaces.keys().copied().collect();
+            let nsids: Vec<u32> = q.subsystem.namespaces().keys().copied().collect();
             for nsid in std::iter::once(0).chain(nsids) {
                 q.add_io_cell(nsid);
             }
@@ -474,7 +474,7 @@ impl QueueMetrics {
         Some(match self.io.binary_search_by_key(&nsid, |(n, _)| *n) {
             Ok(at) => at,
             // A namespace that was added after the queue connected.
-            Err(_) if self.subsystem.namespaces.contains_key(&nsid) => self.add_io_cell(nsid),
+            Err(_) if self.subsystem.namespaces().contains_key(&nsid) => self.add_io_cell(nsid),
             Err(_) => 0,
         })
     }
@@ -566,7 +566,7 @@ impl Target {
             protocol_errors: per_transport(&self.metrics.protocol_errors),
             host_term_reqs: per_transport(&self.metrics.host_term_reqs),
             subsystems: self
-                .subsystems
+                .subsystems()
                 .iter()
                 .map(|(nqn, s)| {
                     let f = s.metrics.figures(s.controller_count() as u64);
@@ -1040,7 +1040,7 @@ mod tests {
             "nothing lost at close"
         );
         assert_eq!(s.admin, live.subsystems[NQN].admin);
-        assert!(t.subsystems[NQN].metrics.reg.lock().live_io.is_empty());
+        assert!(t.subsystems()[NQN].metrics.reg.lock().live_io.is_empty());
     }
 
     #[test]

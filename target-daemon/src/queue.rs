@@ -21,7 +21,7 @@ use tracing::{debug, info};
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
 use crate::metrics::QueueMetrics;
-use crate::subsystem::Namespace;
+use crate::subsystem::{Namespace, NamespaceMap};
 use crate::target::Target;
 
 /// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
@@ -163,6 +163,9 @@ pub struct QueueState {
     discovery_only: bool,
     sqhd: u32,
     mdts_bytes: usize,
+    /// The controller's namespaces as of a subsystem namespace generation: refreshed when the
+    /// generation moves, so looking a namespace up per command takes no lock.
+    namespaces: Option<(u64, Arc<NamespaceMap>)>,
 }
 
 fn status_cqe(cid: u16, status: Status) -> Submit {
@@ -187,6 +190,7 @@ impl QueueState {
             discovery_only: false,
             sqhd: 0,
             mdts_bytes,
+            namespaces: None,
         }
     }
 
@@ -340,13 +344,16 @@ impl QueueState {
         } else {
             match IoCommand::parse(sqe) {
                 IoCommand::Fabrics(f) => self.fabrics(&ctrl, cid, f),
-                cmd => match self.validate_io(&ctrl, sqe, cmd, icd) {
-                    Ok(req) => Submit::Io(req),
-                    Err(status) => {
-                        ctrl.log_error(self.qid, sqe, status, 0);
-                        Submit::Complete(self.completion(cid, status, 0))
+                cmd => {
+                    self.refresh_namespaces(&ctrl);
+                    match self.validate_io(&ctrl, sqe, cmd, icd) {
+                        Ok(req) => Submit::Io(req),
+                        Err(status) => {
+                            ctrl.log_error(self.qid, sqe, status, 0);
+                            Submit::Complete(self.completion(cid, status, 0))
+                        }
                     }
-                },
+                }
             }
         }
     }
@@ -463,6 +470,7 @@ impl QueueState {
                 c.sqsize,
                 kato,
             );
+            t.add_discovery_controller(&ctrl);
             info!(%hostnqn, %peer, cntlid, "discovery controller connected");
             return self.connected(ctrl, Some(events), c, cid);
         }
@@ -470,7 +478,7 @@ impl QueueState {
             info!(%hostnqn, %peer, %subnqn, local = %self.origin.local, "connect rejected: this listener serves discovery only");
             return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
         }
-        let Some(subsys) = t.subsystems.get(&subnqn).cloned() else {
+        let Some(subsys) = t.subsystem(&subnqn) else {
             info!(%hostnqn, %peer, %subnqn, "connect rejected: unknown subsystem");
             return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
         };
@@ -545,9 +553,25 @@ impl QueueState {
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
     }
 
-    fn namespace(&self, ctrl: &Controller, nsid: u32) -> Result<Arc<Namespace>, Status> {
-        ctrl.subsystem()
-            .and_then(|s| s.namespaces.get(&nsid).cloned())
+    /// Brings the snapshot of the controller's namespaces up to date: one atomic load when
+    /// nothing changed.
+    fn refresh_namespaces(&mut self, ctrl: &Controller) {
+        let Some(s) = ctrl.subsystem() else { return };
+        let generation = s.namespace_generation();
+        if self
+            .namespaces
+            .as_ref()
+            .is_none_or(|(g, _)| *g != generation)
+        {
+            // Read the generation before the map: a change in between is seen next time.
+            self.namespaces = Some((generation, s.namespaces()));
+        }
+    }
+
+    fn namespace(&self, nsid: u32) -> Result<Arc<Namespace>, Status> {
+        self.namespaces
+            .as_ref()
+            .and_then(|(_, m)| m.get(&nsid).cloned())
             .ok_or(Status::generic(generic::INVALID_NAMESPACE).with_dnr())
     }
 
@@ -619,7 +643,7 @@ impl QueueState {
         match cmd {
             IoCommand::Read(rw) | IoCommand::Write(rw) => {
                 let write = matches!(cmd, IoCommand::Write(_));
-                let ns = self.namespace(ctrl, rw.nsid)?;
+                let ns = self.namespace(rw.nsid)?;
                 self.range(&ns, &rw)?;
                 let len = (rw.nlb as usize) << ns.block_shift;
                 if len > self.mdts_bytes {
@@ -642,11 +666,11 @@ impl QueueState {
                 if sqe.nsid.get() == u32::MAX {
                     return Ok(req(None, IoOp::Flush));
                 }
-                let ns = self.namespace(ctrl, sqe.nsid.get())?;
+                let ns = self.namespace(sqe.nsid.get())?;
                 Ok(req(Some(ns), IoOp::Flush))
             }
             IoCommand::WriteZeroes { range, deallocate } => {
-                let ns = self.namespace(ctrl, range.nsid)?;
+                let ns = self.namespace(range.nsid)?;
                 self.range(&ns, &range)?;
                 Ok(req(
                     Some(ns),
@@ -659,7 +683,7 @@ impl QueueState {
                 ))
             }
             IoCommand::DatasetManagement { ranges, deallocate } => {
-                let ns = self.namespace(ctrl, sqe.nsid.get())?;
+                let ns = self.namespace(sqe.nsid.get())?;
                 // Hosts may transfer more than the ranges (Linux always sends 4 KiB).
                 let len = sqe.dptr.data_length() as usize;
                 if len < usize::from(ranges) * 16 || len > 4096 {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use crate::config::{SubsystemConfig, parse_uuid};
 use crate::controller::Controller;
@@ -74,7 +74,7 @@ impl Namespace {
 }
 
 /// The DH-HMAC-CHAP secrets of one host. `Debug` shows no key material.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostKeys {
     /// The host's secret.
     pub host: DhchapKey,
@@ -86,7 +86,59 @@ pub struct HostKeys {
     pub dh_group: Option<DhGroupId>,
 }
 
+impl HostKeys {
+    /// The keys of a `[[subsystem.host]]` table.
+    pub fn from_config(h: &crate::config::HostAuthConfig) -> Self {
+        HostKeys {
+            host: h.dhchap_key.clone(),
+            ctrl: h.dhchap_ctrl_key.clone(),
+            hash: h.dhchap_hash,
+            dh_group: h.dhchap_dhgroup,
+        }
+    }
+}
+
+/// The namespaces of a subsystem by NSID: an immutable snapshot, replaced whole on a change.
+pub type NamespaceMap = BTreeMap<u32, Arc<Namespace>>;
+
+/// Which hosts may connect to a subsystem.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostAccess {
+    /// Accept any host.
+    pub allow_any_host: bool,
+    /// Allowed host NQNs.
+    pub hosts: Vec<String>,
+    /// Allowed hosts that must authenticate, by host NQN.
+    pub auth_hosts: BTreeMap<String, HostKeys>,
+}
+
+impl HostAccess {
+    /// Who may connect, as a subsystem's configuration says.
+    pub fn from_config(cfg: &SubsystemConfig) -> Self {
+        HostAccess {
+            allow_any_host: cfg.allow_any_host,
+            hosts: cfg.hosts.clone(),
+            auth_hosts: cfg
+                .auth_hosts
+                .iter()
+                .map(|h| (h.nqn.clone(), HostKeys::from_config(h)))
+                .collect(),
+        }
+    }
+
+    /// Whether `hostnqn` may connect.
+    pub fn allows(&self, hostnqn: &str) -> bool {
+        self.allow_any_host
+            || self.hosts.iter().any(|h| h == hostnqn)
+            || self.auth_hosts.contains_key(hostnqn)
+    }
+}
+
 /// An NVM subsystem: NQN, identity strings, namespaces, host access list, live controllers.
+///
+/// Namespaces and host access change while the target runs: readers take a snapshot
+/// ([`Subsystem::namespaces`]); I/O queues keep theirs and refresh it only when
+/// [`Subsystem::namespace_generation`] moves, so the per-command lookup takes no lock.
 pub struct Subsystem {
     /// Subsystem NQN.
     pub nqn: String,
@@ -94,19 +146,13 @@ pub struct Subsystem {
     pub serial: String,
     /// Model number (ASCII, at most 40 bytes).
     pub model: String,
-    /// Accept any host.
-    pub allow_any_host: bool,
-    /// Allowed host NQNs.
-    pub hosts: Vec<String>,
-    /// Allowed hosts that must authenticate, by host NQN.
-    pub auth_hosts: BTreeMap<String, HostKeys>,
-    /// Namespaces by NSID.
-    pub namespaces: BTreeMap<u32, Arc<Namespace>>,
+    access: RwLock<HostAccess>,
+    namespaces: RwLock<Arc<NamespaceMap>>,
     /// Live controllers by controller ID.
     controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
     next_cntlid: Mutex<u16>,
-    /// Incremented on every namespace change (for AENs).
-    pub generation: AtomicU64,
+    /// Incremented on every namespace change, after the new map is in place.
+    generation: AtomicU64,
     /// Live queues' counters and the totals of closed ones.
     pub metrics: crate::metrics::SubsystemMetrics,
 }
@@ -139,22 +185,8 @@ impl Subsystem {
             nqn: cfg.nqn.clone(),
             serial,
             model: cfg.model.clone(),
-            allow_any_host: cfg.allow_any_host,
-            hosts: cfg.hosts.clone(),
-            auth_hosts: cfg
-                .auth_hosts
-                .iter()
-                .map(|h| {
-                    let keys = HostKeys {
-                        host: h.dhchap_key.clone(),
-                        ctrl: h.dhchap_ctrl_key.clone(),
-                        hash: h.dhchap_hash,
-                        dh_group: h.dhchap_dhgroup,
-                    };
-                    (h.nqn.clone(), keys)
-                })
-                .collect(),
-            namespaces,
+            access: RwLock::new(HostAccess::from_config(cfg)),
+            namespaces: RwLock::new(Arc::new(namespaces)),
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: Mutex::new(1),
             generation: AtomicU64::new(0),
@@ -164,19 +196,51 @@ impl Subsystem {
 
     /// Whether `hostnqn` may connect.
     pub fn host_allowed(&self, hostnqn: &str) -> bool {
-        self.allow_any_host
-            || self.hosts.iter().any(|h| h == hostnqn)
-            || self.auth_hosts.contains_key(hostnqn)
+        self.access.read().allows(hostnqn)
     }
 
     /// The keys `hostnqn` authenticates with, when it must.
-    pub fn host_keys(&self, hostnqn: &str) -> Option<&HostKeys> {
-        self.auth_hosts.get(hostnqn)
+    pub fn host_keys(&self, hostnqn: &str) -> Option<HostKeys> {
+        self.access.read().auth_hosts.get(hostnqn).cloned()
+    }
+
+    /// Who may connect.
+    pub fn access(&self) -> HostAccess {
+        self.access.read().clone()
+    }
+
+    /// Replaces who may connect. Controllers of hosts no longer allowed are the caller's to
+    /// disconnect.
+    pub fn set_access(&self, access: HostAccess) {
+        *self.access.write() = access;
+    }
+
+    /// The current namespaces.
+    pub fn namespaces(&self) -> Arc<NamespaceMap> {
+        Arc::clone(&self.namespaces.read())
+    }
+
+    /// A counter that moves after every change of the namespaces: a reader holding a snapshot
+    /// taken at the same value has the current one.
+    pub fn namespace_generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Replaces the namespaces. Commands already holding a namespace keep its backend until
+    /// they complete; new commands see the new map.
+    pub fn set_namespaces(&self, namespaces: NamespaceMap) {
+        *self.namespaces.write() = Arc::new(namespaces);
+        self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Highest NSID (Identify Controller NN).
     pub fn max_nsid(&self) -> u32 {
-        self.namespaces.keys().next_back().copied().unwrap_or(0)
+        self.namespaces
+            .read()
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Reserves a free controller ID.
@@ -208,14 +272,14 @@ impl Subsystem {
         self.controllers.lock().get(&cntlid).cloned()
     }
 
+    /// The live controllers, by controller ID.
+    pub fn controllers(&self) -> Vec<Arc<Controller>> {
+        self.controllers.lock().values().cloned().collect()
+    }
+
     /// Number of live controllers.
     pub fn controller_count(&self) -> usize {
         self.controllers.lock().len()
-    }
-
-    /// Bumps the namespace generation.
-    pub fn namespaces_changed(&self) {
-        self.generation.fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -3,16 +3,18 @@
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdTcpListener};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use blockdev::Backend;
+use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
 use crate::admission::{ConnectionCount, ListenerGate};
 use crate::config::{Config, ListenAddr, TargetSettings, Transport};
-use crate::subsystem::{Subsystem, stable_id128};
+use crate::controller::Controller;
+use crate::subsystem::{Namespace, Subsystem, stable_id128};
 
 /// Errors starting the target.
 #[derive(Debug, thiserror::Error)]
@@ -78,20 +80,29 @@ pub enum StartError {
 pub struct Target {
     /// Limits and sizes.
     pub settings: TargetSettings,
-    /// Subsystems by NQN.
-    pub subsystems: BTreeMap<String, Arc<Subsystem>>,
-    /// I/O listeners with their bound addresses (they also serve discovery).
-    pub io_listeners: Vec<ListenAddr>,
-    /// Dedicated discovery listeners with their bound addresses.
-    pub discovery_listeners: Vec<ListenAddr>,
+    subsystems: RwLock<Arc<SubsystemMap>>,
+    listeners: RwLock<Listeners>,
     /// Serial number of the discovery controller.
     pub discovery_serial: String,
     genctr: AtomicU64,
+    discovery_controllers: Mutex<Vec<Weak<Controller>>>,
     next_discovery_cntlid: AtomicU16,
     shutdown_tx: watch::Sender<bool>,
     connections: Arc<ConnectionCount>,
     /// Target-wide counters (protocol errors).
     pub metrics: crate::metrics::TargetMetrics,
+}
+
+/// The subsystems of a target by NQN: an immutable snapshot, replaced whole on a change.
+pub type SubsystemMap = BTreeMap<String, Arc<Subsystem>>;
+
+/// The addresses a target listens on, as bound (ports resolved).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listeners {
+    /// I/O listeners (they also serve discovery).
+    pub io: Vec<ListenAddr>,
+    /// Dedicated discovery listeners.
+    pub discovery: Vec<ListenAddr>,
 }
 
 /// A bound listener ready to accept.
@@ -196,11 +207,7 @@ impl Target {
                         };
                     }
                 }
-                let b = blockdev::open(&spec).map_err(|source| StartError::Backend {
-                    nqn: s.nqn.clone(),
-                    index,
-                    source,
-                })?;
+                let b = open_backend(&s.nqn, index, &spec)?;
                 if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &spec
                     && f.exclusive
                 {
@@ -208,60 +215,29 @@ impl Target {
                         claimed.insert(id, here);
                     }
                 }
-                backends.push((Arc::new(b), ns.backend.to_string()));
+                backends.push((b, ns.backend.to_string()));
             }
             let sub = Subsystem::new(s, backends);
-            for ns in sub.namespaces.values() {
-                info!(
-                    subsystem = %sub.nqn,
-                    nsid = ns.nsid,
-                    backend = %ns.description,
-                    blocks = ns.blocks,
-                    block_size = ns.block_size,
-                    "namespace ready"
-                );
-                if let Some(loss) = ns.backend.crash_warning() {
-                    warn!(subsystem = %sub.nqn, nsid = ns.nsid, "{loss}");
-                }
+            for ns in sub.namespaces().values() {
+                log_namespace_ready(&sub.nqn, ns);
             }
             subsystems.insert(s.nqn.clone(), Arc::new(sub));
         }
         let mut bound = Vec::new();
-        let mut io_listeners = Vec::new();
-        let mut discovery_listeners = Vec::new();
+        let mut listeners = Listeners::default();
         let wanted = cfg
             .listeners
             .iter()
             .map(|l| (l.address.clone(), false))
             .chain(cfg.discovery.listen.iter().map(|a| (a.clone(), true)));
         for (addr, discovery_only) in wanted {
-            let (socket, local) = if addr.transport == Transport::Rdma {
-                let l = crate::rdma::RdmaListener::bind(&addr).map_err(|reason| {
-                    StartError::Transport {
-                        addr: addr.to_string(),
-                        reason,
-                    }
-                })?;
-                let local = l.local_addr();
-                (ListenerSocket::Rdma(l), local)
-            } else {
-                let socket = bind(&addr)?;
-                let local = socket.local_addr().map_err(|source| StartError::Bind {
-                    addr: addr.to_string(),
-                    source,
-                })?;
-                (ListenerSocket::Tcp(socket), local)
-            };
-            let addr = ListenAddr {
-                transport: addr.transport,
-                addr: local,
-            };
+            let l = bind_listener(&addr)?;
             if discovery_only {
-                discovery_listeners.push(addr.clone());
+                listeners.discovery.push(l.addr.clone());
             } else {
-                io_listeners.push(addr.clone());
+                listeners.io.push(l.addr.clone());
             }
-            bound.push(BoundListener { addr, socket });
+            bound.push(l);
         }
         let (shutdown_tx, _) = watch::channel(false);
         let discovery_serial: String = stable_id128("discovery")[..10]
@@ -270,11 +246,11 @@ impl Target {
             .collect();
         let target = Target {
             settings: cfg.target.clone(),
-            subsystems,
-            io_listeners,
-            discovery_listeners,
+            subsystems: RwLock::new(Arc::new(subsystems)),
+            listeners: RwLock::new(listeners),
             discovery_serial,
             genctr: AtomicU64::new(1),
+            discovery_controllers: Mutex::new(Vec::new()),
             next_discovery_cntlid: AtomicU16::new(1),
             shutdown_tx,
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
@@ -292,13 +268,61 @@ impl Target {
                 && l.addr.port() == local.port()
                 && (l.addr.ip() == local.ip() || l.addr.ip().is_unspecified())
         };
-        self.discovery_listeners.iter().any(|l| accepts(&l))
-            && !self.io_listeners.iter().any(|l| accepts(&l))
+        let l = self.listeners.read();
+        l.discovery.iter().any(|l| accepts(&l)) && !l.io.iter().any(|l| accepts(&l))
+    }
+
+    /// The current subsystems.
+    pub fn subsystems(&self) -> Arc<SubsystemMap> {
+        Arc::clone(&self.subsystems.read())
+    }
+
+    /// One subsystem by NQN.
+    pub fn subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
+        self.subsystems.read().get(nqn).cloned()
+    }
+
+    /// Replaces the subsystems (see [`crate::reconfigure`]).
+    pub(crate) fn set_subsystems(&self, subsystems: SubsystemMap) {
+        *self.subsystems.write() = Arc::new(subsystems);
+    }
+
+    /// The addresses listened on.
+    pub fn listeners(&self) -> Listeners {
+        self.listeners.read().clone()
+    }
+
+    /// Replaces the addresses listened on (see [`crate::reconfigure`]).
+    pub(crate) fn set_listeners(&self, listeners: Listeners) {
+        *self.listeners.write() = listeners;
     }
 
     /// The discovery log generation counter.
     pub fn discovery_genctr(&self) -> u64 {
         self.genctr.load(Ordering::Relaxed)
+    }
+
+    /// Registers a connected discovery controller, to be told of discovery log changes.
+    pub fn add_discovery_controller(&self, ctrl: &Arc<Controller>) {
+        let mut list = self.discovery_controllers.lock();
+        list.retain(|c| c.upgrade().is_some_and(|c| !c.is_torn_down()));
+        list.push(Arc::downgrade(ctrl));
+    }
+
+    /// The connected discovery controllers.
+    pub fn discovery_controllers(&self) -> Vec<Arc<Controller>> {
+        let mut list = self.discovery_controllers.lock();
+        list.retain(|c| c.upgrade().is_some_and(|c| !c.is_torn_down()));
+        list.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// The discovery log changed: moves its generation counter and raises a Discovery Log
+    /// Page Change event on every connected discovery controller that asked for it.
+    pub fn discovery_changed(&self) {
+        self.genctr.fetch_add(1, Ordering::Relaxed);
+        for c in self.discovery_controllers() {
+            c.notify_discovery_changed();
+        }
     }
 
     /// A controller ID for a new discovery controller.
@@ -345,8 +369,8 @@ impl Target {
     /// Flushes every namespace's backend, logging failures. Returns the number of failures.
     pub async fn flush_all(&self) -> usize {
         let mut failures = 0;
-        for s in self.subsystems.values() {
-            for ns in s.namespaces.values() {
+        for s in self.subsystems().values() {
+            for ns in s.namespaces().values() {
                 if let Err(e) = ns.backend.flush().await {
                     error!(subsystem = %s.nqn, nsid = ns.nsid, error = %e, "flush failed");
                     failures += 1;
@@ -355,6 +379,62 @@ impl Target {
         }
         failures
     }
+}
+
+/// Opens the backend of namespace `index` (1-based position, for messages) of subsystem `nqn`.
+pub fn open_backend(
+    nqn: &str,
+    index: usize,
+    spec: &blockdev::BackendSpec,
+) -> Result<Arc<blockdev::AnyBackend>, StartError> {
+    blockdev::open(spec)
+        .map(Arc::new)
+        .map_err(|source| StartError::Backend {
+            nqn: nqn.to_string(),
+            index,
+            source,
+        })
+}
+
+/// Logs a namespace that starts being served.
+pub fn log_namespace_ready(nqn: &str, ns: &Namespace) {
+    info!(
+        subsystem = %nqn,
+        nsid = ns.nsid,
+        backend = %ns.description,
+        blocks = ns.blocks,
+        block_size = ns.block_size,
+        "namespace ready"
+    );
+    if let Some(loss) = ns.backend.crash_warning() {
+        warn!(subsystem = %nqn, nsid = ns.nsid, "{loss}");
+    }
+}
+
+/// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
+pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
+    let (socket, local) = if addr.transport == Transport::Rdma {
+        let l = crate::rdma::RdmaListener::bind(addr).map_err(|reason| StartError::Transport {
+            addr: addr.to_string(),
+            reason,
+        })?;
+        let local = l.local_addr();
+        (ListenerSocket::Rdma(l), local)
+    } else {
+        let socket = bind(addr)?;
+        let local = socket.local_addr().map_err(|source| StartError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        (ListenerSocket::Tcp(socket), local)
+    };
+    Ok(BoundListener {
+        addr: ListenAddr {
+            transport: addr.transport,
+            addr: local,
+        },
+        socket,
+    })
 }
 
 fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {

@@ -11,7 +11,9 @@ use nvme_spec::{FabricsCommand, IntoBytes, Sqe, Status};
 
 use crate::config::Config;
 use crate::controller::QueueOrigin;
+use crate::launcher::RunningTarget;
 use crate::queue::{HostSgl, QueueState, Submit};
+use crate::reconfigure::Registry;
 use crate::target::Target;
 
 /// The subsystem of [`target`].
@@ -29,6 +31,14 @@ pub fn config(namespaces: &[&str]) -> Config {
 /// A built target of [`config`].
 pub fn target(namespaces: &[&str]) -> Arc<Target> {
     Target::build(&config(namespaces)).unwrap().0
+}
+
+/// A started target of [`config`] (one reactor) under a [`Registry`]. Needs a tokio runtime.
+pub fn registry(namespaces: &[&str]) -> Registry {
+    let mut cfg = config(namespaces);
+    cfg.target.reactors = 1;
+    let (t, l) = Target::build(&cfg).unwrap();
+    Registry::new(RunningTarget::start(t, l).unwrap(), cfg)
 }
 
 /// The addresses of the test's queues.

@@ -317,6 +317,49 @@ impl FileBackend {
         })
     }
 
+    /// The same regular file grown to `size` bytes, sharing this backend's descriptor (and
+    /// so its `flock` claim). Refuses block devices, sizes that are not a multiple of the block
+    /// size, and shrinking, which would discard the data at the end.
+    pub fn grown(&self, size: u64) -> Result<Self, BackendError> {
+        let current = self.num_blocks * u64::from(self.block_size);
+        let refuse = |why: String| {
+            Err(BackendError::Config(format!(
+                "{}: {why}",
+                self.path.display()
+            )))
+        };
+        if self.block_device {
+            return refuse("a block device's size is the device's own".into());
+        }
+        if size == 0 || size % u64::from(self.block_size) != 0 {
+            return refuse(format!(
+                "size {size} is not a non-zero multiple of the block size {}",
+                self.block_size
+            ));
+        }
+        if size < current {
+            return refuse(format!(
+                "shrinking from {} to {} would discard data; only growing is supported",
+                crate::format_size(current),
+                crate::format_size(size)
+            ));
+        }
+        self.file
+            .set_len(size)
+            .map_err(|e| open_error(&self.path, e))?;
+        Ok(FileBackend {
+            file: Arc::clone(&self.file),
+            path: self.path.clone(),
+            block_size: self.block_size,
+            num_blocks: size / u64::from(self.block_size),
+            engine: self.engine,
+            direct: self.direct,
+            block_device: false,
+            zero_method: AtomicU8::new(self.zero_method.load(Ordering::Relaxed)),
+            punch_supported: AtomicBool::new(self.punch_supported.load(Ordering::Relaxed)),
+        })
+    }
+
     /// The path it was opened from.
     pub fn path(&self) -> &Path {
         &self.path
@@ -699,6 +742,23 @@ mod tests {
         );
         // This machine's kernel has io_uring.
         assert!(uring::availability().is_ok());
+    }
+
+    #[test]
+    fn growing_keeps_the_claim_and_shrinking_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns.img");
+        let small = FileBackend::open(&spec(&path, 1 << 20)).unwrap();
+        let big = small.grown(2 << 20).unwrap();
+        assert_eq!(big.num_blocks(), 512);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 2 << 20);
+        // The claim is shared, not taken twice; a new open still fails while either lives.
+        drop(small);
+        assert!(FileBackend::open(&FileSpec::new(&path)).is_err());
+        let e = big.grown(1 << 20).unwrap_err().to_string();
+        assert!(e.contains("would discard data"), "{e}");
+        assert!(big.grown(3 << 20 | 1).is_err());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 2 << 20);
     }
 
     #[test]

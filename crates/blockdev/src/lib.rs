@@ -209,6 +209,24 @@ impl AnyBackend {
         }
     }
 
+    /// A backend for the same storage with a new capacity of `size` bytes, for a namespace
+    /// resized while it is served: a null namespace takes any size; a regular file is grown
+    /// (never shrunk) and keeps its descriptor and claim. Memory namespaces, block devices,
+    /// cached files and PCIe namespaces are refused.
+    pub fn resized(&self, size: u64) -> Result<AnyBackend, BackendError> {
+        match self {
+            AnyBackend::Null(b) => Ok(AnyBackend::Null(NullBackend::new(size, b.block_size())?)),
+            AnyBackend::File(f) => Ok(AnyBackend::File(f.grown(size)?)),
+            other => Err(BackendError::Config(format!(
+                "{} namespaces cannot be resized while served",
+                match other {
+                    AnyBackend::Cached(_) => "cached file",
+                    o => o.kind(),
+                }
+            ))),
+        }
+    }
+
     /// What a crash does to this backend's data, for a line in the log when it is opened:
     /// `Some` for RAM (lost whatever the host does) and for a volatile cache (unflushed writes
     /// lost), `None` where completed and flushed writes survive.

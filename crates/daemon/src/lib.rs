@@ -6,9 +6,14 @@
 //! - [`error_line`]: an error and its causes, each said once.
 //! - [`Signals`]: SIGTERM and SIGINT stop a daemon; SIGHUP asks it to reload. Each daemon
 //!   decides what a reload means; none of them exits on SIGHUP.
+//! - [`bind_socket`] and [`lookup_group`]: a daemon's Unix socket, usable by root and by
+//!   the members of one group only.
 //!
 //! This crate must not know about NVMe, configuration files or transports.
 #![forbid(unsafe_code)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 
 use tokio::signal::unix::{Signal as UnixSignal, SignalKind, signal};
 use tracing_subscriber::EnvFilter;
@@ -145,6 +150,88 @@ impl Signals {
     }
 }
 
+/// Why a daemon's socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    /// Another live daemon answers on the socket.
+    #[error("{} is in use: another {daemon} is running", path.display())]
+    InUse {
+        /// The socket.
+        path: PathBuf,
+        /// The daemon's name.
+        daemon: String,
+    },
+    /// A file system step failed.
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The path concerned.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The group named for the socket does not exist.
+    #[error("group {0:?} not found in /etc/group")]
+    NoGroup(String),
+}
+
+/// The ID of a group given by name (from `/etc/group`) or as a number.
+pub fn lookup_group(name: &str) -> Result<u32, SocketError> {
+    if let Ok(gid) = name.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group").map_err(|source| SocketError::Io {
+        what: "read",
+        path: PathBuf::from("/etc/group"),
+        source,
+    })?;
+    groups
+        .lines()
+        .find_map(|line| {
+            let mut f = line.split(':');
+            (f.next() == Some(name)).then(|| f.nth(1).and_then(|g| g.parse().ok()))?
+        })
+        .ok_or_else(|| SocketError::NoGroup(name.to_string()))
+}
+
+/// Binds `daemon`'s Unix socket at `path`: creates its directory (mode 0755) if missing,
+/// refuses to replace the socket of a live daemon, removes a stale one, and gives the socket
+/// mode 0660 and the group `gid` when given, so that only root and that group's members can
+/// connect. Needs a tokio runtime.
+pub fn bind_socket(
+    path: &Path,
+    gid: Option<u32>,
+    daemon: &str,
+) -> Result<tokio::net::UnixListener, SocketError> {
+    let io = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SocketError::Io { what, path, source }
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(SocketError::InUse {
+                path: path.to_path_buf(),
+                daemon: daemon.to_string(),
+            });
+        }
+        std::fs::remove_file(path).map_err(io("remove the stale socket", path))?;
+    }
+    let listener = tokio::net::UnixListener::bind(path).map_err(io("listen on", path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(io("set the mode of", path))?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(path, None, Some(gid)).map_err(io("set the group of", path))?;
+    }
+    Ok(listener)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +242,26 @@ mod tests {
         Open { source: std::io::Error },
         #[error("cannot start")]
         Start(#[source] std::io::Error),
+    }
+
+    #[tokio::test]
+    async fn a_socket_is_private_and_a_live_one_is_not_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/d.sock");
+        let l = bind_socket(&path, None, "testd").unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o660);
+        let e = bind_socket(&path, None, "testd").unwrap_err().to_string();
+        assert!(e.contains("another testd is running"), "{e}");
+        drop(l);
+        // A stale socket (nobody listening) is replaced.
+        bind_socket(&path, Some(0), "testd").unwrap();
+        assert_eq!(lookup_group("0").unwrap(), 0);
+        assert_eq!(lookup_group("root").unwrap(), 0);
+        assert!(matches!(
+            lookup_group("no-such-group-x"),
+            Err(SocketError::NoGroup(_))
+        ));
     }
 
     #[test]

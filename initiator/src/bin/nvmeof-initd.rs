@@ -2,8 +2,7 @@
 //! and serves the `nvmeof` CLI and local programs over a Unix socket.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,7 +19,7 @@ use nvmeof_initiator::{
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
@@ -160,10 +159,10 @@ async fn run(args: Args) -> Result<()> {
         .with_context(|| format!("cannot create the state directory {}", state_dir.display()))?;
     let identity = HostIdentity::load_or_create(&state_dir)?;
     let gid = match &args.group {
-        Some(g) => Some(lookup_group(g)?),
+        Some(g) => Some(nvmeof_daemon::lookup_group(g)?),
         None => None,
     };
-    let listener = bind(&socket, gid)?;
+    let listener = nvmeof_daemon::bind_socket(&socket, gid, "nvmeof-initd")?;
     let d = Arc::new(Daemon {
         state_file: state_dir.join("attachments.json"),
         identity,
@@ -208,54 +207,6 @@ async fn run(args: Args) -> Result<()> {
     d.stop_all().await;
     info!("stopped");
     Ok(())
-}
-
-/// Finds a group ID in /etc/group.
-fn lookup_group(name: &str) -> Result<u32> {
-    if let Ok(gid) = name.parse::<u32>() {
-        return Ok(gid);
-    }
-    let groups = std::fs::read_to_string("/etc/group").context("cannot read /etc/group")?;
-    for line in groups.lines() {
-        let mut f = line.split(':');
-        if f.next() == Some(name) {
-            if let Some(gid) = f.nth(1).and_then(|g| g.parse().ok()) {
-                return Ok(gid);
-            }
-        }
-    }
-    bail!("group {name:?} not found in /etc/group")
-}
-
-/// Binds the socket: refuses to replace a live daemon's socket, removes a stale one, sets mode
-/// 0660 and the group.
-fn bind(path: &Path, gid: Option<u32>) -> Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        if !dir.as_os_str().is_empty() && !dir.exists() {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755));
-        }
-    }
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            bail!(
-                "{} is in use: another nvmeof-initd is running",
-                path.display()
-            );
-        }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("cannot set the mode of {}", path.display()))?;
-    if let Some(gid) = gid {
-        std::os::unix::fs::chown(path, None, Some(gid))
-            .with_context(|| format!("cannot give {} to group {gid}", path.display()))?;
-    }
-    Ok(listener)
 }
 
 fn valid_name(name: &str) -> bool {

@@ -9,9 +9,12 @@ use anyhow::Context;
 use blockdev::BackendSpec;
 use clap::Parser;
 use nvmeof_daemon::{LogFormat, Signal, Signals};
-use nvmeof_target::config::{Config, DEFAULT_NQN, ListenAddr};
+use nvmeof_target::config::{Config, DEFAULT_CONTROL_SOCKET, DEFAULT_NQN, ListenAddr};
+use nvmeof_target::control::{Request, Response};
+use nvmeof_target::reconfigure::Registry;
 use nvmeof_target::{RunningTarget, Target};
-use tracing::{info, warn};
+use serde_json::Value;
+use tracing::{error, info, warn};
 
 /// Export block storage as NVMe namespaces over NVMe/TCP.
 ///
@@ -21,12 +24,23 @@ use tracing::{info, warn};
 ///   nvme discover -t tcp -a 127.0.0.1 -s 4420
 ///   nvme connect -t tcp -a 127.0.0.1 -s 4420 -n nqn.2026-11.io.nvmeof-direct:default
 ///
+/// Change it while it runs with `nvmeof-targetd ctl` (see `nvmeof-targetd ctl --help`):
+///   nvmeof-targetd ctl add-namespace --subsystem NQN --backend file:/srv/ns2.img,size=10G
+///
 /// SIGTERM or SIGINT: stop accepting, complete in-flight commands, flush, exit 0.
-/// SIGHUP: logged and ignored (configuration reload is not supported yet).
+/// SIGHUP: reload the --config file and apply what changed (nothing if it is invalid).
 /// NVMEOF_LOG: off, error, warn, info (default), debug, trace, or TARGET=LEVEL.
 #[derive(Debug, Parser)]
-#[command(name = "nvmeof-targetd", version, verbatim_doc_comment)]
+#[command(
+    name = "nvmeof-targetd",
+    version,
+    verbatim_doc_comment,
+    args_conflicts_with_subcommands = true
+)]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// TOML configuration file (subsystems, namespaces, listeners, allowed hosts, limits).
     /// See deploy/nvmeof-targetd.toml for an annotated example.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["listen", "subsystem", "namespace", "allow_any_host", "host"])]
@@ -89,9 +103,48 @@ struct Args {
     #[arg(long)]
     check: bool,
 
+    /// The control socket (default: the config's control_socket, else
+    /// /run/nvmeof/targetd.sock; the default is skipped with a warning when another daemon
+    /// holds it or it cannot be created).
+    #[arg(long, value_name = "PATH")]
+    control_socket: Option<PathBuf>,
+
+    /// Group (name or ID) allowed to use the control socket besides root (default: the
+    /// config's control_group).
+    #[arg(long, value_name = "GROUP")]
+    control_group: Option<String>,
+
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Inspect or change a running nvmeof-targetd through its control socket. Every change is
+    /// checked as a whole before anything changes; hosts are told (new namespaces appear on
+    /// them without a reconnect).
+    Ctl(CtlArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CtlArgs {
+    /// The daemon's control socket.
+    #[arg(long, env = "NVMEOF_TARGETD_SOCKET", value_name = "PATH", default_value = DEFAULT_CONTROL_SOCKET)]
+    socket: PathBuf,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "normal")]
+    output: Output,
+    #[command(subcommand)]
+    request: Request,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Output {
+    /// Lines for people.
+    Normal,
+    /// The daemon's JSON answer.
+    Json,
 }
 
 fn load_config(args: &Args) -> anyhow::Result<Config> {
@@ -146,7 +199,11 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     Ok(cfg)
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(mut args: Args) -> anyhow::Result<()> {
+    if let Some(Command::Ctl(ctl)) = args.command.take() {
+        return run_ctl(ctl).await;
+    }
+    let args = Arc::new(args);
     // Watched before anything else, so a signal during start-up is handled, not fatal.
     let mut signals = Signals::new().context("cannot install signal handlers")?;
     let cfg = load_config(&args)?;
@@ -157,7 +214,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
         println!(
             "configuration OK: {} subsystem(s), {} listener(s)",
-            target.subsystems.len(),
+            target.subsystems().len(),
             listeners.len()
         );
         return Ok(());
@@ -178,6 +235,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(nvmeof_target::metrics::serve(Arc::clone(&target), listener));
     }
     let running = RunningTarget::start(target, listeners)?;
+    let registry = Arc::new(Registry::new(running, cfg.clone()));
+    let socket = control_socket(&args, &cfg, &registry)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
 
@@ -187,21 +246,160 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 info!("{name} received");
                 break;
             }
-            Signal::Reload => reload(),
+            Signal::Reload => {
+                let (args, registry) = (Arc::clone(&args), Arc::clone(&registry));
+                let _ = tokio::task::spawn_blocking(move || reload(&args, &registry)).await;
+            }
         }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
-    let failures = running.shutdown().await;
+    let failures = registry.running().shutdown().await;
+    if let Some(path) = socket {
+        let _ = std::fs::remove_file(path);
+    }
     if failures > 0 {
         anyhow::bail!("{failures} namespace(s) failed to flush at shutdown");
     }
     Ok(())
 }
 
-/// Answers SIGHUP. The running target keeps its configuration: subsystems, namespaces and
-/// listeners are fixed at start.
-fn reload() {
-    warn!("SIGHUP: configuration reload is not supported; ignoring (restart to apply changes)");
+/// Binds the control socket and serves it. Returns its path, to remove at exit; None when
+/// the default socket cannot be used (a warning says why).
+fn control_socket(
+    args: &Args,
+    cfg: &Config,
+    registry: &Arc<Registry>,
+) -> anyhow::Result<Option<PathBuf>> {
+    let chosen = args
+        .control_socket
+        .clone()
+        .or_else(|| cfg.target.control_socket.clone());
+    let path = chosen
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL_SOCKET));
+    let group = args
+        .control_group
+        .as_ref()
+        .or(cfg.target.control_group.as_ref());
+    let gid = group.map(|g| nvmeof_daemon::lookup_group(g)).transpose()?;
+    let listener = match nvmeof_daemon::bind_socket(&path, gid, "nvmeof-targetd") {
+        Ok(l) => l,
+        // The default is best effort (another daemon holds it, or /run is not writable for
+        // this user); a socket asked for must work.
+        Err(e) if chosen.is_none() => {
+            warn!("{e}: no control socket for this daemon (give --control-socket PATH)");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    info!(socket = %path.display(), "control socket ready");
+    tokio::spawn(nvmeof_target::control::serve(
+        listener,
+        Arc::clone(registry),
+    ));
+    Ok(Some(path))
+}
+
+/// Answers SIGHUP: reads the configuration file again and applies what changed, all or
+/// nothing.
+fn reload(args: &Args, registry: &Registry) {
+    let Some(path) = &args.config else {
+        warn!("SIGHUP: started without --config; nothing to reload");
+        return;
+    };
+    info!(path = %path.display(), "SIGHUP: reloading the configuration");
+    let result = load_config(args).and_then(|cfg| Ok(registry.apply(cfg)?));
+    match result {
+        Ok(changes) if changes.is_empty() => info!("reload: nothing changed"),
+        Ok(changes) => info!(changes = changes.len(), "reload applied"),
+        Err(e) => error!(
+            "reload refused, nothing changed: {}",
+            nvmeof_daemon::error_line(e.as_ref())
+        ),
+    }
+}
+
+/// `nvmeof-targetd ctl`: one request, its answer on stdout; exit status 1 when refused.
+async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
+    let mut request = ctl.request;
+    if let Request::Save { path } = &mut request {
+        *path = std::path::absolute(&*path)
+            .with_context(|| format!("{}: cannot make the path absolute", path.display()))?;
+    }
+    let resp = nvmeof_target::control::request(&ctl.socket, &request).await?;
+    match ctl.output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&resp)?),
+        Output::Normal => print_normal(&resp),
+    }
+    match resp.error {
+        Some(e) if ctl.output == Output::Normal => anyhow::bail!("{e}"),
+        Some(_) => Err(anyhow::anyhow!("request refused")),
+        None => Ok(()),
+    }
+}
+
+fn print_normal(resp: &Response) {
+    if let Some(changes) = &resp.changes {
+        if changes.is_empty() {
+            println!("nothing changed");
+        }
+        for c in changes {
+            println!("{c}");
+        }
+    }
+    let Some(status) = &resp.status else { return };
+    let list = |v: &Value| -> String {
+        let items: Vec<&str> = v
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        if items.is_empty() {
+            "none".into()
+        } else {
+            items.join(", ")
+        }
+    };
+    println!("listeners: {}", list(&status["listeners"]));
+    println!(
+        "discovery listeners: {}",
+        list(&status["discovery_listeners"])
+    );
+    for s in status["subsystems"].as_array().into_iter().flatten() {
+        println!(
+            "subsystem {} (serial {}, model {})",
+            s["nqn"].as_str().unwrap_or("?"),
+            s["serial"].as_str().unwrap_or("?"),
+            s["model"].as_str().unwrap_or("?")
+        );
+        if s["allow_any_host"].as_bool() == Some(true) {
+            println!("  hosts: any");
+        } else {
+            println!("  hosts: {}", list(&s["hosts"]));
+        }
+        for ns in s["namespaces"].as_array().into_iter().flatten() {
+            println!(
+                "  namespace {}: {} ({} blocks of {} bytes, {})",
+                ns["nsid"],
+                ns["backend"].as_str().unwrap_or("?"),
+                ns["blocks"],
+                ns["block_size"],
+                blockdev::format_size(ns["size"].as_u64().unwrap_or(0))
+            );
+        }
+        for c in s["controllers"].as_array().into_iter().flatten() {
+            println!(
+                "  controller {}: {} from {}, {} I/O queues, keep alive {} ms",
+                c["cntlid"],
+                c["host"].as_str().unwrap_or("?"),
+                c["peer"].as_str().unwrap_or("?"),
+                c["io_queues"],
+                c["keep_alive_ms"]
+            );
+        }
+    }
+    if let Some(n) = status["connections"].as_u64() {
+        println!("connections: {n}");
+    }
 }
 
 fn main() -> ExitCode {

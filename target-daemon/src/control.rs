@@ -1,0 +1,597 @@
+//! The control socket of `nvmeof-targetd`: a small, versioned JSON protocol to inspect and
+//! change the running target, and its client (`nvmeof-targetd ctl`).
+//!
+//! One JSON object per line in each direction. A request carries `"version": 1` and an `op`
+//! with its fields ([`Request`]); unknown fields are refused. The answer ([`Response`]) has
+//! `ok`, and either `error` (one line; nothing changed) or what the request produced:
+//! `changes` (one line per change applied) or `status` (a JSON object, see
+//! [`Registry::describe`]). Changes go through [`Registry::edit`]: validated as a whole,
+//! applied atomically per request.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use blockdev::BackendSpec;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tracing::{debug, warn};
+
+use crate::config::{
+    Config, DEFAULT_MODEL, ListenAddr, ListenerConfig, NamespaceConfig, SubsystemConfig,
+};
+use crate::reconfigure::{ChangeError, Registry, refused};
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Longest request line accepted, in bytes.
+pub const MAX_REQUEST: usize = 64 * 1024;
+/// How long a client waits for an answer.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A request (the `op` field names it, in kebab-case; its fields are snake_case). It is also
+/// the `nvmeof-targetd ctl` command line.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, clap::Subcommand)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Request {
+    /// Subsystems, namespaces, allowed hosts and listeners.
+    List {},
+    /// Like `list`, plus the connected controllers and the number of open connections.
+    Status {},
+    /// Adds a subsystem (without namespaces: add them with `add-namespace`).
+    AddSubsystem {
+        /// Its NQN.
+        #[arg(long, value_name = "NQN")]
+        nqn: String,
+        /// Accept any host.
+        #[serde(default)]
+        #[arg(long)]
+        allow_any_host: bool,
+        /// Allowed host NQNs.
+        #[serde(default)]
+        #[arg(long = "host", value_name = "NQN")]
+        hosts: Vec<String>,
+        /// Serial number (default: derived from the NQN).
+        #[serde(default)]
+        #[arg(long, value_name = "SERIAL")]
+        serial: Option<String>,
+        /// Model number.
+        #[serde(default)]
+        #[arg(long, value_name = "MODEL")]
+        model: Option<String>,
+    },
+    /// Removes a subsystem, disconnecting its controllers.
+    RemoveSubsystem {
+        /// Its NQN.
+        #[arg(long, value_name = "NQN")]
+        nqn: String,
+    },
+    /// Adds a namespace with any backend spec (`mem:`, `null:`, `file:`, `bdev:`, `pcie:`).
+    AddNamespace {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// Backend spec.
+        #[arg(long, value_name = "SPEC")]
+        backend: String,
+        /// NSID (default: one more than the highest).
+        #[serde(default)]
+        #[arg(long, value_name = "NSID")]
+        nsid: Option<u32>,
+        /// UUID (default: derived from the subsystem NQN and NSID).
+        #[serde(default)]
+        #[arg(long, value_name = "UUID")]
+        uuid: Option<String>,
+    },
+    /// Removes a namespace.
+    RemoveNamespace {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// NSID.
+        #[arg(long, value_name = "NSID")]
+        nsid: u32,
+    },
+    /// Changes a namespace's size (null namespaces; files grow only).
+    ResizeNamespace {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// NSID.
+        #[arg(long, value_name = "NSID")]
+        nsid: u32,
+        /// New size, e.g. `2G`.
+        #[arg(long, value_name = "SIZE")]
+        size: String,
+    },
+    /// Allows a host.
+    AddHost {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// Host NQN.
+        #[arg(long, value_name = "NQN")]
+        host: String,
+    },
+    /// Stops allowing a host and disconnects its controllers.
+    RemoveHost {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// Host NQN.
+        #[arg(long, value_name = "NQN")]
+        host: String,
+    },
+    /// Starts listening on an address (NVMe/TCP).
+    AddListener {
+        /// `tcp://ADDR:PORT`.
+        #[arg(value_name = "tcp://ADDR:PORT")]
+        address: String,
+        /// A dedicated discovery listener.
+        #[serde(default)]
+        #[arg(long)]
+        discovery: bool,
+    },
+    /// Stops listening on an address; connections it accepted stay.
+    RemoveListener {
+        /// `tcp://ADDR:PORT`.
+        #[arg(value_name = "tcp://ADDR:PORT")]
+        address: String,
+        /// A dedicated discovery listener.
+        #[serde(default)]
+        #[arg(long)]
+        discovery: bool,
+    },
+    /// Disconnects controllers by ID or host NQN.
+    Disconnect {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// Controller ID.
+        #[serde(default)]
+        #[arg(long, value_name = "CNTLID")]
+        cntlid: Option<u16>,
+        /// Host NQN.
+        #[serde(default)]
+        #[arg(long, value_name = "NQN")]
+        host: Option<String>,
+    },
+    /// Writes the running configuration to a TOML file (absolute on the wire; `ctl` makes it
+    /// absolute).
+    Save {
+        /// Where.
+        #[arg(value_name = "FILE")]
+        path: PathBuf,
+    },
+}
+
+/// An answer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    /// The protocol version.
+    pub version: u32,
+    /// Whether the request succeeded.
+    pub ok: bool,
+    /// Why it failed (nothing changed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// What changed, one line each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changes: Option<Vec<String>>,
+    /// The target's state (list, status).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<Value>,
+}
+
+impl Response {
+    fn error(msg: impl Into<String>) -> Self {
+        Response {
+            version: PROTOCOL_VERSION,
+            error: Some(msg.into()),
+            ..Default::default()
+        }
+    }
+
+    fn ok() -> Self {
+        Response {
+            version: PROTOCOL_VERSION,
+            ok: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// Encodes a request as one line (without the newline).
+pub fn encode(req: &Request) -> String {
+    let mut v = serde_json::to_value(req).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("version".into(), PROTOCOL_VERSION.into());
+    }
+    v.to_string()
+}
+
+/// Decodes a request line: a JSON object with `"version": 1`, an `op` and that op's fields.
+pub fn decode(line: &str) -> Result<Request, String> {
+    let v: Value = serde_json::from_str(line).map_err(|e| format!("malformed request: {e}"))?;
+    let Value::Object(mut m) = v else {
+        return Err("malformed request: expected a JSON object".into());
+    };
+    match m.remove("version") {
+        Some(Value::Number(n)) if n.as_u64() == Some(u64::from(PROTOCOL_VERSION)) => {}
+        Some(other) => {
+            return Err(format!(
+                "unsupported protocol version {other}; this target speaks version {PROTOCOL_VERSION}"
+            ));
+        }
+        None => return Err(format!("missing \"version\" (use {PROTOCOL_VERSION})")),
+    }
+    serde_json::from_value(Value::Object(m)).map_err(|e| format!("invalid request: {e}"))
+}
+
+fn subsystem<'a>(cfg: &'a mut Config, nqn: &str) -> Result<&'a mut SubsystemConfig, ChangeError> {
+    match cfg.subsystems.iter_mut().find(|s| s.nqn == nqn) {
+        Some(s) => Ok(s),
+        None => refused(format!("no subsystem {nqn}")),
+    }
+}
+
+fn parse<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, ChangeError>
+where
+    T::Err: std::fmt::Display,
+{
+    s.parse()
+        .map_err(|e| ChangeError::Refused(format!("{what} {s:?}: {e}")))
+}
+
+/// Applies a changing request to a copy of the running configuration.
+fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
+    match req {
+        Request::AddSubsystem {
+            nqn,
+            allow_any_host,
+            hosts,
+            serial,
+            model,
+        } => {
+            if cfg.subsystems.iter().any(|s| &s.nqn == nqn) {
+                return refused(format!("subsystem {nqn} exists already"));
+            }
+            cfg.subsystems.push(SubsystemConfig {
+                nqn: nqn.clone(),
+                serial: serial.clone(),
+                model: model.clone().unwrap_or_else(|| DEFAULT_MODEL.into()),
+                allow_any_host: *allow_any_host,
+                hosts: hosts.clone(),
+                auth_hosts: Vec::new(),
+                namespaces: Vec::new(),
+            });
+        }
+        Request::RemoveSubsystem { nqn } => {
+            subsystem(cfg, nqn)?;
+            cfg.subsystems.retain(|s| &s.nqn != nqn);
+        }
+        Request::AddNamespace {
+            subsystem: nqn,
+            backend,
+            nsid,
+            uuid,
+        } => {
+            let backend: BackendSpec = parse("backend", backend)?;
+            let s = subsystem(cfg, nqn)?;
+            let nsid = match nsid {
+                Some(n) if s.nsids().any(|id| id == *n) => {
+                    return refused(format!("subsystem {nqn} already has namespace {n}"));
+                }
+                Some(n) => *n,
+                None => s.nsids().max().unwrap_or(0).saturating_add(1),
+            };
+            s.namespaces.push(NamespaceConfig {
+                nsid: Some(nsid),
+                backend,
+                uuid: uuid.clone(),
+            });
+        }
+        Request::RemoveNamespace {
+            subsystem: nqn,
+            nsid,
+        } => {
+            let s = subsystem(cfg, nqn)?;
+            let Some(i) = s.nsids().position(|id| id == *nsid) else {
+                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
+            };
+            s.namespaces.remove(i);
+        }
+        Request::ResizeNamespace {
+            subsystem: nqn,
+            nsid,
+            size,
+        } => {
+            let bytes =
+                blockdev::parse_size(size).map_err(|e| ChangeError::Refused(e.to_string()))?;
+            let s = subsystem(cfg, nqn)?;
+            let Some(i) = s.nsids().position(|id| id == *nsid) else {
+                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
+            };
+            match &mut s.namespaces[i].backend {
+                BackendSpec::Null { size, .. } | BackendSpec::Memory { size, .. } => *size = bytes,
+                BackendSpec::File(f) => f.create_size = Some(bytes),
+                other => {
+                    return refused(format!(
+                        "{other}: only null and file namespaces can be resized"
+                    ));
+                }
+            }
+        }
+        Request::AddHost {
+            subsystem: nqn,
+            host,
+        } => {
+            let s = subsystem(cfg, nqn)?;
+            if s.hosts.contains(host) {
+                return refused(format!("host {host} is already allowed on {nqn}"));
+            }
+            s.hosts.push(host.clone());
+        }
+        Request::RemoveHost {
+            subsystem: nqn,
+            host,
+        } => {
+            let s = subsystem(cfg, nqn)?;
+            if !s.hosts.contains(host) {
+                return refused(format!("host {host} is not on the allowed list of {nqn}"));
+            }
+            s.hosts.retain(|h| h != host);
+        }
+        Request::AddListener { address, discovery } => {
+            let a: ListenAddr = parse("address", address)?;
+            let io = cfg.listeners.iter().map(|l| &l.address);
+            if io.chain(&cfg.discovery.listen).any(|l| *l == a) {
+                return refused(format!("already listening on {a}"));
+            }
+            if *discovery {
+                cfg.discovery.listen.push(a);
+            } else {
+                cfg.listeners.push(ListenerConfig { address: a });
+            }
+        }
+        Request::RemoveListener { address, discovery } => {
+            let a: ListenAddr = parse("address", address)?;
+            let before = cfg.listeners.len() + cfg.discovery.listen.len();
+            if *discovery {
+                cfg.discovery.listen.retain(|l| *l != a);
+            } else {
+                cfg.listeners.retain(|l| l.address != a);
+            }
+            if cfg.listeners.len() + cfg.discovery.listen.len() == before {
+                return refused(format!(
+                    "no {}listener on {a}",
+                    if *discovery { "discovery " } else { "" }
+                ));
+            }
+        }
+        Request::List {}
+        | Request::Status {}
+        | Request::Disconnect { .. }
+        | Request::Save { .. } => {}
+    }
+    Ok(())
+}
+
+/// Answers one request line.
+pub fn handle(registry: &Registry, line: &str) -> Response {
+    let req = match decode(line) {
+        Ok(r) => r,
+        Err(e) => return Response::error(e),
+    };
+    let result = match &req {
+        Request::List {} | Request::Status {} => {
+            return Response {
+                status: Some(registry.describe(req == Request::Status {})),
+                ..Response::ok()
+            };
+        }
+        Request::Save { path } if !path.is_absolute() => {
+            return Response::error(format!("{}: give an absolute path", path.display()));
+        }
+        Request::Save { path } => registry
+            .save(path)
+            .map(|()| vec![format!("saved {}", path.display())]),
+        Request::Disconnect {
+            subsystem,
+            cntlid,
+            host,
+        } => registry.disconnect(subsystem, *cntlid, host.as_deref()),
+        _ => registry.edit(|cfg| edit(&req, cfg)),
+    };
+    match result {
+        Ok(changes) => Response {
+            changes: Some(changes),
+            ..Response::ok()
+        },
+        Err(e) => {
+            let e = nvmeof_daemon::error_line(&e);
+            warn!(request = %line.trim(), error = %e, "control request refused");
+            Response::error(e)
+        }
+    }
+}
+
+/// Serves the control socket until the target shuts down.
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
+    let mut shutdown = registry.target().subscribe_shutdown();
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => {
+                    tokio::spawn(serve_client(stream, Arc::clone(&registry)));
+                }
+                Err(e) => {
+                    warn!(error = %e, "control socket: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = shutdown.changed() => break,
+        }
+    }
+}
+
+async fn serve_client(stream: UnixStream, registry: Arc<Registry>) {
+    let (r, mut w) = stream.into_split();
+    let mut r = BufReader::new(r).take(MAX_REQUEST as u64 + 1);
+    loop {
+        let mut line = String::new();
+        let answer = match r.read_line(&mut line).await {
+            Ok(0) => return,
+            Ok(_)
+                if line.len() > MAX_REQUEST
+                    || !line.ends_with('\n') && line.len() >= MAX_REQUEST =>
+            {
+                let resp = Response::error(format!("request longer than {MAX_REQUEST} bytes"));
+                let _ = write_line(&mut w, &resp).await;
+                return;
+            }
+            Ok(_) => {
+                r.set_limit(MAX_REQUEST as u64 + 1);
+                let reg = Arc::clone(&registry);
+                match tokio::task::spawn_blocking(move || handle(&reg, &line)).await {
+                    Ok(a) => a,
+                    Err(e) => Response::error(format!("internal error: {e}")),
+                }
+            }
+            Err(e) => {
+                // Not UTF-8, or the socket failed.
+                let resp = Response::error(format!("malformed request: {e}"));
+                let _ = write_line(&mut w, &resp).await;
+                return;
+            }
+        };
+        if write_line(&mut w, &answer).await.is_err() {
+            debug!("control client went away");
+            return;
+        }
+    }
+}
+
+async fn write_line(
+    w: &mut tokio::net::unix::OwnedWriteHalf,
+    resp: &Response,
+) -> std::io::Result<()> {
+    let mut out = serde_json::to_string(resp).unwrap_or_default();
+    out.push('\n');
+    w.write_all(out.as_bytes()).await
+}
+
+/// Why a control request got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The socket could not be reached.
+    #[error("cannot connect to {} ({source}){hint}; is nvmeof-targetd running? (--socket names another socket)", path.display())]
+    Connect {
+        /// The socket.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+        /// A hint for a permission problem.
+        hint: &'static str,
+    },
+    /// The exchange failed.
+    #[error("{}: {reason}", path.display())]
+    Exchange {
+        /// The socket.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// Sends one request line (as given) to the socket at `path` and returns the answer.
+pub async fn request_line(path: &Path, line: &str) -> Result<Response, ClientError> {
+    let fail = |reason: String| ClientError::Exchange {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let stream = UnixStream::connect(path)
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: path.to_path_buf(),
+            hint: if source.kind() == std::io::ErrorKind::PermissionDenied {
+                " (only root and the socket's group may use it)"
+            } else {
+                ""
+            },
+            source,
+        })?;
+    let (r, mut w) = stream.into_split();
+    let io = async {
+        w.write_all(format!("{line}\n").as_bytes()).await?;
+        let mut answer = String::new();
+        BufReader::new(r).read_line(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    let answer = tokio::time::timeout(CLIENT_TIMEOUT, io)
+        .await
+        .map_err(|_| fail("no answer".into()))?
+        .map_err(|e| fail(e.to_string()))?;
+    if answer.is_empty() {
+        return Err(fail("closed the connection without answering".into()));
+    }
+    serde_json::from_str(&answer).map_err(|e| fail(format!("unreadable answer: {e}")))
+}
+
+/// Sends `req` to the socket at `path` and returns the answer.
+pub async fn request(path: &Path, req: &Request) -> Result<Response, ClientError> {
+    request_line(path, &encode(req)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_and_strangers_are_refused() {
+        let req = Request::AddNamespace {
+            subsystem: "nqn.x".into(),
+            backend: "null:1G".into(),
+            nsid: Some(2),
+            uuid: None,
+        };
+        let line = encode(&req);
+        assert!(line.contains("\"op\":\"add-namespace\""), "{line}");
+        assert!(line.contains("\"version\":1"), "{line}");
+        assert_eq!(decode(&line).unwrap(), req);
+        assert_eq!(
+            decode(r#"{"version":1,"op":"list"}"#).unwrap(),
+            Request::List {}
+        );
+        for (bad, why) in [
+            ("{not json", "malformed request"),
+            ("[1]", "expected a JSON object"),
+            (r#"{"op":"list"}"#, "missing \"version\""),
+            (
+                r#"{"version":2,"op":"list"}"#,
+                "unsupported protocol version 2",
+            ),
+            (
+                r#"{"version":1,"op":"list","extra":1}"#,
+                "unknown field `extra`",
+            ),
+            (
+                r#"{"version":1,"op":"remove-namespace","subsystem":"s","nsid":1,"nsdi":2}"#,
+                "unknown field `nsdi`",
+            ),
+            (
+                r#"{"version":1,"op":"format-disk"}"#,
+                "unknown variant `format-disk`",
+            ),
+            (
+                r#"{"version":1,"op":"remove-namespace","subsystem":"s"}"#,
+                "missing field `nsid`",
+            ),
+        ] {
+            let e = decode(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+}

@@ -1,0 +1,881 @@
+//! Changes to a running target. Every change, from the control socket ([`crate::control`]) or
+//! from a reloaded configuration file (SIGHUP), is a whole new [`Config`] that
+//! [`Registry::apply`] compares with the running one and applies entirely or not at all:
+//!
+//! 1. validate: the new configuration must pass [`Config::validate`]; the `[target]`
+//!    settings, a subsystem's serial and model, a namespace's UUID and RDMA listeners change
+//!    only at a restart; a namespace's backend may change only in size;
+//! 2. prepare, the steps that can fail: bind the new listeners, open the new namespaces'
+//!    backends, grow the resized files. A failure drops what was prepared and changes
+//!    nothing;
+//! 3. commit, which cannot fail: swap the listener, subsystem, host and namespace tables,
+//!    then tell the hosts: a Namespace Attribute Notice (and the Changed Namespace List) on
+//!    every controller of a subsystem whose namespaces changed, a disconnect for the
+//!    controllers of a host no longer allowed or of a removed subsystem, and a Discovery Log
+//!    Page Change notice on every discovery controller when the discovery log changed.
+//!
+//! A command already running on a namespace that is removed holds the namespace's backend
+//! and completes normally; the commands that follow fail with Invalid Namespace. A removed
+//! namespace's backend is flushed, then closed when its last command completes.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use blockdev::{Backend, BackendSpec};
+use parking_lot::Mutex;
+use serde_json::{Value, json};
+use tracing::{info, warn};
+
+use crate::config::{Config, ConfigError, ListenAddr, SubsystemConfig, Transport, parse_uuid};
+use crate::launcher::RunningTarget;
+use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
+use crate::target::{
+    Listeners, StartError, Target, bind_listener, log_namespace_ready, open_backend,
+};
+
+/// Why a change was refused. Nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChangeError {
+    /// The resulting configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A backend could not be opened or a listener bound.
+    #[error(transparent)]
+    Start(#[from] StartError),
+    /// The change is not possible on a running target, or names something that does not
+    /// exist.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// A [`ChangeError::Refused`] with `msg`.
+pub fn refused<T>(msg: impl Into<String>) -> Result<T, ChangeError> {
+    Err(ChangeError::Refused(msg.into()))
+}
+
+/// A running target and the configuration it runs, changed together.
+pub struct Registry {
+    running: RunningTarget,
+    config: Mutex<Config>,
+}
+
+/// What changes in one existing subsystem.
+struct SubsystemPlan {
+    sub: Arc<Subsystem>,
+    access: Option<HostAccess>,
+    namespaces: Option<NamespaceMap>,
+    changed_nsids: Vec<u32>,
+    removed: Vec<Arc<Namespace>>,
+}
+
+/// The new capacity when `new` is `old` with another size, the only backend change a running
+/// namespace takes.
+fn resized_to(old: &BackendSpec, new: &BackendSpec) -> Option<u64> {
+    match (old, new) {
+        (
+            BackendSpec::Null { block_size: a, .. },
+            BackendSpec::Null {
+                size,
+                block_size: b,
+            },
+        )
+        | (
+            BackendSpec::Memory { block_size: a, .. },
+            BackendSpec::Memory {
+                size,
+                block_size: b,
+            },
+        ) if a == b => Some(*size),
+        (BackendSpec::File(o), BackendSpec::File(n)) => {
+            let mut same = o.clone();
+            same.create_size = n.create_size;
+            if same == *n { n.create_size } else { None }
+        }
+        _ => None,
+    }
+}
+
+/// The addresses in `a` that are not in `b`.
+fn missing(a: &[ListenAddr], b: &[ListenAddr]) -> Vec<ListenAddr> {
+    a.iter().filter(|x| !b.contains(x)).cloned().collect()
+}
+
+impl Registry {
+    /// Takes over a started target and the configuration it was built from. NSIDs are written
+    /// out and listener addresses replaced by the bound ones, so that [`Registry::save`]
+    /// writes what runs.
+    pub fn new(running: RunningTarget, cfg: Config) -> Self {
+        let mut cfg = cfg.with_explicit_nsids();
+        let bound = running.target.listeners();
+        for (l, a) in cfg.listeners.iter_mut().zip(bound.io) {
+            l.address = a;
+        }
+        for (l, a) in cfg.discovery.listen.iter_mut().zip(bound.discovery) {
+            *l = a;
+        }
+        Registry {
+            running,
+            config: Mutex::new(cfg),
+        }
+    }
+
+    /// The running target.
+    pub fn running(&self) -> &RunningTarget {
+        &self.running
+    }
+
+    /// The target's shared state.
+    pub fn target(&self) -> &Arc<Target> {
+        &self.running.target
+    }
+
+    /// The running configuration.
+    pub fn config(&self) -> Config {
+        self.config.lock().clone()
+    }
+
+    /// Applies the running configuration as changed by `edit`. Returns what changed, one line
+    /// each.
+    pub fn edit(
+        &self,
+        edit: impl FnOnce(&mut Config) -> Result<(), ChangeError>,
+    ) -> Result<Vec<String>, ChangeError> {
+        let mut cur = self.config.lock();
+        let mut new = cur.clone();
+        edit(&mut new)?;
+        self.apply_to(&mut cur, new)
+    }
+
+    /// Makes the target run `new` (see the module documentation). Returns what changed, one
+    /// line each; on an error nothing changed.
+    pub fn apply(&self, new: Config) -> Result<Vec<String>, ChangeError> {
+        let mut cur = self.config.lock();
+        self.apply_to(&mut cur, new)
+    }
+
+    fn apply_to(&self, cur: &mut Config, new: Config) -> Result<Vec<String>, ChangeError> {
+        let mut new = new.with_explicit_nsids();
+        new.validate()?;
+        if new.target != cur.target {
+            return refused("[target] settings change only at a restart");
+        }
+        let mut changes = Vec::new();
+        let target = self.target();
+
+        // Listeners.
+        let old_io: Vec<ListenAddr> = cur.listeners.iter().map(|l| l.address.clone()).collect();
+        let new_io: Vec<ListenAddr> = new.listeners.iter().map(|l| l.address.clone()).collect();
+        let old_disc = cur.discovery.listen.clone();
+        let new_disc = new.discovery.listen.clone();
+        let gone: Vec<ListenAddr> = missing(&old_io, &new_io)
+            .into_iter()
+            .chain(missing(&old_disc, &new_disc))
+            .collect();
+        let added: Vec<ListenAddr> = missing(&new_io, &old_io)
+            .into_iter()
+            .chain(missing(&new_disc, &old_disc))
+            .collect();
+        if let Some(a) = gone
+            .iter()
+            .chain(&added)
+            .find(|a| a.transport == Transport::Rdma)
+        {
+            return refused(format!("{a}: RDMA listeners change only at a restart"));
+        }
+        if let Some(a) = added.iter().find(|a| gone.contains(a)) {
+            return refused(format!(
+                "{a} cannot be an I/O and a discovery listener at once"
+            ));
+        }
+
+        // Subsystems: what to build, change and remove.
+        let live = target.subsystems();
+        let old_subs: BTreeMap<&str, &SubsystemConfig> =
+            cur.subsystems.iter().map(|s| (s.nqn.as_str(), s)).collect();
+        let mut new_subs = Vec::new();
+        let mut plans = Vec::new();
+        let mut resizes = Vec::new();
+        for s in &new.subsystems {
+            let Some(o) = old_subs.get(s.nqn.as_str()) else {
+                let backends = s
+                    .namespaces
+                    .iter()
+                    .enumerate()
+                    .map(|(i, ns)| {
+                        Ok((
+                            open_backend(&s.nqn, i + 1, &ns.backend)?,
+                            ns.backend.to_string(),
+                        ))
+                    })
+                    .collect::<Result<Vec<_>, StartError>>()?;
+                new_subs.push(Arc::new(Subsystem::new(s, backends)));
+                changes.push(format!("added subsystem {}", s.nqn));
+                continue;
+            };
+            let Some(sub) = live.get(&s.nqn) else {
+                return refused(format!("subsystem {} is not running", s.nqn));
+            };
+            if o.serial != s.serial || o.model != s.model {
+                return refused(format!(
+                    "subsystem {}: serial and model change only at a restart",
+                    s.nqn
+                ));
+            }
+            let mut plan = SubsystemPlan {
+                sub: Arc::clone(sub),
+                access: None,
+                namespaces: None,
+                changed_nsids: Vec::new(),
+                removed: Vec::new(),
+            };
+            if (o.allow_any_host, &o.hosts, &o.auth_hosts)
+                != (s.allow_any_host, &s.hosts, &s.auth_hosts)
+            {
+                for h in s.hosts.iter().filter(|h| !o.hosts.contains(h)) {
+                    changes.push(format!("subsystem {}: allowed host {h}", s.nqn));
+                }
+                for h in o.hosts.iter().filter(|h| !s.hosts.contains(h)) {
+                    changes.push(format!("subsystem {}: no longer allowed host {h}", s.nqn));
+                }
+                if o.allow_any_host != s.allow_any_host {
+                    changes.push(format!(
+                        "subsystem {}: allow_any_host = {}",
+                        s.nqn, s.allow_any_host
+                    ));
+                }
+                for h in &s.auth_hosts {
+                    match o.auth_hosts.iter().find(|a| a.nqn == h.nqn) {
+                        None => changes.push(format!(
+                            "subsystem {}: allowed host {} (DH-HMAC-CHAP)",
+                            s.nqn, h.nqn
+                        )),
+                        Some(a) if a != h => changes.push(format!(
+                            "subsystem {}: new DH-HMAC-CHAP settings for host {}",
+                            s.nqn, h.nqn
+                        )),
+                        Some(_) => {}
+                    }
+                }
+                for a in o
+                    .auth_hosts
+                    .iter()
+                    .filter(|a| !s.auth_hosts.iter().any(|h| h.nqn == a.nqn))
+                {
+                    changes.push(format!(
+                        "subsystem {}: no longer allowed host {} (DH-HMAC-CHAP)",
+                        s.nqn, a.nqn
+                    ));
+                }
+                plan.access = Some(HostAccess::from_config(s));
+            }
+            let old_ns: BTreeMap<u32, _> = o.nsids().zip(&o.namespaces).collect();
+            let current = sub.namespaces();
+            let mut map = NamespaceMap::new();
+            for (index, (id, n)) in s.nsids().zip(&s.namespaces).enumerate() {
+                match old_ns.get(&id) {
+                    Some(on) if *on == n => {
+                        if let Some(ns) = current.get(&id) {
+                            map.insert(id, Arc::clone(ns));
+                        }
+                    }
+                    Some(on) => {
+                        let size =
+                            resized_to(&on.backend, &n.backend).filter(|_| on.uuid == n.uuid);
+                        let Some(size) = size else {
+                            return refused(format!(
+                                "subsystem {} namespace {id}: {} cannot become {}; only the size \
+                                 of a served namespace changes (remove it and add it again)",
+                                s.nqn, on.backend, n.backend
+                            ));
+                        };
+                        resizes.push((plans.len(), id, size, n.backend.to_string()));
+                        plan.changed_nsids.push(id);
+                    }
+                    None => {
+                        let backend = open_backend(&s.nqn, index + 1, &n.backend)?;
+                        let uuid = n.uuid.as_deref().and_then(parse_uuid);
+                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
+                        map.insert(id, Arc::new(ns));
+                        plan.changed_nsids.push(id);
+                        changes.push(format!(
+                            "subsystem {}: added namespace {id} ({})",
+                            s.nqn, n.backend
+                        ));
+                    }
+                }
+            }
+            for (id, on) in &old_ns {
+                if !s.nsids().any(|n| n == *id) {
+                    plan.changed_nsids.push(*id);
+                    plan.removed.extend(current.get(id).cloned());
+                    changes.push(format!(
+                        "subsystem {}: removed namespace {id} ({})",
+                        s.nqn, on.backend
+                    ));
+                }
+            }
+            if !plan.changed_nsids.is_empty() {
+                plan.namespaces = Some(map);
+            }
+            if plan.access.is_some() || plan.namespaces.is_some() {
+                plans.push(plan);
+            }
+        }
+        let removed_subs: Vec<Arc<Subsystem>> = cur
+            .subsystems
+            .iter()
+            .filter(|o| !new.subsystems.iter().any(|s| s.nqn == o.nqn))
+            .filter_map(|o| live.get(&o.nqn).cloned())
+            .collect();
+
+        // Prepare what can fail, last the resizes, which change files.
+        let mut bound = Vec::new();
+        for a in &added {
+            bound.push(bind_listener(a)?);
+        }
+        for (plan, id, size, desc) in resizes {
+            let p: &mut SubsystemPlan = &mut plans[plan];
+            let old = p.sub.namespaces().get(&id).cloned();
+            let Some(old) = old else {
+                return refused(format!(
+                    "subsystem {} namespace {id} is not running",
+                    p.sub.nqn
+                ));
+            };
+            let backend = old
+                .backend
+                .resized(size)
+                .map_err(|source| StartError::Backend {
+                    nqn: p.sub.nqn.clone(),
+                    index: id as usize,
+                    source,
+                })?;
+            let uuid = Some(old.uuid);
+            let ns = Namespace::new(&p.sub.nqn, id, Arc::new(backend), uuid, desc);
+            changes.push(format!(
+                "subsystem {}: resized namespace {id} from {} to {} blocks",
+                p.sub.nqn, old.blocks, ns.blocks
+            ));
+            if let Some(m) = &mut p.namespaces {
+                m.insert(id, Arc::new(ns));
+            }
+        }
+
+        // Commit.
+        for a in &gone {
+            self.running.stop_listener(a);
+            changes.push(format!("stopped listening on {a}"));
+        }
+        let mut bound_addr = BTreeMap::new();
+        for (requested, l) in added.iter().map(ToString::to_string).zip(bound) {
+            let addr = l.addr.clone();
+            if let Err(e) = self.running.start_listener(l) {
+                warn!(listener = %addr, error = %e, "cannot accept");
+            }
+            changes.push(format!("listening on {addr}"));
+            bound_addr.insert(requested, addr);
+        }
+        let as_bound = |a: &mut ListenAddr| {
+            if let Some(b) = bound_addr.get(&a.to_string()) {
+                *a = b.clone();
+            }
+        };
+        new.listeners
+            .iter_mut()
+            .for_each(|l| as_bound(&mut l.address));
+        new.discovery.listen.iter_mut().for_each(as_bound);
+        target.set_listeners(Listeners {
+            io: new.listeners.iter().map(|l| l.address.clone()).collect(),
+            discovery: new.discovery.listen.clone(),
+        });
+
+        let mut map = (*live).clone();
+        for s in &removed_subs {
+            map.remove(&s.nqn);
+            changes.push(format!("removed subsystem {}", s.nqn));
+        }
+        for s in &new_subs {
+            for ns in s.namespaces().values() {
+                log_namespace_ready(&s.nqn, ns);
+            }
+            map.insert(s.nqn.clone(), Arc::clone(s));
+        }
+        target.set_subsystems(map);
+        let mut discovery_changed = !new_subs.is_empty()
+            || !removed_subs.is_empty()
+            || missing(&old_io, &new_io).len() + missing(&new_io, &old_io).len() > 0;
+        for p in &plans {
+            if let Some(access) = &p.access {
+                p.sub.set_access(access.clone());
+                discovery_changed = true;
+                for c in p.sub.controllers() {
+                    if !access.allows(&c.hostnqn) && c.tear_down() {
+                        changes.push(format!(
+                            "subsystem {}: disconnected controller {} of {} ({}): host no longer allowed",
+                            p.sub.nqn, c.cntlid, c.hostnqn, c.peer
+                        ));
+                    }
+                }
+            }
+            if let Some(namespaces) = &p.namespaces {
+                for ns in namespaces.values() {
+                    if p.changed_nsids.contains(&ns.nsid) {
+                        log_namespace_ready(&p.sub.nqn, ns);
+                    }
+                }
+                p.sub.set_namespaces(namespaces.clone());
+                for c in p.sub.controllers() {
+                    c.notify_namespaces_changed(&p.changed_nsids);
+                }
+                flush_removed(p.removed.clone());
+            }
+        }
+        for s in &removed_subs {
+            for c in s.controllers() {
+                c.tear_down();
+            }
+            flush_removed(s.namespaces().values().cloned().collect());
+        }
+        if discovery_changed {
+            target.discovery_changed();
+        }
+        *cur = new;
+        for c in &changes {
+            info!("{c}");
+        }
+        Ok(changes)
+    }
+
+    /// Disconnects the controllers of subsystem `nqn` with ID `cntlid` or of host `host`
+    /// (the host may reconnect if it is still allowed).
+    pub fn disconnect(
+        &self,
+        nqn: &str,
+        cntlid: Option<u16>,
+        host: Option<&str>,
+    ) -> Result<Vec<String>, ChangeError> {
+        let Some(sub) = self.target().subsystem(nqn) else {
+            return refused(format!("no subsystem {nqn}"));
+        };
+        if cntlid.is_none() && host.is_none() {
+            return refused("name a controller ID or a host NQN");
+        }
+        let mut changes = Vec::new();
+        for c in sub.controllers() {
+            let hit = cntlid.is_none_or(|id| id == c.cntlid) && host.is_none_or(|h| h == c.hostnqn);
+            if hit && c.tear_down() {
+                changes.push(format!(
+                    "subsystem {nqn}: disconnected controller {} of {} ({})",
+                    c.cntlid, c.hostnqn, c.peer
+                ));
+            }
+        }
+        if changes.is_empty() {
+            return refused(format!("subsystem {nqn} has no such controller"));
+        }
+        for c in &changes {
+            info!("{c}");
+        }
+        Ok(changes)
+    }
+
+    /// Writes the running configuration to `path` as TOML (through a temporary file renamed
+    /// into place), so that a restart with it serves the same subsystems, namespaces, hosts
+    /// and listeners.
+    pub fn save(&self, path: &Path) -> Result<(), ChangeError> {
+        let text = self.config.lock().to_toml()?;
+        let tmp = path.with_extension("tmp");
+        let write = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+        write.map_err(|e| ChangeError::Refused(format!("cannot write {}: {e}", path.display())))?;
+        info!(path = %path.display(), "saved the running configuration");
+        Ok(())
+    }
+
+    /// What runs, as a JSON object: subsystems (namespaces, allowed hosts and, with
+    /// `controllers`, the connected controllers) and listeners.
+    pub fn describe(&self, controllers: bool) -> Value {
+        let target = self.target();
+        let subsystems: Vec<Value> = target
+            .subsystems()
+            .values()
+            .map(|s| {
+                let access = s.access();
+                let namespaces: Vec<Value> = s
+                    .namespaces()
+                    .values()
+                    .map(|ns| {
+                        json!({
+                            "nsid": ns.nsid,
+                            "backend": ns.description,
+                            "block_size": ns.block_size,
+                            "blocks": ns.blocks,
+                            "size": ns.backend.capacity_bytes(),
+                        })
+                    })
+                    .collect();
+                let mut v = json!({
+                    "nqn": s.nqn,
+                    "serial": s.serial,
+                    "model": s.model,
+                    "allow_any_host": access.allow_any_host,
+                    "hosts": access.hosts,
+                    "dhchap_hosts": access.auth_hosts.keys().collect::<Vec<_>>(),
+                    "namespaces": namespaces,
+                });
+                if controllers {
+                    v["controllers"] = s.controllers().iter().map(|c| controller_json(c)).collect();
+                }
+                v
+            })
+            .collect();
+        let listeners = target.listeners();
+        let mut v = json!({
+            "subsystems": subsystems,
+            "listeners": listeners.io.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "discovery_listeners": listeners.discovery.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        });
+        if controllers {
+            v["connections"] = json!(target.connection_count());
+            v["metrics"] = serde_json::to_value(target.metrics_snapshot()).unwrap_or(Value::Null);
+            v["discovery_controllers"] = target
+                .discovery_controllers()
+                .iter()
+                .map(|c| controller_json(c))
+                .collect();
+        }
+        v
+    }
+}
+
+fn controller_json(c: &crate::controller::Controller) -> Value {
+    json!({
+        "cntlid": c.cntlid,
+        "host": c.hostnqn,
+        "peer": c.peer.to_string(),
+        "io_queues": c.io_queues(),
+        "keep_alive_ms": c.kato_ms(),
+    })
+}
+
+/// Flushes the backends of removed namespaces in the background (their last commands may
+/// still be running; each closes when its last user lets go).
+fn flush_removed(namespaces: Vec<Arc<Namespace>>) {
+    if namespaces.is_empty() {
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        for ns in namespaces {
+            if let Err(e) = ns.backend.flush().await {
+                warn!(nsid = ns.nsid, error = %e, "flush of a removed namespace failed");
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::command::{build, log_id};
+    use nvme_spec::fabrics::{Cc, ConnectData, DISCOVERY_NQN, property};
+    use nvme_spec::features::{self, aer_dw0, aer_notice, aer_type};
+    use nvme_spec::identify::IdentifyController;
+    use nvme_spec::status::generic;
+    use nvme_spec::{Cqe, FabricsCommand, FromBytes, IntoBytes, Sqe, Status};
+
+    use super::*;
+    use crate::config::{ListenerConfig, NamespaceConfig};
+    use crate::queue::{HostSgl, QueueState, Submit};
+    use crate::testing::{HOST, NQN, connect_sqe, connected, origin, registry, status};
+
+    fn add_ns(r: &Registry, spec: &str, nsid: Option<u32>) -> Result<Vec<String>, ChangeError> {
+        r.edit(|c| {
+            c.subsystems[0].namespaces.push(NamespaceConfig {
+                nsid,
+                backend: spec.parse().unwrap(),
+                uuid: None,
+            });
+            Ok(())
+        })
+    }
+
+    fn nsids(r: &Registry) -> Vec<u32> {
+        r.target()
+            .subsystem(NQN)
+            .unwrap()
+            .namespaces()
+            .keys()
+            .copied()
+            .collect()
+    }
+
+    fn aer(cid: u16) -> Sqe {
+        build::async_event_request(cid)
+    }
+
+    fn read(cid: u16, nsid: u32) -> Sqe {
+        let mut sqe = build::read_write(false, cid, nsid, 0, 1);
+        sqe.dptr = nvme_spec::queue::SglDescriptor::tcp_transport(4096);
+        sqe
+    }
+
+    /// Sends `sqe` on `q` and returns its completion.
+    fn answer(q: &mut QueueState, sqe: &Sqe) -> Cqe {
+        match q.submit(sqe, &[]) {
+            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => c,
+            Submit::Io(_) => Cqe::new(sqe.cid(), Status::SUCCESS, 0),
+            Submit::Held => panic!("held"),
+        }
+    }
+
+    fn data(q: &mut QueueState, sqe: &Sqe) -> Vec<u8> {
+        let mut sqe = *sqe;
+        sqe.dptr = nvme_spec::queue::SglDescriptor::tcp_transport(4096);
+        match q.submit(&sqe, &[]) {
+            Submit::CompleteWithData(d, c) if c.status().is_success() => d,
+            _ => panic!("no data"),
+        }
+    }
+
+    fn changed_ns_log(q: &mut QueueState) -> Vec<u32> {
+        let page = data(
+            q,
+            &build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0),
+        );
+        page.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .take_while(|&n| n != 0)
+            .collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refused_change_changes_nothing() {
+        let r = registry(&["mem:1M"]);
+        let before = r.config();
+        let listeners = r.target().listeners();
+        // A new listener and a backend that fails to open, in one change: neither happens.
+        let e = r
+            .edit(|c| {
+                c.listeners.push(ListenerConfig {
+                    address: "tcp://127.0.0.1:0".parse().unwrap(),
+                });
+                c.subsystems[0].namespaces.push(NamespaceConfig {
+                    nsid: Some(2),
+                    backend: "file:/nonexistent-dir/ns.img,size=1M".parse().unwrap(),
+                    uuid: None,
+                });
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("namespace 2") && e.contains("/nonexistent-dir/ns.img"),
+            "{e}"
+        );
+        assert_eq!(r.target().listeners(), listeners);
+        assert_eq!(nsids(&r), vec![1]);
+        let e = add_ns(&r, "mem:1M", Some(1)).unwrap_err().to_string();
+        assert!(e.contains("nsid 1 used twice"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.target.max_queue_depth = 64;
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("change only at a restart"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "null:1M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only the size"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "mem:2M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mem namespaces cannot be resized"), "{e}");
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].allow_any_host = false;
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no host may connect"), "{e}");
+        assert_eq!(r.config().to_toml().unwrap(), before.to_toml().unwrap());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_saved_configuration_restarts_to_the_same_state() {
+        let r = registry(&["mem:1M", "null:1M"]);
+        add_ns(&r, "null:4M", Some(7)).unwrap();
+        r.edit(|c| {
+            c.subsystems[0].namespaces.remove(0);
+            c.subsystems[0].hosts.push(HOST.into());
+            c.subsystems[0].allow_any_host = false;
+            c.discovery
+                .listen
+                .push("tcp://127.0.0.1:0".parse().unwrap());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(nsids(&r), vec![2, 7]);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("saved.toml");
+        r.save(&path).unwrap();
+        let saved = Config::from_file(&path).unwrap();
+        assert_eq!(saved.to_toml().unwrap(), r.config().to_toml().unwrap());
+        // Bound ports are written, not port 0.
+        assert!(saved.discovery.listen.iter().all(|a| a.addr.port() != 0));
+        assert_eq!(saved.subsystems[0].nsids().collect::<Vec<_>>(), vec![2, 7]);
+        // Applying what runs changes nothing.
+        assert!(r.apply(saved).unwrap().is_empty());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn namespace_changes_raise_a_notice_and_fill_the_changed_list() {
+        let r = registry(&["mem:1M"]);
+        let (mut admin, mut io) = connected(r.target(), HostSgl::Transport);
+        let mut events = admin.events.take().unwrap();
+        let id = data(
+            &mut admin,
+            &build::identify(3, nvme_spec::command::cns::CONTROLLER, 0),
+        );
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(
+            id.oaes.get() & (1 << 8),
+            0,
+            "OAES: namespace attribute notices"
+        );
+        let aec = build::set_features(
+            4,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_NS_ATTRIBUTE_NOTICES,
+        );
+        assert!(answer(&mut admin, &aec).status().is_success());
+        assert!(matches!(admin.submit(&aer(5), &[]), Submit::Held));
+        let notice = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
+
+        add_ns(&r, "null:1M", None).unwrap();
+        let cqe = events.try_recv().expect("the held AER completes");
+        assert_eq!((cqe.cid(), cqe.dw0.get()), (5, notice));
+        assert!(
+            answer(&mut io, &read(1, 2)).status().is_success(),
+            "the new namespace serves I/O"
+        );
+        // Another change before the log page is read only adds to the list.
+        r.edit(|c| {
+            c.subsystems[0].namespaces[1].backend = "null:2M".parse().unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert!(events.try_recv().is_err());
+        assert_eq!(changed_ns_log(&mut admin), vec![2]);
+        assert_eq!(
+            changed_ns_log(&mut admin),
+            Vec::<u32>::new(),
+            "reading clears it"
+        );
+
+        // Raised while no AER is held: the next AER completes at once.
+        r.edit(|c| {
+            c.subsystems[0].namespaces.remove(1);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(answer(&mut admin, &aer(6)).dw0.get(), notice);
+        assert_eq!(changed_ns_log(&mut admin), vec![2]);
+        assert_eq!(
+            answer(&mut io, &read(2, 2)).status(),
+            Status::generic(generic::INVALID_NAMESPACE).with_dnr()
+        );
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_removed_host_is_disconnected_and_discovery_controllers_are_told() {
+        let r = registry(&["mem:1M"]);
+        r.edit(|c| {
+            let s = &mut c.subsystems[0];
+            s.allow_any_host = false;
+            s.hosts = vec![
+                HOST.into(),
+                "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb".into(),
+            ];
+            Ok(())
+        })
+        .unwrap();
+        let (admin, _io) = connected(r.target(), HostSgl::Transport);
+        let ctrl = admin.ctrl.clone().unwrap();
+
+        // A discovery controller that asked for log change notices.
+        let mut disc = QueueState::new(Arc::clone(r.target()), origin());
+        let cd = ConnectData::new([7; 16], 0xFFFF, DISCOVERY_NQN, HOST);
+        assert_eq!(
+            status(disc.submit(&connect_sqe(0, false), cd.as_bytes())),
+            Status::SUCCESS
+        );
+        let cc = FabricsCommand::PropertySet {
+            size8: false,
+            offset: property::CC,
+            value: u64::from(Cc::enable_value()),
+        }
+        .encode(1);
+        assert_eq!(status(disc.submit(&cc, &[])), Status::SUCCESS);
+        let id = data(
+            &mut disc,
+            &build::identify(2, nvme_spec::command::cns::CONTROLLER, 0),
+        );
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(
+            id.oaes.get() & (1 << 31),
+            0,
+            "OAES: discovery log change notices"
+        );
+        let aec = build::set_features(
+            3,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_DISCOVERY_LOG_CHANGE,
+        );
+        assert!(answer(&mut disc, &aec).status().is_success());
+        let mut events = disc.events.take().unwrap();
+        assert!(matches!(disc.submit(&aer(4), &[]), Submit::Held));
+        let genctr = r.target().discovery_genctr();
+
+        let changes = r
+            .edit(|c| {
+                c.subsystems[0].hosts.retain(|h| h != HOST);
+                Ok(())
+            })
+            .unwrap();
+        assert!(
+            changes.iter().any(|c| c.contains("host no longer allowed")),
+            "{changes:?}"
+        );
+        assert!(ctrl.is_torn_down());
+        assert!(!r.target().subsystem(NQN).unwrap().host_allowed(HOST));
+        let cqe = events.try_recv().expect("discovery log change notice");
+        let dlpc = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::DISCOVERY_LOG_CHANGE,
+            log_id::DISCOVERY,
+        );
+        assert_eq!(cqe.dw0.get(), dlpc);
+        assert!(r.target().discovery_genctr() > genctr);
+        r.running().shutdown().await;
+    }
+}

@@ -1,0 +1,403 @@
+//! The control socket of a real `nvmeof-targetd`: `nvmeof-targetd ctl`, bad input on the
+//! socket, who may use it, SIGHUP reloads, and a saved configuration that restarts to the
+//! same state.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use nvmeof_tests::{RawHost, TEST_HOSTNQN, TargetProcess, bin_path, free_port};
+use serde_json::Value;
+
+const NQN: &str = "nqn.2026-11.io.nvmeof-direct:ctl";
+
+/// A daemon started from a configuration file, with its control socket in a temporary
+/// directory.
+struct Daemon {
+    target: TargetProcess,
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    config: PathBuf,
+}
+
+fn config_text(port: u16, namespaces: &[&str]) -> String {
+    let mut c = format!(
+        "[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n\n[[subsystem]]\nnqn = \"{NQN}\"\nallow_any_host = true\n"
+    );
+    for ns in namespaces {
+        c.push_str(&format!("\n[[subsystem.namespace]]\nbackend = \"{ns}\"\n"));
+    }
+    c
+}
+
+impl Daemon {
+    fn start(namespaces: &[&str], extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        // Let other users reach the socket file itself: its own mode decides.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let port = free_port();
+        let config = dir.path().join("target.toml");
+        let here = dir.path().display().to_string();
+        let namespaces: Vec<String> = namespaces.iter().map(|n| n.replace("DIR", &here)).collect();
+        let namespaces: Vec<&str> = namespaces.iter().map(String::as_str).collect();
+        std::fs::write(&config, config_text(port, &namespaces)).unwrap();
+        let socket = dir.path().join("ctl.sock");
+        let (c, s) = (config.display().to_string(), socket.display().to_string());
+        let mut args = vec!["--config", &c, "--control-socket", &s];
+        args.extend(extra);
+        let target = TargetProcess::spawn(&args, port);
+        Daemon {
+            target,
+            dir,
+            socket,
+            config,
+        }
+    }
+
+    fn ctl_as(&self, setpriv: &[&str], args: &[&str]) -> Output {
+        let bin = bin_path("nvmeof-targetd");
+        let mut cmd = if setpriv.is_empty() {
+            Command::new(&bin)
+        } else {
+            let mut c = Command::new("setpriv");
+            c.args(setpriv).arg(&bin);
+            c
+        };
+        cmd.arg("ctl")
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run nvmeof-targetd ctl")
+    }
+
+    /// `ctl -o json ARGS`, which must succeed.
+    fn ctl_json(&self, args: &[&str]) -> Value {
+        let mut a = vec!["-o", "json"];
+        a.extend(args);
+        let out = self.ctl_as(&[], &a);
+        assert!(
+            out.status.success(),
+            "ctl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("JSON answer")
+    }
+
+    fn list(&self) -> Value {
+        self.ctl_json(&["list"])["status"].clone()
+    }
+
+    /// Sends raw lines on one connection and returns the answers.
+    fn raw(&self, lines: &[&str]) -> Vec<Value> {
+        let mut s = UnixStream::connect(&self.socket).expect("connect to the control socket");
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        lines
+            .iter()
+            .map(|l| {
+                // The daemon may answer and close before it has read all of an over-long line.
+                let _ = writeln!(s, "{l}");
+                let mut answer = String::new();
+                r.read_line(&mut answer).unwrap();
+                serde_json::from_str(&answer).expect("a JSON answer")
+            })
+            .collect()
+    }
+}
+
+fn nsids(status: &Value) -> Vec<u64> {
+    status["subsystems"][0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["nsid"].as_u64().unwrap())
+        .collect()
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn one_line(e: &Value) -> &str {
+    let s = e["error"].as_str().expect("an error");
+    assert!(!s.contains('\n'), "more than one line: {s}");
+    s
+}
+
+#[test]
+fn bad_requests_get_one_clear_error_and_change_nothing() {
+    let d = Daemon::start(&["file:DIR/ns1.img,size=1M"], &[]);
+    let before = d.list();
+    assert_eq!(nsids(&before), vec![1]);
+    let ns1 = format!("{}/ns1.img", d.dir.path().display());
+    let add = |extra: &str| {
+        format!(r#"{{"version":1,"op":"add-namespace","subsystem":"{NQN}",{extra}}}"#)
+    };
+    let host =
+        format!(r#"{{"version":1,"op":"add-host","subsystem":"{NQN}","host":"not an nqn"}}"#);
+    let cases: Vec<(String, String)> = [
+        ("{\"version\":1,\"op\":", "malformed request"),
+        ("[]", "expected a JSON object"),
+        (r#"{"op":"list"}"#, "missing \"version\""),
+        (
+            r#"{"version":9,"op":"list"}"#,
+            "unsupported protocol version 9",
+        ),
+        (
+            r#"{"version":1,"op":"list","verbose":true}"#,
+            "unknown field `verbose`",
+        ),
+        (r#"{"version":1,"op":"wipe"}"#, "unknown variant `wipe`"),
+        (
+            &add(r#""backend":"null:1M","nsid":1"#),
+            "already has namespace 1",
+        ),
+        (
+            &add(r#""backend":"null:1M","nsdi":2"#),
+            "unknown field `nsdi`",
+        ),
+        (&add(r#""backend":"tape:1M""#), "unknown backend kind"),
+        (
+            &add(r#""backend":"file:/nonexistent-dir/x.img""#),
+            "cannot open /nonexistent-dir/x.img",
+        ),
+        (
+            &add(&format!(r#""backend":"file:{ns1}""#)),
+            "is in use by this process",
+        ),
+        (
+            r#"{"version":1,"op":"remove-namespace","subsystem":"nqn.2026-11.io.x:none","nsid":1}"#,
+            "no subsystem nqn.2026-11.io.x:none",
+        ),
+        (&host, "not an nqn"),
+        (
+            r#"{"version":1,"op":"save","path":"relative.toml"}"#,
+            "give an absolute path",
+        ),
+    ]
+    .iter()
+    .map(|(l, w)| (l.to_string(), w.to_string()))
+    .collect();
+    let lines: Vec<&str> = cases.iter().map(|(l, _)| l.as_str()).collect();
+    // All on one connection: an error does not end it.
+    let answers = d.raw(&lines);
+    for ((line, want), a) in cases.iter().zip(&answers) {
+        assert_eq!(a["ok"], false, "{line}: {a}");
+        let e = one_line(a);
+        assert!(e.contains(want.as_str()), "{line}: {e:?} lacks {want:?}");
+    }
+    assert_eq!(d.list(), before, "nothing changed");
+
+    // The CLI says it in one line on stderr and exits 1.
+    let out = d.ctl_as(
+        &[],
+        &["remove-namespace", "--subsystem", NQN, "--nsid", "9"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("has no namespace 9"), "{err}");
+
+    // A line that is too long is refused and the connection closed.
+    let long = format!(
+        r#"{{"version":1,"op":"list","x":"{}"}}"#,
+        "a".repeat(70_000)
+    );
+    let a = d.raw(&[&long]);
+    assert!(one_line(&a[0]).contains("longer than"), "{}", a[0]);
+    assert_eq!(d.list(), before);
+}
+
+#[test]
+fn only_root_and_the_control_group_may_use_the_socket() {
+    let d = Daemon::start(&["null:1M"], &["--control-group", "65534"]);
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(&d.socket).unwrap();
+    assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, 65534));
+    let member = ["--reuid=65534", "--regid=65534", "--clear-groups"];
+    let stranger = ["--reuid=65534", "--regid=65533", "--clear-groups"];
+    let out = d.ctl_as(&member, &["list"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = d.ctl_as(
+        &stranger,
+        &["add-namespace", "--subsystem", NQN, "--backend", "null:1M"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("Permission denied") && err.contains("only root and the socket's group"),
+        "{err}"
+    );
+    assert_eq!(nsids(&d.list()), vec![1]);
+}
+
+#[test]
+fn sighup_reloads_and_the_saved_configuration_restarts_the_same() {
+    let mut d = Daemon::start(&["null:1M"], &[]);
+    let port = d.target.port;
+    // A valid file: a second namespace appears.
+    std::fs::write(&d.config, config_text(port, &["null:1M", "null:2M"])).unwrap();
+    d.target.signal(libc::SIGHUP);
+    wait_for("the reload", || nsids(&d.list()) == vec![1, 2]);
+    assert!(d.target.log().contains("added namespace 2"));
+    // An invalid file: nothing changes and the log says why.
+    std::fs::write(
+        &d.config,
+        config_text(port, &["null:1M", "file:/nonexistent-dir/x.img"]),
+    )
+    .unwrap();
+    d.target.signal(libc::SIGHUP);
+    wait_for("the refusal", || {
+        d.target.log().contains("reload refused, nothing changed")
+    });
+    assert!(d.target.log().contains("/nonexistent-dir/x.img"));
+    assert_eq!(nsids(&d.list()), vec![1, 2]);
+
+    // Changes through ctl, saved, survive a restart.
+    d.ctl_json(&[
+        "resize-namespace",
+        "--subsystem",
+        NQN,
+        "--nsid",
+        "2",
+        "--size",
+        "4M",
+    ]);
+    d.ctl_json(&["remove-namespace", "--subsystem", NQN, "--nsid", "1"]);
+    let added = d.ctl_json(&["add-namespace", "--subsystem", NQN, "--backend", "null:3M"]);
+    assert!(
+        added["changes"][0]
+            .as_str()
+            .unwrap()
+            .contains("added namespace 3"),
+        "{added}"
+    );
+    let saved = d.dir.path().join("saved.toml");
+    d.ctl_json(&["save", saved.to_str().unwrap()]);
+    let before = d.list();
+    assert_eq!(nsids(&before), vec![2, 3]);
+    let (code, log) = d.target.terminate();
+    assert_eq!(code, Some(0), "{log}");
+    let s = saved.display().to_string();
+    let socket = d.socket.display().to_string();
+    let t = TargetProcess::spawn(&["--config", &s, "--control-socket", &socket], port);
+    let again = Daemon {
+        target: t,
+        dir: d.dir,
+        socket: d.socket,
+        config: PathBuf::from(Path::new(&s)),
+    };
+    assert_eq!(again.list(), before);
+    let (code, log) = again.target.terminate();
+    assert_eq!(code, Some(0), "{log}");
+}
+
+#[test]
+fn subsystems_listeners_and_controllers_change_from_the_command_line() {
+    let d = Daemon::start(&["null:1M"], &[]);
+    let other = "nqn.2026-11.io.nvmeof-direct:ctl-db";
+    let port = free_port();
+    let listener = format!("tcp://127.0.0.1:{port}");
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    d.ctl_json(&["add-subsystem", "--nqn", other, "--host", TEST_HOSTNQN]);
+    d.ctl_json(&[
+        "add-namespace",
+        "--subsystem",
+        other,
+        "--backend",
+        "mem:1M",
+        "--nsid",
+        "5",
+    ]);
+    d.ctl_json(&["add-listener", &listener]);
+
+    // A host connects to the new subsystem on the new listener.
+    let (mut h, cntlid) = RawHost::admin(addr, other);
+    let status = d.ctl_json(&["status"])["status"].clone();
+    let sub = status["subsystems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == other)
+        .expect("the new subsystem")
+        .clone();
+    assert_eq!(sub["hosts"][0], TEST_HOSTNQN);
+    assert_eq!(sub["namespaces"][0]["nsid"], 5);
+    let c = &sub["controllers"][0];
+    assert_eq!(
+        (c["cntlid"].as_u64(), c["host"].as_str()),
+        (Some(u64::from(cntlid)), Some(TEST_HOSTNQN))
+    );
+    assert_eq!(c["io_queues"], 4);
+    assert!(
+        status["listeners"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l == &Value::from(listener.clone()))
+    );
+
+    // Disconnect: the target closes the host's connection.
+    let out = d.ctl_as(
+        &[],
+        &[
+            "disconnect",
+            "--subsystem",
+            other,
+            "--cntlid",
+            &cntlid.to_string(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    h.stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    RawHost::read_to_close(&mut h.stream);
+    let err = d.ctl_as(
+        &[],
+        &[
+            "disconnect",
+            "--subsystem",
+            other,
+            "--cntlid",
+            &cntlid.to_string(),
+        ],
+    );
+    assert!(String::from_utf8_lossy(&err.stderr).contains("has no such controller"));
+
+    // The listener goes: new connections are refused, the first listener still serves.
+    d.ctl_json(&["remove-listener", &listener]);
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "{listener} still accepts"
+    );
+    RawHost::admin(d.target.addr(), NQN);
+    let gone = d.ctl_json(&["remove-subsystem", "--nqn", other]);
+    assert!(
+        gone["changes"][0]
+            .as_str()
+            .unwrap()
+            .contains("removed subsystem"),
+        "{gone}"
+    );
+    assert_eq!(d.list()["subsystems"].as_array().unwrap().len(), 1);
+}
