@@ -173,11 +173,10 @@ pub struct IoCell {
 }
 
 impl IoCell {
-    /// Counts a request that ran on the backend, from its arrival at `arrived`.
-    pub fn record(&self, op: &IoOp, status: Status, arrived: Instant) {
+    /// Counts a request that ran on the backend and took `ns` nanoseconds from its arrival.
+    pub fn record(&self, op: &IoOp, status: Status, ns: u64) {
         let i = op_index(op);
         self.commands[i].add(1);
-        let ns = arrived.elapsed().as_nanos() as u64;
         self.latency[i][bucket(ns)].add(1);
         self.latency_ns[i].add(ns);
         if status.is_success() {
@@ -209,7 +208,7 @@ impl IoCell {
     /// Counts a request started by [`IoCell::record_started`] that finished.
     pub fn record_finished(&self, op: &IoOp, status: Status, arrived: Instant) {
         self.finished.add(1);
-        self.record(op, status, arrived);
+        self.record(op, status, arrived.elapsed().as_nanos() as u64);
     }
 
     fn add_to(&self, f: &mut IoFigures, live: bool) {

@@ -159,6 +159,9 @@ pub struct QueueState {
     pub metrics: Option<QueueMetrics>,
     /// In-band authentication, when the host must authenticate this queue.
     pub(crate) auth: Option<crate::auth::QueueAuth>,
+    /// When the transport's current batch of received data arrived ([`QueueState::tick`]):
+    /// the arrival time of every command in it, so that a batch costs one clock read.
+    clock: Instant,
     host_sgl: HostSgl,
     discovery_only: bool,
     sqhd: u32,
@@ -186,6 +189,7 @@ impl QueueState {
             events: None,
             metrics: None,
             auth: None,
+            clock: Instant::now(),
             host_sgl: HostSgl::Transport,
             discovery_only: false,
             sqhd: 0,
@@ -276,13 +280,21 @@ impl QueueState {
         r
     }
 
-    /// Counts a request that ran on the backend (or was served by the transport at once).
+    /// Notes that the transport received a new batch of data: the commands in it arrived now.
+    #[inline]
+    pub fn tick(&mut self) {
+        self.clock = Instant::now();
+    }
+
+    /// Counts a request completed inline, within the batch it arrived in (so its latency is
+    /// counted as zero: no clock is read per command).
     #[inline]
     pub fn record_io(&mut self, req: &IoRequest, status: Status) {
         if let Some(m) = &mut self.metrics {
             let nsid = req.ns.as_ref().map_or(0, |ns| ns.nsid);
             if let Some(c) = m.io(nsid) {
-                c.record(&req.op, status, req.arrived);
+                let ns = self.clock.saturating_duration_since(req.arrived).as_nanos() as u64;
+                c.record(&req.op, status, ns);
             }
         }
     }
@@ -393,7 +405,7 @@ impl QueueState {
                         cid,
                         ns: None,
                         op: IoOp::Flush,
-                        arrived: Instant::now(),
+                        arrived: self.clock,
                     })
                 }
                 Ok(false) => Submit::Complete(self.completion(cid, Status::SUCCESS, 0)),
@@ -633,7 +645,7 @@ impl QueueState {
         if !ctrl.is_ready() {
             return Err(Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr());
         }
-        let arrived = Instant::now();
+        let arrived = self.clock;
         let req = |ns, op| IoRequest {
             cid,
             ns,

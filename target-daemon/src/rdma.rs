@@ -334,6 +334,7 @@ impl Conn {
                 return Closed::Transport(e.to_string());
             }
             if !evs.is_empty() {
+                self.e.q.tick();
                 crate::reactor::note_activity();
             }
             for ev in evs.drain(..) {

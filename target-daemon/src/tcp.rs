@@ -162,6 +162,7 @@ impl Conn {
                 Ok(0) => return Err(Closed::HostClosed),
                 Ok(n) => {
                     self.engine.commit_recv(n);
+                    self.e.q.tick();
                     crate::reactor::note_activity();
                     self.handle_events()?;
                     if n < READ_CHUNK {
