@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
+use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use parking_lot::Mutex;
 
@@ -100,6 +101,8 @@ pub struct Subsystem {
     pub hosts: Vec<String>,
     /// Allowed hosts that must authenticate, by host NQN.
     pub auth_hosts: BTreeMap<String, HostKeys>,
+    /// Allowed hosts with a configured TLS PSK, by host NQN.
+    pub tls_psks: BTreeMap<String, ConfiguredPsk>,
     /// Namespaces by NSID.
     pub namespaces: BTreeMap<u32, Arc<Namespace>>,
     /// Live controllers by controller ID.
@@ -144,15 +147,20 @@ impl Subsystem {
             auth_hosts: cfg
                 .auth_hosts
                 .iter()
-                .map(|h| {
+                .filter_map(|h| {
                     let keys = HostKeys {
-                        host: h.dhchap_key.clone(),
+                        host: h.dhchap_key.clone()?,
                         ctrl: h.dhchap_ctrl_key.clone(),
                         hash: h.dhchap_hash,
                         dh_group: h.dhchap_dhgroup,
                     };
-                    (h.nqn.clone(), keys)
+                    Some((h.nqn.clone(), keys))
                 })
+                .collect(),
+            tls_psks: cfg
+                .auth_hosts
+                .iter()
+                .filter_map(|h| Some((h.nqn.clone(), h.tls_psk.clone()?)))
                 .collect(),
             namespaces,
             controllers: Mutex::new(BTreeMap::new()),
@@ -167,6 +175,7 @@ impl Subsystem {
         self.allow_any_host
             || self.hosts.iter().any(|h| h == hostnqn)
             || self.auth_hosts.contains_key(hostnqn)
+            || self.tls_psks.contains_key(hostnqn)
     }
 
     /// The keys `hostnqn` authenticates with, when it must.

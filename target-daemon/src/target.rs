@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 
 use blockdev::Backend;
+use nvme_auth::tls::{ConfiguredPsk, PskIdentity};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
@@ -69,6 +70,9 @@ pub enum StartError {
         /// Its parent.
         dir: String,
     },
+    /// The TLS context could not be built.
+    #[error("cannot set up TLS: {0}")]
+    Tls(nvmf_tls::TlsError),
     /// A reactor thread could not be started.
     #[error("cannot start reactor thread: {0}")]
     Reactor(std::io::Error),
@@ -84,6 +88,10 @@ pub struct Target {
     pub io_listeners: Vec<ListenAddr>,
     /// Dedicated discovery listeners with their bound addresses.
     pub discovery_listeners: Vec<ListenAddr>,
+    /// The bound addresses of the I/O listeners that require TLS.
+    pub tls_listeners: Vec<SocketAddr>,
+    /// The TLS context of those listeners (PSKs of every `[[subsystem.host]]` `tls_psk`).
+    pub tls: Option<nvmf_tls::ServerContext>,
     /// Serial number of the discovery controller.
     pub discovery_serial: String,
     genctr: AtomicU64,
@@ -229,12 +237,18 @@ impl Target {
         let mut bound = Vec::new();
         let mut io_listeners = Vec::new();
         let mut discovery_listeners = Vec::new();
+        let mut tls_listeners = Vec::new();
         let wanted = cfg
             .listeners
             .iter()
-            .map(|l| (l.address.clone(), false))
-            .chain(cfg.discovery.listen.iter().map(|a| (a.clone(), true)));
-        for (addr, discovery_only) in wanted {
+            .map(|l| (l.address.clone(), false, l.tls.is_some()))
+            .chain(
+                cfg.discovery
+                    .listen
+                    .iter()
+                    .map(|a| (a.clone(), true, false)),
+            );
+        for (addr, discovery_only, tls) in wanted {
             let (socket, local) = if addr.transport == Transport::Rdma {
                 let l = crate::rdma::RdmaListener::bind(&addr).map_err(|reason| {
                     StartError::Transport {
@@ -256,6 +270,9 @@ impl Target {
                 transport: addr.transport,
                 addr: local,
             };
+            if tls {
+                tls_listeners.push(local);
+            }
             if discovery_only {
                 discovery_listeners.push(addr.clone());
             } else {
@@ -268,11 +285,18 @@ impl Target {
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
+        let tls = if tls_listeners.is_empty() {
+            None
+        } else {
+            Some(tls_context(&subsystems).map_err(StartError::Tls)?)
+        };
         let target = Target {
             settings: cfg.target.clone(),
             subsystems,
             io_listeners,
             discovery_listeners,
+            tls_listeners,
+            tls,
             discovery_serial,
             genctr: AtomicU64::new(1),
             next_discovery_cntlid: AtomicU16::new(1),
@@ -281,6 +305,18 @@ impl Target {
             metrics: Default::default(),
         };
         Ok((Arc::new(target), bound))
+    }
+
+    /// Whether the I/O listener bound to `addr` requires TLS.
+    pub fn requires_tls(&self, addr: &ListenAddr) -> bool {
+        addr.transport == Transport::Tcp && self.tls_listeners.contains(&addr.addr)
+    }
+
+    /// Whether an NVMe/TCP connection to `local` arrived on a listener that requires TLS.
+    pub fn tls_required_at(&self, local: SocketAddr) -> bool {
+        self.tls_listeners
+            .iter()
+            .any(|l| l.port() == local.port() && (l.ip() == local.ip() || l.ip().is_unspecified()))
     }
 
     /// Whether a connection to `local` over `transport` arrived on a dedicated discovery
@@ -376,4 +412,29 @@ fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
     s.listen(1024).map_err(err)?;
     s.set_nonblocking(true).map_err(err)?;
     Ok(s.into())
+}
+
+/// The TLS context of the TLS listeners: a host's identity (`NVMe0R01` or `NVMe1R01`, for a
+/// subsystem that lists it with a `tls_psk`) selects the TLS PSK derived from its configured
+/// PSK; any other identity fails the handshake.
+fn tls_context(
+    subsystems: &BTreeMap<String, Arc<Subsystem>>,
+) -> Result<nvmf_tls::ServerContext, nvmf_tls::TlsError> {
+    let psks: BTreeMap<(String, String), ConfiguredPsk> = subsystems
+        .values()
+        .flat_map(|s| {
+            s.tls_psks
+                .iter()
+                .map(|(host, psk)| ((host.clone(), s.nqn.clone()), psk.clone()))
+        })
+        .collect();
+    nvmf_tls::ServerContext::new(move |identity| {
+        let id = PskIdentity::parse(identity)?;
+        let psk = psks.get(&(id.hostnqn.clone(), id.subnqn.clone()))?;
+        if psk.cipher_hash() != id.hash {
+            return None;
+        }
+        let derived = psk.tls_psk(id.version, &id.hostnqn, &id.subnqn)?;
+        (derived.identity == identity).then_some(derived.key)
+    })
 }
