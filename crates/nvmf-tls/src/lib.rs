@@ -92,6 +92,8 @@ impl ServerContext {
             let Some(identity) = identity.and_then(|i| std::str::from_utf8(i).ok()) else {
                 return Ok(0);
             };
+            // Kept for the error message too: an identity names NQNs, never key material.
+            ssl.set_ex_data(index, identity.to_string());
             let Some(key) = lookup(identity) else {
                 return Ok(0);
             };
@@ -99,7 +101,6 @@ impl ServerContext {
                 return Ok(0);
             };
             dst.copy_from_slice(key.expose());
-            ssl.set_ex_data(index, identity.to_string());
             Ok(key.len())
         });
         Ok(Self(b.build()))
@@ -170,7 +171,14 @@ async fn handshake(
             Ok(()) => return Ok(Stream::Tls(Box::new(s))),
             Err(e) if e.code() == ErrorCode::WANT_READ => Interest::READABLE,
             Err(e) if e.code() == ErrorCode::WANT_WRITE => Interest::WRITABLE,
-            Err(e) => return Err(TlsError::Handshake(describe(&e))),
+            Err(e) => {
+                let mut why = describe(&e);
+                let offered = identity_index().ok().and_then(|i| s.ssl().ex_data(i));
+                if let Some(identity) = offered {
+                    why = format!("{why} (PSK identity {identity:?})");
+                }
+                return Err(TlsError::Handshake(why));
+            }
         };
         s.get_ref()
             .0
@@ -180,14 +188,21 @@ async fn handshake(
     }
 }
 
-/// One line for a failed handshake step.
+/// One line for a failed handshake step: OpenSSL's reason, with what it usually means here.
 fn describe(e: &openssl::ssl::Error) -> String {
     if let Some(stack) = e.ssl_error() {
         if let Some(first) = stack.errors().first() {
-            return first
-                .reason()
-                .unwrap_or("unknown OpenSSL error")
-                .to_string();
+            let reason = first.reason().unwrap_or("unknown OpenSSL error");
+            let meaning = match reason {
+                "binder does not verify" => ", the peer holds another PSK for this identity",
+                "wrong version number" | "record layer failure" => ", the peer does not speak TLS",
+                "no suitable signature algorithm" | "no shared cipher" => {
+                    ", no PSK for the peer's identity"
+                }
+                r if r.contains(" alert ") => ", the peer refused this PSK or identity",
+                _ => "",
+            };
+            return format!("{reason}{meaning}");
         }
     }
     match e.io_error() {

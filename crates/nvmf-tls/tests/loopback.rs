@@ -63,8 +63,9 @@ async fn the_same_psk_connects_and_carries_bytes_both_ways() {
 #[tokio::test]
 async fn a_wrong_psk_fails_on_both_sides_with_one_line() {
     let (s, c) = pair(psk(1), psk(2)).await;
-    for e in [s.unwrap_err(), c.unwrap_err()] {
-        let m = e.to_string();
+    let (s, c) = (s.unwrap_err().to_string(), c.unwrap_err().to_string());
+    assert!(c.contains("the peer refused this PSK or identity"), "{c}");
+    for m in [s, c] {
         assert!(m.starts_with("TLS handshake failed"), "{m}");
         assert!(!m.contains('\n'), "{m}");
     }
@@ -83,4 +84,27 @@ fn only_sha256_psks_are_supported() {
     assert!(nvmf_tls::check_psk_hash(HashId::Sha256).is_ok());
     let e = nvmf_tls::check_psk_hash(HashId::Sha384).unwrap_err();
     assert!(e.to_string().contains("only SHA-256"), "{e}");
+}
+
+#[tokio::test]
+async fn the_server_names_the_offered_identity_when_it_fails() {
+    let mut other = psk(1);
+    other.identity = format!("NVMe0R01 {HOST} nqn.other");
+    let (s, _) = pair(psk(1), other).await;
+    let m = s.unwrap_err().to_string();
+    assert!(m.contains("nqn.other"), "{m}");
+    // Version 1 identities carry a digest of the key: another key is another identity.
+    let (s, _) = pair(psk(1), psk(2)).await;
+    let m = s.unwrap_err().to_string();
+    assert!(m.contains("no PSK for the peer's identity"), "{m}");
+    let v0 = |byte| {
+        ConfiguredPsk::new(Secret::new(vec![byte; 32]), Some(HashId::Sha256))
+            .unwrap()
+            .tls_psk(0, HOST, SUB)
+            .unwrap()
+    };
+    let (s, _) = pair(v0(1), v0(2)).await;
+    let m = s.unwrap_err().to_string();
+    assert!(m.contains("the peer holds another PSK"), "{m}");
+    assert!(m.contains(&format!("NVMe0R01 {HOST} {SUB}")), "{m}");
 }
