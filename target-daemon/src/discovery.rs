@@ -62,7 +62,8 @@ fn entry(
 }
 
 /// Builds the whole discovery log page for `hostnqn`, as seen from the local address `local`:
-/// every subsystem the host may connect to on every I/O listener, then the discovery service
+/// every subsystem the host may connect to on every I/O listener it may use (TLS listeners
+/// for hosts with a TLS PSK, plain ones for the others), then the discovery service
 /// itself on every listener. Entries of TLS listeners say that a secure channel is required
 /// and that it is TLS 1.3.
 pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
@@ -70,8 +71,9 @@ pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
     for (i, l) in target.io_listeners.iter().enumerate() {
         let portid = i as u16 + 1;
         for s in target.subsystems.values() {
-            if s.host_allowed(hostnqn) {
-                let tls = target.requires_tls(l);
+            // A host with a TLS PSK connects over TLS listeners only, others over plain ones.
+            let tls = target.requires_tls(l);
+            if s.host_allowed(hostnqn) && tls == s.tls_psks.contains_key(hostnqn) {
                 entries.push(entry(l, portid, local, &s.nqn, subtype::NVME, tls));
             }
         }

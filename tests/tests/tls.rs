@@ -124,24 +124,31 @@ fn tls_psk_connects_and_everything_else_is_refused() {
         let e = refused(options(plain_port, HOST, Some(&psk(1)), 0)).await;
         assert!(matches!(e, Error::Tls { .. }), "{e}");
 
-        // Discovery (over the plain listener) says which port requires TLS 1.3.
-        let id = HostIdentity::new(HOST, [9; 16]).unwrap();
-        let log = discover(&DiscoveryOptions::new(
-            TargetAddr::new("127.0.0.1", plain_port),
-            id,
-        ))
-        .await
-        .expect("discovery");
-        for e in log.entries.iter().filter(|e| e.subnqn == NQN) {
-            let tls = e.trsvcid == tls_port.to_string();
-            let want = if tls {
-                (treq::SECURE_CHANNEL_REQUIRED, tcp_sectype::TLS13)
-            } else {
-                (treq::SECURE_CHANNEL_NOT_REQUIRED, tcp_sectype::NONE)
-            };
+        // Discovery (over the plain listener) shows each host the listener it may use: the
+        // TLS one, with TREQ required and TSAS TLS 1.3, to the host with a PSK.
+        for (host, port, want) in [
+            (
+                HOST,
+                tls_port,
+                (treq::SECURE_CHANNEL_REQUIRED, tcp_sectype::TLS13),
+            ),
+            (
+                TEST_HOSTNQN,
+                plain_port,
+                (treq::SECURE_CHANNEL_NOT_REQUIRED, tcp_sectype::NONE),
+            ),
+        ] {
+            let id = HostIdentity::new(host, [9; 16]).unwrap();
+            let addr = TargetAddr::new("127.0.0.1", plain_port);
+            let log = discover(&DiscoveryOptions::new(addr, id))
+                .await
+                .expect("discovery");
+            let mine: Vec<_> = log.entries.iter().filter(|e| e.subnqn == NQN).collect();
+            assert_eq!(mine.len(), 1, "{host}: {mine:?}");
+            let e = mine[0];
+            assert_eq!(e.trsvcid, port.to_string(), "{host}: {e:?}");
             assert_eq!((e.treq & 3, e.tcp_sectype), (want.0, Some(want.1)), "{e:?}");
         }
-        assert_eq!(log.entries.iter().filter(|e| e.subnqn == NQN).count(), 2);
     });
 
     // The CLI: a wrong key is one line and exit status 3; --tls without a key is a usage error.
