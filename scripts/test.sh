@@ -25,6 +25,17 @@ fi
 cargo --version
 rustup component list --installed 2>/dev/null | grep -qE '^(clippy|rustfmt)' || rustup component add clippy rustfmt 2>/dev/null || true
 
+stage "build dependencies"
+# OpenSSL 3 headers for nvmf-tls (NVMe/TCP TLS through the openssl crate).
+if ! dpkg -s libssl-dev pkg-config >/dev/null 2>&1; then
+    if [[ $(id -u) != 0 ]] && ! command -v sudo >/dev/null; then
+        echo "libssl-dev and pkg-config are needed to build (apt-get install libssl-dev pkg-config)" >&2
+        exit 1
+    fi
+    sudo_ apt-get update -qq
+    sudo_ apt-get install -y -qq --no-install-recommends libssl-dev pkg-config
+fi
+
 stage "systemd units"
 # Verifies deploy/ units (a warning fails the run) and prints their exposure scores. The units
 # are checked from a copy whose ExecStart points at stand-ins, as the binaries are not

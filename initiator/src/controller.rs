@@ -260,8 +260,17 @@ async fn establish(
         depth: ADMIN_QUEUE_ENTRIES,
         in_capsule: 0,
     };
-    let mut admin =
-        SetupConn::open(&opts.addr, admin_queue, digests, t.connect, t.admin, pd).await?;
+    let tls = crate::setup::tls_context(opts)?;
+    let mut admin = SetupConn::open(
+        &opts.addr,
+        admin_queue,
+        digests,
+        t.connect,
+        t.admin,
+        pd,
+        tls.as_ref(),
+    )
+    .await?;
     let kato_ms = opts.kato.as_millis().min(u128::from(u32::MAX)) as u32;
     let cntlid = admin
         .connect(
@@ -416,7 +425,17 @@ async fn establish(
                 depth,
                 in_capsule: icd as usize,
             };
-            let mut q = SetupConn::open(&opts.addr, spec, digests, t.connect, t.admin, &pd).await?;
+            let tls = crate::setup::tls_context(&opts)?;
+            let mut q = SetupConn::open(
+                &opts.addr,
+                spec,
+                digests,
+                t.connect,
+                t.admin,
+                &pd,
+                tls.as_ref(),
+            )
+            .await?;
             let dhchap = opts.dhchap.as_ref();
             q.connect(
                 qid,

@@ -47,6 +47,10 @@ pub struct DiscoveryEntry {
     /// The RDMA transport specific address subtype (entries with trtype RDMA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdma: Option<RdmaTsas>,
+    /// The NVMe/TCP security type of the transport specific address subtype (entries with
+    /// trtype TCP): 0 none, 2 TLS 1.3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_sectype: Option<u8>,
 }
 
 /// The transport specific address subtype of an RDMA entry (NVMe-oF 1.1, Figure 41).
@@ -114,6 +118,7 @@ impl DiscoveryEntry {
                 cms: e.tsas[2],
                 pkey: u16::from_le_bytes([e.tsas[8], e.tsas[9]]),
             }),
+            tcp_sectype: (e.trtype == trtype::TCP).then_some(e.tsas[0]),
         }
     }
 
@@ -217,6 +222,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         t.connect,
         t.admin,
         &crate::rdma::SharedPd::default(),
+        None,
     )
     .await?;
     c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host, None)

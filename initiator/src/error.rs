@@ -116,6 +116,15 @@ pub enum Error {
         /// Why, as one line (never key material).
         reason: String,
     },
+    /// The TLS handshake with the target failed (a PSK the target does not know or does
+    /// not match, a listener without TLS), or the PSK cannot be used.
+    #[error("TLS with {addr} failed: {reason}")]
+    Tls {
+        /// Target address.
+        addr: String,
+        /// Why, as one line (never key material).
+        reason: String,
+    },
     /// The controller (or this queue) was closed by the host.
     #[error("the controller is closed")]
     Closed,

@@ -93,7 +93,7 @@ pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::Namespace;
 pub use options::{
     ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
-    DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, Transport,
+    DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, TlsOptions, Transport,
 };
 pub use queue::QueueStats;
 pub use registered::RegisteredBuffer;

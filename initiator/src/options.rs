@@ -5,6 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use nvme_auth::DhchapKey;
+use nvme_auth::tls::ConfiguredPsk;
 
 use crate::{Error, HostIdentity};
 
@@ -283,6 +284,36 @@ pub struct ConnectOptions {
     /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
     /// `None`: a controller that requires authentication is refused with [`Error::Auth`].
     pub dhchap: Option<DhchapSecrets>,
+    /// NVMe/TCP over TLS 1.3 with a pre-shared key: every queue's connection starts with a
+    /// TLS handshake ([`Error::Tls`] when it fails). `None`: plain TCP.
+    pub tls: Option<TlsOptions>,
+}
+
+/// The TLS PSK of a connection, from nvme-cli's `NVMeTLSkey-1:01:<base64>:` configured PSK
+/// (`nvme gen-tls-key`). `Debug` shows no key material.
+#[derive(Clone, Debug)]
+pub struct TlsOptions {
+    /// The configured PSK (`--tls-key`); the TLS PSK and its identity are derived from it for
+    /// the host and subsystem NQNs.
+    pub psk: ConfiguredPsk,
+    /// The PSK identity version: 0 (`NVMe0R01 <hostnqn> <subnqn>`, what `nvme check-tls-key
+    /// --insert` inserts by default) or 1 (`NVMe1R01 ... <digest>`).
+    pub identity_version: u8,
+}
+
+impl TlsOptions {
+    /// Parses a configured PSK in the interchange format, with identity version 0. The
+    /// error never shows the key.
+    pub fn parse(psk: &str) -> Result<Self, Error> {
+        let psk = ConfiguredPsk::parse(psk)
+            .map_err(|e| Error::InvalidArgument(format!("TLS PSK: {e}")))?;
+        nvmf_tls::check_psk_hash(psk.cipher_hash())
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        Ok(TlsOptions {
+            psk,
+            identity_version: 0,
+        })
+    }
 }
 
 /// The default busy-poll window of an I/O queue ([`ConnectOptions::busy_poll`]).
@@ -307,6 +338,7 @@ impl ConnectOptions {
             queue_policy: QueuePolicy::default(),
             busy_poll: DEFAULT_BUSY_POLL,
             dhchap: None,
+            tls: None,
         }
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use nvme_spec::fabrics::{CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, ConnectData};
 use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
 use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
+use nvmf_tls::{ClientContext, Stream};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
@@ -20,7 +21,33 @@ use crate::link::{Link, LinkWake};
 use crate::queue_core::{Completions, Core, QueueCounters, Retry};
 use crate::rdma::{RdmaConn, RdmaWake, SharedPd};
 use crate::tcp::{READ_CHUNK, TcpConn};
-use crate::{DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
+use crate::{ConnectOptions, DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
+
+/// The TLS context of a controller's NVMe/TCP connections, when `opts` asks for TLS: the TLS
+/// PSK and identity derived from the configured PSK for the host and subsystem NQNs.
+pub(crate) fn tls_context(opts: &ConnectOptions) -> Result<Option<ClientContext>, Error> {
+    let Some(t) = &opts.tls else {
+        return Ok(None);
+    };
+    if opts.addr.transport != Transport::Tcp {
+        return Err(Error::InvalidArgument(
+            "TLS is available over NVMe/TCP only".into(),
+        ));
+    }
+    let psk = t
+        .psk
+        .tls_psk(t.identity_version, &opts.host.hostnqn, &opts.subnqn)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "TLS PSK identity version {}: expected 0 or 1",
+                t.identity_version
+            ))
+        })?;
+    ClientContext::new(psk).map(Some).map_err(|e| Error::Tls {
+        addr: opts.addr.to_string(),
+        reason: e.to_string(),
+    })
+}
 
 /// Which queue a connection is for (NVMe/RDMA names it when connecting).
 #[derive(Clone, Copy, Debug)]
@@ -78,9 +105,11 @@ impl SetupConn {
         }
     }
 
-    /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection
-    /// and the ICReq/ICResp exchange, for NVMe/RDMA the RDMA-CM connection with the NVMe
-    /// private data of queue `q`, in the protection domain `pd` shares.
+    /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection,
+    /// the TLS handshake with `tls` when given, and the ICReq/ICResp exchange, for NVMe/RDMA
+    /// the RDMA-CM connection with the NVMe private data of queue `q`, in the protection
+    /// domain `pd` shares.
+    #[allow(clippy::too_many_arguments)]
     pub async fn open(
         addr: &TargetAddr,
         q: QueueSpec,
@@ -88,6 +117,7 @@ impl SetupConn {
         connect_timeout: Duration,
         admin_timeout: Duration,
         pd: &SharedPd,
+        tls: Option<&ClientContext>,
     ) -> Result<Self, Error> {
         let addr_s = addr.to_string();
         let no_digests = HostParams {
@@ -125,6 +155,19 @@ impl SetupConn {
             Ok(Ok(s)) => s,
         };
         let _ = stream.set_nodelay(true);
+        let stream = match tls {
+            None => Stream::Plain(stream),
+            Some(ctx) => match timeout_at(deadline, Stream::connect(ctx, stream)).await {
+                Err(_) => return Err(Error::timeout("the TLS handshake", connect_timeout)),
+                Ok(Err(e)) => {
+                    return Err(Error::Tls {
+                        addr: addr_s,
+                        reason: e.to_string(),
+                    });
+                }
+                Ok(Ok(s)) => s,
+            },
+        };
         let engine = HostConn::new(HostConfig {
             hdgst: digests.0,
             ddgst: digests.1,

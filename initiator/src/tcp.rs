@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Status};
 use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest, Ready};
-use tokio::net::TcpStream;
+use nvmf_tls::Stream;
+use tokio::io::{Interest, Ready};
 use tokio::time::{Instant, timeout_at};
 
 use crate::Error;
@@ -29,7 +29,7 @@ const LARGE_PDU: u32 = 32 * 1024;
 
 /// An NVMe/TCP connection: the socket and the engine.
 pub(crate) struct TcpConn {
-    pub stream: TcpStream,
+    pub stream: Stream,
     pub engine: HostConn,
     /// The target address (for errors).
     pub addr: String,

@@ -591,7 +591,8 @@ async fn daemon_keeps_dhchap_secrets_root_only_and_never_lists_them() {
         .auth_hosts
         .push(nvmeof_target::config::HostAuthConfig {
             nqn: HOSTNQN.to_string(),
-            dhchap_key: nvme_auth::DhchapKey::parse(key).unwrap(),
+            dhchap_key: Some(nvme_auth::DhchapKey::parse(key).unwrap()),
+            tls_psk: None,
             dhchap_ctrl_key: None,
             dhchap_hash: None,
             dhchap_dhgroup: None,

@@ -192,7 +192,8 @@ mod tests {
         s.allow_any_host = false;
         s.auth_hosts.push(HostAuthConfig {
             nqn: HOST.to_string(),
-            dhchap_key: key(1),
+            dhchap_key: Some(key(1)),
+            tls_psk: None,
             dhchap_ctrl_key: ctrl_key.then(|| key(2)),
             dhchap_hash: None,
             dhchap_dhgroup: None,
@@ -406,7 +407,8 @@ mod tests {
         let mut cfg = crate::testing::config(&["mem:1M"]);
         cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
             nqn: HOST.to_string(),
-            dhchap_key: key(1),
+            dhchap_key: Some(key(1)),
+            tls_psk: None,
             dhchap_ctrl_key: None,
             dhchap_hash: Some(HashId::Sha512),
             dhchap_dhgroup: Some(DhGroupId::Ffdhe4096),
@@ -439,7 +441,8 @@ mod tests {
         cfg.target.handshake_timeout = std::time::Duration::from_millis(50);
         cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
             nqn: HOST.to_string(),
-            dhchap_key: key(1),
+            dhchap_key: Some(key(1)),
+            tls_psk: None,
             dhchap_ctrl_key: None,
             dhchap_hash: None,
             dhchap_dhgroup: None,

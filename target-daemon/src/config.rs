@@ -13,6 +13,10 @@
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
 //!
+//! [[listener]]
+//! address = "tcp://0.0.0.0:4421"
+//! tls = "required"                  # TLS 1.3 with a PSK (hosts with a tls_psk); plain TCP refused
+//!
 //! [discovery]
 //! listen = ["tcp://0.0.0.0:8009"]   # dedicated discovery listeners (also served on every I/O listener)
 //!
@@ -21,9 +25,10 @@
 //! allow_any_host = false
 //! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
 //!
-//! [[subsystem.host]]                # a host that must authenticate (DH-HMAC-CHAP)
+//! [[subsystem.host]]                # a host that must authenticate (DH-HMAC-CHAP and/or TLS)
 //! nqn = "nqn.2014-08.org.nvmexpress:uuid:..."
 //! dhchap_key = "DHHC-1:01:...:"     # from `nvme gen-dhchap-key`
+//! tls_psk = "NVMeTLSkey-1:01:...:"  # from `nvme gen-tls-key`: its TLS PSK on tls listeners
 //! dhchap_ctrl_key = "DHHC-1:01:...:" # optional: the controller authenticates itself too
 //! dhchap_hash = "hmac(sha384)"      # optional: the only hash allowed (default: any)
 //! dhchap_dhgroup = "ffdhe3072"      # optional: the only DH group allowed (default: any)
@@ -38,6 +43,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use blockdev::BackendSpec;
+use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use serde::{Deserialize, Serialize};
 
@@ -272,6 +278,18 @@ impl Default for TargetSettings {
 pub struct ListenerConfig {
     /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
     pub address: ListenAddr,
+    /// `tls = "required"`: every connection starts with a TLS 1.3 handshake with the PSK of
+    /// a `[[subsystem.host]]` that has a `tls_psk` (NVMe/TCP only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsRequirement>,
+}
+
+/// The TLS requirement of a listener.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TlsRequirement {
+    /// TLS 1.3 with a PSK, plain connections refused.
+    Required,
 }
 
 /// Discovery settings.
@@ -301,8 +319,8 @@ pub struct SubsystemConfig {
     /// Host NQNs allowed to connect (when `allow_any_host` is false).
     #[serde(default)]
     pub hosts: Vec<String>,
-    /// Hosts allowed to connect that must authenticate with DH-HMAC-CHAP (`[[subsystem.host]]`
-    /// tables).
+    /// Hosts allowed to connect that must authenticate with DH-HMAC-CHAP or hold a TLS PSK
+    /// (`[[subsystem.host]]` tables).
     #[serde(default, rename = "host")]
     pub auth_hosts: Vec<HostAuthConfig>,
     /// Namespaces, NSIDs assigned in order from 1 unless given.
@@ -310,15 +328,31 @@ pub struct SubsystemConfig {
     pub namespaces: Vec<NamespaceConfig>,
 }
 
-/// A host that authenticates with DH-HMAC-CHAP before it may use the subsystem.
+/// A host that authenticates with DH-HMAC-CHAP, or with a TLS PSK on TLS listeners, before
+/// it may use the subsystem.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostAuthConfig {
     /// The host NQN.
     pub nqn: String,
-    /// The host's secret, `DHHC-1:XX:<base64>:` as `nvme gen-dhchap-key` writes it.
-    #[serde(deserialize_with = "deserialize_key", serialize_with = "serialize_key")]
-    pub dhchap_key: DhchapKey,
+    /// The host's secret, `DHHC-1:XX:<base64>:` as `nvme gen-dhchap-key` writes it: with it
+    /// the host must authenticate in band (DH-HMAC-CHAP).
+    #[serde(
+        default,
+        deserialize_with = "deserialize_opt_key",
+        serialize_with = "serialize_opt_key",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub dhchap_key: Option<DhchapKey>,
+    /// The configured TLS PSK, `NVMeTLSkey-1:01:<base64>:` as `nvme gen-tls-key` writes it:
+    /// the host's TLS PSK and identity on `tls = "required"` listeners are derived from it.
+    #[serde(
+        default,
+        deserialize_with = "deserialize_psk",
+        serialize_with = "serialize_psk",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub tls_psk: Option<ConfiguredPsk>,
     /// The controller's secret: with it the controller authenticates itself to the host when
     /// the host asks (bidirectional authentication).
     #[serde(
@@ -385,6 +419,23 @@ fn deserialize_opt_key<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> Result<Option<DhchapKey>, D::Error> {
     deserialize_key(d).map(Some)
+}
+
+fn deserialize_psk<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<ConfiguredPsk>, D::Error> {
+    let psk = ConfiguredPsk::parse(&String::deserialize(d)?)
+        .map_err(|e| serde::de::Error::custom(format!("tls_psk: {e}")))?;
+    nvmf_tls::check_psk_hash(psk.cipher_hash())
+        .map_err(|e| serde::de::Error::custom(format!("tls_psk: {e}")))?;
+    Ok(Some(psk))
+}
+
+fn serialize_psk<S: serde::Serializer>(p: &Option<ConfiguredPsk>, s: S) -> Result<S::Ok, S::Error> {
+    match p {
+        Some(p) => s.serialize_str(&p.to_interchange()),
+        None => s.serialize_none(),
+    }
 }
 
 fn serialize_key<S: serde::Serializer>(k: &DhchapKey, s: S) -> Result<S::Ok, S::Error> {
@@ -473,7 +524,10 @@ impl Config {
             target: TargetSettings::default(),
             listeners: listen
                 .iter()
-                .map(|a| ListenerConfig { address: a.clone() })
+                .map(|a| ListenerConfig {
+                    address: a.clone(),
+                    tls: None,
+                })
                 .collect(),
             discovery: DiscoveryConfig::default(),
             subsystems: vec![SubsystemConfig {
@@ -580,6 +634,14 @@ impl Config {
                 "target.max_connections and max_connections_per_listener must be at least 1".into(),
             );
         }
+        for l in &self.listeners {
+            if l.tls.is_some() && l.address.transport != Transport::Tcp {
+                return bad(format!(
+                    "listener {}: tls is for NVMe/TCP listeners only",
+                    l.address
+                ));
+            }
+        }
         let mut nqns = std::collections::HashSet::new();
         for s in &self.subsystems {
             if let Some(why) = nqn_problem(&s.nqn) {
@@ -607,6 +669,18 @@ impl Config {
                         "subsystem {}: host {h} is listed twice (a host with a dhchap_key \
                          belongs in [[subsystem.host]] only)",
                         s.nqn
+                    ));
+                }
+            }
+            for h in &s.auth_hosts {
+                let dhchap_extras = h.dhchap_ctrl_key.is_some()
+                    || h.dhchap_hash.is_some()
+                    || h.dhchap_dhgroup.is_some();
+                if h.dhchap_key.is_none() && (h.tls_psk.is_none() || dhchap_extras) {
+                    return bad(format!(
+                        "subsystem {}: host {}: needs a dhchap_key (DH-HMAC-CHAP settings \
+                         need one too) or a tls_psk",
+                        s.nqn, h.nqn
                     ));
                 }
             }
@@ -651,7 +725,7 @@ pub fn key_file_warning(path: &Path, cfg: &Config) -> Option<String> {
     let mode = std::fs::metadata(path).ok()?.permissions().mode();
     (mode & 0o077 != 0).then(|| {
         format!(
-            "config file {} holds DH-HMAC-CHAP keys but is readable by group or others \
+            "config file {} holds DH-HMAC-CHAP or TLS keys but is readable by group or others \
              (mode {:o}): chmod 600 it",
             path.display(),
             mode & 0o777
@@ -755,7 +829,7 @@ mod tests {
         );
         let c = Config::from_toml(&doc(key, &extra)).unwrap();
         let h = &c.subsystems[0].auth_hosts[0];
-        assert_eq!(h.dhchap_key.to_dhhc1(), key);
+        assert_eq!(h.dhchap_key.as_ref().unwrap().to_dhhc1(), key);
         assert!(h.dhchap_ctrl_key.is_some());
         assert_eq!(h.dhchap_hash, Some(HashId::Sha384));
         assert_eq!(h.dhchap_dhgroup, Some(DhGroupId::Ffdhe3072));
@@ -774,6 +848,82 @@ mod tests {
         let twice = doc(key, "").replace("uuid:2", "uuid:1");
         let e = Config::from_toml(&twice).unwrap_err().to_string();
         assert!(e.contains("listed twice"), "{e}");
+    }
+
+    #[test]
+    fn tls_listeners_and_psks() {
+        let psk = ConfiguredPsk::new(nvme_auth::Secret::new(vec![5; 32]), Some(HashId::Sha256))
+            .unwrap()
+            .to_interchange();
+        let doc = |transport: &str, host: &str| {
+            format!(
+                r#"
+                [[listener]]
+                address = "{transport}://127.0.0.1:4421"
+                tls = "required"
+                [[subsystem]]
+                nqn = "nqn.2026-11.io.nvmeof-direct:tls"
+                [[subsystem.host]]
+                nqn = "nqn.2014-08.org.nvmexpress:uuid:1"
+                {host}
+                "#
+            )
+        };
+        let c = Config::from_toml(&doc("tcp", &format!("tls_psk = \"{psk}\""))).unwrap();
+        assert_eq!(c.listeners[0].tls, Some(TlsRequirement::Required));
+        // A saved configuration (`ctl save`) keeps every key and reads back the same.
+        let dhchap = DhchapKey::generate(&mut rand::rng(), 32, None)
+            .unwrap()
+            .to_dhhc1();
+        let full = Config::from_toml(&doc(
+            "tcp",
+            &format!(
+                "tls_psk = \"{psk}\"\ndhchap_key = \"{dhchap}\"\ndhchap_ctrl_key = \"{dhchap}\"\n\
+                 dhchap_hash = \"hmac(sha384)\"\ndhchap_dhgroup = \"ffdhe3072\""
+            ),
+        ))
+        .unwrap();
+        let saved = full.to_toml().unwrap();
+        let again = Config::from_toml(&saved).unwrap();
+        assert_eq!(again.subsystems, full.subsystems, "{saved}");
+        assert_eq!(again.listeners, full.listeners, "{saved}");
+        let h = &c.subsystems[0].auth_hosts[0];
+        assert!(h.dhchap_key.is_none() && h.tls_psk.is_some());
+        assert!(
+            !format!("{c:?}").contains(&psk[16..40]),
+            "keys are redacted"
+        );
+        let bad = |d: String, want: &str| {
+            let e = Config::from_toml(&d).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        };
+        bad(
+            doc("rdma", &format!("tls_psk = \"{psk}\"")),
+            "tls is for NVMe/TCP listeners only",
+        );
+        bad(doc("tcp", ""), "needs a dhchap_key");
+        bad(
+            doc("tcp", "dhchap_hash = \"hmac(sha256)\""),
+            "needs a dhchap_key",
+        );
+        bad(
+            doc(
+                "tcp",
+                &format!("tls_psk = \"{}\"", psk.replace("NVMe", "nvme")),
+            ),
+            "tls_psk: key is not in the NVMeTLSkey-1: format",
+        );
+        let sha384 = ConfiguredPsk::new(nvme_auth::Secret::new(vec![5; 48]), Some(HashId::Sha384))
+            .unwrap()
+            .to_interchange();
+        bad(
+            doc("tcp", &format!("tls_psk = \"{sha384}\"")),
+            "only SHA-256",
+        );
+        bad(
+            doc("tcp", "").replace("\"required\"", "\"optional\""),
+            "unknown variant `optional`",
+        );
     }
 
     #[test]

@@ -353,7 +353,10 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             if *discovery {
                 cfg.discovery.listen.push(a);
             } else {
-                cfg.listeners.push(ListenerConfig { address: a });
+                cfg.listeners.push(ListenerConfig {
+                    address: a,
+                    tls: None,
+                });
             }
         }
         Request::RemoveListener { address, discovery } => {

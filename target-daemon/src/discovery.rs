@@ -5,7 +5,9 @@ use std::net::{IpAddr, SocketAddr};
 use nvme_spec::IntoBytes;
 use nvme_spec::fabrics::DISCOVERY_NQN;
 use nvme_spec::identify::{put_ascii_padded, put_nul_padded};
-use nvme_spec::log::{DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, treq, trtype};
+use nvme_spec::log::{
+    DiscoveryLogEntry, DiscoveryLogHeader, adrfam, subtype, tcp_sectype, treq, trtype,
+};
 
 use crate::config::{ListenAddr, Transport};
 use crate::target::Target;
@@ -19,6 +21,7 @@ fn entry(
     local: SocketAddr,
     nqn: &str,
     sub: u8,
+    tls: bool,
 ) -> DiscoveryLogEntry {
     let mut e = DiscoveryLogEntry::zeroed();
     e.trtype = match listener.transport {
@@ -37,7 +40,13 @@ fn entry(
         adrfam::IPV6
     };
     e.subtype = sub;
-    e.treq = treq::SECURE_CHANNEL_NOT_REQUIRED | treq::SQ_FLOW_CONTROL_DISABLE;
+    let secure = if tls {
+        e.tsas[0] = tcp_sectype::TLS13;
+        treq::SECURE_CHANNEL_REQUIRED
+    } else {
+        treq::SECURE_CHANNEL_NOT_REQUIRED
+    };
+    e.treq = secure | treq::SQ_FLOW_CONTROL_DISABLE;
     e.portid.set(portid);
     e.cntlid.set(0xFFFF);
     e.asqsz.set(DISCOVERY_ASQSZ);
@@ -53,8 +62,10 @@ fn entry(
 }
 
 /// Builds the whole discovery log page for `hostnqn`, as seen from the local address `local`:
-/// every subsystem the host may connect to on every I/O listener, then the discovery service
-/// itself on every listener.
+/// every subsystem the host may connect to on every I/O listener it may use (TLS listeners
+/// for hosts with a TLS PSK, plain ones for the others), then the discovery service
+/// itself on every listener. Entries of TLS listeners say that a secure channel is required
+/// and that it is TLS 1.3.
 pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
     let mut entries: Vec<DiscoveryLogEntry> = Vec::new();
     let listeners = target.listeners();
@@ -62,8 +73,10 @@ pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
     for (i, l) in listeners.io.iter().enumerate() {
         let portid = i as u16 + 1;
         for s in subsystems.values() {
-            if s.host_allowed(hostnqn) {
-                entries.push(entry(l, portid, local, &s.nqn, subtype::NVME));
+            // A host with a TLS PSK connects over TLS listeners only, others over plain ones.
+            let tls = target.requires_tls(l);
+            if s.host_allowed(hostnqn) && tls == s.has_tls_psk(hostnqn) {
+                entries.push(entry(l, portid, local, &s.nqn, subtype::NVME, tls));
             }
         }
     }
@@ -75,6 +88,7 @@ pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
             local,
             DISCOVERY_NQN,
             subtype::CURRENT_DISCOVERY,
+            target.requires_tls(l),
         ));
     }
     let mut hdr = DiscoveryLogHeader::zeroed();

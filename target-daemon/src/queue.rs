@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use nvme_auth::tls::PskIdentity;
 use nvme_spec::command::{AdminCommand, FabricsCommand, IoCommand, ReadWrite};
 use nvme_spec::fabrics::{
     CONNECT_DATA_CNTLID_OFFSET, CONNECT_DATA_HOSTNQN_OFFSET, CONNECT_DATA_SUBNQN_OFFSET,
@@ -162,6 +163,9 @@ pub struct QueueState {
     /// When the transport's current batch of received data arrived ([`QueueState::tick`]):
     /// the arrival time of every command in it, so that a batch costs one clock read.
     clock: Instant,
+    /// Whether the connection is TLS, and the host and subsystem NQNs of the PSK identity it
+    /// authenticated with.
+    tls: Option<Option<PskIdentity>>,
     host_sgl: HostSgl,
     discovery_only: bool,
     sqhd: u32,
@@ -190,6 +194,7 @@ impl QueueState {
             metrics: None,
             auth: None,
             clock: Instant::now(),
+            tls: None,
             host_sgl: HostSgl::Transport,
             discovery_only: false,
             sqhd: 0,
@@ -211,6 +216,15 @@ impl QueueState {
         self.discovery_only = self
             .target
             .is_discovery_only_listener(transport, self.origin.local);
+        self
+    }
+
+    /// Notes a connection's TLS session: Connect then accepts only the host and subsystem of
+    /// the PSK identity, and a host with a TLS PSK only over TLS.
+    pub fn with_tls(mut self, tls: bool, identity: Option<&str>) -> Self {
+        if tls {
+            self.tls = Some(identity.and_then(PskIdentity::parse));
+        }
         self
     }
 
@@ -494,6 +508,25 @@ impl QueueState {
             info!(%hostnqn, %peer, %subnqn, "connect rejected: unknown subsystem");
             return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
         };
+        let tls_mismatch = match &self.tls {
+            None => subsys.has_tls_psk(&hostnqn),
+            Some(id) => !id
+                .as_ref()
+                .is_some_and(|id| id.hostnqn == hostnqn && id.subnqn == subnqn),
+        };
+        if tls_mismatch {
+            let why = if self.tls.is_none() {
+                "this host has a TLS PSK and must connect over TLS"
+            } else {
+                "the host or subsystem NQN is not the TLS PSK identity's"
+            };
+            info!(%hostnqn, %peer, %subnqn, "connect rejected: {why}");
+            return Submit::Complete(Cqe::new(
+                cid,
+                Status::specific(specific::CONNECT_INVALID_HOST).with_dnr(),
+                connect_invalid_param_dw0(true, CONNECT_DATA_HOSTNQN_OFFSET),
+            ));
+        }
         if !subsys.host_allowed(&hostnqn) {
             info!(%hostnqn, %peer, %subnqn, "connect rejected: host not allowed");
             return Submit::Complete(Cqe::new(

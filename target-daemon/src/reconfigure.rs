@@ -247,13 +247,11 @@ impl Registry {
                 for h in &s.auth_hosts {
                     match o.auth_hosts.iter().find(|a| a.nqn == h.nqn) {
                         None => changes.push(format!(
-                            "subsystem {}: allowed host {} (DH-HMAC-CHAP)",
+                            "subsystem {}: allowed host {} (with keys)",
                             s.nqn, h.nqn
                         )),
-                        Some(a) if a != h => changes.push(format!(
-                            "subsystem {}: new DH-HMAC-CHAP settings for host {}",
-                            s.nqn, h.nqn
-                        )),
+                        Some(a) if a != h => changes
+                            .push(format!("subsystem {}: new keys for host {}", s.nqn, h.nqn)),
                         Some(_) => {}
                     }
                 }
@@ -263,7 +261,7 @@ impl Registry {
                     .filter(|a| !s.auth_hosts.iter().any(|h| h.nqn == a.nqn))
                 {
                     changes.push(format!(
-                        "subsystem {}: no longer allowed host {} (DH-HMAC-CHAP)",
+                        "subsystem {}: no longer allowed host {} (with keys)",
                         s.nqn, a.nqn
                     ));
                 }
@@ -388,6 +386,12 @@ impl Registry {
         target.set_listeners(Listeners {
             io: new.listeners.iter().map(|l| l.address.clone()).collect(),
             discovery: new.discovery.listen.clone(),
+            tls: new
+                .listeners
+                .iter()
+                .filter(|l| l.tls.is_some())
+                .map(|l| l.address.addr)
+                .collect(),
         });
 
         let mut map = (*live).clone();
@@ -660,6 +664,7 @@ mod tests {
             .edit(|c| {
                 c.listeners.push(ListenerConfig {
                     address: "tcp://127.0.0.1:0".parse().unwrap(),
+                    tls: None,
                 });
                 c.subsystems[0].namespaces.push(NamespaceConfig {
                     nsid: Some(2),

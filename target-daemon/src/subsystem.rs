@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use blockdev::{AnyBackend, Backend};
+use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use parking_lot::{Mutex, RwLock};
 
@@ -87,14 +88,14 @@ pub struct HostKeys {
 }
 
 impl HostKeys {
-    /// The keys of a `[[subsystem.host]]` table.
-    pub fn from_config(h: &crate::config::HostAuthConfig) -> Self {
-        HostKeys {
-            host: h.dhchap_key.clone(),
+    /// The DH-HMAC-CHAP keys of a `[[subsystem.host]]` table, if it has a host key.
+    pub fn from_config(h: &crate::config::HostAuthConfig) -> Option<Self> {
+        Some(HostKeys {
+            host: h.dhchap_key.clone()?,
             ctrl: h.dhchap_ctrl_key.clone(),
             hash: h.dhchap_hash,
             dh_group: h.dhchap_dhgroup,
-        }
+        })
     }
 }
 
@@ -110,6 +111,8 @@ pub struct HostAccess {
     pub hosts: Vec<String>,
     /// Allowed hosts that must authenticate, by host NQN.
     pub auth_hosts: BTreeMap<String, HostKeys>,
+    /// Allowed hosts with a configured TLS PSK (they connect over TLS only), by host NQN.
+    pub tls_psks: BTreeMap<String, ConfiguredPsk>,
 }
 
 impl HostAccess {
@@ -121,7 +124,12 @@ impl HostAccess {
             auth_hosts: cfg
                 .auth_hosts
                 .iter()
-                .map(|h| (h.nqn.clone(), HostKeys::from_config(h)))
+                .filter_map(|h| Some((h.nqn.clone(), HostKeys::from_config(h)?)))
+                .collect(),
+            tls_psks: cfg
+                .auth_hosts
+                .iter()
+                .filter_map(|h| Some((h.nqn.clone(), h.tls_psk.clone()?)))
                 .collect(),
         }
     }
@@ -131,6 +139,7 @@ impl HostAccess {
         self.allow_any_host
             || self.hosts.iter().any(|h| h == hostnqn)
             || self.auth_hosts.contains_key(hostnqn)
+            || self.tls_psks.contains_key(hostnqn)
     }
 }
 
@@ -202,6 +211,16 @@ impl Subsystem {
     /// The keys `hostnqn` authenticates with, when it must.
     pub fn host_keys(&self, hostnqn: &str) -> Option<HostKeys> {
         self.access.read().auth_hosts.get(hostnqn).cloned()
+    }
+
+    /// The configured TLS PSK of `hostnqn`, when it has one.
+    pub fn tls_psk(&self, hostnqn: &str) -> Option<ConfiguredPsk> {
+        self.access.read().tls_psks.get(hostnqn).cloned()
+    }
+
+    /// Whether `hostnqn` has a TLS PSK here (and so must connect over TLS).
+    pub fn has_tls_psk(&self, hostnqn: &str) -> bool {
+        self.access.read().tls_psks.contains_key(hostnqn)
     }
 
     /// Who may connect.

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use blockdev::Backend;
+use nvme_auth::tls::PskIdentity;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
@@ -71,6 +72,9 @@ pub enum StartError {
         /// Its parent.
         dir: String,
     },
+    /// The TLS context could not be built.
+    #[error("cannot set up TLS: {0}")]
+    Tls(nvmf_tls::TlsError),
     /// A reactor thread could not be started.
     #[error("cannot start reactor thread: {0}")]
     Reactor(std::io::Error),
@@ -80,8 +84,11 @@ pub enum StartError {
 pub struct Target {
     /// Limits and sizes.
     pub settings: TargetSettings,
-    subsystems: RwLock<Arc<SubsystemMap>>,
+    subsystems: Arc<RwLock<Arc<SubsystemMap>>>,
     listeners: RwLock<Listeners>,
+    /// The TLS context of the listeners that require TLS: its PSK lookup reads the current
+    /// subsystems, so PSKs added or removed while running take effect at the next handshake.
+    pub tls: nvmf_tls::ServerContext,
     /// Serial number of the discovery controller.
     pub discovery_serial: String,
     genctr: AtomicU64,
@@ -103,6 +110,8 @@ pub struct Listeners {
     pub io: Vec<ListenAddr>,
     /// Dedicated discovery listeners.
     pub discovery: Vec<ListenAddr>,
+    /// The bound addresses of the I/O listeners that require TLS.
+    pub tls: Vec<SocketAddr>,
 }
 
 /// A bound listener ready to accept.
@@ -228,17 +237,27 @@ impl Target {
         let wanted = cfg
             .listeners
             .iter()
-            .map(|l| (l.address.clone(), false))
-            .chain(cfg.discovery.listen.iter().map(|a| (a.clone(), true)));
-        for (addr, discovery_only) in wanted {
+            .map(|l| (l.address.clone(), false, l.tls.is_some()))
+            .chain(
+                cfg.discovery
+                    .listen
+                    .iter()
+                    .map(|a| (a.clone(), true, false)),
+            );
+        for (addr, discovery_only, tls) in wanted {
             let l = bind_listener(&addr)?;
             if discovery_only {
                 listeners.discovery.push(l.addr.clone());
             } else {
                 listeners.io.push(l.addr.clone());
             }
+            if tls {
+                listeners.tls.push(l.addr.addr);
+            }
             bound.push(l);
         }
+        let subsystems = Arc::new(RwLock::new(Arc::new(subsystems)));
+        let tls = tls_context(Arc::clone(&subsystems)).map_err(StartError::Tls)?;
         let (shutdown_tx, _) = watch::channel(false);
         let discovery_serial: String = stable_id128("discovery")[..10]
             .iter()
@@ -246,8 +265,9 @@ impl Target {
             .collect();
         let target = Target {
             settings: cfg.target.clone(),
-            subsystems: RwLock::new(Arc::new(subsystems)),
+            subsystems,
             listeners: RwLock::new(listeners),
+            tls,
             discovery_serial,
             genctr: AtomicU64::new(1),
             discovery_controllers: Mutex::new(Vec::new()),
@@ -257,6 +277,20 @@ impl Target {
             metrics: Default::default(),
         };
         Ok((Arc::new(target), bound))
+    }
+
+    /// Whether the I/O listener bound to `addr` requires TLS.
+    pub fn requires_tls(&self, addr: &ListenAddr) -> bool {
+        addr.transport == Transport::Tcp && self.listeners.read().tls.contains(&addr.addr)
+    }
+
+    /// Whether an NVMe/TCP connection to `local` arrived on a listener that requires TLS.
+    pub fn tls_required_at(&self, local: SocketAddr) -> bool {
+        self.listeners
+            .read()
+            .tls
+            .iter()
+            .any(|l| l.port() == local.port() && (l.ip() == local.ip() || l.ip().is_unspecified()))
     }
 
     /// Whether a connection to `local` over `transport` arrived on a dedicated discovery
@@ -456,4 +490,21 @@ fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
     s.listen(1024).map_err(err)?;
     s.set_nonblocking(true).map_err(err)?;
     Ok(s.into())
+}
+
+/// The TLS context of the TLS listeners: a host's identity (`NVMe0R01` or `NVMe1R01`, for a
+/// subsystem that lists it with a `tls_psk`) selects the TLS PSK derived from its configured
+/// PSK; any other identity fails the handshake.
+fn tls_context(
+    subsystems: Arc<RwLock<Arc<SubsystemMap>>>,
+) -> Result<nvmf_tls::ServerContext, nvmf_tls::TlsError> {
+    nvmf_tls::ServerContext::new(move |identity| {
+        let id = PskIdentity::parse(identity)?;
+        let psk = subsystems.read().get(&id.subnqn)?.tls_psk(&id.hostnqn)?;
+        if psk.cipher_hash() != id.hash {
+            return None;
+        }
+        let derived = psk.tls_psk(id.version, &id.hostnqn, &id.subnqn)?;
+        (derived.identity == identity).then_some(derived.key)
+    })
 }

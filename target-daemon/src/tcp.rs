@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 use blockdev::{Backend, BufPool, IoBuf};
 use nvme_spec::{Cqe, Sqe, Status};
 use nvmf_tcp::{TargetConfig, TargetConn, TargetEvent};
+use nvmf_tls::Stream;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
@@ -42,7 +43,7 @@ struct PendingWrite {
 }
 
 struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     engine: TargetConn,
     /// The command engine; a running request's tag is its SQE.
     e: Engine<Sqe>,
@@ -52,13 +53,30 @@ struct Conn {
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
-/// limits.
+/// limits. On a listener that requires TLS the TLS handshake comes first, within the
+/// handshake timeout; a connection that fails it is closed.
 pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     let (Ok(peer), Ok(local)) = (stream.peer_addr(), stream.local_addr()) else {
         return;
     };
     let _ = stream.set_nodelay(true);
     let s = &target.settings;
+    let stream = if target.tls_required_at(local) {
+        let accept = Stream::accept(&target.tls, stream);
+        match tokio::time::timeout(s.handshake_timeout, accept).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                warn!(%peer, %local, "connection closed: {e}");
+                return;
+            }
+            Err(_) => {
+                warn!(%peer, %local, "connection closed: no TLS handshake within the handshake timeout");
+                return;
+            }
+        }
+    } else {
+        Stream::Plain(stream)
+    };
     let cfg = TargetConfig {
         maxh2cdata: s.max_c2h_data.max(4096),
         max_in_capsule_data: s.in_capsule_data.max(8192),
@@ -76,7 +94,8 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     };
     let mdts = s.mdts_kib as usize * 1024;
     let q = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
-        .on_listener(Transport::Tcp);
+        .on_listener(Transport::Tcp)
+        .with_tls(stream.is_tls(), stream.psk_identity());
     let mut conn = Conn {
         stream,
         engine,

@@ -116,6 +116,50 @@ impl ConfiguredPsk {
     }
 }
 
+/// A PSK identity as a host presents it in its TLS ClientHello, split into its fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PskIdentity {
+    /// Identity version: 0 (`NVMe0R..`) or 1 (`NVMe1R..`, with the PSK digest).
+    pub version: u8,
+    /// The hash of the PSK (01: SHA-256, 02: SHA-384).
+    pub hash: HashId,
+    /// The host NQN.
+    pub hostnqn: String,
+    /// The subsystem NQN.
+    pub subnqn: String,
+}
+
+impl PskIdentity {
+    /// Parses `NVMe<v>R<hh> <hostnqn> <subnqn>[ <digest>]` for a retained PSK; `None` for
+    /// anything else (other versions, generated PSKs, missing or extra fields).
+    pub fn parse(identity: &str) -> Option<Self> {
+        let mut fields = identity.split(' ');
+        let prefix = fields.next()?.strip_prefix("NVMe")?;
+        let (version, hh) = match prefix.split_once('R')? {
+            ("0", hh) => (0, hh),
+            ("1", hh) => (1, hh),
+            _ => return None,
+        };
+        let hash = match hh {
+            "01" => HashId::Sha256,
+            "02" => HashId::Sha384,
+            _ => return None,
+        };
+        let hostnqn = fields.next().filter(|f| !f.is_empty())?.to_string();
+        let subnqn = fields.next().filter(|f| !f.is_empty())?.to_string();
+        let digest = fields.next();
+        if (version == 1) != digest.is_some() || fields.next().is_some() {
+            return None;
+        }
+        Some(Self {
+            version,
+            hash,
+            hostnqn,
+            subnqn,
+        })
+    }
+}
+
 /// The PSK digest of identity version 1: base64(HMAC-H(PSK, NQNh || " " || NQNc || " " ||
 /// "NVMe-over-Fabrics")).
 pub fn psk_digest(hash: HashId, psk: &Secret, hostnqn: &str, subnqn: &str) -> String {
@@ -165,5 +209,31 @@ mod tests {
         let psk = ConfiguredPsk::new(Secret::new(vec![1; 32]), Some(HashId::Sha256)).unwrap();
         assert!(psk.tls_psk(2, "h", "s").is_none());
         assert!(!format!("{psk:?}").contains("1, 1"));
+    }
+
+    #[test]
+    fn psk_identities_parse_as_derived() {
+        let psk = ConfiguredPsk::new(Secret::new(vec![7; 32]), Some(HashId::Sha256)).unwrap();
+        for v in [0, 1] {
+            let t = psk.tls_psk(v, "nqn.h", "nqn.s").unwrap();
+            let id = PskIdentity::parse(&t.identity).unwrap();
+            assert_eq!((id.version, id.hash), (v, HashId::Sha256));
+            assert_eq!(
+                (id.hostnqn.as_str(), id.subnqn.as_str()),
+                ("nqn.h", "nqn.s")
+            );
+        }
+        for bad in [
+            "",
+            "NVMe0G01 nqn.h nqn.s",
+            "NVMe2R01 nqn.h nqn.s",
+            "NVMe0R03 nqn.h nqn.s",
+            "NVMe0R01 nqn.h",
+            "NVMe0R01 nqn.h nqn.s extra",
+            "NVMe1R01 nqn.h nqn.s",
+            "NVMe0R01  nqn.s",
+        ] {
+            assert_eq!(PskIdentity::parse(bad), None, "{bad:?}");
+        }
     }
 }

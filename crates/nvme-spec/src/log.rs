@@ -102,10 +102,21 @@ pub mod subtype {
 
 /// Transport requirements.
 pub mod treq {
+    /// Secure channel required (bits 1:0 = 01b).
+    pub const SECURE_CHANNEL_REQUIRED: u8 = 0b01;
     /// Secure channel not required (bits 1:0 = 10b).
     pub const SECURE_CHANNEL_NOT_REQUIRED: u8 = 0b10;
     /// The host may disable SQ flow control (bit 2).
     pub const SQ_FLOW_CONTROL_DISABLE: u8 = 1 << 2;
+}
+
+/// NVMe/TCP transport specific address subtype, byte 0: the security type (NVMe/TCP
+/// Transport 1.0, Figure 11).
+pub mod tcp_sectype {
+    /// No security.
+    pub const NONE: u8 = 0;
+    /// Transport Layer Security version 1.3.
+    pub const TLS13: u8 = 2;
 }
 
 /// Error information log entry, 64 bytes (NVMe Base 2.0, Figure 205).

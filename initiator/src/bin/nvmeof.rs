@@ -14,7 +14,7 @@ use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
     ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
-    DiscoveryOptions, HostIdentity, Namespace, ReconnectPolicy, TargetAddr, Transport,
+    DiscoveryOptions, HostIdentity, Namespace, ReconnectPolicy, TargetAddr, TlsOptions, Transport,
     default_state_dir, discover, hex_id, version_string,
 };
 use serde_json::{Value, json};
@@ -248,6 +248,14 @@ struct Fabric {
     /// (bidirectional authentication). Needs --dhchap-secret.
     #[arg(short = 'C', long = "dhchap-ctrl-secret", value_name = "SECRET")]
     dhchap_ctrl_secret: Option<String>,
+    /// NVMe/TCP over TLS 1.3 with a pre-shared key (the key comes from --tls-key).
+    #[arg(long = "tls")]
+    tls: bool,
+    /// The configured TLS PSK, `NVMeTLSkey-1:01:<base64>:` as `nvme gen-tls-key` prints it:
+    /// the TLS PSK and its identity (`NVMe0R01 <hostnqn> <subnqn>`) are derived from it.
+    /// Implies --tls.
+    #[arg(long = "tls-key", value_name = "KEY")]
+    tls_key: Option<String>,
 }
 
 #[derive(Args, Clone, Default)]
@@ -372,7 +380,8 @@ fn exit_status(e: &anyhow::Error) -> u8 {
                 E::ControllerFailed { .. }
                 | E::Refused(_)
                 | E::RdmaUnavailable(_)
-                | E::Auth { .. } => 3,
+                | E::Auth { .. }
+                | E::Tls { .. } => 3,
                 e if e.is_transport() => 3,
                 _ => 1,
             };
@@ -513,6 +522,15 @@ fn dhchap(f: &Fabric) -> Result<Option<DhchapSecrets>> {
     }
 }
 
+/// The TLS settings of the flags, checked.
+fn tls(f: &Fabric) -> Result<Option<TlsOptions>> {
+    match (&f.tls_key, f.tls) {
+        (None, false) => Ok(None),
+        (None, true) => usage!("--tls needs the PSK: give --tls-key KEY (from nvme gen-tls-key)"),
+        (Some(k), _) => Ok(Some(TlsOptions::parse(k)?)),
+    }
+}
+
 fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions> {
     let addr = target_addr(f, DEFAULT_PORT)?;
     let Some(nqn) = f.nqn.as_deref() else {
@@ -522,6 +540,7 @@ fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions
     o.header_digest = f.hdr_digest;
     o.data_digest = f.data_digest;
     o.dhchap = dhchap(f)?;
+    o.tls = tls(f)?;
     apply_queue_args(&mut o, q, f.timeout);
     Ok(o)
 }
@@ -623,6 +642,9 @@ async fn resolve(
             }
             if let Some(d) = dhchap(f)? {
                 o.dhchap = Some(d);
+            }
+            if let Some(t) = tls(f)? {
+                o.tls = Some(t);
             }
             apply_queue_args(&mut o, q, f.timeout);
             Ok((o, Some(nsid)))
@@ -841,6 +863,9 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
     };
     dhchap(f)?;
+    if tls(f)?.is_some() {
+        usage!("attachments of nvmeof-initd do not take --tls yet: connect directly");
+    }
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
