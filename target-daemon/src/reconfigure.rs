@@ -488,9 +488,19 @@ impl Registry {
     /// into place), so that a restart with it serves the same subsystems, namespaces, hosts
     /// and listeners.
     pub fn save(&self, path: &Path) -> Result<(), ChangeError> {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
         let text = self.config.lock().to_toml()?;
         let tmp = path.with_extension("tmp");
-        let write = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path));
+        // The file may hold DH-HMAC-CHAP secrets and TLS PSKs: root only.
+        let write = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .and_then(|mut f| f.write_all(text.as_bytes()))
+            .and_then(|()| std::fs::rename(&tmp, path));
         write.map_err(|e| ChangeError::Refused(format!("cannot write {}: {e}", path.display())))?;
         info!(path = %path.display(), "saved the running configuration");
         Ok(())
@@ -525,6 +535,7 @@ impl Registry {
                     "allow_any_host": access.allow_any_host,
                     "hosts": access.hosts,
                     "dhchap_hosts": access.auth_hosts.keys().collect::<Vec<_>>(),
+                    "tls_hosts": access.tls_psks.keys().collect::<Vec<_>>(),
                     "namespaces": namespaces,
                 });
                 if controllers {

@@ -185,3 +185,40 @@ fn tls_psk_connects_and_everything_else_is_refused() {
     let (code, _) = t.terminate();
     assert_eq!(code, Some(0));
 }
+
+/// A PSK changed in the configuration file applies after SIGHUP without a restart: the old key
+/// is refused at the next handshake, the new one connects.
+#[test]
+fn a_psk_changed_by_sighup_applies_at_the_next_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut t, tls_port, _) = start(dir.path());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(write_and_verify(
+        options(tls_port, HOST, Some(&psk(1)), 0),
+        3,
+    ));
+
+    let path = dir.path().join("target.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replace(&psk(1), &psk(3))).unwrap();
+    t.signal(libc::SIGHUP);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !t.log().contains("reload applied") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no reload: {}",
+            t.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    rt.block_on(async {
+        let e = refused(options(tls_port, HOST, Some(&psk(1)), 0)).await;
+        assert!(matches!(e, Error::Tls { .. }), "{e}");
+        write_and_verify(options(tls_port, HOST, Some(&psk(3)), 0), 4).await;
+    });
+    let log = t.log();
+    assert!(log.contains("new keys for host"), "{log}");
+    assert!(!log.contains(&psk(3)[16..40]), "a key reached the log");
+    let (code, _) = t.terminate();
+    assert_eq!(code, Some(0));
+}
