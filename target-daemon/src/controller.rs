@@ -28,6 +28,11 @@ use crate::discovery;
 use crate::subsystem::{FIRMWARE_REVISION, Subsystem};
 use crate::target::Target;
 
+/// CTRATT: 128-bit host identifiers.
+const CTRATT_HOSTID_128: u32 = 1;
+/// CTRATT: traffic-based keep alive (NVMe 1.4): any command restarts the keep-alive timer.
+const CTRATT_TBKAS: u32 = 1 << 6;
+
 /// Number of error log entries kept (ELPE + 1).
 pub const ERROR_LOG_ENTRIES: usize = 64;
 /// Asynchronous Event Requests held at once (AERL + 1).
@@ -626,7 +631,8 @@ impl Controller {
         c.mdts = (t.mdts_kib / 4).trailing_zeros() as u8;
         c.cntlid.set(self.cntlid);
         c.ver.set(VERSION_1_4);
-        c.ctratt.set(1); // 128-bit host identifier
+        // 128-bit host identifier; traffic-based keep alive (commands restart the timer).
+        c.ctratt.set(CTRATT_HOSTID_128 | CTRATT_TBKAS);
         c.acl = 3;
         c.aerl = (MAX_AERS - 1) as u8;
         c.lpa = LPA_EXTENDED;

@@ -784,6 +784,31 @@ mod tests {
     }
 
     #[test]
+    fn io_traffic_keeps_the_controller_alive() {
+        let (mut admin, mut io) = queues(&["mem:1M"]);
+        let rt = rt();
+        // Keep Alive Timer: 300 ms; I/O arrives every 50 ms for 1 s, no Keep Alive command.
+        admin.command(build::set_features(12, 0x0f, 300), &[]);
+        assert!(admin.answer().status().is_success());
+        let ctrl = admin.e.q.ctrl.clone().unwrap();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(1) {
+            io.e.q.tick();
+            io.command(read(1, 1, 0, 1), &[]);
+            io.answer();
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(
+                ctrl.keep_alive_deadline().unwrap() > Instant::now(),
+                "traffic restarts the timer"
+            );
+        }
+        assert!(!ctrl.is_torn_down());
+        // Without traffic the timer runs out.
+        admin.drive(&rt, |f| f.e.closing.is_some());
+        assert!(ctrl.is_torn_down());
+    }
+
+    #[test]
     fn a_queue_without_connect_expires_at_the_handshake_timeout() {
         let mut cfg = crate::testing::config(&["mem:1M"]);
         cfg.target.handshake_timeout = Duration::from_millis(50);

@@ -6,7 +6,7 @@
 //! completion per command built by [`QueueState::completion`].
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nvme_auth::tls::PskIdentity;
 use nvme_spec::command::{AdminCommand, FabricsCommand, IoCommand, ReadWrite};
@@ -140,6 +140,9 @@ pub enum Submit {
     Io(IoRequest),
 }
 
+/// How often one queue's received commands may restart its controller's keep-alive timer.
+pub const TRAFFIC_KEEP_ALIVE: Duration = Duration::from_millis(100);
+
 /// Per-queue (per-connection) state.
 pub struct QueueState {
     /// The target.
@@ -163,6 +166,9 @@ pub struct QueueState {
     /// When the transport's current batch of received data arrived ([`QueueState::tick`]):
     /// the arrival time of every command in it, so that a batch costs one clock read.
     clock: Instant,
+    /// When this queue last restarted its controller's keep-alive timer (traffic-based keep
+    /// alive: received commands count as keep alives, at most every [`TRAFFIC_KEEP_ALIVE`]).
+    keep_alive_noted: Instant,
     /// Whether the connection is TLS, and the host and subsystem NQNs of the PSK identity it
     /// authenticated with.
     tls: Option<Option<PskIdentity>>,
@@ -194,6 +200,7 @@ impl QueueState {
             metrics: None,
             auth: None,
             clock: Instant::now(),
+            keep_alive_noted: Instant::now(),
             tls: None,
             host_sgl: HostSgl::Transport,
             discovery_only: false,
@@ -294,10 +301,19 @@ impl QueueState {
         r
     }
 
-    /// Notes that the transport received a new batch of data: the commands in it arrived now.
+    /// Notes that the transport received a new batch of data: the commands in it arrived now,
+    /// and (traffic-based keep alive, CTRATT.TBKAS) they keep the controller alive as a Keep
+    /// Alive command would. The controller's timer is restarted at most every
+    /// [`TRAFFIC_KEEP_ALIVE`] per queue, so a busy queue writes it rarely.
     #[inline]
     pub fn tick(&mut self) {
         self.clock = Instant::now();
+        if let Some(ctrl) = &self.ctrl
+            && self.clock.saturating_duration_since(self.keep_alive_noted) >= TRAFFIC_KEEP_ALIVE
+        {
+            self.keep_alive_noted = self.clock;
+            ctrl.keep_alive();
+        }
     }
 
     /// Counts a request completed inline, within the batch it arrived in (so its latency is
