@@ -20,7 +20,8 @@ use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, warn};
 
 use crate::config::{
-    Config, DEFAULT_MODEL, ListenAddr, ListenerConfig, NamespaceConfig, SubsystemConfig,
+    Config, DEFAULT_MODEL, HostAuthConfig, ListenAddr, ListenerConfig, NamespaceConfig,
+    SubsystemConfig,
 };
 use crate::reconfigure::{ChangeError, Registry, refused};
 
@@ -106,7 +107,8 @@ pub enum Request {
         #[arg(long, value_name = "SIZE")]
         size: String,
     },
-    /// Allows a host.
+    /// Allows a host; with keys, the host must authenticate (DH-HMAC-CHAP) or connect over
+    /// TLS with its PSK, as a `[[subsystem.host]]` table says.
     AddHost {
         /// Subsystem NQN.
         #[arg(long, value_name = "NQN")]
@@ -114,6 +116,18 @@ pub enum Request {
         /// Host NQN.
         #[arg(long, value_name = "NQN")]
         host: String,
+        /// The host's DH-HMAC-CHAP secret, `DHHC-1:XX:...:` (`nvme gen-dhchap-key`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[arg(long, value_name = "KEY")]
+        dhchap_key: Option<String>,
+        /// The controller's DH-HMAC-CHAP secret, for bidirectional authentication.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[arg(long, value_name = "KEY", requires = "dhchap_key")]
+        dhchap_ctrl_key: Option<String>,
+        /// The host's configured TLS PSK, `NVMeTLSkey-1:01:...:` (`nvme gen-tls-key`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[arg(long, value_name = "KEY")]
+        tls_psk: Option<String>,
     },
     /// Stops allowing a host and disconnects its controllers.
     RemoveHost {
@@ -230,6 +244,41 @@ pub fn decode(line: &str) -> Result<Request, String> {
     serde_json::from_value(Value::Object(m)).map_err(|e| format!("invalid request: {e}"))
 }
 
+/// The `[[subsystem.host]]` table of `add-host` with keys. A key that does not parse is named
+/// without its value.
+fn host_keys(
+    host: &str,
+    dhchap_key: &Option<String>,
+    dhchap_ctrl_key: &Option<String>,
+    tls_psk: &Option<String>,
+) -> Result<HostAuthConfig, ChangeError> {
+    let dhchap = |what: &str, k: &Option<String>| match k {
+        None => Ok(None),
+        Some(k) => nvme_auth::DhchapKey::parse(k)
+            .map(Some)
+            .or_else(|e| refused(format!("{what}: {e}"))),
+    };
+    let tls_psk = match tls_psk {
+        None => None,
+        Some(k) => {
+            let psk = nvme_auth::tls::ConfiguredPsk::parse(k)
+                .or_else(|e| refused(format!("tls_psk: {e}")))?;
+            if let Err(e) = nvmf_tls::check_psk_hash(psk.cipher_hash()) {
+                return refused(format!("tls_psk: {e}"));
+            }
+            Some(psk)
+        }
+    };
+    Ok(HostAuthConfig {
+        nqn: host.to_string(),
+        dhchap_key: dhchap("dhchap_key", dhchap_key)?,
+        dhchap_ctrl_key: dhchap("dhchap_ctrl_key", dhchap_ctrl_key)?,
+        tls_psk,
+        dhchap_hash: None,
+        dhchap_dhgroup: None,
+    })
+}
+
 fn subsystem<'a>(cfg: &'a mut Config, nqn: &str) -> Result<&'a mut SubsystemConfig, ChangeError> {
     match cfg.subsystems.iter_mut().find(|s| s.nqn == nqn) {
         Some(s) => Ok(s),
@@ -327,22 +376,32 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
         Request::AddHost {
             subsystem: nqn,
             host,
+            dhchap_key,
+            dhchap_ctrl_key,
+            tls_psk,
         } => {
             let s = subsystem(cfg, nqn)?;
-            if s.hosts.contains(host) {
+            if s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host) {
                 return refused(format!("host {host} is already allowed on {nqn}"));
             }
-            s.hosts.push(host.clone());
+            if dhchap_key.is_none() && tls_psk.is_none() {
+                s.hosts.push(host.clone());
+            } else {
+                s.auth_hosts
+                    .push(host_keys(host, dhchap_key, dhchap_ctrl_key, tls_psk)?);
+            }
         }
         Request::RemoveHost {
             subsystem: nqn,
             host,
         } => {
             let s = subsystem(cfg, nqn)?;
-            if !s.hosts.contains(host) {
+            let before = s.hosts.len() + s.auth_hosts.len();
+            s.hosts.retain(|h| h != host);
+            s.auth_hosts.retain(|h| h.nqn != *host);
+            if s.hosts.len() + s.auth_hosts.len() == before {
                 return refused(format!("host {host} is not on the allowed list of {nqn}"));
             }
-            s.hosts.retain(|h| h != host);
         }
         Request::AddListener { address, discovery } => {
             let a: ListenAddr = parse("address", address)?;
@@ -382,6 +441,14 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
     Ok(())
 }
 
+/// The `op` of a request, as the protocol spells it.
+fn op_name(req: &Request) -> String {
+    serde_json::to_value(req)
+        .ok()
+        .and_then(|v| v.get("op").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or_default()
+}
+
 /// Answers one request line.
 pub fn handle(registry: &Registry, line: &str) -> Response {
     let req = match decode(line) {
@@ -415,7 +482,8 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
         },
         Err(e) => {
             let e = nvmeof_daemon::error_line(&e);
-            warn!(request = %line.trim(), error = %e, "control request refused");
+            // Not the request line itself: it may carry keys.
+            warn!(op = %op_name(&req), error = %e, "control request refused");
             Response::error(e)
         }
     }

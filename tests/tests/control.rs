@@ -401,3 +401,91 @@ fn subsystems_listeners_and_controllers_change_from_the_command_line() {
     );
     assert_eq!(d.list()["subsystems"].as_array().unwrap().len(), 1);
 }
+
+/// `add-host` with keys: the host must then authenticate (DH-HMAC-CHAP) with that key; the
+/// key never reaches the daemon's log or `ctl status`, and a malformed key is refused in one
+/// line that does not echo it.
+#[test]
+fn a_host_added_with_a_dhchap_key_must_authenticate() {
+    const AUTH_NQN: &str = "nqn.2026-11.io.nvmeof-direct:ctl-auth";
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6a0f0c4e-0000-4000-8000-00000000c001";
+    let mut d = Daemon::start(&["null:1M"], &[]);
+    let key = nvme_auth::DhchapKey::new(nvme_auth::Secret::new(vec![0x5a; 32]), None)
+        .unwrap()
+        .to_dhhc1();
+    d.ctl_json(&["add-subsystem", "--nqn", AUTH_NQN, "--host", TEST_HOSTNQN]);
+    d.ctl_json(&[
+        "add-namespace",
+        "--subsystem",
+        AUTH_NQN,
+        "--backend",
+        "mem:1M",
+    ]);
+    let bad = d.ctl_as(
+        &[],
+        &[
+            "add-host",
+            "--subsystem",
+            AUTH_NQN,
+            "--host",
+            HOST,
+            "--dhchap-key",
+            "DHHC-1:00:AAAAbadkeyZZZZ:",
+        ],
+    );
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("dhchap_key") && !err.contains("AAAAbadkeyZZZZ"),
+        "{err}"
+    );
+    d.ctl_json(&[
+        "add-host",
+        "--subsystem",
+        AUTH_NQN,
+        "--host",
+        HOST,
+        "--dhchap-key",
+        &key,
+    ]);
+    let status = d.ctl_json(&["status"]).to_string();
+    assert!(
+        status.contains(HOST) && !status.contains(&key[10..30]),
+        "{status}"
+    );
+
+    let connect = |secret: Option<&str>| {
+        let mut c = Command::new(bin_path("nvmeof"));
+        c.args([
+            "connect",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            &d.target.port.to_string(),
+        ])
+        .args(["-n", AUTH_NQN, "-q", HOST])
+        .args(["-I", "6a0f0c4e-0000-4000-8000-00000000c0ff"])
+        .env("NVMEOF_STATE_DIR", d.dir.path());
+        if let Some(s) = secret {
+            c.args(["--dhchap-secret", s]);
+        }
+        c.output().unwrap()
+    };
+    let out = connect(None);
+    assert!(!out.status.success(), "connected without the key");
+    let out = connect(Some(&key));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    d.ctl_json(&["remove-host", "--subsystem", AUTH_NQN, "--host", HOST]);
+    assert!(
+        !connect(Some(&key)).status.success(),
+        "a removed host connected"
+    );
+    let log = d.target.log();
+    assert!(!log.contains(&key[10..30]), "the key reached the log");
+}
