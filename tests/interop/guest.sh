@@ -211,6 +211,11 @@ cmd_boot() {
         dst=${item#*:}
         [[ $item == *:* ]] || dst=$src
         add_with_libs "$st" "$src" "$dst"
+        # Debug builds are mostly debug info (over 100 MB each): the guest holds its whole
+        # initramfs in RAM, so only the code goes in.
+        if command -v strip >/dev/null; then
+            strip --strip-debug "$st$(guest_path "$dst")" 2>/dev/null || true
+        fi
     done
     # On the 6.12 guest the nvme segment's trixie libraries must win over this machine's copies
     # that --add-bin brings along (this segment comes last); programs built here run on them.
