@@ -24,7 +24,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use crate::identity::{is_root, parse_hostid};
 use crate::{
     ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, HostIdentity, Namespace,
-    NamespaceInfo, TargetAddr, Transport,
+    NamespaceInfo, TargetAddr, TlsOptions, Transport,
 };
 
 /// The daemon's socket path when running as root.
@@ -104,6 +104,10 @@ pub struct AttachParams {
     /// DH-HMAC-CHAP controller secret: the controller must authenticate itself too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_ctrl_secret: Option<KeyText>,
+    /// Configured TLS PSK (`NVMeTLSkey-1:XX:<base64>:`): connect over NVMe/TCP TLS 1.3 with
+    /// it. Stored in the daemon's root-only state file; never listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<KeyText>,
 }
 
 /// A secret in its text form. `Debug` shows no key material.
@@ -147,6 +151,11 @@ impl AttachParams {
             o.kato = Duration::from_millis(u64::from(k));
         }
         o.dhchap = self.dhchap()?;
+        o.tls = self
+            .tls_key
+            .as_ref()
+            .map(|k| TlsOptions::parse(&k.0))
+            .transpose()?;
         Ok(o)
     }
 
@@ -166,6 +175,7 @@ impl AttachParams {
         AttachParams {
             dhchap_secret: None,
             dhchap_ctrl_secret: None,
+            tls_key: None,
             ..self.clone()
         }
     }
@@ -455,6 +465,7 @@ mod tests {
             kato_ms: None,
             dhchap_secret: None,
             dhchap_ctrl_secret: None,
+            tls_key: None,
         };
         let s = serde_json::to_string(&Request::Attach {
             name: "n".into(),
@@ -491,6 +502,7 @@ mod tests {
 
     #[test]
     fn attachment_secrets_are_parsed_and_never_shown() {
+        const TLS_KEY: &str = "NVMeTLSkey-1:01:BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwfLJNij:";
         let key = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
         let p = AttachParams {
             transport: "tcp".into(),
@@ -507,17 +519,23 @@ mod tests {
             kato_ms: None,
             dhchap_secret: Some(KeyText(key.into())),
             dhchap_ctrl_secret: Some(KeyText(key.into())),
+            tls_key: Some(KeyText(TLS_KEY.into())),
         };
         let host = HostIdentity::new("nqn.h:1", [1; 16]).unwrap();
         let o = p.connect_options(host.clone()).unwrap();
         let d = o.dhchap.as_ref().unwrap();
         assert_eq!(d.host.to_dhhc1(), key);
         assert!(d.ctrl.is_some());
+        assert!(o.tls.is_some(), "the TLS PSK reaches the connect options");
         for shown in [format!("{p:?}"), format!("{o:?}")] {
             assert!(!shown.contains(&key[10..30]), "{shown}");
+            assert!(!shown.contains(&TLS_KEY[16..40]), "{shown}");
         }
         let listed = serde_json::to_string(&p.without_secrets()).unwrap();
-        assert!(!listed.contains("dhchap"), "{listed}");
+        assert!(
+            !listed.contains("dhchap") && !listed.contains("tls_key"),
+            "{listed}"
+        );
         let ctrl_only = AttachParams {
             dhchap_secret: None,
             ..p.clone()

@@ -640,3 +640,63 @@ async fn daemon_keeps_dhchap_secrets_root_only_and_never_lists_them() {
     assert!(!d.log().contains(&key[10..40]), "a key reached the log");
     assert_eq!(d.terminate().await, Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_attaches_over_tls_and_keeps_the_psk_root_only() {
+    let key = "NVMeTLSkey-1:01:BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwfLJNij:";
+    let listen = "tcp://127.0.0.1:0".parse().unwrap();
+    let ns = ["mem:4M".parse().unwrap()];
+    let mut cfg = nvmeof_target::Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
+    cfg.subsystems[0].allow_any_host = false;
+    cfg.target.reactors = 1;
+    cfg.listeners[0].tls = Some(nvmeof_target::config::TlsRequirement::Required);
+    cfg.subsystems[0]
+        .auth_hosts
+        .push(nvmeof_target::config::HostAuthConfig {
+            nqn: HOSTNQN.to_string(),
+            dhchap_key: None,
+            tls_psk: Some(nvme_auth::tls::ConfiguredPsk::parse(key).unwrap()),
+            dhchap_ctrl_key: None,
+            dhchap_hash: None,
+            dhchap_dhgroup: None,
+        });
+    let t = TestTarget::from_config(&cfg);
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("run/initd.sock");
+    let state = dir.path().join("state");
+    let d = Daemon::start(&socket, &state, &dir.path().join("initd.log"));
+    d.wait_ready().await;
+
+    // Without the key the TLS listener does not let the attachment connect.
+    let mut a = args(&["attach", "plain"]);
+    a.extend(fabric(&t));
+    let out = cli(a, Some(socket.clone())).await;
+    assert!(!out.status.success(), "attached without TLS");
+
+    let mut a = args(&["attach", "secure", "-o", "json", "--tls-key", key]);
+    a.extend(fabric(&t));
+    let out = cli(a, Some(socket.clone())).await;
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("NVMeTLSkey"));
+    assert_eq!(json_of(&out)["state"], "connected");
+    let listed = list(&socket).await;
+    assert!(!format!("{listed:?}").contains("NVMeTLSkey"), "{listed:?}");
+    let file = state.join("attachments.json");
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    assert!(std::fs::read_to_string(&file).unwrap().contains(key));
+
+    // A process opening the attachment connects over TLS with the stored PSK.
+    let out = cli(
+        args(&["read", "secure", "--start-block", "0", "--block-count", "1"]),
+        Some(socket.clone()),
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout.len(), 4096);
+    assert!(!d.log().contains(&key[16..40]), "a key reached the log");
+    assert_eq!(d.terminate().await, Some(0));
+}

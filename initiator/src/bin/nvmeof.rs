@@ -861,11 +861,10 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         kato_ms: q.keep_alive_tmo.map(|s| s.saturating_mul(1000)),
         dhchap_secret: f.dhchap_secret.clone().map(KeyText),
         dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
+        tls_key: f.tls_key.clone().map(KeyText),
     };
     dhchap(f)?;
-    if tls(f)?.is_some() {
-        usage!("attachments of nvmeof-initd do not take --tls yet: connect directly");
-    }
+    tls(f)?;
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
