@@ -189,8 +189,8 @@ pub enum Request {
     Attach {
         /// Attachment name.
         name: String,
-        /// Parameters.
-        params: AttachParams,
+        /// Parameters (boxed: they dwarf the other requests).
+        params: Box<AttachParams>,
     },
     /// Removes an attachment and disconnects it.
     Detach {
@@ -357,7 +357,7 @@ impl DaemonClient {
         let r = self
             .request(&Request::Attach {
                 name: name.to_string(),
-                params,
+                params: Box::new(params),
             })
             .await?;
         r.attachment
@@ -469,7 +469,7 @@ mod tests {
         };
         let s = serde_json::to_string(&Request::Attach {
             name: "n".into(),
-            params: p.clone(),
+            params: Box::new(p.clone()),
         })
         .unwrap();
         let back: Request = serde_json::from_str(&s).unwrap();
@@ -477,7 +477,7 @@ mod tests {
             back,
             Request::Attach {
                 name: "n".into(),
-                params: p.clone()
+                params: Box::new(p.clone())
             }
         );
         let o = p

@@ -356,7 +356,7 @@ impl Daemon {
                 Ok(()) => Response::ok(),
                 Err(e) => Response::error(format!("{e:#}")),
             },
-            Request::Attach { name, params } => match self.attach(name, params).await {
+            Request::Attach { name, params } => match self.attach(name, *params).await {
                 Ok(status) => Response {
                     ok: true,
                     attachment: Some(status),
