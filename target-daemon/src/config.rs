@@ -340,7 +340,7 @@ pub struct HostAuthConfig {
     #[serde(
         default,
         deserialize_with = "deserialize_opt_key",
-        serialize_with = "serialize_opt_key",
+        serialize_with = "serialize_text",
         skip_serializing_if = "Option::is_none"
     )]
     pub dhchap_key: Option<DhchapKey>,
@@ -349,7 +349,7 @@ pub struct HostAuthConfig {
     #[serde(
         default,
         deserialize_with = "deserialize_psk",
-        serialize_with = "serialize_psk",
+        serialize_with = "serialize_text",
         skip_serializing_if = "Option::is_none"
     )]
     pub tls_psk: Option<ConfiguredPsk>,
@@ -358,7 +358,7 @@ pub struct HostAuthConfig {
     #[serde(
         default,
         deserialize_with = "deserialize_opt_key",
-        serialize_with = "serialize_opt_key",
+        serialize_with = "serialize_text",
         skip_serializing_if = "Option::is_none"
     )]
     pub dhchap_ctrl_key: Option<DhchapKey>,
@@ -367,7 +367,7 @@ pub struct HostAuthConfig {
     #[serde(
         default,
         deserialize_with = "deserialize_hash",
-        serialize_with = "serialize_hash",
+        serialize_with = "serialize_text",
         skip_serializing_if = "Option::is_none"
     )]
     pub dhchap_hash: Option<HashId>,
@@ -376,7 +376,7 @@ pub struct HostAuthConfig {
     #[serde(
         default,
         deserialize_with = "deserialize_dhgroup",
-        serialize_with = "serialize_dhgroup",
+        serialize_with = "serialize_text",
         skip_serializing_if = "Option::is_none"
     )]
     pub dhchap_dhgroup: Option<DhGroupId>,
@@ -411,54 +411,65 @@ fn deserialize_dhgroup<'de, D: serde::Deserializer<'de>>(
         })
 }
 
-fn deserialize_key<'de, D: serde::Deserializer<'de>>(d: D) -> Result<DhchapKey, D::Error> {
-    DhchapKey::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
-}
-
 fn deserialize_opt_key<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> Result<Option<DhchapKey>, D::Error> {
-    deserialize_key(d).map(Some)
+    DhchapKey::parse(&String::deserialize(d)?)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
+/// Parses a configured TLS PSK (`NVMeTLSkey-1:XX:...:`) that the TLS listeners can use. The
+/// error names what is wrong, never the key.
+pub fn parse_tls_psk(s: &str) -> Result<ConfiguredPsk, String> {
+    let psk = ConfiguredPsk::parse(s).map_err(|e| format!("tls_psk: {e}"))?;
+    nvmf_tls::check_psk_hash(psk.cipher_hash()).map_err(|e| format!("tls_psk: {e}"))?;
+    Ok(psk)
 }
 
 fn deserialize_psk<'de, D: serde::Deserializer<'de>>(
     d: D,
 ) -> Result<Option<ConfiguredPsk>, D::Error> {
-    let psk = ConfiguredPsk::parse(&String::deserialize(d)?)
-        .map_err(|e| serde::de::Error::custom(format!("tls_psk: {e}")))?;
-    nvmf_tls::check_psk_hash(psk.cipher_hash())
-        .map_err(|e| serde::de::Error::custom(format!("tls_psk: {e}")))?;
-    Ok(Some(psk))
+    parse_tls_psk(&String::deserialize(d)?)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
-fn serialize_psk<S: serde::Serializer>(p: &Option<ConfiguredPsk>, s: S) -> Result<S::Ok, S::Error> {
-    match p {
-        Some(p) => s.serialize_str(&p.to_interchange()),
-        None => s.serialize_none(),
+/// How a key or a setting of a `[[subsystem.host]]` table is written in the file.
+trait ConfigText {
+    fn text(&self) -> String;
+}
+
+impl ConfigText for DhchapKey {
+    fn text(&self) -> String {
+        self.to_dhhc1()
     }
 }
 
-fn serialize_key<S: serde::Serializer>(k: &DhchapKey, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&k.to_dhhc1())
-}
-
-fn serialize_opt_key<S: serde::Serializer>(k: &Option<DhchapKey>, s: S) -> Result<S::Ok, S::Error> {
-    match k {
-        Some(k) => serialize_key(k, s),
-        None => s.serialize_none(),
+impl ConfigText for ConfiguredPsk {
+    fn text(&self) -> String {
+        self.to_interchange()
     }
 }
 
-fn serialize_hash<S: serde::Serializer>(h: &Option<HashId>, s: S) -> Result<S::Ok, S::Error> {
-    match h {
-        Some(h) => s.serialize_str(h.name()),
-        None => s.serialize_none(),
+impl ConfigText for HashId {
+    fn text(&self) -> String {
+        self.name().to_string()
     }
 }
 
-fn serialize_dhgroup<S: serde::Serializer>(g: &Option<DhGroupId>, s: S) -> Result<S::Ok, S::Error> {
-    match g {
-        Some(g) => s.serialize_str(g.name()),
+impl ConfigText for DhGroupId {
+    fn text(&self) -> String {
+        self.name().to_string()
+    }
+}
+
+fn serialize_text<T: ConfigText, S: serde::Serializer>(
+    v: &Option<T>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.serialize_str(&v.text()),
         None => s.serialize_none(),
     }
 }

@@ -260,14 +260,7 @@ fn host_keys(
     };
     let tls_psk = match tls_psk {
         None => None,
-        Some(k) => {
-            let psk = nvme_auth::tls::ConfiguredPsk::parse(k)
-                .or_else(|e| refused(format!("tls_psk: {e}")))?;
-            if let Err(e) = nvmf_tls::check_psk_hash(psk.cipher_hash()) {
-                return refused(format!("tls_psk: {e}"));
-            }
-            Some(psk)
-        }
+        Some(k) => Some(crate::config::parse_tls_psk(k).or_else(refused)?),
     };
     Ok(HostAuthConfig {
         nqn: host.to_string(),

@@ -171,14 +171,8 @@ impl Conn {
     /// Writes as much of the send buffer as the socket takes.
     fn flush(&mut self) -> io::Result<()> {
         self.unflushed = 0;
-        while !self.engine.pending_send().is_empty() {
-            match self.stream.try_write(self.engine.pending_send()) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => self.engine.consume_sent(n),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e),
-            }
-        }
+        let n = self.stream.try_write_some(self.engine.pending_send())?;
+        self.engine.consume_sent(n);
         Ok(())
     }
 

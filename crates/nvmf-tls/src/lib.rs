@@ -280,6 +280,21 @@ impl Stream {
         }
     }
 
+    /// Writes as much of `buf` as the socket takes without blocking and returns how much
+    /// that was (0 when it takes nothing now). A socket that accepts no bytes is an error.
+    pub fn try_write_some(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.try_write(&buf[done..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
     /// Reads, waiting until something arrives.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {
