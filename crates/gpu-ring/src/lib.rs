@@ -58,6 +58,7 @@
 //! Range ([`proto::status`]), never reaching the wire.
 #![deny(unsafe_code)]
 
+mod gpu_mem;
 mod host;
 pub mod proto;
 mod set;
