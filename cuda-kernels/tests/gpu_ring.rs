@@ -220,6 +220,7 @@ fn run_reader(g: &mut Setup, run: &ReaderRun) -> ([u64; 4], u64) {
         mode: run.mode,
     };
     let mut set = RingSet::new_gpu(&g.ctx, 4, cfg, &[namespace(run.block_size)]).unwrap();
+    g.push.reserve(&set).unwrap();
     let rings = set.take_host_rings();
     let bytes = (run.block_size * run.nblocks) as usize;
     let threads = (BLOCKS * THREADS) as usize;
