@@ -78,6 +78,7 @@ mod namespace;
 mod options;
 mod queue;
 mod queue_core;
+mod queue_pair;
 mod rdma;
 mod registered;
 mod setup;
@@ -96,6 +97,7 @@ pub use options::{
     DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, TlsOptions, Transport,
 };
 pub use queue::QueueStats;
+pub use queue_pair::{BlockingQueuePair, Completion, QueuePair, Rejected};
 pub use registered::RegisteredBuffer;
 #[cfg(feature = "gpu")]
 pub use registered::{DmabufRequest, RegisteredGpuBuffer};

@@ -252,6 +252,10 @@ pub struct ConnectOptions {
     /// Number of I/O queues to ask for; `None` = one per available core. The target may grant
     /// fewer. 0 makes an admin-only connection.
     pub io_queues: Option<u16>,
+    /// I/O queues to ask for on top of `io_queues`, kept for run-to-completion
+    /// [`QueuePair`](crate::QueuePair)s (each takes one; default 0). The target may grant
+    /// fewer.
+    pub queue_pairs: u16,
     /// Entries per I/O queue to ask for; the controller's CAP.MQES + 1 caps it. One entry is
     /// kept free, so `queue_depth - 1` commands are in flight per queue at most.
     pub queue_depth: u16,
@@ -327,6 +331,7 @@ impl ConnectOptions {
             subnqn: subnqn.into(),
             host,
             io_queues: None,
+            queue_pairs: 0,
             queue_depth: 128,
             kato: Duration::from_secs(5),
             header_digest: false,

@@ -182,10 +182,16 @@ impl QueueShared {
     }
 
     fn stats(&self) -> QueueStats {
-        let c = &self.counters;
+        QueueStats::of(self.qid, &self.counters)
+    }
+}
+
+impl QueueStats {
+    /// A snapshot of queue `qid`'s counters.
+    pub(crate) fn of(qid: u16, c: &QueueCounters) -> QueueStats {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         QueueStats {
-            qid: self.qid,
+            qid,
             commands: g(&c.commands),
             in_capsule_writes: g(&c.in_capsule_writes),
             r2t_writes: g(&c.r2t_writes),
@@ -203,8 +209,8 @@ impl QueueShared {
     }
 }
 
-impl Completions for QueueShared {
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+impl Completions for Arc<QueueShared> {
+    fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         self.finish_slot(tag, result, buf);
     }
 
@@ -504,7 +510,7 @@ impl Drop for Pending<'_> {
 /// A queue task: the core, its link and the channels that drive them.
 struct Task {
     live: Option<Link>,
-    core: Core<QueueShared>,
+    core: Core<Arc<QueueShared>>,
     shared: Arc<QueueShared>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
