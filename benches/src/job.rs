@@ -191,6 +191,17 @@ impl fmt::Display for Dest {
     }
 }
 
+/// The initiator API a fabric mode's workers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `Namespace::read`/`write` futures on the controller's shared queues.
+    #[default]
+    Async,
+    /// One run-to-completion `QueuePair` per worker and namespace, driven by the worker.
+    Rtc,
+}
+
 /// Whether the host runs the built-in CPU and memory-bandwidth load during the measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -459,6 +470,8 @@ pub struct Section {
     pub prefill: Option<bool>,
     /// Destination of read data.
     pub dest: Option<Dest>,
+    /// Initiator API of the fabric modes: `async` (default) or `rtc`.
+    pub api: Option<Api>,
     /// Idle or busy host.
     pub host_load: Option<OneOrMany<HostLoad>>,
     /// Threads of the busy-host load.
@@ -580,6 +593,8 @@ pub struct Point {
     pub prefill: Option<bool>,
     /// Destination.
     pub dest: Dest,
+    /// Initiator API of the fabric modes.
+    pub api: Api,
     /// Idle or busy host.
     pub host_load: HostLoad,
     /// Busy-load threads.
@@ -603,6 +618,9 @@ impl Point {
         }
         if matches!(self.rw, Rw::RandRw | Rw::ReadWrite) {
             s.push_str(&format!(" r{}%", self.rwmixread));
+        }
+        if self.api == Api::Rtc {
+            s.push_str(" rtc");
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -1036,6 +1054,14 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
     let seed = pick(&j.seed, &g.seed).unwrap_or(DEFAULT_SEED);
     let prefill = ov.prefill.or_else(|| pick(&j.prefill, &g.prefill));
     let dest = pick(&j.dest, &g.dest).unwrap_or_default();
+    let api = pick(&j.api, &g.api).unwrap_or_default();
+    if api == Api::Rtc && dest == Dest::Gpu {
+        return Err(invalid(
+            name,
+            "api",
+            "rtc reads into host memory: use dest = host",
+        ));
+    }
     let load_threads = ov
         .load_threads
         .or_else(|| pick(&j.load_threads, &g.load_threads))
@@ -1073,6 +1099,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                 seed,
                                 prefill,
                                 dest,
+                                api,
                                 host_load,
                                 load_threads,
                                 load_mem,
