@@ -137,6 +137,9 @@ pub struct QueuePair {
     core: Core<Reaped>,
     depth: usize,
     poll: PollGate,
+    /// When the last command was submitted (its answer is due: `wait` polls for the busy-poll
+    /// window after it, whatever the gate says).
+    last_submit: Option<Instant>,
     scan_period: Duration,
     next_scan: Instant,
 }
@@ -187,6 +190,7 @@ impl QueuePair {
             core,
             depth: usize::from(slots),
             poll: PollGate::new(opts.busy_poll),
+            last_submit: None,
             scan_period,
             next_scan: Instant::now() + scan_period,
         })
@@ -283,6 +287,7 @@ impl QueuePair {
         let now = Instant::now();
         self.core.now = now;
         self.poll.submitted(now.into_std());
+        self.last_submit = Some(now);
         let r = self
             .core
             .submit(self.link.as_mut(), tag, req, SlotBuf::Heap(buf), None);
@@ -305,9 +310,11 @@ impl QueuePair {
     }
 
     /// Like [`poll`](Self::poll), then waits until at least `min` completions were added, no
-    /// command is in flight, or `timeout` (if any) passed. While completions come back within
-    /// the busy-poll window it polls (yielding to the runtime); otherwise it sleeps until the
-    /// connection is readable. Returns how many completions were added.
+    /// command is in flight, or `timeout` (if any) passed. It polls (yielding to the runtime)
+    /// for the busy-poll window after a submission, and after arrivals while completions come
+    /// back within the window; otherwise it sleeps until the connection is readable. With
+    /// nothing in flight it returns at once, so an idle queue pair uses no CPU. Returns how
+    /// many completions were added.
     pub async fn wait(
         &mut self,
         out: &mut Vec<Completion>,
@@ -322,7 +329,11 @@ impl QueuePair {
             if got >= min || self.in_flight() == 0 || deadline.is_some_and(|d| now >= d) {
                 return got;
             }
-            if self.poll.polling(now.into_std()) {
+            let window = self.poll.window();
+            let answer_due = self
+                .last_submit
+                .is_some_and(|t| now.saturating_duration_since(t) < window);
+            if answer_due || self.poll.polling(now.into_std()) {
                 tokio::task::yield_now().await;
                 continue;
             }
