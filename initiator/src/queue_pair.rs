@@ -445,14 +445,12 @@ pub struct BlockingQueuePair {
 
 impl BlockingQueuePair {
     /// Opens a queue pair for `ns` (see [`QueuePair::open`]) on a runtime of its own.
-    /// [`Error::InvalidArgument`] when called from inside a tokio runtime.
+    ///
+    /// # Panics
+    ///
+    /// When called from a task of an async runtime, as `Runtime::block_on` does (a thread of
+    /// `tokio::task::spawn_blocking` is fine).
     pub fn open(ns: &Namespace) -> Result<BlockingQueuePair, Error> {
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return Err(Error::InvalidArgument(
-                "a BlockingQueuePair is opened outside a tokio runtime (use QueuePair in async code)"
-                    .into(),
-            ));
-        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
