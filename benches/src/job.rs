@@ -28,6 +28,11 @@
 //! (`tcp=HOST:PORT`, `rdma=HOST:PORT`, `--target`) is never written unless the job writes or
 //! says `prefill = true`, and its reads are verified only after such a prefill.
 //!
+//! `api = "rtc"` runs a job's workers over the initiator's run-to-completion queue pairs (one
+//! `QueuePair` per worker and namespace, driven by the worker) instead of the default `api =
+//! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
+//! ignores it, `dest = "gpu"` refuses it.
+//!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.

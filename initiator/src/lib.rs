@@ -21,6 +21,10 @@
 //!   command capsule, larger ones on R2T (NVMe/RDMA: keyed SGLs the target RDMA READs and
 //!   WRITEs). Buffers are `&mut [u8]` / `&[u8]`, or any
 //!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
+//! - [`QueuePair`] (and [`BlockingQueuePair`] for a plain OS thread) is the run-to-completion
+//!   alternative for data-loader threads: the caller owns one I/O queue (a queue ID kept with
+//!   [`ConnectOptions::queue_pairs`]), submits reads and writes into its own buffers with no
+//!   channel or task in between, and reaps [`Completion`]s in batches with `poll` or `wait`.
 //! - [`Controller::register_buffer`] gives memory registered once for NVMe/RDMA, which
 //!   [`Namespace::read_registered`] / [`write_registered`](Namespace::write_registered) let the
 //!   target write and read directly (no slot buffer, no copy; plain memory over NVMe/TCP);

@@ -1,34 +1,5 @@
-//! Run-to-completion queue pairs: one I/O queue of a controller owned and driven by its caller.
-//!
-//! The shared queues of a [`Controller`](crate::Controller) are driven by one task each, and a
-//! command reaches its queue through a channel and comes back through a slot and a waker. A
-//! [`QueuePair`] has no task: it owns its I/O queue (its own queue ID, connection and Fabrics
-//! Connect, set up like the shared queues) and the same queue core (command table, deadlines,
-//! retries of transient transport errors), and its caller drives both:
-//!
-//! - [`read`](QueuePair::read), [`write`](QueuePair::write) and [`flush`](QueuePair::flush)
-//!   put a command into the queue's send buffer and return at once, with no system call, no
-//!   channel and no lock; the caller's buffer (a `Vec<u8>`) travels with the command and comes
-//!   back in its [`Completion`], with the read data in it (NVMe/TCP receives large read data
-//!   straight into it);
-//! - [`poll`](QueuePair::poll) sends every command submitted since the last call with one
-//!   `write` and reaps every completion that has arrived (each read takes as much as the
-//!   socket holds), without waiting;
-//! - [`wait`](QueuePair::wait) does the same until some completions arrive: it busy-polls
-//!   while completions come back quickly (the connection's
-//!   [`busy_poll`](crate::ConnectOptions::busy_poll) window, [`busy_poll::PollGate`]) and
-//!   otherwise sleeps until the connection is readable, so an idle queue pair uses no CPU.
-//!
-//! A [`QueuePair`] runs on the tokio runtime it was opened on (its socket is registered
-//! there) and is used from one task. [`BlockingQueuePair`] is the same queue pair for a plain
-//! OS thread (a data-loader thread): it owns a current-thread runtime that only its own calls
-//! drive, so nothing else runs on that thread and no other thread is involved.
-//!
-//! Every command has the controller's I/O timeout: one that does not complete in time
-//! completes with [`Error::Timeout`] from `poll` or `wait` (the connection is then closed, as
-//! the target stopped answering). When the connection is lost every command in flight, and
-//! every later one, completes with the error; the queue pair does not reconnect: open a new
-//! one once the controller is connected again ([`Controller::wait_for_state`](crate::Controller::wait_for_state)).
+//! Run-to-completion queue pairs: one I/O queue of a controller owned and driven by its
+//! caller ([`QueuePair`], [`BlockingQueuePair`]).
 
 use std::time::Duration;
 
@@ -107,7 +78,44 @@ impl Completions for Reaped {
     }
 }
 
-/// A run-to-completion I/O queue of one namespace (see the [module documentation](self)).
+/// A run-to-completion I/O queue of one namespace.
+///
+/// The shared queues of a [`Controller`](crate::Controller) are driven by one task each, and a
+/// command reaches its queue through a channel and comes back through a slot and a waker. A
+/// [`QueuePair`] has no task: it owns its I/O queue (its own queue ID, connection and Fabrics
+/// Connect, set up like the shared queues) and the same queue core (command table, deadlines,
+/// retries of transient transport errors), and its caller drives both:
+///
+/// - [`read`](QueuePair::read), [`write`](QueuePair::write) and [`flush`](QueuePair::flush)
+///   put a command into the queue's send buffer and return at once, with no system call, no
+///   channel and no lock; the caller's buffer (a `Vec<u8>`) travels with the command and comes
+///   back in its [`Completion`], with the read data in it (NVMe/TCP receives large read data
+///   straight into it);
+/// - [`poll`](QueuePair::poll) sends every command submitted since the last call with one
+///   `write` and reaps every completion that has arrived (each read takes as much as the
+///   socket holds), without waiting;
+/// - [`wait`](QueuePair::wait) does the same until some completions arrive: it busy-polls for
+///   the connection's [`busy_poll`](crate::ConnectOptions::busy_poll) window after a
+///   submission and while completions come back within it ([`busy_poll::PollGate`]), and
+///   otherwise sleeps until the connection is readable; with nothing in flight it returns at
+///   once, so an idle queue pair uses no CPU.
+///
+/// A [`QueuePair`] runs on the tokio runtime it was opened on (its socket is registered
+/// there) and is used from one task. [`BlockingQueuePair`] is the same queue pair for a plain
+/// OS thread (a data-loader thread): it owns a current-thread runtime that only its own calls
+/// drive, so nothing else runs on that thread and no other thread is involved.
+///
+/// Every command has the controller's I/O timeout: one that does not complete in time
+/// completes with [`Error::Timeout`] from `poll` or `wait` (the connection is then closed, as
+/// the target stopped answering). When the connection is lost every command in flight, and
+/// every later one, completes with the error; the queue pair does not reconnect: open a new
+/// one once the controller is connected again
+/// ([`Controller::wait_for_state`](crate::Controller::wait_for_state)).
+///
+/// Over NVMe/RDMA each command's buffer is registered for that command (correct, but not the
+/// fast path that [`RegisteredBuffer`](crate::RegisteredBuffer) gives the async API).
+///
+/// # Example
 ///
 /// ```no_run
 /// use nvmeof_initiator::{Completion, Namespace, QueuePair};
