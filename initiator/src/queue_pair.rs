@@ -517,3 +517,107 @@ impl BlockingQueuePair {
         self.rt.block_on(qp.wait(out, min, timeout))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! A queue pair's completion list driven through the queue core by synthetic events.
+    use super::*;
+    use crate::queue_core::{Cmd, DataDir, Wire};
+    use nvme_spec::Status;
+    use nvme_spec::status::generic;
+
+    /// A link that takes every command.
+    #[derive(Default)]
+    struct Sent(Vec<u16>);
+
+    impl Wire for Sent {
+        fn send(
+            &mut self,
+            tag: u16,
+            _cmd: &mut Cmd,
+            _c: &QueueCounters,
+        ) -> Result<Result<(), Error>, Error> {
+            self.0.push(tag);
+            Ok(Ok(()))
+        }
+
+        fn forget(&mut self, _tag: u16) {}
+    }
+
+    fn sink(slots: u16) -> Reaped {
+        Reaped {
+            done: Vec::new(),
+            tags: vec![
+                Tag {
+                    user_data: 0,
+                    name: "Read",
+                };
+                usize::from(slots)
+            ]
+            .into_boxed_slice(),
+            free: (0..slots).rev().collect(),
+            counters: QueueCounters::default(),
+        }
+    }
+
+    fn read() -> Request {
+        Request {
+            sqe: build::read_write(false, 0, 1, 0, 1),
+            dir: DataDir::ToHost,
+            len: 512,
+            retry: Retry::Always,
+            timeout: None,
+        }
+    }
+
+    /// Takes a tag as `QueuePair::submit` does and hands the command to the core.
+    fn submit(core: &mut Core<Reaped>, link: &mut Sent, user_data: u64, name: &'static str) -> u16 {
+        let tag = core.sink_mut().free.pop().expect("a free tag");
+        core.sink_mut().tags[usize::from(tag)] = Tag { user_data, name };
+        core.submit(Some(link), tag, read(), SlotBuf::Heap(vec![7; 512]), None)
+            .unwrap();
+        tag
+    }
+
+    #[test]
+    fn completions_carry_user_data_status_and_buffer_and_free_their_tag() {
+        let mut core = Core::new(sink(2), "t".into(), 2, false, false);
+        let mut link = Sent::default();
+        let a = submit(&mut core, &mut link, 10, "Read");
+        let b = submit(&mut core, &mut link, 20, "Write");
+        assert!(core.sink().free.is_empty());
+        let bad = Status::generic(generic::LBA_OUT_OF_RANGE);
+        core.on_response(&mut link, Cqe::new(b, bad, 0)).unwrap();
+        core.on_response(&mut link, Cqe::new(a, Status::SUCCESS, 0))
+            .unwrap();
+        let done = std::mem::take(&mut core.sink_mut().done);
+        assert_eq!(done.len(), 2);
+        assert_eq!(done[0].user_data, 20);
+        match &done[0].result {
+            Err(e @ Error::Status { command, .. }) => {
+                assert_eq!(*command, "Write");
+                assert_eq!(e.status().unwrap().sc, generic::LBA_OUT_OF_RANGE);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(done[1].user_data, 10);
+        assert!(done[1].result.is_ok());
+        assert!(done.iter().all(|c| c.buf == [7; 512]));
+        let mut free = core.sink().free.clone();
+        free.sort_unstable();
+        assert_eq!(free, [0, 1]);
+        // A tag used again carries its new user data.
+        let c = submit(&mut core, &mut link, 30, "Read");
+        core.fail(Error::Closed);
+        let done = std::mem::take(&mut core.sink_mut().done);
+        assert!(matches!(
+            done[..],
+            [Completion {
+                user_data: 30,
+                result: Err(Error::Closed),
+                ..
+            }]
+        ));
+        assert!(core.sink().free.contains(&c));
+    }
+}
