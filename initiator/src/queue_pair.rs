@@ -331,17 +331,25 @@ impl QueuePair {
     ) -> usize {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut got = 0;
+        let mut polled_since: Option<Instant> = None;
         loop {
-            got += self.poll(out);
+            let n = self.poll(out);
+            got += n;
             let now = self.core.now;
+            if let Some(since) = polled_since {
+                self.poll.polled(since.into_std(), now.into_std(), n > 0);
+            }
             if got >= min || self.in_flight() == 0 || deadline.is_some_and(|d| now >= d) {
                 return got;
             }
             let window = self.poll.window();
             let answer_due = self
                 .last_submit
-                .is_some_and(|t| now.saturating_duration_since(t) < window);
-            if answer_due || self.poll.polling(now.into_std()) {
+                .is_some_and(|t| now.saturating_duration_since(t) < window)
+                && !self.poll.cooling_off(now.into_std());
+            let polling = answer_due || self.poll.polling(now.into_std());
+            polled_since = polling.then_some(now);
+            if polling {
                 tokio::task::yield_now().await;
                 continue;
             }
