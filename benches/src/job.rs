@@ -1260,6 +1260,8 @@ mod tests {
                 "only one process can hold the controller",
             ),
             ("[global]\n", "no [[job]]"),
+            ("[[job]]\napi = \"sync\"", "api"),
+            ("[[job]]\napi = \"rtc\"\ndest = \"gpu\"", "dest = host"),
         ] {
             let err = plan(text)
                 .err()
@@ -1318,6 +1320,16 @@ mod tests {
         assert_eq!(p.max_region(), Some(4 << 20));
         let p = plan("[[job]]\nsize = \"1M\"\n[[job]]").unwrap();
         assert_eq!(p.max_region(), None);
+    }
+
+    #[test]
+    fn api_key_is_per_job_and_labelled() {
+        let p = plan("[global]\napi = \"rtc\"\n[[job]]\nname = \"a\"\n[[job]]\nname = \"b\"\napi = \"async\"").unwrap();
+        assert_eq!(p.points[0].api, Api::Rtc);
+        assert_eq!(p.points[0].label(), "randread 4k qd1 x1 rtc");
+        assert_eq!(p.points[1].api, Api::Async);
+        assert_eq!(p.points[1].label(), "randread 4k qd1 x1");
+        assert_eq!(plan("[[job]]").unwrap().points[0].api, Api::Async);
     }
 
     #[test]
