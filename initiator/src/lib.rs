@@ -123,6 +123,14 @@ mod tests {
         send_sync::<Error>();
     }
 
+    /// Compiles only if a queue pair can move to the thread or task that drives it.
+    #[allow(dead_code)]
+    fn queue_pairs_are_send(qp: QueuePair, bqp: BlockingQueuePair, ns: &Namespace) {
+        send(&qp);
+        send(&bqp);
+        send(&QueuePair::open(ns));
+    }
+
     /// Compiles only if the I/O futures can move between threads.
     #[allow(dead_code)]
     fn io_futures_are_send(ns: &Namespace, buf: &mut [u8], src: &[u8], v: &mut Vec<u8>) {
