@@ -28,6 +28,11 @@
 //! (`tcp=HOST:PORT`, `rdma=HOST:PORT`, `--target`) is never written unless the job writes or
 //! says `prefill = true`, and its reads are verified only after such a prefill.
 //!
+//! `api = "rtc"` runs a job's workers over the initiator's run-to-completion queue pairs (one
+//! `QueuePair` per worker and namespace, driven by the worker) instead of the default `api =
+//! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
+//! ignores it, `dest = "gpu"` refuses it.
+//!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
@@ -189,6 +194,17 @@ impl fmt::Display for Dest {
             Dest::Gpu => "gpu",
         })
     }
+}
+
+/// The initiator API a fabric mode's workers use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `Namespace::read`/`write` futures on the controller's shared queues.
+    #[default]
+    Async,
+    /// One run-to-completion `QueuePair` per worker and namespace, driven by the worker.
+    Rtc,
 }
 
 /// Whether the host runs the built-in CPU and memory-bandwidth load during the measurement.
@@ -459,6 +475,8 @@ pub struct Section {
     pub prefill: Option<bool>,
     /// Destination of read data.
     pub dest: Option<Dest>,
+    /// Initiator API of the fabric modes: `async` (default) or `rtc`.
+    pub api: Option<Api>,
     /// Idle or busy host.
     pub host_load: Option<OneOrMany<HostLoad>>,
     /// Threads of the busy-host load.
@@ -580,6 +598,8 @@ pub struct Point {
     pub prefill: Option<bool>,
     /// Destination.
     pub dest: Dest,
+    /// Initiator API of the fabric modes.
+    pub api: Api,
     /// Idle or busy host.
     pub host_load: HostLoad,
     /// Busy-load threads.
@@ -603,6 +623,9 @@ impl Point {
         }
         if matches!(self.rw, Rw::RandRw | Rw::ReadWrite) {
             s.push_str(&format!(" r{}%", self.rwmixread));
+        }
+        if self.api == Api::Rtc {
+            s.push_str(" rtc");
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -1036,6 +1059,14 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
     let seed = pick(&j.seed, &g.seed).unwrap_or(DEFAULT_SEED);
     let prefill = ov.prefill.or_else(|| pick(&j.prefill, &g.prefill));
     let dest = pick(&j.dest, &g.dest).unwrap_or_default();
+    let api = pick(&j.api, &g.api).unwrap_or_default();
+    if api == Api::Rtc && dest == Dest::Gpu {
+        return Err(invalid(
+            name,
+            "api",
+            "rtc reads into host memory: use dest = host",
+        ));
+    }
     let load_threads = ov
         .load_threads
         .or_else(|| pick(&j.load_threads, &g.load_threads))
@@ -1073,6 +1104,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                 seed,
                                 prefill,
                                 dest,
+                                api,
                                 host_load,
                                 load_threads,
                                 load_mem,
@@ -1228,6 +1260,8 @@ mod tests {
                 "only one process can hold the controller",
             ),
             ("[global]\n", "no [[job]]"),
+            ("[[job]]\napi = \"sync\"", "api"),
+            ("[[job]]\napi = \"rtc\"\ndest = \"gpu\"", "dest = host"),
         ] {
             let err = plan(text)
                 .err()
@@ -1286,6 +1320,16 @@ mod tests {
         assert_eq!(p.max_region(), Some(4 << 20));
         let p = plan("[[job]]\nsize = \"1M\"\n[[job]]").unwrap();
         assert_eq!(p.max_region(), None);
+    }
+
+    #[test]
+    fn api_key_is_per_job_and_labelled() {
+        let p = plan("[global]\napi = \"rtc\"\n[[job]]\nname = \"a\"\n[[job]]\nname = \"b\"\napi = \"async\"").unwrap();
+        assert_eq!(p.points[0].api, Api::Rtc);
+        assert_eq!(p.points[0].label(), "randread 4k qd1 x1 rtc");
+        assert_eq!(p.points[1].api, Api::Async);
+        assert_eq!(p.points[1].label(), "randread 4k qd1 x1");
+        assert_eq!(plan("[[job]]").unwrap().points[0].api, Api::Async);
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! - [`TcpPath`]: NVMe/TCP through the `nvmeof-initiator` library, one controller association
 //!   with `queue_pairs` I/O queues; worker `w` uses queue `w % queue_pairs`.
 //!
+//! With `api = "rtc"` a [`TcpPath`] also keeps queue IDs for the workers' own run-to-completion
+//! queue pairs ([`IoPath::queue_pair_namespace`]), one per worker and namespace.
+//!
 //! Both take and return owned buffers, so a worker keeps `iodepth` buffers and never
 //! allocates per I/O.
 
@@ -87,6 +90,12 @@ pub trait IoPath: Send + Sync + 'static {
         offset: u64,
         buf: Self::Buf,
     ) -> impl Future<Output = (Result<(), PathError>, Self::Buf)> + Send;
+
+    /// Namespace index `ns`, when this path has queue IDs kept for run-to-completion queue
+    /// pairs (`api = "rtc"`).
+    fn queue_pair_namespace(&self, _ns: usize) -> Option<&Namespace> {
+        None
+    }
 }
 
 /// The backends directly.
@@ -184,6 +193,8 @@ pub struct TcpPath {
     /// `[queue][namespace]` handles pinned to their queue.
     handles: Vec<Vec<Namespace>>,
     geometry: Vec<NsGeometry>,
+    /// Queue IDs kept for queue pairs.
+    rtc_pairs: u16,
 }
 
 /// Connection settings of a [`TcpPath`].
@@ -203,6 +214,8 @@ pub struct TcpSettings {
     pub namespaces: u32,
     /// Busy-poll window of the initiator's I/O queues (zero: event-driven).
     pub busy_poll: Duration,
+    /// Queue IDs to keep for run-to-completion queue pairs (`api = "rtc"`).
+    pub rtc_pairs: u16,
 }
 
 impl TcpPath {
@@ -218,6 +231,7 @@ impl TcpPath {
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);
         opts.busy_poll = s.busy_poll;
+        opts.queue_pairs = s.rtc_pairs;
         opts.reconnect = ReconnectPolicy::never();
         opts.timeouts.io = Duration::from_secs(30);
         let ctrl = Controller::connect(opts).await?;
@@ -254,6 +268,7 @@ impl TcpPath {
             ctrl: Some(ctrl),
             handles,
             geometry,
+            rtc_pairs: s.rtc_pairs,
         })
     }
 
@@ -324,5 +339,12 @@ impl IoPath for TcpPath {
             let r = h.write(lba, &buf).await;
             (r.map_err(PathError::from), buf)
         }
+    }
+
+    fn queue_pair_namespace(&self, ns: usize) -> Option<&Namespace> {
+        if self.rtc_pairs == 0 {
+            return None;
+        }
+        self.handles.first()?.get(ns)
     }
 }

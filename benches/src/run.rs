@@ -26,7 +26,7 @@ use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
 use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
-use crate::job::{Dest, HostLoad, Mode, Plan, Point, TcpTarget};
+use crate::job::{Api, Dest, HostLoad, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
 use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
@@ -360,6 +360,11 @@ fn measure_in_mode(
                 .min(4096) as u16,
                 namespaces: plan.namespaces,
                 busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
+                rtc_pairs: if point.api == Api::Rtc {
+                    (point.numjobs * plan.namespaces).min(u32::from(u16::MAX / 2)) as u16
+                } else {
+                    0
+                },
             };
             match rt.block_on(TcpPath::connect(&settings)) {
                 Err(e) => failed(repeat, format!("connect to {}: {e}", settings.addr)),
@@ -566,6 +571,7 @@ fn measure<P: IoPath>(
                 ^ (u64::from(repeat) << 32)
                 ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
             budget,
+            rtc: point.api == Api::Rtc,
         };
         handles.push(rt.spawn(worker::run(
             Arc::clone(&path),

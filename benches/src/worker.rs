@@ -8,10 +8,11 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use nvmeof_initiator::QueuePair;
 
 use crate::hist::LatencyHist;
 use crate::path::IoPath;
@@ -72,6 +73,9 @@ pub struct WorkerSpec {
     pub rng_seed: u64,
     /// Bytes to complete while measuring, then stop (`None`: until the phase says stop).
     pub budget: Option<u64>,
+    /// Drive the path's run-to-completion queue pairs (one per namespace) instead of its
+    /// shared queues (`api = "rtc"`).
+    pub rtc: bool,
 }
 
 /// Per-namespace results of one worker.
@@ -239,6 +243,10 @@ pub async fn run<P: IoPath>(
     pattern: Arc<Pattern>,
     shared: Arc<Shared>,
 ) -> WorkerOutput {
+    // The das mode has no initiator: it ignores `api`.
+    if spec.rtc && path.queue_pair_namespace(0).is_some() {
+        return run_rtc(path, spec, pattern, shared).await;
+    }
     let mut out = WorkerOutput {
         per_ns: vec![NsAcc::default(); spec.namespaces],
         ..Default::default()
@@ -261,14 +269,9 @@ pub async fn run<P: IoPath>(
             break;
         }
         while let Some(mut buf) = free.pop() {
-            if phase == PHASE_MEASURE
-                && let Some(b) = spec.budget
-            {
-                if issued_in_measure >= b {
-                    free.push(buf);
-                    break;
-                }
-                issued_in_measure += spec.bs;
+            if !take_budget(phase, &spec, &mut issued_in_measure) {
+                free.push(buf);
+                break;
             }
             let (read, ns, offset) = offsets.next_io();
             let queue = queues[next_queue];
@@ -317,6 +320,139 @@ pub async fn run<P: IoPath>(
             r,
             P::bytes(&buf),
         );
+    }
+    out
+}
+
+/// Whether another I/O may be issued in `phase` (counting it against the budget).
+fn take_budget(phase: u8, spec: &WorkerSpec, issued_in_measure: &mut u64) -> bool {
+    if phase == PHASE_MEASURE
+        && let Some(b) = spec.budget
+    {
+        if *issued_in_measure >= b {
+            return false;
+        }
+        *issued_in_measure += spec.bs;
+    }
+    true
+}
+
+/// What an I/O in flight was: read, namespace index, offset, issued while measuring, and
+/// when it was submitted.
+type Issued = (bool, usize, u64, bool, Instant);
+
+/// [`run`] over run-to-completion queue pairs: the worker owns one queue pair per namespace,
+/// submits into its `iodepth` buffers and reaps completions itself (no queue task).
+async fn run_rtc<P: IoPath>(
+    path: Arc<P>,
+    spec: WorkerSpec,
+    pattern: Arc<Pattern>,
+    shared: Arc<Shared>,
+) -> WorkerOutput {
+    let mut out = WorkerOutput {
+        per_ns: vec![NsAcc::default(); spec.namespaces],
+        ..Default::default()
+    };
+    let fail = |out: &mut WorkerOutput, e: String| {
+        out.io_errors += 1;
+        out.first_io_error.get_or_insert(e);
+    };
+    let mut qps = Vec::with_capacity(spec.namespaces);
+    for ns in 0..spec.namespaces {
+        let Some(n) = path.queue_pair_namespace(ns) else {
+            fail(
+                &mut out,
+                "api = \"rtc\" needs a fabric mode (tcp, rdma)".into(),
+            );
+            return out;
+        };
+        match QueuePair::open(n).await {
+            Ok(q) => qps.push(q),
+            Err(e) => {
+                fail(&mut out, format!("cannot open a queue pair: {e}"));
+                return out;
+            }
+        }
+    }
+    let block: Vec<u64> = path
+        .geometry()
+        .iter()
+        .map(|g| u64::from(g.block_size))
+        .collect();
+    let mut offsets = OffsetGen::new(&spec);
+    let depth = spec.iodepth as usize;
+    let mut free: Vec<Vec<u8>> = (0..depth).map(|_| vec![0u8; spec.bs as usize]).collect();
+    let mut issued: Vec<Option<Issued>> = vec![None; depth];
+    let mut free_ids: Vec<usize> = (0..depth).rev().collect();
+    let mut done = Vec::with_capacity(depth);
+    let mut issued_in_measure = 0u64;
+    loop {
+        let phase = shared.phase.load(Ordering::Relaxed);
+        if phase != PHASE_STOP && out.io_errors == 0 {
+            while let Some(id) = free_ids.pop() {
+                if !take_budget(phase, &spec, &mut issued_in_measure) {
+                    free_ids.push(id);
+                    break;
+                }
+                let (read, ns, offset) = offsets.next_io();
+                let mut buf = free.pop().unwrap_or_default();
+                if !read {
+                    pattern.fill(offset, &mut buf);
+                }
+                let lba = offset / block[ns];
+                let r = if read {
+                    qps[ns].read(lba, buf, id as u64)
+                } else {
+                    qps[ns].write(lba, buf, id as u64)
+                };
+                if let Err(rej) = r {
+                    fail(
+                        &mut out,
+                        format!("submit at offset {offset:#x}: {}", rej.error),
+                    );
+                    free.push(rej.buf);
+                    free_ids.push(id);
+                    break;
+                }
+                let measured = phase == PHASE_MEASURE;
+                issued[id] = Some((read, ns, offset, measured, Instant::now()));
+            }
+        }
+        if free_ids.len() == depth {
+            // Nothing in flight: stopped, or the budget is spent.
+            break;
+        }
+        if let [qp] = &mut qps[..] {
+            qp.wait(&mut done, 1, Some(Duration::from_millis(100)))
+                .await;
+        } else {
+            let got: usize = qps.iter_mut().map(|q| q.poll(&mut done)).sum();
+            if got == 0 {
+                if let Some(q) = qps.iter_mut().find(|q| q.in_flight() > 0) {
+                    q.wait(&mut done, 1, Some(Duration::from_micros(200))).await;
+                }
+            }
+        }
+        for c in done.drain(..) {
+            let id = c.user_data as usize;
+            let Some((read, ns, offset, measured, start)) = issued[id].take() else {
+                continue;
+            };
+            let lat = start.elapsed().as_nanos() as u64;
+            let r = c.result.map_err(crate::path::PathError::from);
+            complete(
+                &mut out,
+                &spec,
+                &pattern,
+                &shared,
+                (read, ns, offset, measured),
+                lat,
+                r,
+                &c.buf,
+            );
+            free.push(c.buf);
+            free_ids.push(id);
+        }
     }
     out
 }
@@ -391,6 +527,7 @@ mod tests {
             verify: true,
             rng_seed: 42,
             budget: None,
+            rtc: false,
         }
     }
 
@@ -536,6 +673,7 @@ mod tests {
             verify: true,
             rng_seed: 1,
             budget: Some(256 * 4096),
+            rtc: false,
         };
         rt.block_on(run(path, spec, pattern, shared))
     }

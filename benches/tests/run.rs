@@ -37,6 +37,15 @@ name = "seq"
 rw = "read"
 bs = "128k"
 iodepth = 2
+
+[[job]]
+name = "mix-rtc"
+rw = "randrw"
+rwmixread = 60
+bs = "8k"
+iodepth = 4
+numjobs = 2
+api = "rtc"
 "#;
 
 fn run_modes(modes: Vec<Mode>) -> Report {
@@ -96,7 +105,7 @@ fn check_sane(m: &Measurement, mode: &str, reads: bool, fabric: bool) {
 #[test]
 fn das_and_tcp_in_process_side_by_side() {
     let r = run_modes(vec![Mode::Das, Mode::Tcp(TcpTarget::InProcess)]);
-    assert_eq!(r.points.len(), 3);
+    assert_eq!(r.points.len(), 4);
     for p in &r.points {
         assert_eq!(p.results.len(), 2);
         let reads = p.point.reads();
@@ -108,7 +117,7 @@ fn das_and_tcp_in_process_side_by_side() {
         let v = tcp.vs_das.expect("ratio against DAS");
         assert!(v.iops_ratio > 0.0 && v.iops_ratio.is_finite());
         assert!(das.vs_das.is_none());
-        if p.job == "mix" {
+        if p.job.starts_with("mix") {
             let m = &tcp.repeats[0];
             assert!(m.read.ops > 0 && m.write.ops > 0, "{m:?}");
         }
@@ -132,7 +141,7 @@ fn das_and_tcp_in_process_side_by_side() {
     let md = r.to_markdown();
     assert_eq!(
         md.lines().filter(|l| l.contains("| tcp |")).count(),
-        3,
+        4,
         "{md}"
     );
 }

@@ -182,6 +182,16 @@ impl SlotBuf {
         }
     }
 
+    /// The buffer as a vector (a registration is dropped; a lent buffer, which only the
+    /// shared queues use, gives an empty one).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            SlotBuf::Heap(v) => v,
+            SlotBuf::Registered(r) => r.detach().0.into_vec(),
+            SlotBuf::Lent(_) => Vec::new(),
+        }
+    }
+
     /// Makes the buffer at least `len` bytes long (keeping its contents); a lent buffer
     /// cannot grow.
     pub fn ensure(&mut self, len: usize) -> Result<(), Error> {

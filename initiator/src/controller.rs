@@ -12,7 +12,7 @@
 //!   (a namespace attribute change refreshes the namespace list).
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -23,7 +23,7 @@ use nvme_spec::identify::{
     IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
 };
 use nvme_spec::{FromBytes, features};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -124,6 +124,34 @@ pub(crate) struct CtrlShared {
     pub pd: SharedPd,
     /// What the transport allows.
     pub limits: LinkLimits,
+    /// I/O queue IDs of queue pairs.
+    pair_qids: Mutex<PairQids>,
+}
+
+/// The I/O queue IDs kept for queue pairs: those past the shared I/O queues, up to the
+/// highest the controller granted.
+struct PairQids {
+    max_qid: u16,
+    used: BTreeSet<u16>,
+}
+
+/// An I/O queue ID held by a queue pair; given back when dropped.
+pub(crate) struct PairQid {
+    shared: Arc<CtrlShared>,
+    qid: u16,
+}
+
+impl PairQid {
+    /// The queue ID.
+    pub fn qid(&self) -> u16 {
+        self.qid
+    }
+}
+
+impl Drop for PairQid {
+    fn drop(&mut self) {
+        self.shared.pair_qids.lock().used.remove(&self.qid);
+    }
 }
 
 impl CtrlShared {
@@ -240,6 +268,8 @@ impl std::fmt::Debug for Controller {
 struct Established {
     admin: Link,
     ios: Vec<Link>,
+    /// The highest I/O queue ID granted (queue pairs use those past the shared queues).
+    max_qid: u16,
     info: ControllerInfo,
     identify: Box<IdentifyController>,
     active_ns: Vec<u32>,
@@ -344,17 +374,20 @@ async fn establish(
             debug!(error = %e, "cannot enable namespace attribute notices");
         }
     }
-    let granted = if want_io == 0 {
+    // Queue IDs past the shared I/O queues are kept for queue pairs.
+    let ask = want_io.saturating_add(opts.queue_pairs).min(u16::MAX - 1);
+    let granted_all = if ask == 0 {
         0
     } else {
-        let n = u32::from(want_io - 1);
+        let n = u32::from(ask - 1);
         let dw0 = admin
             .set_features(features::NUMBER_OF_QUEUES, n | (n << 16))
             .await?;
         let nsqa = dw0 & 0xFFFF;
         let ncqa = dw0 >> 16;
-        (nsqa.min(ncqa) + 1).min(u32::from(want_io)) as u16
+        (nsqa.min(ncqa) + 1).min(u32::from(ask)) as u16
     };
+    let granted = granted_all.min(want_io);
     let active_ns = {
         let raw = admin.identify(cns::ACTIVE_NS_LIST, 0).await?;
         nvme_spec::identify::decode_ns_list(&raw)
@@ -418,36 +451,13 @@ async fn establish(
         let opts = opts.clone();
         let pd = pd.clone();
         set.spawn(async move {
-            let t = &opts.timeouts;
             let spec = QueueSpec {
                 qid,
                 cntlid,
                 depth,
                 in_capsule: icd as usize,
             };
-            let tls = crate::setup::tls_context(&opts)?;
-            let mut q = SetupConn::open(
-                &opts.addr,
-                spec,
-                digests,
-                t.connect,
-                t.admin,
-                &pd,
-                tls.as_ref(),
-            )
-            .await?;
-            let dhchap = opts.dhchap.as_ref();
-            q.connect(
-                qid,
-                u32::from(depth),
-                0,
-                cntlid,
-                &opts.subnqn,
-                &opts.host,
-                dhchap,
-            )
-            .await?;
-            Ok((qid, q.into_link(icd as usize)))
+            Ok((qid, open_io_queue(&opts, &pd, spec).await?))
         });
     }
     let mut ios: Vec<Option<Link>> = (0..granted).map(|_| None).collect();
@@ -464,10 +474,46 @@ async fn establish(
     Ok(Established {
         admin: admin.into_link(limits.admin_in_capsule),
         ios,
+        max_qid: granted_all,
         info,
         identify: Box::new(id),
         active_ns,
     })
+}
+
+/// Opens I/O queue `spec.qid` of controller `spec.cntlid`: its connection (with TLS when the
+/// options ask for it) and its Fabrics Connect (and authentication), on the current runtime.
+pub(crate) async fn open_io_queue(
+    opts: &ConnectOptions,
+    pd: &SharedPd,
+    spec: QueueSpec,
+) -> Result<Link, Error> {
+    let t = &opts.timeouts;
+    let tls = crate::setup::tls_context(opts)?;
+    let digests = (opts.header_digest, opts.data_digest);
+    let (qid, cntlid, depth, icd) = (spec.qid, spec.cntlid, spec.depth, spec.in_capsule);
+    let mut q = SetupConn::open(
+        &opts.addr,
+        spec,
+        digests,
+        t.connect,
+        t.admin,
+        pd,
+        tls.as_ref(),
+    )
+    .await?;
+    let dhchap = opts.dhchap.as_ref();
+    q.connect(
+        qid,
+        u32::from(depth),
+        0,
+        cntlid,
+        &opts.subnqn,
+        &opts.host,
+        dhchap,
+    )
+    .await?;
+    Ok(q.into_link(icd))
 }
 
 thread_local! {
@@ -551,6 +597,10 @@ impl Controller {
             reconnects: AtomicU64::new(0),
             pd,
             limits: est.admin.limits(),
+            pair_qids: Mutex::new(PairQids {
+                max_qid: est.max_qid,
+                used: BTreeSet::new(),
+            }),
             opts,
         });
         shared
@@ -625,6 +675,45 @@ impl Controller {
                 "this controller's NVMe/RDMA queues have no shared protection domain (the RDMA device could not be anchored; see the debug log)".into(),
             )),
         }
+    }
+
+    /// Takes a free queue-pair queue ID and opens that I/O queue on the current runtime (its
+    /// own connection and Fabrics Connect, as the shared queues are set up). Returns the
+    /// queue ID (given back when dropped), the link and the queue's entries.
+    pub(crate) async fn open_pair_queue(&self) -> Result<(PairQid, Link, u16), Error> {
+        let s = &self.inner.shared;
+        if self.state() != ControllerState::Connected {
+            return Err(Error::lost(
+                &s.addr,
+                format!("the controller is not connected ({:?})", self.state()),
+            ));
+        }
+        let first = s.io.len() as u16 + 1;
+        let qid = {
+            let mut ids = s.pair_qids.lock();
+            let free = (first..=ids.max_qid).find(|q| !ids.used.contains(q));
+            let Some(qid) = free else {
+                return Err(Error::InvalidArgument(format!(
+                    "no I/O queue ID is free for a queue pair ({} kept, all in use; see ConnectOptions::queue_pairs)",
+                    ids.max_qid.saturating_sub(first - 1)
+                )));
+            };
+            ids.used.insert(qid);
+            qid
+        };
+        let lease = PairQid {
+            shared: Arc::clone(s),
+            qid,
+        };
+        let info = self.info();
+        let spec = QueueSpec {
+            qid,
+            cntlid: info.cntlid,
+            depth: info.queue_depth,
+            in_capsule: info.in_capsule_data_bytes as usize,
+        };
+        let link = open_io_queue(&s.opts, &s.pd, spec).await?;
+        Ok((lease, link, info.queue_depth))
     }
 
     pub(crate) fn shared(&self) -> &CtrlShared {
@@ -976,6 +1065,7 @@ impl Supervisor {
             info.io_queues = io_queues.min(granted as u16);
         }
         *s.identify.write() = est.identify;
+        s.pair_qids.lock().max_qid = est.max_qid;
         s.namespaces.write().active = est.active_ns;
         s.admin
             .control(QueueCtl::Attach(Box::new(est.admin), generation));

@@ -149,6 +149,13 @@ pub enum Error {
     /// future was dropped): its bytes are not readable until they end.
     #[error("the registered buffer is still used by commands in flight")]
     BufferBusy,
+    /// A [`QueuePair`](crate::QueuePair) has as many commands in flight as it has entries:
+    /// reap completions before submitting more.
+    #[error("the queue pair is full ({depth} commands in flight)")]
+    QueueFull {
+        /// Commands the queue pair holds at most.
+        depth: usize,
+    },
     /// The connection cannot do what was asked (for example registering GPU memory on an
     /// NVMe/TCP controller, or on a host whose RDMA device refuses it).
     #[error("not supported: {0}")]

@@ -21,6 +21,10 @@
 //!   command capsule, larger ones on R2T (NVMe/RDMA: keyed SGLs the target RDMA READs and
 //!   WRITEs). Buffers are `&mut [u8]` / `&[u8]`, or any
 //!   [`ReadDest`] / [`WriteSource`] (the way other memory, such as GPU buffers, plugs in).
+//! - [`QueuePair`] (and [`BlockingQueuePair`] for a plain OS thread) is the run-to-completion
+//!   alternative for data-loader threads: the caller owns one I/O queue (a queue ID kept with
+//!   [`ConnectOptions::queue_pairs`]), submits reads and writes into its own buffers with no
+//!   channel or task in between, and reaps [`Completion`]s in batches with `poll` or `wait`.
 //! - [`Controller::register_buffer`] gives memory registered once for NVMe/RDMA, which
 //!   [`Namespace::read_registered`] / [`write_registered`](Namespace::write_registered) let the
 //!   target write and read directly (no slot buffer, no copy; plain memory over NVMe/TCP);
@@ -78,6 +82,7 @@ mod namespace;
 mod options;
 mod queue;
 mod queue_core;
+mod queue_pair;
 mod rdma;
 mod registered;
 mod setup;
@@ -96,6 +101,7 @@ pub use options::{
     DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, TlsOptions, Transport,
 };
 pub use queue::QueueStats;
+pub use queue_pair::{BlockingQueuePair, Completion, QueuePair, Rejected};
 pub use registered::RegisteredBuffer;
 #[cfg(feature = "gpu")]
 pub use registered::{DmabufRequest, RegisteredGpuBuffer};
@@ -115,6 +121,14 @@ mod tests {
         send_sync::<Controller>();
         send_sync::<Namespace>();
         send_sync::<Error>();
+    }
+
+    /// Compiles only if a queue pair can move to the thread or task that drives it.
+    #[allow(dead_code)]
+    fn queue_pairs_are_send(qp: QueuePair, bqp: BlockingQueuePair, ns: &Namespace) {
+        send(&qp);
+        send(&bqp);
+        send(&QueuePair::open(ns));
     }
 
     /// Compiles only if the I/O futures can move between threads.

@@ -62,6 +62,22 @@ impl Link {
         }
     }
 
+    /// What a wake-up means for the link: `None` when there is something to receive (or
+    /// room to send), the error that ended the connection otherwise.
+    pub fn wake_error(&self, addr: &str, wake: LinkWake) -> Option<Error> {
+        match wake {
+            LinkWake::Tcp(Ok(_)) | LinkWake::Rdma(RdmaWake::Completions(Ok(()))) => None,
+            LinkWake::Tcp(Err(e)) => Some(Error::lost(addr, format!("socket error: {e}"))),
+            LinkWake::Rdma(RdmaWake::Completions(Err(e))) => {
+                Some(Error::lost(addr, format!("completion queue: {e}")))
+            }
+            LinkWake::Rdma(RdmaWake::Cm(ev)) => match self {
+                Link::Rdma(conn) => conn.cm_outcome(ev),
+                Link::Tcp(_) => None,
+            },
+        }
+    }
+
     /// Sends what waits to be sent, as far as possible without blocking (NVMe/RDMA posts
     /// each capsule when it is sent).
     pub fn try_flush(&mut self) -> io::Result<()> {

@@ -83,13 +83,13 @@ impl Namespace {
     }
 
     /// Largest transfer per command, in bytes (a whole number of blocks).
-    fn max_chunk(&self) -> usize {
+    pub(crate) fn max_chunk(&self) -> usize {
         let max = u64::from(self.ctrl.shared().info_max_transfer());
         let blocks = (max >> self.shift).clamp(1, MAX_NLB);
         (blocks << self.shift) as usize
     }
 
-    fn check_len(&self, lba: u64, len: usize) -> Result<(), Error> {
+    pub(crate) fn check_len(&self, lba: u64, len: usize) -> Result<(), Error> {
         if len == 0 || len % self.info.block_size as usize != 0 {
             return Err(Error::InvalidArgument(format!(
                 "transfer length {len} is not a non-zero multiple of the block size {}",
@@ -104,7 +104,7 @@ impl Namespace {
     }
 
     /// A Read or Write; a write with `fua` asks for Force Unit Access.
-    fn request(&self, write: bool, lba: u64, len: usize, fua: bool) -> Request {
+    pub(crate) fn request(&self, write: bool, lba: u64, len: usize, fua: bool) -> Request {
         let nlb = (len >> self.shift) as u32;
         let timeouts = &self.ctrl.shared().opts.timeouts;
         let sqe = if fua {
@@ -125,7 +125,7 @@ impl Namespace {
         }
     }
 
-    fn plain_request(&self, sqe: Sqe, retry: Retry) -> Request {
+    pub(crate) fn plain_request(&self, sqe: Sqe, retry: Retry) -> Request {
         Request {
             sqe,
             dir: DataDir::None,

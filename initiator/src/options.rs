@@ -252,6 +252,10 @@ pub struct ConnectOptions {
     /// Number of I/O queues to ask for; `None` = one per available core. The target may grant
     /// fewer. 0 makes an admin-only connection.
     pub io_queues: Option<u16>,
+    /// I/O queues to ask for on top of `io_queues`, kept for run-to-completion
+    /// [`QueuePair`](crate::QueuePair)s (each takes one; default 0). The target may grant
+    /// fewer.
+    pub queue_pairs: u16,
     /// Entries per I/O queue to ask for; the controller's CAP.MQES + 1 caps it. One entry is
     /// kept free, so `queue_depth - 1` commands are in flight per queue at most.
     pub queue_depth: u16,
@@ -279,7 +283,10 @@ pub struct ConnectOptions {
     /// checking its connection for this long before it sleeps, so a completion is picked up
     /// without a wake-up from idle (lower latency; costs CPU while I/O flows). The window opens
     /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
-    /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
+    /// an idle queue cost no CPU, and closes for a while when polls stop paying (they find
+    /// data waiting at saturation, or come back late when other threads need the CPU).
+    /// [`QueuePair`](crate::QueuePair)s use the same window. Default [`DEFAULT_BUSY_POLL`];
+    /// zero = purely event-driven.
     pub busy_poll: Duration,
     /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
     /// `None`: a controller that requires authentication is refused with [`Error::Auth`].
@@ -327,6 +334,7 @@ impl ConnectOptions {
             subnqn: subnqn.into(),
             host,
             io_queues: None,
+            queue_pairs: 0,
             queue_depth: 128,
             kato: Duration::from_secs(5),
             header_digest: false,

@@ -182,10 +182,16 @@ impl QueueShared {
     }
 
     fn stats(&self) -> QueueStats {
-        let c = &self.counters;
+        QueueStats::of(self.qid, &self.counters)
+    }
+}
+
+impl QueueStats {
+    /// A snapshot of queue `qid`'s counters.
+    pub(crate) fn of(qid: u16, c: &QueueCounters) -> QueueStats {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         QueueStats {
-            qid: self.qid,
+            qid,
             commands: g(&c.commands),
             in_capsule_writes: g(&c.in_capsule_writes),
             r2t_writes: g(&c.r2t_writes),
@@ -203,8 +209,8 @@ impl QueueShared {
     }
 }
 
-impl Completions for QueueShared {
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+impl Completions for Arc<QueueShared> {
+    fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         self.finish_slot(tag, result, buf);
     }
 
@@ -504,7 +510,7 @@ impl Drop for Pending<'_> {
 /// A queue task: the core, its link and the channels that drive them.
 struct Task {
     live: Option<Link>,
-    core: Core<QueueShared>,
+    core: Core<Arc<QueueShared>>,
     shared: Arc<QueueShared>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
@@ -562,6 +568,7 @@ impl Task {
                 }
             }
             let polling = self.live.is_some() && self.poll.polling(self.core.now.into_std());
+            let polled_since = polling.then_some(self.core.now);
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -614,26 +621,28 @@ impl Task {
                 }
                 Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
-                        self.poll.arrived(self.core.now.into_std());
-                        if let Err(e) = self.receive() {
-                            self.lose(e);
-                        }
+                        self.on_arrival(polled_since);
                     }
                 }
-                Wake::Poll => match self.receive() {
-                    Ok(true) => self.poll.arrived(self.core.now.into_std()),
-                    Ok(false) => {}
-                    Err(e) => self.lose(e),
-                },
+                Wake::Poll => {
+                    let now = self.core.now.into_std();
+                    let since = polled_since.unwrap_or(self.core.now).into_std();
+                    match self.receive() {
+                        Ok(found) => {
+                            self.poll.polled(since, now, found);
+                            if found {
+                                self.poll.arrived(now);
+                            }
+                        }
+                        Err(e) => self.lose(e),
+                    }
+                }
                 Wake::Ready(LinkWake::Tcp(Err(e))) => {
                     let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
                     self.lose(err);
                 }
                 Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
-                    self.poll.arrived(self.core.now.into_std());
-                    if let Err(e) = self.receive() {
-                        self.lose(e);
-                    }
+                    self.on_arrival(polled_since);
                 }
                 Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Err(e)))) => {
                     let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
@@ -650,6 +659,20 @@ impl Task {
                 }
                 Wake::Tick => {}
             }
+        }
+    }
+
+    /// The link reported data: scores it (as the outcome of the poll begun at `polled_since`
+    /// when the task was polling: the runtime's reactor found it during the yield) and takes
+    /// it.
+    fn on_arrival(&mut self, polled_since: Option<Instant>) {
+        let now = self.core.now.into_std();
+        if let Some(since) = polled_since {
+            self.poll.polled(since.into_std(), now, true);
+        }
+        self.poll.arrived(now);
+        if let Err(e) = self.receive() {
+            self.lose(e);
         }
     }
 

@@ -19,7 +19,6 @@
 //! transient transport error is retried up to [`MAX_ATTEMPTS`] sends.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -112,10 +111,11 @@ pub(crate) struct Cmd {
     attempts: u8,
 }
 
-/// Where the core's completions go: the callers' command slots.
+/// Where the core's completions go: the callers' command slots (a queue task's, shared with
+/// its callers), or a list the owner of a [`QueuePair`](crate::QueuePair) reaps.
 pub(crate) trait Completions {
     /// Hands command `tag`'s result and buffer back to its caller.
-    fn finish(&self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf);
+    fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf);
     /// The queue's counters.
     fn counters(&self) -> &QueueCounters;
 }
@@ -158,7 +158,7 @@ pub(crate) struct LinkLimits {
 
 /// A queue's command table and its rules (see the module documentation).
 pub(crate) struct Core<C> {
-    sink: Arc<C>,
+    sink: C,
     addr: String,
     cmds: Vec<Option<Cmd>>,
     /// Commands not sent on the current link, in submission order.
@@ -172,7 +172,7 @@ pub(crate) struct Core<C> {
 
 impl<C: Completions> Core<C> {
     /// A core for `slots` command identifiers of the queue to `addr` (`admin`: queue 0).
-    pub fn new(sink: Arc<C>, addr: String, slots: u16, retry_writes: bool, admin: bool) -> Self {
+    pub fn new(sink: C, addr: String, slots: u16, retry_writes: bool, admin: bool) -> Self {
         Core {
             sink,
             addr,
@@ -193,6 +193,16 @@ impl<C: Completions> Core<C> {
     /// The queue's counters.
     pub fn counters(&self) -> &QueueCounters {
         self.sink.counters()
+    }
+
+    /// Where completions go.
+    pub fn sink(&self) -> &C {
+        &self.sink
+    }
+
+    /// Where completions go.
+    pub fn sink_mut(&mut self) -> &mut C {
+        &mut self.sink
     }
 
     /// The error every command gets since [`fail`](Self::fail), if any.
@@ -428,6 +438,7 @@ mod tests {
     use super::*;
     use nvme_spec::command::build;
     use parking_lot::Mutex;
+    use std::sync::Arc;
 
     /// The callers' side: every completion, in order.
     #[derive(Default)]
@@ -436,8 +447,8 @@ mod tests {
         counters: QueueCounters,
     }
 
-    impl Completions for Callers {
-        fn finish(&self, tag: u16, result: Result<Cqe, Error>, _buf: SlotBuf) {
+    impl Completions for Arc<Callers> {
+        fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, _buf: SlotBuf) {
             self.done.lock().push((tag, result));
         }
 
@@ -487,7 +498,7 @@ mod tests {
         }
     }
 
-    fn core(retry_writes: bool) -> (Core<Callers>, Arc<Callers>) {
+    fn core(retry_writes: bool) -> (Core<Arc<Callers>>, Arc<Callers>) {
         let callers = Arc::new(Callers::default());
         let core = Core::new(Arc::clone(&callers), "t".into(), 8, retry_writes, false);
         (core, callers)
@@ -521,7 +532,7 @@ mod tests {
         Cqe::new(tag, Status::SUCCESS, 0)
     }
 
-    fn submit(core: &mut Core<Callers>, link: Option<&mut Link>, tag: u16, req: Request) {
+    fn submit(core: &mut Core<Arc<Callers>>, link: Option<&mut Link>, tag: u16, req: Request) {
         core.submit(link, tag, req, buf(), None).unwrap();
     }
 

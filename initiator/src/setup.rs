@@ -17,9 +17,9 @@ use tokio::time::{Instant, timeout_at};
 use crate::admin::{Admin, admin_request};
 use crate::buffer::SlotBuf;
 use crate::error::command_name;
-use crate::link::{Link, LinkWake};
+use crate::link::Link;
 use crate::queue_core::{Completions, Core, QueueCounters, Retry};
-use crate::rdma::{RdmaConn, RdmaWake, SharedPd};
+use crate::rdma::{RdmaConn, SharedPd};
 use crate::tcp::{READ_CHUNK, TcpConn};
 use crate::{ConnectOptions, DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
 
@@ -69,7 +69,7 @@ pub(crate) struct SetupConn {
     pub addr: String,
     admin_timeout: Duration,
     /// The queue core the set-up commands go through, one at a time (command identifier 0).
-    core: Core<SetupSlot>,
+    core: Core<Arc<SetupSlot>>,
     slot: Arc<SetupSlot>,
 }
 
@@ -80,8 +80,8 @@ struct SetupSlot {
     counters: QueueCounters,
 }
 
-impl Completions for SetupSlot {
-    fn finish(&self, _tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
+impl Completions for Arc<SetupSlot> {
+    fn finish(&mut self, _tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         *self.done.lock() = Some((result, buf));
     }
 
@@ -277,20 +277,9 @@ impl SetupConn {
                 Err(_) => return Err(Error::timeout(name, t)),
                 Ok(w) => w,
             };
-            let err = match wake {
-                LinkWake::Tcp(Ok(_)) | LinkWake::Rdma(RdmaWake::Completions(Ok(()))) => {
-                    self.link.receive(&mut self.core).err()
-                }
-                LinkWake::Tcp(Err(e)) => {
-                    Some(Error::lost(&self.addr, format!("socket error: {e}")))
-                }
-                LinkWake::Rdma(RdmaWake::Completions(Err(e))) => {
-                    Some(Error::lost(&self.addr, format!("completion queue: {e}")))
-                }
-                LinkWake::Rdma(RdmaWake::Cm(ev)) => match &self.link {
-                    Link::Rdma(conn) => conn.cm_outcome(ev),
-                    Link::Tcp(_) => None,
-                },
+            let err = match self.link.wake_error(&self.addr, wake) {
+                None => self.link.receive(&mut self.core).err(),
+                lost => lost,
             };
             if let Some(e) = err {
                 // A protocol error leaves a TermReq to send; give it one try.

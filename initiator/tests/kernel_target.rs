@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use common::cli::{Daemon, args, cli, json_of, list};
 use common::{HOSTNQN, host, pattern};
 use nvmeof_initiator::{
-    ConnectOptions, Controller, DiscoveryOptions, ReconnectPolicy, TargetAddr, Timeouts, discover,
+    BlockingQueuePair, ConnectOptions, Controller, DiscoveryOptions, Namespace, QueuePair,
+    ReconnectPolicy, TargetAddr, Timeouts, discover,
 };
 
 const KNQN: &str = "nqn.2014-08.org.nvmexpress:nvmeof-direct-initiator-interop";
@@ -224,8 +225,12 @@ async fn kernel_nvmet_tcp_target() {
     verify_io(port, true, true, Some(32 * 1024), 200).await;
 
     // Errors from the kernel carry the status.
-    let ctrl = Controller::connect(options(port)).await.expect("connect");
+    let mut o = options(port);
+    o.queue_pairs = 2;
+    let ctrl = Controller::connect(o).await.expect("connect");
     let ns = ctrl.namespace(1).await.expect("namespace");
+    eprintln!("run-to-completion queue pairs:");
+    queue_pairs_against_kernel(&ns).await;
     let bs = ns.block_size();
     let mut buf = vec![0u8; bs as usize];
     let e = ns
@@ -248,6 +253,87 @@ async fn kernel_nvmet_tcp_target() {
         .expect("guest stop");
     assert_eq!(code, Some(0), "the guest script failed");
     eprintln!("kernel target interop passed in {:?}", started.elapsed());
+}
+
+/// A run-to-completion queue pair writes a batch of transfers (in the capsule and on R2T) and
+/// reads them back; the shared queues and a blocking queue pair on a plain thread read the
+/// same data.
+async fn queue_pairs_against_kernel(ns: &Namespace) {
+    let bs = ns.block_size() as usize;
+    let mut qp = QueuePair::open(ns).await.expect("open a queue pair");
+    eprintln!(
+        "  queue pair on I/O queue {}, depth {}",
+        qp.qid(),
+        qp.depth()
+    );
+    let base = 1024u64;
+    let extents: Vec<(u64, usize)> = (0..12u64)
+        .map(|i| (base + i * 64, [1usize, 2, 16, 64][i as usize % 4]))
+        .collect();
+    for (i, &(lba, blocks)) in extents.iter().enumerate() {
+        let data = pattern(300, lba, blocks * bs);
+        qp.write(lba, data, i as u64).expect("submit write");
+    }
+    let mut done = Vec::new();
+    while done.len() < extents.len() {
+        qp.wait(&mut done, extents.len(), Some(Duration::from_secs(60)))
+            .await;
+    }
+    for c in done.drain(..) {
+        c.result.expect("queue pair write");
+    }
+    for (i, &(lba, blocks)) in extents.iter().enumerate() {
+        qp.read(lba, vec![0; blocks * bs], i as u64)
+            .expect("submit read");
+    }
+    while done.len() < extents.len() {
+        qp.wait(&mut done, extents.len(), Some(Duration::from_secs(60)))
+            .await;
+    }
+    for c in &done {
+        c.result.as_ref().expect("queue pair read");
+        let (lba, blocks) = extents[c.user_data as usize];
+        assert!(
+            c.buf == pattern(300, lba, blocks * bs),
+            "queue pair read at {lba}"
+        );
+    }
+    let stats = qp.stats();
+    assert!(
+        stats.in_capsule_writes > 0 && stats.r2t_writes > 0,
+        "{stats:?}"
+    );
+    for &(lba, blocks) in &extents {
+        let mut back = vec![0u8; blocks * bs];
+        ns.read(lba, &mut back).await.expect("shared queue read");
+        assert!(
+            back == pattern(300, lba, blocks * bs),
+            "shared queue read at {lba}"
+        );
+    }
+    let ns2 = ns.clone();
+    let read = tokio::task::spawn_blocking(move || {
+        let mut qp = BlockingQueuePair::open(&ns2).expect("open a blocking queue pair");
+        let mut done = Vec::new();
+        for (i, &(lba, blocks)) in extents.iter().enumerate() {
+            qp.read(lba, vec![0; blocks * bs], i as u64)
+                .expect("submit");
+        }
+        while done.len() < extents.len() {
+            qp.wait(&mut done, extents.len(), Some(Duration::from_secs(60)));
+        }
+        for c in &done {
+            c.result.as_ref().expect("blocking queue pair read");
+            let (lba, blocks) = extents[c.user_data as usize];
+            assert!(
+                c.buf == pattern(300, lba, blocks * bs),
+                "blocking read at {lba}"
+            );
+        }
+        qp.get().qid()
+    });
+    let qid = read.await.expect("blocking queue pair thread");
+    eprintln!("  verified through queue pairs {} and {qid}", qp.qid());
 }
 
 /// What a user does with the kernel target: `nvmeof discover`, `write` and `read` of a file,

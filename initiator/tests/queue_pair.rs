@@ -1,0 +1,248 @@
+//! Run-to-completion queue pairs against our target, in process, over loopback TCP: data
+//! written and read through a queue pair and through the shared queues agree, from async code
+//! and from a plain thread; bad input, a full queue, a silent target and a lost connection
+//! each give their error without losing a buffer.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Mode, Proxy, TestTarget, options, pattern};
+use nvmeof_initiator::nvme_spec::status::generic;
+use nvmeof_initiator::{BlockingQueuePair, Completion, Controller, Error, QueuePair};
+
+const BS: usize = 4096;
+
+/// Waits until `n` completions are in `out` (each wait bounded).
+async fn collect(qp: &mut QueuePair, out: &mut Vec<Completion>, n: usize) {
+    while out.len() < n {
+        let got = qp
+            .wait(out, n - out.len(), Some(Duration::from_secs(20)))
+            .await;
+        assert!(got > 0 || out.len() >= n, "no completion within 20 s");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_pair_reads_and_writes_agree_with_the_shared_queues() {
+    let t = TestTarget::start(&["mem:32M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.queue_pairs = 1;
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut qp = QueuePair::open(&ns).await.expect("open queue pair");
+    assert_eq!(qp.qid(), 3, "the first ID past the two shared queues");
+    assert_eq!(qp.depth(), 31);
+
+    // Only one queue ID is kept: a second queue pair is refused until the first is dropped.
+    let e = QueuePair::open(&ns).await.expect_err("no second queue ID");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+
+    // 31 writes of 1 to 16 blocks (in the capsule and on R2T) in one batch.
+    let mut done = Vec::new();
+    let mut lba = 0u64;
+    let mut extents = Vec::new();
+    for i in 0..31u64 {
+        let blocks = 1 + (i as usize % 16);
+        let data = pattern(7, lba * BS as u64, blocks * BS);
+        qp.write(lba, data, i).expect("submit write");
+        extents.push((lba, blocks));
+        lba += blocks as u64;
+    }
+    let e = qp
+        .read(0, vec![0; BS], 99)
+        .expect_err("the queue pair is full");
+    assert!(
+        matches!(e.error, Error::QueueFull { depth: 31 }),
+        "{}",
+        e.error
+    );
+    assert_eq!(e.buf.len(), BS, "a rejected buffer comes back");
+    collect(&mut qp, &mut done, 31).await;
+    for c in done.drain(..) {
+        c.result.expect("write");
+    }
+    assert_eq!(qp.in_flight(), 0);
+
+    // The shared queues see the data the queue pair wrote...
+    for &(lba, blocks) in &extents {
+        let mut back = vec![0u8; blocks * BS];
+        ns.read(lba, &mut back).await.expect("read");
+        assert!(
+            back == pattern(7, lba * BS as u64, blocks * BS),
+            "lba {lba}"
+        );
+    }
+    // ...and the queue pair reads what they wrote, with many reads in flight.
+    let base = 4096u64;
+    let all = pattern(9, base * BS as u64, 256 * BS);
+    ns.write(base, &all).await.expect("write");
+    for i in 0..256u64 {
+        qp.read(base + i, vec![0; BS], i).expect("submit read");
+        if qp.in_flight() == qp.depth() {
+            qp.wait(&mut done, 1, Some(Duration::from_secs(20))).await;
+        }
+    }
+    collect(&mut qp, &mut done, 256).await;
+    assert_eq!(done.len(), 256);
+    for c in &done {
+        c.result.as_ref().expect("read");
+        let off = c.user_data as usize * BS;
+        assert!(c.buf == all[off..off + BS], "block {}", c.user_data);
+    }
+    done.clear();
+    qp.flush(1).expect("submit flush");
+    collect(&mut qp, &mut done, 1).await;
+    done.pop().unwrap().result.expect("flush");
+
+    let stats = qp.stats();
+    assert_eq!(stats.qid, 3);
+    assert_eq!(stats.commands, 31 + 256 + 1);
+    assert_eq!(stats.bytes_read, 256 * BS as u64);
+    assert!(
+        stats.in_capsule_writes > 0 && stats.r2t_writes > 0,
+        "{stats:?}"
+    );
+
+    // The queue ID is free again once the queue pair is dropped.
+    drop(qp);
+    let qp = QueuePair::open(&ns).await.expect("reopen");
+    assert_eq!(qp.qid(), 3);
+    drop(qp);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_commands_get_clear_answers_and_their_buffers_back() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.queue_pairs = 2;
+    o.max_transfer = Some(64 * 1024);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let mut qp = QueuePair::open(&ns).await.expect("open");
+
+    for (lba, len) in [(0u64, 100usize), (0, 0), (0, 128 * 1024), (u64::MAX, BS)] {
+        let e = qp.read(lba, vec![0; len], 0).expect_err("rejected");
+        assert!(matches!(e.error, Error::InvalidArgument(_)), "{}", e.error);
+        assert_eq!(e.buf.len(), len);
+    }
+    // Past the end of the namespace: the controller's status.
+    let end = ns.num_blocks();
+    qp.read(end, vec![0; BS], 5).expect("submit");
+    let mut done = Vec::new();
+    collect(&mut qp, &mut done, 1).await;
+    let c = done.pop().unwrap();
+    assert_eq!(c.user_data, 5);
+    let st = c
+        .result
+        .expect_err("out of range")
+        .status()
+        .expect("a status");
+    assert_eq!(st.sc, generic::LBA_OUT_OF_RANGE);
+    assert_eq!(c.buf.len(), BS);
+    assert!(qp.is_connected());
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+/// A data-loader thread with no runtime of its own drives a queue pair; the controller lives
+/// on the test's runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_queue_pair_on_a_plain_thread() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let mut o = options(t.target_addr());
+    o.queue_pairs = 2;
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = pattern(3, 0, 512 * BS);
+    ns.write(0, &data).await.expect("write");
+
+    let threads: Vec<_> = (0..2u64)
+        .map(|k| {
+            let ns = ns.clone();
+            let data = data.clone();
+            std::thread::spawn(move || {
+                let mut qp = BlockingQueuePair::open(&ns).expect("open");
+                let mut done = Vec::new();
+                let mut verified = 0;
+                // Reads of 2 blocks, 16 in flight, reaped with poll and wait by turns.
+                let mut next = 0u64;
+                while verified < 128 {
+                    while next < 128 && qp.in_flight() < 16 {
+                        let lba = k * 256 + next * 2;
+                        qp.read(lba, vec![0; 2 * BS], lba).expect("submit");
+                        next += 1;
+                    }
+                    if qp.poll(&mut done) == 0 {
+                        qp.wait(&mut done, 1, Some(Duration::from_secs(20)));
+                    }
+                    for c in done.drain(..) {
+                        c.result.expect("read");
+                        let off = c.user_data as usize * BS;
+                        assert!(c.buf == data[off..off + 2 * BS], "lba {}", c.user_data);
+                        verified += 1;
+                    }
+                }
+                qp.get().qid()
+            })
+        })
+        .collect();
+    let mut qids: Vec<u16> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    qids.sort_unstable();
+    assert_eq!(qids, [3, 4]);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_target_times_out_and_a_lost_connection_fails_commands() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let proxy = Proxy::start(t.addr).await;
+    let mut o = options(proxy.target_addr());
+    o.queue_pairs = 2;
+    o.timeouts.io = Duration::from_millis(500);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+
+    // Silent: the command times out during wait, and the connection is given up.
+    let mut qp = QueuePair::open(&ns).await.expect("open");
+    proxy.set_mode(Mode::Blackhole);
+    qp.read(0, vec![0; BS], 1).expect("submit");
+    let mut done = Vec::new();
+    let started = std::time::Instant::now();
+    collect(&mut qp, &mut done, 1).await;
+    let c = done.pop().unwrap();
+    assert!(
+        matches!(c.result, Err(Error::Timeout { .. })),
+        "{:?}",
+        c.result
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(c.buf.len(), BS);
+    assert!(!qp.is_connected());
+    assert_eq!(qp.stats().timeouts, 1);
+    // Later commands fail at once.
+    qp.read(0, vec![0; BS], 2).expect("submit");
+    assert_eq!(qp.poll(&mut done), 1);
+    assert!(done.pop().unwrap().result.is_err());
+    drop(qp);
+
+    // Cut: every command in flight completes with the loss.
+    proxy.set_mode(Mode::Forward);
+    let mut qp = QueuePair::open(&ns).await.expect("open again");
+    for i in 0..8 {
+        qp.read(i, vec![0; BS], i).expect("submit");
+    }
+    proxy.set_mode(Mode::Blackhole);
+    qp.poll(&mut done);
+    proxy.kill_all();
+    collect(&mut qp, &mut done, 8).await;
+    assert_eq!(done.len(), 8);
+    for c in &done {
+        assert!(
+            c.result.as_ref().is_err_and(Error::is_transport),
+            "{:?}",
+            c.result
+        );
+    }
+    assert!(!qp.is_connected());
+}
