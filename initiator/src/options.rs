@@ -283,10 +283,7 @@ pub struct ConnectOptions {
     /// checking its connection for this long before it sleeps, so a completion is picked up
     /// without a wake-up from idle (lower latency; costs CPU while I/O flows). The window opens
     /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
-    /// an idle queue cost no CPU, and closes for a while when polls stop paying (they find
-    /// data waiting at saturation, or come back late when other threads need the CPU).
-    /// [`QueuePair`](crate::QueuePair)s use the same window. Default [`DEFAULT_BUSY_POLL`];
-    /// zero = purely event-driven.
+    /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
     /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
     /// `None`: a controller that requires authentication is refused with [`Error::Auth`].

@@ -568,7 +568,6 @@ impl Task {
                 }
             }
             let polling = self.live.is_some() && self.poll.polling(self.core.now.into_std());
-            let polled_since = polling.then_some(self.core.now);
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -621,28 +620,26 @@ impl Task {
                 }
                 Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
                     if ready.is_readable() {
-                        self.on_arrival(polled_since);
-                    }
-                }
-                Wake::Poll => {
-                    let now = self.core.now.into_std();
-                    let since = polled_since.unwrap_or(self.core.now).into_std();
-                    match self.receive() {
-                        Ok(found) => {
-                            self.poll.polled(since, now, found);
-                            if found {
-                                self.poll.arrived(now);
-                            }
+                        self.poll.arrived(self.core.now.into_std());
+                        if let Err(e) = self.receive() {
+                            self.lose(e);
                         }
-                        Err(e) => self.lose(e),
                     }
                 }
+                Wake::Poll => match self.receive() {
+                    Ok(true) => self.poll.arrived(self.core.now.into_std()),
+                    Ok(false) => {}
+                    Err(e) => self.lose(e),
+                },
                 Wake::Ready(LinkWake::Tcp(Err(e))) => {
                     let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
                     self.lose(err);
                 }
                 Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
-                    self.on_arrival(polled_since);
+                    self.poll.arrived(self.core.now.into_std());
+                    if let Err(e) = self.receive() {
+                        self.lose(e);
+                    }
                 }
                 Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Err(e)))) => {
                     let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
@@ -659,20 +656,6 @@ impl Task {
                 }
                 Wake::Tick => {}
             }
-        }
-    }
-
-    /// The link reported data: scores it (as the outcome of the poll begun at `polled_since`
-    /// when the task was polling: the runtime's reactor found it during the yield) and takes
-    /// it.
-    fn on_arrival(&mut self, polled_since: Option<Instant>) {
-        let now = self.core.now.into_std();
-        if let Some(since) = polled_since {
-            self.poll.polled(since.into_std(), now, true);
-        }
-        self.poll.arrived(now);
-        if let Err(e) = self.receive() {
-            self.lose(e);
         }
     }
 

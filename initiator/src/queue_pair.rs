@@ -331,25 +331,17 @@ impl QueuePair {
     ) -> usize {
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut got = 0;
-        let mut polled_since: Option<Instant> = None;
         loop {
-            let n = self.poll(out);
-            got += n;
+            got += self.poll(out);
             let now = self.core.now;
-            if let Some(since) = polled_since {
-                self.poll.polled(since.into_std(), now.into_std(), n > 0);
-            }
             if got >= min || self.in_flight() == 0 || deadline.is_some_and(|d| now >= d) {
                 return got;
             }
             let window = self.poll.window();
             let answer_due = self
                 .last_submit
-                .is_some_and(|t| now.saturating_duration_since(t) < window)
-                && !self.poll.cooling_off(now.into_std());
-            let polling = answer_due || self.poll.polling(now.into_std());
-            polled_since = polling.then_some(now);
-            if polling {
+                .is_some_and(|t| now.saturating_duration_since(t) < window);
+            if answer_due || self.poll.polling(now.into_std()) {
                 tokio::task::yield_now().await;
                 continue;
             }

@@ -15,12 +15,7 @@
 //! - dense traffic (a QD1 loop, a busy queue): arrivals are hits and the window stays open;
 //! - sparse traffic (a message every few milliseconds): arrivals are misses, the share decays
 //!   within a dozen arrivals and the queue goes back to sleeping between messages;
-//! - idle: no activity, so no window, whatever the share;
-//! - saturated: when nearly every poll finds data waiting or comes back late because other
-//!   threads had the CPU (an exponentially weighted share of at least seven eighths,
-//!   [`PollGate::polled`]), a readiness wait would do as well, and the spinning only takes
-//!   CPU from whatever produces the data (a target on the same machine, the other queues):
-//!   the gate stays closed for a cool-off of 64 windows, then polls again to look.
+//! - idle: no activity, so no window, whatever the share.
 //!
 //! Sans-IO: the caller passes the time; no clock, thread or allocation inside.
 
@@ -30,21 +25,8 @@ use std::time::{Duration, Instant};
 const FULL: u16 = 256;
 /// Polls while the hit share is at least this (a quarter).
 const THRESHOLD: u16 = FULL / 4;
-/// Weight of the newest arrival or poll: 1/8.
+/// Weight of the newest arrival: 1/8.
 const SHIFT: u16 = 3;
-/// Polls that did not pay, at least this share: saturated.
-const SATURATED: u16 = FULL - FULL / 8;
-/// Windows the gate stays closed once saturated.
-const COOL_OFF_WINDOWS: u32 = 64;
-
-/// Moves an exponentially weighted share (of [`FULL`]) by one event, weight 1/8.
-fn step(share: u16, hit: bool) -> u16 {
-    if hit {
-        share + ((FULL - share) >> SHIFT).max(u16::from(share < FULL))
-    } else {
-        share - (share >> SHIFT).max(share.min(1))
-    }
-}
 
 /// The busy-poll decision of one queue or thread (see the crate documentation).
 #[derive(Debug, Clone, Copy)]
@@ -52,10 +34,6 @@ pub struct PollGate {
     window: Duration,
     last: Option<Instant>,
     share: u16,
-    /// Share of recent polls that did not pay (see [`PollGate::polled`]).
-    useless: u16,
-    /// Closed until then after saturation.
-    cool_off_until: Option<Instant>,
 }
 
 impl PollGate {
@@ -66,8 +44,6 @@ impl PollGate {
             window,
             last: None,
             share: 0,
-            useless: 0,
-            cool_off_until: None,
         }
     }
 
@@ -81,26 +57,12 @@ impl PollGate {
         let hit = self
             .last
             .is_some_and(|last| now.saturating_duration_since(last) < self.window);
-        self.share = step(self.share, hit);
+        self.share = if hit {
+            self.share + ((FULL - self.share) >> SHIFT).max(u16::from(self.share < FULL))
+        } else {
+            self.share - (self.share >> SHIFT).max(self.share.min(1))
+        };
         self.last = Some(now);
-    }
-
-    /// Notes the outcome of one poll: a check of the connection made because
-    /// [`polling`](Self::polling) said so, begun (the yield to the runtime) at `since` and
-    /// done at `now`, which found data or not. A poll pays only when it comes back quickly and
-    /// finds nothing yet, so that the data is caught the moment it arrives: one that finds data
-    /// waiting could as well have slept (a readiness wait returns at once), and one that took
-    /// more than a quarter of the window came back late because other threads needed the CPU,
-    /// which the spinning takes from them. When nearly every poll is of those kinds the gate
-    /// closes for a cool-off (see the crate documentation).
-    pub fn polled(&mut self, since: Instant, now: Instant, found: bool) {
-        let late = now.saturating_duration_since(since) > self.window / 4;
-        self.useless = step(self.useless, found || late);
-        if self.useless >= SATURATED {
-            self.cool_off_until = Some(now + self.window.saturating_mul(COOL_OFF_WINDOWS));
-            // Half way: after the cool-off a short run of polls tells whether it still is.
-            self.useless = FULL / 2;
-        }
     }
 
     /// Notes a submission at `now`: it opens the window (its answer is the next arrival) but
@@ -109,20 +71,13 @@ impl PollGate {
         self.last = Some(now);
     }
 
-    /// Whether to poll at `now` rather than sleep: recent traffic is dense enough, the last
-    /// activity is within the window, and the gate is not cooling off after saturation.
+    /// Whether to poll at `now` rather than sleep: recent traffic is dense enough and the last
+    /// activity is within the window.
     pub fn polling(&self, now: Instant) -> bool {
         self.share >= THRESHOLD
-            && !self.cooling_off(now)
             && self
                 .last
                 .is_some_and(|last| now.saturating_duration_since(last) < self.window)
-    }
-
-    /// Whether the gate is closed at `now` for the cool-off after saturation (a caller that
-    /// polls on its own rule, after a submission say, should not poll then either).
-    pub fn cooling_off(&self, now: Instant) -> bool {
-        self.cool_off_until.is_some_and(|until| now < until)
     }
 
     /// How long from `now` the window stays open (zero when not polling).
@@ -250,103 +205,6 @@ mod tests {
             g.arrived(now);
         }
         assert!(!g.polling(now + us(1)));
-    }
-
-    /// Polls every microsecond while answers come every `gap`; returns the time at the end.
-    fn poll_between(g: &mut PollGate, mut now: Instant, gap: u64, answers: usize) -> Instant {
-        for _ in 0..answers {
-            for i in 1..=gap {
-                now += us(1);
-                if g.polling(now) {
-                    g.polled(now - us(1), now, i == gap);
-                }
-            }
-            g.arrived(now);
-        }
-        now
-    }
-
-    #[test]
-    fn polls_that_mostly_find_nothing_keep_the_window_open() {
-        // A QD1 loop: the answer comes 10 µs after the submission, 9 polls of 10 are empty.
-        let t = Instant::now();
-        let mut g = PollGate::new(W);
-        let mut now = arrivals(&mut g, t, us(10), 20);
-        for _ in 0..1000 {
-            g.submitted(now);
-            now = poll_between(&mut g, now, 10, 1);
-            assert!(g.polling(now), "closed in a QD1 loop");
-        }
-    }
-
-    #[test]
-    fn saturation_closes_the_gate_for_a_cool_off_then_it_looks_again() {
-        let t = Instant::now();
-        let mut g = PollGate::new(W);
-        let mut now = arrivals(&mut g, t, us(1), 20);
-        assert!(g.polling(now));
-        // Every poll finds data: the gate closes within a few dozen polls.
-        let mut closed_after = None;
-        for i in 1..=100 {
-            now += us(1);
-            if !g.polling(now) {
-                closed_after = Some(i);
-                break;
-            }
-            g.polled(now - us(1), now, true);
-            g.arrived(now);
-        }
-        let n = closed_after.expect("saturation closes the gate");
-        assert!(n <= 20, "closed after {n} polls");
-        // Closed for the cool-off, however dense the arrivals.
-        let closed_at = now;
-        while now < closed_at + W * 63 {
-            now += us(5);
-            g.arrived(now);
-            assert!(!g.polling(now));
-        }
-        now = closed_at + W * 64;
-        g.arrived(now);
-        assert!(g.polling(now), "polls again after the cool-off");
-        // Traffic is no longer saturated (a QD1 loop): it stays open.
-        for _ in 0..200 {
-            g.submitted(now);
-            now = poll_between(&mut g, now, 10, 1);
-        }
-        assert!(g.polling(now));
-        // Saturated again: closes again.
-        for _ in 0..30 {
-            now += us(1);
-            if g.polling(now) {
-                g.polled(now - us(1), now, true);
-            }
-            g.arrived(now);
-        }
-        assert!(!g.polling(now));
-    }
-
-    #[test]
-    fn polls_that_come_back_late_close_the_gate() {
-        // Other threads hold the CPU: each yield comes back 20 µs later (more than a quarter
-        // of the window), though the answers still come within the window.
-        let t = Instant::now();
-        let mut g = PollGate::new(W);
-        let mut now = arrivals(&mut g, t, us(10), 20);
-        let mut closed = false;
-        for _ in 0..40 {
-            g.submitted(now);
-            if !g.polling(now) {
-                closed = true;
-                break;
-            }
-            let since = now;
-            now += us(20);
-            g.polled(since, now, false);
-            now += us(1);
-            g.arrived(now);
-        }
-        assert!(closed, "late polls keep the gate open");
-        assert!(g.cooling_off(now));
     }
 
     #[test]
