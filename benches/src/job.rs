@@ -31,7 +31,8 @@
 //! `api = "rtc"` runs a job's workers over the initiator's run-to-completion queue pairs (one
 //! `QueuePair` per worker and namespace, driven by the worker) instead of the default `api =
 //! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
-//! ignores it, `dest = "gpu"` refuses it.
+//! ignores it, `dest = "gpu"` refuses it. A queue pair holds one command less than the
+//! controller's queue size, and an `iodepth` above that runs at the queue pair's depth.
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)

@@ -380,7 +380,10 @@ async fn run_rtc<P: IoPath>(
         .map(|g| u64::from(g.block_size))
         .collect();
     let mut offsets = OffsetGen::new(&spec);
-    let depth = spec.iodepth as usize;
+    // A queue pair holds one command less than its queue size: a deeper job runs at the
+    // queue pair's depth, as the async API waits for a free slot.
+    let pair_depth = qps.iter().map(QueuePair::depth).min().unwrap_or(1);
+    let depth = (spec.iodepth as usize).min(pair_depth);
     let mut free: Vec<Vec<u8>> = (0..depth).map(|_| vec![0u8; spec.bs as usize]).collect();
     let mut issued: Vec<Option<Issued>> = vec![None; depth];
     let mut free_ids: Vec<usize> = (0..depth).rev().collect();
