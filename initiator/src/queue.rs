@@ -796,6 +796,7 @@ impl Task {
         }
         self.shared.release_many(tags);
         tags.clear();
+        self.rings.completed(Instant::now());
         self.rings.reap();
     }
 

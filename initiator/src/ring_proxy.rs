@@ -19,9 +19,10 @@
 //! - a lost connection is handled as for any read: reads in flight are sent again on the
 //!   next connection, so the GPU sees only latency.
 //!
-//! Polling ([`RingPacer`]): the task checks its rings at every wake-up. While a ring delivers
-//! requests the task keeps polling it without sleeping for the queue's busy-poll window
-//! (`ConnectOptions::busy_poll`) after the last request taken; after that it checks the
+//! Polling (`RingPacer`): the task checks its rings at every wake-up. While a ring is active
+//! the task keeps polling it without sleeping for the queue's busy-poll window
+//! (`ConnectOptions::busy_poll`) after the last request taken or completion written (a thread
+//! whose read completed often submits the next at once); after that it checks the
 //! rings on a timer ladder, 50 µs doubling to 1 ms, so an idle ring costs about a thousand
 //! checks a second and no spinning. (The tokio timer has a 1 ms granularity, so on a tokio
 //! runtime the steps below 1 ms round up to it: the first request after an idle period waits

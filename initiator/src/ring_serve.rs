@@ -36,33 +36,39 @@ pub(crate) enum RingWait {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RingPacer {
     window: Duration,
-    last_take: Option<Instant>,
+    last_active: Option<Instant>,
     step: Duration,
     next_check: Option<Instant>,
 }
 
 impl RingPacer {
-    /// A pacer that keeps polling for `window` after the last request taken.
+    /// A pacer that keeps polling for `window` after the last activity (a request taken or a
+    /// completion written: a thread whose read completed often submits the next at once).
     pub fn new(window: Duration) -> Self {
         RingPacer {
             window,
-            last_take: None,
+            last_active: None,
             step: FIRST_STEP,
             next_check: None,
         }
     }
 
     fn hot(&self, now: Instant) -> bool {
-        self.last_take
+        self.last_active
             .is_some_and(|t| now.saturating_duration_since(t) < self.window)
+    }
+
+    /// Notes activity at `now`: a request taken or a completion written.
+    pub fn active(&mut self, now: Instant) {
+        self.last_active = Some(now);
+        self.step = FIRST_STEP;
+        self.next_check = None;
     }
 
     /// Notes that the rings were checked at `now` and whether a request was taken.
     pub fn polled(&mut self, now: Instant, took: bool) {
         if took {
-            self.last_take = Some(now);
-            self.step = FIRST_STEP;
-            self.next_check = None;
+            self.active(now);
             return;
         }
         if self.hot(now) {
@@ -151,7 +157,7 @@ impl RingTable {
                 None => self.entries.push(Some(e)),
             }
         }
-        self.pacer.polled(Instant::now(), true);
+        self.pacer.active(Instant::now());
     }
 
     /// Stops taking requests from attachment `id`'s rings; `done` is answered once they are
@@ -189,6 +195,11 @@ impl RingTable {
                 let _ = tx.send(());
             }
         }
+    }
+
+    /// Notes completions written at `now` (the rings stay polled for the window).
+    pub fn completed(&mut self, now: Instant) {
+        self.pacer.active(now);
     }
 
     /// Writes the completion word of a ring read that ended.
@@ -295,6 +306,9 @@ mod tests {
             now = at;
         }
         assert_eq!(steps, [50, 100, 200, 400, 800, 1000, 1000, 1000]);
+        // A completion written keeps the rings polled too.
+        p.active(now);
+        assert_eq!(p.wait(now + us(49)), RingWait::Poll);
         // A request resets the ladder.
         p.polled(now, true);
         assert_eq!(p.wait(now), RingWait::Poll);
