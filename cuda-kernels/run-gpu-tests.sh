@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds and runs the GPU tests of nvmeof-gpu, nvmeof-cuda-kernels and nvmeof-initiator (reads
-# into GPU memory over NVMe/TCP against the in-process target; dma-buf export and the RDMA
-# registration request of GPU memory) on a machine with an NVIDIA GPU, then prints a
-# pass/fail/skip table.
+# Builds and runs the GPU tests of nvmeof-gpu, nvmeof-cuda-kernels (kernels; GPU request rings:
+# GPU-issued reads served by a host thread) and nvmeof-initiator (reads into GPU memory over
+# NVMe/TCP against the in-process target; dma-buf export and the RDMA registration request of
+# GPU memory) on a machine with an NVIDIA GPU, then prints a pass/fail/skip table.
 #
 #   cuda-kernels/run-gpu-tests.sh                 cargo on PATH: build release test binaries, run them
 #   cuda-kernels/run-gpu-tests.sh --bin-dir DIR   run prebuilt test binaries from DIR (no Rust needed)
@@ -32,10 +32,12 @@ done
 # Builds the release test binaries and prints "<suite> <path>" per binary.
 build_tests() {
     local json
-    json="$(cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu \
-        --test gpu_rdma --no-run --message-format=json 2>/dev/null)" || {
+    # Each --test applies to the packages that have such a test target.
+    local targets=(--test gpu --test gpu_rdma --test gpu_ring)
+    json="$(cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator \
+        "${targets[@]}" --no-run --message-format=json 2>/dev/null)" || {
         echo "cargo build of the GPU tests failed:" >&2
-        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator --test gpu --test gpu_rdma --no-run) >&2
+        (cd "$root" && cargo test --release -p nvmeof-gpu -p nvmeof-cuda-kernels -p nvmeof-initiator "${targets[@]}" --no-run) >&2
         return 1
     }
     printf '%s\n' "$json" | python3 -c '
@@ -46,12 +48,14 @@ for line in sys.stdin:
     except ValueError:
         continue
     name = m.get("target", {}).get("name")
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and name in ("gpu", "gpu_rdma"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and name in ("gpu", "gpu_rdma", "gpu_ring"):
         pkg = m["package_id"]
         suite = ("nvmeof-cuda-kernels" if "cuda-kernels" in pkg
                  else "nvmeof-initiator" if "nvmeof-initiator" in pkg else "nvmeof-gpu")
         if name == "gpu_rdma":
             suite += "-rdma"
+        elif name == "gpu_ring":
+            suite += "-ring"
         print(suite, m["executable"])
 '
 }

@@ -67,6 +67,12 @@ pub enum KernelError {
         /// Length.
         len: u64,
     },
+    /// A ring push names a ring that is not in the set or whose memory is not on a GPU.
+    #[error("ring {ring} is not a GPU ring of this set")]
+    NotAGpuRing {
+        /// The ring index.
+        ring: u32,
+    },
     /// The number of chunks or the encoded work list does not fit in memory sizes.
     #[error("work list too large")]
     PlanTooLarge,

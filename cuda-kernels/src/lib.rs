@@ -1,4 +1,5 @@
-//! CUDA kernels (scatter, verify) for GPU-side data movement, compiled at run time.
+//! CUDA kernels (scatter, verify, ring push) for GPU-side data movement, compiled at run time,
+//! and the device header of the GPU request rings ([`ring::HEADER`]).
 //!
 //! The `.cu` sources in this crate's `src/` are embedded with `include_str!` and compiled with
 //! NVRTC when [`NvmfKernels::load`] runs, for the device's own architecture (CUBIN `sm_XX`, or
@@ -9,7 +10,11 @@
 //! - **fill / verify**: write or check the seeded namespace [`pattern`] (each 8-byte word is a
 //!   hash of the seed and the word's namespace byte offset), reporting the number of wrong bytes
 //!   and the first wrong offset;
-//! - **checksum**: a position-keyed 64-bit [`checksum`] per region.
+//! - **checksum**: a position-keyed 64-bit [`checksum`] per region;
+//! - **ring push**: the push path of the GPU request rings ([`ring::RingPush`]).
+//!
+//! [`ring::HEADER`] (`include/nvmf_gpu.cuh`) is the device API of the rings of `gpu_ring`:
+//! user kernels include it and submit, test and wait for their own reads.
 //!
 //! The pattern and checksum are defined once in Rust ([`pattern`], [`checksum`]) and mirrored in
 //! `common.cuh`; the CPU versions are tested everywhere, the GPU versions against them on a GPU.
@@ -21,6 +26,7 @@ mod error;
 mod kernels;
 pub mod pattern;
 pub mod plan;
+pub mod ring;
 
 pub use error::KernelError;
 pub use kernels::{

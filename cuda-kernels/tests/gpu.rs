@@ -5,6 +5,7 @@
 use gpu::{CodeTarget, GpuContext, GpuError, compile, ptx_isa_version, test_support::should_skip};
 use nvmeof_cuda_kernels::checksum::{checksum, checksum_finalize};
 use nvmeof_cuda_kernels::pattern::{pattern_vec, verify_pattern};
+use nvmeof_cuda_kernels::ring;
 use nvmeof_cuda_kernels::{
     ByteRange, CHUNK_SIZE, KernelError, KernelWorkspace, NvmfKernels, PatternRegion, ScatterCopy,
     scatter_source, verify_source,
@@ -90,6 +91,53 @@ fn nvrtc_compiles_both_kernels() {
         ),
         Err(GpuError::Compile { .. })
     ));
+}
+
+#[test]
+fn nvrtc_compiles_ring_header() {
+    let name = "nvrtc_compiles_ring_header";
+    if let Err(e) = gpu::nvrtc_supported_archs() {
+        if should_skip(name, &e) {
+            return;
+        }
+        panic!("{e}");
+    }
+    let example = ring::header_example();
+    for (src, file, entries) in [
+        (
+            example.as_str(),
+            "nvmf_gpu_example.cu",
+            &["read_blocks"][..],
+        ),
+        (ring::PUSH_CU, "nvmf_ring_push.cu", &["nvmf_ring_push"][..]),
+    ] {
+        for target in [CodeTarget::Cubin { arch: 90 }, CodeTarget::Ptx { arch: 90 }] {
+            let image = ring::compile_with_ring_header(src, file, target, &["-lineinfo"])
+                .unwrap_or_else(|e| panic!("{file} {target:?}: {e}"));
+            assert!(image.image_len() > 0);
+            if let Some(ptx) = image.ptx() {
+                for k in entries {
+                    assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing in PTX");
+                }
+                // The protocol's memory operations are the system-scope ones.
+                assert!(
+                    ptx.contains("st.relaxed.sys"),
+                    "{file}: no system-scope store"
+                );
+                if file == "nvmf_gpu_example.cu" {
+                    assert!(ptx.contains("ld.acquire.sys"), "{file}: no acquire load");
+                    assert!(ptx.contains("%globaltimer"), "no %globaltimer");
+                    assert!(ptx.contains("%smid"), "no %smid");
+                    assert!(ptx.contains("atom.global.add.u64") || ptx.contains("atom.add.u64"));
+                }
+            }
+            println!("{file} {target:?}: {} bytes", image.image_len());
+        }
+    }
+    // The header alone (no kernel) and twice (include guard) compiles too.
+    let twice = format!("#include \"{0}\"\n#include \"{0}\"\n", ring::HEADER_NAME);
+    ring::compile_with_ring_header(&twice, "twice.cu", CodeTarget::Ptx { arch: 90 }, &[])
+        .unwrap_or_else(|e| panic!("header twice: {e}"));
 }
 
 #[test]

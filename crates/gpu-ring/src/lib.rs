@@ -56,8 +56,24 @@
 //! mode) or [`HostRing::complete_push`] (push mode) finish them. Invalid requests are
 //! completed by `poll` itself with Invalid Namespace or Format, Invalid Field or LBA Out of
 //! Range ([`proto::status`]), never reaching the wire.
+//!
+//! # Details beyond the base layout
+//!
+//! - Each ring's host block has a 64-byte control area after `cpl[]` whose first word is the
+//!   `closed` flag ([`HostLayout`]); `CLOSED` (0xFFFE) and `TIMEOUT` (0xFFFF) are statuses
+//!   only the device side produces.
+//! - The device writes arguments it cannot encode (zero or more than 65536 blocks, an LBA of
+//!   2^48 or more, a namespace index above 255) as a request with [`proto::FLAG_BAD_ARGS`],
+//!   answered with Invalid Field.
+//! - [`HostRing::complete`] may be called while the slot's data is lent ([`SlotData`]): the
+//!   completion word is published when the handle is dropped. `data_mut` / `lend` of a slot
+//!   that is not taken give an empty slice / handle, and completing it is ignored and counted
+//!   ([`RingStats::stray_completions`]).
+//! - Push mode: [`HostRing::complete_push`] returns a [`PushItem`] for the push kernel, which
+//!   stores the completion word after copying the data.
 #![deny(unsafe_code)]
 
+mod gpu_mem;
 mod host;
 pub mod proto;
 mod set;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::host::HostRing;
 use crate::proto::{LBA_LIMIT, MAX_NAMESPACES, NsBinding};
-use crate::shared::{HostToken, RingMem};
+use crate::shared::{HostLayout, HostToken, RingMem};
 use crate::standin::{DeviceMem, DeviceRing};
 
 /// How the bytes of a completed read reach the destination the device asked for.
@@ -166,6 +166,8 @@ enum Backing {
         device: Vec<Arc<DeviceMem>>,
         table: Box<[RingDesc]>,
     },
+    /// Pinned+mapped host memory and device memory of a GPU.
+    Gpu(crate::gpu_mem::GpuBacking),
 }
 
 /// A set of rings and their device-side descriptor table, given to kernels by pointer.
@@ -234,6 +236,31 @@ impl RingSet {
         })
     }
 
+    /// `nrings` rings for the GPU of `ctx`: each ring's request, completion, control and data
+    /// areas in one pinned host allocation mapped into the device
+    /// (`cuMemHostAlloc(DEVICEMAP | PORTABLE)`), its ticket, `freed`, `abandoned` and `dst`
+    /// arrays in device memory, and the descriptor table in device memory.
+    pub fn new_gpu(
+        ctx: &gpu::GpuContext,
+        nrings: u32,
+        config: RingConfig,
+        namespaces: &[NsBinding],
+    ) -> Result<RingSet, RingError> {
+        config.validate(nrings, namespaces)?;
+        let blocks = (0..nrings)
+            .map(|_| crate::gpu_mem::host_block(ctx, &config))
+            .collect::<Result<Vec<_>, _>>()?;
+        let backing = crate::gpu_mem::GpuBacking::new(ctx, &config, &blocks)?;
+        let (mems, tokens) = blocks.into_iter().map(|b| (b.mem, b.token)).unzip();
+        Ok(RingSet {
+            config,
+            namespaces: namespaces.into(),
+            mems,
+            tokens,
+            backing: Backing::Gpu(backing),
+        })
+    }
+
     /// The rings' shape.
     pub fn config(&self) -> RingConfig {
         self.config
@@ -254,6 +281,7 @@ impl RingSet {
     pub fn device_table(&self) -> u64 {
         match &self.backing {
             Backing::Host { table, .. } => table.as_ptr() as u64,
+            Backing::Gpu(g) => g.table().device_ptr(),
         }
     }
 
@@ -261,6 +289,7 @@ impl RingSet {
     pub fn descriptors(&self) -> Vec<RingDesc> {
         match &self.backing {
             Backing::Host { table, .. } => table.to_vec(),
+            Backing::Gpu(g) => g.descriptors().to_vec(),
         }
     }
 
@@ -293,7 +322,31 @@ impl RingSet {
                 .zip(&self.mems)
                 .map(|(dev, mem)| DeviceRing::new(mem.clone(), dev.clone(), self.config))
                 .collect(),
+            Backing::Gpu(_) => Vec::new(),
         }
+    }
+
+    /// The descriptor table in device memory (GPU sets), to pass to kernels as a buffer:
+    /// `(const unsigned char* rings, unsigned long long rings_len)`, `rings_len / 80` rings.
+    pub fn table_buffer(&self) -> Option<&gpu::DeviceBuffer> {
+        match &self.backing {
+            Backing::Gpu(g) => Some(g.table()),
+            Backing::Host { .. } => None,
+        }
+    }
+
+    /// The pinned host block of ring `ring` (GPU sets): the source of push-mode copies; the
+    /// data area starts at [`RingSet::host_layout`]`.data`.
+    pub fn host_block(&self, ring: usize) -> Option<&gpu::PinnedBuffer> {
+        match &self.backing {
+            Backing::Gpu(g) => g.pinned(ring),
+            Backing::Host { .. } => None,
+        }
+    }
+
+    /// Layout of every ring's host block.
+    pub fn host_layout(&self) -> HostLayout {
+        HostLayout::new(self.config.slots, self.config.slot_bytes)
     }
 }
 
@@ -382,5 +435,28 @@ mod tests {
         assert_eq!(set.take_host_rings().len(), 3);
         assert!(set.take_host_rings().is_empty());
         assert_eq!(set.standin_rings().len(), 3);
+    }
+
+    #[test]
+    fn gpu_sets_need_a_driver_and_map_every_ring() {
+        let ctx = match gpu::GpuContext::new(0) {
+            Ok(ctx) => ctx,
+            Err(e) => {
+                assert!(e.is_unavailable(), "{e}");
+                let msg = e.to_string();
+                println!("SKIP gpu_sets_need_a_driver_and_map_every_ring: {msg}");
+                return;
+            }
+        };
+        let mut set = RingSet::new_gpu(&ctx, 2, cfg(8, 4096), &NS).unwrap();
+        assert_eq!(set.table_buffer().unwrap().len(), 2 * RING_DESC_BYTES);
+        assert_eq!(set.device_table(), set.table_buffer().unwrap().device_ptr());
+        for (i, d) in set.descriptors().iter().enumerate() {
+            let block = set.host_block(i).unwrap();
+            assert_eq!(d.req, block.mapped_device_ptr().unwrap());
+            assert_eq!(d.freed, d.ticket + 8);
+        }
+        assert_eq!(set.take_host_rings().len(), 2);
+        assert!(set.standin_rings().is_empty());
     }
 }

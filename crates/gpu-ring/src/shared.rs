@@ -124,6 +124,31 @@ impl RingMem {
         Self::build(base, layout, slots, slot_bytes, Box::new(words))
     }
 
+    /// A ring block in page-locked host memory (zeroed here). `buffer` must hold at least
+    /// [`HostLayout::len`] bytes; the ring keeps it alive and returns it shared, for copies
+    /// from the data areas.
+    #[allow(clippy::type_complexity)]
+    pub fn new_pinned(
+        mut buffer: gpu::PinnedBuffer,
+        slots: u32,
+        slot_bytes: u32,
+    ) -> gpu::GpuResult<(Arc<RingMem>, HostToken, Arc<gpu::PinnedBuffer>)> {
+        let layout = HostLayout::new(slots, slot_bytes);
+        let bytes = buffer.as_mut_slice()?;
+        if bytes.len() < layout.len {
+            return Err(gpu::GpuError::OutOfBounds {
+                offset: 0,
+                len: layout.len as u64,
+                size: bytes.len() as u64,
+            });
+        }
+        bytes.fill(0);
+        let base = NonNull::from(&mut bytes[0]);
+        let buffer = Arc::new(buffer);
+        let (mem, token) = Self::build(base, layout, slots, slot_bytes, Box::new(buffer.clone()));
+        Ok((mem, token, buffer))
+    }
+
     fn build(
         base: NonNull<u8>,
         layout: HostLayout,

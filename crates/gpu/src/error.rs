@@ -95,6 +95,16 @@ pub enum GpuError {
         /// Size of the buffer.
         size: u64,
     },
+    /// A range is not aligned as the operation requires.
+    #[error("range at offset {offset} of {len} bytes is not aligned to {align} bytes")]
+    Unaligned {
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+        /// Required alignment of address and length.
+        align: u64,
+    },
     /// Source and destination of a copy differ in length.
     #[error("length mismatch: destination has {dst} bytes, source has {src} bytes")]
     LengthMismatch {

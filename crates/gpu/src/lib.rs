@@ -46,7 +46,8 @@ pub use memory::{
 };
 pub use module::{
     CodeTarget, CompiledModule, Kernel, LaunchArgs, LaunchConfig, Module, ParamInfo, compile,
-    nvrtc_supported_archs, nvrtc_version, ptx_isa_version, select_code_target,
+    compile_with_headers, nvrtc_supported_archs, nvrtc_version, ptx_isa_version,
+    select_code_target,
 };
 pub use stream::{GpuEvent, GpuStream};
 

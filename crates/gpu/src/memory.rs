@@ -445,6 +445,29 @@ impl<'a> DeviceSliceMut<'a> {
         })
     }
 
+    /// Sets every 32-bit word of the view to `value` (blocking). The view's address and length
+    /// must be multiples of 4.
+    pub fn fill_u32(&mut self, value: u32) -> GpuResult<()> {
+        let dst = self.device_ptr();
+        if dst % 4 != 0 || self.len % 4 != 0 {
+            return Err(GpuError::Unaligned {
+                offset: self.offset,
+                len: self.len,
+                align: 4,
+            });
+        }
+        if self.len == 0 {
+            return Ok(());
+        }
+        let words = (self.len / 4) as usize;
+        blocking(self.alloc, |stream| {
+            // SAFETY: the device range (4-byte aligned, `words` words) lies in the allocation;
+            // the stream is the internal one.
+            let rc = unsafe { sys::cuMemsetD32Async(dst, value, words, stream) };
+            check(rc, "cuMemsetD32Async")
+        })
+    }
+
     pub(crate) fn ctx(&self) -> &Arc<CtxInner> {
         &self.alloc.ctx
     }
@@ -469,6 +492,8 @@ pub struct PinnedBuffer {
     pub(crate) ctx: Arc<CtxInner>,
     ptr: NonNull<u8>,
     len: usize,
+    /// Device address of the memory when it was allocated mapped.
+    mapped: Option<u64>,
     /// Enqueued copies that read this buffer (host-to-device).
     pub(crate) device_reads: UseTracker,
     /// Enqueued copies that write this buffer (device-to-host).
@@ -494,14 +519,31 @@ impl GpuContext {
     /// Allocates `len` bytes of page-locked (pinned) host memory, usable for asynchronous copies
     /// from every context (`CU_MEMHOSTALLOC_PORTABLE`). The memory is zeroed.
     pub fn alloc_pinned(&self, len: usize) -> GpuResult<PinnedBuffer> {
+        self.alloc_pinned_flags(len, sys::CU_MEMHOSTALLOC_PORTABLE)
+    }
+
+    /// Allocates `len` bytes of zeroed pinned host memory that kernels can also read and write
+    /// directly (`CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE`), at the address
+    /// [`PinnedBuffer::mapped_device_ptr`] returns. Device accesses to it travel over the bus;
+    /// whether device atomics on it are coherent with the CPU depends on the platform
+    /// (`hostNativeAtomicSupported`), so share only plain loads and stores with the host.
+    pub fn alloc_pinned_mapped(&self, len: usize) -> GpuResult<PinnedBuffer> {
+        self.alloc_pinned_flags(
+            len,
+            sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+        )
+    }
+
+    fn alloc_pinned_flags(&self, len: usize, flags: u32) -> GpuResult<PinnedBuffer> {
         if len == 0 {
             return Err(GpuError::EmptyAllocation);
         }
         self.inner.bind()?;
         let mut raw: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: the context is current; valid out-pointer; `len` is non-zero. The memory is
-        // owned by the returned buffer, which frees it with `cuMemFreeHost`.
-        let rc = unsafe { sys::cuMemHostAlloc(&mut raw, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
+        // SAFETY: the context is current; valid out-pointer; `len` is non-zero; `flags` is a
+        // combination of defined CU_MEMHOSTALLOC_* bits. The memory is owned by the returned
+        // buffer, which frees it with `cuMemFreeHost`.
+        let rc = unsafe { sys::cuMemHostAlloc(&mut raw, len, flags) };
         check(rc, "cuMemHostAlloc")?;
         let Some(ptr) = NonNull::new(raw.cast::<u8>()) else {
             return Err(GpuError::Driver {
@@ -511,16 +553,27 @@ impl GpuContext {
                 description: String::from("returned a null pointer"),
             });
         };
-        // SAFETY: `ptr` points to `len` freshly allocated writable bytes; zeroing makes them
-        // initialised before any `&[u8]` is handed out.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
-        Ok(PinnedBuffer {
+        let mut buf = PinnedBuffer {
             ctx: self.inner.clone(),
             ptr,
             len,
+            mapped: None,
             device_reads: UseTracker::new(),
             device_writes: UseTracker::new(),
-        })
+        };
+        // SAFETY: `ptr` points to `len` freshly allocated writable bytes; zeroing makes them
+        // initialised before any `&[u8]` is handed out.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+        if flags & sys::CU_MEMHOSTALLOC_DEVICEMAP != 0 {
+            let mut dptr: sys::CUdeviceptr = 0;
+            // SAFETY: the context is current and `ptr` is the start of a live allocation made
+            // with DEVICEMAP; flags must be 0; valid out-pointer. On error `buf` frees the
+            // memory when dropped.
+            let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, raw, 0) };
+            check(rc, "cuMemHostGetDevicePointer")?;
+            buf.mapped = Some(dptr);
+        }
+        Ok(buf)
     }
 }
 
@@ -538,6 +591,12 @@ impl PinnedBuffer {
     /// Host address of the first byte (e.g. for registering it with an RDMA device).
     pub fn host_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
+    }
+
+    /// The address kernels use for the first byte, for memory from
+    /// [`GpuContext::alloc_pinned_mapped`]; `None` for memory that is not mapped.
+    pub fn mapped_device_ptr(&self) -> Option<u64> {
+        self.mapped
     }
 
     /// The buffer's bytes, after pending device-to-host copies into it completed.

@@ -223,6 +223,18 @@ pub fn compile(
     target: CodeTarget,
     extra_options: &[&str],
 ) -> GpuResult<CompiledModule> {
+    compile_with_headers(source, name, target, extra_options, &[])
+}
+
+/// [`compile`] with headers the source may `#include "name"`: `(name, contents)` pairs handed
+/// to NVRTC (e.g. `nvmf_gpu.cuh`), so no header file needs to exist on disk.
+pub fn compile_with_headers(
+    source: &str,
+    name: &str,
+    target: CodeTarget,
+    extra_options: &[&str],
+    headers: &[(&str, &str)],
+) -> GpuResult<CompiledModule> {
     ensure_nvrtc()?;
     let nvrtc_version = nvrtc_version()?;
     let src = CString::new(source).map_err(|_| GpuError::InvalidSource {
@@ -241,17 +253,38 @@ pub fn compile(
     let num_options = c_int::try_from(option_ptrs.len())
         .map_err(|_| GpuError::InvalidName(String::from("too many options")))?;
 
+    let mut header_strings = Vec::with_capacity(headers.len());
+    for (hname, contents) in headers {
+        let n = CString::new(*hname).map_err(|_| GpuError::InvalidName((*hname).to_owned()))?;
+        let c = CString::new(*contents).map_err(|_| GpuError::InvalidSource {
+            program: (*hname).to_owned(),
+        })?;
+        header_strings.push((n, c));
+    }
+    let header_names: Vec<*const c_char> = header_strings.iter().map(|h| h.0.as_ptr()).collect();
+    let header_sources: Vec<*const c_char> = header_strings.iter().map(|h| h.1.as_ptr()).collect();
+    let num_headers = c_int::try_from(headers.len())
+        .map_err(|_| GpuError::InvalidName(String::from("too many headers")))?;
     let mut raw: nvrtc::nvrtcProgram = std::ptr::null_mut();
-    // SAFETY: `src` and `cname` are NUL-terminated and outlive the program (they are dropped
-    // after `prog` below); no headers are passed.
+    // SAFETY: `src`, `cname` and every header name and source are NUL-terminated and outlive
+    // the program (they are dropped after `prog` below); both header arrays hold
+    // `num_headers` pointers (null when there are none).
     let rc = unsafe {
         nvrtc::nvrtcCreateProgram(
             &mut raw,
             src.as_ptr(),
             cname.as_ptr(),
-            0,
-            std::ptr::null(),
-            std::ptr::null(),
+            num_headers,
+            if headers.is_empty() {
+                std::ptr::null()
+            } else {
+                header_sources.as_ptr()
+            },
+            if headers.is_empty() {
+                std::ptr::null()
+            } else {
+                header_names.as_ptr()
+            },
         )
     };
     nvrtc_check(rc, "nvrtcCreateProgram")?;
@@ -295,6 +328,7 @@ pub fn compile(
     };
     drop(prog);
     drop(src);
+    drop(header_strings);
     Ok(CompiledModule {
         name: name.to_owned(),
         target,
