@@ -296,8 +296,8 @@ async fn ring_reads_survive_a_target_restart() {
     let mut set = ring_set(&ns, 2, 16, 4096);
     let rings = set.standin_rings();
     let attached = ctrl.attach_gpu_rings(&mut set).await.expect("attach");
-    let warps = tokio::task::spawn_blocking(move || run_warps(&rings, 4, 400, 1, bs));
-    while ring_reads(&ctrl) < 200 {
+    let warps = tokio::task::spawn_blocking(move || run_warps(&rings, 4, 1000, 1, bs));
+    while ring_reads(&ctrl) < 100 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     proxy.set_mode(Mode::Blackhole);
@@ -308,7 +308,7 @@ async fn ring_reads_survive_a_target_restart() {
     proxy.kill_all();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut t2 = TestTarget::start_on(target_addr, &[&spec], |_| {});
-    assert_eq!(warps.await.expect("warps"), 1600);
+    assert_eq!(warps.await.expect("warps"), 4000);
     wait_connected(&ctrl).await;
     assert!(ctrl.reconnects() >= 1);
     let retries: u64 = ctrl.queue_stats().iter().map(|s| s.retries).sum();
