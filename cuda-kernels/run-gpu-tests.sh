@@ -148,11 +148,11 @@ done
 
 pass=0; fail=0; skip=0
 echo
-printf '%-22s %-52s %s\n' SUITE TEST RESULT
-printf '%-22s %-52s %s\n' ---------------------- ---------------------------------------------------- ------
+printf '%-26s %-52s %s\n' SUITE TEST RESULT
+printf '%-26s %-52s %s\n' -------------------------- ---------------------------------------------------- ------
 for row in "${rows[@]}"; do
     IFS='|' read -r suite name status <<< "$row"
-    printf '%-22s %-52s %s\n' "$suite" "$name" "$status"
+    printf '%-26s %-52s %s\n' "$suite" "$name" "$status"
     case "$status" in PASS) pass=$((pass + 1)) ;; FAIL) fail=$((fail + 1)) ;; SKIP) skip=$((skip + 1)) ;; esac
 done
 echo

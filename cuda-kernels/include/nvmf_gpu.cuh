@@ -97,6 +97,8 @@ typedef unsigned char nvmf_gpu_u8;
 // Request flag: the arguments could not be encoded; the host answers Invalid Field.
 #define NVMF_GPU_FLAG_BAD_ARGS 0x01ULL
 #define NVMF_GPU_LAPS 65535ULL
+// Waiting loops read the host's closed flag once every NVMF_GPU_CLOSED_CHECK + 1 rounds.
+#define NVMF_GPU_CLOSED_CHECK 63u
 #define NVMF_GPU_LAP_SHIFT 48
 
 // One ring of the descriptor table (gpu_ring::RingDesc, 80 bytes).
@@ -216,7 +218,7 @@ __device__ bool nvmf_gpu_fill(const struct nvmf_gpu_ring* r, nvmf_gpu_u64 t, nvm
     const nvmf_gpu_u32* freed = (const nvmf_gpu_u32*)r->freed + slot;
     nvmf_gpu_u32* abandoned = (nvmf_gpu_u32*)r->abandoned + slot;
     const nvmf_gpu_u64* cpl = (const nvmf_gpu_u64*)r->cpl + slot;
-    for (;;) {
+    for (nvmf_gpu_u32 spins = 1;; ++spins) {
         if (*(volatile nvmf_gpu_u32*)abandoned == prev &&
             nvmf_gpu_word_lap(nvmf_gpu_ld_acquire_sys(cpl)) == prev) {
             nvmf_gpu_release(r, slot, prev);
@@ -225,7 +227,8 @@ __device__ bool nvmf_gpu_fill(const struct nvmf_gpu_ring* r, nvmf_gpu_u64 t, nvm
         if (nvmf_gpu_ld_acquire_gpu_u32(freed) == prev) {
             break;
         }
-        if (nvmf_gpu_closed(r)) {
+        // The closed flag is host memory: read it across the bus only now and then.
+        if ((spins & NVMF_GPU_CLOSED_CHECK) == 0 && nvmf_gpu_closed(r)) {
             return false;
         }
         __nanosleep(64);
@@ -303,13 +306,13 @@ __device__ nvmf_gpu_u32 nvmf_gpu_poll(struct nvmf_gpu_ticket k, nvmf_gpu_u64 tim
     const nvmf_gpu_u32 lap = nvmf_gpu_lap(k.t, r->slots);
     const nvmf_gpu_u64* cpl = (const nvmf_gpu_u64*)r->cpl + slot;
     const nvmf_gpu_u64 start = nvmf_gpu_now_ns();
-    for (;;) {
+    for (nvmf_gpu_u32 spins = 1;; ++spins) {
         const nvmf_gpu_u64 c = nvmf_gpu_ld_acquire_sys(cpl);
         if (nvmf_gpu_word_lap(c) == lap) {
             return (nvmf_gpu_u32)((c >> 32) & 0xFFFFULL);
         }
         nvmf_gpu_u32 give_up = 0;
-        if (nvmf_gpu_closed(r)) {
+        if ((spins & NVMF_GPU_CLOSED_CHECK) == 0 && nvmf_gpu_closed(r)) {
             give_up = NVMF_GPU_CLOSED;
         } else if (nvmf_gpu_now_ns() - start >= timeout_ns) {
             give_up = NVMF_GPU_TIMEOUT;

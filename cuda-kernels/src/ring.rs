@@ -96,11 +96,16 @@ pub fn push_span(items: &[PushItem]) -> Option<(u64, u64)> {
 
 /// The push path of one context: the compiled `nvmf_ring_push`, a staging buffer and the
 /// item list buffers, reused across batches.
+///
+/// Buffers grow when a batch needs more room; the outgrown ones are kept until the `RingPush`
+/// is dropped, because freeing device memory may wait for the whole device, including the
+/// kernels that wait on the rings this push serves.
 pub struct RingPush {
     kernel: Kernel,
     staging: DeviceBuffer,
     items_dev: DeviceBuffer,
     items_host: PinnedBuffer,
+    retired: Vec<(Option<DeviceBuffer>, Option<PinnedBuffer>)>,
     max_blocks: u32,
 }
 
@@ -114,7 +119,8 @@ impl std::fmt::Debug for RingPush {
 }
 
 impl RingPush {
-    /// Compiles and loads the push kernel for the device of `ctx`.
+    /// Compiles and loads the push kernel for the device of `ctx`. The staging buffer starts
+    /// at 64 KiB; use [`RingPush::reserve`] to size it for a ring set before kernels run.
     pub fn load(ctx: &GpuContext) -> Result<RingPush, KernelError> {
         let target = ctx.default_code_target()?;
         let image = compile_with_ring_header(PUSH_CU, "nvmf_ring_push.cu", target, &["-lineinfo"])?;
@@ -124,8 +130,28 @@ impl RingPush {
             staging: ctx.alloc(64 * 1024)?,
             items_dev: ctx.alloc(64 * PUSH_ITEM_BYTES)?,
             items_host: ctx.alloc_pinned(64 * PUSH_ITEM_BYTES)?,
+            retired: Vec::new(),
             max_blocks: ctx.info().multiprocessors.clamp(1, 1024),
         })
+    }
+
+    /// Sizes the buffers for any batch of `set` (its whole data area, one item per slot), so
+    /// that pushing never allocates.
+    pub fn reserve(&mut self, set: &RingSet) -> Result<(), KernelError> {
+        let cfg = set.config();
+        let ctx = self.staging.context();
+        let data = cfg.slots as usize * cfg.slot_bytes as usize;
+        if self.staging.len() < data {
+            let old = std::mem::replace(&mut self.staging, ctx.alloc(data)?);
+            self.retired.push((Some(old), None));
+        }
+        let items = cfg.slots as usize * PUSH_ITEM_BYTES;
+        if self.items_dev.len() < items {
+            let dev = std::mem::replace(&mut self.items_dev, ctx.alloc(items)?);
+            let host = std::mem::replace(&mut self.items_host, ctx.alloc_pinned(items)?);
+            self.retired.push((Some(dev), Some(host)));
+        }
+        Ok(())
     }
 
     /// Enqueues on `stream` the copy of `items`' bytes from ring `ring` of `set` to the device,
@@ -152,7 +178,8 @@ impl RingPush {
         if let Some((lo, hi)) = span {
             let len = (hi - lo) as usize;
             if self.staging.len() < len {
-                self.staging = ctx.alloc(len.next_power_of_two())?;
+                let old = std::mem::replace(&mut self.staging, ctx.alloc(len.next_power_of_two())?);
+                self.retired.push((Some(old), None));
             }
             let data = set.host_layout().data;
             let src = pinned.slice(data + lo as usize..data + hi as usize)?;
@@ -161,8 +188,9 @@ impl RingPush {
         let encoded = encode_push_items(items, base);
         if self.items_dev.len() < encoded.len() {
             let cap = encoded.len().next_power_of_two();
-            self.items_dev = ctx.alloc(cap)?;
-            self.items_host = ctx.alloc_pinned(cap)?;
+            let dev = std::mem::replace(&mut self.items_dev, ctx.alloc(cap)?);
+            let host = std::mem::replace(&mut self.items_host, ctx.alloc_pinned(cap)?);
+            self.retired.push((Some(dev), Some(host)));
         }
         // Waits for the previous batch's upload from this buffer.
         self.items_host.as_mut_slice()?[..encoded.len()].copy_from_slice(&encoded);

@@ -23,7 +23,7 @@ use nvmeof_cuda_kernels::{COMMON_CUH, KernelError};
 const SEED: u64 = 0x5EED_0013;
 const NS_BLOCKS: u64 = 1 << 20;
 /// The host thread gives up (and closes its rings, so every kernel finishes) after this.
-const SERVE_LIMIT: Duration = Duration::from_secs(60);
+const SERVE_LIMIT: Duration = Duration::from_secs(20);
 const WAIT_NS: u64 = 5_000_000_000;
 
 const TEST_KERNELS: &str = r#"
@@ -220,6 +220,7 @@ fn run_reader(g: &mut Setup, run: &ReaderRun) -> ([u64; 4], u64) {
         mode: run.mode,
     };
     let mut set = RingSet::new_gpu(&g.ctx, 4, cfg, &[namespace(run.block_size)]).unwrap();
+    g.push.reserve(&set).unwrap();
     let rings = set.take_host_rings();
     let bytes = (run.block_size * run.nblocks) as usize;
     let threads = (BLOCKS * THREADS) as usize;

@@ -457,3 +457,89 @@ fn push_mode_hands_data_to_the_push_step() {
     host.complete(r[0].slot, status::LBA_OUT_OF_RANGE);
     assert_eq!(dev.wait(t, LONG, &mut []), status::LBA_OUT_OF_RANGE);
 }
+
+#[test]
+fn lent_slots_filled_on_other_threads_complete_in_any_order() {
+    use std::sync::mpsc;
+    let (mut host, dev) = ring(8, 4096, DataMode::Pull);
+    let (to_rx, rx_in) = mpsc::channel::<(gpu_ring::SlotData, Read, bool)>();
+    let rx_in = Arc::new(std::sync::Mutex::new(rx_in));
+    let (back_tx, back_rx) = mpsc::channel::<(gpu_ring::SlotData, Read, bool)>();
+    // Two receiver threads fill lent slots, as commands receiving reads would.
+    let receivers: Vec<_> = (0..2)
+        .map(|_| {
+            let rx_in = rx_in.clone();
+            let back_tx = back_tx.clone();
+            thread::spawn(move || {
+                loop {
+                    let job = rx_in.lock().unwrap().recv();
+                    let Ok((mut lent, r, early)) = job else {
+                        return;
+                    };
+                    pattern(r.nsid, 512, r.lba, &mut lent.as_mut()[..r.bytes]);
+                    if early {
+                        // Completed before the data arrived: publishing waits for this drop.
+                        drop(lent);
+                        continue;
+                    }
+                    back_tx.send((lent, r, early)).unwrap();
+                }
+            })
+        })
+        .collect();
+    drop(back_tx);
+    let warps: Vec<_> = (0..3u64)
+        .map(|w| {
+            let dev = dev.clone();
+            thread::spawn(move || {
+                let mut rng = StdRng::seed_from_u64(w);
+                for _ in 0..400 {
+                    let lba = rng.random_range(0..10_000);
+                    let nblocks = rng.random_range(1..=8);
+                    let mut buf = vec![0; (nblocks * 512) as usize];
+                    assert_eq!(dev.read(0, lba, nblocks, &mut buf, LONG), 0);
+                    assert_eq!(buf, expect(0, lba, nblocks));
+                }
+            })
+        })
+        .collect();
+    let mut rng = StdRng::seed_from_u64(99);
+    let mut reads = Vec::new();
+    let mut done = 0;
+    let start = std::time::Instant::now();
+    while done < 3 * 400 {
+        assert!(start.elapsed() < LONG, "stalled after {done} completions");
+        reads.clear();
+        host.poll(64, &mut reads);
+        for r in &reads {
+            let early = rng.random_bool(0.5);
+            let lent = host.lend(r.slot);
+            if early {
+                host.complete(r.slot, 0);
+                done += 1;
+            }
+            to_rx.send((lent, *r, early)).unwrap();
+        }
+        while let Ok((lent, r, _)) = back_rx.try_recv() {
+            // Return the buffer first or complete first, at random.
+            if rng.random_bool(0.5) {
+                drop(lent);
+                host.complete(r.slot, 0);
+            } else {
+                host.complete(r.slot, 0);
+                drop(lent);
+            }
+            done += 1;
+        }
+        thread::yield_now();
+    }
+    for w in warps {
+        w.join().unwrap();
+    }
+    drop(to_rx);
+    for r in receivers {
+        r.join().unwrap();
+    }
+    assert_eq!(host.stats().completed, 1200);
+    assert_eq!(host.in_flight(), 0);
+}
