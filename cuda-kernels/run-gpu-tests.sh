@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the GPU tests of nvmeof-gpu, nvmeof-cuda-kernels (kernels; GPU request rings:
 # GPU-issued reads served by a host thread) and nvmeof-initiator (reads into GPU memory over
-# NVMe/TCP against the in-process target; dma-buf export and the RDMA registration request of
-# GPU memory) on a machine with an NVIDIA GPU, then prints a pass/fail/skip table.
+# NVMe/TCP against the in-process target; GPU-issued reads through rings the queue tasks serve;
+# dma-buf export and the RDMA registration request of GPU memory) on a machine with an NVIDIA GPU, then prints a pass/fail/skip table.
 #
 #   cuda-kernels/run-gpu-tests.sh                 cargo on PATH: build release test binaries, run them
 #   cuda-kernels/run-gpu-tests.sh --bin-dir DIR   run prebuilt test binaries from DIR (no Rust needed)

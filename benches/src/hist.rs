@@ -39,6 +39,16 @@ impl LatencyHist {
         let _ = self.h.record(v);
     }
 
+    /// Records `n` samples of one latency.
+    pub fn record_n(&mut self, ns: u64, n: u64) {
+        let v = ns.clamp(1, MAX_LATENCY_NS);
+        if ns > MAX_LATENCY_NS {
+            self.clamped += n;
+        }
+        // In range by construction, so this cannot fail.
+        let _ = self.h.record_n(v, n);
+    }
+
     /// Adds every sample of `other`.
     pub fn merge(&mut self, other: &LatencyHist) {
         // Both have the same bounds, so this cannot fail.

@@ -2,8 +2,8 @@
 //!
 //! A job file is TOML with a `[global]` table of defaults and one `[[job]]` table per job.
 //! The knobs carry fio's names (`rw`, `rwmixread`, `bs`, `iodepth`, `numjobs`, `runtime`,
-//! `ramp_time`, `size`, `io_size`, `verify`). `rw`, `bs`, `iodepth`, `numjobs`, `queue_pairs`
-//! and `host_load` also take a list: the job then expands into one *point* per combination
+//! `ramp_time`, `size`, `io_size`, `verify`). `rw`, `bs`, `iodepth`, `numjobs`, `queue_pairs`,
+//! `host_load` and `issue` also take a list: the job then expands into one *point* per combination
 //! (a sweep), which is what latency-vs-load and scaling plots are drawn from.
 //!
 //! ```toml
@@ -33,6 +33,8 @@
 //! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
 //! ignores it, `dest = "gpu"` refuses it. A queue pair holds one command less than the
 //! controller's queue size, and an `iodepth` above that runs at the queue pair's depth.
+//! `issue = "gpu"` has GPU threads issue the reads (see [`Issue`]); `chase = true` with it makes
+//! each thread's next LBA come from its previous read.
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
@@ -206,6 +208,30 @@ pub enum Api {
     Async,
     /// One run-to-completion `QueuePair` per worker and namespace, driven by the worker.
     Rtc,
+}
+
+/// Who issues the reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Issue {
+    /// Host tasks (the workers), as for every other job.
+    #[default]
+    Cpu,
+    /// GPU threads (GPU 0): a persistent CUDA kernel of `numjobs * iodepth` threads, each with
+    /// one read in flight, issues the reads itself through GPU request rings that the I/O
+    /// queues serve (`Controller::attach_gpu_rings`), checks every read on the GPU and times
+    /// it with `%globaltimer`. Random reads over NVMe/TCP only; the data lands in GPU memory
+    /// (`dest` does not apply). Without a CUDA driver each point fails with one line saying so.
+    Gpu,
+}
+
+impl fmt::Display for Issue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Issue::Cpu => "cpu",
+            Issue::Gpu => "gpu",
+        })
+    }
 }
 
 /// Whether the host runs the built-in CPU and memory-bandwidth load during the measurement.
@@ -478,6 +504,11 @@ pub struct Section {
     pub dest: Option<Dest>,
     /// Initiator API of the fabric modes: `async` (default) or `rtc`.
     pub api: Option<Api>,
+    /// Who issues the reads: host tasks or GPU threads.
+    pub issue: Option<OneOrMany<Issue>>,
+    /// GPU-issued reads as a dependent pointer chase: each thread's next LBA comes from the
+    /// data of its previous read.
+    pub chase: Option<bool>,
     /// Idle or busy host.
     pub host_load: Option<OneOrMany<HostLoad>>,
     /// Threads of the busy-host load.
@@ -601,6 +632,10 @@ pub struct Point {
     pub dest: Dest,
     /// Initiator API of the fabric modes.
     pub api: Api,
+    /// Who issues the reads.
+    pub issue: Issue,
+    /// GPU-issued reads chase pointers (each LBA from the previous read's data).
+    pub chase: bool,
     /// Idle or busy host.
     pub host_load: HostLoad,
     /// Busy-load threads.
@@ -627,6 +662,13 @@ impl Point {
         }
         if self.api == Api::Rtc {
             s.push_str(" rtc");
+        }
+        if self.issue == Issue::Gpu {
+            s.push_str(if self.chase {
+                " gpu-chase"
+            } else {
+                " gpu-issued"
+            });
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -981,6 +1023,46 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             &mut swept,
         )?,
     };
+    let issues = sweep(name, "issue", &j.issue, &g.issue, Issue::Cpu, &mut swept)?;
+    let chase = pick(&j.chase, &g.chase).unwrap_or(false);
+    if issues.contains(&Issue::Gpu) {
+        if let Some(rw) = rws.iter().find(|rw| **rw != Rw::RandRead) {
+            return Err(invalid(
+                name,
+                "issue",
+                format!("GPU threads issue random reads: use rw = \"randread\", not {rw}"),
+            ));
+        }
+        if let Some(b) = bss.iter().find(|b| b.0 > 128 << 10) {
+            return Err(invalid(
+                name,
+                "issue",
+                format!(
+                    "GPU-issued reads are at most 128 KiB (a ring slot), not {}",
+                    b.0
+                ),
+            ));
+        }
+    }
+    if issues.contains(&Issue::Gpu)
+        && ov.runtime.is_none()
+        && j.runtime.is_none()
+        && g.runtime.is_none()
+        && pick(&j.io_size, &g.io_size).is_some()
+    {
+        return Err(invalid(
+            name,
+            "issue",
+            "GPU-issued reads run for a runtime, not an io_size",
+        ));
+    }
+    if chase && !issues.contains(&Issue::Gpu) {
+        return Err(invalid(
+            name,
+            "chase",
+            "a pointer chase needs issue = \"gpu\"",
+        ));
+    }
     let rwmixread = pick(&j.rwmixread, &g.rwmixread).unwrap_or(50);
     if rwmixread > 100 {
         return Err(invalid(name, "rwmixread", "must be 0..=100"));
@@ -1068,6 +1150,13 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             "rtc reads into host memory: use dest = host",
         ));
     }
+    if api == Api::Rtc && issues.contains(&Issue::Gpu) {
+        return Err(invalid(
+            name,
+            "api",
+            "GPU threads issue through the queue tasks: use api = async with issue = gpu",
+        ));
+    }
     let load_threads = ov
         .load_threads
         .or_else(|| pick(&j.load_threads, &g.load_threads))
@@ -1086,7 +1175,10 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             for &iodepth in &depths {
                 for &numjobs in &jobs {
                     for &queue_pairs in &qps {
-                        for &host_load in &loads {
+                        for (&host_load, &issue) in loads
+                            .iter()
+                            .flat_map(|l| issues.iter().map(move |i| (l, i)))
+                        {
                             out.push(Point {
                                 job: name.to_string(),
                                 description: description.clone(),
@@ -1106,6 +1198,8 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                 prefill,
                                 dest,
                                 api,
+                                issue,
+                                chase: chase && issue == Issue::Gpu,
                                 host_load,
                                 load_threads,
                                 load_mem,
@@ -1128,6 +1222,46 @@ mod tests {
 
     fn plan(text: &str) -> Result<Plan, JobError> {
         Plan::resolve(&JobFile::parse(text)?, &Overrides::default())
+    }
+
+    #[test]
+    fn issue_sweeps_and_gpu_issue_checks() {
+        let p = plan(
+            r#"
+            [[job]]
+            name = "g"
+            bs = ["512", "4k"]
+            iodepth = 8
+            issue = ["cpu", "gpu"]
+            "#,
+        )
+        .unwrap();
+        let got: Vec<(u64, Issue, bool)> =
+            p.points.iter().map(|x| (x.bs, x.issue, x.chase)).collect();
+        assert_eq!(
+            got,
+            [
+                (512, Issue::Cpu, false),
+                (512, Issue::Gpu, false),
+                (4096, Issue::Cpu, false),
+                (4096, Issue::Gpu, false)
+            ]
+        );
+        assert_eq!(p.points[0].sweep, vec!["bs", "issue"]);
+        assert_eq!(p.points[1].label(), "randread 512 qd8 x1 gpu-issued");
+        let c = plan("[[job]]\nname = \"c\"\nissue = \"gpu\"\nchase = true\n").unwrap();
+        assert!(c.points[0].chase);
+        assert_eq!(c.points[0].label(), "randread 4k qd1 x1 gpu-chase");
+        for (text, key) in [
+            ("issue = \"gpu\"\nrw = \"randwrite\"", "issue"),
+            ("issue = \"gpu\"\nbs = \"256k\"", "issue"),
+            ("issue = \"gpu\"\nio_size = \"1m\"", "issue"),
+            ("chase = true", "chase"),
+            ("issue = \"fpga\"", ""),
+        ] {
+            let e = plan(&format!("[[job]]\nname = \"x\"\n{text}\n")).unwrap_err();
+            assert!(e.to_string().contains(key), "{text}: {e}");
+        }
     }
 
     #[test]

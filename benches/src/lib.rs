@@ -33,6 +33,7 @@
 pub mod cpu;
 pub mod fabric;
 pub mod gpu;
+pub mod gpu_issue;
 pub mod hist;
 pub mod job;
 pub mod load;

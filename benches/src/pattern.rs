@@ -55,6 +55,11 @@ impl Pattern {
         Pattern { key, seed }
     }
 
+    /// The key words: word `j` of the 512-byte block at byte offset `o` is `key[j] ^ o`.
+    pub fn key(&self) -> &[u64] {
+        &self.key
+    }
+
     /// The seed.
     pub fn seed(&self) -> u64 {
         self.seed

@@ -26,7 +26,7 @@ use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
 use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
-use crate::job::{Api, Dest, HostLoad, Mode, Plan, Point, TcpTarget};
+use crate::job::{Api, Dest, HostLoad, Issue, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
 use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
@@ -62,7 +62,7 @@ pub struct RunOptions {
 /// pattern of `seed` (written by a prefill or by writes of that seed), and whether the storage
 /// is its own (see [`Mode::owns_target`]).
 #[derive(Debug, Clone, Copy, Default)]
-struct Prefilled {
+pub(crate) struct Prefilled {
     seed: u64,
     bytes: u64,
     own: bool,
@@ -292,7 +292,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
     Ok(report)
 }
 
-fn failed(repeat: u32, msg: impl Into<String>) -> Measurement {
+pub(crate) fn failed(repeat: u32, msg: impl Into<String>) -> Measurement {
     Measurement {
         repeat,
         ok: false,
@@ -337,6 +337,10 @@ fn measure_in_mode(
     };
     let m = match state {
         ModeState::Unavailable(msg) => failed(repeat, msg.clone()),
+        ModeState::Das { .. } if point.issue == Issue::Gpu => failed(
+            repeat,
+            "issue = \"gpu\" needs an NVMe/TCP mode (tcp, tcp-bin, tcp=HOST:PORT): GPU threads read through the initiator's queues",
+        ),
         ModeState::Das { path, prefilled } => measure_into(
             &rt,
             path,
@@ -371,18 +375,30 @@ fn measure_in_mode(
                 Ok(path) => {
                     let queues = path.queues();
                     let path = Arc::new(path);
-                    let mut m = measure_into(
-                        &rt,
-                        &path,
-                        plan,
-                        point,
-                        prefilled,
-                        target.cpu_source(),
-                        repeat,
-                        progress,
-                        mode_label,
-                        label,
-                    );
+                    let mut m = if point.issue == Issue::Gpu {
+                        crate::gpu_issue::measure(
+                            &rt,
+                            &path,
+                            point,
+                            prefilled,
+                            target.cpu_source(),
+                            repeat,
+                            mode_label,
+                        )
+                    } else {
+                        measure_into(
+                            &rt,
+                            &path,
+                            plan,
+                            point,
+                            prefilled,
+                            target.cpu_source(),
+                            repeat,
+                            progress,
+                            mode_label,
+                            label,
+                        )
+                    };
                     m.queues = Some(queues);
                     if let Ok(path) = Arc::try_unwrap(path)
                         && let Err(e) = rt.block_on(path.disconnect())
@@ -496,6 +512,36 @@ fn measure_into<P: GpuSource>(
     }
 }
 
+/// The namespaces' geometry, the region a point uses and whether its reads are verified,
+/// after prefilling the region with the pattern where the point and the mode ask for it.
+pub(crate) fn prepare<P: IoPath>(
+    rt: &Runtime,
+    path: &P,
+    point: &Point,
+    prefilled: &mut Prefilled,
+    mode: &str,
+) -> Result<(Vec<NsGeometry>, u64, bool), String> {
+    let geo = path.geometry().to_vec();
+    let region = region_of(point, &geo)?;
+    let wants_prefill = point.reads() && point.prefill.unwrap_or(prefilled.own);
+    if wants_prefill && !prefilled.holds(point.seed, region) {
+        let t = Instant::now();
+        let pattern = Pattern::new(point.seed);
+        rt.block_on(prefill(path, geo.len(), region, &pattern))?;
+        tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
+        prefilled.seed = point.seed;
+        prefilled.bytes = region;
+    }
+    // A target given by address holds data of its own: its reads are checked only where this
+    // run wrote the pattern.
+    let verify = point.verify && (prefilled.own || prefilled.holds(point.seed, region));
+    if point.writes() && prefilled.seed != point.seed {
+        // Writes of another seed make earlier prefilled data unusable for verification.
+        prefilled.bytes = 0;
+    }
+    Ok((geo, region, verify))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn measure<P: IoPath>(
     rt: &Runtime,
@@ -509,29 +555,11 @@ fn measure<P: IoPath>(
     mode: &str,
     label: &str,
 ) -> Measurement {
-    let geo = path.geometry().to_vec();
-    let region = match region_of(point, &geo) {
-        Ok(r) => r,
+    let (geo, region, verify) = match prepare(rt, &*path, point, prefilled, mode) {
+        Ok(p) => p,
         Err(e) => return failed(repeat, e),
     };
     let pattern = Arc::new(Pattern::new(point.seed));
-    let wants_prefill = point.reads() && point.prefill.unwrap_or(prefilled.own);
-    if wants_prefill && !prefilled.holds(point.seed, region) {
-        let t = Instant::now();
-        if let Err(e) = rt.block_on(prefill(&*path, geo.len(), region, &pattern)) {
-            return failed(repeat, e);
-        }
-        tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
-        prefilled.seed = point.seed;
-        prefilled.bytes = region;
-    }
-    // A target given by address holds data of its own: its reads are checked only where this
-    // run wrote the pattern.
-    let verify = point.verify && (prefilled.own || prefilled.holds(point.seed, region));
-    if point.writes() && prefilled.seed != point.seed {
-        // Writes of another seed make earlier prefilled data unusable for verification.
-        prefilled.bytes = 0;
-    }
 
     let load = if point.host_load == HostLoad::Busy {
         match BusyLoad::start(
@@ -635,9 +663,50 @@ fn measure<P: IoPath>(
     });
     let load_stats = load.map(BusyLoad::stop);
     let (secs, self0, self1, tgt0, tgt1, outs) = timing;
+    let timing = Timing {
+        secs,
+        self0,
+        self1,
+        tgt0,
+        tgt1,
+    };
+    summarize(repeat, &geo, target_cpu, &timing, &outs, load_stats)
+}
+
+/// Clocks and CPU snapshots around a measured interval.
+pub(crate) struct Timing {
+    /// Seconds measured.
+    pub secs: f64,
+    /// This process's threads at the start.
+    pub self0: Result<CpuSnapshot, cpu::CpuError>,
+    /// This process's threads at the end.
+    pub self1: Result<CpuSnapshot, cpu::CpuError>,
+    /// The target process at the start (when it is another process).
+    pub tgt0: Option<Result<CpuSnapshot, cpu::CpuError>>,
+    /// The target process at the end.
+    pub tgt1: Option<Result<CpuSnapshot, cpu::CpuError>>,
+}
+
+/// The measurement of what `outs` recorded over `timing`.
+pub(crate) fn summarize(
+    repeat: u32,
+    geo: &[NsGeometry],
+    target_cpu: CpuSource,
+    timing: &Timing,
+    outs: &[WorkerOutput],
+    load_stats: Option<crate::load::LoadStats>,
+) -> Measurement {
+    let Timing {
+        secs,
+        self0,
+        self1,
+        tgt0,
+        tgt1,
+    } = timing;
+    let secs = *secs;
 
     let mut total = WorkerOutput::default();
-    for o in &outs {
+    for o in outs {
         total.merge(o);
     }
     let secs = secs.max(1e-9);
@@ -658,7 +727,7 @@ fn measure<P: IoPath>(
     let read = dir(total.read_ops, total.read_bytes, &total.read_hist);
     let write = dir(total.write_ops, total.write_bytes, &total.write_hist);
 
-    let (client_s, reactor_s) = match (&self0, &self1) {
+    let (client_s, reactor_s) = match (self0, self1) {
         (Ok(a), Ok(b)) => (
             Some(a.seconds_until(b, |n| {
                 !n.starts_with(cpu::REACTOR_PREFIX) && !n.starts_with(cpu::LOAD_PREFIX)
@@ -669,7 +738,7 @@ fn measure<P: IoPath>(
     };
     let target_s = match target_cpu {
         CpuSource::Reactors => reactor_s,
-        CpuSource::Process(_) => match (&tgt0, &tgt1) {
+        CpuSource::Process(_) => match (tgt0, tgt1) {
             (Some(Ok(a)), Some(Ok(b))) => Some(a.seconds_until(b, |_| true)),
             _ => None,
         },
@@ -703,7 +772,7 @@ fn measure<P: IoPath>(
     let namespaces: Vec<NsStats> = total
         .per_ns
         .iter()
-        .zip(&geo)
+        .zip(geo)
         .map(|(n, g)| NsStats {
             nsid: g.nsid,
             ops: n.ops,

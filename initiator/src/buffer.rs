@@ -155,6 +155,9 @@ pub(crate) enum SlotBuf {
     Registered(Registered<Box<[u8]>>),
     /// A buffer the caller lent for one NVMe/TCP read, received into directly.
     Lent(Box<dyn LentBuffer>),
+    /// The data slot of a GPU request ring's request (one NVMe/TCP read), received into
+    /// directly.
+    Ring(gpu_ring::SlotData),
 }
 
 impl Default for SlotBuf {
@@ -170,6 +173,7 @@ impl SlotBuf {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.get(),
             SlotBuf::Lent(l) => l.bytes(),
+            SlotBuf::Ring(r) => r.as_ref(),
         }
     }
 
@@ -179,16 +183,17 @@ impl SlotBuf {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.bytes_mut(),
             SlotBuf::Lent(l) => l.bytes_mut(),
+            SlotBuf::Ring(r) => r.as_mut(),
         }
     }
 
-    /// The buffer as a vector (a registration is dropped; a lent buffer, which only the
+    /// The buffer as a vector (a registration is dropped; a lent buffer or ring slot, which only the
     /// shared queues use, gives an empty one).
     pub fn into_vec(self) -> Vec<u8> {
         match self {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.detach().0.into_vec(),
-            SlotBuf::Lent(_) => Vec::new(),
+            SlotBuf::Lent(_) | SlotBuf::Ring(_) => Vec::new(),
         }
     }
 
@@ -201,7 +206,7 @@ impl SlotBuf {
         let mut v = match std::mem::take(self) {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.detach().0.into_vec(),
-            lent @ SlotBuf::Lent(_) => {
+            lent @ (SlotBuf::Lent(_) | SlotBuf::Ring(_)) => {
                 let have = lent.as_slice().len();
                 *self = lent;
                 return Err(Error::InvalidArgument(format!(
@@ -227,7 +232,7 @@ impl SlotBuf {
             let mut v = match std::mem::take(self) {
                 SlotBuf::Heap(v) => v,
                 SlotBuf::Registered(r) => r.detach().0.into_vec(),
-                lent @ SlotBuf::Lent(_) => {
+                lent @ (SlotBuf::Lent(_) | SlotBuf::Ring(_)) => {
                     *self = lent;
                     return Err(nvmf_rdma::Error::Invalid(
                         "a lent buffer is not registered for RDMA".into(),
@@ -246,7 +251,7 @@ impl SlotBuf {
             SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
                 nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
             }),
-            SlotBuf::Heap(_) | SlotBuf::Lent(_) => {
+            SlotBuf::Heap(_) | SlotBuf::Lent(_) | SlotBuf::Ring(_) => {
                 Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
             }
         }

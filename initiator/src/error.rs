@@ -3,7 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use nvme_spec::Status;
+use nvme_spec::status::{generic, sct};
+use nvme_spec::{Cqe, Status};
 use nvmf_tcp::ProtocolError;
 
 /// Everything that can go wrong talking to an NVMe-oF target.
@@ -332,10 +333,37 @@ pub(crate) fn registration_error(e: nvmf_rdma::Error) -> Error {
 /// `ENOMEM` on Linux.
 const ENOMEM: i32 = 12;
 
+// Statuses written to the completion words of GPU request rings (`crate::ring_proxy`).
+
+/// Status written for a ring read that timed out (Path Related Status, Command Aborted By
+/// Host: the host gave up on it).
+pub const STATUS_TIMEOUT: u16 = (sct::PATH as u16) << 8 | 0x71;
+/// Status written for a ring read that failed because the connection or the controller is
+/// gone (Path Related Status, Host Pathing Error: reads interrupted by a lost connection are
+/// resent, so this means reconnecting gave up, or the queue was closed).
+pub const STATUS_PATH_ERROR: u16 = (sct::PATH as u16) << 8 | 0x70;
+/// Status written for a ring read that failed on the host for another reason (Generic
+/// Internal Error).
+pub const STATUS_INTERNAL: u16 = generic::INTERNAL_ERROR as u16;
+
+/// The status field (SCT << 8 | SC) written to a ring's completion word for a read's result:
+/// the completion's own status, [`STATUS_TIMEOUT`], [`STATUS_PATH_ERROR`] or
+/// [`STATUS_INTERNAL`].
+pub(crate) fn ring_status(result: &Result<Cqe, Error>) -> u16 {
+    let field = |s: Status| (u16::from(s.sct & 0x7) << 8) | u16::from(s.sc);
+    match result {
+        Ok(cqe) => field(cqe.status()),
+        Err(Error::Status { status, .. }) => field(*status),
+        Err(Error::Timeout { .. }) => STATUS_TIMEOUT,
+        Err(e) if e.is_transport() => STATUS_PATH_ERROR,
+        Err(Error::Closed | Error::ControllerFailed { .. }) => STATUS_PATH_ERROR,
+        Err(_) => STATUS_INTERNAL,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nvme_spec::status::generic;
 
     #[test]
     fn status_error_carries_name() {
@@ -370,5 +398,28 @@ mod tests {
         assert_eq!(command_name(true, 0x7F, 0x01), "Connect");
         assert_eq!(command_name(false, 0x7F, 0x08), "Disconnect");
         assert_eq!(fes_name(2), "PDU Sequence Error");
+    }
+
+    #[test]
+    fn statuses_of_results() {
+        let ok = Cqe::new(1, Status::SUCCESS, 0);
+        assert_eq!(ring_status(&Ok(ok)), 0);
+        let lba = Cqe::new(1, Status::generic(generic::LBA_OUT_OF_RANGE), 0);
+        assert_eq!(ring_status(&Ok(lba)), 0x0080);
+        let media = Status {
+            sct: sct::MEDIA,
+            sc: 0x81,
+            dnr: true,
+            more: true,
+        };
+        assert_eq!(ring_status(&Ok(Cqe::new(1, media, 0))), 0x0281);
+        let e = Error::status_of("Read", media);
+        assert_eq!(ring_status(&Err(e)), 0x0281);
+        let t = Error::timeout("Read", std::time::Duration::from_secs(1));
+        assert_eq!(ring_status(&Err(t)), 0x0371);
+        assert_eq!(ring_status(&Err(Error::lost("t", "gone"))), 0x0370);
+        assert_eq!(ring_status(&Err(Error::Closed)), 0x0370);
+        let b = Error::Buffer("x".into());
+        assert_eq!(ring_status(&Err(b)), 0x0006);
     }
 }

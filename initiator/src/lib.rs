@@ -32,6 +32,10 @@
 //! - [`gpu`] (feature `gpu`, on by default) reads into and writes from CUDA device memory:
 //!   pinned staging slots, asynchronous copies on a stream, batched small reads scattered by a
 //!   kernel.
+//! - [`Controller::attach_gpu_rings`] lets GPU threads issue their own reads: the request
+//!   rings of a [`gpu_ring::RingSet`] are served by the I/O queue tasks themselves (each
+//!   wake-up takes a batch of requests, checks them, sends them with one write, and writes
+//!   each completion word once the data is in the ring's slot); see [`AttachedRings`].
 //! - [`open_attached`] opens a namespace that `nvmeof-initd` holds under a name: the daemon
 //!   gives the connection parameters and the process makes its own queues, so data never
 //!   passes through the daemon.
@@ -85,6 +89,8 @@ mod queue_core;
 mod queue_pair;
 mod rdma;
 mod registered;
+mod ring_proxy;
+mod ring_serve;
 mod setup;
 mod tcp;
 
@@ -93,6 +99,7 @@ pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
 pub use error::{Error, fes_name, status_name};
+pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::Namespace;
@@ -105,7 +112,11 @@ pub use queue_pair::{BlockingQueuePair, Completion, QueuePair, Rejected};
 pub use registered::RegisteredBuffer;
 #[cfg(feature = "gpu")]
 pub use registered::{DmabufRequest, RegisteredGpuBuffer};
+pub use ring_proxy::AttachedRings;
+pub use ring_serve::RING_BATCH;
 
+/// Re-export of the GPU request ring crate ([`Controller::attach_gpu_rings`]).
+pub use gpu_ring;
 /// Re-export of the wire formats crate (Identify structures, status codes).
 pub use nvme_spec;
 

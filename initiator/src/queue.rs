@@ -14,6 +14,10 @@
 //! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
 //! the task on a timer: a target that stops answering gives a timeout error, never a hang.
 //!
+//! A queue task may also serve GPU request rings ([`crate::ring_proxy`]): it takes the
+//! requests from its rings on each wake-up and starts them as reads with free tags, like
+//! commands from callers.
+//!
 //! When the link is lost the core keeps reads (and everything idempotent) to resend on the
 //! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried); the
 //! task reports the loss to the controller's supervisor, which reconnects and hands a new
@@ -34,10 +38,11 @@ use crate::Error;
 use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
 use crate::link::{Link, LinkWake};
-use crate::queue_core::{Completions, Core, QueueCounters, bump};
+use crate::queue_core::{Completions, Core, QueueCounters, RingDone, RingSlot, bump};
 pub(crate) use crate::queue_core::{DataDir, Request, Retry};
 use crate::rdma::RdmaWake;
 use crate::registered::Direct;
+use crate::ring_serve::{RingGrant, RingTable, RingWait, TagSource};
 
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
@@ -83,6 +88,13 @@ pub(crate) enum QueueCtl {
     Fail(Error),
     /// Fail everything with [`Error::Closed`] and end the task.
     Close,
+    /// Serve these GPU request rings.
+    AttachRings(RingGrant),
+    /// Stop serving the rings of attachment `id`; answer `done` once they are let go.
+    DetachRings {
+        id: u64,
+        done: Option<oneshot::Sender<()>>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,6 +148,11 @@ pub struct QueueStats {
     pub in_place_bytes: u64,
     /// Reads whose data went into a buffer lent by the caller (see `ReadDest::lend`).
     pub lent_commands: u64,
+    /// Reads started from GPU request rings (see `Controller::attach_gpu_rings`).
+    pub ring_reads: u64,
+    /// Requests taken from GPU request rings and completed at once with an error status
+    /// (invalid, or the queue had failed).
+    pub ring_rejected: u64,
 }
 
 /// State shared by a queue's task and its callers.
@@ -152,6 +169,35 @@ impl QueueShared {
     fn release(&self, tag: u16) {
         self.free.lock().push(tag);
         self.permits.add_permits(1);
+    }
+
+    /// Takes up to `max` free tags without waiting, appending them to `out` (one lock).
+    fn take_tags(&self, max: usize, out: &mut Vec<u16>) {
+        let n = self.permits.available_permits().min(max);
+        if n == 0 {
+            return;
+        }
+        match self.permits.try_acquire_many(n as u32) {
+            Ok(p) => p.forget(),
+            Err(_) => return,
+        }
+        let mut free = self.free.lock();
+        let k = n.min(free.len());
+        let at = free.len() - k;
+        out.extend(free.drain(at..));
+        drop(free);
+        if k < n {
+            self.permits.add_permits(n - k);
+        }
+    }
+
+    /// Releases several tags (one lock).
+    fn release_many(&self, tags: &[u16]) {
+        if tags.is_empty() {
+            return;
+        }
+        self.free.lock().extend_from_slice(tags);
+        self.permits.add_permits(tags.len());
     }
 
     /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
@@ -205,6 +251,8 @@ impl QueueStats {
             registered_bytes: g(&c.registered_bytes),
             in_place_bytes: g(&c.in_place_bytes),
             lent_commands: g(&c.lent_commands),
+            ring_reads: g(&c.ring_reads),
+            ring_rejected: g(&c.ring_rejected),
         }
     }
 }
@@ -282,6 +330,12 @@ impl QueueHandle {
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
             poll: PollGate::new(cfg.busy_poll),
+            rings: RingTable::new(cfg.busy_poll),
+            ring_done: Vec::with_capacity(usize::from(n)),
+            ring_tags: RingTags {
+                shared: Arc::clone(&shared),
+                tags: Vec::new(),
+            },
         };
         tokio::spawn(task.run());
         QueueHandle {
@@ -521,6 +575,32 @@ struct Task {
     /// Whether to busy-poll rather than sleep (the window after activity, while traffic is
     /// dense enough to pay for it).
     poll: PollGate,
+    /// GPU request rings served by this queue.
+    rings: RingTable,
+    /// Scratch: ring reads that ended.
+    ring_done: Vec<RingDone>,
+    /// Free tags lent to the rings.
+    ring_tags: RingTags,
+}
+
+/// The queue's free tags as the ring table takes them.
+struct RingTags {
+    shared: Arc<QueueShared>,
+    tags: Vec<u16>,
+}
+
+impl TagSource for RingTags {
+    fn take(&mut self, max: usize) -> &[u16] {
+        self.tags.clear();
+        self.shared.take_tags(max, &mut self.tags);
+        &self.tags
+    }
+
+    fn give_back(&mut self, used: usize) {
+        self.shared
+            .release_many(&self.tags[used.min(self.tags.len())..]);
+        self.tags.clear();
+    }
 }
 
 enum Wake {
@@ -530,6 +610,8 @@ enum Wake {
     Tick,
     /// Inside the busy-poll window: check the connection without waiting.
     Poll,
+    /// Time to check the GPU request rings.
+    RingCheck,
 }
 
 impl Task {
@@ -567,7 +649,13 @@ impl Task {
                     continue;
                 }
             }
-            let polling = self.live.is_some() && self.poll.polling(self.core.now.into_std());
+            let ring_wait = self.rings.wait(self.core.now);
+            let polling = (self.live.is_some() && self.poll.polling(self.core.now.into_std()))
+                || ring_wait == RingWait::Poll;
+            let ring_at = match ring_wait {
+                RingWait::At(at) => Some(at),
+                RingWait::Nothing | RingWait::Poll => None,
+            };
             let wake = {
                 let live = self.live.as_ref();
                 tokio::select! {
@@ -582,6 +670,11 @@ impl Task {
                     }, if live.is_some() => Wake::Ready(r),
                     _ = tick.tick() => Wake::Tick,
                     _ = tokio::task::yield_now(), if polling => Wake::Poll,
+                    _ = async {
+                        if let Some(at) = ring_at {
+                            tokio::time::sleep_until(at).await;
+                        }
+                    }, if ring_at.is_some() => Wake::RingCheck,
                 }
             };
             self.core.now = Instant::now();
@@ -601,17 +694,12 @@ impl Task {
                     let mut batch = std::mem::take(&mut self.batch);
                     let mut res = Ok(());
                     for s in batch.drain(..) {
-                        if res.is_err() {
-                            // The connection failed mid-batch: queue the rest.
-                            let r =
-                                self.core
-                                    .submit(None::<&mut Link>, s.tag, s.req, s.buf, s.direct);
-                            debug_assert!(r.is_ok());
-                            continue;
-                        }
-                        res = self
-                            .core
-                            .submit(self.live.as_mut(), s.tag, s.req, s.buf, s.direct);
+                        submit_to(
+                            &mut self.core,
+                            self.live.as_mut(),
+                            &mut res,
+                            (s.tag, s.req, s.buf, s.direct, None),
+                        );
                     }
                     self.batch = batch;
                     if let Err(e) = res {
@@ -654,9 +742,68 @@ impl Task {
                         self.lose(err);
                     }
                 }
-                Wake::Tick => {}
+                Wake::Tick | Wake::RingCheck => {}
             }
+            self.serve_rings();
         }
+    }
+
+    /// Writes the completion words of the ring reads that ended (freeing their tags), lets
+    /// detached rings go, and starts what the rings ask for.
+    fn serve_rings(&mut self) {
+        self.finish_ring_reads();
+        if self.rings.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let failed = self.core.failed().cloned();
+        let mut res = Ok(());
+        let mut started = 0u64;
+        let core = &mut self.core;
+        let mut live = self.live.as_mut();
+        let taken = self.rings.poll(
+            now,
+            failed.as_ref(),
+            &mut self.ring_tags,
+            &mut |tag, req, data, origin| {
+                started += 1;
+                submit_to(
+                    core,
+                    live.as_deref_mut(),
+                    &mut res,
+                    (tag, req, SlotBuf::Ring(data), None, Some(origin)),
+                );
+            },
+        );
+        let c = &self.shared.counters;
+        bump(&c.ring_reads, started);
+        bump(&c.ring_rejected, taken as u64 - started);
+        if started > 0 {
+            self.poll.submitted(now.into_std());
+        }
+        if let Err(e) = res {
+            self.lose(e);
+        }
+        // Commands refused by the link at once (or failed by a failed queue) ended already.
+        self.finish_ring_reads();
+    }
+
+    /// Writes the completion words of the ring reads that ended and frees their tags.
+    fn finish_ring_reads(&mut self) {
+        self.core.take_ring_done(&mut self.ring_done);
+        if self.ring_done.is_empty() {
+            return;
+        }
+        let tags = &mut self.ring_tags.tags;
+        tags.clear();
+        for d in &self.ring_done {
+            self.rings.complete(d.origin, d.status);
+            tags.push(d.tag);
+        }
+        self.shared.release_many(tags);
+        tags.clear();
+        self.rings.completed(Instant::now());
+        self.rings.reap();
     }
 
     /// Takes what the link has and handles it. Returns whether anything arrived.
@@ -702,6 +849,8 @@ impl Task {
                 self.core.fail(err);
             }
             QueueCtl::Close => self.shutdown(Error::Closed),
+            QueueCtl::AttachRings(grant) => self.rings.attach(grant),
+            QueueCtl::DetachRings { id, done } => self.rings.detach(id, done),
         }
     }
 
@@ -744,6 +893,23 @@ impl Task {
         } else {
             self.core.fail_all(&err);
         }
+        self.finish_ring_reads();
+    }
+}
+
+/// Hands a command to the core: on `link` while `res` is fine, after the link broke (`res`
+/// holds why) to the waiting list, for the next link.
+fn submit_to(
+    core: &mut Core<Arc<QueueShared>>,
+    link: Option<&mut Link>,
+    res: &mut Result<(), Error>,
+    cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>),
+) {
+    let (tag, req, buf, direct, origin) = cmd;
+    let link = if res.is_ok() { link } else { None };
+    let r = core.submit(link, tag, req, buf, direct, origin);
+    if res.is_ok() {
+        *res = r;
     }
 }
 

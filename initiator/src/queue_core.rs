@@ -9,7 +9,9 @@
 //!   ([`Core::link_restored`]), the timer ([`Core::expire`]);
 //! - actions out: capsules to put on the wire and transfer state to forget go to the link
 //!   ([`Wire`]: NVMe/TCP in `tcp`, NVMe/RDMA in `rdma`); completions go to the callers
-//!   ([`Completions`]: the queue's slots).
+//!   ([`Completions`]: the queue's slots), or, for reads a GPU request ring asked for, to the
+//!   core's list of ended ring reads ([`Core::take_ring_done`]), which the queue task turns
+//!   into completion words.
 //!
 //! Rules the core keeps: every command completes exactly once (a response for a command
 //! id the table does not hold is ignored); a command on the wire past its deadline fails
@@ -88,11 +90,34 @@ pub(crate) struct QueueCounters {
     pub(crate) registered_bytes: AtomicU64,
     pub(crate) in_place_bytes: AtomicU64,
     pub(crate) lent_commands: AtomicU64,
+    pub(crate) ring_reads: AtomicU64,
+    pub(crate) ring_rejected: AtomicU64,
 }
 
 /// Adds `n` to a counter.
 pub(crate) fn bump(a: &AtomicU64, n: u64) {
     a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Where a read started from a GPU request ring came from: the ring (an index into the queue
+/// task's ring table) and its slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RingSlot {
+    /// Index of the ring in the queue task's table.
+    pub ring: u16,
+    /// Slot of the request in that ring.
+    pub slot: u32,
+}
+
+/// A ring read that ended, with the NVMe status its completion word carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RingDone {
+    /// The command identifier it used (free again).
+    pub tag: u16,
+    /// Where it came from.
+    pub origin: RingSlot,
+    /// Status field (SCT << 8 | SC; 0: success).
+    pub status: u16,
 }
 
 /// A command in the table.
@@ -103,6 +128,8 @@ pub(crate) struct Cmd {
     pub buf: SlotBuf,
     /// Caller-registered memory the data goes to or comes from (instead of `buf`).
     pub direct: Option<Direct>,
+    /// The GPU request ring slot that asked for this read (its completion goes there).
+    origin: Option<RingSlot>,
     deadline: Option<Instant>,
     sent: bool,
     /// Read data of this command failed its digest (NVMe/TCP): a successful completion
@@ -166,6 +193,8 @@ pub(crate) struct Core<C> {
     failed: Option<Error>,
     retry_writes: bool,
     admin: bool,
+    /// Ring reads that ended, for the driver to complete in their rings.
+    ring_done: Vec<RingDone>,
     /// The time events are handled at (set by the driver before each event).
     pub now: Instant,
 }
@@ -181,6 +210,7 @@ impl<C: Completions> Core<C> {
             failed: None,
             retry_writes,
             admin,
+            ring_done: Vec::with_capacity(usize::from(slots)),
             now: Instant::now(),
         }
     }
@@ -242,7 +272,35 @@ impl<C: Completions> Core<C> {
         };
         // Release registered memory before the caller wakes up: it may read the bytes at once.
         drop(cmd.direct);
-        self.sink.finish(tag, result, cmd.buf);
+        self.finish(tag, cmd.origin, result, cmd.buf);
+    }
+
+    /// Hands a result to the caller, or to the ring list for a ring read (whose data buffer,
+    /// a lent ring slot, is dropped first: the slot is the ring's again).
+    fn finish(
+        &mut self,
+        tag: u16,
+        origin: Option<RingSlot>,
+        result: Result<Cqe, Error>,
+        buf: SlotBuf,
+    ) {
+        match origin {
+            None => self.sink.finish(tag, result, buf),
+            Some(origin) => {
+                drop(buf);
+                self.ring_done.push(RingDone {
+                    tag,
+                    origin,
+                    status: crate::error::ring_status(&result),
+                });
+            }
+        }
+    }
+
+    /// Moves the ring reads that ended since the last call to `out` (emptied first).
+    pub fn take_ring_done(&mut self, out: &mut Vec<RingDone>) {
+        out.clear();
+        std::mem::swap(out, &mut self.ring_done);
     }
 
     /// Puts command `tag` on `link`.
@@ -276,8 +334,9 @@ impl<C: Completions> Core<C> {
         }
     }
 
-    /// Event: a caller submitted command `tag` (a free identifier) with its buffer. Sent at
-    /// once on `link` if there is one and nothing waits before it. `Err`: the link broke.
+    /// Event: a caller (or, with `origin`, a GPU request ring) submitted command `tag` (a free
+    /// identifier) with its buffer. Sent at once on `link` if there is one and nothing waits
+    /// before it. `Err`: the link broke.
     pub fn submit<W: Wire>(
         &mut self,
         link: Option<&mut W>,
@@ -285,14 +344,16 @@ impl<C: Completions> Core<C> {
         req: Request,
         buf: SlotBuf,
         direct: Option<Direct>,
+        origin: Option<RingSlot>,
     ) -> Result<(), Error> {
         if let Some(e) = &self.failed {
-            self.sink.finish(tag, Err(e.clone()), buf);
+            let e = e.clone();
+            self.finish(tag, origin, Err(e), buf);
             return Ok(());
         }
         let Some(entry) = self.cmds.get_mut(usize::from(tag)) else {
             let e = Error::InvalidArgument(format!("internal: command identifier {tag}"));
-            self.sink.finish(tag, Err(e), buf);
+            self.finish(tag, origin, Err(e), buf);
             return Ok(());
         };
         *entry = Some(Cmd {
@@ -300,6 +361,7 @@ impl<C: Completions> Core<C> {
             req,
             buf,
             direct,
+            origin,
             sent: false,
             digest_error: false,
             attempts: 0,
@@ -533,7 +595,7 @@ mod tests {
     }
 
     fn submit(core: &mut Core<Arc<Callers>>, link: Option<&mut Link>, tag: u16, req: Request) {
-        core.submit(link, tag, req, buf(), None).unwrap();
+        core.submit(link, tag, req, buf(), None, None).unwrap();
     }
 
     fn lost() -> Error {
@@ -721,7 +783,7 @@ mod tests {
         // A send that breaks the link: the loss that follows resends the read.
         link.broken = true;
         assert!(
-            core.submit(Some(&mut link), 1, read(None), buf(), None)
+            core.submit(Some(&mut link), 1, read(None), buf(), None, None)
                 .is_err()
         );
         core.link_lost(&lost());
@@ -747,6 +809,56 @@ mod tests {
         assert!(new.sent.is_empty());
     }
 
+    #[test]
+    fn ring_reads_end_in_the_ring_list_with_their_status() {
+        let (mut core, callers) = core(false);
+        let t0 = core.now;
+        let mut link = Link::default();
+        let origin = |slot| Some(RingSlot { ring: 1, slot });
+        let mut done = Vec::new();
+        for (tag, slot) in [(0u16, 10u32), (1, 11), (2, 12)] {
+            core.submit(
+                Some(&mut link),
+                tag,
+                read(Some(Duration::from_secs(1))),
+                buf(),
+                None,
+                origin(slot),
+            )
+            .unwrap();
+        }
+        core.on_response(&mut link, ok(0)).unwrap();
+        let bad = Cqe::new(1, Status::generic(generic::LBA_OUT_OF_RANGE), 0);
+        core.on_response(&mut link, bad).unwrap();
+        // A lost link resends the third; its deadline then fails it.
+        core.link_lost(&lost());
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [2]);
+        core.now = t0 + Duration::from_secs(2);
+        assert!(core.expire(Some(&mut new)).is_some());
+        // A failed queue answers at once.
+        core.fail(Error::Closed);
+        core.submit(Some(&mut new), 3, read(None), buf(), None, origin(13))
+            .unwrap();
+        core.take_ring_done(&mut done);
+        let got: Vec<(u16, u32, u16)> = done
+            .iter()
+            .map(|d| (d.tag, d.origin.slot, d.status))
+            .collect();
+        assert_eq!(
+            got,
+            [(0, 10, 0), (1, 11, 0x80), (2, 12, 0x371), (3, 13, 0x370)]
+        );
+        assert!(done.iter().all(|d| d.origin.ring == 1));
+        assert!(
+            callers.take().is_empty(),
+            "ring reads never reach the callers"
+        );
+        core.take_ring_done(&mut done);
+        assert!(done.is_empty());
+    }
+
     /// Whatever the order of events, each command completes exactly once.
     #[test]
     fn every_command_completes_exactly_once() {
@@ -766,7 +878,7 @@ mod tests {
                         read(Some(Duration::from_millis(20)))
                     };
                     if core.cmd_mut(tag).is_none() {
-                        core.submit(up.then_some(&mut link), tag, req, buf(), None)
+                        core.submit(up.then_some(&mut link), tag, req, buf(), None, None)
                             .unwrap();
                         submitted[usize::from(tag)] += 1;
                     }

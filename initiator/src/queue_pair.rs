@@ -298,7 +298,7 @@ impl QueuePair {
         self.last_submit = Some(now);
         let r = self
             .core
-            .submit(self.link.as_mut(), tag, req, SlotBuf::Heap(buf), None);
+            .submit(self.link.as_mut(), tag, req, SlotBuf::Heap(buf), None, None);
         if let Err(e) = r {
             self.lose(e);
         }
@@ -574,8 +574,15 @@ mod tests {
     fn submit(core: &mut Core<Reaped>, link: &mut Sent, user_data: u64, name: &'static str) -> u16 {
         let tag = core.sink_mut().free.pop().expect("a free tag");
         core.sink_mut().tags[usize::from(tag)] = Tag { user_data, name };
-        core.submit(Some(link), tag, read(), SlotBuf::Heap(vec![7; 512]), None)
-            .unwrap();
+        core.submit(
+            Some(link),
+            tag,
+            read(),
+            SlotBuf::Heap(vec![7; 512]),
+            None,
+            None,
+        )
+        .unwrap();
         tag
     }
 

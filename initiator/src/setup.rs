@@ -260,7 +260,8 @@ impl SetupConn {
         self.link.set_icd_limit(icd);
         let deadline = Instant::now() + t;
         self.core.now = Instant::now();
-        self.core.submit(Some(&mut self.link), 0, req, buf, None)?;
+        self.core
+            .submit(Some(&mut self.link), 0, req, buf, None, None)?;
         // What arrived already (a completion queue is polled before it is waited on).
         if let Err(e) = self.link.process(&mut self.core) {
             let _ = self.link.try_flush();

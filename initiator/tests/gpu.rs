@@ -1,5 +1,6 @@
 //! Reads into and writes from GPU memory over NVMe/TCP against our target (in process, on
-//! loopback, memory namespaces). Every test prints `SKIP <name>: skipped: no CUDA driver ...`
+//! loopback, memory namespaces), and reads GPU threads issue themselves through request rings
+//! the queue tasks serve. Every test prints `SKIP <name>: skipped: no CUDA driver ...`
 //! and passes on machines without a GPU; with NVMEOF_GPU_REQUIRE=1 that is a failure.
 
 mod common;
@@ -434,6 +435,224 @@ async fn gpu_bad_requests_are_errors() {
         .unwrap();
     let back = dev.slice(..4096).unwrap().to_vec().unwrap();
     assert!(verify_pattern(SEED, 0, &back).is_ok());
+    ctrl.disconnect().await.unwrap();
+    target.shutdown().await;
+}
+
+/// The kernel of `gpu_threads_read_through_the_queue_tasks` (needs `COMMON_CUH` in front and
+/// the ring header).
+const GPU_ISSUE_KERNEL: &str = r#"
+#include "nvmf_gpu.cuh"
+
+// result (u64): [0] wrong words, [1] failed reads, [2] a failed status, [3] verified reads,
+// [4] latency sum (ns), [5] latency max (ns), [8..8+256] latency histogram (4 buckets per
+// power of two of nanoseconds).
+extern "C" __global__ void gpu_issue(
+    const unsigned char* rings, unsigned long long rings_len,
+    unsigned char* dst, unsigned long long dst_len,
+    unsigned char* result, unsigned long long result_len,
+    unsigned long long seed, unsigned int block_size, unsigned int nblocks,
+    unsigned long long ns_blocks, unsigned int iterations, unsigned int chase,
+    unsigned long long timeout_ns)
+{
+    if (rings_len < sizeof(struct nvmf_gpu_ring) || result_len < 8 * (8 + 256) || nblocks == 0) {
+        return;
+    }
+    const struct nvmf_gpu_ring* r = nvmf_gpu_ring_for_sm((const struct nvmf_gpu_ring*)rings);
+    const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long bytes = (unsigned long long)block_size * nblocks;
+    if ((tid + 1) * bytes > dst_len) {
+        return;
+    }
+    unsigned char* mine = dst + tid * bytes;
+    unsigned long long* res = (unsigned long long*)result;
+    const unsigned long long extents = ns_blocks / nblocks;
+    unsigned long long lba = (nvmf_fmix64(seed ^ tid) % extents) * nblocks;
+    for (unsigned int it = 0; it < iterations; ++it) {
+        if (!chase) {
+            lba = (nvmf_fmix64(seed ^ (tid * 1000003ULL + it)) % extents) * nblocks;
+        }
+        const unsigned long long t0 = nvmf_gpu_now_ns();
+        const unsigned int st = nvmf_gpu_read(r, 0, lba, nblocks, mine, bytes, timeout_ns);
+        const unsigned long long lat = nvmf_gpu_now_ns() - t0;
+        if (st != 0) {
+            atomicAdd(&res[1], 1ULL);
+            atomicCAS(&res[2], 0ULL, (unsigned long long)st);
+            return;
+        }
+        unsigned long long bad = 0;
+        const unsigned long long* words = (const unsigned long long*)mine;
+        for (unsigned long long w = 0; w < bytes / 8; ++w) {
+            if (words[w] != nvmf_pattern_word(seed, lba * block_size + 8 * w)) {
+                ++bad;
+            }
+        }
+        if (bad != 0) {
+            atomicAdd(&res[0], bad);
+        }
+        atomicAdd(&res[3], 1ULL);
+        atomicAdd(&res[4], lat);
+        atomicMax(&res[5], lat);
+        unsigned int e = 0;
+        while (e < 63 && (lat >> (e + 1)) != 0) {
+            ++e;
+        }
+        const unsigned int sub = e >= 2 ? (unsigned int)((lat >> (e - 2)) & 3) : 0;
+        atomicAdd(&res[8 + e * 4 + sub], 1ULL);
+        // The chase: the next address comes from this read's data.
+        lba = (words[0] % extents) * nblocks;
+    }
+}
+"#;
+
+/// The GPU-issue kernel compiles with the ring header wherever NVRTC is found (no GPU needed).
+#[test]
+fn nvrtc_compiles_the_gpu_issue_kernel() {
+    use nvmeof_initiator::gpu::cuda::CodeTarget;
+    use nvmeof_initiator::gpu::kernels::COMMON_CUH;
+    use nvmeof_initiator::gpu::kernels::ring::compile_with_ring_header;
+
+    let name = "nvrtc_compiles_the_gpu_issue_kernel";
+    let source = format!("{COMMON_CUH}\n{GPU_ISSUE_KERNEL}");
+    match compile_with_ring_header(&source, "gpu_issue.cu", CodeTarget::Ptx { arch: 90 }, &[]) {
+        Ok(image) => assert!(image.ptx().unwrap().contains(".entry gpu_issue(")),
+        Err(KernelError::Gpu(e)) if should_skip(name, &e) => {}
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
+/// GPU threads issue their own reads (`nvmf_gpu.cuh`) through request rings served by the
+/// controller's queue tasks (`Controller::attach_gpu_rings`) over NVMe/TCP: uniform random
+/// reads of 512 B and 4 KiB, and a dependent pointer chase (each read's LBA comes from the
+/// previous read's first word), 512 threads on two rings of 64 slots (more reads than slots
+/// and command identifiers, so the rings also wait for free ones), every byte checked on the
+/// GPU, per-read latency taken with %globaltimer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_threads_read_through_the_queue_tasks() {
+    use nvmeof_initiator::gpu::cuda::{LaunchArgs, LaunchConfig};
+    use nvmeof_initiator::gpu::kernels::COMMON_CUH;
+    use nvmeof_initiator::gpu::kernels::ring::compile_with_ring_header;
+    use nvmeof_initiator::gpu_ring::{DataMode, NsBinding, RingConfig, RingSet};
+
+    const NAME: &str = "gpu_threads_read_through_the_queue_tasks";
+    let Some((ctx, _kernels)) = gpu_or_skip(NAME) else {
+        return;
+    };
+    let target_code = ctx.default_code_target().unwrap();
+    let source = format!("{COMMON_CUH}\n{GPU_ISSUE_KERNEL}");
+    let image = compile_with_ring_header(&source, "gpu_issue.cu", target_code, &[]).unwrap();
+    let module = ctx.load_module(&image).unwrap();
+    let mut kernel = module.kernel("gpu_issue").unwrap();
+    let (mut target, ctrl, ns) = setup("mem:64M,bs=512", 2).await;
+    let bs = ns.block_size();
+    let blocks = ns.num_blocks();
+    const BLOCKS: u32 = 8;
+    const THREADS: u32 = 64;
+    const ITERATIONS: u32 = 16;
+    let reads = u64::from(BLOCKS * THREADS * ITERATIONS);
+    for (nblocks, chase) in [(1u32, false), (8, false), (8, true)] {
+        let cfg = RingConfig {
+            slots: 64,
+            slot_bytes: 4096,
+            mode: DataMode::Pull,
+        };
+        let binding = NsBinding {
+            nsid: ns.nsid(),
+            block_size: bs,
+            blocks,
+        };
+        let mut set = RingSet::new_gpu(&ctx, 2, cfg, &[binding]).unwrap();
+        let attached = ctrl.attach_gpu_rings(&mut set).await.unwrap();
+        let before: u64 = ctrl.queue_stats().iter().map(|q| q.ring_reads).sum();
+        let bytes = (bs * nblocks) as usize;
+        let mut dst = ctx
+            .alloc_zeroed((BLOCKS * THREADS) as usize * bytes)
+            .unwrap();
+        let mut result = ctx.alloc_zeroed(8 * (8 + 256)).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let start = std::time::Instant::now();
+        let (set, dst, result, k, stream) = tokio::task::spawn_blocking(move || {
+            {
+                let table = set.table_buffer().unwrap().as_slice();
+                let mut dst_view = dst.as_slice_mut();
+                let mut result_view = result.as_slice_mut();
+                let mut args = LaunchArgs::new();
+                args.buffer(&table)
+                    .buffer_mut(&mut dst_view)
+                    .buffer_mut(&mut result_view)
+                    .u64(SEED)
+                    .u32(bs)
+                    .u32(nblocks)
+                    .u64(blocks)
+                    .u32(ITERATIONS)
+                    .u32(u32::from(chase))
+                    .u64(20_000_000_000);
+                kernel
+                    .launch(&stream, &LaunchConfig::linear(BLOCKS, THREADS), &args)
+                    .unwrap();
+            }
+            stream.synchronize().unwrap();
+            (set, dst, result, kernel, stream)
+        })
+        .await
+        .unwrap();
+        kernel = k;
+        let elapsed = start.elapsed();
+        attached.detach().await;
+        let raw = result.to_vec().unwrap();
+        let word = |i: usize| u64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
+        let what = format!(
+            "{} B {}",
+            bs * nblocks,
+            if chase {
+                "pointer chase"
+            } else {
+                "uniform random"
+            }
+        );
+        assert_eq!(
+            word(1),
+            0,
+            "{what}: failed reads, e.g. status {:#x}",
+            word(2)
+        );
+        assert_eq!(word(0), 0, "{what}: wrong words");
+        assert_eq!(word(3), reads, "{what}: verified reads");
+        let after: u64 = ctrl.queue_stats().iter().map(|q| q.ring_reads).sum();
+        assert_eq!(
+            after - before,
+            reads,
+            "{what}: reads the queue tasks started"
+        );
+        let hist: Vec<u64> = (0..256).map(|b| word(8 + b)).collect();
+        let pct = |p: f64| {
+            let want = (reads as f64 * p).ceil() as u64;
+            let mut seen = 0;
+            for (b, &n) in hist.iter().enumerate() {
+                seen += n;
+                if seen >= want {
+                    let (e, sub) = ((b / 4) as u32, (b % 4) as u64);
+                    return if e >= 2 {
+                        (5 + sub) << (e - 2)
+                    } else {
+                        1 << (e + 1)
+                    };
+                }
+            }
+            0
+        };
+        println!(
+            "{NAME}: {what}: {reads} reads by {} GPU threads in {elapsed:?} ({:.0} IOPS); \
+             latency mean {:.1} us, p50 <= {:.1} us, p99 <= {:.1} us, max {:.1} us",
+            BLOCKS * THREADS,
+            reads as f64 / elapsed.as_secs_f64(),
+            word(4) as f64 / reads as f64 / 1000.0,
+            pct(0.5) as f64 / 1000.0,
+            pct(0.99) as f64 / 1000.0,
+            word(5) as f64 / 1000.0,
+        );
+        drop((set, dst, stream));
+    }
     ctrl.disconnect().await.unwrap();
     target.shutdown().await;
 }

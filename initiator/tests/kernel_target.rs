@@ -245,6 +245,9 @@ async fn kernel_nvmet_tcp_target() {
     eprintln!("  namespace 77: {e}");
     ctrl.disconnect().await.expect("disconnect");
 
+    eprintln!("GPU request rings (CPU stand-in of the device side):");
+    gpu_rings_against_kernel(port).await;
+
     eprintln!("the nvmeof CLI and nvmeof-initd:");
     cli_against_kernel(port, bs).await;
 
@@ -334,6 +337,68 @@ async fn queue_pairs_against_kernel(ns: &Namespace) {
     });
     let qid = read.await.expect("blocking queue pair thread");
     eprintln!("  verified through queue pairs {} and {qid}", qp.qid());
+}
+
+/// Reads that threads acting as warps put in GPU request rings (the CPU stand-in of the device
+/// side), served by the queue tasks from nvmet: 512 B to 4 KiB reads over many laps, checked
+/// against the pattern written first; a request past the bound range gets LBA Out of Range.
+async fn gpu_rings_against_kernel(port: u16) {
+    use nvmeof_initiator::gpu_ring::proto::status;
+    use nvmeof_initiator::gpu_ring::{DataMode, NsBinding, RingConfig, RingSet};
+
+    const SEED: u64 = 300;
+    const FILLED: usize = 256 * 1024;
+    let ctrl = Controller::connect(options(port)).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let bs = ns.block_size() as usize;
+    ns.write(0, &pattern(SEED, 0, FILLED)).await.expect("write");
+    let blocks = (FILLED / bs) as u64;
+    let binding = NsBinding {
+        nsid: 1,
+        block_size: bs as u32,
+        blocks,
+    };
+    let cfg = RingConfig {
+        slots: 8,
+        slot_bytes: 4096,
+        mode: DataMode::Pull,
+    };
+    let mut set = RingSet::new_host(2, cfg, &[binding]).expect("ring set");
+    let rings = set.standin_rings();
+    let attached = ctrl.attach_gpu_rings(&mut set).await.expect("attach");
+    let max_blocks = (4096 / bs) as u64;
+    let warps: Vec<_> = (0..4u64)
+        .map(|w| {
+            let ring = rings[w as usize % rings.len()].clone();
+            tokio::task::spawn_blocking(move || {
+                let mut buf = vec![0u8; 4096];
+                for i in 0..100u64 {
+                    let n = 1 + (i * 5 + w) % max_blocks;
+                    let lba = (i * 131 + w * 17) % (blocks - n + 1);
+                    let len = n as usize * bs;
+                    let st = ring.read(0, lba, n as u32, &mut buf[..len], Duration::from_secs(60));
+                    assert_eq!(st, status::SUCCESS, "warp {w} read {i}: status {st:#x}");
+                    assert!(
+                        buf[..len] == pattern(SEED, lba * bs as u64, len)[..],
+                        "warp {w} read {i} at LBA {lba} differs"
+                    );
+                }
+                let st = ring.read(0, blocks, 1, &mut buf, Duration::from_secs(60));
+                assert_eq!(st, status::LBA_OUT_OF_RANGE);
+            })
+        })
+        .collect();
+    for w in warps {
+        w.await.expect("warp");
+    }
+    for (i, r) in rings.iter().enumerate() {
+        assert!(r.tickets() / 8 >= 25, "ring {i}: {} tickets", r.tickets());
+    }
+    let reads: u64 = ctrl.queue_stats().iter().map(|s| s.ring_reads).sum();
+    assert_eq!(reads, 400);
+    eprintln!("  400 ring reads checked over {} rings", rings.len());
+    attached.detach().await;
+    ctrl.disconnect().await.expect("disconnect");
 }
 
 /// What a user does with the kernel target: `nvmeof discover`, `write` and `read` of a file,

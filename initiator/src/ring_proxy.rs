@@ -1,0 +1,190 @@
+//! GPU request rings served by the queue tasks: the proxy between rings that GPU threads
+//! fill (`nvmeof-gpu-ring`) and the controller's I/O queues.
+//!
+//! [`Controller::attach_gpu_rings`] hands every ring of a [`RingSet`] to one I/O queue task
+//! (round robin over the queues). That task owns the ring ([`HostRing`]) from then on; no
+//! other thread touches it and nothing is locked per request:
+//!
+//! - each wake-up of the task takes up to [`RING_BATCH`] ready requests per ring, as many as
+//!   free command identifiers allow (identifiers are taken from the queue's free list with
+//!   one lock per batch). Requests beyond that stay in the ring: the GPU sees backpressure as
+//!   latency, never a lost request;
+//! - the ring checks each request (namespace bound to the ring, LBA range, size) when it is
+//!   taken and completes a bad one at once with an NVMe status; a valid one becomes a Read on
+//!   the queue's connection whose data is received straight into the request's data slot (a
+//!   lent slot, `SlotBuf::Ring`: no allocation and no copy);
+//! - the whole batch leaves with one write (the task's flush at the top of its loop);
+//! - when a read ends, the task writes the slot's completion word with the NVMe status of
+//!   the completion, or with a status standing for the error ([`ring_status`]);
+//! - a lost connection is handled as for any read: reads in flight are sent again on the
+//!   next connection, so the GPU sees only latency.
+//!
+//! Polling (`RingPacer`): the task checks its rings at every wake-up. While a ring is active
+//! the task keeps polling it without sleeping for the queue's busy-poll window
+//! (`ConnectOptions::busy_poll`) after the last request taken or completion written (a thread
+//! whose read completed often submits the next at once); after that it checks the
+//! rings on a timer ladder, 50 µs doubling to 1 ms, so an idle ring costs about a thousand
+//! checks a second and no spinning. (The tokio timer has a 1 ms granularity, so on a tokio
+//! runtime the steps below 1 ms round up to it: the first request after an idle period waits
+//! at most about 1 ms for the task.)
+//!
+//! Dropping the [`AttachedRings`] handle (or [`AttachedRings::detach`]) detaches the rings:
+//! their tasks stop taking requests, let the reads in flight end (completing their slots) and
+//! only then drop the rings. Dropping a ring closes it: requests left in it are never taken,
+//! and the device side's submits and waits on it return `CLOSED`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gpu_ring::{DataMode, HostRing, RingSet};
+use tokio::sync::oneshot;
+
+use crate::queue::QueueCtl;
+use crate::ring_serve::RingGrant;
+use crate::{Controller, Error};
+
+/// GPU request rings attached to a controller's I/O queues (see
+/// [`Controller::attach_gpu_rings`]). Dropping it detaches them: each queue task stops taking
+/// requests from its rings, lets the reads in flight end (their slots complete) and then
+/// drops the rings; [`detach`](Self::detach) does the same and waits for it.
+pub struct AttachedRings {
+    ctrl: Controller,
+    id: u64,
+    /// The I/O queues holding the rings (indices into the controller's queues).
+    queues: Vec<usize>,
+    rings: usize,
+    detached: bool,
+}
+
+impl std::fmt::Debug for AttachedRings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttachedRings")
+            .field("rings", &self.rings)
+            .field("queues", &self.queues)
+            .finish()
+    }
+}
+
+impl AttachedRings {
+    /// Number of rings attached.
+    pub fn rings(&self) -> usize {
+        self.rings
+    }
+
+    /// The I/O queues serving the rings (indices, as for `Namespace::on_queue`).
+    pub fn queues(&self) -> &[usize] {
+        &self.queues
+    }
+
+    /// Detaches the rings and waits until every queue task has let its rings go (the reads
+    /// in flight ended and their completion words are written).
+    pub async fn detach(mut self) {
+        self.detached = true;
+        let mut waits = Vec::with_capacity(self.queues.len());
+        for &q in &self.queues {
+            let (tx, rx) = oneshot::channel();
+            self.ctrl.shared().io[q].control(QueueCtl::DetachRings {
+                id: self.id,
+                done: Some(tx),
+            });
+            waits.push(rx);
+        }
+        for rx in waits {
+            // An error: the task ended, and its rings with it.
+            let _ = rx.await;
+        }
+    }
+}
+
+impl Drop for AttachedRings {
+    fn drop(&mut self) {
+        if self.detached {
+            return;
+        }
+        for &q in &self.queues {
+            self.ctrl.shared().io[q].control(QueueCtl::DetachRings {
+                id: self.id,
+                done: None,
+            });
+        }
+    }
+}
+
+static NEXT_ATTACHMENT: AtomicU64 = AtomicU64::new(1);
+
+impl Controller {
+    /// Attaches the host sides of the rings of `set` (all it still holds) to this
+    /// controller's I/O queues, round robin: from now on the queue tasks take the requests
+    /// GPU threads put in the rings and serve them as reads (see the `ring_proxy` section of
+    /// the crate documentation).
+    ///
+    /// Checked first: the transport receives read data into host memory the initiator
+    /// chooses (NVMe/TCP; over NVMe/RDMA it is [`Error::Unsupported`]); the rings are in pull
+    /// mode; a data slot fits in one command (the controller's maximum transfer); every
+    /// namespace bound to a ring is active here with the bound block size and at least the
+    /// bound number of blocks. On an error the rings stay unattached and are dropped.
+    pub async fn attach_gpu_rings(&self, set: &mut RingSet) -> Result<AttachedRings, Error> {
+        let shared = self.shared();
+        if !shared.limits.lends_buffers {
+            return Err(Error::Unsupported(
+                "GPU request rings are served over NVMe/TCP only (read data is received into the ring's pinned slots)".into(),
+            ));
+        }
+        let rings = set.take_host_rings();
+        if rings.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the ring set has no rings left to attach".into(),
+            ));
+        }
+        let max = shared.info_max_transfer();
+        for ring in &rings {
+            if ring.mode() != DataMode::Pull {
+                return Err(Error::Unsupported(
+                    "GPU request rings in push mode are not served yet; use pull mode".into(),
+                ));
+            }
+            if ring.slot_bytes() > max {
+                return Err(Error::InvalidArgument(format!(
+                    "ring slots of {} bytes exceed the controller's largest transfer ({max} bytes)",
+                    ring.slot_bytes()
+                )));
+            }
+            for b in ring.namespaces() {
+                let info = self.namespace_info(b.nsid).await?;
+                if info.block_size != b.block_size || info.blocks < b.blocks {
+                    return Err(Error::InvalidArgument(format!(
+                        "ring binds namespace {} as {} blocks of {} bytes; the controller has {} blocks of {} bytes",
+                        b.nsid, b.blocks, b.block_size, info.blocks, info.block_size
+                    )));
+                }
+            }
+        }
+        let nq = self.io_queue_count();
+        if nq == 0 {
+            return Err(Error::InvalidArgument(
+                "the controller has no I/O queues".into(),
+            ));
+        }
+        let id = NEXT_ATTACHMENT.fetch_add(1, Ordering::Relaxed);
+        let count = rings.len();
+        let mut per_queue: Vec<Vec<HostRing>> = (0..nq).map(|_| Vec::new()).collect();
+        for (i, ring) in rings.into_iter().enumerate() {
+            per_queue[i % nq].push(ring);
+        }
+        let timeout = shared.opts.timeouts.io;
+        let mut queues = Vec::new();
+        for (q, rings) in per_queue.into_iter().enumerate() {
+            if rings.is_empty() {
+                continue;
+            }
+            shared.io[q].control(QueueCtl::AttachRings(RingGrant { id, rings, timeout }));
+            queues.push(q);
+        }
+        Ok(AttachedRings {
+            ctrl: self.clone(),
+            id,
+            queues,
+            rings: count,
+            detached: false,
+        })
+    }
+}

@@ -1,0 +1,328 @@
+//! The queue task's side of GPU request rings (see [`crate::ring_proxy`]): the rings a task
+//! serves, how it takes their requests and completes them, and when it checks them
+//! ([`RingPacer`]).
+
+use std::time::Duration;
+
+use gpu_ring::{HostRing, Read};
+use nvme_spec::command::build;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::error::ring_status;
+use crate::queue_core::{DataDir, Request, Retry, RingSlot};
+
+/// Requests taken from one ring per wake-up of its queue task, at most.
+pub const RING_BATCH: usize = 64;
+/// The first step of the idle ladder.
+const FIRST_STEP: Duration = Duration::from_micros(50);
+/// The longest step of the idle ladder.
+const LAST_STEP: Duration = Duration::from_millis(1);
+
+/// What a queue task does about its rings next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RingWait {
+    /// No ring attached.
+    Nothing,
+    /// Poll again without sleeping (a ring is active).
+    Poll,
+    /// Check the rings at this time at the latest.
+    At(Instant),
+}
+
+/// When a queue task checks its rings (see the module documentation). Sans-IO: the caller
+/// passes the time.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RingPacer {
+    window: Duration,
+    last_active: Option<Instant>,
+    step: Duration,
+    next_check: Option<Instant>,
+}
+
+impl RingPacer {
+    /// A pacer that keeps polling for `window` after the last activity (a request taken or a
+    /// completion written: a thread whose read completed often submits the next at once).
+    pub fn new(window: Duration) -> Self {
+        RingPacer {
+            window,
+            last_active: None,
+            step: FIRST_STEP,
+            next_check: None,
+        }
+    }
+
+    fn hot(&self, now: Instant) -> bool {
+        self.last_active
+            .is_some_and(|t| now.saturating_duration_since(t) < self.window)
+    }
+
+    /// Notes activity at `now`: a request taken or a completion written.
+    pub fn active(&mut self, now: Instant) {
+        self.last_active = Some(now);
+        self.step = FIRST_STEP;
+        self.next_check = None;
+    }
+
+    /// Notes that the rings were checked at `now` and whether a request was taken.
+    pub fn polled(&mut self, now: Instant, took: bool) {
+        if took {
+            self.active(now);
+            return;
+        }
+        if self.hot(now) {
+            return;
+        }
+        self.next_check = Some(now + self.step);
+        self.step = (self.step * 2).min(LAST_STEP);
+    }
+
+    /// What to do at `now`.
+    pub fn wait(&self, now: Instant) -> RingWait {
+        if self.hot(now) {
+            return RingWait::Poll;
+        }
+        RingWait::At(self.next_check.unwrap_or(now))
+    }
+}
+
+/// A ring attached to a queue task.
+struct Entry {
+    /// The attachment it belongs to.
+    id: u64,
+    ring: HostRing,
+    /// Time allowed for each of its reads.
+    timeout: Duration,
+    /// No more requests are taken; dropped once nothing is in flight.
+    detaching: bool,
+}
+
+/// Rings handed to a queue task by one attachment.
+pub(crate) struct RingGrant {
+    pub(crate) id: u64,
+    pub(crate) rings: Vec<HostRing>,
+    pub(crate) timeout: Duration,
+}
+
+/// The rings a queue task serves.
+pub(crate) struct RingTable {
+    entries: Vec<Option<Entry>>,
+    /// Callers waiting for an attachment's rings to be let go.
+    waiters: Vec<(u64, oneshot::Sender<()>)>,
+    pacer: RingPacer,
+    /// Where the next poll starts (rings take turns at free identifiers).
+    next: usize,
+    /// Scratch: requests taken from a ring.
+    reads: Vec<Read>,
+}
+
+impl RingTable {
+    /// An empty table whose rings stay polled for `window` after activity.
+    pub fn new(window: Duration) -> Self {
+        RingTable {
+            entries: Vec::new(),
+            waiters: Vec::new(),
+            pacer: RingPacer::new(window),
+            next: 0,
+            reads: Vec::with_capacity(RING_BATCH),
+        }
+    }
+
+    /// Whether no ring is attached.
+    pub fn is_empty(&self) -> bool {
+        self.entries.iter().all(Option::is_none)
+    }
+
+    /// What to do about the rings at `now`.
+    pub fn wait(&self, now: Instant) -> RingWait {
+        if self.is_empty() {
+            RingWait::Nothing
+        } else {
+            self.pacer.wait(now)
+        }
+    }
+
+    /// Adds the rings of an attachment.
+    pub fn attach(&mut self, grant: RingGrant) {
+        for ring in grant.rings {
+            let e = Entry {
+                id: grant.id,
+                ring,
+                timeout: grant.timeout,
+                detaching: false,
+            };
+            match self.entries.iter_mut().find(|e| e.is_none()) {
+                Some(free) => *free = Some(e),
+                None => self.entries.push(Some(e)),
+            }
+        }
+        self.pacer.active(Instant::now());
+    }
+
+    /// Stops taking requests from attachment `id`'s rings; `done` is answered once they are
+    /// let go.
+    pub fn detach(&mut self, id: u64, done: Option<oneshot::Sender<()>>) {
+        for e in self.entries.iter_mut().flatten() {
+            if e.id == id {
+                e.detaching = true;
+            }
+        }
+        if let Some(tx) = done {
+            self.waiters.push((id, tx));
+        }
+        self.reap();
+    }
+
+    /// Drops the detached rings with nothing in flight and answers who waits for them.
+    pub fn reap(&mut self) {
+        for slot in &mut self.entries {
+            if slot
+                .as_ref()
+                .is_some_and(|e| e.detaching && e.ring.in_flight() == 0)
+            {
+                *slot = None;
+            }
+        }
+        let entries = &self.entries;
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let id = self.waiters[i].0;
+            if entries.iter().flatten().any(|e| e.id == id) {
+                i += 1;
+            } else {
+                let (_, tx) = self.waiters.swap_remove(i);
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// Notes completions written at `now` (the rings stay polled for the window).
+    pub fn completed(&mut self, now: Instant) {
+        self.pacer.active(now);
+    }
+
+    /// Writes the completion word of a ring read that ended.
+    pub fn complete(&mut self, origin: RingSlot, status: u16) {
+        if let Some(Some(e)) = self.entries.get_mut(usize::from(origin.ring)) {
+            e.ring.complete(origin.slot, status);
+        }
+    }
+
+    /// Polls the rings once at `now`: for each ring that takes requests, `tags` gives up to
+    /// `max` command identifiers (returning fewer, or none when the queue has none free) and
+    /// gets back those left unused; `start` starts each valid request with its identifier.
+    /// When `failed` is set the queue cannot send anything: requests are taken without
+    /// identifiers and completed at once with the status of that error. Returns the requests
+    /// taken (valid or not).
+    pub fn poll(
+        &mut self,
+        now: Instant,
+        failed: Option<&Error>,
+        tags: &mut dyn TagSource,
+        start: &mut dyn FnMut(u16, Request, gpu_ring::SlotData, RingSlot),
+    ) -> usize {
+        let n = self.entries.len();
+        let mut taken = 0;
+        for k in 0..n {
+            let idx = (self.next + k) % n;
+            let Some(e) = self.entries[idx].as_mut().filter(|e| !e.detaching) else {
+                continue;
+            };
+            self.reads.clear();
+            if let Some(err) = failed {
+                taken += e.ring.poll(RING_BATCH, &mut self.reads);
+                let status = ring_status(&Err(err.clone()));
+                for r in self.reads.drain(..) {
+                    e.ring.complete(r.slot, status);
+                }
+                continue;
+            }
+            let got = tags.take(RING_BATCH);
+            if got.is_empty() {
+                break;
+            }
+            let have = got.len();
+            taken += e.ring.poll(have, &mut self.reads);
+            let used = self.reads.len();
+            for (i, r) in self.reads.drain(..).enumerate() {
+                let tag = got[i];
+                let req = Request {
+                    sqe: build::read_write(false, 0, r.nsid, r.lba, r.nblocks),
+                    dir: DataDir::ToHost,
+                    len: r.bytes as u32,
+                    retry: Retry::Always,
+                    timeout: Some(e.timeout),
+                };
+                let data = e.ring.lend(r.slot);
+                let origin = RingSlot {
+                    ring: idx as u16,
+                    slot: r.slot,
+                };
+                start(tag, req, data, origin);
+            }
+            tags.give_back(used);
+        }
+        self.next = self.next.wrapping_add(1);
+        self.pacer.polled(now, taken > 0);
+        taken
+    }
+}
+
+/// Free command identifiers of a queue, lent to [`RingTable::poll`].
+pub(crate) trait TagSource {
+    /// Takes up to `max` free identifiers (fewer when the queue has fewer free).
+    fn take(&mut self, max: usize) -> &[u16];
+    /// Returns the identifiers of the last [`take`](Self::take) from index `used` on.
+    fn give_back(&mut self, used: usize);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn pacer_polls_while_active_then_climbs_the_ladder() {
+        let t0 = Instant::now();
+        let mut p = RingPacer::new(us(50));
+        p.polled(t0, true);
+        assert_eq!(p.wait(t0 + us(10)), RingWait::Poll);
+        // Nothing taken inside the window: keep polling.
+        p.polled(t0 + us(20), false);
+        assert_eq!(p.wait(t0 + us(20)), RingWait::Poll);
+        // Past the window: 50 µs, 100, 200, 400, 800, then 1 ms steps.
+        let mut now = t0 + us(60);
+        let mut steps = Vec::new();
+        for _ in 0..8 {
+            p.polled(now, false);
+            let RingWait::At(at) = p.wait(now) else {
+                panic!("expected a timed check");
+            };
+            steps.push((at - now).as_micros());
+            now = at;
+        }
+        assert_eq!(steps, [50, 100, 200, 400, 800, 1000, 1000, 1000]);
+        // A completion written keeps the rings polled too.
+        p.active(now);
+        assert_eq!(p.wait(now + us(49)), RingWait::Poll);
+        // A request resets the ladder.
+        p.polled(now, true);
+        assert_eq!(p.wait(now), RingWait::Poll);
+        p.polled(now + us(100), false);
+        assert_eq!(p.wait(now + us(100)), RingWait::At(now + us(150)));
+    }
+
+    #[test]
+    fn pacer_without_a_window_never_spins() {
+        let t0 = Instant::now();
+        let mut p = RingPacer::new(Duration::ZERO);
+        p.polled(t0, true);
+        assert_eq!(p.wait(t0), RingWait::At(t0));
+        p.polled(t0, false);
+        assert_eq!(p.wait(t0), RingWait::At(t0 + us(50)));
+    }
+}
