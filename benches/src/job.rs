@@ -33,8 +33,11 @@
 //! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
 //! ignores it, `dest = "gpu"` refuses it. A queue pair holds one command less than the
 //! controller's queue size, and an `iodepth` above that runs at the queue pair's depth.
-//! `issue = "gpu"` has GPU threads issue the reads (see [`Issue`]); `chase = true` with it makes
-//! each thread's next LBA come from its previous read.
+//! `issue = "gpu"` has GPU threads issue the reads (see [`Issue`]). `chase = true` (with `rw =
+//! "randread"`) makes the reads a dependent pointer chase: each GPU thread's, or each CPU
+//! worker buffer's, next LBA comes from the first word of its previous read. With `issue =
+//! "cpu"` and `dest = "gpu"` that is a CPU round trip per hop: the data lands in GPU memory
+//! and is copied back for the host to pick the next read.
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
@@ -506,8 +509,8 @@ pub struct Section {
     pub api: Option<Api>,
     /// Who issues the reads: host tasks or GPU threads.
     pub issue: Option<OneOrMany<Issue>>,
-    /// GPU-issued reads as a dependent pointer chase: each thread's next LBA comes from the
-    /// data of its previous read.
+    /// Reads as a dependent pointer chase: each GPU thread's (or CPU worker buffer's) next LBA
+    /// comes from the data of its previous read.
     pub chase: Option<bool>,
     /// Idle or busy host.
     pub host_load: Option<OneOrMany<HostLoad>>,
@@ -634,7 +637,7 @@ pub struct Point {
     pub api: Api,
     /// Who issues the reads.
     pub issue: Issue,
-    /// GPU-issued reads chase pointers (each LBA from the previous read's data).
+    /// Reads chase pointers (each LBA from the previous read's data).
     pub chase: bool,
     /// Idle or busy host.
     pub host_load: HostLoad,
@@ -663,12 +666,11 @@ impl Point {
         if self.api == Api::Rtc {
             s.push_str(" rtc");
         }
-        if self.issue == Issue::Gpu {
-            s.push_str(if self.chase {
-                " gpu-chase"
-            } else {
-                " gpu-issued"
-            });
+        match (self.issue, self.chase) {
+            (Issue::Gpu, true) => s.push_str(" gpu-chase"),
+            (Issue::Gpu, false) => s.push_str(" gpu-issued"),
+            (Issue::Cpu, true) => s.push_str(" cpu-chase"),
+            (Issue::Cpu, false) => {}
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -1056,11 +1058,11 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             "GPU-issued reads run for a runtime, not an io_size",
         ));
     }
-    if chase && !issues.contains(&Issue::Gpu) {
+    if chase && !(rws.iter().all(|r| *r == Rw::RandRead)) {
         return Err(invalid(
             name,
             "chase",
-            "a pointer chase needs issue = \"gpu\"",
+            "a pointer chase needs rw = \"randread\"",
         ));
     }
     let rwmixread = pick(&j.rwmixread, &g.rwmixread).unwrap_or(50);
@@ -1157,6 +1159,13 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             "GPU threads issue through the queue tasks: use api = async with issue = gpu",
         ));
     }
+    if chase && api == Api::Rtc {
+        return Err(invalid(
+            name,
+            "chase",
+            "a pointer chase runs with api = \"async\"",
+        ));
+    }
     let load_threads = ov
         .load_threads
         .or_else(|| pick(&j.load_threads, &g.load_threads))
@@ -1199,7 +1208,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                 dest,
                                 api,
                                 issue,
-                                chase: chase && issue == Issue::Gpu,
+                                chase,
                                 host_load,
                                 load_threads,
                                 load_mem,
@@ -1249,14 +1258,17 @@ mod tests {
         );
         assert_eq!(p.points[0].sweep, vec!["bs", "issue"]);
         assert_eq!(p.points[1].label(), "randread 512 qd8 x1 gpu-issued");
-        let c = plan("[[job]]\nname = \"c\"\nissue = \"gpu\"\nchase = true\n").unwrap();
-        assert!(c.points[0].chase);
-        assert_eq!(c.points[0].label(), "randread 4k qd1 x1 gpu-chase");
+        let c = plan("[[job]]\nname = \"c\"\nissue = [\"cpu\", \"gpu\"]\nchase = true\n").unwrap();
+        assert!(c.points.iter().all(|p| p.chase));
+        assert_eq!(c.points[0].label(), "randread 4k qd1 x1 cpu-chase");
+        assert_eq!(c.points[1].label(), "randread 4k qd1 x1 gpu-chase");
+        let e = plan("[[job]]\nname = \"r\"\napi = \"rtc\"\nchase = true\n").unwrap_err();
+        assert!(e.to_string().contains("chase"), "{e}");
         for (text, key) in [
             ("issue = \"gpu\"\nrw = \"randwrite\"", "issue"),
             ("issue = \"gpu\"\nbs = \"256k\"", "issue"),
             ("issue = \"gpu\"\nio_size = \"1m\"", "issue"),
-            ("chase = true", "chase"),
+            ("chase = true\nrw = \"randrw\"", "chase"),
             ("issue = \"fpga\"", ""),
         ] {
             let e = plan(&format!("[[job]]\nname = \"x\"\n{text}\n")).unwrap_err();

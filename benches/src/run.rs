@@ -495,7 +495,8 @@ fn measure_into<P: GpuSource>(
             label,
         );
     }
-    match GpuPath::new(Arc::clone(path), point.verify) {
+    // A chase needs each read's data back on the host (its first word names the next read).
+    match GpuPath::new(Arc::clone(path), point.verify || point.chase) {
         Err(e) => failed(repeat, e.to_string()),
         Ok(gpu) => measure(
             rt,
@@ -600,6 +601,7 @@ fn measure<P: IoPath>(
                 ^ (w as u64 + 1).wrapping_mul(0x9E37_79B9),
             budget,
             rtc: point.api == Api::Rtc,
+            chase: point.chase && point.issue == Issue::Cpu,
         };
         handles.push(rt.spawn(worker::run(
             Arc::clone(&path),

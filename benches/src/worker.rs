@@ -76,6 +76,19 @@ pub struct WorkerSpec {
     /// Drive the path's run-to-completion queue pairs (one per namespace) instead of its
     /// shared queues (`api = "rtc"`).
     pub rtc: bool,
+    /// Reads chase pointers: each buffer's next read is at the offset its previous read's
+    /// first word names ([`chase_offset`]), so every read waits for the data of the one before.
+    pub chase: bool,
+}
+
+/// The offset a pointer chase reads next after a read whose first 8 bytes are `data`: the
+/// same mix and modulo as the GPU-issued chase, in `bs` units of a `region` bytes long.
+pub fn chase_offset(data: &[u8], region: u64, bs: u64) -> u64 {
+    let mut w = [0u8; 8];
+    let n = data.len().min(8);
+    w[..n].copy_from_slice(&data[..n]);
+    let slots = (region / bs.max(1)).max(1);
+    nvmeof_initiator::gpu::kernels::pattern::fmix64(u64::from_le_bytes(w)) % slots * bs
 }
 
 /// Per-namespace results of one worker.
@@ -263,6 +276,8 @@ pub async fn run<P: IoPath>(
         spec.queues.clone()
     };
     let mut next_queue = 0usize;
+    // Pointer chase: the (namespace, offset) each finished read names for its successor.
+    let mut chased: Vec<(usize, u64)> = Vec::new();
     loop {
         let phase = shared.phase.load(Ordering::Relaxed);
         if phase == PHASE_STOP || out.io_errors > 0 {
@@ -273,7 +288,10 @@ pub async fn run<P: IoPath>(
                 free.push(buf);
                 break;
             }
-            let (read, ns, offset) = offsets.next_io();
+            let (read, ns, offset) = match chased.pop() {
+                Some((ns, offset)) => (true, ns, offset),
+                None => offsets.next_io(),
+            };
             let queue = queues[next_queue];
             next_queue = (next_queue + 1) % queues.len();
             if !read {
@@ -294,6 +312,9 @@ pub async fn run<P: IoPath>(
             // Nothing in flight and nothing issued: the budget is spent.
             break;
         };
+        if spec.chase && what.0 && r.is_ok() {
+            chased.push((what.1, chase_offset(P::bytes(&buf), spec.region, spec.bs)));
+        }
         complete(
             &mut out,
             &spec,
@@ -531,6 +552,7 @@ mod tests {
             rng_seed: 42,
             budget: None,
             rtc: false,
+            chase: false,
         }
     }
 
@@ -576,6 +598,8 @@ mod tests {
         geo: Vec<crate::path::NsGeometry>,
         corrupt_at: Option<u64>,
         fail_reads: bool,
+        /// Offsets read, in order.
+        reads: parking_lot::Mutex<Vec<u64>>,
     }
 
     impl FakePath {
@@ -589,6 +613,7 @@ mod tests {
                 }],
                 corrupt_at,
                 fail_reads,
+                reads: parking_lot::Mutex::new(Vec::new()),
             }
         }
     }
@@ -625,6 +650,7 @@ mod tests {
                     buf,
                 );
             }
+            self.reads.lock().push(offset);
             let o = offset as usize;
             let n = buf.len();
             buf.copy_from_slice(&self.data.lock()[o..o + n]);
@@ -651,11 +677,18 @@ mod tests {
     }
 
     fn run_fake(path: FakePath, read_percent: u8) -> WorkerOutput {
+        run_fake_with(Arc::new(path), read_percent, |_| {})
+    }
+
+    fn run_fake_with(
+        path: Arc<FakePath>,
+        read_percent: u8,
+        adjust: impl FnOnce(&mut WorkerSpec),
+    ) -> WorkerOutput {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let path = Arc::new(path);
         let pattern = Arc::new(Pattern::new(9));
         {
             let mut d = path.data.lock();
@@ -677,8 +710,33 @@ mod tests {
             rng_seed: 1,
             budget: Some(256 * 4096),
             rtc: false,
+            chase: false,
         };
+        let mut spec = spec;
+        adjust(&mut spec);
         rt.block_on(run(path, spec, pattern, shared))
+    }
+
+    #[test]
+    fn a_chase_reads_where_the_previous_read_points() {
+        let path = Arc::new(FakePath::new(64 * 4096, None, false));
+        let out = run_fake_with(Arc::clone(&path), 100, |s| {
+            s.chase = true;
+            s.iodepth = 1;
+        });
+        assert_eq!(out.read_ops, 256);
+        assert_eq!(out.verify_errors, 0);
+        let reads = path.reads.lock().clone();
+        let data = path.data.lock().clone();
+        assert_eq!(reads.len(), 256);
+        let mut distinct = reads.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 8, "the chase moves around: {distinct:?}");
+        for pair in reads.windows(2) {
+            let o = pair[0] as usize;
+            assert_eq!(pair[1], chase_offset(&data[o..o + 4096], 64 * 4096, 4096));
+        }
     }
 
     #[test]
