@@ -52,6 +52,25 @@ struct Reaped {
     counters: QueueCounters,
 }
 
+impl Reaped {
+    /// An empty list for `slots` command identifiers, all free.
+    fn new(slots: u16) -> Reaped {
+        Reaped {
+            done: Vec::with_capacity(usize::from(slots)),
+            tags: vec![
+                Tag {
+                    user_data: 0,
+                    name: "Read",
+                };
+                usize::from(slots)
+            ]
+            .into_boxed_slice(),
+            free: (0..slots).rev().collect(),
+            counters: QueueCounters::default(),
+        }
+    }
+}
+
 impl Completions for Reaped {
     fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
         let Some(t) = self.tags.get(usize::from(tag)).copied() else {
@@ -173,19 +192,7 @@ impl QueuePair {
         let (lease, link, depth) = ctrl.open_pair_queue().await?;
         let opts = &ctrl.shared().opts;
         let slots = depth.saturating_sub(1).max(1);
-        let sink = Reaped {
-            done: Vec::with_capacity(usize::from(slots)),
-            tags: vec![
-                Tag {
-                    user_data: 0,
-                    name: "Read",
-                };
-                usize::from(slots)
-            ]
-            .into_boxed_slice(),
-            free: (0..slots).rev().collect(),
-            counters: QueueCounters::default(),
-        };
+        let sink = Reaped::new(slots);
         bump(&sink.counters.connections, 1);
         let addr = ctrl.shared().addr.clone();
         let core = Core::new(sink, addr, slots, opts.retry_writes, false);
@@ -544,22 +551,6 @@ mod tests {
         fn forget(&mut self, _tag: u16) {}
     }
 
-    fn sink(slots: u16) -> Reaped {
-        Reaped {
-            done: Vec::new(),
-            tags: vec![
-                Tag {
-                    user_data: 0,
-                    name: "Read",
-                };
-                usize::from(slots)
-            ]
-            .into_boxed_slice(),
-            free: (0..slots).rev().collect(),
-            counters: QueueCounters::default(),
-        }
-    }
-
     fn read() -> Request {
         Request {
             sqe: build::read_write(false, 0, 1, 0, 1),
@@ -588,7 +579,7 @@ mod tests {
 
     #[test]
     fn completions_carry_user_data_status_and_buffer_and_free_their_tag() {
-        let mut core = Core::new(sink(2), "t".into(), 2, false, false);
+        let mut core = Core::new(Reaped::new(2), "t".into(), 2, false, false);
         let mut link = Sent::default();
         let a = submit(&mut core, &mut link, 10, "Read");
         let b = submit(&mut core, &mut link, 20, "Write");

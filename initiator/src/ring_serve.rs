@@ -238,6 +238,11 @@ impl RingTable {
                 }
                 continue;
             }
+            // Command identifiers cost a lock to take and give back: only for a ring with a
+            // request waiting.
+            if !e.ring.ready() {
+                continue;
+            }
             let got = tags.take(RING_BATCH);
             if got.is_empty() {
                 break;

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::proto::{
-    NsBinding, Read, RequestWords, decode_request, encode_completion, lap, validate,
+    DecodedRequest, NsBinding, Read, RequestWords, decode_request, encode_completion, lap, validate,
 };
 use crate::set::DataMode;
 use crate::shared::{HostToken, RingMem, SlotData};
@@ -132,18 +132,10 @@ impl HostRing {
     pub fn poll(&mut self, max: usize, out: &mut Vec<Read>) -> usize {
         let mut n = 0;
         while n < max {
-            let slot = (self.next % u64::from(self.slots)) as u32;
-            let l = lap(self.next, self.slots);
-            if self.taken[slot as usize].is_some() {
+            let Some((slot, l, decoded)) = self.published() else {
                 break;
-            }
-            let (w0, w1) = self.mem.req(slot);
-            let words = RequestWords {
-                w0: w0.load(Ordering::Acquire),
-                w1: w1.load(Ordering::Acquire),
             };
-            let decoded = decode_request(words);
-            if decoded.lap0 != l || decoded.lap1 != l || !self.mem.claim(slot) {
+            if !self.mem.claim(slot) {
                 break;
             }
             self.next += 1;
@@ -162,6 +154,28 @@ impl HostRing {
             }
         }
         n
+    }
+
+    /// Whether the next request is ready for [`poll`](Self::poll): two atomic loads, no
+    /// state changed (a caller can skip its own set-up for a poll that would take nothing).
+    pub fn ready(&self) -> bool {
+        self.published().is_some()
+    }
+
+    /// The next expected ticket's slot, lap and request, when both request words carry that
+    /// lap and the slot's previous occupant is no longer taken.
+    fn published(&self) -> Option<(u32, u16, DecodedRequest)> {
+        let slot = (self.next % u64::from(self.slots)) as u32;
+        let l = lap(self.next, self.slots);
+        if self.taken[slot as usize].is_some() {
+            return None;
+        }
+        let (w0, w1) = self.mem.req(slot);
+        let decoded = decode_request(RequestWords {
+            w0: w0.load(Ordering::Acquire),
+            w1: w1.load(Ordering::Acquire),
+        });
+        (decoded.lap0 == l && decoded.lap1 == l).then_some((slot, l, decoded))
     }
 
     /// The data area of a slot that is taken and not completed yet (pull mode: receive here).
