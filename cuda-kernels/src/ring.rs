@@ -14,7 +14,7 @@ use gpu::{
     CodeTarget, CompiledModule, DeviceBuffer, GpuContext, GpuStream, Kernel, LaunchArgs,
     LaunchConfig, PinnedBuffer, compile_with_headers,
 };
-use gpu_ring::{PushItem, RingSet};
+use gpu_ring::{PushItem, PushSource, RingSet};
 
 use crate::error::KernelError;
 use crate::kernels::THREADS_PER_BLOCK;
@@ -94,8 +94,13 @@ pub fn push_span(items: &[PushItem]) -> Option<(u64, u64)> {
         .reduce(|a, b| (a.0.min(b.0), a.1.max(b.1)))
 }
 
+/// Item buffers a [`RingPush`] rotates through, so that filling the next batch's list
+/// rarely waits for the upload of an earlier one.
+const ITEM_BUFFERS: usize = 4;
+
 /// The push path of one context: the compiled `nvmf_ring_push`, a staging buffer and the
-/// item list buffers, reused across batches.
+/// item list buffers, reused across batches. One per pushing thread (each has its own
+/// stream); [`RingPush::fork`] makes another without compiling again.
 ///
 /// Buffers grow when a batch needs more room; the outgrown ones are kept until the `RingPush`
 /// is dropped, because freeing device memory may wait for the whole device, including the
@@ -103,8 +108,8 @@ pub fn push_span(items: &[PushItem]) -> Option<(u64, u64)> {
 pub struct RingPush {
     kernel: Kernel,
     staging: DeviceBuffer,
-    items_dev: DeviceBuffer,
-    items_host: PinnedBuffer,
+    items: Vec<(DeviceBuffer, PinnedBuffer)>,
+    next_items: usize,
     retired: Vec<(Option<DeviceBuffer>, Option<PinnedBuffer>)>,
     max_blocks: u32,
 }
@@ -113,7 +118,7 @@ impl std::fmt::Debug for RingPush {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RingPush")
             .field("staging", &self.staging.len())
-            .field("items", &self.items_dev.len())
+            .field("items", &self.items.first().map(|i| i.0.len()))
             .finish()
     }
 }
@@ -125,14 +130,42 @@ impl RingPush {
         let target = ctx.default_code_target()?;
         let image = compile_with_ring_header(PUSH_CU, "nvmf_ring_push.cu", target, &["-lineinfo"])?;
         let module = ctx.load_module(&image)?;
+        Self::with_kernel(ctx, module.kernel("nvmf_ring_push")?)
+    }
+
+    fn with_kernel(ctx: &GpuContext, kernel: Kernel) -> Result<RingPush, KernelError> {
         Ok(RingPush {
-            kernel: module.kernel("nvmf_ring_push")?,
+            kernel,
             staging: ctx.alloc(64 * 1024)?,
-            items_dev: ctx.alloc(64 * PUSH_ITEM_BYTES)?,
-            items_host: ctx.alloc_pinned(64 * PUSH_ITEM_BYTES)?,
+            items: Self::item_buffers(ctx, 64 * PUSH_ITEM_BYTES)?,
+            next_items: 0,
             retired: Vec::new(),
             max_blocks: ctx.info().multiprocessors.clamp(1, 1024),
         })
+    }
+
+    fn item_buffers(
+        ctx: &GpuContext,
+        bytes: usize,
+    ) -> Result<Vec<(DeviceBuffer, PinnedBuffer)>, KernelError> {
+        (0..ITEM_BUFFERS)
+            .map(|_| Ok((ctx.alloc(bytes)?, ctx.alloc_pinned(bytes)?)))
+            .collect()
+    }
+
+    /// Another push path with the same loaded kernel and buffers of the same sizes (for
+    /// another thread and stream).
+    pub fn fork(&self) -> Result<RingPush, KernelError> {
+        let ctx = self.staging.context();
+        let mut p = Self::with_kernel(&ctx, self.kernel.clone())?;
+        if p.staging.len() < self.staging.len() {
+            p.staging = ctx.alloc(self.staging.len())?;
+        }
+        let items = self.items[0].0.len();
+        if p.items[0].0.len() < items {
+            p.items = Self::item_buffers(&ctx, items)?;
+        }
+        Ok(p)
     }
 
     /// Sizes the buffers for any batch of `set` (its whole data area, one item per slot), so
@@ -145,62 +178,67 @@ impl RingPush {
             let old = std::mem::replace(&mut self.staging, ctx.alloc(data)?);
             self.retired.push((Some(old), None));
         }
-        let items = cfg.slots as usize * PUSH_ITEM_BYTES;
-        if self.items_dev.len() < items {
-            let dev = std::mem::replace(&mut self.items_dev, ctx.alloc(items)?);
-            let host = std::mem::replace(&mut self.items_host, ctx.alloc_pinned(items)?);
+        self.grow_items(cfg.slots as usize * PUSH_ITEM_BYTES)
+    }
+
+    fn grow_items(&mut self, bytes: usize) -> Result<(), KernelError> {
+        if self.items[0].0.len() >= bytes {
+            return Ok(());
+        }
+        let ctx = self.staging.context();
+        let fresh = Self::item_buffers(&ctx, bytes.next_power_of_two())?;
+        for (dev, host) in std::mem::replace(&mut self.items, fresh) {
             self.retired.push((Some(dev), Some(host)));
         }
         Ok(())
     }
 
-    /// Enqueues on `stream` the copy of `items`' bytes from ring `ring` of `set` to the device,
-    /// the copies to their destinations and the completion words. `stream` must not be the
-    /// stream of the kernels waiting on the ring (they run while the push runs). Returns once
-    /// enqueued.
+    /// Enqueues on `stream` the copy of `items`' bytes from ring `ring` (of the set `src`
+    /// comes from) to the device, the copies to their destinations and the completion words.
+    /// `stream` must not be the stream of the kernels waiting on the ring (they run while the
+    /// push runs). Returns once enqueued; on an error nothing of the batch runs.
     pub fn push(
         &mut self,
         stream: &GpuStream,
-        set: &RingSet,
+        src: &PushSource,
         ring: u32,
         items: &[PushItem],
     ) -> Result<(), KernelError> {
         if items.is_empty() {
             return Ok(());
         }
-        let (pinned, table) = match (set.host_block(ring as usize), set.table_buffer()) {
-            (Some(p), Some(t)) => (p, t),
-            _ => return Err(KernelError::NotAGpuRing { ring }),
+        let Some(pinned) = src.host_block(ring) else {
+            return Err(KernelError::NotAGpuRing { ring });
         };
         let ctx = stream.context();
         let span = push_span(items);
         let base = span.map_or(0, |s| s.0);
+        let encoded = encode_push_items(items, base);
+        self.grow_items(encoded.len())?;
         if let Some((lo, hi)) = span {
             let len = (hi - lo) as usize;
             if self.staging.len() < len {
                 let old = std::mem::replace(&mut self.staging, ctx.alloc(len.next_power_of_two())?);
                 self.retired.push((Some(old), None));
             }
-            let data = set.host_layout().data;
-            let src = pinned.slice(data + lo as usize..data + hi as usize)?;
-            stream.copy_h2d_async(&src, &mut self.staging.slice_mut(..len)?)?;
         }
-        let encoded = encode_push_items(items, base);
-        if self.items_dev.len() < encoded.len() {
-            let cap = encoded.len().next_power_of_two();
-            let dev = std::mem::replace(&mut self.items_dev, ctx.alloc(cap)?);
-            let host = std::mem::replace(&mut self.items_host, ctx.alloc_pinned(cap)?);
-            self.retired.push((Some(dev), Some(host)));
+        let (items_dev, items_host) = &mut self.items[self.next_items];
+        self.next_items = (self.next_items + 1) % ITEM_BUFFERS;
+        // Waits for the upload of the batch that last used this buffer (ITEM_BUFFERS ago).
+        items_host.as_mut_slice()?[..encoded.len()].copy_from_slice(&encoded);
+        if let Some((lo, hi)) = span {
+            let len = (hi - lo) as usize;
+            let data = src.layout().data;
+            let from = pinned.slice(data + lo as usize..data + hi as usize)?;
+            stream.copy_h2d_async(&from, &mut self.staging.slice_mut(..len)?)?;
         }
-        // Waits for the previous batch's upload from this buffer.
-        self.items_host.as_mut_slice()?[..encoded.len()].copy_from_slice(&encoded);
         stream.copy_h2d_async(
-            &self.items_host.slice(..encoded.len())?,
-            &mut self.items_dev.slice_mut(..encoded.len())?,
+            &items_host.slice(..encoded.len())?,
+            &mut items_dev.slice_mut(..encoded.len())?,
         )?;
-        let table = table.as_slice();
+        let table = src.table().as_slice();
         let staging = self.staging.as_slice();
-        let items_dev = self.items_dev.slice(..encoded.len())?;
+        let items_dev = items_dev.slice(..encoded.len())?;
         let mut args = LaunchArgs::new();
         args.buffer(&table)
             .u32(ring)

@@ -161,6 +161,7 @@ fn serve(
 ) -> Vec<HostRing> {
     let mut rings = rings;
     let stream = ctx.new_stream().unwrap();
+    let src = set.push_source().expect("a GPU ring set");
     let start = Instant::now();
     let mut reads: Vec<Read> = Vec::new();
     let mut items = Vec::new();
@@ -184,7 +185,7 @@ fn serve(
                 }
             }
             if !items.is_empty() {
-                push.push(&stream, set, h.index(), &items).unwrap();
+                push.push(&stream, &src, h.index(), &items).unwrap();
             }
         }
         if start.elapsed() > SERVE_LIMIT {

@@ -161,6 +161,9 @@ pub enum Error {
     /// NVMe/TCP controller, or on a host whose RDMA device refuses it).
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// A GPU call failed (setting up the push path of GPU request rings).
+    #[error("GPU: {0}")]
+    Gpu(String),
 }
 
 impl Error {

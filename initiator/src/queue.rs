@@ -800,6 +800,7 @@ impl Task {
             self.rings.complete(d.origin, d.status);
             tags.push(d.tag);
         }
+        self.rings.push_pending();
         self.shared.release_many(tags);
         tags.clear();
         self.rings.completed(Instant::now());

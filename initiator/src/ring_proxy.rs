@@ -19,6 +19,15 @@
 //! - a lost connection is handled as for any read: reads in flight are sent again on the
 //!   next connection, so the GPU sees only latency.
 //!
+//! Push mode ([`DataMode::Push`], feature `gpu`): each queue task that serves push rings has a
+//! push path of its own (`nvmeof_cuda_kernels::ring::RingPush` and a CUDA stream; the push
+//! kernel is compiled once per attachment). The successful reads that ended in one wake-up
+//! leave as one push per ring: one host-to-device copy of the span of the slots, then the push
+//! kernel, which copies each slot to its destination and stores its completion word. Reads that
+//! ended with an error status are published by the task at once. A push that cannot be
+//! enqueued completes its reads with Internal Error, published by the task. The push kernel
+//! needs room on the GPU to run next to the kernels that wait on the rings.
+//!
 //! Polling (`RingPacer`): the task checks its rings at every wake-up. While a ring is active
 //! the task keeps polling it without sleeping for the queue's busy-poll window
 //! (`ConnectOptions::busy_poll`) after the last request taken or completion written (a thread
@@ -39,7 +48,7 @@ use gpu_ring::{DataMode, HostRing, RingSet};
 use tokio::sync::oneshot;
 
 use crate::queue::QueueCtl;
-use crate::ring_serve::RingGrant;
+use crate::ring_serve::{PushPath, RingGrant};
 use crate::{Controller, Error};
 
 /// GPU request rings attached to a controller's I/O queues (see
@@ -118,10 +127,13 @@ impl Controller {
     /// the crate documentation).
     ///
     /// Checked first: the transport receives read data into host memory the initiator
-    /// chooses (NVMe/TCP; over NVMe/RDMA it is [`Error::Unsupported`]); the rings are in pull
-    /// mode; a data slot fits in one command (the controller's maximum transfer); every
-    /// namespace bound to a ring is active here with the bound block size and at least the
-    /// bound number of blocks. On an error the rings stay unattached and are dropped.
+    /// chooses (NVMe/TCP; over NVMe/RDMA it is [`Error::Unsupported`]); push mode needs a set
+    /// made on a GPU ([`RingSet::new_gpu`], else [`Error::InvalidArgument`]) and the `gpu`
+    /// feature (else [`Error::Unsupported`]), and its push kernel is compiled here
+    /// ([`Error::Gpu`] when that fails); up to this point a refused set keeps its rings. Then
+    /// a data slot must fit in one command (the controller's maximum transfer) and every
+    /// namespace bound to a ring must be active here with the bound block size and at least
+    /// the bound number of blocks; on those errors the rings are dropped unattached.
     pub async fn attach_gpu_rings(&self, set: &mut RingSet) -> Result<AttachedRings, Error> {
         let shared = self.shared();
         if !shared.limits.lends_buffers {
@@ -129,6 +141,18 @@ impl Controller {
                 "GPU request rings are served over NVMe/TCP only (read data is received into the ring's pinned slots)".into(),
             ));
         }
+        let nq = self.io_queue_count();
+        if nq == 0 {
+            return Err(Error::InvalidArgument(
+                "the controller has no I/O queues".into(),
+            ));
+        }
+        // One push path per queue that gets a ring (push mode only), set up before any ring
+        // is taken from the set.
+        let mut pushers = match set.config().mode {
+            DataMode::Pull => Vec::new(),
+            DataMode::Push => push_paths(set, nq.min(set.len()))?,
+        };
         let rings = set.take_host_rings();
         if rings.is_empty() {
             return Err(Error::InvalidArgument(
@@ -137,11 +161,6 @@ impl Controller {
         }
         let max = shared.info_max_transfer();
         for ring in &rings {
-            if ring.mode() != DataMode::Pull {
-                return Err(Error::Unsupported(
-                    "GPU request rings in push mode are not served yet; use pull mode".into(),
-                ));
-            }
             if ring.slot_bytes() > max {
                 return Err(Error::InvalidArgument(format!(
                     "ring slots of {} bytes exceed the controller's largest transfer ({max} bytes)",
@@ -158,12 +177,6 @@ impl Controller {
                 }
             }
         }
-        let nq = self.io_queue_count();
-        if nq == 0 {
-            return Err(Error::InvalidArgument(
-                "the controller has no I/O queues".into(),
-            ));
-        }
         let id = NEXT_ATTACHMENT.fetch_add(1, Ordering::Relaxed);
         let count = rings.len();
         let mut per_queue: Vec<Vec<HostRing>> = (0..nq).map(|_| Vec::new()).collect();
@@ -172,11 +185,18 @@ impl Controller {
         }
         let timeout = shared.opts.timeouts.io;
         let mut queues = Vec::new();
+        pushers.reverse();
         for (q, rings) in per_queue.into_iter().enumerate() {
             if rings.is_empty() {
                 continue;
             }
-            shared.io[q].control(QueueCtl::AttachRings(RingGrant { id, rings, timeout }));
+            let push = pushers.pop();
+            shared.io[q].control(QueueCtl::AttachRings(RingGrant {
+                id,
+                rings,
+                timeout,
+                push,
+            }));
             queues.push(q);
         }
         Ok(AttachedRings {
@@ -186,5 +206,62 @@ impl Controller {
             rings: count,
             detached: false,
         })
+    }
+}
+
+/// Push paths for `n` queue tasks: the push kernel compiled once, then one `RingPush` (its own
+/// staging and item buffers, sized for the whole set) and one stream per task.
+#[cfg(feature = "gpu")]
+fn push_paths(set: &RingSet, n: usize) -> Result<Vec<Box<dyn PushPath>>, Error> {
+    use nvmeof_cuda_kernels::ring::RingPush;
+    let Some(src) = set.push_source() else {
+        return Err(Error::InvalidArgument(
+            "push mode needs a ring set on a GPU (RingSet::new_gpu)".into(),
+        ));
+    };
+    let gpu = |e: &dyn std::fmt::Display| Error::Gpu(format!("ring push path: {e}"));
+    let ctx = src.table().context();
+    let mut first = RingPush::load(&ctx).map_err(|e| gpu(&e))?;
+    first.reserve(set).map_err(|e| gpu(&e))?;
+    let mut pushes = Vec::with_capacity(n);
+    for _ in 1..n {
+        pushes.push(first.fork().map_err(|e| gpu(&e))?);
+    }
+    pushes.push(first);
+    pushes
+        .into_iter()
+        .map(|push| {
+            let stream = ctx.new_stream().map_err(|e| gpu(&e))?;
+            Ok(Box::new(GpuPush {
+                push,
+                stream,
+                src: src.clone(),
+            }) as Box<dyn PushPath>)
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "gpu"))]
+fn push_paths(_set: &RingSet, _n: usize) -> Result<Vec<Box<dyn PushPath>>, Error> {
+    Err(Error::Unsupported(
+        "GPU request rings in push mode need the initiator's `gpu` feature (the push kernel)"
+            .into(),
+    ))
+}
+
+/// A queue task's push path: the push kernel's buffers and a stream of its own.
+#[cfg(feature = "gpu")]
+struct GpuPush {
+    push: nvmeof_cuda_kernels::ring::RingPush,
+    stream: crate::gpu::cuda::GpuStream,
+    src: gpu_ring::PushSource,
+}
+
+#[cfg(feature = "gpu")]
+impl PushPath for GpuPush {
+    fn push(&mut self, ring: u32, items: &[gpu_ring::PushItem]) -> Result<(), String> {
+        self.push
+            .push(&self.stream, &self.src, ring, items)
+            .map_err(|e| e.to_string())
     }
 }

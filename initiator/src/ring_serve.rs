@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use gpu_ring::{HostRing, Read};
+use gpu_ring::{DataMode, HostRing, PushItem, Read};
 use nvme_spec::command::build;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::Error;
-use crate::error::ring_status;
+use crate::error::{STATUS_INTERNAL, ring_status};
 use crate::queue_core::{DataDir, Request, Retry, RingSlot};
 
 /// Requests taken from one ring per wake-up of its queue task, at most.
@@ -87,6 +87,14 @@ impl RingPacer {
     }
 }
 
+/// How a queue task hands push-mode completions to the device: the push kernel on a stream
+/// of the task's own (see `ring_proxy`).
+pub(crate) trait PushPath: Send {
+    /// Enqueues the data copies and completion words of `items` of ring `ring` (its index in
+    /// its set). On an error nothing of the batch runs.
+    fn push(&mut self, ring: u32, items: &[PushItem]) -> Result<(), String>;
+}
+
 /// A ring attached to a queue task.
 struct Entry {
     /// The attachment it belongs to.
@@ -96,6 +104,8 @@ struct Entry {
     timeout: Duration,
     /// No more requests are taken; dropped once nothing is in flight.
     detaching: bool,
+    /// Push mode: reads that ended successfully, waiting for the batch's push.
+    pending: Vec<PushItem>,
 }
 
 /// Rings handed to a queue task by one attachment.
@@ -103,6 +113,8 @@ pub(crate) struct RingGrant {
     pub(crate) id: u64,
     pub(crate) rings: Vec<HostRing>,
     pub(crate) timeout: Duration,
+    /// The push path for the attachment's push-mode rings.
+    pub(crate) push: Option<Box<dyn PushPath>>,
 }
 
 /// The rings a queue task serves.
@@ -115,6 +127,8 @@ pub(crate) struct RingTable {
     next: usize,
     /// Scratch: requests taken from a ring.
     reads: Vec<Read>,
+    /// Push paths by attachment.
+    pushers: Vec<(u64, Box<dyn PushPath>)>,
 }
 
 impl RingTable {
@@ -126,6 +140,7 @@ impl RingTable {
             pacer: RingPacer::new(window),
             next: 0,
             reads: Vec::with_capacity(RING_BATCH),
+            pushers: Vec::new(),
         }
     }
 
@@ -145,12 +160,20 @@ impl RingTable {
 
     /// Adds the rings of an attachment.
     pub fn attach(&mut self, grant: RingGrant) {
+        if let Some(p) = grant.push {
+            self.pushers.push((grant.id, p));
+        }
         for ring in grant.rings {
+            let pending = match ring.mode() {
+                DataMode::Push => Vec::with_capacity(ring.slots() as usize),
+                DataMode::Pull => Vec::new(),
+            };
             let e = Entry {
                 id: grant.id,
                 ring,
                 timeout: grant.timeout,
                 detaching: false,
+                pending,
             };
             match self.entries.iter_mut().find(|e| e.is_none()) {
                 Some(free) => *free = Some(e),
@@ -186,6 +209,20 @@ impl RingTable {
         }
         let entries = &self.entries;
         let mut i = 0;
+        while i < self.pushers.len() {
+            let id = self.pushers[i].0;
+            if entries.iter().flatten().any(|e| e.id == id) {
+                i += 1;
+            } else {
+                let (_, p) = self.pushers.swap_remove(i);
+                // Freeing device memory may wait for the whole device, including kernels
+                // that wait on other rings this task serves: let another thread do it.
+                let _ = std::thread::Builder::new()
+                    .name("nvmeof-ring-push-drop".into())
+                    .spawn(move || drop(p));
+            }
+        }
+        let mut i = 0;
         while i < self.waiters.len() {
             let id = self.waiters[i].0;
             if entries.iter().flatten().any(|e| e.id == id) {
@@ -202,10 +239,41 @@ impl RingTable {
         self.pacer.active(now);
     }
 
-    /// Writes the completion word of a ring read that ended.
+    /// Writes the completion word of a ring read that ended; in push mode a successful read
+    /// joins its ring's next push instead ([`RingTable::push_pending`]).
     pub fn complete(&mut self, origin: RingSlot, status: u16) {
         if let Some(Some(e)) = self.entries.get_mut(usize::from(origin.ring)) {
-            e.ring.complete(origin.slot, status);
+            if e.ring.mode() == DataMode::Push && status == 0 {
+                e.pending.extend(e.ring.complete_push(origin.slot, status));
+            } else {
+                e.ring.complete(origin.slot, status);
+            }
+        }
+    }
+
+    /// Pushes the successful push-mode reads completed since the last call: one push (one
+    /// host-to-device copy and one kernel) per ring. A push that cannot be enqueued fails its
+    /// reads with Internal Error, published from the host.
+    pub fn push_pending(&mut self) {
+        for e in self.entries.iter_mut().flatten() {
+            if e.pending.is_empty() {
+                continue;
+            }
+            let res = match self.pushers.iter_mut().find(|p| p.0 == e.id) {
+                Some((_, p)) => p.push(e.ring.index(), &e.pending),
+                None => Err("no push path for this ring".into()),
+            };
+            if let Err(msg) = res {
+                tracing::warn!(
+                    ring = e.ring.index(),
+                    reads = e.pending.len(),
+                    "GPU ring push failed, reads completed with Internal Error: {msg}"
+                );
+                for item in &e.pending {
+                    e.ring.fail_push(item, STATUS_INTERNAL);
+                }
+            }
+            e.pending.clear();
         }
     }
 
@@ -319,6 +387,130 @@ mod tests {
         assert_eq!(p.wait(now), RingWait::Poll);
         p.polled(now + us(100), false);
         assert_eq!(p.wait(now + us(100)), RingWait::At(now + us(150)));
+    }
+
+    /// Batches a [`Recorder`] was given: (ring, items).
+    type Batches = std::sync::Arc<std::sync::Mutex<Vec<(u32, Vec<PushItem>)>>>;
+
+    /// Records the batches it is given, or fails every push.
+    struct Recorder {
+        batches: Batches,
+        fail: bool,
+    }
+
+    impl PushPath for Recorder {
+        fn push(&mut self, ring: u32, items: &[PushItem]) -> Result<(), String> {
+            if self.fail {
+                return Err("no device".into());
+            }
+            self.batches.lock().unwrap().push((ring, items.to_vec()));
+            Ok(())
+        }
+    }
+
+    struct Tags(Vec<u16>, u16);
+
+    impl TagSource for Tags {
+        fn take(&mut self, max: usize) -> &[u16] {
+            self.0 = (self.1..self.1 + max as u16).collect();
+            &self.0
+        }
+
+        fn give_back(&mut self, used: usize) {
+            self.1 += used as u16;
+            self.0.clear();
+        }
+    }
+
+    /// A table serving one push-mode stand-in ring whose push path records (or fails) batches.
+    fn push_table(fail: bool) -> (gpu_ring::RingSet, RingTable, Batches) {
+        use gpu_ring::{NsBinding, RingConfig, RingSet};
+        let ns = NsBinding {
+            nsid: 1,
+            block_size: 512,
+            blocks: 1024,
+        };
+        let cfg = RingConfig {
+            slots: 8,
+            slot_bytes: 4096,
+            mode: DataMode::Push,
+        };
+        let mut set = RingSet::new_host(1, cfg, &[ns]).unwrap();
+        let batches = std::sync::Arc::default();
+        let mut table = RingTable::new(Duration::ZERO);
+        table.attach(RingGrant {
+            id: 7,
+            rings: set.take_host_rings(),
+            timeout: Duration::from_secs(1),
+            push: Some(Box::new(Recorder {
+                batches: std::sync::Arc::clone(&batches),
+                fail,
+            })),
+        });
+        (set, table, batches)
+    }
+
+    fn take_all(table: &mut RingTable) -> Vec<RingSlot> {
+        let mut origins = Vec::new();
+        let mut tags = Tags(Vec::new(), 0);
+        table.poll(Instant::now(), None, &mut tags, &mut |_, _, _, o| {
+            origins.push(o)
+        });
+        origins
+    }
+
+    #[test]
+    fn push_mode_reads_leave_in_one_push_per_ring_and_errors_do_not_wait() {
+        let (set, mut table, batches) = push_table(false);
+        let dev = set.standin_rings().remove(0);
+        let tickets: Vec<_> = (0..3)
+            .map(|i| dev.submit(0, i * 8, 8, 0x1000 * i))
+            .collect();
+        let origins = take_all(&mut table);
+        assert_eq!(origins.len(), 3);
+        table.complete(origins[0], 0);
+        table.complete(origins[2], 0);
+        // An error status is published by the host at once, with no push.
+        table.complete(origins[1], 0x80);
+        assert!(dev.test(&tickets[1]));
+        assert!(!dev.test(&tickets[0]) && !dev.test(&tickets[2]));
+        table.push_pending();
+        let got = batches.lock().unwrap().clone();
+        assert_eq!(got.len(), 1, "one push for the ring");
+        let (ring, items) = &got[0];
+        assert_eq!(*ring, 0);
+        assert_eq!(
+            items.iter().map(|i| (i.slot, i.bytes)).collect::<Vec<_>>(),
+            [(origins[0].slot, 4096), (origins[2].slot, 4096)]
+        );
+        // The words wait for the device's push; the stand-in's push kernel stores them.
+        assert!(!dev.test(&tickets[0]));
+        for item in items {
+            assert!(dev.push(item, |_, b| assert_eq!(b.len(), 4096)));
+        }
+        let mut buf = [0u8; 0];
+        for t in tickets {
+            let want = if t.value() == 1 { 0x80 } else { 0 };
+            assert_eq!(dev.wait(t, Duration::from_secs(1), &mut buf), want);
+        }
+        // Nothing left to push.
+        table.push_pending();
+        assert_eq!(batches.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_push_that_fails_completes_its_reads_with_internal_error() {
+        let (set, mut table, _) = push_table(true);
+        let dev = set.standin_rings().remove(0);
+        let t = dev.submit(0, 0, 1, 0);
+        let origins = take_all(&mut table);
+        table.complete(origins[0], 0);
+        table.push_pending();
+        let mut buf = [0u8; 0];
+        assert_eq!(
+            dev.wait(t, Duration::from_secs(1), &mut buf),
+            STATUS_INTERNAL
+        );
     }
 
     #[test]

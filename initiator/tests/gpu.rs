@@ -521,137 +521,262 @@ fn nvrtc_compiles_the_gpu_issue_kernel() {
     }
 }
 
-/// GPU threads issue their own reads (`nvmf_gpu.cuh`) through request rings served by the
-/// controller's queue tasks (`Controller::attach_gpu_rings`) over NVMe/TCP: uniform random
-/// reads of 512 B and 4 KiB, and a dependent pointer chase (each read's LBA comes from the
-/// previous read's first word), 512 threads on two rings of 64 slots (more reads than slots
-/// and command identifiers, so the rings also wait for free ones), every byte checked on the
-/// GPU, per-read latency taken with %globaltimer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn gpu_threads_read_through_the_queue_tasks() {
-    use nvmeof_initiator::gpu::cuda::{LaunchArgs, LaunchConfig};
+/// The ring-issue kernel compiled and loaded, or SKIP.
+fn issue_kernel(name: &str) -> Option<(GpuContext, nvmeof_initiator::gpu::cuda::Kernel)> {
     use nvmeof_initiator::gpu::kernels::COMMON_CUH;
     use nvmeof_initiator::gpu::kernels::ring::compile_with_ring_header;
-    use nvmeof_initiator::gpu_ring::{DataMode, NsBinding, RingConfig, RingSet};
 
-    const NAME: &str = "gpu_threads_read_through_the_queue_tasks";
-    let Some((ctx, _kernels)) = gpu_or_skip(NAME) else {
-        return;
-    };
+    let (ctx, _kernels) = gpu_or_skip(name)?;
     let target_code = ctx.default_code_target().unwrap();
     let source = format!("{COMMON_CUH}\n{GPU_ISSUE_KERNEL}");
     let image = compile_with_ring_header(&source, "gpu_issue.cu", target_code, &[]).unwrap();
     let module = ctx.load_module(&image).unwrap();
-    let mut kernel = module.kernel("gpu_issue").unwrap();
-    let (mut target, ctrl, ns) = setup("mem:64M,bs=512", 2).await;
-    let bs = ns.block_size();
-    let blocks = ns.num_blocks();
-    const BLOCKS: u32 = 8;
-    const THREADS: u32 = 64;
-    const ITERATIONS: u32 = 16;
-    let reads = u64::from(BLOCKS * THREADS * ITERATIONS);
-    for (nblocks, chase) in [(1u32, false), (8, false), (8, true)] {
-        let cfg = RingConfig {
-            slots: 64,
-            slot_bytes: 4096,
-            mode: DataMode::Pull,
-        };
-        let binding = NsBinding {
-            nsid: ns.nsid(),
-            block_size: bs,
-            blocks,
-        };
-        let mut set = RingSet::new_gpu(&ctx, 2, cfg, &[binding]).unwrap();
-        let attached = ctrl.attach_gpu_rings(&mut set).await.unwrap();
-        let before: u64 = ctrl.queue_stats().iter().map(|q| q.ring_reads).sum();
-        let bytes = (bs * nblocks) as usize;
-        let mut dst = ctx
-            .alloc_zeroed((BLOCKS * THREADS) as usize * bytes)
-            .unwrap();
-        let mut result = ctx.alloc_zeroed(8 * (8 + 256)).unwrap();
-        let stream = ctx.new_stream().unwrap();
-        let start = std::time::Instant::now();
-        let (set, dst, result, k, stream) = tokio::task::spawn_blocking(move || {
-            {
-                let table = set.table_buffer().unwrap().as_slice();
-                let mut dst_view = dst.as_slice_mut();
-                let mut result_view = result.as_slice_mut();
-                let mut args = LaunchArgs::new();
-                args.buffer(&table)
-                    .buffer_mut(&mut dst_view)
-                    .buffer_mut(&mut result_view)
-                    .u64(SEED)
-                    .u32(bs)
-                    .u32(nblocks)
-                    .u64(blocks)
-                    .u32(ITERATIONS)
-                    .u32(u32::from(chase))
-                    .u64(20_000_000_000);
-                kernel
-                    .launch(&stream, &LaunchConfig::linear(BLOCKS, THREADS), &args)
-                    .unwrap();
-            }
-            stream.synchronize().unwrap();
-            (set, dst, result, kernel, stream)
-        })
-        .await
-        .unwrap();
-        kernel = k;
-        let elapsed = start.elapsed();
-        attached.detach().await;
-        let raw = result.to_vec().unwrap();
-        let word = |i: usize| u64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap());
-        let what = format!(
-            "{} B {}",
-            bs * nblocks,
-            if chase {
+    let kernel = module.kernel("gpu_issue").unwrap();
+    Some((ctx, kernel))
+}
+
+/// GPU thread blocks and threads per block of the ring-issue kernel.
+const ISSUE_BLOCKS: u32 = 8;
+const ISSUE_THREADS: u32 = 64;
+
+/// One run of the ring-issue kernel.
+struct Issue {
+    mode: nvmeof_initiator::gpu_ring::DataMode,
+    nblocks: u32,
+    chase: bool,
+    iterations: u32,
+}
+
+impl Issue {
+    fn reads(&self) -> u64 {
+        u64::from(ISSUE_BLOCKS * ISSUE_THREADS * self.iterations)
+    }
+
+    fn what(&self, bs: u32) -> String {
+        format!(
+            "{:?} mode, {} B {}",
+            self.mode,
+            bs * self.nblocks,
+            if self.chase {
                 "pointer chase"
             } else {
                 "uniform random"
             }
-        );
-        assert_eq!(
-            word(1),
-            0,
-            "{what}: failed reads, e.g. status {:#x}",
-            word(2)
-        );
-        assert_eq!(word(0), 0, "{what}: wrong words");
-        assert_eq!(word(3), reads, "{what}: verified reads");
-        let after: u64 = ctrl.queue_stats().iter().map(|q| q.ring_reads).sum();
-        assert_eq!(
-            after - before,
-            reads,
-            "{what}: reads the queue tasks started"
-        );
-        let hist: Vec<u64> = (0..256).map(|b| word(8 + b)).collect();
-        let pct = |p: f64| {
-            let want = (reads as f64 * p).ceil() as u64;
-            let mut seen = 0;
-            for (b, &n) in hist.iter().enumerate() {
-                seen += n;
-                if seen >= want {
-                    let (e, sub) = ((b / 4) as u32, (b % 4) as u64);
-                    return if e >= 2 {
-                        (5 + sub) << (e - 2)
-                    } else {
-                        1 << (e + 1)
-                    };
-                }
-            }
-            0
-        };
-        println!(
-            "{NAME}: {what}: {reads} reads by {} GPU threads in {elapsed:?} ({:.0} IOPS); \
-             latency mean {:.1} us, p50 <= {:.1} us, p99 <= {:.1} us, max {:.1} us",
-            BLOCKS * THREADS,
-            reads as f64 / elapsed.as_secs_f64(),
-            word(4) as f64 / reads as f64 / 1000.0,
-            pct(0.5) as f64 / 1000.0,
-            pct(0.99) as f64 / 1000.0,
-            word(5) as f64 / 1000.0,
-        );
+        )
+    }
+}
+
+/// Attaches two rings of 64 slots in `issue.mode` to `ctrl` and starts the kernel on them
+/// (namespace `ns`, filled with the pattern) on a blocking thread; the handle gives back the
+/// kernel and the result words once the kernel ended.
+async fn start_issue(
+    ctx: &GpuContext,
+    kernel: nvmeof_initiator::gpu::cuda::Kernel,
+    ctrl: &Controller,
+    ns: &Namespace,
+    issue: &Issue,
+) -> (
+    nvmeof_initiator::AttachedRings,
+    tokio::task::JoinHandle<(nvmeof_initiator::gpu::cuda::Kernel, Vec<u64>)>,
+) {
+    use nvmeof_initiator::gpu::cuda::{LaunchArgs, LaunchConfig};
+    use nvmeof_initiator::gpu_ring::{NsBinding, RingConfig, RingSet};
+
+    let (bs, blocks) = (ns.block_size(), ns.num_blocks());
+    let cfg = RingConfig {
+        slots: 64,
+        slot_bytes: 4096,
+        mode: issue.mode,
+    };
+    let binding = NsBinding {
+        nsid: ns.nsid(),
+        block_size: bs,
+        blocks,
+    };
+    let mut set = RingSet::new_gpu(ctx, 2, cfg, &[binding]).unwrap();
+    let attached = ctrl.attach_gpu_rings(&mut set).await.unwrap();
+    let bytes = (bs * issue.nblocks) as usize;
+    let mut dst = ctx
+        .alloc_zeroed((ISSUE_BLOCKS * ISSUE_THREADS) as usize * bytes)
+        .unwrap();
+    let mut result = ctx.alloc_zeroed(8 * (8 + 256)).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let (nblocks, chase, iterations) = (issue.nblocks, issue.chase, issue.iterations);
+    let run = tokio::task::spawn_blocking(move || {
+        {
+            let table = set.table_buffer().unwrap().as_slice();
+            let mut dst_view = dst.as_slice_mut();
+            let mut result_view = result.as_slice_mut();
+            let mut args = LaunchArgs::new();
+            args.buffer(&table)
+                .buffer_mut(&mut dst_view)
+                .buffer_mut(&mut result_view)
+                .u64(SEED)
+                .u32(bs)
+                .u32(nblocks)
+                .u64(blocks)
+                .u32(iterations)
+                .u32(u32::from(chase))
+                .u64(20_000_000_000);
+            kernel
+                .launch(
+                    &stream,
+                    &LaunchConfig::linear(ISSUE_BLOCKS, ISSUE_THREADS),
+                    &args,
+                )
+                .unwrap();
+        }
+        stream.synchronize().unwrap();
+        let raw = result.to_vec().unwrap();
+        let words = raw
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
         drop((set, dst, stream));
+        (kernel, words)
+    });
+    (attached, run)
+}
+
+/// Checks the result words of a run: no failed read, no wrong word, every read verified.
+/// Prints the latency figures.
+fn check_issue(name: &str, what: &str, words: &[u64], reads: u64, elapsed: std::time::Duration) {
+    assert_eq!(
+        words[1], 0,
+        "{what}: failed reads, e.g. status {:#x}",
+        words[2]
+    );
+    assert_eq!(words[0], 0, "{what}: wrong words");
+    assert_eq!(words[3], reads, "{what}: verified reads");
+    let hist = &words[8..8 + 256];
+    let pct = |p: f64| {
+        let want = (reads as f64 * p).ceil() as u64;
+        let mut seen = 0;
+        for (b, &n) in hist.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                let (e, sub) = ((b / 4) as u32, (b % 4) as u64);
+                return if e >= 2 {
+                    (5 + sub) << (e - 2)
+                } else {
+                    1 << (e + 1)
+                };
+            }
+        }
+        0
+    };
+    println!(
+        "{name}: {what}: {reads} reads by {} GPU threads in {elapsed:?} ({:.0} IOPS); \
+         latency mean {:.1} us, p50 <= {:.1} us, p99 <= {:.1} us, max {:.1} us",
+        ISSUE_BLOCKS * ISSUE_THREADS,
+        reads as f64 / elapsed.as_secs_f64(),
+        words[4] as f64 / reads as f64 / 1000.0,
+        pct(0.5) as f64 / 1000.0,
+        pct(0.99) as f64 / 1000.0,
+        words[5] as f64 / 1000.0,
+    );
+}
+
+fn ring_reads(ctrl: &Controller) -> u64 {
+    ctrl.queue_stats().iter().map(|q| q.ring_reads).sum()
+}
+
+/// GPU threads issue their own reads (`nvmf_gpu.cuh`) through request rings served by the
+/// controller's queue tasks (`Controller::attach_gpu_rings`) over NVMe/TCP, in pull mode (the
+/// waiting warp copies from the pinned slot) and in push mode (the queue task pushes each
+/// batch with one host-to-device copy and the push kernel): uniform random reads of 512 B and
+/// 4 KiB, and a dependent pointer chase (each read's LBA comes from the previous read's first
+/// word), 512 threads on two rings of 64 slots (more reads than slots and command
+/// identifiers, so the rings also wait for free ones), every byte checked on the GPU, per-read
+/// latency taken with %globaltimer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_threads_read_through_the_queue_tasks() {
+    use nvmeof_initiator::gpu_ring::DataMode;
+
+    const NAME: &str = "gpu_threads_read_through_the_queue_tasks";
+    let Some((ctx, mut kernel)) = issue_kernel(NAME) else {
+        return;
+    };
+    let (mut target, ctrl, ns) = setup("mem:64M,bs=512", 2).await;
+    for mode in [DataMode::Pull, DataMode::Push] {
+        for (nblocks, chase) in [(1u32, false), (8, false), (8, true)] {
+            let issue = Issue {
+                mode,
+                nblocks,
+                chase,
+                iterations: 16,
+            };
+            let before = ring_reads(&ctrl);
+            let start = std::time::Instant::now();
+            let (attached, run) = start_issue(&ctx, kernel, &ctrl, &ns, &issue).await;
+            let (k, words) = run.await.unwrap();
+            kernel = k;
+            let elapsed = start.elapsed();
+            attached.detach().await;
+            let what = issue.what(ns.block_size());
+            check_issue(NAME, &what, &words, issue.reads(), elapsed);
+            assert_eq!(
+                ring_reads(&ctrl) - before,
+                issue.reads(),
+                "{what}: reads the queue tasks started"
+            );
+        }
+    }
+    ctrl.disconnect().await.unwrap();
+    target.shutdown().await;
+}
+
+/// The target is shut down while GPU threads have ring reads in flight and comes back on the
+/// same port (a file namespace keeps the pattern): the initiator reconnects, the reads in
+/// flight are sent again, and the kernel's reads all complete and verify (pull and push
+/// mode); the threads see only latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gpu_ring_reads_survive_a_target_restart() {
+    use nvmeof_initiator::ControllerState;
+    use nvmeof_initiator::gpu_ring::DataMode;
+
+    const NAME: &str = "gpu_ring_reads_survive_a_target_restart";
+    let Some((ctx, mut kernel)) = issue_kernel(NAME) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "file:{},size=16M,bs=512,direct=off",
+        dir.path().join("ns1.img").display()
+    );
+    let (mut target, ctrl, ns) = setup(&spec, 2).await;
+    ns.flush().await.unwrap();
+    let addr = target.addr;
+    for mode in [DataMode::Pull, DataMode::Push] {
+        let issue = Issue {
+            mode,
+            nblocks: 1,
+            chase: false,
+            iterations: 400,
+        };
+        let reconnects = ctrl.reconnects();
+        let start = std::time::Instant::now();
+        let (attached, run) = start_issue(&ctx, kernel, &ctrl, &ns, &issue).await;
+        let before = ring_reads(&ctrl);
+        while ring_reads(&ctrl) < before + 2000 && !run.is_finished() {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        assert!(!run.is_finished(), "the kernel ended before the restart");
+        target.shutdown().await;
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        target = TestTarget::start_on(addr, &[&spec], |s| s.reactors = 2);
+        let (k, words) = run.await.unwrap();
+        kernel = k;
+        let elapsed = start.elapsed();
+        attached.detach().await;
+        let what = format!("{} across a target restart", issue.what(ns.block_size()));
+        check_issue(NAME, &what, &words, issue.reads(), elapsed);
+        ctrl.wait_for_state(std::time::Duration::from_secs(20), |s| {
+            *s == ControllerState::Connected
+        })
+        .await
+        .unwrap();
+        assert!(ctrl.reconnects() > reconnects, "{what}: no reconnect");
     }
     ctrl.disconnect().await.unwrap();
     target.shutdown().await;

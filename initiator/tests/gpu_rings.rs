@@ -213,7 +213,7 @@ async fn bad_requests_get_statuses() {
     let absent = NsBinding { nsid: 9, ..too_big };
     let mut set = RingSet::new_host(1, cfg, &[absent]).expect("ring set");
     assert!(ctrl.attach_gpu_rings(&mut set).await.is_err());
-    // Push mode is not served.
+    // Push mode needs a ring set on a GPU (the push kernel copies to device memory).
     let push = RingConfig {
         mode: DataMode::Push,
         ..cfg
@@ -232,7 +232,15 @@ async fn bad_requests_get_statuses() {
     };
     let mut set = RingSet::new_host(1, push, &[binding]).expect("ring set");
     let e = ctrl.attach_gpu_rings(&mut set).await.expect_err("push");
-    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    assert!(
+        matches!(e, Error::InvalidArgument(_) | Error::Unsupported(_)),
+        "{e}"
+    );
+    assert_eq!(
+        set.take_host_rings().len(),
+        1,
+        "a refused set keeps its rings"
+    );
 
     let mut set = ring_set(&ns, 1, 4, 4096);
     let ring = set.standin_rings().remove(0);

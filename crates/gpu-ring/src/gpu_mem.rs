@@ -123,6 +123,52 @@ impl GpuBacking {
     }
 }
 
+/// What the push path of a GPU ring set needs after the set is handed out: the descriptor
+/// table and the pinned host blocks (from [`crate::RingSet::push_source`]). It keeps that
+/// memory alive, so a push never outlives the memory it reads or the table its kernel is
+/// given, even when the [`crate::RingSet`] itself is dropped first.
+#[derive(Clone)]
+pub struct PushSource {
+    backing: Arc<GpuBacking>,
+    layout: HostLayout,
+}
+
+impl std::fmt::Debug for PushSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushSource")
+            .field("rings", &self.backing.pinned.len())
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+impl PushSource {
+    pub(crate) fn new(backing: Arc<GpuBacking>, layout: HostLayout) -> PushSource {
+        PushSource { backing, layout }
+    }
+
+    /// The descriptor table in device memory (the push kernel's first argument).
+    pub fn table(&self) -> &DeviceBuffer {
+        self.backing.table()
+    }
+
+    /// The pinned host block of ring `ring`; its data area starts at [`PushSource::layout`]
+    /// `.data`.
+    pub fn host_block(&self, ring: u32) -> Option<&PinnedBuffer> {
+        self.backing.pinned(ring as usize)
+    }
+
+    /// Layout of every ring's host block.
+    pub fn layout(&self) -> HostLayout {
+        self.layout
+    }
+
+    /// Number of rings in the set.
+    pub fn rings(&self) -> usize {
+        self.backing.pinned.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

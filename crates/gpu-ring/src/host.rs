@@ -223,6 +223,15 @@ impl HostRing {
         })
     }
 
+    /// Push mode: publishes from the host, with `status` instead of the item's own, the
+    /// completion of an item whose push could not be enqueued (the push kernel never ran for
+    /// it), so the waiting thread gets an error rather than a timeout.
+    pub fn fail_push(&mut self, item: &PushItem, status: u16) {
+        let (lap, _) = crate::proto::decode_completion(item.cpl_word);
+        self.mem
+            .publish_unpushed(item.slot, encode_completion(lap, status));
+    }
+
     fn finish(&mut self, slot: u32) -> Option<(u16, u32)> {
         let taken = self.taken.get_mut(slot as usize).and_then(Option::take);
         match taken {

@@ -81,6 +81,7 @@ mod set;
 mod shared;
 pub mod standin;
 
+pub use gpu_mem::PushSource;
 pub use host::{HostRing, PushItem, RingStats};
 pub use proto::{NsBinding, Read};
 pub use set::{

@@ -167,7 +167,7 @@ enum Backing {
         table: Box<[RingDesc]>,
     },
     /// Pinned+mapped host memory and device memory of a GPU.
-    Gpu(crate::gpu_mem::GpuBacking),
+    Gpu(Arc<crate::gpu_mem::GpuBacking>),
 }
 
 /// A set of rings and their device-side descriptor table, given to kernels by pointer.
@@ -257,7 +257,7 @@ impl RingSet {
             namespaces: namespaces.into(),
             mems,
             tokens,
-            backing: Backing::Gpu(backing),
+            backing: Backing::Gpu(Arc::new(backing)),
         })
     }
 
@@ -340,6 +340,15 @@ impl RingSet {
     pub fn host_block(&self, ring: usize) -> Option<&gpu::PinnedBuffer> {
         match &self.backing {
             Backing::Gpu(g) => g.pinned(ring),
+            Backing::Host { .. } => None,
+        }
+    }
+
+    /// What the push path needs (GPU sets; `None` for a stand-in set): the table and the
+    /// pinned host blocks, kept alive by the handle.
+    pub fn push_source(&self) -> Option<crate::PushSource> {
+        match &self.backing {
+            Backing::Gpu(g) => Some(crate::PushSource::new(g.clone(), self.host_layout())),
             Backing::Host { .. } => None,
         }
     }

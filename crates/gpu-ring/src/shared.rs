@@ -296,6 +296,32 @@ impl RingMem {
             .is_ok()
     }
 
+    /// Publishes the completion word of a slot handed to the push path whose push never ran
+    /// (the push could not be enqueued): at once for a `FREE` slot, when its handle is dropped
+    /// for a slot still lent (`LENT` with a pending push). The device owns a `FREE` slot only
+    /// after seeing its completion word, which nobody else stores here, so the store cannot
+    /// race a later occupant. Returns false (and does nothing) in any other state.
+    pub fn publish_unpushed(&self, slot: u32, word: u64) -> bool {
+        let state = self.state(slot);
+        let pending = (word & !STATE_MASK) | LENT | PENDING_STORE;
+        if state
+            .compare_exchange(
+                LENT | PENDING_PUSH,
+                pending,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+        {
+            return true;
+        }
+        if state.load(Ordering::Acquire) != FREE {
+            return false;
+        }
+        self.cpl(slot).store(word, Ordering::Release);
+        true
+    }
+
     /// Runs `f` on the first `len` bytes of a slot's data while holding it `READING` (the CPU
     /// stand-in's copy after it saw the completion). Returns `None` when the slot is not
     /// `FREE` (the host still holds or lends it).
@@ -451,5 +477,26 @@ mod tests {
         assert!(mem.complete_push(1));
         assert_eq!(mem.cpl(1).load(Ordering::Acquire), 0);
         assert!(mem.claim(1));
+    }
+
+    #[test]
+    fn a_push_that_never_ran_publishes_from_the_host() {
+        let (mem, _token) = RingMem::new_heap(2, 512);
+        // Completed for the push path while lent: the word waits for the handle.
+        assert!(mem.claim(0));
+        let lent = mem.lend(0).unwrap();
+        assert!(mem.complete_push(0));
+        assert!(mem.publish_unpushed(0, 3 << 48 | 6 << 32));
+        assert_eq!(mem.cpl(0).load(Ordering::Acquire), 0);
+        drop(lent);
+        assert_eq!(mem.cpl(0).load(Ordering::Acquire), 3 << 48 | 6 << 32);
+        // Completed for the push path while held: stored at once.
+        assert!(mem.claim(1));
+        assert!(mem.complete_push(1));
+        assert!(mem.publish_unpushed(1, 4 << 48 | 6 << 32));
+        assert_eq!(mem.cpl(1).load(Ordering::Acquire), 4 << 48 | 6 << 32);
+        // Not for a slot the host holds.
+        assert!(mem.claim(1));
+        assert!(!mem.publish_unpushed(1, 5 << 48));
     }
 }
