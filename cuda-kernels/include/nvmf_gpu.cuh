@@ -331,15 +331,37 @@ __device__ __forceinline__ const nvmf_gpu_u8* nvmf_gpu_slot_data(struct nvmf_gpu
     return (const nvmf_gpu_u8*)k.ring->data + (nvmf_gpu_u64)nvmf_gpu_slot(k) * k.ring->slot_bytes;
 }
 
-// Copies n bytes; lanes `lane` of `nlanes` share the work (1 lane: a single thread).
+// 16-byte loads a lane keeps in flight in nvmf_gpu_copy.
+#define NVMF_GPU_COPY_UNROLL 8
+
+// Copies n bytes; lanes `lane` of `nlanes` share the work (1 lane: a single thread). The
+// source is pinned host memory, where every load crosses the bus (about a microsecond): each
+// lane issues NVMF_GPU_COPY_UNROLL loads before it stores any of them, so a lone thread
+// copying 512 B waits for 4 round trips, not 32 (a store that may alias the next load would
+// otherwise wait for it).
 __device__ __forceinline__ void nvmf_gpu_copy(nvmf_gpu_u8* dst, const nvmf_gpu_u8* src,
                                               nvmf_gpu_u64 n, nvmf_gpu_u32 lane,
                                               nvmf_gpu_u32 nlanes) {
     nvmf_gpu_u64 done = 0;
     if ((((nvmf_gpu_u64)dst | (nvmf_gpu_u64)src) & 15ULL) == 0) {
         const nvmf_gpu_u64 nvec = n / 16ULL;
-        for (nvmf_gpu_u64 i = lane; i < nvec; i += nlanes) {
-            ((uint4*)dst)[i] = ((const uint4*)src)[i];
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const nvmf_gpu_u64 step = (nvmf_gpu_u64)nlanes;
+        nvmf_gpu_u64 i = lane;
+        for (; i + (NVMF_GPU_COPY_UNROLL - 1) * step < nvec; i += NVMF_GPU_COPY_UNROLL * step) {
+            uint4 v[NVMF_GPU_COPY_UNROLL];
+#pragma unroll
+            for (int j = 0; j < NVMF_GPU_COPY_UNROLL; ++j) {
+                v[j] = s[i + j * step];
+            }
+#pragma unroll
+            for (int j = 0; j < NVMF_GPU_COPY_UNROLL; ++j) {
+                d[i + j * step] = v[j];
+            }
+        }
+        for (; i < nvec; i += step) {
+            d[i] = s[i];
         }
         done = nvec * 16ULL;
     }
