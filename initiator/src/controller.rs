@@ -555,6 +555,7 @@ impl Controller {
                 retry_writes: false,
                 scan_period: scan(opts.timeouts.admin),
                 busy_poll: Duration::ZERO,
+                ring_poll: Duration::ZERO,
             },
             sup_tx.clone(),
         );
@@ -569,6 +570,7 @@ impl Controller {
                         retry_writes: opts.retry_writes,
                         scan_period: scan(opts.timeouts.io),
                         busy_poll: opts.busy_poll,
+                        ring_poll: opts.ring_poll,
                     },
                     sup_tx.clone(),
                 )

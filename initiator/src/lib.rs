@@ -104,8 +104,9 @@ pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
 pub use namespace::Namespace;
 pub use options::{
-    ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
-    DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts, TlsOptions, Transport,
+    ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DEFAULT_RING_POLL,
+    DhchapSecrets, DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts,
+    TlsOptions, Transport,
 };
 pub use queue::QueueStats;
 pub use queue_pair::{BlockingQueuePair, Completion, QueuePair, Rejected};

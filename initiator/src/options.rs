@@ -285,6 +285,14 @@ pub struct ConnectOptions {
     /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
     /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
+    /// Poll window of the GPU request rings a queue serves (`Controller::attach_gpu_rings`):
+    /// after the last request taken or completion written, the queue keeps checking its rings
+    /// without sleeping for this long, then on a timer ladder up to 1 ms. A GPU thread that
+    /// submits its next read within the window (after copying and using the last one) is
+    /// picked up at once; later, it may wait up to about 1 ms. Costs a core per active queue
+    /// while the window is open; idle rings cost no spinning. Default [`DEFAULT_RING_POLL`];
+    /// zero = the ladder only.
+    pub ring_poll: Duration,
     /// DH-HMAC-CHAP secrets, used on every queue whose controller asks for authentication.
     /// `None`: a controller that requires authentication is refused with [`Error::Auth`].
     pub dhchap: Option<DhchapSecrets>,
@@ -323,6 +331,10 @@ impl TlsOptions {
 /// The default busy-poll window of an I/O queue ([`ConnectOptions::busy_poll`]).
 pub const DEFAULT_BUSY_POLL: Duration = Duration::from_micros(50);
 
+/// The default poll window of GPU request rings ([`ConnectOptions::ring_poll`]): as long as
+/// the timer's granularity, so a thread that comes back within it never waits for the timer.
+pub const DEFAULT_RING_POLL: Duration = Duration::from_millis(1);
+
 impl ConnectOptions {
     /// Settings with the defaults: one I/O queue per core, 128 entries, KATO 5 s, no digests.
     pub fn new(addr: TargetAddr, subnqn: impl Into<String>, host: HostIdentity) -> Self {
@@ -342,6 +354,7 @@ impl ConnectOptions {
             max_transfer: None,
             queue_policy: QueuePolicy::default(),
             busy_poll: DEFAULT_BUSY_POLL,
+            ring_poll: DEFAULT_RING_POLL,
             dhchap: None,
             tls: None,
         }

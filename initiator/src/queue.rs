@@ -285,6 +285,8 @@ pub(crate) struct QueueConfig {
     pub scan_period: Duration,
     /// Busy-poll window after activity (zero: never poll).
     pub busy_poll: Duration,
+    /// Poll window of the GPU request rings after activity.
+    pub ring_poll: Duration,
 }
 
 impl QueueHandle {
@@ -330,7 +332,7 @@ impl QueueHandle {
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
             poll: PollGate::new(cfg.busy_poll),
-            rings: RingTable::new(cfg.busy_poll),
+            rings: RingTable::new(cfg.ring_poll),
             ring_done: Vec::with_capacity(usize::from(n)),
             ring_tags: RingTags {
                 shared: Arc::clone(&shared),

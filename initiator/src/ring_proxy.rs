@@ -29,9 +29,10 @@
 //! needs room on the GPU to run next to the kernels that wait on the rings.
 //!
 //! Polling (`RingPacer`): the task checks its rings at every wake-up. While a ring is active
-//! the task keeps polling it without sleeping for the queue's busy-poll window
-//! (`ConnectOptions::busy_poll`) after the last request taken or completion written (a thread
-//! whose read completed often submits the next at once); after that it checks the
+//! the task keeps polling it without sleeping for the ring poll window
+//! (`ConnectOptions::ring_poll`, 1 ms by default) after the last request taken or completion
+//! written (a thread whose read completed usually submits the next after copying and using
+//! the data, tens of microseconds later); after that it checks the
 //! rings on a timer ladder, 50 µs doubling to 1 ms, so an idle ring costs about a thousand
 //! checks a second and no spinning. (The tokio timer has a 1 ms granularity, so on a tokio
 //! runtime the steps below 1 ms round up to it: the first request after an idle period waits
