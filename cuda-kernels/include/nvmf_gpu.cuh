@@ -331,14 +331,30 @@ __device__ __forceinline__ const nvmf_gpu_u8* nvmf_gpu_slot_data(struct nvmf_gpu
     return (const nvmf_gpu_u8*)k.ring->data + (nvmf_gpu_u64)nvmf_gpu_slot(k) * k.ring->slot_bytes;
 }
 
-// 16-byte loads a lane keeps in flight in nvmf_gpu_copy.
-#define NVMF_GPU_COPY_UNROLL 8
+// Copies the 16-byte words i, i + step, ... below nvec; each lane issues UNROLL loads before
+// it stores any of them (a store that may alias the next load would otherwise wait for it).
+template <int UNROLL>
+__device__ __forceinline__ nvmf_gpu_u64 nvmf_gpu_copy_vec(uint4* d, const uint4* s,
+                                                          nvmf_gpu_u64 i, nvmf_gpu_u64 nvec,
+                                                          nvmf_gpu_u64 step) {
+    for (; i + (UNROLL - 1) * step < nvec; i += UNROLL * step) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+            v[j] = s[i + j * step];
+        }
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+            d[i + j * step] = v[j];
+        }
+    }
+    return i;
+}
 
 // Copies n bytes; lanes `lane` of `nlanes` share the work (1 lane: a single thread). The
-// source is pinned host memory, where every load crosses the bus (about a microsecond): each
-// lane issues NVMF_GPU_COPY_UNROLL loads before it stores any of them, so a lone thread
-// copying 512 B waits for 4 round trips, not 32 (a store that may alias the next load would
-// otherwise wait for it).
+// source is pinned host memory, where every load crosses the bus (about a microsecond), so the
+// loads are issued in groups: 8 per lane when lanes share the copy, 16 for a lone thread (512 B
+// in two round trips rather than 32).
 __device__ __forceinline__ void nvmf_gpu_copy(nvmf_gpu_u8* dst, const nvmf_gpu_u8* src,
                                               nvmf_gpu_u64 n, nvmf_gpu_u32 lane,
                                               nvmf_gpu_u32 nlanes) {
@@ -348,18 +364,8 @@ __device__ __forceinline__ void nvmf_gpu_copy(nvmf_gpu_u8* dst, const nvmf_gpu_u
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
         const nvmf_gpu_u64 step = (nvmf_gpu_u64)nlanes;
-        nvmf_gpu_u64 i = lane;
-        for (; i + (NVMF_GPU_COPY_UNROLL - 1) * step < nvec; i += NVMF_GPU_COPY_UNROLL * step) {
-            uint4 v[NVMF_GPU_COPY_UNROLL];
-#pragma unroll
-            for (int j = 0; j < NVMF_GPU_COPY_UNROLL; ++j) {
-                v[j] = s[i + j * step];
-            }
-#pragma unroll
-            for (int j = 0; j < NVMF_GPU_COPY_UNROLL; ++j) {
-                d[i + j * step] = v[j];
-            }
-        }
+        nvmf_gpu_u64 i = nlanes == 1u ? nvmf_gpu_copy_vec<16>(d, s, lane, nvec, step)
+                                      : nvmf_gpu_copy_vec<8>(d, s, lane, nvec, step);
         for (; i < nvec; i += step) {
             d[i] = s[i];
         }
