@@ -27,7 +27,7 @@ use tokio::runtime::Runtime;
 use crate::cpu::CpuSnapshot;
 use crate::fabric::CpuSource;
 use crate::hist::LatencyHist;
-use crate::job::Point;
+use crate::job::{Point, RingMode};
 use crate::path::{NsGeometry, TcpPath};
 use crate::pattern::{Pattern, VERIFY_BLOCK};
 use crate::report::Measurement;
@@ -203,7 +203,10 @@ fn run(
         // At least a warp's worth: a warp holds up to 32 tickets of one ring at once.
         slots: threads.div_ceil(nrings).next_power_of_two().clamp(32, 4096),
         slot_bytes: bs as u32,
-        mode: DataMode::Pull,
+        mode: match point.ring_mode {
+            RingMode::Pull => DataMode::Pull,
+            RingMode::Push => DataMode::Push,
+        },
     };
     let bindings: Vec<NsBinding> = geo
         .iter()

@@ -3,7 +3,7 @@
 //! A job file is TOML with a `[global]` table of defaults and one `[[job]]` table per job.
 //! The knobs carry fio's names (`rw`, `rwmixread`, `bs`, `iodepth`, `numjobs`, `runtime`,
 //! `ramp_time`, `size`, `io_size`, `verify`). `rw`, `bs`, `iodepth`, `numjobs`, `queue_pairs`,
-//! `host_load` and `issue` also take a list: the job then expands into one *point* per combination
+//! `host_load`, `issue` and `ring_mode` also take a list: the job then expands into one *point* per combination
 //! (a sweep), which is what latency-vs-load and scaling plots are drawn from.
 //!
 //! ```toml
@@ -37,7 +37,9 @@
 //! "randread"`) makes the reads a dependent pointer chase: each GPU thread's, or each CPU
 //! worker buffer's, next LBA comes from the first word of its previous read. With `issue =
 //! "cpu"` and `dest = "gpu"` that is a CPU round trip per hop: the data lands in GPU memory
-//! and is copied back for the host to pick the next read.
+//! and is copied back for the host to pick the next read. `ring_mode = "pull"` (default) or
+//! `"push"` picks how a GPU-issued read's data reaches its thread (see [`RingMode`]); a list
+//! puts both side by side, and CPU-issued points are not repeated per mode.
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
@@ -226,6 +228,19 @@ pub enum Issue {
     /// it with `%globaltimer`. Random reads over NVMe/TCP only; the data lands in GPU memory
     /// (`dest` does not apply). Without a CUDA driver each point fails with one line saying so.
     Gpu,
+}
+
+/// How the data of a GPU-issued read reaches the GPU thread (`ring_mode`, for `issue = "gpu"`
+/// points; CPU-issued points ignore it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RingMode {
+    /// The read lands in the ring's pinned slot and the waiting warp copies it to its buffer.
+    #[default]
+    Pull,
+    /// The queue task pushes each batch of completed slots to the GPU (one host-to-device copy
+    /// and the push kernel, which also publishes the completions).
+    Push,
 }
 
 impl fmt::Display for Issue {
@@ -512,6 +527,8 @@ pub struct Section {
     /// Reads as a dependent pointer chase: each GPU thread's (or CPU worker buffer's) next LBA
     /// comes from the data of its previous read.
     pub chase: Option<bool>,
+    /// Ring data mode of GPU-issued points (a list sweeps it).
+    pub ring_mode: Option<OneOrMany<RingMode>>,
     /// Idle or busy host.
     pub host_load: Option<OneOrMany<HostLoad>>,
     /// Threads of the busy-host load.
@@ -639,6 +656,9 @@ pub struct Point {
     pub issue: Issue,
     /// Reads chase pointers (each LBA from the previous read's data).
     pub chase: bool,
+    /// Ring data mode (GPU-issued points).
+    #[serde(default)]
+    pub ring_mode: RingMode,
     /// Idle or busy host.
     pub host_load: HostLoad,
     /// Busy-load threads.
@@ -671,6 +691,9 @@ impl Point {
             (Issue::Gpu, false) => s.push_str(" gpu-issued"),
             (Issue::Cpu, true) => s.push_str(" cpu-chase"),
             (Issue::Cpu, false) => {}
+        }
+        if self.issue == Issue::Gpu && self.ring_mode == RingMode::Push {
+            s.push_str(" push");
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -1027,6 +1050,14 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
     };
     let issues = sweep(name, "issue", &j.issue, &g.issue, Issue::Cpu, &mut swept)?;
     let chase = pick(&j.chase, &g.chase).unwrap_or(false);
+    let ring_modes = sweep(
+        name,
+        "ring_mode",
+        &j.ring_mode,
+        &g.ring_mode,
+        RingMode::Pull,
+        &mut swept,
+    )?;
     if issues.contains(&Issue::Gpu) {
         if let Some(rw) = rws.iter().find(|rw| **rw != Rw::RandRead) {
             return Err(invalid(
@@ -1178,16 +1209,26 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         return Err(invalid(name, "load_mem", "must be 1M..=64G"));
     }
     let description = pick(&j.description, &None);
+    // Host load x issuer x ring mode; CPU-issued points use no ring: one point, not one per
+    // mode.
+    let mut combos = Vec::new();
+    for &l in &loads {
+        for &i in &issues {
+            let modes = if i == Issue::Gpu {
+                &ring_modes[..]
+            } else {
+                &ring_modes[..1]
+            };
+            combos.extend(modes.iter().map(|&m| (l, i, m)));
+        }
+    }
     let mut out = Vec::new();
     for &rw in &rws {
         for bs in &bss {
             for &iodepth in &depths {
                 for &numjobs in &jobs {
                     for &queue_pairs in &qps {
-                        for (&host_load, &issue) in loads
-                            .iter()
-                            .flat_map(|l| issues.iter().map(move |i| (l, i)))
-                        {
+                        for &(host_load, issue, ring_mode) in &combos {
                             out.push(Point {
                                 job: name.to_string(),
                                 description: description.clone(),
@@ -1209,6 +1250,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                 api,
                                 issue,
                                 chase,
+                                ring_mode,
                                 host_load,
                                 load_threads,
                                 load_mem,
@@ -1262,6 +1304,20 @@ mod tests {
         assert!(c.points.iter().all(|p| p.chase));
         assert_eq!(c.points[0].label(), "randread 4k qd1 x1 cpu-chase");
         assert_eq!(c.points[1].label(), "randread 4k qd1 x1 gpu-chase");
+        let m = plan(
+            "[[job]]\nname = \"m\"\nrw = \"randread\"\nissue = [\"cpu\", \"gpu\"]\nring_mode = [\"pull\", \"push\"]\n",
+        )
+        .unwrap();
+        let labels: Vec<String> = m.points.iter().map(Point::label).collect();
+        assert_eq!(
+            labels,
+            [
+                "randread 4k qd1 x1",
+                "randread 4k qd1 x1 gpu-issued",
+                "randread 4k qd1 x1 gpu-issued push"
+            ]
+        );
+        assert_eq!(m.points[2].ring_mode, RingMode::Push);
         let e = plan("[[job]]\nname = \"r\"\napi = \"rtc\"\nchase = true\n").unwrap_err();
         assert!(e.to_string().contains("chase"), "{e}");
         for (text, key) in [
