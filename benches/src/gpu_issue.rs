@@ -32,7 +32,7 @@ use crate::path::{NsGeometry, TcpPath};
 use crate::pattern::{Pattern, VERIFY_BLOCK};
 use crate::report::Measurement;
 use crate::run::{Prefilled, Timing, failed, prepare, summarize};
-use crate::worker::WorkerOutput;
+use crate::worker::{NsAcc, WorkerOutput};
 
 /// Latency histogram buckets in device memory.
 const BUCKETS: usize = 1024;
@@ -48,8 +48,9 @@ pub const KERNEL: &str = r#"
 #include "nvmf_gpu.cuh"
 
 // result (u64): [0] reads measured, [1] reads that differ from the pattern, [2] failed reads,
-// [3] a failed status, [4] reads checked, [8 .. 8 + 1024] latency histogram of the measured
-// reads: values below 16 ns in buckets 0..15, then 16 buckets per power of two.
+// [3] a failed status, [4] reads checked, then one latency histogram of the measured reads per
+// namespace index n at [8 + 1024 n .. 8 + 1024 (n + 1)]: values below 16 ns in buckets 0..15,
+// then 16 buckets per power of two.
 extern "C" __global__ void bench_gpu_issue(
     const unsigned char* rings, unsigned long long rings_len,
     unsigned char* dst, unsigned long long dst_len,
@@ -61,7 +62,7 @@ extern "C" __global__ void bench_gpu_issue(
     unsigned long long timeout_ns)
 {
     if (rings_len < sizeof(struct nvmf_gpu_ring) || key_len < 512 ||
-        result_len < 8ULL * (8 + 1024) || nblocks == 0 || namespaces == 0) {
+        result_len < 8ULL * (8 + 1024ULL * namespaces) || nblocks == 0 || namespaces == 0) {
         return;
     }
     const struct nvmf_gpu_ring* r = nvmf_gpu_ring_for_sm((const struct nvmf_gpu_ring*)rings);
@@ -120,7 +121,7 @@ extern "C" __global__ void bench_gpu_issue(
                 ? (unsigned int)lat
                 : (e - 3) * 16 + (unsigned int)((lat >> (e - 4)) & 15);
             atomicAdd(&res[0], 1ULL);
-            atomicAdd(&res[8 + b], 1ULL);
+            atomicAdd(&res[8 + 1024ULL * ns + b], 1ULL);
         }
         if (chase) {
             lba = (nvmf_fmix64(words[0]) % extents) * nblocks;
@@ -218,6 +219,7 @@ fn run(
         .collect();
     let mut set = RingSet::new_gpu(&ctx, nrings, cfg, &bindings).map_err(|e| e.to_string())?;
     let ctrl = path.handle(0, 0).controller().clone();
+    let ring_reads = || -> Vec<u64> { ctrl.queue_stats().iter().map(|q| q.ring_reads).collect() };
     let attached = rt
         .block_on(ctrl.attach_gpu_rings(&mut set))
         .map_err(|e| e.to_string())?;
@@ -230,7 +232,9 @@ fn run(
     let key_bytes: Vec<u8> = pattern.key().iter().flat_map(|k| k.to_le_bytes()).collect();
     let mut key = ctx.alloc(key_bytes.len()).map_err(gpu)?;
     key.copy_from_host(&key_bytes).map_err(gpu)?;
-    let mut result = ctx.alloc_zeroed(8 * (COUNTERS + BUCKETS)).map_err(gpu)?;
+    let mut result = ctx
+        .alloc_zeroed(8 * (COUNTERS + BUCKETS * geo.len()))
+        .map_err(gpu)?;
     let stream = ctx.new_stream().map_err(gpu)?;
     let per_block = threads.min(THREADS_PER_BLOCK);
     {
@@ -273,9 +277,17 @@ fn run(
     };
     let self0 = CpuSnapshot::take(None);
     let tgt0 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+    let queue0 = ring_reads();
     let t0 = Instant::now();
     std::thread::sleep(runtime);
     let secs = t0.elapsed().as_secs_f64();
+    let queue1 = ring_reads();
+    // Reads each queue serving rings started while measuring.
+    let queue_reads: Vec<u64> = attached
+        .queues()
+        .iter()
+        .map(|&q| queue1.get(q).zip(queue0.get(q)).map_or(0, |(b, a)| b - a))
+        .collect();
     let self1 = CpuSnapshot::take(None);
     let tgt1 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
     let synced = stream.synchronize().map_err(gpu);
@@ -286,11 +298,19 @@ fn run(
     let word = |i: usize| u64::from_le_bytes(raw[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
 
     let mut hist = LatencyHist::new();
-    for b in 0..BUCKETS {
-        let n = word(COUNTERS + b);
-        if n > 0 {
-            hist.record_n(bucket_ns(b), n);
+    let mut per_ns = Vec::with_capacity(geo.len());
+    for n in 0..geo.len() {
+        let mut acc = NsAcc::default();
+        for b in 0..BUCKETS {
+            let k = word(COUNTERS + BUCKETS * n + b);
+            if k > 0 {
+                acc.hist.record_n(bucket_ns(b), k);
+                hist.record_n(bucket_ns(b), k);
+                acc.ops += k;
+            }
         }
+        acc.bytes = acc.ops * bs;
+        per_ns.push(acc);
     }
     let ops = word(0);
     let (mismatched, failed_reads, first_status) = (word(1), word(2), word(3));
@@ -298,6 +318,7 @@ fn run(
         read_ops: ops,
         read_bytes: ops * bs,
         read_hist: hist,
+        per_ns,
         verified_reads: word(4),
         verify_errors: mismatched,
         first_verify_error: (mismatched > 0).then(|| {
@@ -315,7 +336,10 @@ fn run(
         tgt0,
         tgt1,
     };
-    Ok(summarize(repeat, geo, target_cpu, &timing, &[out], None))
+    let mut m = summarize(repeat, geo, target_cpu, &timing, &[out], None);
+    m.queue_reads = queue_reads;
+    m.queue_spread = crate::run::queue_spread(&m.queue_reads, secs);
+    Ok(m)
 }
 
 #[cfg(test)]

@@ -158,6 +158,20 @@ pub struct NsSpread {
     pub p99_max_over_min: f64,
 }
 
+/// How evenly the I/O queues served the reads (GPU-issued points: reads each queue serving
+/// rings started while measuring).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueueSpread {
+    /// Lowest per-queue IOPS.
+    pub min_iops: f64,
+    /// Highest per-queue IOPS.
+    pub max_iops: f64,
+    /// Lowest IOPS as a fraction of the mean (1.0 = perfectly even).
+    pub min_over_mean: f64,
+    /// Coefficient of variation of per-queue IOPS.
+    pub cv: f64,
+}
+
 /// One measurement of one point in one mode.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {
@@ -181,6 +195,13 @@ pub struct Measurement {
     pub namespaces: Vec<NsStats>,
     /// Spread over namespaces (only with more than one).
     pub ns_spread: Option<NsSpread>,
+    /// Reads each I/O queue serving GPU request rings started while measuring (GPU-issued
+    /// points).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queue_reads: Vec<u64>,
+    /// Spread over those queues (only with more than one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_spread: Option<QueueSpread>,
     /// Reads checked against the pattern.
     pub verified_reads: u64,
     /// Reads that did not match.
@@ -273,6 +294,9 @@ pub struct Summary {
     pub iops_per_client_core: Option<Stat>,
     /// Lowest per-namespace IOPS over the mean.
     pub ns_min_over_mean: Option<Stat>,
+    /// Lowest per-queue IOPS over the mean (GPU-issued points).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_min_over_mean: Option<Stat>,
     /// Verify errors, all repeats.
     pub verify_errors: u64,
     /// Reads verified, all repeats.
@@ -303,6 +327,7 @@ impl Summary {
             iops_per_target_core: stat(&|m| m.cpu.iops_per_target_core),
             iops_per_client_core: stat(&|m| m.cpu.iops_per_client_core),
             ns_min_over_mean: stat(&|m| m.ns_spread.map(|s| s.min_over_mean)),
+            queue_min_over_mean: stat(&|m| m.queue_spread.map(|s| s.min_over_mean)),
             verify_errors: ms.iter().map(|m| m.verify_errors).sum(),
             verified_reads: ms.iter().map(|m| m.verified_reads).sum(),
             io_errors: ms.iter().map(|m| m.io_errors).sum(),
@@ -512,10 +537,12 @@ impl Report {
             .points
             .iter()
             .flat_map(|p| {
-                p.results.iter().filter_map(move |r| {
-                    r.summary.ns_min_over_mean.map(|st| {
+                p.results.iter().flat_map(move |r| {
+                    let ns = r.summary.ns_min_over_mean.map(|st| (st, "namespace"));
+                    let q = r.summary.queue_min_over_mean.map(|st| (st, "queue"));
+                    ns.into_iter().chain(q).map(move |(st, what)| {
                         format!(
-                            "{} / {}: slowest namespace at {:.1}% of the mean",
+                            "{} / {}: slowest {what} at {:.1}% of the mean",
                             p.label,
                             r.mode,
                             st.median * 100.0
@@ -525,7 +552,7 @@ impl Report {
             })
             .collect();
         if !spreads.is_empty() {
-            s.push_str("\nPer-namespace spread:\n");
+            s.push_str("\nPer-namespace and per-queue spread:\n");
             for l in spreads {
                 let _ = writeln!(s, "- {l}");
             }

@@ -32,7 +32,7 @@ use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
 use crate::report::{
     CpuStats, DirStats, Machine, Measurement, ModeReport, NsSpread, NsStats, PlanInfo, PointReport,
-    Report, SCHEMA, Summary, fmt_si, now_utc,
+    QueueSpread, Report, SCHEMA, Summary, fmt_si, now_utc,
 };
 use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
 
@@ -800,6 +800,8 @@ pub(crate) fn summarize(
         cpu,
         namespaces,
         ns_spread,
+        queue_reads: Vec::new(),
+        queue_spread: None,
         verified_reads: total.verified_reads,
         verify_errors: total.verify_errors,
         first_verify_error: total.first_verify_error,
@@ -818,6 +820,24 @@ fn queues_of(w: usize, numjobs: usize, queue_pairs: usize) -> Vec<usize> {
     } else {
         (0..queue_pairs).filter(|q| q % numjobs == w).collect()
     }
+}
+
+/// The spread of per-queue read counts over `secs` (`None` with fewer than two queues).
+pub(crate) fn queue_spread(reads: &[u64], secs: f64) -> Option<QueueSpread> {
+    if reads.len() < 2 || secs <= 0.0 {
+        return None;
+    }
+    let iops: Vec<f64> = reads.iter().map(|&r| r as f64 / secs).collect();
+    let mean = iops.iter().sum::<f64>() / iops.len() as f64;
+    let min = iops.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = iops.iter().copied().fold(0.0, f64::max);
+    let var = iops.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / iops.len() as f64;
+    Some(QueueSpread {
+        min_iops: min,
+        max_iops: max,
+        min_over_mean: if mean > 0.0 { min / mean } else { 0.0 },
+        cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
+    })
 }
 
 fn spread(ns: &[NsStats]) -> NsSpread {
@@ -845,6 +865,15 @@ fn spread(ns: &[NsStats]) -> NsSpread {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spread_of_uneven_queues() {
+        assert_eq!(queue_spread(&[100], 1.0), None);
+        let s = queue_spread(&[100, 300], 2.0).unwrap();
+        assert_eq!((s.min_iops, s.max_iops), (50.0, 150.0));
+        assert!((s.min_over_mean - 0.5).abs() < 1e-9);
+        assert!((s.cv - 0.5).abs() < 1e-9);
+    }
 
     #[test]
     fn spread_of_uneven_namespaces() {
