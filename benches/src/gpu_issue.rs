@@ -219,7 +219,14 @@ fn run(
         .collect();
     let mut set = RingSet::new_gpu(&ctx, nrings, cfg, &bindings).map_err(|e| e.to_string())?;
     let ctrl = path.handle(0, 0).controller().clone();
-    let ring_reads = || -> Vec<u64> { ctrl.queue_stats().iter().map(|q| q.ring_reads).collect() };
+    // Ring reads per I/O queue (`queue_stats` lists the admin queue first).
+    let ring_reads = || -> Vec<u64> {
+        ctrl.queue_stats()
+            .iter()
+            .skip(1)
+            .map(|q| q.ring_reads)
+            .collect()
+    };
     let attached = rt
         .block_on(ctrl.attach_gpu_rings(&mut set))
         .map_err(|e| e.to_string())?;
