@@ -4,8 +4,9 @@
 //! `nvmf_gpu.cuh`) runs `numjobs * iodepth` threads, each with one read in flight, for
 //! `ramp_time + runtime` measured on the GPU's `%globaltimer`. Each thread picks a uniform random
 //! block-aligned LBA of `bs` (or, with `chase = true`, derives its next LBA from the first word
-//! of its previous read: a dependent pointer chase), reads it through the request ring of its SM
-//! (`nvmf_gpu_read_warp`, pull mode: the lanes of a warp take their tickets with one atomic,
+//! of its previous read: a dependent pointer chase), reads it through its warp's request ring
+//! (`nvmf_gpu_ring_for_warp`: warps round robin over the rings, each ring with a slot for
+//! every thread it serves; `nvmf_gpu_read_warp`, pull mode: the lanes of a warp take their tickets with one atomic,
 //! the data lands in the ring's pinned slots and the warp's lanes copy each lane's data together
 //! into its own device buffer, which reads pinned memory over PCIe far faster than one thread
 //! copying alone), checks it against the verify pattern on the GPU, and records
@@ -65,7 +66,7 @@ extern "C" __global__ void bench_gpu_issue(
         result_len < 8ULL * (8 + 1024ULL * namespaces) || nblocks == 0 || namespaces == 0) {
         return;
     }
-    const struct nvmf_gpu_ring* r = nvmf_gpu_ring_for_sm((const struct nvmf_gpu_ring*)rings);
+    const struct nvmf_gpu_ring* r = nvmf_gpu_ring_for_warp((const struct nvmf_gpu_ring*)rings);
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long bytes = (unsigned long long)block_size * nblocks;
     const unsigned long long extents = region_blocks / nblocks;
@@ -200,9 +201,14 @@ fn run(
     let nrings = u32::from(point.queue_pairs)
         .min(path.queues() as u32)
         .max(1);
+    let per_block = threads.min(THREADS_PER_BLOCK);
+    // Warps take the rings round robin (`nvmf_gpu_ring_for_warp`): a slot for every thread of
+    // the busiest ring, so no thread waits for a slot.
+    let warps = threads.div_ceil(per_block) * per_block.div_ceil(32);
     let cfg = RingConfig {
-        // At least a warp's worth: a warp holds up to 32 tickets of one ring at once.
-        slots: threads.div_ceil(nrings).next_power_of_two().clamp(32, 4096),
+        slots: (32 * warps.div_ceil(nrings))
+            .next_power_of_two()
+            .clamp(32, 4096),
         slot_bytes: bs as u32,
         mode: match point.ring_mode {
             RingMode::Pull => DataMode::Pull,
@@ -243,7 +249,6 @@ fn run(
         .alloc_zeroed(8 * (COUNTERS + BUCKETS * geo.len()))
         .map_err(gpu)?;
     let stream = ctx.new_stream().map_err(gpu)?;
-    let per_block = threads.min(THREADS_PER_BLOCK);
     {
         let table = set
             .table_buffer()

@@ -8,6 +8,7 @@
 //
 // API (all __device__):
 //   nvmf_gpu_ring_for_sm(rings)               the ring of the calling SM (%smid % nrings)
+//   nvmf_gpu_ring_for_warp(rings)             the calling warp's ring (warps round robin)
 //   nvmf_gpu_submit(ring, ns, lba, nblocks, dst)       -> nvmf_gpu_ticket   (one thread)
 //   nvmf_gpu_submit_warp(ring, ns, lba, nblocks, dst)  -> nvmf_gpu_ticket   (every active
 //                                              lane its own request, one atomicAdd per warp)
@@ -194,6 +195,21 @@ __device__ __forceinline__ void nvmf_gpu_request_words(nvmf_gpu_u32 ns, nvmf_gpu
 __device__ __forceinline__ const struct nvmf_gpu_ring* nvmf_gpu_ring_for_sm(
     const struct nvmf_gpu_ring* rings) {
     return rings + nvmf_gpu_smid() % rings[0].nrings;
+}
+
+// The ring of the calling warp: the grid's warps round robin over the rings. Unlike the per-SM
+// choice (where blocks sharing an SM, or SM numbers equal modulo the ring count, pile onto one
+// ring), every ring gets the same number of warps give or take one, so slots for
+// 32 * ceil(warps / nrings) threads per ring are enough. Every lane of a warp gets the same
+// ring, as the warp-collective calls need.
+__device__ __forceinline__ const struct nvmf_gpu_ring* nvmf_gpu_ring_for_warp(
+    const struct nvmf_gpu_ring* rings) {
+    const nvmf_gpu_u32 threads = blockDim.x * blockDim.y * blockDim.z;
+    const nvmf_gpu_u32 lin = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const nvmf_gpu_u64 block =
+        blockIdx.x + (nvmf_gpu_u64)gridDim.x * (blockIdx.y + (nvmf_gpu_u64)gridDim.y * blockIdx.z);
+    const nvmf_gpu_u64 warp = block * ((threads + 31u) / 32u) + lin / 32u;
+    return rings + warp % rings[0].nrings;
 }
 
 __device__ __forceinline__ bool nvmf_gpu_closed(const struct nvmf_gpu_ring* r) {
