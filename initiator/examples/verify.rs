@@ -17,6 +17,13 @@
 //! that phase named the registered buffer (`registered_commands`), so none went through a slot
 //! buffer; the line `VERIFY REGISTERED` reports it. Over NVMe/RDMA a read into it whose future
 //! is dropped in flight must leave it busy until its commands end (`VERIFY REGISTERED-CANCELLED`).
+//! Then GPU request rings (`Controller::attach_gpu_rings`) driven by the CPU stand-in of the
+//! device side: one ring of 8 slots per I/O queue, threads acting as warps that read random
+//! pieces of the concurrent chunks through them (single and warp-collective submits, many laps
+//! of each ring) and compare every byte, and requests outside the bound range answered with
+//! LBA Out of Range without reaching the wire. Over NVMe/RDMA every ring read must have named
+//! the ring's registered data area in its keyed SGL (`registered_commands`); the line
+//! `VERIFY RINGS` reports it.
 //! With `reconnect`, a buffer registered before the break is read into after the reconnect;
 //! with `stall`, a registered read that times out must leave its buffer free at once.
 //!
@@ -232,6 +239,164 @@ async fn registered(
     Ok(())
 }
 
+/// Stand-in warps per ring.
+const RING_WARPS: usize = 2;
+/// Reads per stand-in warp.
+const RING_READS: usize = 600;
+/// Slots per ring (few, so that the reads wrap each ring many times).
+const RING_SLOTS: u32 = 8;
+
+/// GPU request rings served by the controller's queues, driven by the CPU stand-in: random
+/// reads of the concurrent chunks (`list`, written with their patterns) compared byte for
+/// byte, warp-collective submits, and requests out of the bound range refused with a status.
+async fn rings(
+    ctrl: &Controller,
+    ns: &Namespace,
+    list: &[(u64, u64, usize)],
+    transport: nvmeof_initiator::Transport,
+) -> Result<(), String> {
+    use nvmeof_initiator::gpu_ring::proto::status;
+    use nvmeof_initiator::gpu_ring::standin::WarpRequest;
+    use nvmeof_initiator::gpu_ring::{DataMode, NsBinding, RingConfig, RingSet};
+
+    let bs = ns.block_size() as usize;
+    let chunk_blocks = (CHUNK / bs) as u64;
+    let bound = list.len() as u64 * chunk_blocks;
+    let slot_bytes = (16 * 1024).max(bs as u32);
+    let cfg = RingConfig {
+        slots: RING_SLOTS,
+        slot_bytes,
+        mode: DataMode::Pull,
+    };
+    let binding = NsBinding {
+        nsid: ns.nsid(),
+        block_size: bs as u32,
+        blocks: bound,
+    };
+    let nrings = u32::from(ctrl.info().io_queues);
+    let mut set = RingSet::new_host(nrings, cfg, &[binding]).map_err(|e| e.to_string())?;
+    let dev = set.standin_rings();
+    let counted = |ctrl: &Controller| {
+        let s = ctrl.queue_stats();
+        (
+            s.iter().map(|q| q.ring_reads).sum::<u64>(),
+            s.iter().map(|q| q.ring_rejected).sum::<u64>(),
+            s.iter().map(|q| q.registered_commands).sum::<u64>(),
+        )
+    };
+    let (reads0, rejected0, reg0) = counted(ctrl);
+    let attached = ctrl
+        .attach_gpu_rings(&mut set)
+        .await
+        .map_err(|e| format!("attach_gpu_rings: {e}"))?;
+    // What each chunk holds.
+    let chunks: Vec<Vec<u8>> = list.iter().map(|p| pattern(p.1, CHUNK)).collect();
+    let nchunks = chunks.len() as u64;
+    let max_blocks = slot_bytes as u64 / bs as u64;
+    let wait = Duration::from_secs(60);
+    let res = tokio::task::spawn_blocking({
+        let dev = dev.clone();
+        move || {
+            std::thread::scope(|s| {
+                let warps: Vec<_> = (0..dev.len() * RING_WARPS)
+                    .map(|w| {
+                        let ring = &dev[w % dev.len()];
+                        let chunks = &chunks;
+                        s.spawn(move || -> Result<u64, String> {
+                            let mut x = 0x2545_F491_4F6C_DD1D ^ (w as u64 + 1);
+                            let mut next = || {
+                                x ^= x << 13;
+                                x ^= x >> 7;
+                                x ^= x << 17;
+                                x
+                            };
+                            let mut buf = vec![0u8; slot_bytes as usize];
+                            let mut done = 0;
+                            while done < RING_READS {
+                                // Every third round a warp-collective submit of four reads.
+                                let k = if done % 3 == 2 { 4 } else { 1 };
+                                let reqs: Vec<WarpRequest> = (0..k)
+                                    .map(|_| {
+                                        let chunk = next() % nchunks;
+                                        let n = 1 + next() % max_blocks.min(chunk_blocks);
+                                        let lba = chunk * chunk_blocks
+                                            + next() % (chunk_blocks - n + 1);
+                                        WarpRequest {
+                                            ns: 0,
+                                            lba,
+                                            nblocks: n as u32,
+                                            dst: 0,
+                                        }
+                                    })
+                                    .collect();
+                                let tickets = if k == 1 {
+                                    vec![ring.submit(0, reqs[0].lba, reqs[0].nblocks, 0)]
+                                } else {
+                                    ring.submit_warp(&reqs)
+                                };
+                                for (r, t) in reqs.iter().zip(tickets) {
+                                    let len = r.nblocks as usize * bs;
+                                    let st = ring.wait(t, wait, &mut buf[..len]);
+                                    if st != status::SUCCESS {
+                                        return Err(format!(
+                                            "warp {w}: read of {} blocks at {} got status {st:#x}",
+                                            r.nblocks, r.lba
+                                        ));
+                                    }
+                                    let chunk = &chunks[(r.lba / chunk_blocks) as usize];
+                                    let off = (r.lba % chunk_blocks) as usize * bs;
+                                    if buf[..len] != chunk[off..off + len] {
+                                        return Err(format!(
+                                            "warp {w}: {len} bytes at block {} differ from what was written",
+                                            r.lba
+                                        ));
+                                    }
+                                    done += 1;
+                                }
+                            }
+                            // Outside the bound range: refused, never sent.
+                            let st = ring.read(0, bound, 1, &mut buf[..bs], wait);
+                            if st != status::LBA_OUT_OF_RANGE {
+                                return Err(format!(
+                                    "warp {w}: a read past the bound range got {st:#x}"
+                                ));
+                            }
+                            Ok(done as u64)
+                        })
+                    })
+                    .collect();
+                warps
+                    .into_iter()
+                    .map(|h| h.join().map_err(|_| "a warp panicked".to_string())?)
+                    .sum::<Result<u64, String>>()
+            })
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    attached.detach().await;
+    let done = res?;
+    let (reads1, rejected1, reg1) = counted(ctrl);
+    let (reads, rejected, reg) = (reads1 - reads0, rejected1 - rejected0, reg1 - reg0);
+    let refused = (dev.len() * RING_WARPS) as u64;
+    if reads != done || rejected != refused {
+        return Err(format!(
+            "the queues counted {reads} ring reads and {rejected} refused, expected {done} and {refused}"
+        ));
+    }
+    let rdma = transport == nvmeof_initiator::Transport::Rdma;
+    // Over NVMe/RDMA each ring read names its slot in the registered data area.
+    if rdma && reg != reads {
+        return Err(format!(
+            "{reg} of {reads} ring reads named the rings' registered memory"
+        ));
+    }
+    println!(
+        "VERIFY RINGS transport={transport} rings={nrings} slots={RING_SLOTS} reads={reads} refused={rejected} registered_commands={reg}"
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     let mut args = std::env::args().skip(1);
@@ -381,6 +546,11 @@ async fn main() {
         registered(&ctrl, &ns, reg_lba, reg_len, addr.transport)
             .await
             .unwrap_or_else(|e| fail(format!("registered memory: {e}")));
+    }
+    if phase.is_empty() {
+        rings(&ctrl, &ns, &list, addr.transport)
+            .await
+            .unwrap_or_else(|e| fail(format!("GPU request rings: {e}")));
     }
     if reconnect {
         // Registered before the connection breaks, used after the reconnect: the controller

@@ -667,7 +667,7 @@ impl Controller {
     }
 
     /// The protection domain of an NVMe/RDMA controller (None over NVMe/TCP).
-    fn rdma_pd(&self) -> Result<Option<Arc<nvmf_rdma::ProtectionDomain>>, Error> {
+    pub(crate) fn rdma_pd(&self) -> Result<Option<Arc<nvmf_rdma::ProtectionDomain>>, Error> {
         if self.inner.shared.opts.addr.transport != Transport::Rdma {
             return Ok(None);
         }

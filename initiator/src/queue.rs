@@ -767,13 +767,13 @@ impl Task {
             now,
             failed.as_ref(),
             &mut self.ring_tags,
-            &mut |tag, req, data, origin| {
+            &mut |tag, req, data, direct, origin| {
                 started += 1;
                 submit_to(
                     core,
                     live.as_deref_mut(),
                     &mut res,
-                    (tag, req, SlotBuf::Ring(data), None, Some(origin)),
+                    (tag, req, SlotBuf::Ring(data), direct, Some(origin)),
                 );
             },
         );

@@ -37,6 +37,9 @@ pub(crate) enum RegionMem {
     /// Device memory registered by address (nvidia-peermem).
     #[cfg(feature = "gpu")]
     Peer(nvmf_rdma::DeviceRegion<gpu::DeviceBuffer>),
+    /// The data areas of a GPU request ring (host memory the ring owns), registered by
+    /// address: a ring read's keyed SGL names its slot.
+    Ring(nvmf_rdma::DeviceRegion<gpu_ring::DataArea>),
 }
 
 impl RegionMem {
@@ -56,6 +59,7 @@ impl RegionMem {
             ),
             #[cfg(feature = "gpu")]
             RegionMem::Peer(r) => (r.is_registered_with(pd), r.remote_key(offset, len)),
+            RegionMem::Ring(r) => (r.is_registered_with(pd), r.remote_key(offset, len)),
         };
         if !same_pd {
             return Err(Error::InvalidArgument(
@@ -68,6 +72,16 @@ impl RegionMem {
             ))
         })
     }
+}
+
+/// Registers the data areas of a GPU request ring with `pd` (NVMe/RDMA ring reads).
+pub(crate) fn register_ring(
+    pd: &Arc<ProtectionDomain>,
+    ring: &gpu_ring::HostRing,
+) -> Result<Arc<RegionMem>, Error> {
+    pd.register_device_memory(ring.data_area(), remote_access())
+        .map(|r| Arc::new(RegionMem::Ring(r)))
+        .map_err(crate::error::registration_error)
 }
 
 /// One command's share of a registered buffer: the memory and where its data starts.
@@ -183,7 +197,6 @@ impl RegisteredBuffer {
             HostMem::Plain(p) => Ok(p.as_mut_slice()),
             HostMem::Rdma(arc) => match Arc::get_mut(arc) {
                 Some(RegionMem::Host(r)) => Ok(r.bytes_mut()),
-                #[cfg(feature = "gpu")]
                 Some(_) => Err(Error::InvalidArgument("not host memory".into())),
                 None => Err(Error::BufferBusy),
             },
@@ -316,7 +329,9 @@ impl RegisteredGpuBuffer {
         match &*self.mem {
             RegionMem::Dmabuf { buf, .. } => buf,
             RegionMem::Peer(r) => r.memory(),
-            RegionMem::Host(_) => unreachable!("a RegisteredGpuBuffer holds device memory"),
+            RegionMem::Host(_) | RegionMem::Ring(_) => {
+                unreachable!("a RegisteredGpuBuffer holds device memory")
+            }
         }
     }
 

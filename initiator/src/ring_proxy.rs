@@ -11,8 +11,15 @@
 //!   latency, never a lost request;
 //! - the ring checks each request (namespace bound to the ring, LBA range, size) when it is
 //!   taken and completes a bad one at once with an NVMe status; a valid one becomes a Read on
-//!   the queue's connection whose data is received straight into the request's data slot (a
-//!   lent slot, `SlotBuf::Ring`: no allocation and no copy);
+//!   the queue's connection whose data lands straight in the request's data slot, with no
+//!   allocation and no copy: over NVMe/TCP it is received from the socket into the lent slot
+//!   (`SlotBuf::Ring`); over NVMe/RDMA the command's keyed SGL names the slot inside the
+//!   ring's data areas, which attaching registered once with the protection domain the
+//!   controller's queues share, and the target RDMA WRITEs the data there. The target's
+//!   completion arrives after its data (reliable-connection ordering), so the completion word
+//!   is written after the data is in place, as over TCP. A read whose deadline passes has its
+//!   queue pair destroyed before its slot is completed, so a late RDMA WRITE cannot reach a
+//!   slot the device has moved on from;
 //! - the whole batch leaves with one write (the task's flush at the top of its loop);
 //! - when a read ends, the task writes the slot's completion word with the NVMe status of
 //!   the completion, or with a status standing for the error ([`ring_status`]);
@@ -43,12 +50,14 @@
 //! only then drop the rings. Dropping a ring closes it: requests left in it are never taken,
 //! and the device side's submits and waits on it return `CLOSED`.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpu_ring::{DataMode, HostRing, RingSet};
 use tokio::sync::oneshot;
 
 use crate::queue::QueueCtl;
+use crate::registered::{RegionMem, register_ring};
 use crate::ring_serve::{PushPath, RingGrant};
 use crate::{Controller, Error};
 
@@ -127,19 +136,23 @@ impl Controller {
     /// GPU threads put in the rings and serve them as reads (see the `ring_proxy` section of
     /// the crate documentation).
     ///
-    /// Checked first: the transport receives read data into host memory the initiator
-    /// chooses (NVMe/TCP; over NVMe/RDMA it is [`Error::Unsupported`]); push mode needs a set
+    /// Checked first: over NVMe/RDMA the controller's queues must share a protection domain
+    /// (else [`Error::Unsupported`]); push mode needs a set
     /// made on a GPU ([`RingSet::new_gpu`], else [`Error::InvalidArgument`]) and the `gpu`
     /// feature (else [`Error::Unsupported`]), and its push kernel is compiled here
     /// ([`Error::Gpu`] when that fails); up to this point a refused set keeps its rings. Then
     /// a data slot must fit in one command (the controller's maximum transfer) and every
     /// namespace bound to a ring must be active here with the bound block size and at least
-    /// the bound number of blocks; on those errors the rings are dropped unattached.
+    /// the bound number of blocks, and over NVMe/RDMA each ring's data areas are registered
+    /// with the protection domain (a failed registration is an RDMA error); on those errors
+    /// the rings are dropped unattached.
     pub async fn attach_gpu_rings(&self, set: &mut RingSet) -> Result<AttachedRings, Error> {
         let shared = self.shared();
-        if !shared.limits.lends_buffers {
+        // NVMe/RDMA: the rings' data areas are registered with the queues' protection domain.
+        let pd = self.rdma_pd()?;
+        if pd.is_none() && !shared.limits.lends_buffers {
             return Err(Error::Unsupported(
-                "GPU request rings are served over NVMe/TCP only (read data is received into the ring's pinned slots)".into(),
+                "this transport cannot receive read data into the rings' slots".into(),
             ));
         }
         let nq = self.io_queue_count();
@@ -178,16 +191,27 @@ impl Controller {
                 }
             }
         }
+        let mut regions = match &pd {
+            Some(pd) => rings
+                .iter()
+                .map(|r| register_ring(pd, r))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
+        }
+        .into_iter();
         let id = NEXT_ATTACHMENT.fetch_add(1, Ordering::Relaxed);
         let count = rings.len();
-        let mut per_queue: Vec<Vec<HostRing>> = (0..nq).map(|_| Vec::new()).collect();
+        let mut per_queue: Vec<(Vec<HostRing>, Vec<Arc<RegionMem>>)> =
+            (0..nq).map(|_| Default::default()).collect();
         for (i, ring) in rings.into_iter().enumerate() {
-            per_queue[i % nq].push(ring);
+            let q = &mut per_queue[i % nq];
+            q.0.push(ring);
+            q.1.extend(regions.next());
         }
         let timeout = shared.opts.timeouts.io;
         let mut queues = Vec::new();
         pushers.reverse();
-        for (q, rings) in per_queue.into_iter().enumerate() {
+        for (q, (rings, regions)) in per_queue.into_iter().enumerate() {
             if rings.is_empty() {
                 continue;
             }
@@ -195,6 +219,7 @@ impl Controller {
             shared.io[q].control(QueueCtl::AttachRings(RingGrant {
                 id,
                 rings,
+                regions,
                 timeout,
                 push,
             }));

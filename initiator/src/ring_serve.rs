@@ -2,6 +2,7 @@
 //! serves, how it takes their requests and completes them, and when it checks them
 //! ([`RingPacer`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_ring::{DataMode, HostRing, PushItem, Read};
@@ -12,6 +13,7 @@ use tokio::time::Instant;
 use crate::Error;
 use crate::error::{STATUS_INTERNAL, ring_status};
 use crate::queue_core::{DataDir, Request, Retry, RingSlot};
+use crate::registered::{Direct, RegionMem};
 
 /// Requests taken from one ring per wake-up of its queue task, at most.
 pub const RING_BATCH: usize = 64;
@@ -106,12 +108,19 @@ struct Entry {
     detaching: bool,
     /// Push mode: reads that ended successfully, waiting for the batch's push.
     pending: Vec<PushItem>,
+    /// NVMe/RDMA: the ring's data areas registered with the queue's protection domain (a
+    /// read's keyed SGL names its slot there); None over NVMe/TCP (reads are received into
+    /// the lent slot).
+    region: Option<Arc<RegionMem>>,
 }
 
 /// Rings handed to a queue task by one attachment.
 pub(crate) struct RingGrant {
     pub(crate) id: u64,
     pub(crate) rings: Vec<HostRing>,
+    /// NVMe/RDMA: each ring's registered data areas, in the order of `rings` (empty over
+    /// NVMe/TCP).
+    pub(crate) regions: Vec<Arc<RegionMem>>,
     pub(crate) timeout: Duration,
     /// The push path for the attachment's push-mode rings.
     pub(crate) push: Option<Box<dyn PushPath>>,
@@ -163,7 +172,9 @@ impl RingTable {
         if let Some(p) = grant.push {
             self.pushers.push((grant.id, p));
         }
+        let mut regions = grant.regions.into_iter();
         for ring in grant.rings {
+            let region = regions.next();
             let pending = match ring.mode() {
                 DataMode::Push => Vec::with_capacity(ring.slots() as usize),
                 DataMode::Pull => Vec::new(),
@@ -174,6 +185,7 @@ impl RingTable {
                 timeout: grant.timeout,
                 detaching: false,
                 pending,
+                region,
             };
             match self.entries.iter_mut().find(|e| e.is_none()) {
                 Some(free) => *free = Some(e),
@@ -279,7 +291,8 @@ impl RingTable {
 
     /// Polls the rings once at `now`: for each ring that takes requests, `tags` gives up to
     /// `max` command identifiers (returning fewer, or none when the queue has none free) and
-    /// gets back those left unused; `start` starts each valid request with its identifier.
+    /// gets back those left unused; `start` starts each valid request with its identifier
+    /// (and, over NVMe/RDMA, the registered memory of its slot for the keyed SGL).
     /// When `failed` is set the queue cannot send anything: requests are taken without
     /// identifiers and completed at once with the status of that error. Returns the requests
     /// taken (valid or not).
@@ -288,7 +301,7 @@ impl RingTable {
         now: Instant,
         failed: Option<&Error>,
         tags: &mut dyn TagSource,
-        start: &mut dyn FnMut(u16, Request, gpu_ring::SlotData, RingSlot),
+        start: &mut dyn FnMut(u16, Request, gpu_ring::SlotData, Option<Direct>, RingSlot),
     ) -> usize {
         let n = self.entries.len();
         let mut taken = 0;
@@ -327,12 +340,16 @@ impl RingTable {
                     retry: Retry::Always,
                     timeout: Some(e.timeout),
                 };
+                let direct = e.region.as_ref().map(|mem| Direct {
+                    mem: Arc::clone(mem),
+                    offset: e.ring.data_offset(r.slot),
+                });
                 let data = e.ring.lend(r.slot);
                 let origin = RingSlot {
                     ring: idx as u16,
                     slot: r.slot,
                 };
-                start(tag, req, data, origin);
+                start(tag, req, data, direct, origin);
             }
             tags.give_back(used);
         }
@@ -441,6 +458,7 @@ mod tests {
         table.attach(RingGrant {
             id: 7,
             rings: set.take_host_rings(),
+            regions: Vec::new(),
             timeout: Duration::from_secs(1),
             push: Some(Box::new(Recorder {
                 batches: std::sync::Arc::clone(&batches),
@@ -453,7 +471,7 @@ mod tests {
     fn take_all(table: &mut RingTable) -> Vec<RingSlot> {
         let mut origins = Vec::new();
         let mut tags = Tags(Vec::new(), 0);
-        table.poll(Instant::now(), None, &mut tags, &mut |_, _, _, o| {
+        table.poll(Instant::now(), None, &mut tags, &mut |_, _, _, _, o| {
             origins.push(o)
         });
         origins

@@ -9,7 +9,8 @@
 # writes, everything read back and compared, queue counters checked; a transfer above MDTS
 # written from and read back into memory registered once with the controller's protection
 # domain, the counters showing that no command of it used a slot buffer, and a read into it
-# dropped in flight keeping it busy until its commands end), and a CLI write + read
+# dropped in flight keeping it busy until its commands end; GPU request rings driven by the
+# CPU stand-in, each ring read landing in its registered slot by RDMA WRITE), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
 # then removed and restored while the verify example keeps reads going: the initiator must
 # notice, reconnect and complete the reads. nvmeof-targetd is stopped (SIGSTOP) with a read in
@@ -113,6 +114,8 @@ check_target() {
     expect_contains "$out" "VERIFY REGISTERED transport=rdma registered=yes" "$name registered memory"
     expect_contains "$out" "slot_commands=0" "$name registered memory"
     expect_contains "$out" "VERIFY REGISTERED-CANCELLED" "$name registered memory, dropped read"
+    # GPU request rings (CPU stand-in): every ring read named its registered slot.
+    expect_contains "$out" "VERIFY RINGS transport=rdma" "$name GPU request rings"
 
     log "=== $name: CLI write and read of $CLI_MB MiB"
     count=$((CLI_MB * 1048576 / bs))

@@ -3,7 +3,8 @@
 //! each: discovery (RDMA entry fields), Identify, the initiator's `verify` example (concurrent
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
 //! compared; a transfer above MDTS written from and read back into registered memory with no
-//! slot copy), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
+//! slot copy; GPU request rings driven by the CPU stand-in, each ring read written by the
+//! target straight into its registered slot), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
 //! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
 //! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
 //! reconnect: its port drops the subsystem and takes it back while reads go on; against our
@@ -76,6 +77,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
             "VERIFY REGISTERED-ACROSS-RECONNECT",
             "VERIFY STALL-RECOVERED",
             "VERIFY REGISTERED-TIMEOUT-RELEASED",
+            "VERIFY RINGS transport=rdma",
             "PASS: nvmeof-bench rdma mode",
             "NVMe/RDMA queue pair accepted",
             "qid=3",

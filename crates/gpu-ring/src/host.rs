@@ -7,7 +7,7 @@ use crate::proto::{
     DecodedRequest, NsBinding, Read, RequestWords, decode_request, encode_completion, lap, validate,
 };
 use crate::set::DataMode;
-use crate::shared::{HostToken, RingMem, SlotData};
+use crate::shared::{DataArea, HostToken, RingMem, SlotData};
 
 /// Counters of one ring.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -115,6 +115,17 @@ impl HostRing {
     /// How completed data reaches the device.
     pub fn mode(&self) -> DataMode {
         self.mode
+    }
+
+    /// The ring's data areas as one range of host memory, to register for a NIC
+    /// ([`DataArea`]; [`data_offset`](Self::data_offset) gives a slot's place in it).
+    pub fn data_area(&self) -> DataArea {
+        DataArea::new(self.mem.clone())
+    }
+
+    /// Offset of `slot`'s data inside the ring's [`DataArea`].
+    pub fn data_offset(&self, slot: u32) -> usize {
+        (slot & (self.slots - 1)) as usize * self.slot_bytes as usize
     }
 
     /// The namespace table (a request's `ns` field indexes it).

@@ -87,4 +87,4 @@ pub use proto::{NsBinding, Read};
 pub use set::{
     DataMode, MAX_RINGS, MAX_SLOT_BYTES, RING_DESC_BYTES, RingConfig, RingDesc, RingError, RingSet,
 };
-pub use shared::{HostLayout, SlotData};
+pub use shared::{DataArea, HostLayout, SlotData};

@@ -340,6 +340,59 @@ impl RingMem {
     }
 }
 
+/// The data areas of one ring (every slot's, contiguous) as a range of host memory, for a NIC
+/// to write read data straight into (NVMe/RDMA: the keyed SGL of a read names its slot). Keeps
+/// the ring's memory alive. Get one from [`crate::HostRing::data_area`].
+///
+/// Registering the range gives the peer access to every slot's bytes; the proxy names a slot
+/// only in the command of the read that holds it (`LENT`), and a command that may still be
+/// written to after it ended has its queue pair destroyed first, so the device reads a slot's
+/// data only after the command that filled it is over.
+#[derive(Clone)]
+pub struct DataArea {
+    mem: Arc<RingMem>,
+}
+
+impl std::fmt::Debug for DataArea {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataArea")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl DataArea {
+    pub(crate) fn new(mem: Arc<RingMem>) -> DataArea {
+        DataArea { mem }
+    }
+
+    /// Host address of slot 0's data.
+    pub fn addr(&self) -> u64 {
+        self.mem.host_addr() + self.mem.layout.data as u64
+    }
+
+    /// Bytes of all the data areas (slots times slot size).
+    pub fn len(&self) -> usize {
+        self.mem.layout.len - self.mem.layout.data
+    }
+
+    /// Always false (a ring has at least two slots).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+// SAFETY: `addr()..addr() + len()` lies inside the ring's host block (the layout puts the data
+// areas last), which `mem` keeps allocated at a fixed address (heap words or a pinned
+// allocation, never moved or resized) for as long as this value lives; both values are
+// computed from immutable fields, so they are the same on every call.
+unsafe impl nvmf_rdma::DeviceMemory for DataArea {
+    fn device_range(&self) -> (u64, usize) {
+        (self.addr(), self.len())
+    }
+}
+
 /// An owned handle on the data area of a taken ring slot (from [`crate::HostRing::lend`]), to
 /// give to a command that receives a read into it. Dropping it returns the area to the ring
 /// and, when the slot was completed meanwhile, publishes its completion word.

@@ -533,8 +533,9 @@ impl DmabufRegion {
     }
 }
 
-/// Memory at a fixed address that the host side of this crate never reads or writes, only
-/// registers for the device (GPU memory on the nvidia-peermem path of `ibv_reg_mr`).
+/// Memory at a fixed address, owned elsewhere, that this crate never reads or writes, only
+/// registers by address: GPU memory on the nvidia-peermem path of `ibv_reg_mr`, or host memory
+/// that another owner lays out (the data areas of a GPU request ring).
 ///
 /// # Safety
 /// `device_range` must return the same address and length every time it is called on one
@@ -589,9 +590,10 @@ impl<M: DeviceMemory> DeviceRegion<M> {
 }
 
 impl ProtectionDomain {
-    /// Registers device memory by its address with `ibv_reg_mr` (needs a peer-memory client
-    /// in the kernel, such as nvidia-peermem for GPU memory; prefer
-    /// [`register_dmabuf`](Self::register_dmabuf) where the device supports it).
+    /// Registers memory by its address with `ibv_reg_mr`. Host memory registers as any
+    /// buffer does; GPU memory needs a peer-memory client in the kernel, such as
+    /// nvidia-peermem (prefer [`register_dmabuf`](Self::register_dmabuf) where the device
+    /// supports it).
     pub fn register_device_memory<M: DeviceMemory>(
         self: &Arc<Self>,
         mem: M,
