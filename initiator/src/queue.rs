@@ -798,10 +798,8 @@ impl Task {
         }
         let tags = &mut self.ring_tags.tags;
         tags.clear();
-        for d in &self.ring_done {
-            self.rings.complete(d.origin, d.status);
-            tags.push(d.tag);
-        }
+        self.rings.complete_all(&self.ring_done);
+        tags.extend(self.ring_done.iter().map(|d| d.tag));
         self.rings.push_pending();
         self.shared.release_many(tags);
         tags.clear();

@@ -32,17 +32,76 @@ pub(crate) enum RegionMem {
     Dmabuf {
         region: nvmf_rdma::DmabufRegion,
         _dmabuf: gpu::DmaBuf,
-        buf: gpu::DeviceBuffer,
+        buf: Arc<gpu::DeviceBuffer>,
     },
     /// Device memory registered by address (nvidia-peermem).
     #[cfg(feature = "gpu")]
-    Peer(nvmf_rdma::DeviceRegion<gpu::DeviceBuffer>),
+    Peer(nvmf_rdma::DeviceRegion<Arc<gpu::DeviceBuffer>>),
     /// The data areas of a GPU request ring (host memory the ring owns), registered by
     /// address: a ring read's keyed SGL names its slot.
     Ring(nvmf_rdma::DeviceRegion<gpu_ring::DataArea>),
 }
 
 impl RegionMem {
+    /// Registers device memory with `pd`: its dma-buf first, the device address
+    /// (nvidia-peermem) when the export or the dma-buf registration is refused. Returns the
+    /// region and whether it went through dma-buf.
+    #[cfg(feature = "gpu")]
+    fn device(
+        buf: Arc<gpu::DeviceBuffer>,
+        pd: &Arc<ProtectionDomain>,
+    ) -> Result<(RegionMem, bool), Error> {
+        let dmabuf_err = match buf.as_slice().export_dmabuf() {
+            Err(e) => e.to_string(),
+            Ok(d) => {
+                let req = DmabufRequest::for_dmabuf(&d)?;
+                let fd = d.fd();
+                match pd.register_dmabuf(fd, req.offset, req.len, req.iova, remote_access()) {
+                    Ok(region) => {
+                        let mem = RegionMem::Dmabuf {
+                            region,
+                            _dmabuf: d,
+                            buf,
+                        };
+                        return Ok((mem, true));
+                    }
+                    Err(e) => e.to_string(),
+                }
+            }
+        };
+        match pd.register_device_memory(buf, remote_access()) {
+            Ok(r) => Ok((RegionMem::Peer(r), false)),
+            Err(e) => Err(Error::Unsupported(format!(
+                "cannot register GPU memory for RDMA: dma-buf: {dmabuf_err}; by address (nvidia-peermem): {e}"
+            ))),
+        }
+    }
+
+    /// Orders the NIC's writes into device memory before later work on the GPU
+    /// (`cuFlushGPUDirectRDMAWrites`; nothing to do for host memory or where the device does
+    /// not offer it).
+    pub(crate) fn flush(&self) -> Result<(), Error> {
+        #[cfg(feature = "gpu")]
+        {
+            let ctx = match self {
+                RegionMem::Dmabuf { buf, .. } => buf.context(),
+                RegionMem::Peer(r) => r.memory().context(),
+                RegionMem::Host(_) | RegionMem::Ring(_) => return Ok(()),
+            };
+            match ctx.flush_gpudirect_rdma_writes(gpu::FlushScope::ToOwner) {
+                Ok(()) | Err(gpu::GpuError::FlushUnsupported) => Ok(()),
+                Err(e) => Err(Error::Buffer(format!("cuFlushGPUDirectRDMAWrites: {e}"))),
+            }
+        }
+        #[cfg(not(feature = "gpu"))]
+        Ok(())
+    }
+
+    /// Whether the memory is on a device (its NIC writes need [`flush`](Self::flush)).
+    pub(crate) fn is_device(&self) -> bool {
+        !matches!(self, RegionMem::Host(_) | RegionMem::Ring(_))
+    }
+
     /// The keyed SGL target for `len` bytes from `offset`, for a queue pair of domain `pd`.
     fn remote_key(
         &self,
@@ -74,11 +133,21 @@ impl RegionMem {
     }
 }
 
-/// Registers the data areas of a GPU request ring with `pd` (NVMe/RDMA ring reads).
+/// Registers the data areas of a GPU request ring with `pd` (NVMe/RDMA ring reads): host
+/// memory by address, device memory ([`gpu_ring::DataMode::Device`]) through dma-buf or
+/// nvidia-peermem (feature `gpu`).
 pub(crate) fn register_ring(
     pd: &Arc<ProtectionDomain>,
     ring: &gpu_ring::HostRing,
 ) -> Result<Arc<RegionMem>, Error> {
+    if let Some(_data) = ring.device_data() {
+        #[cfg(feature = "gpu")]
+        return RegionMem::device(Arc::clone(_data), pd).map(|(m, _)| Arc::new(m));
+        #[cfg(not(feature = "gpu"))]
+        return Err(Error::Unsupported(
+            "rings with device data areas need the initiator's `gpu` feature".into(),
+        ));
+    }
     pd.register_device_memory(ring.data_area(), remote_access())
         .map(|r| Arc::new(RegionMem::Ring(r)))
         .map_err(crate::error::registration_error)
@@ -219,7 +288,6 @@ impl RegisteredBuffer {
 #[cfg(feature = "gpu")]
 pub struct RegisteredGpuBuffer {
     mem: Arc<RegionMem>,
-    ctx: gpu::GpuContext,
     len: usize,
     dmabuf: bool,
 }
@@ -272,41 +340,13 @@ impl RegisteredGpuBuffer {
     /// Registers `buf` with `pd`: dma-buf first, the device address (nvidia-peermem) when the
     /// export or the dma-buf registration is refused.
     pub(crate) fn new(buf: gpu::DeviceBuffer, pd: &Arc<ProtectionDomain>) -> Result<Self, Error> {
-        let ctx = buf.context();
         let len = buf.len();
-        let dmabuf_err = match buf.as_slice().export_dmabuf() {
-            Err(e) => e.to_string(),
-            Ok(d) => {
-                let req = DmabufRequest::for_dmabuf(&d)?;
-                let fd = d.fd();
-                match pd.register_dmabuf(fd, req.offset, req.len, req.iova, remote_access()) {
-                    Ok(region) => {
-                        return Ok(RegisteredGpuBuffer {
-                            mem: Arc::new(RegionMem::Dmabuf {
-                                region,
-                                _dmabuf: d,
-                                buf,
-                            }),
-                            ctx,
-                            len,
-                            dmabuf: true,
-                        });
-                    }
-                    Err(e) => e.to_string(),
-                }
-            }
-        };
-        match pd.register_device_memory(buf, remote_access()) {
-            Ok(r) => Ok(RegisteredGpuBuffer {
-                mem: Arc::new(RegionMem::Peer(r)),
-                ctx,
-                len,
-                dmabuf: false,
-            }),
-            Err(e) => Err(Error::Unsupported(format!(
-                "cannot register GPU memory for RDMA: dma-buf: {dmabuf_err}; by address (nvidia-peermem): {e}"
-            ))),
-        }
+        let (mem, dmabuf) = RegionMem::device(Arc::new(buf), pd)?;
+        Ok(RegisteredGpuBuffer {
+            mem: Arc::new(mem),
+            len,
+            dmabuf,
+        })
     }
 
     /// Length in bytes.
@@ -342,13 +382,7 @@ impl RegisteredGpuBuffer {
     /// Orders the RDMA writes of completed reads before later work on the GPU
     /// (`cuFlushGPUDirectRDMAWrites`); nothing to do where the device does not offer it.
     pub(crate) fn flush(&self) -> Result<(), Error> {
-        match self
-            .ctx
-            .flush_gpudirect_rdma_writes(gpu::FlushScope::ToOwner)
-        {
-            Ok(()) | Err(gpu::GpuError::FlushUnsupported) => Ok(()),
-            Err(e) => Err(Error::Buffer(format!("cuFlushGPUDirectRDMAWrites: {e}"))),
-        }
+        self.mem.flush()
     }
 }
 

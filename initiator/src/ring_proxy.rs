@@ -155,6 +155,11 @@ impl Controller {
                 "this transport cannot receive read data into the rings' slots".into(),
             ));
         }
+        if set.config().mode == DataMode::Device && pd.is_none() {
+            return Err(Error::Unsupported(
+                "rings whose data areas are device memory (DataMode::Device) are written by the NIC: NVMe/RDMA only (over NVMe/TCP use pull or push mode)".into(),
+            ));
+        }
         let nq = self.io_queue_count();
         if nq == 0 {
             return Err(Error::InvalidArgument(
@@ -164,7 +169,7 @@ impl Controller {
         // One push path per queue that gets a ring (push mode only), set up before any ring
         // is taken from the set.
         let mut pushers = match set.config().mode {
-            DataMode::Pull => Vec::new(),
+            DataMode::Pull | DataMode::Device => Vec::new(),
             DataMode::Push => push_paths(set, nq.min(set.len()))?,
         };
         let rings = set.take_host_rings();

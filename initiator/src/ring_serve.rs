@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::error::{STATUS_INTERNAL, ring_status};
-use crate::queue_core::{DataDir, Request, Retry, RingSlot};
+use crate::queue_core::{DataDir, Request, Retry, RingDone, RingSlot};
 use crate::registered::{Direct, RegionMem};
 
 /// Requests taken from one ring per wake-up of its queue task, at most.
@@ -112,6 +112,10 @@ struct Entry {
     /// read's keyed SGL names its slot there); None over NVMe/TCP (reads are received into
     /// the lent slot).
     region: Option<Arc<RegionMem>>,
+    /// Device data areas: reads of this ring ended in the batch being completed.
+    flush_due: bool,
+    /// Device data areas: the batch's flush failed.
+    flush_failed: bool,
 }
 
 /// Rings handed to a queue task by one attachment.
@@ -138,6 +142,8 @@ pub(crate) struct RingTable {
     reads: Vec<Read>,
     /// Push paths by attachment.
     pushers: Vec<(u64, Box<dyn PushPath>)>,
+    /// A ring whose data areas are device memory was attached (its completions need a flush).
+    device_data: bool,
 }
 
 impl RingTable {
@@ -150,6 +156,7 @@ impl RingTable {
             next: 0,
             reads: Vec::with_capacity(RING_BATCH),
             pushers: Vec::new(),
+            device_data: false,
         }
     }
 
@@ -175,9 +182,10 @@ impl RingTable {
         let mut regions = grant.regions.into_iter();
         for ring in grant.rings {
             let region = regions.next();
+            self.device_data |= region.as_ref().is_some_and(|r| r.is_device());
             let pending = match ring.mode() {
                 DataMode::Push => Vec::with_capacity(ring.slots() as usize),
-                DataMode::Pull => Vec::new(),
+                DataMode::Pull | DataMode::Device => Vec::new(),
             };
             let e = Entry {
                 id: grant.id,
@@ -186,6 +194,8 @@ impl RingTable {
                 detaching: false,
                 pending,
                 region,
+                flush_due: false,
+                flush_failed: false,
             };
             match self.entries.iter_mut().find(|e| e.is_none()) {
                 Some(free) => *free = Some(e),
@@ -251,10 +261,49 @@ impl RingTable {
         self.pacer.active(now);
     }
 
+    /// Writes the completion words of the ring reads that ended ([`RingTable::complete`]).
+    /// Rings whose data areas are device memory get the NIC's writes flushed first, once per
+    /// ring with reads in `done`, so that a thread that sees a completion word sees the data
+    /// (a failed flush completes the ring's successful reads with Internal Error).
+    pub fn complete_all(&mut self, done: &[RingDone]) {
+        if self.device_data {
+            for d in done {
+                if let Some(Some(e)) = self.entries.get_mut(usize::from(d.origin.ring)) {
+                    e.flush_due = e.region.as_ref().is_some_and(|r| r.is_device());
+                }
+            }
+            for e in self.entries.iter_mut().flatten() {
+                if !std::mem::take(&mut e.flush_due) {
+                    continue;
+                }
+                if let Err(err) = e.region.as_ref().map_or(Ok(()), |r| r.flush()) {
+                    tracing::warn!(
+                        ring = e.ring.index(),
+                        "GPU ring reads completed with Internal Error: {err}"
+                    );
+                    e.flush_failed = true;
+                }
+            }
+        }
+        for d in done {
+            self.complete(d.origin, d.status);
+        }
+        if self.device_data {
+            for e in self.entries.iter_mut().flatten() {
+                e.flush_failed = false;
+            }
+        }
+    }
+
     /// Writes the completion word of a ring read that ended; in push mode a successful read
     /// joins its ring's next push instead ([`RingTable::push_pending`]).
     pub fn complete(&mut self, origin: RingSlot, status: u16) {
         if let Some(Some(e)) = self.entries.get_mut(usize::from(origin.ring)) {
+            let status = if e.flush_failed && status == 0 {
+                STATUS_INTERNAL
+            } else {
+                status
+            };
             if e.ring.mode() == DataMode::Push && status == 0 {
                 e.pending.extend(e.ring.complete_push(origin.slot, status));
             } else {

@@ -41,7 +41,7 @@ pub(crate) struct HostBlock {
 }
 
 pub(crate) fn host_block(ctx: &GpuContext, config: &RingConfig) -> Result<HostBlock, RingError> {
-    let layout = HostLayout::new(config.slots, config.slot_bytes);
+    let layout = HostLayout::new(config.slots, config.host_slot_bytes());
     let buffer = ctx.alloc_pinned_mapped(layout.len)?;
     let device_addr = buffer.mapped_device_ptr().ok_or(GpuError::Driver {
         call: "cuMemHostGetDevicePointer",
@@ -49,7 +49,8 @@ pub(crate) fn host_block(ctx: &GpuContext, config: &RingConfig) -> Result<HostBl
         name: String::from("CUDA_SUCCESS"),
         description: String::from("mapped memory without a device address"),
     })?;
-    let (mem, token, pinned) = RingMem::new_pinned(buffer, config.slots, config.slot_bytes)?;
+    let (mem, token, pinned) =
+        RingMem::new_pinned(buffer, config.slots, config.host_slot_bytes())?;
     Ok(HostBlock {
         mem,
         token,
@@ -64,6 +65,8 @@ pub(crate) struct GpuBacking {
     table: DeviceBuffer,
     descs: Vec<RingDesc>,
     _device: Vec<DeviceBuffer>,
+    /// [`crate::DataMode::Device`]: each ring's data areas.
+    data: Vec<Arc<DeviceBuffer>>,
     pinned: Vec<Arc<PinnedBuffer>>,
 }
 
@@ -78,6 +81,7 @@ impl GpuBacking {
         let dl = DeviceLayout::new(config.slots);
         let nrings = blocks.len() as u32;
         let mut device = Vec::new();
+        let mut data = Vec::new();
         let mut descs = Vec::new();
         for block in blocks {
             let mut buf = ctx.alloc_zeroed(dl.len)?;
@@ -90,13 +94,13 @@ impl GpuBacking {
                 base + dl.abandoned as u64,
                 base + dl.dst as u64,
             ];
-            descs.push(ring_desc(
-                &block.mem,
-                block.device_addr,
-                &addrs,
-                config,
-                nrings,
-            ));
+            let mut desc = ring_desc(&block.mem, block.device_addr, &addrs, config, nrings);
+            if config.mode == crate::DataMode::Device {
+                let area = ctx.alloc_zeroed(config.slots as usize * config.slot_bytes as usize)?;
+                desc.data = area.device_ptr();
+                data.push(Arc::new(area));
+            }
+            descs.push(desc);
             device.push(buf);
         }
         let bytes = RingDesc::table_bytes(&descs);
@@ -106,6 +110,7 @@ impl GpuBacking {
             table,
             descs,
             _device: device,
+            data,
             pinned: blocks.iter().map(|b| b.pinned.clone()).collect(),
         })
     }
@@ -116,6 +121,10 @@ impl GpuBacking {
 
     pub(crate) fn descriptors(&self) -> &[RingDesc] {
         &self.descs
+    }
+
+    pub(crate) fn device_data(&self, ring: usize) -> Option<Arc<DeviceBuffer>> {
+        self.data.get(ring).cloned()
     }
 
     pub(crate) fn pinned(&self, ring: usize) -> Option<&PinnedBuffer> {

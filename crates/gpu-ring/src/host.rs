@@ -58,6 +58,8 @@ pub struct HostRing {
     /// Per slot: lap and bytes of the taken request, `None` when not taken.
     taken: Box<[Option<(u16, u32)>]>,
     stats: RingStats,
+    /// [`DataMode::Device`]: the data areas in device memory.
+    device_data: Option<Arc<gpu::DeviceBuffer>>,
 }
 
 impl std::fmt::Debug for HostRing {
@@ -81,6 +83,7 @@ impl HostRing {
         slot_bytes: u32,
         mode: DataMode,
         namespaces: Arc<[NsBinding]>,
+        device_data: Option<Arc<gpu::DeviceBuffer>>,
     ) -> HostRing {
         let slots = mem.slots();
         HostRing {
@@ -94,6 +97,7 @@ impl HostRing {
             next: 0,
             taken: vec![None; slots as usize].into_boxed_slice(),
             stats: RingStats::default(),
+            device_data,
         }
     }
 
@@ -117,8 +121,15 @@ impl HostRing {
         self.mode
     }
 
+    /// The ring's data areas in device memory ([`DataMode::Device`]; `None` otherwise), to
+    /// register for a NIC; [`data_offset`](Self::data_offset) gives a slot's place in it.
+    pub fn device_data(&self) -> Option<&Arc<gpu::DeviceBuffer>> {
+        self.device_data.as_ref()
+    }
+
     /// The ring's data areas as one range of host memory, to register for a NIC
-    /// ([`DataArea`]; [`data_offset`](Self::data_offset) gives a slot's place in it).
+    /// ([`DataArea`]; [`data_offset`](Self::data_offset) gives a slot's place in it). Empty in
+    /// [`DataMode::Device`] (see [`device_data`](Self::device_data)).
     pub fn data_area(&self) -> DataArea {
         DataArea::new(self.mem.clone())
     }

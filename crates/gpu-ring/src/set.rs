@@ -16,14 +16,31 @@ pub enum DataMode {
     /// The host copies completed slots to the device in batches (one host-to-device copy and
     /// the `nvmf_ring_push` kernel), which also stores the completion words (larger reads).
     Push,
+    /// The slots' data areas are device memory (GPU sets only) that the NIC writes: over
+    /// NVMe/RDMA the keyed SGL of a read names its slot there (the proxy registers the areas
+    /// through dma-buf) and the host writes the completion word after flushing the NIC's
+    /// writes (`cuFlushGPUDirectRDMAWrites`); the waiting warp then copies the data to its
+    /// destination from device memory, as in pull mode. No byte passes through host memory.
+    Device,
 }
 
 impl DataMode {
     /// The value of `mode` in the device descriptor (0 pull, 1 push).
     pub const fn as_u32(self) -> u32 {
         match self {
-            DataMode::Pull => 0,
+            DataMode::Pull | DataMode::Device => 0,
             DataMode::Push => 1,
+        }
+    }
+}
+
+impl RingConfig {
+    /// Bytes of each slot's data area in the host block: none in [`DataMode::Device`], whose
+    /// data areas are device memory.
+    pub const fn host_slot_bytes(&self) -> u32 {
+        match self.mode {
+            DataMode::Device => 0,
+            DataMode::Pull | DataMode::Push => self.slot_bytes,
         }
     }
 }
@@ -206,6 +223,11 @@ impl RingSet {
         namespaces: &[NsBinding],
     ) -> Result<RingSet, RingError> {
         config.validate(nrings, namespaces)?;
+        if config.mode == DataMode::Device {
+            return Err(RingError::Config(
+                "device data areas need a ring set on a GPU (RingSet::new_gpu)".into(),
+            ));
+        }
         let mut mems = Vec::new();
         let mut tokens = Vec::new();
         let mut device = Vec::new();
@@ -239,7 +261,9 @@ impl RingSet {
     /// `nrings` rings for the GPU of `ctx`: each ring's request, completion, control and data
     /// areas in one pinned host allocation mapped into the device
     /// (`cuMemHostAlloc(DEVICEMAP | PORTABLE)`), its ticket, `freed`, `abandoned` and `dst`
-    /// arrays in device memory, and the descriptor table in device memory.
+    /// arrays in device memory, and the descriptor table in device memory. In
+    /// [`DataMode::Device`] the data areas are device memory too, one allocation per ring
+    /// ([`HostRing::device_data`]), and the host block has none.
     pub fn new_gpu(
         ctx: &gpu::GpuContext,
         nrings: u32,
@@ -309,6 +333,10 @@ impl RingSet {
                     self.config.slot_bytes,
                     self.config.mode,
                     self.namespaces.clone(),
+                    match &self.backing {
+                        Backing::Gpu(g) => g.device_data(i),
+                        Backing::Host { .. } => None,
+                    },
                 )
             })
             .collect()
@@ -355,7 +383,7 @@ impl RingSet {
 
     /// Layout of every ring's host block.
     pub fn host_layout(&self) -> HostLayout {
-        HostLayout::new(self.config.slots, self.config.slot_bytes)
+        HostLayout::new(self.config.slots, self.config.host_slot_bytes())
     }
 }
 

@@ -693,6 +693,14 @@ unsafe impl DeviceMemory for gpu::DeviceBuffer {
     }
 }
 
+// SAFETY: an `Arc` hands out the one value it owns, which does not move and is dropped only
+// with the last handle; the range is the inner value's, which the trait already guarantees.
+unsafe impl<M: DeviceMemory> DeviceMemory for Arc<M> {
+    fn device_range(&self) -> (u64, usize) {
+        (**self).device_range()
+    }
+}
+
 /// A file descriptor owned by libibverbs or librdmacm, registered with tokio for wakeups.
 pub(crate) struct ForeignFd(pub RawFd);
 
