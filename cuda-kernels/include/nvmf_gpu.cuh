@@ -70,7 +70,9 @@
 //     system-scope stores. The host takes the request only when both words carry the lap.
 //  2. the host writes the data, then the completion word (release; x86 keeps store order and
 //     PCIe delivers the posted writes in order); in push mode the push kernel copies the data
-//     to dst, fences at system scope and stores the word.
+//     to dst, fences at system scope and stores the word. Device-data mode (gpu_ring's
+//     DataMode::Device): data[] is device memory the NIC writes by RDMA; the host flushes those
+//     writes (cuFlushGPUDirectRDMAWrites) before it stores the word, and step 3 is unchanged.
 //  3. wait: ld.acquire.sys of cpl[slot] until it carries the lap, so the data written before
 //     the word is visible to the loads after it; pull mode copies data[slot] to dst.
 //  4. release: __threadfence(), then atomicCAS(freed[slot], prev_lap, lap): only then may the
@@ -107,7 +109,7 @@ struct nvmf_gpu_ring {
     nvmf_gpu_u64 req;        // u64 req[2 * slots], mapped host memory
     nvmf_gpu_u64 cpl;        // u64 cpl[slots], mapped host memory
     nvmf_gpu_u64 ctl;        // u64 closed flag, mapped host memory
-    nvmf_gpu_u64 data;       // u8 data[slots * slot_bytes], mapped host memory
+    nvmf_gpu_u64 data;       // u8 data[slots * slot_bytes], mapped host memory (device memory in device-data mode)
     nvmf_gpu_u64 ticket;     // u64, device memory
     nvmf_gpu_u64 freed;      // u32 freed[slots], device memory
     nvmf_gpu_u64 abandoned;  // u32 abandoned[slots], device memory
@@ -342,7 +344,7 @@ __device__ nvmf_gpu_u32 nvmf_gpu_poll(struct nvmf_gpu_ticket k, nvmf_gpu_u64 tim
     }
 }
 
-// The data area of the ticket's slot (pinned host memory).
+// The data area of the ticket's slot (pinned host memory, or device memory in device-data mode).
 __device__ __forceinline__ const nvmf_gpu_u8* nvmf_gpu_slot_data(struct nvmf_gpu_ticket k) {
     return (const nvmf_gpu_u8*)k.ring->data + (nvmf_gpu_u64)nvmf_gpu_slot(k) * k.ring->slot_bytes;
 }

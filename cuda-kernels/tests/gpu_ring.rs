@@ -1,6 +1,6 @@
 //! GPU request rings on a real GPU: kernels of many warps issue reads through `nvmf_gpu.cuh`
 //! while a host thread serves the rings (`HostRing`) from the seeded namespace pattern; the
-//! kernels verify every byte on the GPU. Pull and push modes, 512 B and 4 KiB, per-thread and
+//! kernels verify every byte on the GPU. Pull, push and device-data modes, 512 B and 4 KiB, per-thread and
 //! warp-collective calls, enough reads to wrap every ring many times; bad requests get their
 //! NVMe status, a ring nobody serves times out, a closed ring answers CLOSED.
 //!
@@ -74,6 +74,23 @@ extern "C" __global__ void ring_reader(
     }
 }
 
+// Stands in for the NIC of device data areas: writes the namespace pattern into device
+// memory, one block of threads per item of (device address u64, namespace offset u64, bytes u64).
+extern "C" __global__ void nic_fill(
+    const unsigned char* items, unsigned long long items_len, unsigned long long seed)
+{
+    const unsigned long long* it = (const unsigned long long*)items;
+    if ((blockIdx.x + 1) * 24ULL > items_len) {
+        return;
+    }
+    unsigned long long* data = (unsigned long long*)it[3 * blockIdx.x];
+    const unsigned long long off = it[3 * blockIdx.x + 1];
+    const unsigned long long words = it[3 * blockIdx.x + 2] / 8;
+    for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
+        data[w] = nvmf_pattern_word(seed, off + 8 * w);
+    }
+}
+
 // One read per thread from a table of (ns u32, nblocks u32, lba u64); statuses to out (u32).
 extern "C" __global__ void ring_status(
     const unsigned char* rings, unsigned long long rings_len,
@@ -111,6 +128,7 @@ struct Setup {
     ctx: GpuContext,
     reader: Kernel,
     status: Kernel,
+    nic: Kernel,
     push: RingPush,
 }
 
@@ -137,6 +155,7 @@ fn setup(name: &str) -> Option<Setup> {
     Some(Setup {
         reader: module.kernel("ring_reader").unwrap(),
         status: module.kernel("ring_status").unwrap(),
+        nic: module.kernel("nic_fill").unwrap(),
         push,
         ctx,
     })
@@ -151,11 +170,12 @@ fn namespace(block_size: u32) -> NsBinding {
 }
 
 /// Serves `rings` until `done` is set and nothing is in flight (or the time limit passes):
-/// every valid read gets the namespace pattern, pushed through `push` in push mode.
+/// every valid read gets the namespace pattern, pushed through `push` in push mode, written
+/// into the device data area by `nic` (standing in for the NIC) in device mode.
 fn serve(
     rings: Vec<HostRing>,
     set: &RingSet,
-    push: &mut RingPush,
+    (push, nic): (&mut RingPush, &Kernel),
     ctx: &GpuContext,
     done: &AtomicBool,
 ) -> Vec<HostRing> {
@@ -165,6 +185,8 @@ fn serve(
     let start = Instant::now();
     let mut reads: Vec<Read> = Vec::new();
     let mut items = Vec::new();
+    let mut nic_items: Vec<u8> = Vec::new();
+    let mut nic_buf = ctx.alloc_zeroed(64 * 24).unwrap();
     loop {
         let mut busy = false;
         for h in rings.iter_mut() {
@@ -172,20 +194,54 @@ fn serve(
             h.poll(64, &mut reads);
             busy |= !reads.is_empty();
             items.clear();
+            nic_items.clear();
             for r in &reads {
                 let bs = h.namespaces()[0].block_size;
-                fill_pattern(
-                    SEED,
-                    r.lba * u64::from(bs),
-                    &mut h.data_mut(r.slot)[..r.bytes],
-                );
+                let off = r.lba * u64::from(bs);
                 match h.mode() {
-                    DataMode::Pull => h.complete(r.slot, status::SUCCESS),
+                    DataMode::Device => {
+                        let area = h.device_data().expect("device data areas");
+                        let addr = area.device_ptr() + h.data_offset(r.slot) as u64;
+                        for w in [addr, off, r.bytes as u64] {
+                            nic_items.extend_from_slice(&w.to_le_bytes());
+                        }
+                        continue;
+                    }
+                    DataMode::Pull | DataMode::Push => {
+                        fill_pattern(SEED, off, &mut h.data_mut(r.slot)[..r.bytes])
+                    }
+                }
+                match h.mode() {
                     DataMode::Push => items.extend(h.complete_push(r.slot, status::SUCCESS)),
+                    _ => h.complete(r.slot, status::SUCCESS),
                 }
             }
             if !items.is_empty() {
                 push.push(&stream, &src, h.index(), &items).unwrap();
+            }
+            if !nic_items.is_empty() {
+                // The "NIC" writes the data, its writes are flushed, then the words go out.
+                let n = nic_items.len() / 24;
+                nic_buf
+                    .slice_mut(..nic_items.len())
+                    .unwrap()
+                    .copy_from_host(&nic_items)
+                    .unwrap();
+                {
+                    let view = nic_buf.slice(..nic_items.len()).unwrap();
+                    let mut args = LaunchArgs::new();
+                    args.buffer(&view).u64(SEED);
+                    nic.launch(&stream, &LaunchConfig::linear(n as u32, 128), &args)
+                        .unwrap();
+                }
+                stream.synchronize().unwrap();
+                match ctx.flush_gpudirect_rdma_writes(gpu::FlushScope::ToOwner) {
+                    Ok(()) | Err(gpu::GpuError::FlushUnsupported) => {}
+                    Err(e) => panic!("flush: {e}"),
+                }
+                for r in &reads {
+                    h.complete(r.slot, status::SUCCESS);
+                }
             }
         }
         if start.elapsed() > SERVE_LIMIT {
@@ -232,10 +288,10 @@ fn run_reader(g: &mut Setup, run: &ReaderRun) -> ([u64; 4], u64) {
     let stream = g.ctx.new_stream().unwrap();
     let done = AtomicBool::new(false);
     let ctx = g.ctx.clone();
-    let (push, reader) = (&mut g.push, &g.reader);
+    let (push, nic, reader) = (&mut g.push, &g.nic, &g.reader);
     let served = thread::scope(|s| {
         let set = &set;
-        let server = s.spawn(|| serve(rings, set, push, &ctx, &done));
+        let server = s.spawn(|| serve(rings, set, (push, nic), &ctx, &done));
         {
             let table = set.table_buffer().unwrap().as_slice();
             let mut dst_view = dst.as_slice_mut();
@@ -307,6 +363,14 @@ fn gpu_ring_reads_pull() {
 #[test]
 fn gpu_ring_reads_push() {
     check_reader("gpu_ring_reads_push", DataMode::Push);
+}
+
+/// Device data areas: a fill kernel on the host's stream stands in for the NIC that writes
+/// each read into its slot in device memory; the host flushes and publishes the completion
+/// words, and the readers copy from device memory.
+#[test]
+fn gpu_ring_reads_device_data() {
+    check_reader("gpu_ring_reads_device_data", DataMode::Device);
 }
 
 /// One GPU thread reads one block after another through a ring a spinning host thread serves
@@ -427,8 +491,8 @@ fn gpu_ring_bad_requests_timeouts_and_close() {
     let status_kernel = g.status.clone();
     let rings = thread::scope(|s| {
         let set_ref = &set;
-        let push = &mut g.push;
-        let server = s.spawn(|| serve(rings, set_ref, push, &ctx, &done));
+        let (push, nic) = (&mut g.push, &g.nic);
+        let server = s.spawn(|| serve(rings, set_ref, (push, nic), &ctx, &done));
         let got = run_status(&ctx, &status_kernel, set_ref, &reqs, WAIT_NS);
         done.store(true, Ordering::Release);
         let rings = server.join().unwrap();

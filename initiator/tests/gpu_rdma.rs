@@ -1,7 +1,8 @@
 //! GPU memory registration for NVMe/RDMA, the parts a GPU machine without an RDMA NIC can run:
 //! a device buffer exported as a dma-buf gives the `ibv_reg_dmabuf_mr` request (fd, offset,
 //! length, IOVA, access) the initiator registers, and registering GPU memory on an NVMe/TCP
-//! controller is a typed error. Every test prints `SKIP <name>: skipped: no CUDA driver ...`
+//! controller is a typed error; the same for the device data areas of GPU request rings
+//! (`DataMode::Device`), which attach over NVMe/RDMA only. Every test prints `SKIP <name>: skipped: no CUDA driver ...`
 //! and passes on machines without a GPU; with NVMEOF_GPU_REQUIRE=1 that is a failure.
 //!
 //! On the GPU machine: `NVMEOF_GPU_REQUIRE=1 cargo test -p nvmeof-initiator --test gpu_rdma`.
@@ -10,6 +11,7 @@ mod common;
 
 use common::{TestTarget, options};
 use nvmeof_initiator::gpu::cuda::{GpuContext, test_support::should_skip};
+use nvmeof_initiator::gpu_ring::{DataMode, NsBinding, RingConfig, RingSet};
 use nvmeof_initiator::{Controller, DmabufRequest, Error};
 
 /// Opens GPU 0, or prints SKIP and returns None.
@@ -98,5 +100,70 @@ async fn gpu_registration_over_tcp_is_a_typed_error() {
         .await
         .expect("read_registered");
     assert!(host.as_slice().unwrap().iter().all(|&b| b == 0x5A));
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_data_rings_export_as_dmabuf_and_refuse_tcp() {
+    let name = "device_data_rings_export_as_dmabuf_and_refuse_tcp";
+    let Some(ctx) = gpu_or_skip(name) else {
+        return;
+    };
+    let cfg = RingConfig {
+        slots: 16,
+        slot_bytes: 4096,
+        mode: DataMode::Device,
+    };
+    let ns = NsBinding {
+        nsid: 1,
+        block_size: 512,
+        blocks: 8192,
+    };
+    // Each ring's data areas: device memory the descriptor names, exported whole as the
+    // dma-buf the NVMe/RDMA attach registers.
+    let mut set = RingSet::new_gpu(&ctx, 2, cfg, &[ns]).expect("device-data ring set");
+    let descs = set.descriptors();
+    let rings = set.take_host_rings();
+    for (ring, desc) in rings.iter().zip(&descs) {
+        let area = ring.device_data().expect("device data areas");
+        assert_eq!(desc.data, area.device_ptr());
+        assert_eq!(area.len(), 16 * 4096);
+        assert_eq!(ring.data_offset(17), 4096);
+        assert!(ring.data_area().is_empty(), "no data areas in host memory");
+        let d = area
+            .as_slice()
+            .export_dmabuf()
+            .expect("export the data areas");
+        let req = DmabufRequest::for_dmabuf(&d).expect("request");
+        assert_eq!(
+            (req.offset, req.len, req.iova, req.access),
+            (0, 16 * 4096, area.device_ptr(), REMOTE_ACCESS)
+        );
+    }
+    println!(
+        "{name}: {} rings, data areas at {:#x?}",
+        rings.len(),
+        descs.iter().map(|d| d.data).collect::<Vec<_>>()
+    );
+    // Over NVMe/TCP nothing can write device memory for the target: refused, the set keeps
+    // its rings.
+    let target = TestTarget::start(&["mem:4M"], |_| {});
+    let ctrl = Controller::connect(options(target.target_addr()))
+        .await
+        .expect("connect");
+    let mut set = RingSet::new_gpu(&ctx, 2, cfg, &[ns]).expect("device-data ring set");
+    match ctrl.attach_gpu_rings(&mut set).await {
+        Err(Error::Unsupported(why)) => {
+            assert!(why.contains("NVMe/RDMA"), "{why}");
+            assert!(!why.contains('\n'));
+        }
+        Err(e) => panic!("{name}: expected Error::Unsupported, got {e}"),
+        Ok(a) => panic!("{name}: device data rings attached over NVMe/TCP: {a:?}"),
+    }
+    assert_eq!(
+        set.take_host_rings().len(),
+        2,
+        "the refused set keeps its rings"
+    );
     ctrl.disconnect().await.expect("disconnect");
 }

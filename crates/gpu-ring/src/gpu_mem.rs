@@ -49,8 +49,7 @@ pub(crate) fn host_block(ctx: &GpuContext, config: &RingConfig) -> Result<HostBl
         name: String::from("CUDA_SUCCESS"),
         description: String::from("mapped memory without a device address"),
     })?;
-    let (mem, token, pinned) =
-        RingMem::new_pinned(buffer, config.slots, config.host_slot_bytes())?;
+    let (mem, token, pinned) = RingMem::new_pinned(buffer, config.slots, config.host_slot_bytes())?;
     Ok(HostBlock {
         mem,
         token,
@@ -96,7 +95,8 @@ impl GpuBacking {
             ];
             let mut desc = ring_desc(&block.mem, block.device_addr, &addrs, config, nrings);
             if config.mode == crate::DataMode::Device {
-                let area = ctx.alloc_zeroed(config.slots as usize * config.slot_bytes as usize)?;
+                let area =
+                    ctx.alloc_exportable(config.slots as usize * config.slot_bytes as usize)?;
                 desc.data = area.device_ptr();
                 data.push(Arc::new(area));
             }

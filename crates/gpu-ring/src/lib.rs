@@ -42,6 +42,12 @@
 //!    next occupant's read.
 //! 5. *Close*: dropping a [`HostRing`] sets `closed`; waiting and submitting device threads
 //!    return `CLOSED` instead of waiting for a host that is gone.
+//! 6. *Device data areas* ([`DataMode::Device`]): the data areas are device memory that a NIC
+//!    writes (NVMe/RDMA). The host learns that a read's data is placed from the transport's
+//!    completion (on a reliable connection it arrives after the data), then flushes the NIC's
+//!    writes towards the GPU (`cuFlushGPUDirectRDMAWrites`), and only then stores the
+//!    completion word; the device's acquire load of the word (rule 2) then orders its loads of
+//!    the data after the flushed writes.
 //!
 //! The [`standin`] module implements the device side in Rust for tests; the CUDA header
 //! `cuda-kernels/include/nvmf_gpu.cuh` implements it for kernels.
