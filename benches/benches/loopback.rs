@@ -36,7 +36,7 @@ fn loopback(c: &mut Criterion) {
         FabricTarget::start(&TcpTarget::InProcess, &spec).expect("target starts")
     };
     let settings = TcpSettings {
-        addr: target.addr(),
+        addrs: vec![target.addr()],
         nqn: spec.nqn.clone(),
         hostnqn: None,
         queue_pairs: 1,

@@ -155,6 +155,16 @@ impl CpuSnapshot {
         Ok(CpuSnapshot { threads })
     }
 
+    /// Reads every thread of every process of `pids` into one snapshot (thread IDs are
+    /// unique across processes).
+    pub fn take_processes(pids: &[u32]) -> Result<CpuSnapshot, CpuError> {
+        let mut all = CpuSnapshot::default();
+        for &p in pids {
+            all.threads.extend(CpuSnapshot::take(Some(p))?.threads);
+        }
+        Ok(all)
+    }
+
     /// The threads in this snapshot.
     pub fn threads(&self) -> impl Iterator<Item = &ThreadCpu> {
         self.threads.values()

@@ -1,6 +1,10 @@
 //! The targets the fabric modes talk to: ours started in this process, ours started as a
 //! separate process, or any NVMe/TCP target at an address.
 //!
+//! [`FabricTargets`] starts several instances of ours (`targets = N`), each with its own
+//! listener, subsystem and backends, sharing out the reactors and CPUs one instance would have
+//! ([`share_out`]).
+//!
 //! The target's CPU time is read from its reactor threads (in-process) or from every thread
 //! of its process; a target at an address has a CPU figure only when its process ID is given
 //! (`--target-pid`, for a user-space target such as SPDK's on this machine).
@@ -87,14 +91,24 @@ pub enum FabricTarget {
 }
 
 /// Where the target's CPU time is read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CpuSource {
     /// Reactor threads of this process.
     Reactors,
-    /// Every thread of this process.
-    Process(u32),
+    /// Every thread of these processes (one per target).
+    Processes(Vec<u32>),
     /// Not measurable.
     None,
+}
+
+impl CpuSource {
+    /// The processes whose CPU time is read, when the target is not in this process.
+    pub fn pids(&self) -> Option<&[u32]> {
+        match self {
+            CpuSource::Processes(p) => Some(p),
+            _ => None,
+        }
+    }
 }
 
 fn target_config(spec: &TargetSpec, listen: &str) -> Result<Config, String> {
@@ -116,6 +130,11 @@ impl FabricTarget {
     pub fn start(kind: &TcpTarget, spec: &TargetSpec) -> Result<FabricTarget, FabricError> {
         match kind {
             TcpTarget::InProcess => {
+                // Reactor threads of targets already running keep their CPUs.
+                let before = match &spec.cpus {
+                    Some(_) => CpuSnapshot::take(None)?.tids_named(cpu::REACTOR_PREFIX),
+                    None => Vec::new(),
+                };
                 let cfg =
                     target_config(spec, "tcp://127.0.0.1:0").map_err(FabricError::InProcess)?;
                 let (target, listeners) =
@@ -127,7 +146,7 @@ impl FabricTarget {
                 let running = RunningTarget::start(target, listeners)
                     .map_err(|e| FabricError::InProcess(e.to_string()))?;
                 if let Some(cpus) = &spec.cpus {
-                    pin_reactors(cpus, spec.reactors)?;
+                    pin_reactors(cpus, spec.reactors, &before)?;
                 }
                 Ok(FabricTarget::InProcess { running, addr })
             }
@@ -172,8 +191,8 @@ impl FabricTarget {
     pub fn cpu_source(&self) -> CpuSource {
         match self {
             FabricTarget::InProcess { .. } => CpuSource::Reactors,
-            FabricTarget::Process { child, .. } => CpuSource::Process(child.id()),
-            FabricTarget::Remote { pid: Some(p), .. } => CpuSource::Process(*p),
+            FabricTarget::Process { child, .. } => CpuSource::Processes(vec![child.id()]),
+            FabricTarget::Remote { pid: Some(p), .. } => CpuSource::Processes(vec![*p]),
             FabricTarget::Remote { pid: None, .. } => CpuSource::None,
         }
     }
@@ -211,8 +230,9 @@ impl FabricTarget {
     }
 }
 
-/// Pins the in-process target's reactor threads, waiting briefly for them to appear.
-fn pin_reactors(cpus: &str, reactors: usize) -> Result<(), FabricError> {
+/// Pins the in-process target's reactor threads (those not in `before`), waiting briefly for
+/// them to appear.
+fn pin_reactors(cpus: &str, reactors: usize, before: &[u32]) -> Result<(), FabricError> {
     let want = if reactors == 0 {
         cpu::online_cpus()
     } else {
@@ -221,7 +241,8 @@ fn pin_reactors(cpus: &str, reactors: usize) -> Result<(), FabricError> {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let snap = CpuSnapshot::take(None)?;
-        let tids = snap.tids_named(cpu::REACTOR_PREFIX);
+        let mut tids = snap.tids_named(cpu::REACTOR_PREFIX);
+        tids.retain(|t| !before.contains(t));
         if tids.len() >= want || Instant::now() > deadline {
             for t in tids {
                 cpu::pin_thread(t, cpus)?;
@@ -229,6 +250,126 @@ fn pin_reactors(cpus: &str, reactors: usize) -> Result<(), FabricError> {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The settings of each of `n` target instances standing in for one target of `spec`: the
+/// reactors divided among them (at least one each; `0`, one per CPU, counts the CPUs of
+/// `spec.cpus` or of the machine) and a CPU list split into `n` contiguous parts (an instance
+/// beyond the list's length shares a CPU), so `n` instances use the cores one would.
+pub fn share_out(spec: &TargetSpec, n: usize) -> Result<Vec<TargetSpec>, FabricError> {
+    let n = n.max(1);
+    if n == 1 {
+        return Ok(vec![spec.clone()]);
+    }
+    let cpus = match &spec.cpus {
+        Some(list) => Some(cpu::parse_cpu_list(list)?),
+        None => None,
+    };
+    let reactors = match (spec.reactors, &cpus) {
+        (0, Some(c)) => c.len(),
+        (0, None) => cpu::online_cpus(),
+        (r, _) => r,
+    };
+    Ok((0..n)
+        .map(|i| {
+            let share = reactors / n + usize::from(i < reactors % n);
+            let cpus = cpus.as_ref().map(|c| {
+                let part: Vec<u32> = if c.len() >= n {
+                    c[i * c.len() / n..(i + 1) * c.len() / n].to_vec()
+                } else {
+                    vec![c[i * c.len() / n]]
+                };
+                part.iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
+            TargetSpec {
+                reactors: share.max(1),
+                cpus,
+                ..spec.clone()
+            }
+        })
+        .collect())
+}
+
+/// The targets of one fabric mode: one, or several instances of ours standing in for several
+/// drives (`targets = N`), one controller each.
+pub struct FabricTargets {
+    targets: Vec<FabricTarget>,
+}
+
+impl FabricTargets {
+    /// Starts (or names) `n` targets of `kind`, sharing out `spec`'s reactors and CPUs
+    /// ([`share_out`]). A target at an address is one target: `n > 1` there is
+    /// [`FabricError::Unavailable`]. Targets started before one fails are stopped.
+    pub async fn start(
+        kind: &TcpTarget,
+        spec: &TargetSpec,
+        n: usize,
+    ) -> Result<FabricTargets, FabricError> {
+        if n > 1 && matches!(kind, TcpTarget::Remote { .. }) {
+            return Err(FabricError::Unavailable(format!(
+                "{} targets asked for, but a target at an address is one target",
+                n
+            )));
+        }
+        let mut targets = Vec::with_capacity(n);
+        for s in share_out(spec, n)? {
+            match FabricTarget::start(kind, &s) {
+                Ok(t) => targets.push(t),
+                Err(e) => {
+                    for t in targets {
+                        t.stop().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(FabricTargets { targets })
+    }
+
+    /// Wraps one target.
+    pub fn one(target: FabricTarget) -> FabricTargets {
+        FabricTargets {
+            targets: vec![target],
+        }
+    }
+
+    /// How many targets.
+    pub fn len(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// Whether there is none (never, once started).
+    pub fn is_empty(&self) -> bool {
+        self.targets.is_empty()
+    }
+
+    /// `HOST:PORT` of each target, in order.
+    pub fn addrs(&self) -> Vec<String> {
+        self.targets.iter().map(FabricTarget::addr).collect()
+    }
+
+    /// Where the targets' CPU time comes from (all of them together).
+    pub fn cpu_source(&self) -> CpuSource {
+        let mut pids = Vec::new();
+        for t in &self.targets {
+            match t.cpu_source() {
+                CpuSource::Reactors => return CpuSource::Reactors,
+                CpuSource::Processes(p) => pids.extend(p),
+                CpuSource::None => return CpuSource::None,
+            }
+        }
+        CpuSource::Processes(pids)
+    }
+
+    /// Stops every target (a remote target is left alone).
+    pub async fn stop(self) {
+        for t in self.targets {
+            t.stop().await;
+        }
     }
 }
 
@@ -312,4 +453,68 @@ fn start_process(bin: &Path, spec: &TargetSpec) -> Result<FabricTarget, FabricEr
         addr,
         config,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(reactors: usize, cpus: Option<&str>) -> TargetSpec {
+        TargetSpec {
+            nqn: crate::job::DEFAULT_NQN.into(),
+            backend: BackendSpec::Memory {
+                size: 1 << 20,
+                block_size: 512,
+            },
+            namespaces: 1,
+            reactors,
+            poll_us: 0,
+            max_queue_depth: 128,
+            cpus: cpus.map(str::to_string),
+            remote_pid: None,
+        }
+    }
+
+    fn shares(s: &TargetSpec, n: usize) -> Vec<(usize, Option<String>)> {
+        share_out(s, n)
+            .unwrap()
+            .into_iter()
+            .map(|t| (t.reactors, t.cpus))
+            .collect()
+    }
+
+    #[test]
+    fn reactors_and_cpus_are_shared_out() {
+        let some = |s: &str| Some(s.to_string());
+        assert_eq!(shares(&spec(8, Some("0-7")), 1), [(8, some("0-7"))]);
+        assert_eq!(
+            shares(&spec(8, Some("0-7")), 2),
+            [(4, some("0,1,2,3")), (4, some("4,5,6,7"))]
+        );
+        assert_eq!(
+            shares(&spec(3, Some("0-2,8")), 2),
+            [(2, some("0,1")), (1, some("2,8"))]
+        );
+        // Fewer reactors or CPUs than targets: at least one each.
+        assert_eq!(
+            shares(&spec(1, Some("4-5")), 4),
+            [
+                (1, some("4")),
+                (1, some("4")),
+                (1, some("5")),
+                (1, some("5"))
+            ]
+        );
+        assert_eq!(
+            shares(&spec(1, Some("3")), 2),
+            [(1, some("3")), (1, some("3"))]
+        );
+        assert_eq!(shares(&spec(5, None), 2), [(3, None), (2, None)]);
+        // One reactor per CPU of the list.
+        assert_eq!(
+            shares(&spec(0, Some("0-5")), 3),
+            [(2, some("0,1")), (2, some("2,3")), (2, some("4,5"))]
+        );
+        assert!(share_out(&spec(1, Some("x")), 2).is_err());
+    }
 }

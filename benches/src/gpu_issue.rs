@@ -15,6 +15,13 @@
 //! slots for its threads) are served by the initiator's queue tasks
 //! (`Controller::attach_gpu_rings`), so the same target, queues, client cores, LBA range and
 //! reads in flight serve CPU-issued and GPU-issued points of a job.
+//!
+//! With several targets (`targets = N`, one controller each) the set has `queue_pairs` rings
+//! per controller, and controller `t` serves the contiguous share of rings `t * Q .. (t + 1) *
+//! Q` (`Controller::attach_gpu_rings_n`). Every ring binds the same `K` namespaces (each target
+//! has the same ones); a thread reads the namespace it picks on the target of its warp's ring,
+//! and its latency lands in the histogram of (target, namespace), reported as namespace index
+//! `t * K + k`, as for CPU-issued points.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,23 +57,35 @@ pub const KERNEL: &str = r#"
 
 // result (u64): [0] reads measured, [1] reads that differ from the pattern, [2] failed reads,
 // [3] a failed status, [4] reads checked, then one latency histogram of the measured reads per
-// namespace index n at [8 + 1024 n .. 8 + 1024 (n + 1)]: values below 16 ns in buckets 0..15,
-// then 16 buckets per power of two.
+// target t and namespace index n at [8 + 1024 (t namespaces + n) ..] (1024 buckets): values
+// below 16 ns in buckets 0..15, then 16 buckets per power of two. The rings are split among
+// the targets' controllers in contiguous shares of nrings / targets rings.
 extern "C" __global__ void bench_gpu_issue(
     const unsigned char* rings, unsigned long long rings_len,
     unsigned char* dst, unsigned long long dst_len,
     const unsigned char* key, unsigned long long key_len,
     unsigned char* result, unsigned long long result_len,
     unsigned long long seed, unsigned int block_size, unsigned int nblocks,
-    unsigned long long region_blocks, unsigned int namespaces, unsigned int chase,
+    unsigned long long region_blocks, unsigned int namespaces, unsigned int targets,
+    unsigned int chase,
     unsigned int verify, unsigned long long ramp_ns, unsigned long long run_ns,
     unsigned long long timeout_ns)
 {
-    if (rings_len < sizeof(struct nvmf_gpu_ring) || key_len < 512 ||
-        result_len < 8ULL * (8 + 1024ULL * namespaces) || nblocks == 0 || namespaces == 0) {
+    if (rings_len < sizeof(struct nvmf_gpu_ring) || key_len < 512 || targets == 0 ||
+        result_len < 8ULL * (8 + 1024ULL * namespaces * targets) || nblocks == 0 ||
+        namespaces == 0) {
         return;
     }
     const struct nvmf_gpu_ring* r = nvmf_gpu_ring_for_warp((const struct nvmf_gpu_ring*)rings);
+    const unsigned int per_target = r->nrings / targets;
+    if (per_target == 0) {
+        return;
+    }
+    unsigned int target = (unsigned int)(r - (const struct nvmf_gpu_ring*)rings) / per_target;
+    if (target >= targets) {
+        target = targets - 1;
+    }
+    const unsigned long long hist = 8 + 1024ULL * ((unsigned long long)target * namespaces);
     const unsigned long long tid = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned long long bytes = (unsigned long long)block_size * nblocks;
     const unsigned long long extents = region_blocks / nblocks;
@@ -122,7 +141,7 @@ extern "C" __global__ void bench_gpu_issue(
                 ? (unsigned int)lat
                 : (e - 3) * 16 + (unsigned int)((lat >> (e - 4)) & 15);
             atomicAdd(&res[0], 1ULL);
-            atomicAdd(&res[8 + 1024ULL * ns + b], 1ULL);
+            atomicAdd(&res[hist + 1024ULL * ns + b], 1ULL);
         }
         if (chase) {
             lba = (nvmf_fmix64(words[0]) % extents) * nblocks;
@@ -174,6 +193,20 @@ fn run(
     target_cpu: CpuSource,
     repeat: u32,
 ) -> Result<Measurement, String> {
+    let targets = path.targets().max(1);
+    // Every ring binds the namespaces of one target; each target must have the same ones.
+    let local: Vec<NsGeometry> = geo.iter().filter(|g| g.target == 0).copied().collect();
+    for t in 1..targets {
+        let other = geo.iter().filter(|g| g.target as usize == t);
+        if !other
+            .map(|g| (g.nsid, g.block_size))
+            .eq(local.iter().map(|g| (g.nsid, g.block_size)))
+        {
+            return Err(format!(
+                "target {t} has other namespaces than target 0: each ring binds the same ones"
+            ));
+        }
+    }
     let runtime = point
         .runtime
         .ok_or("GPU-issued reads run for a runtime, not an io_size")?;
@@ -198,9 +231,11 @@ fn run(
         .map_err(|e| e.to_string())?;
 
     let threads = point.numjobs * point.iodepth;
-    let nrings = u32::from(point.queue_pairs)
+    // `queue_pairs` rings per controller, each controller serving a contiguous share.
+    let per_target = u32::from(point.queue_pairs)
         .min(path.queues() as u32)
         .max(1);
+    let nrings = per_target * targets as u32;
     let per_block = threads.min(THREADS_PER_BLOCK);
     // Warps take the rings round robin (`nvmf_gpu_ring_for_warp`): a slot for every thread of
     // the busiest ring, so no thread waits for a slot.
@@ -215,7 +250,7 @@ fn run(
             RingMode::Push => DataMode::Push,
         },
     };
-    let bindings: Vec<NsBinding> = geo
+    let bindings: Vec<NsBinding> = local
         .iter()
         .map(|g| NsBinding {
             nsid: g.nsid,
@@ -224,18 +259,29 @@ fn run(
         })
         .collect();
     let mut set = RingSet::new_gpu(&ctx, nrings, cfg, &bindings).map_err(|e| e.to_string())?;
-    let ctrl = path.handle(0, 0).controller().clone();
-    // Ring reads per I/O queue (`queue_stats` lists the admin queue first).
-    let ring_reads = || -> Vec<u64> {
-        ctrl.queue_stats()
-            .iter()
-            .skip(1)
-            .map(|q| q.ring_reads)
+    // Ring reads per I/O queue of each controller (`queue_stats` lists the admin queue first).
+    let ring_reads = || -> Vec<Vec<u64>> {
+        (0..targets)
+            .map(|t| {
+                path.controller(t)
+                    .queue_stats()
+                    .iter()
+                    .skip(1)
+                    .map(|q| q.ring_reads)
+                    .collect()
+            })
             .collect()
     };
-    let attached = rt
-        .block_on(ctrl.attach_gpu_rings(&mut set))
-        .map_err(|e| e.to_string())?;
+    let mut attached = Vec::with_capacity(targets);
+    for t in 0..targets {
+        let a = rt
+            .block_on(
+                path.controller(t)
+                    .attach_gpu_rings_n(&mut set, per_target as usize),
+            )
+            .map_err(|e| format!("target {t}: {e}"))?;
+        attached.push(a);
+    }
 
     let gpu = |e: nvmeof_initiator::gpu::cuda::GpuError| e.to_string();
     let mut dst = ctx
@@ -266,7 +312,8 @@ fn run(
             .u32(block_size)
             .u32((bs / u64::from(block_size)) as u32)
             .u64(region / u64::from(block_size))
-            .u32(geo.len() as u32)
+            .u32(local.len() as u32)
+            .u32(targets as u32)
             .u32(u32::from(point.chase))
             .u32(u32::from(verify))
             .u64(point.ramp_time.as_nanos() as u64)
@@ -283,27 +330,32 @@ fn run(
     // The kernel measures on the GPU's clock; the host takes its CPU snapshots over the same
     // interval (give or take the launch).
     std::thread::sleep(point.ramp_time);
-    let own_pid = match target_cpu {
-        CpuSource::Process(pid) => Some(pid),
-        _ => None,
-    };
+    let own_pids = target_cpu.pids();
     let self0 = CpuSnapshot::take(None);
-    let tgt0 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+    let tgt0 = own_pids.map(CpuSnapshot::take_processes);
     let queue0 = ring_reads();
     let t0 = Instant::now();
     std::thread::sleep(runtime);
     let secs = t0.elapsed().as_secs_f64();
     let queue1 = ring_reads();
-    // Reads each queue serving rings started while measuring.
+    // Reads each queue serving rings started while measuring, controller by controller.
     let queue_reads: Vec<u64> = attached
-        .queues()
         .iter()
-        .map(|&q| queue1.get(q).zip(queue0.get(q)).map_or(0, |(b, a)| b - a))
+        .enumerate()
+        .flat_map(|(t, a)| {
+            let (q0, q1) = (&queue0[t], &queue1[t]);
+            a.queues()
+                .iter()
+                .map(|&q| q1.get(q).zip(q0.get(q)).map_or(0, |(b, a)| b - a))
+                .collect::<Vec<_>>()
+        })
         .collect();
     let self1 = CpuSnapshot::take(None);
-    let tgt1 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+    let tgt1 = own_pids.map(CpuSnapshot::take_processes);
     let synced = stream.synchronize().map_err(gpu);
-    rt.block_on(attached.detach());
+    for a in attached {
+        rt.block_on(a.detach());
+    }
     synced?;
     let raw = result.to_vec().map_err(gpu)?;
     drop(set);
@@ -348,7 +400,7 @@ fn run(
         tgt0,
         tgt1,
     };
-    let mut m = summarize(repeat, geo, target_cpu, &timing, &[out], None);
+    let mut m = summarize(repeat, geo, &target_cpu, &timing, &[out], None);
     m.queue_reads = queue_reads;
     m.queue_spread = crate::run::queue_spread(&m.queue_reads, secs);
     Ok(m)

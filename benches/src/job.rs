@@ -3,8 +3,9 @@
 //! A job file is TOML with a `[global]` table of defaults and one `[[job]]` table per job.
 //! The knobs carry fio's names (`rw`, `rwmixread`, `bs`, `iodepth`, `numjobs`, `runtime`,
 //! `ramp_time`, `size`, `io_size`, `verify`). `rw`, `bs`, `iodepth`, `numjobs`, `queue_pairs`,
-//! `host_load`, `issue` and `ring_mode` also take a list: the job then expands into one *point* per combination
-//! (a sweep), which is what latency-vs-load and scaling plots are drawn from.
+//! `targets`, `host_load`, `issue` and `ring_mode` also take a list: the job then expands into
+//! one *point* per combination (a sweep), which is what latency-vs-load and scaling plots are
+//! drawn from.
 //!
 //! ```toml
 //! [global]
@@ -41,7 +42,28 @@
 //! `"push"` picks how a GPU-issued read's data reaches its thread (see [`RingMode`]); a list
 //! puts both side by side, and CPU-issued points are not repeated per mode.
 //!
-//! Keys that describe the run as a whole (`modes`, `backend`, `namespaces`, `nqn`, `hostnqn`,
+//! `namespaces = K` in `[global]` gives the target (and the das mode) `K` namespaces; in a job it
+//! is how many of them the job reads (the first ones, at most the global `K`), so jobs of one
+//! file can read fewer. `queue_pairs = Q` is the number of I/O queue pairs *per controller*. `targets = N` (default 1; a list sweeps it) starts `N`
+//! instances of the target in the fabric modes that start their own (`tcp`, `tcp-bin`), standing
+//! in for `N` drives: each its own listener (port), subsystem with the `K` namespaces and
+//! backend instances (a `mem` backend: memory of its own). The target's reactors
+//! (`target_reactors`, `0` counted as one per CPU of `target_cpus` or of the machine) are shared
+//! out among the instances, at least one each, and a `target_cpus` list is split into `N`
+//! contiguous parts, so the same cores serve the target whatever `N` is. The load generator
+//! connects one controller per target, each with `Q` queue pairs (`N * Q` in all), and spreads
+//! the reads over every namespace of every target: CPU workers take the `N * K` (target,
+//! namespace) pairs in turn (prefill and verification cover all of them), and GPU-issued points
+//! split their rings among the controllers, each serving a contiguous share. Results number
+//! the namespaces target by target: index `t * K + k` is namespace `k` of target `t` (each entry
+//! of a measurement's `namespaces` carries its `target` and `nsid`). A point runs after the
+//! targets of its count are up: points are ordered target count by target count (the outermost
+//! sweep), and the load generator restarts its targets, with fresh backends, when the count
+//! changes. A target at an address is one target (`targets > 1` there is a job error), several
+//! targets need a `mem` or `null` backend, and the das mode reads its `K` namespaces whatever
+//! `targets` says.
+//!
+//! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
@@ -65,6 +87,8 @@ pub const MAX_NUMJOBS: u32 = 256;
 pub const MAX_QUEUE_PAIRS: u16 = 128;
 /// The largest number of namespaces.
 pub const MAX_NAMESPACES: u32 = 64;
+/// The largest number of target instances a job may ask for (`targets`).
+pub const MAX_TARGETS: u32 = 16;
 /// The subsystem NQN of the target the load generator starts, and the one it asks a target at
 /// an address for unless told otherwise: `nvmeof-targetd`'s own default, so a target started
 /// with no arguments needs no `--nqn`.
@@ -471,7 +495,8 @@ pub struct Section {
     pub modes: Option<Vec<String>>,
     /// Backend of each namespace (global only).
     pub backend: Option<BackendSpec>,
-    /// Number of namespaces (global only).
+    /// Number of namespaces: in `[global]` those the target serves, in a job those it reads
+    /// (the first ones, at most the global number).
     pub namespaces: Option<u32>,
     /// Subsystem NQN for `tcp=HOST:PORT` targets (global only).
     pub nqn: Option<String>,
@@ -501,8 +526,10 @@ pub struct Section {
     pub iodepth: Option<OneOrMany<u32>>,
     /// Workers.
     pub numjobs: Option<OneOrMany<u32>>,
-    /// I/O queue pairs of the fabric connection (workers are spread over them).
+    /// I/O queue pairs of each fabric connection (workers are spread over them).
     pub queue_pairs: Option<OneOrMany<u16>>,
+    /// Target instances the fabric modes start, one controller each (default 1).
+    pub targets: Option<OneOrMany<u32>>,
     /// Measured duration.
     pub runtime: Option<Dur>,
     /// Warm-up before measuring.
@@ -629,8 +656,12 @@ pub struct Point {
     pub iodepth: u32,
     /// Workers.
     pub numjobs: u32,
-    /// I/O queue pairs of the fabric connection.
+    /// I/O queue pairs of each fabric connection (per controller).
     pub queue_pairs: u16,
+    /// Target instances (one controller each) in the fabric modes that start their own.
+    pub targets: u32,
+    /// Namespaces of each target the point reads (the first ones).
+    pub namespaces: u32,
     /// Measured duration (`None`: until `io_size` bytes are done).
     #[serde(with = "opt_secs")]
     pub runtime: Option<Duration>,
@@ -679,6 +710,9 @@ impl Point {
         );
         if self.queue_pairs != 1 || self.sweep.iter().any(|k| k == "queue_pairs") {
             s.push_str(&format!(" qp{}", self.queue_pairs));
+        }
+        if self.targets != 1 || self.sweep.iter().any(|k| k == "targets") {
+            s.push_str(&format!(" {}tgt", self.targets));
         }
         if matches!(self.rw, Rw::RandRw | Rw::ReadWrite) {
             s.push_str(&format!(" r{}%", self.rwmixread));
@@ -949,7 +983,6 @@ impl Plan {
             for (key, set) in [
                 ("modes", j.modes.is_some()),
                 ("backend", j.backend.is_some()),
-                ("namespaces", j.namespaces.is_some()),
                 ("nqn", j.nqn.is_some()),
                 ("hostnqn", j.hostnqn.is_some()),
                 ("target_reactors", j.target_reactors.is_some()),
@@ -964,7 +997,11 @@ impl Plan {
                     return Err(invalid(&name, key, "may only be set in [global]"));
                 }
             }
-            points.extend(expand(&name, g, j, ov)?);
+            let job_points = expand(&name, g, j, ov)?;
+            if job_points.iter().any(|p| p.targets > 1) {
+                check_several_targets(&name, &modes, &backend)?;
+            }
+            points.extend(job_points);
         }
         Ok(Plan {
             description: g.description.clone(),
@@ -996,6 +1033,37 @@ impl Plan {
         }
         max
     }
+}
+
+/// Whether `targets > 1` can run: every fabric mode starts its own targets, and the backend can
+/// back several of them.
+fn check_several_targets(job: &str, modes: &[Mode], backend: &BackendSpec) -> Result<(), JobError> {
+    if let Some(m) = modes.iter().find(|m| {
+        matches!(
+            m,
+            Mode::Tcp(TcpTarget::Remote { .. }) | Mode::Rdma { addr: Some(_) }
+        )
+    }) {
+        return Err(invalid(
+            job,
+            "targets",
+            format!(
+                "{m} is one target at an address: targets > 1 needs targets the load generator \
+                 starts (tcp, tcp-bin)"
+            ),
+        ));
+    }
+    if matches!(
+        backend,
+        BackendSpec::File(_) | BackendSpec::Bdev(_) | BackendSpec::Pcie { .. }
+    ) {
+        return Err(invalid(
+            job,
+            "targets",
+            "several targets need a mem or null backend (one file or drive cannot back several)",
+        ));
+    }
+    Ok(())
 }
 
 fn pick<T: Clone>(job: &Option<T>, global: &Option<T>) -> Option<T> {
@@ -1037,6 +1105,25 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         1,
         &mut swept,
     )?;
+    let served = g.namespaces.unwrap_or(1);
+    let namespaces = j.namespaces.unwrap_or(served);
+    if namespaces == 0 || namespaces > served {
+        return Err(invalid(
+            name,
+            "namespaces",
+            format!("{namespaces} not in 1..={served} (the namespaces [global] gives the target)"),
+        ));
+    }
+    let targets = sweep(name, "targets", &j.targets, &g.targets, 1, &mut swept)?;
+    for &t in &targets {
+        if t == 0 || t > MAX_TARGETS {
+            return Err(invalid(
+                name,
+                "targets",
+                format!("{t} not in 1..={MAX_TARGETS}"),
+            ));
+        }
+    }
     let loads = match ov.host_load {
         Some(l) => vec![l],
         None => sweep(
@@ -1223,38 +1310,43 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         }
     }
     let mut out = Vec::new();
-    for &rw in &rws {
-        for bs in &bss {
-            for &iodepth in &depths {
-                for &numjobs in &jobs {
-                    for &queue_pairs in &qps {
-                        for &(host_load, issue, ring_mode) in &combos {
-                            out.push(Point {
-                                job: name.to_string(),
-                                description: description.clone(),
-                                sweep: swept.clone(),
-                                rw,
-                                rwmixread,
-                                bs: bs.0,
-                                iodepth,
-                                numjobs,
-                                queue_pairs,
-                                runtime,
-                                ramp_time,
-                                size,
-                                io_size,
-                                verify,
-                                seed,
-                                prefill,
-                                dest,
-                                api,
-                                issue,
-                                chase,
-                                ring_mode,
-                                host_load,
-                                load_threads,
-                                load_mem,
-                            });
+    // Target count outermost: the targets restart only when it changes.
+    for &targets in &targets {
+        for &rw in &rws {
+            for bs in &bss {
+                for &iodepth in &depths {
+                    for &numjobs in &jobs {
+                        for &queue_pairs in &qps {
+                            for &(host_load, issue, ring_mode) in &combos {
+                                out.push(Point {
+                                    job: name.to_string(),
+                                    description: description.clone(),
+                                    sweep: swept.clone(),
+                                    rw,
+                                    rwmixread,
+                                    bs: bs.0,
+                                    iodepth,
+                                    numjobs,
+                                    queue_pairs,
+                                    targets,
+                                    namespaces,
+                                    runtime,
+                                    ramp_time,
+                                    size,
+                                    io_size,
+                                    verify,
+                                    seed,
+                                    prefill,
+                                    dest,
+                                    api,
+                                    issue,
+                                    chase,
+                                    ring_mode,
+                                    host_load,
+                                    load_threads,
+                                    load_mem,
+                                });
+                            }
                         }
                     }
                 }
@@ -1330,6 +1422,84 @@ mod tests {
             let e = plan(&format!("[[job]]\nname = \"x\"\n{text}\n")).unwrap_err();
             assert!(e.to_string().contains(key), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn targets_sweep_outermost_and_checks() {
+        let p = plan(
+            r#"
+            [global]
+            targets = 2
+            [[job]]
+            name = "one"
+            [[job]]
+            name = "t"
+            targets = [1, 4]
+            queue_pairs = [1, 2]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(p.points[0].targets, 2);
+        assert_eq!(p.points[0].label(), "randread 4k qd1 x1 2tgt");
+        assert!(p.points[0].sweep.is_empty());
+        let got: Vec<(u32, u16)> = p.points[1..]
+            .iter()
+            .map(|x| (x.targets, x.queue_pairs))
+            .collect();
+        assert_eq!(got, [(1, 1), (1, 2), (4, 1), (4, 2)]);
+        assert_eq!(p.points[1].sweep, vec!["queue_pairs", "targets"]);
+        assert_eq!(p.points[1].label(), "randread 4k qd1 x1 qp1 1tgt");
+        assert_eq!(p.points[4].label(), "randread 4k qd1 x1 qp2 4tgt");
+        assert_eq!(plan("[[job]]").unwrap().points[0].targets, 1);
+        assert_eq!(
+            plan("[[job]]").unwrap().points[0].label(),
+            "randread 4k qd1 x1"
+        );
+        let json = serde_json::to_value(&p.points[2]).unwrap();
+        assert_eq!(json["targets"], 1);
+        for (text, needle) in [
+            ("[[job]]\ntargets = 0", "targets: 0 not in 1..=16"),
+            ("[[job]]\ntargets = [1, 17]", "17 not in"),
+            ("[[job]]\ntargets = []", "empty"),
+            (
+                "[global]\nmodes = [\"tcp=192.0.2.1:4420\"]\n[[job]]\ntargets = [1, 2]",
+                "one target at an address",
+            ),
+            (
+                "[global]\nmodes = [\"rdma=192.0.2.1:4420\"]\n[[job]]\ntargets = 2",
+                "one target at an address",
+            ),
+            (
+                "[global]\nbackend = \"pcie:0000:01:00.0\"\nmodes = [\"tcp\"]\n[[job]]\ntargets = 2",
+                "mem or null backend",
+            ),
+        ] {
+            let err = plan(text)
+                .err()
+                .unwrap_or_else(|| panic!("accepted {text:?}"));
+            let msg = err.to_string();
+            assert!(msg.contains(needle), "{text:?}: {msg}");
+            assert_eq!(msg.lines().count(), 1, "{msg}");
+        }
+        // A job reads the first namespaces of what [global] gives the target.
+        let p = plan("[global]\nnamespaces = 4\n[[job]]\n[[job]]\nnamespaces = 1\ntargets = 4")
+            .unwrap();
+        let got: Vec<(u32, u32)> = p.points.iter().map(|x| (x.namespaces, x.targets)).collect();
+        assert_eq!(got, [(4, 1), (1, 4)]);
+        let e = plan("[global]\nnamespaces = 2\n[[job]]\nnamespaces = 3").unwrap_err();
+        assert!(e.to_string().contains("3 not in 1..=2"), "{e}");
+        // One target at an address is fine; so is --target with targets = 1.
+        assert!(plan("[global]\nmodes = [\"tcp=192.0.2.1:4420\"]\n[[job]]\ntargets = 1").is_ok());
+        let file = JobFile::parse("[[job]]\ntargets = [1, 2]").unwrap();
+        let ov = Overrides {
+            target_addr: Some("127.0.0.1:4420".into()),
+            ..Default::default()
+        };
+        let e = Plan::resolve(&file, &ov).unwrap_err();
+        assert!(
+            e.to_string().contains("tcp@127.0.0.1:4420 is one target"),
+            "{e}"
+        );
     }
 
     #[test]

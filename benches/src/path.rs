@@ -3,7 +3,9 @@
 //! - [`DasPath`]: the `blockdev` backends directly, in this process (direct-attached storage,
 //!   the baseline every fabric mode is compared with).
 //! - [`TcpPath`]: NVMe/TCP through the `nvmeof-initiator` library, one controller association
-//!   with `queue_pairs` I/O queues; worker `w` uses queue `w % queue_pairs`.
+//!   per target with `queue_pairs` I/O queues each; worker `w` uses queue `w % queue_pairs` of
+//!   every controller. Its namespaces are those of every controller, target by target: index
+//!   `t * K + k` is namespace `k` of target `t` (`K` namespaces per target).
 //!
 //! With `api = "rtc"` a [`TcpPath`] also keeps queue IDs for the workers' own run-to-completion
 //! queue pairs ([`IoPath::queue_pair_namespace`]), one per worker and namespace.
@@ -48,6 +50,8 @@ pub enum PathError {
 /// One namespace's geometry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NsGeometry {
+    /// The target (controller) it belongs to, from 0 (DAS: 0).
+    pub target: u32,
     /// NSID (DAS: position + 1).
     pub nsid: u32,
     /// Bytes per block.
@@ -114,6 +118,7 @@ impl DasPath {
             // One file behind every namespace, and behind the tcp modes too: shared on purpose.
             let b = blockdev::open(&spec.shared())?;
             geometry.push(NsGeometry {
+                target: 0,
                 nsid: i + 1,
                 block_size: b.block_size(),
                 bytes: b.capacity_bytes(),
@@ -187,11 +192,13 @@ impl IoPath for DasPath {
     }
 }
 
-/// NVMe/TCP through the initiator.
+/// NVMe/TCP through the initiator: one controller per target.
 pub struct TcpPath {
-    ctrl: Option<Controller>,
-    /// `[queue][namespace]` handles pinned to their queue.
-    handles: Vec<Vec<Namespace>>,
+    ctrls: Vec<Controller>,
+    /// `[target][queue][namespace]` handles pinned to their queue.
+    handles: Vec<Vec<Vec<Namespace>>>,
+    /// `(target, namespace on that target)` of each namespace index.
+    index: Vec<(usize, usize)>,
     geometry: Vec<NsGeometry>,
     /// Queue IDs kept for queue pairs.
     rtc_pairs: u16,
@@ -200,34 +207,82 @@ pub struct TcpPath {
 /// Connection settings of a [`TcpPath`].
 #[derive(Debug, Clone)]
 pub struct TcpSettings {
-    /// `HOST:PORT`.
-    pub addr: String,
+    /// `HOST:PORT` of each target, one controller each (at least one).
+    pub addrs: Vec<String>,
     /// Subsystem NQN.
     pub nqn: String,
     /// Host NQN (`None`: [`BENCH_HOSTNQN`]).
     pub hostnqn: Option<String>,
-    /// I/O queues to ask for.
+    /// I/O queues to ask for, per controller.
     pub queue_pairs: u16,
     /// Entries per queue to ask for.
     pub queue_depth: u16,
-    /// How many namespaces to use (NSIDs in the controller's order).
+    /// How many namespaces of each controller to use (NSIDs in the controller's order).
     pub namespaces: u32,
     /// Busy-poll window of the initiator's I/O queues (zero: event-driven).
     pub busy_poll: Duration,
-    /// Queue IDs to keep for run-to-completion queue pairs (`api = "rtc"`).
+    /// Queue IDs to keep for run-to-completion queue pairs (`api = "rtc"`), per controller.
     pub rtc_pairs: u16,
 }
 
 impl TcpPath {
-    /// Connects to the subsystem and opens the first `namespaces` namespaces. Must run inside
-    /// the runtime that will drive the I/O (the initiator's queue tasks live there).
+    /// Connects to the subsystem of every target and opens the first `namespaces` namespaces
+    /// of each. Must run inside the runtime that will drive the I/O (the initiator's queue
+    /// tasks live there).
     pub async fn connect(s: &TcpSettings) -> Result<TcpPath, PathError> {
-        let addr: TargetAddr = s
-            .addr
+        if s.addrs.is_empty() {
+            return Err(PathError::Setup("no target address".into()));
+        }
+        let mut path = TcpPath {
+            ctrls: Vec::new(),
+            handles: Vec::new(),
+            index: Vec::new(),
+            geometry: Vec::new(),
+            rtc_pairs: s.rtc_pairs,
+        };
+        for (t, addr) in s.addrs.iter().enumerate() {
+            match Self::connect_one(s, addr).await {
+                Ok((ctrl, nss)) => {
+                    let queues = ctrl.io_queue_count();
+                    for (k, n) in nss.iter().enumerate() {
+                        path.index.push((t, k));
+                        path.geometry.push(NsGeometry {
+                            target: t as u32,
+                            nsid: n.nsid(),
+                            block_size: n.block_size(),
+                            bytes: n.size_bytes(),
+                        });
+                    }
+                    path.handles.push(
+                        (0..queues.max(1))
+                            .map(|q| nss.iter().map(|n| n.on_queue(q)).collect())
+                            .collect(),
+                    );
+                    path.ctrls.push(ctrl);
+                }
+                Err(e) => {
+                    let _ = path.disconnect().await;
+                    return Err(if s.addrs.len() > 1 {
+                        PathError::Setup(format!("target {t} at {addr}: {e}"))
+                    } else {
+                        e
+                    });
+                }
+            }
+        }
+        Ok(path)
+    }
+
+    /// One controller of `addr` and its first `s.namespaces` namespaces.
+    async fn connect_one(
+        s: &TcpSettings,
+        addr: &str,
+    ) -> Result<(Controller, Vec<Namespace>), PathError> {
+        let target: TargetAddr = addr
             .parse()
-            .map_err(|e| PathError::Setup(format!("bad target address {}: {e}", s.addr)))?;
+            .map_err(|e| PathError::Setup(format!("bad target address {addr}: {e}")))?;
         let host = HostIdentity::new(s.hostnqn.as_deref().unwrap_or(BENCH_HOSTNQN), BENCH_HOSTID)?;
-        let mut opts = ConnectOptions::new(addr, s.nqn.clone(), host);
+        let mut opts = ConnectOptions::new(target, s.nqn.clone(), host);
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);
         opts.busy_poll = s.busy_poll;
@@ -238,12 +293,19 @@ impl TcpPath {
         let queues = ctrl.io_queue_count();
         if queues < usize::from(s.queue_pairs) {
             tracing::warn!(
+                addr,
                 asked = s.queue_pairs,
                 granted = queues,
                 "the target granted fewer I/O queues than asked for"
             );
         }
-        let nss = ctrl.namespaces().await?;
+        let nss = match ctrl.namespaces().await {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = ctrl.disconnect().await;
+                return Err(e.into());
+            }
+        };
         if nss.len() < s.namespaces as usize {
             let have = nss.len();
             let _ = ctrl.disconnect().await;
@@ -252,43 +314,46 @@ impl TcpPath {
                 s.namespaces
             )));
         }
-        let nss: Vec<Namespace> = nss.into_iter().take(s.namespaces as usize).collect();
-        let geometry = nss
-            .iter()
-            .map(|n| NsGeometry {
-                nsid: n.nsid(),
-                block_size: n.block_size(),
-                bytes: n.size_bytes(),
-            })
-            .collect();
-        let handles = (0..queues.max(1))
-            .map(|q| nss.iter().map(|n| n.on_queue(q)).collect())
-            .collect();
-        Ok(TcpPath {
-            ctrl: Some(ctrl),
-            handles,
-            geometry,
-            rtc_pairs: s.rtc_pairs,
-        })
+        let nss = nss.into_iter().take(s.namespaces as usize).collect();
+        Ok((ctrl, nss))
     }
 
-    /// I/O queues in use.
+    /// I/O queues in use per controller (the fewest any controller granted).
     pub fn queues(&self) -> usize {
-        self.handles.len()
+        self.handles.iter().map(Vec::len).min().unwrap_or(0)
     }
 
-    /// The handle of namespace index `ns` pinned to queue `queue` (modulo the queues).
+    /// Controllers (one per target).
+    pub fn targets(&self) -> usize {
+        self.ctrls.len()
+    }
+
+    /// The controller of target `t`.
+    pub fn controller(&self, t: usize) -> &Controller {
+        &self.ctrls[t]
+    }
+
+    /// The handle of namespace index `ns` (of every target's, see the module docs) pinned to
+    /// queue `queue` of its controller (modulo that controller's queues).
     pub fn handle(&self, queue: usize, ns: usize) -> &Namespace {
-        &self.handles[queue % self.handles.len()][ns]
+        let (t, k) = self.index[ns];
+        let queues = &self.handles[t];
+        &queues[queue % queues.len()][k]
     }
 
-    /// Disconnects gracefully.
+    /// Disconnects every controller gracefully (the first failure is returned, after trying
+    /// them all).
     pub async fn disconnect(mut self) -> Result<(), PathError> {
         self.handles.clear();
-        if let Some(c) = self.ctrl.take() {
-            c.disconnect().await?;
+        let mut first = Ok(());
+        for c in self.ctrls.drain(..) {
+            if let Err(e) = c.disconnect().await
+                && first.is_ok()
+            {
+                first = Err(e.into());
+            }
         }
-        Ok(())
+        first
     }
 }
 
@@ -318,7 +383,7 @@ impl IoPath for TcpPath {
         offset: u64,
         mut buf: Vec<u8>,
     ) -> impl Future<Output = (Result<(), PathError>, Vec<u8>)> + Send {
-        let h = &self.handles[queue % self.handles.len()][ns];
+        let h = self.handle(queue, ns);
         let lba = offset / u64::from(self.geometry[ns].block_size);
         async move {
             let r = h.read(lba, &mut buf).await;
@@ -333,7 +398,7 @@ impl IoPath for TcpPath {
         offset: u64,
         buf: Vec<u8>,
     ) -> impl Future<Output = (Result<(), PathError>, Vec<u8>)> + Send {
-        let h = &self.handles[queue % self.handles.len()][ns];
+        let h = self.handle(queue, ns);
         let lba = offset / u64::from(self.geometry[ns].block_size);
         async move {
             let r = h.write(lba, &buf).await;
@@ -345,6 +410,7 @@ impl IoPath for TcpPath {
         if self.rtc_pairs == 0 {
             return None;
         }
-        self.handles.first()?.get(ns)
+        let &(t, k) = self.index.get(ns)?;
+        self.handles.get(t)?.first()?.get(k)
     }
 }

@@ -128,10 +128,15 @@ pub struct CpuStats {
     pub cpu_s_per_gb: Option<f64>,
 }
 
-/// One namespace in one measurement.
+/// One namespace in one measurement. A measurement lists the namespaces target by target
+/// (with `targets = N` and `K` namespaces each, entry `t * K + k` is namespace `k` of target
+/// `t`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct NsStats {
-    /// NSID.
+    /// The target (controller) serving it, from 0 (always 0 with one target and in das).
+    #[serde(default)]
+    pub target: u32,
+    /// NSID (on its target).
     pub nsid: u32,
     /// I/Os.
     pub ops: u64,
@@ -191,9 +196,9 @@ pub struct Measurement {
     pub write: DirStats,
     /// CPU.
     pub cpu: CpuStats,
-    /// Per namespace.
+    /// Per namespace, of every target (target by target, see [`NsStats`]).
     pub namespaces: Vec<NsStats>,
-    /// Spread over namespaces (only with more than one).
+    /// Spread over namespaces of every target (only with more than one).
     pub ns_spread: Option<NsSpread>,
     /// Reads each I/O queue serving GPU request rings started while measuring (GPU-issued
     /// points).

@@ -7,11 +7,12 @@
 //! Each measurement gets a fresh client runtime (a multi-thread tokio runtime with `numjobs`
 //! threads named `bench-client`, pinned to `client_cpus` when given); a fabric mode connects
 //! inside it, so the initiator's queue tasks run on the client threads. Targets the load
-//! generator starts live for the whole run on a small control runtime (`bench-ctl`), their
-//! data plane on their own reactor threads. DAS backends and the targets the load generator
-//! starts are prefilled with the verify pattern once, before the first point that reads; a
-//! target given by address only when the job says `prefill = true` (its reads are verified
-//! only then).
+//! generator starts live on a small control runtime (`bench-ctl`), their data plane on their
+//! own reactor threads, from the first point to the end of the run, restarted (with fresh
+//! backends) only when a point asks for another number of them (`targets`). DAS backends and
+//! the targets the load generator starts are prefilled with the verify pattern once, before
+//! the first point that reads (again after a restart); a target given by address only when
+//! the job says `prefill = true` (its reads are verified only then).
 
 use std::io::{IsTerminal, Write as _};
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use futures_util::stream::FuturesUnordered;
 use tokio::runtime::Runtime;
 
 use crate::cpu::{self, CpuSnapshot};
-use crate::fabric::{CpuSource, FabricTarget, TargetSpec};
+use crate::fabric::{CpuSource, FabricTargets, TargetSpec};
 use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
 use crate::job::{Api, Dest, HostLoad, Issue, Mode, Plan, Point, TcpTarget};
@@ -58,13 +59,14 @@ pub struct RunOptions {
     pub progress: bool,
 }
 
-/// What the load generator knows of a mode's storage: how much of each namespace holds the
-/// pattern of `seed` (written by a prefill or by writes of that seed), and whether the storage
-/// is its own (see [`Mode::owns_target`]).
+/// What the load generator knows of a mode's storage: how much of each of the first
+/// `namespaces` namespaces of each target holds the pattern of `seed` (written by a prefill or
+/// by writes of that seed), and whether the storage is its own (see [`Mode::owns_target`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Prefilled {
     seed: u64,
     bytes: u64,
+    namespaces: u32,
     own: bool,
 }
 
@@ -76,8 +78,8 @@ impl Prefilled {
         }
     }
 
-    fn holds(&self, seed: u64, region: u64) -> bool {
-        self.seed == seed && self.bytes >= region
+    fn holds(&self, seed: u64, region: u64, namespaces: u32) -> bool {
+        self.seed == seed && self.bytes >= region && self.namespaces >= namespaces
     }
 }
 
@@ -87,7 +89,10 @@ enum ModeState {
         prefilled: Prefilled,
     },
     Tcp {
-        target: FabricTarget,
+        /// How the targets are reached or started.
+        kind: TcpTarget,
+        /// The targets, or the count that could not be started and why.
+        targets: Result<FabricTargets, (usize, String)>,
         prefilled: Prefilled,
     },
     Unavailable(String),
@@ -178,6 +183,9 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
         cpus: plan.target_cpus.clone(),
         remote_pid: plan.target_pid,
     };
+    // The targets start with the count of the first point (the plan orders the points target
+    // count by target count).
+    let first_targets = plan.points.first().map_or(1, |p| p.targets as usize);
     let mut states: Vec<ModeState> = plan
         .modes
         .iter()
@@ -189,26 +197,25 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
                 },
                 Err(e) => ModeState::Unavailable(format!("cannot open the backend: {e}")),
             },
-            Mode::Tcp(kind) => {
-                let _guard = ctl.enter();
-                match FabricTarget::start(kind, &spec) {
-                    Ok(target) => ModeState::Tcp {
-                        target,
-                        prefilled: Prefilled::new(m),
-                    },
-                    Err(e) => ModeState::Unavailable(e.to_string()),
-                }
-            }
+            Mode::Tcp(kind) => match ctl.block_on(FabricTargets::start(kind, &spec, first_targets))
+            {
+                Ok(targets) => ModeState::Tcp {
+                    kind: kind.clone(),
+                    targets: Ok(targets),
+                    prefilled: Prefilled::new(m),
+                },
+                Err(e) => ModeState::Unavailable(e.to_string()),
+            },
             Mode::Rdma { addr: None } => ModeState::Unavailable(RDMA_UNAVAILABLE.into()),
             // NVMe/RDMA through the same initiator path: the address carries the transport.
             Mode::Rdma { addr: Some(a) } => {
-                let _guard = ctl.enter();
                 let remote = TcpTarget::Remote {
                     addr: format!("rdma://{a}"),
                 };
-                match FabricTarget::start(&remote, &spec) {
-                    Ok(target) => ModeState::Tcp {
-                        target,
+                match ctl.block_on(FabricTargets::start(&remote, &spec, 1)) {
+                    Ok(targets) => ModeState::Tcp {
+                        kind: remote,
+                        targets: Ok(targets),
                         prefilled: Prefilled::new(m),
                     },
                     Err(e) => ModeState::Unavailable(e.to_string()),
@@ -224,6 +231,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
             for (mi, mode) in plan.modes.iter().enumerate() {
                 let label = point.label();
                 let mode_label = mode.label();
+                ensure_targets(&ctl, &spec, mode, point, &mut states[mi]);
                 let m = measure_in_mode(
                     plan,
                     point,
@@ -239,8 +247,12 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
         }
     }
     for st in states {
-        if let ModeState::Tcp { target, .. } = st {
-            ctl.block_on(target.stop());
+        if let ModeState::Tcp {
+            targets: Ok(targets),
+            ..
+        } = st
+        {
+            ctl.block_on(targets.stop());
         }
     }
     ctl.shutdown_timeout(Duration::from_secs(2));
@@ -290,6 +302,42 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
     };
     report.compute_ratios();
     Ok(report)
+}
+
+/// Restarts the targets of a mode that starts its own when `point` asks for another number of
+/// them (their backends are fresh: the prefill is done again). A target at an address is left
+/// alone (the plan allows one only).
+fn ensure_targets(
+    ctl: &Runtime,
+    spec: &TargetSpec,
+    mode: &Mode,
+    point: &Point,
+    state: &mut ModeState,
+) {
+    let ModeState::Tcp {
+        kind,
+        targets,
+        prefilled,
+    } = state
+    else {
+        return;
+    };
+    let want = point.targets as usize;
+    let have = match targets {
+        Ok(t) => t.len(),
+        Err((n, _)) => *n,
+    };
+    if have == want || !mode.owns_target() {
+        return;
+    }
+    let old = std::mem::replace(targets, Err((0, String::new())));
+    if let Ok(t) = old {
+        ctl.block_on(t.stop());
+    }
+    *targets = ctl
+        .block_on(FabricTargets::start(kind, spec, want))
+        .map_err(|e| (want, e.to_string()));
+    *prefilled = Prefilled::new(mode);
 }
 
 pub(crate) fn failed(repeat: u32, msg: impl Into<String>) -> Measurement {
@@ -353,25 +401,36 @@ fn measure_in_mode(
             "das",
             label,
         ),
-        ModeState::Tcp { target, prefilled } => {
+        ModeState::Tcp {
+            targets: Err((_, msg)),
+            ..
+        } => failed(repeat, msg.clone()),
+        ModeState::Tcp {
+            targets: Ok(target),
+            prefilled,
+            ..
+        } => {
             let settings = TcpSettings {
-                addr: target.addr(),
+                addrs: target.addrs(),
                 nqn: plan.nqn.clone(),
                 hostnqn: plan.hostnqn.clone(),
                 queue_pairs: point.queue_pairs,
                 queue_depth: (point.iodepth * point.numjobs.div_ceil(u32::from(point.queue_pairs))
                     + 1)
                 .min(4096) as u16,
-                namespaces: plan.namespaces,
+                namespaces: point.namespaces,
                 busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
                 rtc_pairs: if point.api == Api::Rtc {
-                    (point.numjobs * plan.namespaces).min(u32::from(u16::MAX / 2)) as u16
+                    (point.numjobs * point.namespaces).min(u32::from(u16::MAX / 2)) as u16
                 } else {
                     0
                 },
             };
             match rt.block_on(TcpPath::connect(&settings)) {
-                Err(e) => failed(repeat, format!("connect to {}: {e}", settings.addr)),
+                Err(e) => failed(
+                    repeat,
+                    format!("connect to {}: {e}", settings.addrs.join(", ")),
+                ),
                 Ok(path) => {
                     let queues = path.queues();
                     let path = Arc::new(path);
@@ -522,20 +581,36 @@ pub(crate) fn prepare<P: IoPath>(
     prefilled: &mut Prefilled,
     mode: &str,
 ) -> Result<(Vec<NsGeometry>, u64, bool), String> {
-    let geo = path.geometry().to_vec();
+    // The first `point.namespaces` of each target (a path may hold more: das opens every one).
+    let mut per_target = Vec::new();
+    let geo: Vec<NsGeometry> = path
+        .geometry()
+        .iter()
+        .filter(|g| {
+            let t = g.target as usize;
+            if per_target.len() <= t {
+                per_target.resize(t + 1, 0u32);
+            }
+            per_target[t] += 1;
+            per_target[t] <= point.namespaces
+        })
+        .copied()
+        .collect();
     let region = region_of(point, &geo)?;
     let wants_prefill = point.reads() && point.prefill.unwrap_or(prefilled.own);
-    if wants_prefill && !prefilled.holds(point.seed, region) {
+    if wants_prefill && !prefilled.holds(point.seed, region, point.namespaces) {
         let t = Instant::now();
         let pattern = Pattern::new(point.seed);
         rt.block_on(prefill(path, geo.len(), region, &pattern))?;
         tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
         prefilled.seed = point.seed;
         prefilled.bytes = region;
+        prefilled.namespaces = point.namespaces;
     }
     // A target given by address holds data of its own: its reads are checked only where this
     // run wrote the pattern.
-    let verify = point.verify && (prefilled.own || prefilled.holds(point.seed, region));
+    let verify =
+        point.verify && (prefilled.own || prefilled.holds(point.seed, region, point.namespaces));
     if point.writes() && prefilled.seed != point.seed {
         // Writes of another seed make earlier prefilled data unusable for verification.
         prefilled.bytes = 0;
@@ -611,14 +686,11 @@ fn measure<P: IoPath>(
         )));
     }
 
-    let own_pid = match target_cpu {
-        CpuSource::Process(pid) => Some(pid),
-        _ => None,
-    };
+    let own_pids = target_cpu.pids();
     let timing = rt.block_on(async {
         tokio::time::sleep(point.ramp_time).await;
         let self0 = CpuSnapshot::take(None);
-        let tgt0 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+        let tgt0 = own_pids.map(CpuSnapshot::take_processes);
         let t0 = Instant::now();
         shared.phase.store(PHASE_MEASURE, Ordering::Relaxed);
         let total = point.runtime.map(|d| d.as_secs_f64());
@@ -646,7 +718,7 @@ fn measure<P: IoPath>(
         }
         let secs = t0.elapsed().as_secs_f64();
         let self1 = CpuSnapshot::take(None);
-        let tgt1 = own_pid.map(|p| CpuSnapshot::take(Some(p)));
+        let tgt1 = own_pids.map(CpuSnapshot::take_processes);
         shared.phase.store(PHASE_STOP, Ordering::Relaxed);
         let mut outs = Vec::new();
         for h in handles.drain(..) {
@@ -672,7 +744,7 @@ fn measure<P: IoPath>(
         tgt0,
         tgt1,
     };
-    summarize(repeat, &geo, target_cpu, &timing, &outs, load_stats)
+    summarize(repeat, &geo, &target_cpu, &timing, &outs, load_stats)
 }
 
 /// Clocks and CPU snapshots around a measured interval.
@@ -693,7 +765,7 @@ pub(crate) struct Timing {
 pub(crate) fn summarize(
     repeat: u32,
     geo: &[NsGeometry],
-    target_cpu: CpuSource,
+    target_cpu: &CpuSource,
     timing: &Timing,
     outs: &[WorkerOutput],
     load_stats: Option<crate::load::LoadStats>,
@@ -740,7 +812,7 @@ pub(crate) fn summarize(
     };
     let target_s = match target_cpu {
         CpuSource::Reactors => reactor_s,
-        CpuSource::Process(_) => match (tgt0, tgt1) {
+        CpuSource::Processes(_) => match (tgt0, tgt1) {
             (Some(Ok(a)), Some(Ok(b))) => Some(a.seconds_until(b, |_| true)),
             _ => None,
         },
@@ -776,6 +848,7 @@ pub(crate) fn summarize(
         .iter()
         .zip(geo)
         .map(|(n, g)| NsStats {
+            target: g.target,
             nsid: g.nsid,
             ops: n.ops,
             iops: n.ops as f64 / secs,
@@ -910,6 +983,7 @@ mod tests {
         .unwrap();
         let p = &plan.points[0];
         let geo = |bytes, block_size| NsGeometry {
+            target: 0,
             nsid: 1,
             bytes,
             block_size,

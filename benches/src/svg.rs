@@ -6,8 +6,8 @@
 //!   fabric/DAS ratio above each fabric bar;
 //! - `<job>-latency.svg` for every job with more than one point: median and p99 latency
 //!   against achieved IOPS, one curve per mode (the latency-vs-load curve);
-//! - `<job>-scaling.svg` for every job sweeping `numjobs`, `iodepth` or `queue_pairs`: IOPS
-//!   against the swept value, one curve per mode.
+//! - `<job>-scaling.svg` for every job sweeping `numjobs`, `queue_pairs`, `targets`, `iodepth`
+//!   or `bs`: IOPS against the swept value, one curve per mode.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -472,7 +472,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
             .render(),
         ));
         let sweep = &pts[0].point.sweep;
-        let key = ["numjobs", "queue_pairs", "iodepth", "bs"]
+        let key = ["numjobs", "queue_pairs", "targets", "iodepth", "bs"]
             .into_iter()
             .find(|k| sweep.iter().any(|s| s == k));
         if let Some(key) = key {
@@ -480,6 +480,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
                 match key {
                     "numjobs" => f64::from(p.point.numjobs),
                     "queue_pairs" => f64::from(p.point.queue_pairs),
+                    "targets" => f64::from(p.point.targets),
                     "iodepth" => f64::from(p.point.iodepth),
                     _ => p.point.bs as f64,
                 }

@@ -65,7 +65,8 @@ pub struct WorkerSpec {
     pub region: u64,
     /// Where its sequential cursor starts.
     pub seq_start: u64,
-    /// Namespaces (indices 0..n).
+    /// Namespaces (indices 0..n): with several targets, those of every target (see
+    /// [`crate::path::TcpPath`]), taken in turn.
     pub namespaces: usize,
     /// Check reads against the pattern.
     pub verify: bool,
@@ -607,6 +608,7 @@ mod tests {
             FakePath {
                 data: parking_lot::Mutex::new(vec![0; bytes as usize]),
                 geo: vec![crate::path::NsGeometry {
+                    target: 0,
                     nsid: 1,
                     block_size: 512,
                     bytes,

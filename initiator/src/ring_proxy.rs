@@ -45,6 +45,9 @@
 //! runtime the steps below 1 ms round up to it: the first request after an idle period waits
 //! at most about 1 ms for the task.)
 //!
+//! [`Controller::attach_gpu_rings_n`] attaches only the next `n` rings of a set, so one set
+//! can be split among several controllers (each serving a contiguous share of its rings).
+//!
 //! Dropping the [`AttachedRings`] handle (or [`AttachedRings::detach`]) detaches the rings:
 //! their tasks stop taking requests, let the reads in flight end (completing their slots) and
 //! only then drop the rings. Dropping a ring closes it: requests left in it are never taken,
@@ -146,7 +149,24 @@ impl Controller {
     /// the bound number of blocks, and over NVMe/RDMA each ring's data areas are registered
     /// with the protection domain (a failed registration is an RDMA error); on those errors
     /// the rings are dropped unattached.
+    ///
+    /// The same as [`Controller::attach_gpu_rings_n`] with `usize::MAX` (every ring left).
     pub async fn attach_gpu_rings(&self, set: &mut RingSet) -> Result<AttachedRings, Error> {
+        self.attach_gpu_rings_n(set, usize::MAX).await
+    }
+
+    /// Attaches the next `n` rings of `set` not attached yet (fewer when fewer are left; see
+    /// [`RingSet::take_host_rings_n`]) to this controller's I/O queues, round robin, with the
+    /// checks and errors of [`Controller::attach_gpu_rings`]. Calls in turn on several
+    /// controllers split one set among them: each serves a contiguous share of the rings
+    /// (ring `i` of the set keeps its index, so a kernel can tell from the ring which
+    /// controller serves it). Every ring is bound to the same namespace table, which must
+    /// hold on each controller; `n = 0` is [`Error::InvalidArgument`].
+    pub async fn attach_gpu_rings_n(
+        &self,
+        set: &mut RingSet,
+        n: usize,
+    ) -> Result<AttachedRings, Error> {
         let shared = self.shared();
         // NVMe/RDMA: the rings' data areas are registered with the queues' protection domain.
         let pd = self.rdma_pd()?;
@@ -166,13 +186,18 @@ impl Controller {
                 "the controller has no I/O queues".into(),
             ));
         }
+        if n == 0 {
+            return Err(Error::InvalidArgument(
+                "attach at least one ring (n = 0)".into(),
+            ));
+        }
         // One push path per queue that gets a ring (push mode only), set up before any ring
         // is taken from the set.
         let mut pushers = match set.config().mode {
             DataMode::Pull | DataMode::Device => Vec::new(),
-            DataMode::Push => push_paths(set, nq.min(set.len()))?,
+            DataMode::Push => push_paths(set, nq.min(n.min(set.rings_left())).max(1))?,
         };
-        let rings = set.take_host_rings();
+        let rings = set.take_host_rings_n(n);
         if rings.is_empty() {
             return Err(Error::InvalidArgument(
                 "the ring set has no rings left to attach".into(),

@@ -1,8 +1,9 @@
 //! GPU request rings served by the queue tasks (`Controller::attach_gpu_rings`), driven by the
 //! CPU stand-in of the device side (threads acting as warps, `gpu_ring::standin`) against
 //! `nvmeof-targetd` running in this process: data checked against the written pattern, many
-//! laps of small rings, bad requests, a target restart with ring reads in flight, and
-//! detaching with reads in flight.
+//! laps of small rings, bad requests, a target restart with ring reads in flight, detaching
+//! with reads in flight, and one set split between two controllers
+//! (`Controller::attach_gpu_rings_n`).
 
 mod common;
 
@@ -375,4 +376,62 @@ async fn detach_lets_reads_in_flight_complete() {
     assert!(ctrl.reconnects() >= 1);
     ctrl.disconnect().await.expect("disconnect");
     t.shutdown().await;
+}
+
+/// One ring set split between two controllers (two targets, each its own file namespace with
+/// the same pattern): `attach_gpu_rings_n` gives each a contiguous share, each ring's reads go
+/// to the controller serving it, and nothing is left to attach afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_set_split_between_two_controllers() {
+    let dirs = [
+        tempfile::tempdir().expect("tempdir"),
+        tempfile::tempdir().expect("tempdir"),
+    ];
+    let mut targets: Vec<TestTarget> = dirs
+        .iter()
+        .map(|d| TestTarget::start(&[&file_backend(d.path(), 512)], |_| {}))
+        .collect();
+    let mut ctrls = Vec::new();
+    for t in &targets {
+        let ctrl = Controller::connect(options(t.target_addr()))
+            .await
+            .expect("connect");
+        filled(&ctrl).await;
+        ctrls.push(ctrl);
+    }
+    let ns = ctrls[0].namespace(1).await.expect("namespace");
+    let bs = ns.block_size() as usize;
+    let mut set = ring_set(&ns, 4, 8, 4096);
+    let rings = set.standin_rings();
+    let err = ctrls[0].attach_gpu_rings_n(&mut set, 0).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let first = ctrls[0]
+        .attach_gpu_rings_n(&mut set, 2)
+        .await
+        .expect("attach the first half");
+    let second = ctrls[1]
+        .attach_gpu_rings_n(&mut set, 2)
+        .await
+        .expect("attach the second half");
+    assert_eq!((first.rings(), second.rings()), (2, 2));
+    assert_eq!(set.rings_left(), 0);
+    let err = ctrls[1].attach_gpu_rings(&mut set).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // Rings 0 and 1 are served by the first controller, 2 and 3 by the second.
+    let devs = rings[..2].to_vec();
+    let a = tokio::task::spawn_blocking(move || run_warps(&devs, 2, 100, 1, bs));
+    assert_eq!(a.await.expect("warps"), 200);
+    assert_eq!((ring_reads(&ctrls[0]), ring_reads(&ctrls[1])), (200, 0));
+    let devs = rings[2..].to_vec();
+    let b = tokio::task::spawn_blocking(move || run_warps(&devs, 2, 50, 4, bs));
+    assert_eq!(b.await.expect("warps"), 100);
+    assert_eq!((ring_reads(&ctrls[0]), ring_reads(&ctrls[1])), (200, 100));
+    first.detach().await;
+    second.detach().await;
+    for c in ctrls {
+        c.disconnect().await.expect("disconnect");
+    }
+    for t in &mut targets {
+        t.shutdown().await;
+    }
 }

@@ -57,7 +57,8 @@
 //! [`RingSet::new_gpu`] (or [`RingSet::new_host`] for the stand-in) creates the rings and the
 //! device descriptor table ([`RingSet::device_table`], one [`RingDesc`] per ring) that kernels
 //! get by pointer. [`RingSet::take_host_rings`] gives one [`HostRing`] per ring to the task
-//! that serves it: [`HostRing::poll`] takes and validates requests, [`HostRing::data_mut`] /
+//! that serves it ([`RingSet::take_host_rings_n`] takes them in contiguous parts, for several
+//! consumers): [`HostRing::poll`] takes and validates requests, [`HostRing::data_mut`] /
 //! [`HostRing::lend`] give the data area to receive into, and [`HostRing::complete`] (pull
 //! mode) or [`HostRing::complete_push`] (push mode) finish them. Invalid requests are
 //! completed by `poll` itself with Invalid Namespace or Format, Invalid Field or LBA Out of

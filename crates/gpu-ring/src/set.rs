@@ -192,7 +192,7 @@ enum Backing {
 /// Created with [`RingSet::new_gpu`] (pinned host memory mapped into the device, device
 /// memory for the device-only words) or [`RingSet::new_host`] (heap memory for the CPU
 /// stand-in, [`RingSet::standin_rings`]). The host sides are taken once with
-/// [`RingSet::take_host_rings`]; the memory stays alive until the set and every
+/// [`RingSet::take_host_rings`] (or in parts, [`RingSet::take_host_rings_n`]); the memory stays alive until the set and every
 /// [`HostRing`] and lent [`crate::SlotData`] are gone. Drop the set only after the kernels
 /// using it have finished.
 pub struct RingSet {
@@ -318,28 +318,42 @@ impl RingSet {
     }
 
     /// The host sides of the rings, in ring order; the first call takes them, later calls
-    /// return an empty vector.
+    /// return an empty vector. The same as [`RingSet::take_host_rings_n`] with `usize::MAX`.
     pub fn take_host_rings(&mut self) -> Vec<HostRing> {
-        let tokens = std::mem::take(&mut self.tokens);
-        tokens
-            .into_iter()
-            .zip(&self.mems)
+        self.take_host_rings_n(usize::MAX)
+    }
+
+    /// The host sides of the next `n` rings not taken yet (fewer when fewer are left), in
+    /// ring order: calls in turn take contiguous parts of the set, so several consumers (one
+    /// per controller, say) can each serve a share of its rings. Each [`HostRing`] keeps its
+    /// index in the whole set ([`HostRing::index`]).
+    pub fn take_host_rings_n(&mut self, n: usize) -> Vec<HostRing> {
+        let first = self.mems.len() - self.tokens.len();
+        let n = n.min(self.tokens.len());
+        self.tokens
+            .drain(..n)
+            .zip(&self.mems[first..])
             .enumerate()
             .map(|(i, (token, mem))| {
                 HostRing::new(
                     mem.clone(),
                     token,
-                    i as u32,
+                    (first + i) as u32,
                     self.config.slot_bytes,
                     self.config.mode,
                     self.namespaces.clone(),
                     match &self.backing {
-                        Backing::Gpu(g) => g.device_data(i),
+                        Backing::Gpu(g) => g.device_data(first + i),
                         Backing::Host { .. } => None,
                     },
                 )
             })
             .collect()
+    }
+
+    /// Rings whose host sides have not been taken yet.
+    pub fn rings_left(&self) -> usize {
+        self.tokens.len()
     }
 
     /// The CPU stand-in's device sides of the rings, in ring order (empty for a GPU set).
@@ -472,6 +486,42 @@ mod tests {
         assert_eq!(set.take_host_rings().len(), 3);
         assert!(set.take_host_rings().is_empty());
         assert_eq!(set.standin_rings().len(), 3);
+    }
+
+    #[test]
+    fn host_rings_are_taken_in_contiguous_parts() {
+        let mut set = RingSet::new_host(5, cfg(8, 4096), &NS).unwrap();
+        assert_eq!(set.rings_left(), 5);
+        let idx = |rings: &[HostRing]| rings.iter().map(HostRing::index).collect::<Vec<_>>();
+        let a = set.take_host_rings_n(2);
+        assert_eq!(idx(&a), [0, 1]);
+        assert_eq!(set.rings_left(), 3);
+        assert!(set.take_host_rings_n(0).is_empty());
+        let b = set.take_host_rings_n(2);
+        assert_eq!(idx(&b), [2, 3]);
+        // More than are left: the rest.
+        let c = set.take_host_rings_n(7);
+        assert_eq!(idx(&c), [4]);
+        assert_eq!(set.rings_left(), 0);
+        assert!(set.take_host_rings_n(1).is_empty());
+        assert!(set.take_host_rings().is_empty());
+        // Each part serves its own rings: a request put in ring 3 by the device side shows up
+        // in the host ring of index 3 and no other.
+        let dev = set.standin_rings();
+        assert_eq!(dev.len(), 5);
+        assert_eq!(set.len(), 5);
+        let mut all: Vec<HostRing> = a.into_iter().chain(b).chain(c).collect();
+        assert!(all.iter().all(|r| !r.ready()));
+        let _ticket = dev[3].submit(0, 7, 1, 0);
+        let ready: Vec<u32> = all
+            .iter()
+            .filter(|r| r.ready())
+            .map(HostRing::index)
+            .collect();
+        assert_eq!(ready, [3]);
+        let mut reads = Vec::new();
+        assert_eq!(all[3].poll(4, &mut reads), 1);
+        assert_eq!((reads[0].nsid, reads[0].lba, reads[0].nblocks), (1, 7, 1));
     }
 
     #[test]
