@@ -32,6 +32,18 @@ __device__ __forceinline__ nvmf_u64 nvmf_pattern_word(nvmf_u64 seed, nvmf_u64 wo
     return nvmf_fmix64(seed ^ nvmf_fmix64((word_offset & ~7ULL) ^ NVMF_GOLDEN));
 }
 
+// Words of the `bytes` bytes at `data` (8-aligned, `bytes` a multiple of 8) that differ from
+// the pattern of the namespace bytes from `ns_offset` (8-aligned) on.
+__device__ __forceinline__ nvmf_u64 nvmf_pattern_mismatches(const nvmf_u8* data, nvmf_u64 bytes,
+                                                            nvmf_u64 seed, nvmf_u64 ns_offset) {
+    const nvmf_u64* words = (const nvmf_u64*)data;
+    nvmf_u64 bad = 0;
+    for (nvmf_u64 w = 0; w < bytes / 8ULL; ++w) {
+        bad += words[w] != nvmf_pattern_word(seed, ns_offset + 8ULL * w);
+    }
+    return bad;
+}
+
 // Pattern byte at a namespace byte offset (words are stored little-endian).
 __device__ __forceinline__ nvmf_u8 nvmf_pattern_byte(nvmf_u64 seed, nvmf_u64 ns_offset) {
     return (nvmf_u8)(nvmf_pattern_word(seed, ns_offset) >> ((ns_offset & 7ULL) * 8ULL));

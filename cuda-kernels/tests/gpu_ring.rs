@@ -60,13 +60,8 @@ extern "C" __global__ void ring_reader(
             atomicCAS(&res[2], 0ULL, (unsigned long long)st);
             continue;
         }
-        unsigned long long bad = 0;
-        const unsigned long long* words = (const unsigned long long*)mine;
-        for (unsigned long long w = 0; w < bytes / 8; ++w) {
-            if (words[w] != nvmf_pattern_word(seed, lba * block_size + 8 * w)) {
-                ++bad;
-            }
-        }
+        const unsigned long long bad =
+            nvmf_pattern_mismatches(mine, bytes, seed, lba * block_size);
         if (bad != 0) {
             atomicAdd(&res[0], bad);
         }

@@ -480,13 +480,8 @@ extern "C" __global__ void gpu_issue(
             atomicCAS(&res[2], 0ULL, (unsigned long long)st);
             return;
         }
-        unsigned long long bad = 0;
-        const unsigned long long* words = (const unsigned long long*)mine;
-        for (unsigned long long w = 0; w < bytes / 8; ++w) {
-            if (words[w] != nvmf_pattern_word(seed, lba * block_size + 8 * w)) {
-                ++bad;
-            }
-        }
+        const unsigned long long bad =
+            nvmf_pattern_mismatches(mine, bytes, seed, lba * block_size);
         if (bad != 0) {
             atomicAdd(&res[0], bad);
         }
@@ -500,7 +495,7 @@ extern "C" __global__ void gpu_issue(
         const unsigned int sub = e >= 2 ? (unsigned int)((lat >> (e - 2)) & 3) : 0;
         atomicAdd(&res[8 + e * 4 + sub], 1ULL);
         // The chase: the next address comes from this read's data.
-        lba = (words[0] % extents) * nblocks;
+        lba = (((const unsigned long long*)mine)[0] % extents) * nblocks;
     }
 }
 "#;
