@@ -668,7 +668,7 @@ mod tests {
         let mut e: Engine<()> = Engine::new(QueueState::new(Arc::clone(&t), origin()), permit(&t));
         let req = IoRequest {
             cid: 1,
-            ns: Some(ns),
+            ns: Some(crate::queue::QueueNs::new(&ns)),
             op: IoOp::Flush,
             arrived: Instant::now(),
         };
@@ -703,12 +703,7 @@ mod tests {
         let e = last_error(&mut admin);
         assert_eq!((e.cid.get(), e.lba.get(), e.sqid.get()), (7, 100, 1));
         let ctrl = admin.e.q.ctrl.clone().unwrap();
-        assert_eq!(
-            ctrl.counters
-                .media_errors
-                .load(std::sync::atomic::Ordering::Relaxed),
-            1
-        );
+        assert_eq!(ctrl.counters.totals().media_errors, 1);
     }
 
     #[test]

@@ -1,7 +1,5 @@
 //! Execution of validated data-plane requests against namespace backends.
 
-use std::sync::atomic::Ordering;
-
 use blockdev::{AnyBackend, Backend, BackendError, IoBuf, StatusHint};
 use nvme_spec::Status;
 use nvme_spec::status::{generic, media};
@@ -52,7 +50,7 @@ pub(crate) fn status_of(ctrl: &Controller, r: Result<(), BackendError>) -> Statu
         Err(e) => {
             let s = backend_status(&e);
             if s.sct == nvme_spec::status::sct::MEDIA || s.sc == generic::INTERNAL_ERROR {
-                ctrl.counters.media_errors.fetch_add(1, Ordering::Relaxed);
+                ctrl.counters.media_error();
                 warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, error = %e, status = %s, "I/O failed");
             }
             s
@@ -80,8 +78,7 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
     match req.op {
         IoOp::Read { lba, len } => {
             let (r, buf) = ns.backend.read(lba, buf).await;
-            c.reads.fetch_add(1, Ordering::Relaxed);
-            c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+            c.read(len as u64);
             (status_of(ctrl, r), buf)
         }
         IoOp::Write { lba, len, fua, .. } => {
@@ -90,8 +87,7 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
             } else {
                 ns.backend.write(lba, buf).await
             };
-            c.writes.fetch_add(1, Ordering::Relaxed);
-            c.bytes_written.fetch_add(len as u64, Ordering::Relaxed);
+            c.write(len as u64);
             (status_of(ctrl, r), buf)
         }
         IoOp::Flush => (status_of(ctrl, ns.backend.flush().await), buf),

@@ -5,6 +5,7 @@
 //! [`QueueState::submit`], moves data as the returned [`Submit`] says, and sends exactly one
 //! completion per command built by [`QueueState::completion`].
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,7 +23,7 @@ use tracing::{debug, info};
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
 use crate::metrics::QueueMetrics;
-use crate::subsystem::{Namespace, NamespaceMap};
+use crate::subsystem::Namespace;
 use crate::target::Target;
 
 /// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
@@ -53,11 +54,32 @@ pub struct IoRequest {
     /// Command identifier.
     pub cid: u16,
     /// Namespace (None only for a Flush of every namespace).
-    pub ns: Option<Arc<Namespace>>,
+    pub ns: Option<QueueNs>,
     /// What to do.
     pub op: IoOp,
     /// When the command arrived (its latency runs from here).
     pub arrived: Instant,
+}
+
+/// A queue's own handle on a namespace. Cloning it for each command touches a count that only
+/// this queue uses, where cloning the namespace's `Arc` would bump a count every reactor
+/// serving the namespace shares (a cache line bouncing between their cores on every command).
+#[derive(Clone)]
+pub struct QueueNs(Arc<Arc<Namespace>>);
+
+impl QueueNs {
+    /// A new handle on `ns` (made when a queue takes a snapshot of its namespaces).
+    pub fn new(ns: &Arc<Namespace>) -> QueueNs {
+        QueueNs(Arc::new(Arc::clone(ns)))
+    }
+}
+
+impl std::ops::Deref for QueueNs {
+    type Target = Namespace;
+
+    fn deref(&self) -> &Namespace {
+        &self.0
+    }
 }
 
 /// Data-plane operations.
@@ -178,7 +200,7 @@ pub struct QueueState {
     mdts_bytes: usize,
     /// The controller's namespaces as of a subsystem namespace generation: refreshed when the
     /// generation moves, so looking a namespace up per command takes no lock.
-    namespaces: Option<(u64, Arc<NamespaceMap>)>,
+    namespaces: Option<(u64, BTreeMap<u32, QueueNs>)>,
 }
 
 fn status_cqe(cid: u16, status: Status) -> Submit {
@@ -340,7 +362,9 @@ impl QueueState {
                 Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
             )
         };
-        let Some(ctrl) = self.ctrl.clone() else {
+        // Taken for the command and put back: cloning the Arc would bump a count that every
+        // reactor serving the controller's queues shares.
+        let Some(ctrl) = self.ctrl.take() else {
             return match (sqe.opcode, FabricsCommand::parse(sqe)) {
                 (nvme_spec::opcode::FABRICS, FabricsCommand::Connect(c)) => {
                     self.connect(sqe, c, icd)
@@ -348,18 +372,27 @@ impl QueueState {
                 _ => seq_error(),
             };
         };
+        let r = self.submit_to(&ctrl, sqe, icd);
+        self.ctrl = Some(ctrl);
+        r
+    }
+
+    /// [`submit_uncounted`](Self::submit_uncounted) on a queue with a controller (taken out
+    /// of `self.ctrl` for the call).
+    fn submit_to(&mut self, ctrl: &Arc<Controller>, sqe: &Sqe, icd: &[u8]) -> Submit {
+        let cid = sqe.cid();
         if ctrl.is_torn_down() {
             return status_cqe(
                 cid,
                 Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
             );
         }
-        if let Some(reply) = self.auth_gate(&ctrl, sqe, icd) {
+        if let Some(reply) = self.auth_gate(ctrl, sqe, icd) {
             return reply;
         }
         if self.qid == 0 {
             match AdminCommand::parse(sqe) {
-                AdminCommand::Fabrics(f) => self.fabrics(&ctrl, cid, f),
+                AdminCommand::Fabrics(f) => self.fabrics(ctrl, cid, f),
                 cmd => match ctrl.admin(&self.target, self.origin, sqe, cmd) {
                     AdminReply::Held => Submit::Held,
                     AdminReply::Complete { status, dw0, data } => {
@@ -385,10 +418,10 @@ impl QueueState {
             }
         } else {
             match IoCommand::parse(sqe) {
-                IoCommand::Fabrics(f) => self.fabrics(&ctrl, cid, f),
+                IoCommand::Fabrics(f) => self.fabrics(ctrl, cid, f),
                 cmd => {
                     self.refresh_namespaces(&ctrl);
-                    match self.validate_io(&ctrl, sqe, cmd, icd) {
+                    match self.validate_io(ctrl, sqe, cmd, icd) {
                         Ok(req) => Submit::Io(req),
                         Err(status) => {
                             ctrl.log_error(self.qid, sqe, status, 0);
@@ -625,11 +658,16 @@ impl QueueState {
             .is_none_or(|(g, _)| *g != generation)
         {
             // Read the generation before the map: a change in between is seen next time.
-            self.namespaces = Some((generation, s.namespaces()));
+            let map = s
+                .namespaces()
+                .iter()
+                .map(|(&nsid, ns)| (nsid, QueueNs::new(ns)))
+                .collect();
+            self.namespaces = Some((generation, map));
         }
     }
 
-    fn namespace(&self, nsid: u32) -> Result<Arc<Namespace>, Status> {
+    fn namespace(&self, nsid: u32) -> Result<QueueNs, Status> {
         self.namespaces
             .as_ref()
             .and_then(|(_, m)| m.get(&nsid).cloned())

@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use blockdev::{Backend, BufPool, IoBuf};
 use nvme_spec::{Cqe, Sqe, Status};
@@ -373,9 +372,7 @@ impl Conn {
             .send_c2h_data_with(req.cid, len as u32, success, |off, out| {
                 crate::io::read_now(&ns.backend, lba + (off / bs) as u64, out).unwrap_or(Ok(()))
             });
-        let c = &ctrl.counters;
-        c.reads.fetch_add(1, Ordering::Relaxed);
-        c.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        ctrl.counters.read(len as u64);
         let answered = success && matches!(sent, Ok(Ok(())));
         let status = match sent {
             Ok(r) => crate::io::status_of(ctrl, r),
