@@ -65,12 +65,17 @@ pub struct IoRequest {
 /// this queue uses, where cloning the namespace's `Arc` would bump a count every reactor
 /// serving the namespace shares (a cache line bouncing between their cores on every command).
 #[derive(Clone)]
-pub struct QueueNs(Arc<Arc<Namespace>>);
+pub struct QueueNs(Arc<NsHandle>);
+
+/// The allocation a [`QueueNs`] counts on: one per queue and namespace.
+struct NsHandle {
+    ns: Arc<Namespace>,
+}
 
 impl QueueNs {
     /// A new handle on `ns` (made when a queue takes a snapshot of its namespaces).
     pub fn new(ns: &Arc<Namespace>) -> QueueNs {
-        QueueNs(Arc::new(Arc::clone(ns)))
+        QueueNs(Arc::new(NsHandle { ns: Arc::clone(ns) }))
     }
 }
 
@@ -78,7 +83,7 @@ impl std::ops::Deref for QueueNs {
     type Target = Namespace;
 
     fn deref(&self) -> &Namespace {
-        &self.0
+        &self.0.ns
     }
 }
 
@@ -420,7 +425,7 @@ impl QueueState {
             match IoCommand::parse(sqe) {
                 IoCommand::Fabrics(f) => self.fabrics(ctrl, cid, f),
                 cmd => {
-                    self.refresh_namespaces(&ctrl);
+                    self.refresh_namespaces(ctrl);
                     match self.validate_io(ctrl, sqe, cmd, icd) {
                         Ok(req) => Submit::Io(req),
                         Err(status) => {
