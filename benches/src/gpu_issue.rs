@@ -161,7 +161,7 @@ pub fn bucket_ns(b: usize) -> u64 {
     ((16 + sub) << (e - 4)) + width / 2
 }
 
-/// Measures a point whose reads GPU threads issue, over the NVMe/TCP connection `path`.
+/// Measures a point whose reads GPU threads issue, over the fabric connection `path`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn measure(
     rt: &Runtime,
@@ -248,6 +248,7 @@ fn run(
         mode: match point.ring_mode {
             RingMode::Pull => DataMode::Pull,
             RingMode::Push => DataMode::Push,
+            RingMode::Device => DataMode::Device,
         },
     };
     let bindings: Vec<NsBinding> = local

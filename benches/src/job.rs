@@ -38,8 +38,9 @@
 //! "randread"`) makes the reads a dependent pointer chase: each GPU thread's, or each CPU
 //! worker buffer's, next LBA comes from the first word of its previous read. With `issue =
 //! "cpu"` and `dest = "gpu"` that is a CPU round trip per hop: the data lands in GPU memory
-//! and is copied back for the host to pick the next read. `ring_mode = "pull"` (default) or
-//! `"push"` picks how a GPU-issued read's data reaches its thread (see [`RingMode`]); a list
+//! and is copied back for the host to pick the next read. `ring_mode = "pull"` (default),
+//! `"push"` or `"device"` (NVMe/RDMA only: the target writes into GPU memory) picks how a
+//! GPU-issued read's data reaches its thread (see [`RingMode`]); a list
 //! puts both side by side, and CPU-issued points are not repeated per mode.
 //!
 //! `namespaces = K` in `[global]` gives the target (and the das mode) `K` namespaces; in a job it
@@ -265,6 +266,10 @@ pub enum RingMode {
     /// The queue task pushes each batch of completed slots to the GPU (one host-to-device copy
     /// and the push kernel, which also publishes the completions).
     Push,
+    /// The rings' data areas are GPU memory that the target writes by RDMA (GPUDirect RDMA,
+    /// `rdma=HOST:PORT` modes only); the waiting warp copies from device memory. Over NVMe/TCP
+    /// such a point fails with the initiator's one-line error.
+    Device,
 }
 
 impl fmt::Display for Issue {
@@ -726,8 +731,12 @@ impl Point {
             (Issue::Cpu, true) => s.push_str(" cpu-chase"),
             (Issue::Cpu, false) => {}
         }
-        if self.issue == Issue::Gpu && self.ring_mode == RingMode::Push {
-            s.push_str(" push");
+        if self.issue == Issue::Gpu {
+            match self.ring_mode {
+                RingMode::Pull => {}
+                RingMode::Push => s.push_str(" push"),
+                RingMode::Device => s.push_str(" device"),
+            }
         }
         if self.host_load == HostLoad::Busy {
             s.push_str(" busy");
@@ -1397,7 +1406,7 @@ mod tests {
         assert_eq!(c.points[0].label(), "randread 4k qd1 x1 cpu-chase");
         assert_eq!(c.points[1].label(), "randread 4k qd1 x1 gpu-chase");
         let m = plan(
-            "[[job]]\nname = \"m\"\nrw = \"randread\"\nissue = [\"cpu\", \"gpu\"]\nring_mode = [\"pull\", \"push\"]\n",
+            "[[job]]\nname = \"m\"\nrw = \"randread\"\nissue = [\"cpu\", \"gpu\"]\nring_mode = [\"pull\", \"push\", \"device\"]\n",
         )
         .unwrap();
         let labels: Vec<String> = m.points.iter().map(Point::label).collect();
@@ -1406,10 +1415,12 @@ mod tests {
             [
                 "randread 4k qd1 x1",
                 "randread 4k qd1 x1 gpu-issued",
-                "randread 4k qd1 x1 gpu-issued push"
+                "randread 4k qd1 x1 gpu-issued push",
+                "randread 4k qd1 x1 gpu-issued device"
             ]
         );
         assert_eq!(m.points[2].ring_mode, RingMode::Push);
+        assert_eq!(m.points[3].ring_mode, RingMode::Device);
         let e = plan("[[job]]\nname = \"r\"\napi = \"rtc\"\nchase = true\n").unwrap_err();
         assert!(e.to_string().contains("chase"), "{e}");
         for (text, key) in [

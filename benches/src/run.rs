@@ -387,7 +387,7 @@ fn measure_in_mode(
         ModeState::Unavailable(msg) => failed(repeat, msg.clone()),
         ModeState::Das { .. } if point.issue == Issue::Gpu => failed(
             repeat,
-            "issue = \"gpu\" needs an NVMe/TCP mode (tcp, tcp-bin, tcp=HOST:PORT): GPU threads read through the initiator's queues",
+            "issue = \"gpu\" needs a fabric mode (tcp, tcp-bin, tcp=HOST:PORT, rdma=HOST:PORT): GPU threads read through the initiator's queues",
         ),
         ModeState::Das { path, prefilled } => measure_into(
             &rt,
