@@ -19,7 +19,10 @@
 //!   completion arrives after its data (reliable-connection ordering), so the completion word
 //!   is written after the data is in place, as over TCP. A read whose deadline passes has its
 //!   queue pair destroyed before its slot is completed, so a late RDMA WRITE cannot reach a
-//!   slot the device has moved on from;
+//!   slot the device has moved on from. The registration belongs to the protection domain the
+//!   controller's queues share, which a reconnect through the same RDMA device keeps; should
+//!   the controller come back through another device, the rings' reads complete with Internal
+//!   Error and the rings must be attached again;
 //! - the whole batch leaves with one write (the task's flush at the top of its loop);
 //! - when a read ends, the task writes the slot's completion word with the NVMe status of
 //!   the completion, or with a status standing for the error ([`ring_status`]);
