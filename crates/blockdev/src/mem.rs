@@ -5,9 +5,11 @@
 //! zeros, so a 1 TiB namespace costs nothing until it is used. Write Zeroes and Deallocate free
 //! every chunk they cover whole and zero the partial ones in place.
 //!
-//! Chunks live in hash maps split into shards by chunk index. A shard lock is held for reading
-//! on every access, and taken for writing only to insert or remove a chunk; each chunk has its
-//! own lock, so threads working on different chunks do not wait for each other.
+//! Chunks live in hash maps split into 1024 shards by chunk index, each behind a lock of its
+//! own on a cache line of its own. A read takes its shard's lock for reading (one atomic on a
+//! line that threads reading that shard share, and nothing else written); a write takes it
+//! for writing, so threads reading and writing chunks of different shards do not wait for each
+//! other, and a write never tears a concurrent read.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -20,7 +22,7 @@ use crate::{Backend, BackendError, BufResult, IoBuf, check_range, check_transfer
 /// The chunk size [`MemoryBackend::new`] uses.
 pub const DEFAULT_CHUNK_SIZE: usize = 128 * 1024;
 
-const SHARDS: usize = 256;
+const SHARDS: usize = 1024;
 
 /// Hasher for chunk indices: a multiplicative mix, plenty for integer keys.
 #[derive(Default)]
@@ -42,8 +44,13 @@ impl Hasher for ChunkHasher {
     }
 }
 
-type Chunk = RwLock<Box<[u8]>>;
-type Shard = RwLock<HashMap<u64, Chunk, BuildHasherDefault<ChunkHasher>>>;
+type ChunkMap = HashMap<u64, Box<[u8]>, BuildHasherDefault<ChunkHasher>>;
+
+/// One shard of the chunk map, alone on its cache lines (two, for the adjacent-line
+/// prefetcher), so that threads using neighbouring shards do not share a line.
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard(RwLock<ChunkMap>);
 
 /// A sparse in-memory namespace. Volatile: contents are lost when it is dropped.
 pub struct MemoryBackend {
@@ -93,7 +100,7 @@ impl MemoryBackend {
             block_size,
             num_blocks: size / u64::from(block_size),
             chunk_shift: chunk_size.trailing_zeros(),
-            shards: (0..SHARDS).map(|_| RwLock::default()).collect(),
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
             allocated: AtomicUsize::new(0),
         })
     }
@@ -121,8 +128,8 @@ impl MemoryBackend {
         Ok(())
     }
 
-    fn shard(&self, chunk: u64) -> &Shard {
-        &self.shards[(chunk as usize) % SHARDS]
+    fn shard(&self, chunk: u64) -> &RwLock<ChunkMap> {
+        &self.shards[(chunk as usize) % SHARDS].0
     }
 
     /// Splits the byte range `[offset, offset + len)` at chunk boundaries.
@@ -153,7 +160,7 @@ impl MemoryBackend {
             let dst = &mut out[done..done + p.len];
             let shard = self.shard(p.chunk).read();
             match shard.get(&p.chunk) {
-                Some(chunk) => dst.copy_from_slice(&chunk.read()[p.offset..p.offset + p.len]),
+                Some(chunk) => dst.copy_from_slice(&chunk[p.offset..p.offset + p.len]),
                 None => dst.fill(0),
             }
             done += p.len;
@@ -165,19 +172,12 @@ impl MemoryBackend {
         for p in self.pieces(offset, data.len() as u64) {
             let src = &data[done..done + p.len];
             done += p.len;
-            {
-                let shard = self.shard(p.chunk).read();
-                if let Some(chunk) = shard.get(&p.chunk) {
-                    chunk.write()[p.offset..p.offset + p.len].copy_from_slice(src);
-                    continue;
-                }
-            }
             let mut shard = self.shard(p.chunk).write();
             let chunk = shard.entry(p.chunk).or_insert_with(|| {
                 self.allocated.fetch_add(1, Ordering::Relaxed);
-                RwLock::new(vec![0u8; self.chunk_size()].into_boxed_slice())
+                vec![0u8; self.chunk_size()].into_boxed_slice()
             });
-            chunk.get_mut()[p.offset..p.offset + p.len].copy_from_slice(src);
+            chunk[p.offset..p.offset + p.len].copy_from_slice(src);
         }
     }
 
@@ -190,7 +190,7 @@ impl MemoryBackend {
         // namespace), visit the allocated chunks instead of every chunk index.
         if whole > 4 * self.allocated_chunks() as u64 + SHARDS as u64 {
             for shard in self.shards.iter() {
-                let mut shard = shard.write();
+                let mut shard = shard.0.write();
                 let before = shard.len();
                 shard.retain(|&chunk, _| !(first_whole..end_whole).contains(&chunk));
                 self.allocated
@@ -213,9 +213,9 @@ impl MemoryBackend {
                     self.allocated.fetch_sub(1, Ordering::Relaxed);
                 }
             } else {
-                let shard = self.shard(p.chunk).read();
-                if let Some(chunk) = shard.get(&p.chunk) {
-                    chunk.write()[p.offset..p.offset + p.len].fill(0);
+                let mut shard = self.shard(p.chunk).write();
+                if let Some(chunk) = shard.get_mut(&p.chunk) {
+                    chunk[p.offset..p.offset + p.len].fill(0);
                 }
             }
         }
