@@ -330,13 +330,6 @@ impl FabricTargets {
         Ok(FabricTargets { targets })
     }
 
-    /// Wraps one target.
-    pub fn one(target: FabricTarget) -> FabricTargets {
-        FabricTargets {
-            targets: vec![target],
-        }
-    }
-
     /// How many targets.
     pub fn len(&self) -> usize {
         self.targets.len()

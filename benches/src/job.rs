@@ -136,6 +136,22 @@ fn invalid(job: &str, key: &'static str, msg: impl Into<String>) -> JobError {
     }
 }
 
+/// Checks that every value of `key` is in `1..=max`.
+fn in_range<T: Copy + Into<u64> + fmt::Display>(
+    job: &str,
+    key: &'static str,
+    values: &[T],
+    max: T,
+) -> Result<(), JobError> {
+    match values
+        .iter()
+        .find(|&&v| v.into() == 0 || v.into() > max.into())
+    {
+        Some(v) => Err(invalid(job, key, format!("{v} not in 1..={max}"))),
+        None => Ok(()),
+    }
+}
+
 /// The I/O pattern, with fio's names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -1124,15 +1140,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
         ));
     }
     let targets = sweep(name, "targets", &j.targets, &g.targets, 1, &mut swept)?;
-    for &t in &targets {
-        if t == 0 || t > MAX_TARGETS {
-            return Err(invalid(
-                name,
-                "targets",
-                format!("{t} not in 1..={MAX_TARGETS}"),
-            ));
-        }
-    }
+    in_range(name, "targets", &targets, MAX_TARGETS)?;
     let loads = match ov.host_load {
         Some(l) => vec![l],
         None => sweep(
@@ -1205,33 +1213,9 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
             ));
         }
     }
-    for &d in &depths {
-        if d == 0 || d > MAX_IODEPTH {
-            return Err(invalid(
-                name,
-                "iodepth",
-                format!("{d} not in 1..={MAX_IODEPTH}"),
-            ));
-        }
-    }
-    for &n in &jobs {
-        if n == 0 || n > MAX_NUMJOBS {
-            return Err(invalid(
-                name,
-                "numjobs",
-                format!("{n} not in 1..={MAX_NUMJOBS}"),
-            ));
-        }
-    }
-    for &q in &qps {
-        if q == 0 || q > MAX_QUEUE_PAIRS {
-            return Err(invalid(
-                name,
-                "queue_pairs",
-                format!("{q} not in 1..={MAX_QUEUE_PAIRS}"),
-            ));
-        }
-    }
+    in_range(name, "iodepth", &depths, MAX_IODEPTH)?;
+    in_range(name, "numjobs", &jobs, MAX_NUMJOBS)?;
+    in_range(name, "queue_pairs", &qps, MAX_QUEUE_PAIRS)?;
     let io_size = pick(&j.io_size, &g.io_size).map(|b| b.0);
     let runtime = match ov.runtime {
         Some(r) => Some(r),

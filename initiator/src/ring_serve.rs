@@ -112,10 +112,6 @@ struct Entry {
     /// read's keyed SGL names its slot there); None over NVMe/TCP (reads are received into
     /// the lent slot).
     region: Option<Arc<RegionMem>>,
-    /// Device data areas: reads of this ring ended in the batch being completed.
-    flush_due: bool,
-    /// Device data areas: the batch's flush failed.
-    flush_failed: bool,
 }
 
 /// Rings handed to a queue task by one attachment.
@@ -144,6 +140,9 @@ pub(crate) struct RingTable {
     pushers: Vec<(u64, Box<dyn PushPath>)>,
     /// A ring whose data areas are device memory was attached (its completions need a flush).
     device_data: bool,
+    /// Scratch of [`RingTable::complete_all`]: rings flushed for the batch, and whether the
+    /// flush worked.
+    flushed: Vec<(u16, bool)>,
 }
 
 impl RingTable {
@@ -157,6 +156,7 @@ impl RingTable {
             reads: Vec::with_capacity(RING_BATCH),
             pushers: Vec::new(),
             device_data: false,
+            flushed: Vec::new(),
         }
     }
 
@@ -194,8 +194,6 @@ impl RingTable {
                 detaching: false,
                 pending,
                 region,
-                flush_due: false,
-                flush_failed: false,
             };
             match self.entries.iter_mut().find(|e| e.is_none()) {
                 Some(free) => *free = Some(e),
@@ -266,32 +264,43 @@ impl RingTable {
     /// ring with reads in `done`, so that a thread that sees a completion word sees the data
     /// (a failed flush completes the ring's successful reads with Internal Error).
     pub fn complete_all(&mut self, done: &[RingDone]) {
+        self.flushed.clear();
         if self.device_data {
             for d in done {
-                if let Some(Some(e)) = self.entries.get_mut(usize::from(d.origin.ring)) {
-                    e.flush_due = e.region.as_ref().is_some_and(|r| r.is_device());
-                }
-            }
-            for e in self.entries.iter_mut().flatten() {
-                if !std::mem::take(&mut e.flush_due) {
+                let ring = d.origin.ring;
+                if self.flushed.iter().any(|&(r, _)| r == ring) {
                     continue;
                 }
-                if let Err(err) = e.region.as_ref().map_or(Ok(()), |r| r.flush()) {
-                    tracing::warn!(
-                        ring = e.ring.index(),
-                        "GPU ring reads completed with Internal Error: {err}"
-                    );
-                    e.flush_failed = true;
-                }
+                let Some(Some(e)) = self.entries.get(usize::from(ring)) else {
+                    continue;
+                };
+                let Some(region) = e.region.as_ref().filter(|r| r.is_device()) else {
+                    continue;
+                };
+                let ok = match region.flush() {
+                    Ok(()) => true,
+                    Err(err) => {
+                        tracing::warn!(
+                            ring = e.ring.index(),
+                            "GPU ring reads completed with Internal Error: {err}"
+                        );
+                        false
+                    }
+                };
+                self.flushed.push((ring, ok));
             }
         }
         for d in done {
-            self.complete(d.origin, d.status);
-        }
-        if self.device_data {
-            for e in self.entries.iter_mut().flatten() {
-                e.flush_failed = false;
-            }
+            let failed = self
+                .flushed
+                .iter()
+                .any(|&(r, ok)| r == d.origin.ring && !ok);
+            let status = if failed && d.status == 0 {
+                STATUS_INTERNAL
+            } else {
+                d.status
+            };
+            self.complete(d.origin, status);
         }
     }
 
@@ -299,11 +308,6 @@ impl RingTable {
     /// joins its ring's next push instead ([`RingTable::push_pending`]).
     pub fn complete(&mut self, origin: RingSlot, status: u16) {
         if let Some(Some(e)) = self.entries.get_mut(usize::from(origin.ring)) {
-            let status = if e.flush_failed && status == 0 {
-                STATUS_INTERNAL
-            } else {
-                status
-            };
             if e.ring.mode() == DataMode::Push && status == 0 {
                 e.pending.extend(e.ring.complete_push(origin.slot, status));
             } else {
