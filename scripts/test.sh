@@ -104,6 +104,13 @@ cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
 if [[ $quick == 0 ]]; then
     stage "fuzzing: NVMe/TCP deframers, then the target's capsule handling"
+    # cargo-fuzz is probed as a binary, never by running `cargo fuzz`: where it is missing that
+    # run leaves the `cargo install` after it unable to query rustc.
+    cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+    case ":$PATH:" in *":$cargo_bin:"*) ;; *) export PATH="$PATH:$cargo_bin" ;; esac
+    if ! command -v cargo-fuzz >/dev/null; then
+        cargo install cargo-fuzz --locked
+    fi
     crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
     (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run capsule -- \
         -max_total_time="${FUZZ_SECONDS:-20}" -max_len=8192 -print_final_stats=1)

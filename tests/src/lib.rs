@@ -56,6 +56,8 @@ pub fn free_port() -> u16 {
 pub struct TargetProcess {
     child: Child,
     log: Arc<Mutex<String>>,
+    /// The thread that collects its stderr into `log`; it ends when the process closes stderr.
+    reader: Option<std::thread::JoinHandle<()>>,
     /// Port of its first listener.
     pub port: u16,
 }
@@ -75,7 +77,7 @@ impl TargetProcess {
         let stderr = child.stderr.take().expect("stderr");
         let (tx, rx) = std::sync::mpsc::channel();
         let l = Arc::clone(&log);
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if line.contains("nvmeof-targetd ready") {
                     let _ = tx.send(());
@@ -86,7 +88,12 @@ impl TargetProcess {
             }
         });
         let ready = rx.recv_timeout(Duration::from_secs(20)).is_ok();
-        let mut t = TargetProcess { child, log, port };
+        let mut t = TargetProcess {
+            child,
+            log,
+            reader: Some(reader),
+            port,
+        };
         assert!(ready, "nvmeof-targetd did not become ready:\n{}", t.log());
         t
     }
@@ -142,14 +149,24 @@ impl TargetProcess {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(Some(st)) = self.child.try_wait() {
-                std::thread::sleep(Duration::from_millis(100));
+                self.join_reader();
                 return (st.code(), self.log());
             }
             if Instant::now() > deadline {
                 let _ = self.child.kill();
+                let _ = self.child.wait();
+                self.join_reader();
                 return (None, self.log());
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for the stderr reader to reach end of file, so the log holds every line the
+    /// exited process wrote.
+    fn join_reader(&mut self) {
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
         }
     }
 

@@ -87,8 +87,9 @@ fn targetd_without_a_config_file_logs_sighup_and_keeps_serving() {
     assert!(log.contains("shutdown complete"), "{log}");
 }
 
-/// `nvmeof-initd` on a socket and state directory of the test's own, its log collected.
-fn start_initd(dir: &Path, log_level: &str) -> (Child, mpsc::Receiver<String>) {
+/// `nvmeof-initd` on a socket and state directory of the test's own, its log collected line
+/// by line until it closes stderr.
+fn start_initd(dir: &Path, log_level: &str) -> (Child, LogReader) {
     let mut child = Command::new(bin_path("nvmeof-initd"))
         .arg("--socket")
         .arg(dir.join("initd.sock"))
@@ -103,21 +104,36 @@ fn start_initd(dir: &Path, log_level: &str) -> (Child, mpsc::Receiver<String>) {
         .expect("spawn nvmeof-initd");
     let (tx, rx) = mpsc::channel();
     let stderr = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
+    let reader = std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             let _ = tx.send(line);
         }
     });
-    (child, rx)
+    (child, LogReader { rx, reader })
+}
+
+/// The lines a child wrote to stderr, and the thread that forwards them.
+struct LogReader {
+    rx: mpsc::Receiver<String>,
+    reader: std::thread::JoinHandle<()>,
+}
+
+impl LogReader {
+    /// Every line after the child has exited: joins the reader (which ends at end of file)
+    /// before reading what it forwarded, so no last line is missed.
+    fn finish(self) -> Vec<String> {
+        self.reader.join().expect("log reader");
+        self.rx.try_iter().collect()
+    }
 }
 
 #[test]
 fn initd_logs_and_ignores_sighup() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, rx) = start_initd(dir.path(), "info");
+    let (mut child, log_reader) = start_initd(dir.path(), "info");
     let mut log = String::new();
     let mut collect = || {
-        while let Ok(l) = rx.try_recv() {
+        while let Ok(l) = log_reader.rx.try_recv() {
             log.push_str(&l);
             log.push('\n');
         }
@@ -136,8 +152,13 @@ fn initd_logs_and_ignores_sighup() {
         .expect("the socket still answers");
     send_signal(child.id(), "TERM");
     let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(0), "{}", collect());
-    assert!(collect().contains("stopped"));
+    let mut log = collect();
+    for l in log_reader.finish() {
+        log.push_str(&l);
+        log.push('\n');
+    }
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert!(log.contains("stopped"), "{log}");
 }
 
 #[test]
@@ -156,10 +177,10 @@ fn unknown_log_levels_are_refused_by_both_daemons() {
         "{err}"
     );
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, rx) = start_initd(dir.path(), "loud");
+    let (mut child, log_reader) = start_initd(dir.path(), "loud");
     let status = child.wait().unwrap();
     assert!(!status.success());
-    let err: Vec<String> = rx.iter().collect();
+    let err = log_reader.finish();
     assert_eq!(err.len(), 1, "{err:?}");
     assert!(err[0].contains("unknown log level \"loud\""), "{err:?}");
 }

@@ -16,10 +16,17 @@ esac
 
 cd "$(dirname "$0")"
 
-if ! cargo fuzz --version >/dev/null 2>&1; then
+# Probe for the binary itself: running `cargo fuzz` where it is missing leaves cargo in a state
+# where the `cargo install` that follows fails to query rustc.
+cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+if ! command -v cargo-fuzz >/dev/null 2>&1 && [ ! -x "$cargo_bin/cargo-fuzz" ]; then
     echo "installing cargo-fuzz" >&2
     cargo install cargo-fuzz --locked
 fi
+case ":$PATH:" in
+    *":$cargo_bin:"*) ;;
+    *) export PATH="$PATH:$cargo_bin" ;;
+esac
 
 # Seed the corpus with clean conversations (written by a test of the crate, which also
 # checks that they run without a protocol error).
