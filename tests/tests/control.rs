@@ -458,7 +458,7 @@ fn a_host_added_with_a_dhchap_key_must_authenticate() {
     let connect = |secret: Option<&str>| {
         let mut c = Command::new(bin_path("nvmeof"));
         c.args([
-            "connect",
+            "probe",
             "-a",
             "127.0.0.1",
             "-s",
