@@ -24,8 +24,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use crate::identity::{is_root, parse_hostid};
 use crate::{
     ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, ErrorClass, HostIdentity,
-    Namespace,
-    NamespaceInfo, TargetAddr, TlsOptions, Transport,
+    Namespace, NamespaceInfo, TargetAddr, TlsOptions, Transport,
 };
 
 /// The daemon's socket path when running as root.

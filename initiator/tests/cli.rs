@@ -363,13 +363,7 @@ async fn ranges_are_checked_before_any_transfer_and_output_appears_whole() {
     let out = cli(a, None).await;
     assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
     assert!(stderr_of(&out).contains("outside namespace 1"));
-    let mut a = args(&[
-        "write",
-        "--blocks",
-        "3",
-        "--data",
-        two.to_str().unwrap(),
-    ]);
+    let mut a = args(&["write", "--blocks", "3", "--data", two.to_str().unwrap()]);
     a.extend(fabric_of(port));
     let out = cli(a, None).await;
     assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
@@ -417,7 +411,9 @@ async fn errors_say_their_cause_once_with_distinct_exit_codes() {
     let err = stderr_of(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
-        err.contains("cannot create /nonexistent/dir/out.bin: directory /nonexistent/dir does not exist"),
+        err.contains(
+            "cannot create /nonexistent/dir/out.bin: directory /nonexistent/dir does not exist"
+        ),
         "{err}"
     );
 
@@ -882,7 +878,10 @@ async fn nvme_cli_command_names_act_on_the_daemon() {
     assert!(text.contains("nvmeof0n1 tcp traddr=127.0.0.1"), "{text}");
     let v = json_of(&ok_through(&socket, args(&["list-subsys", "-o", "json"])).await);
     assert_eq!(v["subsystems"][0]["nqn"], NQN);
-    assert_eq!(v["subsystems"][0]["attachments"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        v["subsystems"][0]["attachments"].as_array().unwrap().len(),
+        2
+    );
 
     // disconnect -n NQN: every attachment of the subsystem.
     let out = ok_through(&socket, args(&["disconnect", "-n", NQN])).await;
@@ -960,7 +959,8 @@ async fn daemon_follows_namespace_resize_and_removal_on_the_target() {
     use nvmeof_target::{RunningTarget, Target};
 
     let listen = "tcp://127.0.0.1:0".parse().unwrap();
-    let ns = ["mem:1M".parse().unwrap(), "mem:2M".parse().unwrap()];
+    // Null namespaces can be resized while served.
+    let ns = ["mem:1M".parse().unwrap(), "null:2M".parse().unwrap()];
     let mut cfg = nvmeof_target::Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
     cfg.target.reactors = 1;
     let (target, listeners) = Target::build(&cfg).unwrap();
@@ -993,7 +993,11 @@ async fn daemon_follows_namespace_resize_and_removal_on_the_target() {
     let two = wait_listed(&socket, "two", |a| a["size_bytes"] == 4 << 20).await;
     assert_eq!(two["blocks"], 1024);
     assert_eq!(two["state"], "connected");
-    assert!(d.log().contains("resized from 2097152 to 4194304 bytes"), "{}", d.log());
+    assert!(
+        d.log().contains("resized from 2097152 to 4194304 bytes"),
+        "{}",
+        d.log()
+    );
 
     // ctl remove-namespace: listed as removed, with why; the other attachment is untouched.
     ctl(format!(

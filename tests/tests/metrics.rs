@@ -130,7 +130,16 @@ fn cli(t: &TargetProcess, args: &[&str]) {
     let port = t.port.to_string();
     let out = Command::new(bin_path("nvmeof"))
         .args(args)
-        .args(["-t", "tcp", "-a", "127.0.0.1", "--trsvcid", &port, "-n", NQN])
+        .args([
+            "-t",
+            "tcp",
+            "-a",
+            "127.0.0.1",
+            "--trsvcid",
+            &port,
+            "-n",
+            NQN,
+        ])
         .output()
         .unwrap();
     assert!(

@@ -386,7 +386,12 @@ struct RangeArgs {
     #[arg(short = 'd', long = "data", value_name = "FILE")]
     data: Option<PathBuf>,
     /// nvme-cli's -s (first block): refused, it is the port in every other command.
-    #[arg(short = 's', hide = true, value_name = "LBA", allow_hyphen_values = true)]
+    #[arg(
+        short = 's',
+        hide = true,
+        value_name = "LBA",
+        allow_hyphen_values = true
+    )]
     nvme_cli_start: Option<String>,
     /// nvme-cli's -c/--block-count (0-based): refused, see --blocks.
     #[arg(
@@ -1942,12 +1947,7 @@ async fn cmd_write(
     res
 }
 
-async fn do_write(
-    ctx: &Ctx,
-    ns: &Namespace,
-    r: &RangeArgs,
-    durability: Durability,
-) -> Result<()> {
+async fn do_write(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, durability: Durability) -> Result<()> {
     let bs = u64::from(ns.block_size());
     let blocks = r.count(bs)?;
     let (mut input, size): (Box<dyn Read>, Option<u64>) = if is_std(&r.data) {
