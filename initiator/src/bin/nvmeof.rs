@@ -112,6 +112,7 @@ enum Cmd {
 given; the I/O port of most targets answers too), reads the whole discovery log and prints \
 every entry: which subsystems this host may connect to, and where."
     )]
+    #[command(override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]")]
     Discover {
         #[command(flatten)]
         fabric: Fabric,
@@ -120,7 +121,8 @@ every entry: which subsystems this host may connect to, and where."
     #[command(
         long_about = "A one-off look at a subsystem: sets up the admin queue and the I/O \
 queues, prints what Identify Controller and Identify Namespace report, then disconnects \
-gracefully. Nothing is kept: `connect` and `attach` make lasting connections."
+gracefully. Nothing is kept: `connect` and `attach` make lasting connections.",
+        override_usage = "nvmeof probe -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
     )]
     Probe {
         #[command(flatten)]
@@ -136,7 +138,8 @@ with the first K not in use), as nvme-cli names devices nvme0n1. Every active na
 is attached, or only --namespace-id. Namespaces attached already (same address, \
 subsystem and namespace) are left as they are. If one attachment fails, those made by \
 this command are taken back. `disconnect` ends them; `attach` gives one namespace a \
-name of your own."
+name of your own.",
+        override_usage = "nvmeof connect -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
     )]
     Connect {
         #[command(flatten)]
@@ -155,7 +158,8 @@ name of your own."
         long_about = "nvme-cli's connect-all: reads the discovery log at ADDRESS (port 8009 \
 unless -s is given) and connects (as `connect` does) to every NVM subsystem it lists. \
 Subsystems connected already are left as they are. One that fails is reported and the \
-others are still connected; the exit status is then that of the failure."
+others are still connected; the exit status is then that of the failure.",
+        override_usage = "nvmeof connect-all -a ADDRESS [-s PORT] [OPTIONS]"
     )]
     ConnectAll {
         #[command(flatten)]
@@ -168,7 +172,8 @@ others are still connected; the exit status is then that of the failure."
         long_about = "Asks nvmeof-initd to connect to the subsystem and keep the connection \
 alive (keep-alive, reconnect) under NAME. The attachment survives daemon restarts. Programs \
 open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in place of \
--a/-s/-n."
+-a/-s/-n.",
+        override_usage = "nvmeof attach NAME -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
     )]
     Attach {
         /// Attachment name (letters, digits, '.', '_', '-').
@@ -189,7 +194,8 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
     /// Detach the attachments of a subsystem, or one by name (nvme-cli's disconnect).
     #[command(
         long_about = "nvme-cli's disconnect: -n NQN detaches every attachment of that \
-subsystem, -d NAME (or NAME alone) the attachment NAME."
+subsystem, -d NAME (or NAME alone) the attachment NAME.",
+        override_usage = "nvmeof disconnect -n NQN | -d NAME | NAME [OPTIONS]"
     )]
     Disconnect {
         /// Attachment name (as -d).
@@ -210,7 +216,7 @@ subsystem, -d NAME (or NAME alone) the attachment NAME."
     ListSubsys,
     /// Print Identify Controller (fields in the specification's order).
     IdCtrl {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -220,7 +226,7 @@ subsystem, -d NAME (or NAME alone) the attachment NAME."
     },
     /// Print Identify Namespace (fields in the specification's order).
     IdNs {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -240,11 +246,13 @@ terminal.
 nvme-cli's -s (first block) and -c/--block-count (a 0-based count) are refused with what to \
 type instead: here -s would be the port and -c the reconnect delay, as they are in every \
 other command. With -a, the port is --trsvcid.",
+        override_usage = "nvmeof read NAME --blocks N [--start-block LBA] [OPTIONS]\n       \
+nvmeof read -a ADDRESS -n NQN --blocks N [--start-block LBA] [OPTIONS]",
         mut_arg("trsvcid", |a| a.short(None)),
         mut_arg("reconnect_delay", |a| a.short(None))
     )]
     Read {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -262,11 +270,13 @@ must be a multiple of the block size). Progress is shown on a terminal.
 nvme-cli's -s (first block) and -c/--block-count (a 0-based count) are refused with what to \
 type instead: here -s would be the port and -c the reconnect delay, as they are in every \
 other command. With -a, the port is --trsvcid.",
+        override_usage = "nvmeof write NAME [--start-block LBA] [--data FILE] [OPTIONS]\n       \
+nvmeof write -a ADDRESS -n NQN [--start-block LBA] [--data FILE] [OPTIONS]",
         mut_arg("trsvcid", |a| a.short(None)),
         mut_arg("reconnect_delay", |a| a.short(None))
     )]
     Write {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
