@@ -593,4 +593,44 @@ mod tests {
         let e = bad.connect_options(host).unwrap_err().to_string();
         assert!(e.contains("host secret"), "{e}");
     }
+
+    #[test]
+    fn failures_at_the_target_keep_their_class() {
+        let auth = Error::Auth {
+            qid: 0,
+            reason: "authentication failed".into(),
+        };
+        let r = Response::failure("cannot attach x: authentication failed", &auth);
+        let wire = serde_json::to_string(&r).unwrap();
+        assert!(wire.contains(r#""class":"target""#), "{wire}");
+        let back: Response = serde_json::from_str(&wire).unwrap();
+        assert_eq!(back.class, Some(ErrorClass::Target));
+        // The daemon's own refusals carry no class.
+        let refused = Response::failure("no", &Error::Daemon("no".into()));
+        assert_eq!(refused.class, None);
+        let wire = serde_json::to_string(&Request::ActiveNamespaces {
+            params: Box::new(AttachParams {
+                transport: "tcp".into(),
+                traddr: "127.0.0.1".into(),
+                trsvcid: 4420,
+                subnqn: "nqn.x:y".into(),
+                nsid: 1,
+                hostnqn: None,
+                hostid: None,
+                hdr_digest: false,
+                data_digest: false,
+                nr_io_queues: None,
+                queue_size: None,
+                kato_ms: None,
+                dhchap_secret: None,
+                dhchap_ctrl_secret: None,
+                tls_key: None,
+            }),
+        })
+        .unwrap();
+        assert!(
+            wire.starts_with(r#"{"op":"active_namespaces","params":{"#),
+            "{wire}"
+        );
+    }
 }

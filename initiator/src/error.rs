@@ -438,6 +438,43 @@ pub(crate) fn ring_status(result: &Result<Cqe, Error>) -> u16 {
 
 #[cfg(test)]
 mod tests {
+    use nvme_spec::Status;
+
+    #[test]
+    fn connect_refusals_name_host_and_subsystem() {
+        let refused = |sc| {
+            Error::status_of(
+                "Connect",
+                Status {
+                    sct: sct::COMMAND_SPECIFIC,
+                    sc,
+                    dnr: true,
+                    more: false,
+                },
+            )
+        };
+        let host = refused(0x84);
+        assert_eq!(host.class(), ErrorClass::Status);
+        let hint = connect_hint(&host, "nqn.h:1", "nqn.s:1").unwrap();
+        assert!(
+            hint.contains("does not allow host nqn.h:1 on subsystem nqn.s:1"),
+            "{hint}"
+        );
+        let hint = connect_hint(&refused(0x82), "nqn.h:1", "nqn.s:1").unwrap();
+        assert!(
+            hint.contains("subsystem nqn.s:1 is not on the target"),
+            "{hint}"
+        );
+        assert!(connect_hint(&refused(0x81), "nqn.h:1", "nqn.s:1").is_none());
+        assert!(connect_hint(&Error::Closed, "nqn.h:1", "nqn.s:1").is_none());
+        let via = Error::ViaDaemon {
+            class: ErrorClass::Target,
+            message: "cannot attach x".into(),
+        };
+        assert_eq!(via.class(), ErrorClass::Target);
+        assert_eq!(Error::Daemon("x".into()).class(), ErrorClass::Daemon);
+    }
+
     use super::*;
 
     #[test]
