@@ -32,9 +32,10 @@ namespace of a subsystem that the daemon keeps connected: Keep Alive on the admi
 reconnect with backoff after a lost connection, health reported by `nvmeof list`
 (connected / reconnecting / failed, with the last error; removed while the target has
 removed the namespace, which a Namespace Attribute Changed notice tells; a resized namespace
-is listed at its new size). `nvmeof connect` attaches every namespace of a subsystem at once. Attachments are stored in
-STATE_DIR/attachments.json (mode 0600: it holds the DH-HMAC-CHAP secrets given with
---dhchap-secret, which `nvmeof list` never shows) and restored at start.
+is listed at its new size). `nvmeof connect` attaches every namespace of a subsystem at
+once. Attachments are stored in STATE_DIR/attachments.json (mode 0600: it holds the
+DH-HMAC-CHAP secrets given with --dhchap-secret, which `nvmeof list` never shows) and
+restored at start.
 
 Programs call nvmeof_initiator::open_attached(\"NAME\"): the daemon answers with the
 connection parameters and its host identity, and the program connects its own I/O queues,
