@@ -426,10 +426,9 @@ impl RangeArgs {
         if let Some(v) = &self.nvme_cli_count {
             match v.parse::<u64>() {
                 Ok(n) => usage!(
-                    "-c/--block-count is not taken: nvme-cli counts it from 0 ({n} means {} \
-                     blocks); give the number of blocks as --blocks {} (or the bytes as \
-                     --data-size)",
-                    n.saturating_add(1),
+                    "-c/--block-count is not taken: nvme-cli counts it from 0 ({n} means {}); \
+                     give the number of blocks as --blocks {} (or the bytes as --data-size)",
+                    count_of(n.saturating_add(1), "block"),
                     n.saturating_add(1)
                 ),
                 Err(_) => usage!(
@@ -1179,10 +1178,10 @@ async fn cmd_connect_all(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
     let t = Duration::from_secs(f.timeout.max(1));
     opts.timeouts.connect = t;
     opts.timeouts.admin = t;
+    let mut c = ctx.daemon().await?;
     let log = discover(&opts)
         .await
         .with_context(|| format!("discovery at {addr} failed"))?;
-    let mut c = ctx.daemon().await?;
     let mut all = Connected::default();
     let mut failed: Option<anyhow::Error> = None;
     for e in &log.entries {
@@ -1232,10 +1231,20 @@ async fn cmd_disconnect(
     nqn: Option<String>,
     device: Option<String>,
 ) -> Result<()> {
+    // Either one attachment by name, or every attachment of a subsystem.
+    let by_name = match (name.or(device), nqn) {
+        (Some(n), None) => Ok(n),
+        (None, Some(nqn)) => Err(nqn),
+        (Some(_), Some(_)) => usage!("give either -n NQN or an attachment name, not both"),
+        (None, None) => usage!(
+            "say what to disconnect: -n NQN (every attachment of a subsystem) or -d NAME \
+             (`nvmeof disconnect-all` disconnects everything)"
+        ),
+    };
     let mut c = ctx.daemon().await?;
-    let names: Vec<String> = match (name.or(device), nqn) {
-        (Some(n), None) => vec![n],
-        (None, Some(nqn)) => {
+    let names: Vec<String> = match by_name {
+        Ok(n) => vec![n],
+        Err(nqn) => {
             let names: Vec<String> = c
                 .list()
                 .await?
@@ -1251,11 +1260,6 @@ async fn cmd_disconnect(
             }
             names
         }
-        (Some(_), Some(_)) => usage!("give either -n NQN or an attachment name, not both"),
-        (None, None) => usage!(
-            "say what to disconnect: -n NQN (every attachment of a subsystem) or -d NAME \
-             (`nvmeof disconnect-all` disconnects everything)"
-        ),
     };
     detach_all(ctx, &mut c, names).await
 }
