@@ -1161,7 +1161,10 @@ async fn cmd_connect(
     base: Option<&str>,
 ) -> Result<()> {
     let params = attach_params(f, q, nsid.unwrap_or(1))?;
-    let mut c = ctx.daemon().await?;
+    let mut c = ctx.daemon().await.context(
+        "connect keeps the connection in nvmeof-initd (`nvmeof probe` looks at a subsystem \
+         without it)",
+    )?;
     let done = connect_through_daemon(&mut c, params, nsid, base).await?;
     print_connected(ctx, &done);
     Ok(())
