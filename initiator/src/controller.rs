@@ -89,6 +89,9 @@ pub enum ControllerEvent {
     NamespacesChanged {
         /// Active namespace IDs now.
         nsids: Vec<u32>,
+        /// The namespaces the Changed Namespace List log page (04h) names; `None` when it
+        /// could not be read or names more than 1024 (then any namespace may have changed).
+        changed: Option<Vec<u32>>,
     },
 }
 
@@ -1237,35 +1240,66 @@ async fn handle_event(s: &CtrlShared, dw0: u32) {
     let event_type = (dw0 & 0x7) as u8;
     let info = ((dw0 >> 8) & 0xFF) as u8;
     let log_page = ((dw0 >> 16) & 0xFF) as u8;
-    info!(addr = %s.addr, event_type, info, log_page, "asynchronous event");
+    info!(
+        addr = %s.addr,
+        event = event_name(event_type, info),
+        event_type,
+        info,
+        log_page,
+        "asynchronous event"
+    );
     let _ = s.events.send(ControllerEvent::AsyncEvent {
         event_type,
         info,
         log_page,
     });
     // Reading the log page clears the event so the controller can report the next one.
+    let mut page = None;
     if log_page != 0 {
         let len = if log_page == log_id::CHANGED_NS_LIST {
             4096
         } else {
             512
         };
-        if let Err(e) = s
+        match s
             .admin_api()
             .get_log_page(log_page, 0xFFFF_FFFF, len, 0)
             .await
         {
-            debug!(log_page, error = %e, "cannot read the event's log page");
+            Ok(data) => page = Some(data),
+            Err(e) => debug!(log_page, error = %e, "cannot read the event's log page"),
         }
     }
     let ns_changed = event_type == features::aer_type::NOTICE
         && info == features::aer_notice::NS_ATTRIBUTE_CHANGED;
     if ns_changed {
+        // The Changed Namespace List: up to 1024 IDs, or 0xFFFFFFFF first when more changed.
+        let changed = page
+            .filter(|_| log_page == log_id::CHANGED_NS_LIST)
+            .map(|p| nvme_spec::identify::decode_ns_list(&p))
+            .filter(|l| l.first() != Some(&0xFFFF_FFFF));
         match s.refresh_namespaces().await {
             Ok(nsids) => {
-                let _ = s.events.send(ControllerEvent::NamespacesChanged { nsids });
+                let _ = s
+                    .events
+                    .send(ControllerEvent::NamespacesChanged { nsids, changed });
             }
             Err(e) => warn!(addr = %s.addr, error = %e, "cannot refresh the namespace list"),
         }
+    }
+}
+
+/// A readable name for an asynchronous event (NVMe Base 2.0, Figure 146-150).
+fn event_name(event_type: u8, info: u8) -> &'static str {
+    use features::{aer_notice, aer_type};
+    match (event_type, info) {
+        (aer_type::ERROR, _) => "error status",
+        (aer_type::SMART, _) => "SMART / health status",
+        (aer_type::NOTICE, aer_notice::NS_ATTRIBUTE_CHANGED) => "namespace attribute changed",
+        (aer_type::NOTICE, aer_notice::DISCOVERY_LOG_CHANGE) => "discovery log page changed",
+        (aer_type::NOTICE, _) => "notice",
+        (6, _) => "I/O command set specific status",
+        (7, _) => "vendor specific",
+        _ => "unknown",
     }
 }

@@ -23,8 +23,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::identity::{is_root, parse_hostid};
 use crate::{
-    ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, HostIdentity, Namespace,
-    NamespaceInfo, TargetAddr, TlsOptions, Transport,
+    ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, ErrorClass, HostIdentity,
+    Namespace, NamespaceInfo, TargetAddr, TlsOptions, Transport,
 };
 
 /// The daemon's socket path when running as root.
@@ -204,6 +204,12 @@ pub enum Request {
         /// Attachment name.
         name: String,
     },
+    /// The active namespace IDs of a subsystem, read with the daemon's host identity (for
+    /// `nvmeof connect`, which attaches every namespace); nothing is kept.
+    ActiveNamespaces {
+        /// Where to connect (the namespace ID is not used).
+        params: Box<AttachParams>,
+    },
     /// Liveness check.
     Ping,
 }
@@ -215,7 +221,8 @@ pub struct AttachmentStatus {
     pub name: String,
     /// Parameters, with the host identity filled in.
     pub params: AttachParams,
-    /// `connecting`, `connected`, `reconnecting` or `failed`.
+    /// `connecting`, `connected`, `reconnecting`, `failed`, or `removed` (connected, but the
+    /// namespace was removed from the subsystem; `last_error` says so).
     pub state: String,
     /// The last connection error, if any.
     pub last_error: Option<String>,
@@ -233,6 +240,13 @@ pub struct Response {
     /// What went wrong.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Which kind of failure `error` is, when it happened at the target (absent: the daemon
+    /// refused the request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<ErrorClass>,
+    /// Active namespace IDs (active_namespaces).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nsids: Option<Vec<u32>>,
     /// The attachment concerned (attach, get).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attachment: Option<AttachmentStatus>,
@@ -248,6 +262,24 @@ impl Response {
             ok: false,
             error: Some(msg.into()),
             ..Default::default()
+        }
+    }
+
+    /// A failure answer saying `message` about `e`, classified by the first initiator error
+    /// among the causes of `e`.
+    pub fn failure(message: impl Into<String>, e: &(dyn std::error::Error + 'static)) -> Self {
+        let mut class = None;
+        let mut cause = Some(e);
+        while let Some(c) = cause {
+            if let Some(ie) = c.downcast_ref::<Error>() {
+                class = Some(ie.class()).filter(|k| *k != ErrorClass::Daemon);
+                break;
+            }
+            cause = c.source();
+        }
+        Response {
+            class,
+            ..Response::error(message)
         }
     }
 
@@ -341,9 +373,11 @@ impl DaemonClient {
         let resp: Response = serde_json::from_str(&answer)
             .map_err(|e| Error::Daemon(format!("unreadable answer: {e}")))?;
         if !resp.ok {
-            return Err(Error::Daemon(
-                resp.error.unwrap_or_else(|| "request failed".into()),
-            ));
+            let message = resp.error.unwrap_or_else(|| "request failed".into());
+            return Err(match resp.class {
+                Some(class) if class != ErrorClass::Daemon => Error::ViaDaemon { class, message },
+                _ => Error::Daemon(message),
+            });
         }
         Ok(resp)
     }
@@ -362,6 +396,17 @@ impl DaemonClient {
             .await?;
         r.attachment
             .ok_or_else(|| Error::Daemon("the answer has no attachment".into()))
+    }
+
+    /// The active namespace IDs of the subsystem `params` name, read by the daemon with its
+    /// host identity.
+    pub async fn active_namespaces(&mut self, params: AttachParams) -> Result<Vec<u32>, Error> {
+        let r = self
+            .request(&Request::ActiveNamespaces {
+                params: Box::new(params),
+            })
+            .await?;
+        Ok(r.nsids.unwrap_or_default())
     }
 
     /// Removes an attachment.
@@ -547,5 +592,45 @@ mod tests {
         };
         let e = bad.connect_options(host).unwrap_err().to_string();
         assert!(e.contains("host secret"), "{e}");
+    }
+
+    #[test]
+    fn failures_at_the_target_keep_their_class() {
+        let auth = Error::Auth {
+            qid: 0,
+            reason: "authentication failed".into(),
+        };
+        let r = Response::failure("cannot attach x: authentication failed", &auth);
+        let wire = serde_json::to_string(&r).unwrap();
+        assert!(wire.contains(r#""class":"target""#), "{wire}");
+        let back: Response = serde_json::from_str(&wire).unwrap();
+        assert_eq!(back.class, Some(ErrorClass::Target));
+        // The daemon's own refusals carry no class.
+        let refused = Response::failure("no", &Error::Daemon("no".into()));
+        assert_eq!(refused.class, None);
+        let wire = serde_json::to_string(&Request::ActiveNamespaces {
+            params: Box::new(AttachParams {
+                transport: "tcp".into(),
+                traddr: "127.0.0.1".into(),
+                trsvcid: 4420,
+                subnqn: "nqn.x:y".into(),
+                nsid: 1,
+                hostnqn: None,
+                hostid: None,
+                hdr_digest: false,
+                data_digest: false,
+                nr_io_queues: None,
+                queue_size: None,
+                kato_ms: None,
+                dhchap_secret: None,
+                dhchap_ctrl_secret: None,
+                tls_key: None,
+            }),
+        })
+        .unwrap();
+        assert!(
+            wire.starts_with(r#"{"op":"active_namespaces","params":{"#),
+            "{wire}"
+        );
     }
 }

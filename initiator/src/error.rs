@@ -146,6 +146,16 @@ pub enum Error {
     /// The nvmeof-initd daemon could not be reached or refused a request.
     #[error("nvmeof-initd: {0}")]
     Daemon(String),
+    /// nvmeof-initd carried out a request and it failed at the target (for example an
+    /// attach whose connection or authentication failed): the message, and which kind of
+    /// failure it was, as the daemon classified it.
+    #[error("{message}")]
+    ViaDaemon {
+        /// The kind of failure (never [`ErrorClass::Daemon`]).
+        class: ErrorClass,
+        /// The daemon's message.
+        message: String,
+    },
     /// A registered buffer is still the target of commands in flight (of a read or write whose
     /// future was dropped): its bytes are not readable until they end.
     #[error("the registered buffer is still used by commands in flight")]
@@ -166,7 +176,41 @@ pub enum Error {
     Gpu(String),
 }
 
+/// Kinds of failure, as a command-line tool tells them apart (by exit status).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// The request itself is wrong (an argument, a range).
+    Usage,
+    /// The target cannot be reached, the connection was lost, or the connection was refused
+    /// (authentication, TLS, a controller that gave up).
+    Target,
+    /// The target answered with an NVMe error status.
+    Status,
+    /// nvmeof-initd cannot be reached or refused the request.
+    Daemon,
+    /// Anything else.
+    Other,
+}
+
 impl Error {
+    /// Which kind of failure this is.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Error::InvalidArgument(_) => ErrorClass::Usage,
+            Error::Status { .. } => ErrorClass::Status,
+            Error::Daemon(_) => ErrorClass::Daemon,
+            Error::ViaDaemon { class, .. } => *class,
+            Error::ControllerFailed { .. }
+            | Error::Refused(_)
+            | Error::RdmaUnavailable(_)
+            | Error::Auth { .. }
+            | Error::Tls { .. } => ErrorClass::Target,
+            e if e.is_transport() => ErrorClass::Target,
+            _ => ErrorClass::Other,
+        }
+    }
+
     /// The NVMe status for a command that completed with an error status.
     pub fn status(&self) -> Option<Status> {
         match self {
@@ -239,6 +283,34 @@ pub fn status_name(command: &str, status: Status) -> &'static str {
         }
     }
     status.name()
+}
+
+/// For a Connect that the target refused because of who is asking or what for, a sentence
+/// that names the host NQN and the subsystem and says what to do; `None` for other errors.
+pub fn connect_hint(e: &Error, hostnqn: &str, subnqn: &str) -> Option<String> {
+    use nvme_spec::status::specific as fc;
+    let Error::Status {
+        command: "Connect",
+        status,
+        ..
+    } = e
+    else {
+        return None;
+    };
+    if status.sct != sct::COMMAND_SPECIFIC {
+        return None;
+    }
+    match status.sc {
+        fc::CONNECT_INVALID_HOST => Some(format!(
+            "the target does not allow host {hostnqn} on subsystem {subnqn} (its administrator \
+             must add this host NQN to the subsystem)"
+        )),
+        fc::CONNECT_INVALID_PARAMETERS => Some(format!(
+            "subsystem {subnqn} is not on the target, or this host may not use it (`nvmeof \
+             discover` lists the subsystems host {hostnqn} may connect to)"
+        )),
+        _ => None,
+    }
 }
 
 /// Name of an NVMe/TCP Fatal Error Status value (NVMe/TCP 1.0, Figure 29).
@@ -366,6 +438,43 @@ pub(crate) fn ring_status(result: &Result<Cqe, Error>) -> u16 {
 
 #[cfg(test)]
 mod tests {
+    use nvme_spec::Status;
+
+    #[test]
+    fn connect_refusals_name_host_and_subsystem() {
+        let refused = |sc| {
+            Error::status_of(
+                "Connect",
+                Status {
+                    sct: sct::COMMAND_SPECIFIC,
+                    sc,
+                    dnr: true,
+                    more: false,
+                },
+            )
+        };
+        let host = refused(0x84);
+        assert_eq!(host.class(), ErrorClass::Status);
+        let hint = connect_hint(&host, "nqn.h:1", "nqn.s:1").unwrap();
+        assert!(
+            hint.contains("does not allow host nqn.h:1 on subsystem nqn.s:1"),
+            "{hint}"
+        );
+        let hint = connect_hint(&refused(0x82), "nqn.h:1", "nqn.s:1").unwrap();
+        assert!(
+            hint.contains("subsystem nqn.s:1 is not on the target"),
+            "{hint}"
+        );
+        assert!(connect_hint(&refused(0x81), "nqn.h:1", "nqn.s:1").is_none());
+        assert!(connect_hint(&Error::Closed, "nqn.h:1", "nqn.s:1").is_none());
+        let via = Error::ViaDaemon {
+            class: ErrorClass::Target,
+            message: "cannot attach x".into(),
+        };
+        assert_eq!(via.class(), ErrorClass::Target);
+        assert_eq!(Error::Daemon("x".into()).class(), ErrorClass::Daemon);
+    }
+
     use super::*;
 
     #[test]

@@ -98,7 +98,7 @@ pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
-pub use error::{Error, fes_name, status_name};
+pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};

@@ -180,7 +180,12 @@ impl SetupConn {
             addr: addr_s.clone(),
             icd_limit: 0,
         };
-        tcp.flush(deadline, "the ICResp", connect_timeout).await?;
+        tcp.flush(
+            deadline,
+            "the answer to the NVMe/TCP connection request",
+            connect_timeout,
+        )
+        .await?;
         loop {
             match tcp.engine.next_event() {
                 Ok(Some(HostEvent::Connected(p))) => {
@@ -195,8 +200,12 @@ impl SetupConn {
                 }
                 Ok(Some(_)) => {}
                 Ok(None) => {
-                    tcp.read_more(deadline, "the ICResp", connect_timeout)
-                        .await?
+                    tcp.read_more(
+                        deadline,
+                        "the answer to the NVMe/TCP connection request",
+                        connect_timeout,
+                    )
+                    .await?
                 }
                 Err(source) => {
                     tcp.flush_best_effort().await;

@@ -411,7 +411,7 @@ async fn cli_against_kernel(port: u16, block_size: u32) {
             "tcp",
             "-a",
             "127.0.0.1",
-            "-s",
+            "--trsvcid",
             &port_s,
             "--hostnqn",
             HOSTNQN,
@@ -454,7 +454,7 @@ async fn cli_against_kernel(port: u16, block_size: u32) {
         String::from_utf8_lossy(&out.stderr)
     );
     let dst = dir.path().join("out.bin");
-    let out = cli(io("read", &dst, &["--block-count", &count]), None).await;
+    let out = cli(io("read", &dst, &["--blocks", &count]), None).await;
     assert!(
         out.status.success(),
         "{}",
@@ -497,7 +497,7 @@ async fn cli_against_kernel(port: u16, block_size: u32) {
         "kern0",
         "--start-block",
         "40",
-        "--block-count",
+        "--blocks",
         &count,
         "--data",
         &by_name.display().to_string(),

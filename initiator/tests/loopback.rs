@@ -346,7 +346,7 @@ async fn namespace_change_event_refreshes_the_list() {
                 assert_eq!((event_type, info), (2, 0));
                 saw_async = true;
             }
-            ControllerEvent::NamespacesChanged { nsids } => {
+            ControllerEvent::NamespacesChanged { nsids, .. } => {
                 assert!(saw_async);
                 assert_eq!(nsids, vec![1, 2]);
                 break;
@@ -377,7 +377,7 @@ async fn next_namespace_list(
             .await
             .expect("event in time")
             .expect("event");
-        if let ControllerEvent::NamespacesChanged { nsids } = ev {
+        if let ControllerEvent::NamespacesChanged { nsids, .. } = ev {
             return nsids;
         }
     }

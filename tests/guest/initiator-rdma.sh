@@ -81,7 +81,7 @@ check_target() {
     name=$1
     port=$2
     nqn=$3
-    fab="-t rdma -a $addr -s $port"
+    fab="-t rdma -a $addr --trsvcid $port"
     log "=== $name: discovery"
     # shellcheck disable=SC2086
     out=$("$NVMEOF" discover $fab 2>&1) || fail "$name: nvmeof discover -t rdma failed: $out"
@@ -95,7 +95,7 @@ check_target() {
 
     log "=== $name: connect, id-ctrl, id-ns"
     # shellcheck disable=SC2086
-    out=$("$NVMEOF" connect $fab -n "$nqn" -i 2 -o json 2>&1) || fail "$name: connect failed: $out"
+    out=$("$NVMEOF" probe $fab -n "$nqn" -i 2 -o json 2>&1) || fail "$name: connect failed: $out"
     expect_contains "$out" "rdma://$addr:$port" "$name connect"
     # shellcheck disable=SC2086
     out=$("$NVMEOF" id-ctrl $fab -n "$nqn" -o json 2>&1) || fail "$name: id-ctrl failed: $out"
@@ -123,7 +123,7 @@ check_target() {
     # shellcheck disable=SC2086
     step "$NVMEOF" write $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --data /tmp/pattern --flush
     # shellcheck disable=SC2086
-    step "$NVMEOF" read $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --block-count "$count" --data /tmp/readback
+    step "$NVMEOF" read $fab -n "$nqn" --namespace-id 1 -i 2 --start-block "$start" --blocks "$count" --data /tmp/readback
     cmp /tmp/pattern /tmp/readback || fail "$name: $CLI_MB MiB read back differently"
     rm -f /tmp/readback
 
@@ -146,7 +146,7 @@ check_target() {
         expect_contains "$out" "rdma0" "$name nvmeof list"
         expect_contains "$out" "connected" "$name nvmeof list"
         step "$NVMEOF" read rdma0 --socket /tmp/initd/sock --start-block "$start" \
-            --block-count "$count" --data /tmp/readback
+            --blocks "$count" --data /tmp/readback
         cmp /tmp/pattern /tmp/readback || fail "$name: the attachment read back differently"
         rm -f /tmp/readback
         step "$NVMEOF" detach rdma0 --socket /tmp/initd/sock
@@ -226,9 +226,9 @@ if [ -n "${AUTH_KEY:-}" ]; then
     log "=== nvmeof-targetd: DH-HMAC-CHAP over NVMe/RDMA"
     afab="-t rdma -a $addr -s $OUR_PORT -n $ONQN -q $AUTH_NQN -I $AUTH_HOSTID"
     # shellcheck disable=SC2086
-    step "$NVMEOF" connect $afab -i 2 --dhchap-secret "$AUTH_KEY" --dhchap-ctrl-secret "$AUTH_CTRL_KEY"
+    step "$NVMEOF" probe $afab -i 2 --dhchap-secret "$AUTH_KEY" --dhchap-ctrl-secret "$AUTH_CTRL_KEY"
     # shellcheck disable=SC2086
-    out=$("$NVMEOF" connect $afab --dhchap-secret "$AUTH_CTRL_KEY" 2>&1) && fail "a wrong key connected: $out"
+    out=$("$NVMEOF" probe $afab --dhchap-secret "$AUTH_CTRL_KEY" 2>&1) && fail "a wrong key connected: $out"
     echo "$out"
     [ "$(echo "$out" | wc -l)" -eq 1 ] || fail "the error is not one line: $out"
     expect_contains "$out" "authentication of queue 0 failed" "wrong key over NVMe/RDMA"

@@ -190,7 +190,7 @@ fn dhchap_both_ways_refusals_and_a_daemon_that_keeps_serving() {
     // The CLI reports the failure in one line and a distinct exit status.
     let out = Command::new(bin_path("nvmeof"))
         .args([
-            "connect",
+            "probe",
             "-a",
             "127.0.0.1",
             "-s",
@@ -209,7 +209,7 @@ fn dhchap_both_ways_refusals_and_a_daemon_that_keeps_serving() {
     assert!(err.contains("authentication of queue 0 failed"), "{err}");
     let out = Command::new(bin_path("nvmeof"))
         .args([
-            "connect",
+            "probe",
             "-a",
             "127.0.0.1",
             "-s",

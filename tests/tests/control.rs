@@ -457,16 +457,10 @@ fn a_host_added_with_a_dhchap_key_must_authenticate() {
 
     let connect = |secret: Option<&str>| {
         let mut c = Command::new(bin_path("nvmeof"));
-        c.args([
-            "connect",
-            "-a",
-            "127.0.0.1",
-            "-s",
-            &d.target.port.to_string(),
-        ])
-        .args(["-n", AUTH_NQN, "-q", HOST])
-        .args(["-I", "6a0f0c4e-0000-4000-8000-00000000c0ff"])
-        .env("NVMEOF_STATE_DIR", d.dir.path());
+        c.args(["probe", "-a", "127.0.0.1", "-s", &d.target.port.to_string()])
+            .args(["-n", AUTH_NQN, "-q", HOST])
+            .args(["-I", "6a0f0c4e-0000-4000-8000-00000000c0ff"])
+            .env("NVMEOF_STATE_DIR", d.dir.path());
         if let Some(s) = secret {
             c.args(["--dhchap-secret", s]);
         }

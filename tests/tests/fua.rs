@@ -212,7 +212,7 @@ fn cli_write(t: &TargetProcess, dir: &Path, lba: u64, data: &[u8], fua: bool) {
         "write",
         "-a",
         "127.0.0.1",
-        "-s",
+        "--trsvcid",
         &port,
         "-n",
         NQN,

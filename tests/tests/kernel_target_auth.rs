@@ -113,7 +113,7 @@ fn initiator_authenticates_to_the_kernel_target_both_ways() {
 
     let out = Command::new(bin_path("nvmeof"))
         .args([
-            "connect",
+            "probe",
             "-a",
             "127.0.0.1",
             "-s",

@@ -91,7 +91,7 @@ fn initiator_connects_to_the_kernel_target_over_tls() {
 
     let out = Command::new(bin_path("nvmeof"))
         .args([
-            "connect",
+            "probe",
             "-a",
             "127.0.0.1",
             "-s",

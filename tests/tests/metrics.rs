@@ -130,7 +130,16 @@ fn cli(t: &TargetProcess, args: &[&str]) {
     let port = t.port.to_string();
     let out = Command::new(bin_path("nvmeof"))
         .args(args)
-        .args(["-t", "tcp", "-a", "127.0.0.1", "-s", &port, "-n", NQN])
+        .args([
+            "-t",
+            "tcp",
+            "-a",
+            "127.0.0.1",
+            "--trsvcid",
+            &port,
+            "-n",
+            NQN,
+        ])
         .output()
         .unwrap();
     assert!(
@@ -194,7 +203,7 @@ fn prometheus_scrapes_counters_that_follow_io() {
             nsid,
             "--start-block",
             "8",
-            "--block-count",
+            "--blocks",
             "64",
         ];
         cli(&t, &[&["write"], &range[..], &["--data", input]].concat());

@@ -154,7 +154,7 @@ fn tls_psk_connects_and_everything_else_is_refused() {
     // The CLI: a wrong key is one line and exit status 3; --tls without a key is a usage error.
     let cli = |extra: &[&str]| {
         Command::new(bin_path("nvmeof"))
-            .args(["connect", "-a", "127.0.0.1", "-s", &tls_port.to_string()])
+            .args(["probe", "-a", "127.0.0.1", "-s", &tls_port.to_string()])
             .args(["-n", NQN, "-q", HOST])
             .args(["-I", "6a0f0c4e-0000-4000-8000-00000000b0ff"])
             .args(extra)

@@ -30,9 +30,12 @@ nvmeof-initiator library.
 Each attachment (added with `nvmeof attach NAME -t tcp -a ADDRESS -s PORT -n NQN`) is a
 namespace of a subsystem that the daemon keeps connected: Keep Alive on the admin queue,
 reconnect with backoff after a lost connection, health reported by `nvmeof list`
-(connected / reconnecting / failed, with the last error). Attachments are stored in
-STATE_DIR/attachments.json (mode 0600: it holds the DH-HMAC-CHAP secrets given with
---dhchap-secret, which `nvmeof list` never shows) and restored at start.
+(connected / reconnecting / failed, with the last error; removed while the target has
+removed the namespace, which a Namespace Attribute Changed notice tells; a resized namespace
+is listed at its new size). `nvmeof connect` attaches every namespace of a subsystem at
+once. Attachments are stored in STATE_DIR/attachments.json (mode 0600: it holds the
+DH-HMAC-CHAP secrets given with --dhchap-secret, which `nvmeof list` never shows) and
+restored at start.
 
 Programs call nvmeof_initiator::open_attached(\"NAME\"): the daemon answers with the
 connection parameters and its host identity, and the program connects its own I/O queues,
@@ -356,15 +359,40 @@ impl Daemon {
                 Ok(()) => Response::ok(),
                 Err(e) => Response::error(format!("{e:#}")),
             },
+            Request::ActiveNamespaces { params } => match self.active_namespaces(*params).await {
+                Ok(nsids) => Response {
+                    ok: true,
+                    nsids: Some(nsids),
+                    ..Default::default()
+                },
+                Err(e) => Response::failure(format!("{e:#}"), e.as_ref()),
+            },
             Request::Attach { name, params } => match self.attach(name, *params).await {
                 Ok(status) => Response {
                     ok: true,
                     attachment: Some(status),
                     ..Default::default()
                 },
-                Err(e) => Response::error(format!("{e:#}")),
+                Err(e) => Response::failure(format!("{e:#}"), e.as_ref()),
             },
         }
+    }
+
+    /// The active namespaces of the subsystem `params` name, read with the daemon's identity
+    /// (unless `params` name another) over a connection made for it.
+    async fn active_namespaces(&self, mut params: AttachParams) -> Result<Vec<u32>> {
+        let host = params.identity(&self.identity)?;
+        params.hostnqn = Some(host.hostnqn.clone());
+        let mut opts = params.connect_options(host)?;
+        opts.io_queues = Some(0);
+        opts.reconnect.ctrl_loss_timeout = Some(Duration::ZERO);
+        let ctrl = Controller::connect(opts)
+            .await
+            .map_err(|e| with_connect_hint(e, &params))
+            .with_context(|| format!("cannot connect to {}", params.subnqn))?;
+        let nsids = ctrl.namespace_ids();
+        let _ = ctrl.disconnect().await;
+        Ok(nsids)
     }
 
     async fn attach(
@@ -454,6 +482,16 @@ async fn stop(a: &Attachment) {
     }
 }
 
+/// `e` with a sentence naming the host NQN and the subsystem when the target refused the
+/// Connect because of them.
+fn with_connect_hint(e: nvmeof_initiator::Error, p: &AttachParams) -> anyhow::Error {
+    let host = p.hostnqn.as_deref().unwrap_or_default();
+    match nvmeof_initiator::connect_hint(&e, host, &p.subnqn) {
+        Some(hint) => anyhow::Error::new(e).context(hint),
+        None => e.into(),
+    }
+}
+
 /// Connects the daemon's admin-only controller for an attachment and checks its namespace.
 async fn connect_once(a: &Attachment) -> Result<Controller> {
     let host = HostIdentity::new(
@@ -472,7 +510,9 @@ async fn connect_once(a: &Attachment) -> Result<Controller> {
         max_delay: Duration::from_secs(10),
         ctrl_loss_timeout: Some(Duration::from_secs(60)),
     };
-    let ctrl = Controller::connect(opts).await?;
+    let ctrl = Controller::connect(opts)
+        .await
+        .map_err(|e| with_connect_hint(e, &a.params))?;
     match ctrl.namespace_info(a.params.nsid).await {
         Ok(ns) => {
             let mut h = a.health.lock();
@@ -511,18 +551,15 @@ async fn monitor(a: Arc<Attachment>, first: Option<Controller>) {
         };
         delay = Duration::from_secs(1);
         *a.ctrl.lock() = Some(c.clone());
-        {
-            let mut h = a.health.lock();
-            h.state = "connected".into();
-            h.controller = Some(c.info());
-        }
+        // Whether the namespace was removed from the subsystem while connected.
+        let mut removed = false;
         let mut events = c.subscribe_events();
         loop {
             let state = c.state();
             match &state {
                 ControllerState::Connected => {
                     let mut h = a.health.lock();
-                    h.state = "connected".into();
+                    h.state = if removed { "removed" } else { "connected" }.into();
                     h.controller = Some(c.info());
                 }
                 ControllerState::Reconnecting { last_error, .. } => {
@@ -539,10 +576,8 @@ async fn monitor(a: Arc<Attachment>, first: Option<Controller>) {
             tokio::select! {
                 _ = changed => {}
                 ev = events.recv() => {
-                    if let Ok(ControllerEvent::NamespacesChanged { .. }) = ev {
-                        if let Ok(ns) = c.namespace_info(a.params.nsid).await {
-                            a.health.lock().namespace = Some(ns);
-                        }
+                    if let Ok(ControllerEvent::NamespacesChanged { nsids, changed }) = ev {
+                        removed = namespace_changed(&a, &c, &nsids, changed.as_deref(), removed).await;
                     }
                 }
             }
@@ -551,5 +586,75 @@ async fn monitor(a: Arc<Attachment>, first: Option<Controller>) {
         let _ = c.disconnect().await;
         tokio::time::sleep(delay).await;
         a.set("connecting", None);
+    }
+}
+
+/// Acts on a Namespace Attribute Changed notice for attachment `a`: the controller has read
+/// the Changed Namespace List and the active namespace list (`nsids`). A removed namespace
+/// marks the attachment `removed`; a namespace still there is identified again (its size may
+/// have changed). Returns whether the namespace is removed now.
+async fn namespace_changed(
+    a: &Attachment,
+    c: &Controller,
+    nsids: &[u32],
+    changed: Option<&[u32]>,
+    was_removed: bool,
+) -> bool {
+    let nsid = a.params.nsid;
+    let subnqn = &a.params.subnqn;
+    if changed.is_some_and(|list| !list.contains(&nsid)) && !was_removed {
+        debug!(name = %a.name, ?changed, "namespace attribute change of other namespaces");
+        return false;
+    }
+    if !nsids.contains(&nsid) {
+        if !was_removed {
+            warn!(
+                name = %a.name,
+                nsid,
+                subnqn = %subnqn,
+                "namespace {nsid} was removed from {subnqn}; the attachment waits for it to come back"
+            );
+            let mut h = a.health.lock();
+            h.state = "removed".into();
+            h.last_error = Some(format!("namespace {nsid} was removed from {subnqn}"));
+            h.namespace = None;
+        }
+        return true;
+    }
+    let old = a.health.lock().namespace.clone();
+    match c.namespace_info(nsid).await {
+        Ok(ns) => {
+            match &old {
+                None => info!(
+                    name = %a.name,
+                    nsid,
+                    blocks = ns.blocks,
+                    block_size = ns.block_size,
+                    "namespace {nsid} of {subnqn} is back"
+                ),
+                Some(o) if o.blocks != ns.blocks || o.block_size != ns.block_size => info!(
+                    name = %a.name,
+                    nsid,
+                    old_blocks = o.blocks,
+                    blocks = ns.blocks,
+                    block_size = ns.block_size,
+                    "namespace {nsid} of {subnqn} resized from {} to {} bytes",
+                    o.size_bytes,
+                    ns.size_bytes
+                ),
+                Some(_) => info!(name = %a.name, nsid, "namespace {nsid} of {subnqn} changed"),
+            }
+            let mut h = a.health.lock();
+            h.namespace = Some(ns);
+            if h.state == "removed" {
+                h.state = "connected".into();
+                h.last_error = None;
+            }
+            false
+        }
+        Err(e) => {
+            warn!(name = %a.name, nsid, error = %e, "cannot identify namespace {nsid} again");
+            was_removed
+        }
     }
 }

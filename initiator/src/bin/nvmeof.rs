@@ -26,24 +26,49 @@ User-space NVMe over Fabrics (NVMe/TCP) initiator.
 
 Talks to NVMe-oF targets directly from user space (no kernel nvme-tcp module needed):
 discover subsystems, connect and inspect controllers and namespaces, read and write blocks.
-Named attachments are kept connected by the nvmeof-initd daemon; programs using the
+Lasting connections (attachments) are kept by the nvmeof-initd daemon; programs using the
 nvmeof-initiator library open them by name and do their own I/O.
 
 Flags follow nvme-cli: -t tcp -a ADDRESS -s PORT -n SUBSYSTEM-NQN, --hostnqn, --hostid,
--o json|normal.
+-o json|normal. So do the command names: connect, connect-all, disconnect, disconnect-all
+and list-subsys act on nvmeof-initd's attachments. In read and write, nvme-cli's -s (first
+block) and -c/--block-count (a 0-based count) are refused with what to type instead:
+--start-block LBA and --blocks N (the port is then --trsvcid).
 
 Examples:
   nvmeof discover -t tcp -a 192.0.2.10 -s 4420
-  nvmeof connect -t tcp -a 192.0.2.10 -s 4420 -n nqn.2026-11.io.nvmeof-direct:default
-  nvmeof read -t tcp -a 192.0.2.10 -s 4420 -n NQN --namespace-id 1 \\
-      --start-block 0 --block-count 256 --data blocks.bin
+  nvmeof probe -t tcp -a 192.0.2.10 -s 4420 -n nqn.2026-11.io.nvmeof-direct:default
+  nvmeof read -t tcp -a 192.0.2.10 --trsvcid 4420 -n NQN --namespace-id 1 \\
+      --start-block 0 --blocks 256 --data blocks.bin
   nvmeof attach data0 -t tcp -a 192.0.2.10 -s 4420 -n NQN --namespace-id 1
+  nvmeof connect -t tcp -a 192.0.2.10 -s 4420 -n NQN
   nvmeof list
-  nvmeof read data0 --start-block 0 --block-count 8 --data - | hexdump -C
+  nvmeof read data0 --start-block 0 --blocks 8 --data - | hexdump -C
 
 Exit status: 0 success, 1 other failure (local files, ...), 2 wrong usage (flags, ranges),
-3 the target cannot be reached or the connection was lost, 4 the target answered with an
-NVMe error status, 5 nvmeof-initd cannot be reached or refused the request.";
+3 the target cannot be reached, refused the connection (authentication, TLS, host not
+allowed) or the connection was lost, 4 the target answered with an NVMe error status,
+5 nvmeof-initd cannot be reached or refused the request. A failure at the target counts
+the same whether nvmeof-initd met it (attach, connect) or this command did.";
+
+/// A mistake in the command line found after parsing.
+#[derive(Debug)]
+struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// Fails with a [`Usage`] error (exit status 2).
+macro_rules! usage {
+    ($($t:tt)*) => {
+        return Err(anyhow::Error::new(Usage(format!($($t)*))))
+    };
+}
 
 #[derive(Parser)]
 #[command(name = "nvmeof", version, about = ABOUT, long_about = LONG_ABOUT)]
@@ -87,18 +112,56 @@ enum Cmd {
 given; the I/O port of most targets answers too), reads the whole discovery log and prints \
 every entry: which subsystems this host may connect to, and where."
     )]
+    #[command(override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]")]
     Discover {
         #[command(flatten)]
         fabric: Fabric,
     },
     /// Connect to a subsystem, print its controller and namespaces, disconnect.
     #[command(
-        long_about = "A one-off connection: sets up the admin queue and the I/O queues, \
-prints what Identify Controller and Identify Namespace report, then disconnects gracefully. \
-Nothing is kept, so there is no `disconnect` command (every command ends its own \
-connection): use `attach` for a lasting connection and `detach` to end it."
+        long_about = "A one-off look at a subsystem: sets up the admin queue and the I/O \
+queues, prints what Identify Controller and Identify Namespace report, then disconnects \
+gracefully. Nothing is kept: `connect` and `attach` make lasting connections.",
+        override_usage = "nvmeof probe -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
+    )]
+    Probe {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[command(flatten)]
+        queues: QueueArgs,
+    },
+    /// Attach the namespaces of a subsystem through nvmeof-initd (nvme-cli's connect).
+    #[command(
+        long_about = "nvme-cli's connect: asks nvmeof-initd to keep the subsystem's \
+namespaces connected, each as an attachment named BASEn<NSID> (BASE: --name, or nvmeofK \
+with the first K not in use), as nvme-cli names devices nvme0n1. Every active namespace \
+is attached, or only --namespace-id. Namespaces attached already (same address, \
+subsystem and namespace) are left as they are. If one attachment fails, those made by \
+this command are taken back. `disconnect` ends them; `attach` gives one namespace a \
+name of your own.",
+        override_usage = "nvmeof connect -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
     )]
     Connect {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[command(flatten)]
+        queues: QueueArgs,
+        /// Attach only this namespace.
+        #[arg(long = "namespace-id", value_name = "NSID")]
+        namespace_id: Option<u32>,
+        /// Base of the attachment names (default: nvmeofK, the first K not in use).
+        #[arg(long = "name", value_name = "BASE")]
+        name: Option<String>,
+    },
+    /// Attach every subsystem a discovery controller lists (nvme-cli's connect-all).
+    #[command(
+        long_about = "nvme-cli's connect-all: reads the discovery log at ADDRESS (port 8009 \
+unless -s is given) and connects (as `connect` does) to every NVM subsystem it lists. \
+Subsystems connected already are left as they are. One that fails is reported and the \
+others are still connected; the exit status is then that of the failure.",
+        override_usage = "nvmeof connect-all -a ADDRESS [-s PORT] [OPTIONS]"
+    )]
+    ConnectAll {
         #[command(flatten)]
         fabric: Fabric,
         #[command(flatten)]
@@ -109,7 +172,8 @@ connection): use `attach` for a lasting connection and `detach` to end it."
         long_about = "Asks nvmeof-initd to connect to the subsystem and keep the connection \
 alive (keep-alive, reconnect) under NAME. The attachment survives daemon restarts. Programs \
 open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in place of \
--a/-s/-n."
+-a/-s/-n.",
+        override_usage = "nvmeof attach NAME -a ADDRESS -n NQN [-s PORT] [OPTIONS]"
     )]
     Attach {
         /// Attachment name (letters, digits, '.', '_', '-').
@@ -127,11 +191,32 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         /// Attachment name.
         name: String,
     },
+    /// Detach the attachments of a subsystem, or one by name (nvme-cli's disconnect).
+    #[command(
+        long_about = "nvme-cli's disconnect: -n NQN detaches every attachment of that \
+subsystem, -d NAME (or NAME alone) the attachment NAME.",
+        override_usage = "nvmeof disconnect -n NQN | -d NAME | NAME [OPTIONS]"
+    )]
+    Disconnect {
+        /// Attachment name (as -d).
+        name: Option<String>,
+        /// Detach every attachment of this subsystem.
+        #[arg(short = 'n', long = "nqn", value_name = "NQN")]
+        nqn: Option<String>,
+        /// Detach this attachment.
+        #[arg(short = 'd', long = "device", value_name = "NAME")]
+        device: Option<String>,
+    },
+    /// Detach every attachment (nvme-cli's disconnect-all).
+    DisconnectAll,
     /// List the attachments held by nvmeof-initd and their health.
     List,
+    /// List the subsystems nvmeof-initd is attached to, with their attachments (nvme-cli's
+    /// list-subsys).
+    ListSubsys,
     /// Print Identify Controller (fields in the specification's order).
     IdCtrl {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -141,7 +226,7 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
     },
     /// Print Identify Namespace (fields in the specification's order).
     IdNs {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -154,11 +239,20 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
     },
     /// Read blocks into a file or stdout.
     #[command(
-        long_about = "Reads --block-count blocks starting at --start-block and writes them to \
---data (a file, or - / nothing for stdout). Progress is shown on a terminal."
+        long_about = "Reads --blocks blocks (or --data-size bytes) starting at --start-block \
+and writes them to --data (a file, or - / nothing for stdout). Progress is shown on a \
+terminal.
+
+nvme-cli's -s (first block) and -c/--block-count (a 0-based count) are refused with what to \
+type instead: here -s would be the port and -c the reconnect delay, as they are in every \
+other command. With -a, the port is --trsvcid.",
+        override_usage = "nvmeof read NAME --blocks N [--start-block LBA] [OPTIONS]\n       \
+nvmeof read -a ADDRESS -n NQN --blocks N [--start-block LBA] [OPTIONS]",
+        mut_arg("trsvcid", |a| a.short(None)),
+        mut_arg("reconnect_delay", |a| a.short(None))
     )]
     Read {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -166,18 +260,23 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         queues: QueueArgs,
         #[command(flatten)]
         range: RangeArgs,
-        /// Number of blocks to read.
-        #[arg(long = "block-count", value_name = "N")]
-        block_count: u64,
     },
     /// Write blocks from a file or stdin.
     #[command(
         long_about = "Writes blocks starting at --start-block from --data (a file, or - / \
-nothing for stdin). Without --block-count the whole file is written (its size must be a \
-multiple of the block size). Progress is shown on a terminal."
+nothing for stdin). Without --blocks or --data-size the whole file is written (its size \
+must be a multiple of the block size). Progress is shown on a terminal.
+
+nvme-cli's -s (first block) and -c/--block-count (a 0-based count) are refused with what to \
+type instead: here -s would be the port and -c the reconnect delay, as they are in every \
+other command. With -a, the port is --trsvcid.",
+        override_usage = "nvmeof write NAME [--start-block LBA] [--data FILE] [OPTIONS]\n       \
+nvmeof write -a ADDRESS -n NQN [--start-block LBA] [--data FILE] [OPTIONS]",
+        mut_arg("trsvcid", |a| a.short(None)),
+        mut_arg("reconnect_delay", |a| a.short(None))
     )]
     Write {
-        /// An attachment name (instead of -a/-s/-n).
+        /// An attachment name (instead of -a/-n).
         name: Option<String>,
         #[command(flatten)]
         fabric: Fabric,
@@ -185,9 +284,6 @@ multiple of the block size). Progress is shown on a terminal."
         queues: QueueArgs,
         #[command(flatten)]
         range: RangeArgs,
-        /// Number of blocks to write (default: the size of --data).
-        #[arg(long = "block-count", value_name = "N")]
-        block_count: Option<u64>,
         #[command(flatten)]
         durability: Durability,
     },
@@ -208,14 +304,10 @@ struct Durability {
 /// Where the target is (nvme-cli's flags).
 #[derive(Args, Clone, Default)]
 struct Fabric {
-    /// Transport type: `tcp` or `rdma` (NVMe/RDMA needs rdma-core and an RDMA device).
-    #[arg(
-        short = 't',
-        long = "transport",
-        default_value = "tcp",
-        value_name = "TRTYPE"
-    )]
-    transport: String,
+    /// Transport type: `tcp` (the default) or `rdma` (NVMe/RDMA needs rdma-core and an RDMA
+    /// device).
+    #[arg(short = 't', long = "transport", value_name = "TRTYPE")]
+    transport: Option<String>,
     /// Target address (IP address or host name).
     #[arg(short = 'a', long = "traddr", value_name = "ADDRESS")]
     traddr: Option<String>,
@@ -289,12 +381,86 @@ struct RangeArgs {
     /// Namespace (default: the attachment's, or 1).
     #[arg(long = "namespace-id", value_name = "NSID")]
     namespace_id: Option<u32>,
-    /// First block.
+    /// First block (nvme-cli's --start-block).
     #[arg(long = "start-block", default_value_t = 0, value_name = "LBA")]
     start_block: u64,
+    /// Number of blocks, counted from 1 (read: this or --data-size is needed; write: default
+    /// the size of --data).
+    #[arg(long = "blocks", value_name = "N")]
+    blocks: Option<u64>,
+    /// Bytes to transfer (nvme-cli's --data-size): a multiple of the block size, and
+    /// --blocks times it when both are given.
+    #[arg(short = 'z', long = "data-size", value_name = "BYTES")]
+    data_size: Option<u64>,
     /// File to read from or write to; `-` or absent: stdin/stdout.
     #[arg(short = 'd', long = "data", value_name = "FILE")]
     data: Option<PathBuf>,
+    /// nvme-cli's -s (first block): refused, it is the port in every other command.
+    #[arg(
+        short = 's',
+        hide = true,
+        value_name = "LBA",
+        allow_hyphen_values = true
+    )]
+    nvme_cli_start: Option<String>,
+    /// nvme-cli's -c/--block-count (0-based): refused, see --blocks.
+    #[arg(
+        short = 'c',
+        long = "block-count",
+        hide = true,
+        value_name = "N",
+        allow_hyphen_values = true
+    )]
+    nvme_cli_count: Option<String>,
+}
+
+impl RangeArgs {
+    /// Refuses nvme-cli's flags whose meaning differs here, saying what to type instead.
+    fn refuse_nvme_cli_flags(&self) -> Result<()> {
+        if let Some(v) = &self.nvme_cli_start {
+            usage!(
+                "-s is not taken by read/write: give the first block as --start-block {v} \
+                 (nvme-cli's -s) and, with -a, the port as --trsvcid PORT"
+            );
+        }
+        if let Some(v) = &self.nvme_cli_count {
+            match v.parse::<u64>() {
+                Ok(n) => usage!(
+                    "-c/--block-count is not taken: nvme-cli counts it from 0 ({n} means {}); \
+                     give the number of blocks as --blocks {} (or the bytes as --data-size)",
+                    count_of(n.saturating_add(1), "block"),
+                    n.saturating_add(1)
+                ),
+                Err(_) => usage!(
+                    "-c/--block-count is not taken: give the number of blocks as --blocks N \
+                     (counted from 1) or the bytes as --data-size BYTES"
+                ),
+            }
+        }
+        if self.blocks == Some(0) || self.data_size == Some(0) {
+            usage!("nothing to transfer: --blocks and --data-size must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// The number of blocks that --blocks and --data-size give for blocks of `bs` bytes, if
+    /// any.
+    fn count(&self, bs: u64) -> Result<Option<u64>> {
+        match (self.blocks, self.data_size) {
+            (Some(b), Some(z)) if b.checked_mul(bs) != Some(z) => usage!(
+                "--data-size {z} is not --blocks {b} blocks of {bs} bytes ({} bytes); give one \
+                 of them",
+                b.saturating_mul(bs)
+            ),
+            (b @ Some(_), _) => Ok(b),
+            (None, Some(z)) if z % bs != 0 => usage!(
+                "--data-size {z} is not a multiple of the block size {bs} (give --blocks N, \
+                 or a size of whole blocks)"
+            ),
+            (None, Some(z)) => Ok(Some(z / bs)),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -346,50 +512,25 @@ fn one_line(e: &anyhow::Error) -> String {
     parts.join(": ")
 }
 
-/// A mistake in the command line found after parsing.
-#[derive(Debug)]
-struct Usage(String);
-
-impl std::fmt::Display for Usage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Usage {}
-
-/// Fails with a [`Usage`] error (exit status 2).
-macro_rules! usage {
-    ($($t:tt)*) => {
-        return Err(anyhow::Error::new(Usage(format!($($t)*))))
-    };
-}
-
 /// The exit status for an error (see LONG_ABOUT).
 fn exit_status(e: &anyhow::Error) -> u8 {
-    use nvmeof_initiator::Error as E;
+    use nvmeof_initiator::ErrorClass as C;
     for cause in e.chain() {
         if cause.is::<Usage>() {
             return 2;
         }
-        if let Some(ie) = cause.downcast_ref::<E>() {
-            return match ie {
-                E::InvalidArgument(_) => 2,
-                E::Status { .. } => 4,
-                E::Daemon(_) => 5,
-                E::ControllerFailed { .. }
-                | E::Refused(_)
-                | E::RdmaUnavailable(_)
-                | E::Auth { .. }
-                | E::Tls { .. } => 3,
-                e if e.is_transport() => 3,
-                _ => 1,
+        if let Some(ie) = cause.downcast_ref::<nvmeof_initiator::Error>() {
+            return match ie.class() {
+                C::Usage => 2,
+                C::Target => 3,
+                C::Status => 4,
+                C::Daemon => 5,
+                C::Other => 1,
             };
         }
     }
     1
 }
-
 struct Ctx {
     output: Output,
     /// The nvmeof-initd sockets to try, in order.
@@ -413,7 +554,17 @@ async fn run(cli: Cli) -> Result<()> {
     };
     match cli.cmd {
         Cmd::Discover { fabric } => cmd_discover(&ctx, &fabric).await,
-        Cmd::Connect { fabric, queues } => cmd_connect(&ctx, &fabric, &queues).await,
+        Cmd::Probe { fabric, queues } => cmd_probe(&ctx, &fabric, &queues).await,
+        Cmd::Connect {
+            fabric,
+            queues,
+            namespace_id,
+            name,
+        } => cmd_connect(&ctx, &fabric, &queues, namespace_id, name.as_deref()).await,
+        Cmd::ConnectAll { fabric, queues } => cmd_connect_all(&ctx, &fabric, &queues).await,
+        Cmd::Disconnect { name, nqn, device } => cmd_disconnect(&ctx, name, nqn, device).await,
+        Cmd::DisconnectAll => cmd_disconnect_all(&ctx).await,
+        Cmd::ListSubsys => cmd_list_subsys(&ctx).await,
         Cmd::Attach {
             name,
             fabric,
@@ -446,27 +597,14 @@ async fn run(cli: Cli) -> Result<()> {
             fabric,
             queues,
             range,
-            block_count,
-        } => cmd_read(&ctx, name.as_deref(), &fabric, &queues, &range, block_count).await,
+        } => cmd_read(&ctx, name.as_deref(), &fabric, &queues, &range).await,
         Cmd::Write {
             name,
             fabric,
             queues,
             range,
-            block_count,
             durability,
-        } => {
-            cmd_write(
-                &ctx,
-                name.as_deref(),
-                &fabric,
-                &queues,
-                &range,
-                block_count,
-                durability,
-            )
-            .await
-        }
+        } => cmd_write(&ctx, name.as_deref(), &fabric, &queues, &range, durability).await,
     }
 }
 
@@ -498,7 +636,7 @@ fn identity(ctx: &Ctx, f: &Fabric) -> Result<HostIdentity> {
 }
 
 fn check_transport(f: &Fabric) -> Result<Transport> {
-    let t: Transport = f.transport.parse()?;
+    let t: Transport = f.transport.as_deref().unwrap_or("tcp").parse()?;
     if t == Transport::Rdma && (f.hdr_digest || f.data_digest) {
         usage!("digests (-g, -G) are an NVMe/TCP feature; NVMe/RDMA has none");
     }
@@ -630,8 +768,21 @@ async fn resolve(
 ) -> Result<(ConnectOptions, Option<u32>)> {
     match name {
         Some(name) => {
-            if f.traddr.is_some() || f.nqn.is_some() {
-                usage!("give either an attachment name or -a/-n, not both");
+            let given = [
+                (f.traddr.is_some(), "-a"),
+                (f.trsvcid.is_some(), "-s/--trsvcid"),
+                (f.nqn.is_some(), "-n"),
+                (f.transport.is_some(), "-t"),
+                (f.hostnqn.is_some(), "--hostnqn"),
+                (f.hostid.is_some(), "--hostid"),
+            ];
+            let given: Vec<&str> = given.iter().filter(|g| g.0).map(|g| g.1).collect();
+            if !given.is_empty() {
+                usage!(
+                    "attachment {name} has its own target and host identity: give either the \
+                     name or {}, not both",
+                    given.join(" ")
+                );
             }
             let (mut o, nsid) = ctx.daemon().await?.attached_options(name).await?;
             if f.hdr_digest {
@@ -739,12 +890,26 @@ fn human_size(bytes: u64) -> String {
     }
 }
 
-async fn cmd_connect(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
-    let opts = direct_options(ctx, f, q)?;
+/// Connects a controller; an error names the address, and the host NQN and the subsystem when
+/// the target refused them.
+async fn connect_direct(opts: ConnectOptions) -> Result<Controller> {
     let addr = opts.addr.clone();
-    let ctrl = Controller::connect(opts)
-        .await
-        .with_context(|| format!("cannot connect to {addr}"))?;
+    let host = opts.host.hostnqn.clone();
+    let subnqn = opts.subnqn.clone();
+    Controller::connect(opts).await.map_err(|e| {
+        let hint = nvmeof_initiator::connect_hint(&e, &host, &subnqn);
+        let e = anyhow::Error::new(e);
+        let e = match hint {
+            Some(h) => e.context(h),
+            None => e,
+        };
+        e.context(format!("cannot connect to {addr}"))
+    })
+}
+
+async fn cmd_probe(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
+    let opts = direct_options(ctx, f, q)?;
+    let ctrl = connect_direct(opts).await?;
     let info = ctrl.info();
     let mut namespaces = Vec::new();
     for nsid in ctrl.namespace_ids() {
@@ -823,10 +988,8 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
-    if !valid_name(name) {
-        usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
-    }
+/// The parameters of an attachment of namespace `nsid` that the fabric and queue flags name.
+fn attach_params(f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<AttachParams> {
     if q.ctrl_loss_tmo.is_some() || q.reconnect_delay.is_some() {
         usage!(
             "--ctrl-loss-tmo and --reconnect-delay apply to one-off commands; nvmeof-initd \
@@ -842,7 +1005,9 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
             usage!("--hostid {id:?} is not a UUID");
         }
     }
-    let params = AttachParams {
+    dhchap(f)?;
+    tls(f)?;
+    Ok(AttachParams {
         transport: addr.transport.as_str().to_string(),
         traddr: addr.host.clone(),
         trsvcid: addr.port,
@@ -862,24 +1027,304 @@ async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32)
         dhchap_secret: f.dhchap_secret.clone().map(KeyText),
         dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
         tls_key: f.tls_key.clone().map(KeyText),
-    };
-    dhchap(f)?;
-    tls(f)?;
+    })
+}
+
+fn attached_line(a: &AttachmentStatus) -> String {
+    format!(
+        "attached {} -> {} nsid {} at {}://{}:{} ({})",
+        a.name,
+        a.params.subnqn,
+        a.params.nsid,
+        a.params.transport,
+        a.params.traddr,
+        a.params.trsvcid,
+        a.state
+    )
+}
+
+async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
+    if !valid_name(name) {
+        usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
+    }
+    let params = attach_params(f, q, nsid)?;
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
         Output::Json => print_json(&attachment_json(&a)),
+        Output::Normal => println!("{}", attached_line(&a)),
+    }
+    Ok(())
+}
+
+/// Whether attachment `a` is namespace `nsid` of the subsystem and address of `p`.
+fn same_namespace(a: &AttachmentStatus, p: &AttachParams, nsid: u32) -> bool {
+    a.params.subnqn == p.subnqn
+        && a.params.traddr == p.traddr
+        && a.params.trsvcid == p.trsvcid
+        && a.params.transport == p.transport
+        && a.params.nsid == nsid
+}
+
+/// The first `nvmeofK` that no attachment name starts with `nvmeofKn`.
+fn free_base(existing: &[AttachmentStatus]) -> String {
+    (0u32..)
+        .map(|k| format!("nvmeof{k}"))
+        .find(|b| {
+            let prefix = format!("{b}n");
+            !existing
+                .iter()
+                .any(|a| a.name == *b || a.name.starts_with(&prefix))
+        })
+        .unwrap_or_else(|| "nvmeof".into())
+}
+
+/// What one `connect` did: the attachments made and those found already.
+#[derive(Default)]
+struct Connected {
+    made: Vec<AttachmentStatus>,
+    already: Vec<AttachmentStatus>,
+}
+
+/// nvme-cli's connect through nvmeof-initd: attaches namespace `nsid`, or every active one,
+/// as BASEn<NSID>; all or nothing.
+async fn connect_through_daemon(
+    c: &mut DaemonClient,
+    params: AttachParams,
+    nsid: Option<u32>,
+    base: Option<&str>,
+) -> Result<Connected> {
+    let existing = c.list().await?;
+    let nsids = match nsid {
+        Some(n) => vec![n],
+        None => c.active_namespaces(params.clone()).await?,
+    };
+    if nsids.is_empty() {
+        return Err(anyhow::Error::new(nvmeof_initiator::Error::ViaDaemon {
+            class: nvmeof_initiator::ErrorClass::Target,
+            message: format!("subsystem {} has no active namespace", params.subnqn),
+        }));
+    }
+    let base = base.map_or_else(|| free_base(&existing), str::to_string);
+    let mut done = Connected::default();
+    for n in nsids {
+        if let Some(a) = existing.iter().find(|a| same_namespace(a, &params, n)) {
+            done.already.push(a.clone());
+            continue;
+        }
+        let name = format!("{base}n{n}");
+        if !valid_name(&name) {
+            usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
+        }
+        let p = AttachParams {
+            nsid: n,
+            ..params.clone()
+        };
+        match c.attach(&name, p).await {
+            Ok(a) => done.made.push(a),
+            Err(e) => {
+                for a in &done.made {
+                    let _ = c.detach(&a.name).await;
+                }
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(done)
+}
+
+fn print_connected(ctx: &Ctx, done: &Connected) {
+    match ctx.output {
+        Output::Json => print_json(&json!({
+            "attached": done.made.iter().map(attachment_json).collect::<Vec<_>>(),
+            "already_attached": done.already.iter().map(attachment_json).collect::<Vec<_>>(),
+        })),
         Output::Normal => {
-            println!(
-                "attached {} -> {} nsid {} at {}://{}:{} ({})",
-                a.name,
-                a.params.subnqn,
-                a.params.nsid,
-                a.params.transport,
-                a.params.traddr,
-                a.params.trsvcid,
-                a.state
-            );
+            for a in &done.made {
+                println!("{}", attached_line(a));
+            }
+            for a in &done.already {
+                println!(
+                    "already attached as {}: {} nsid {} ({})",
+                    a.name, a.params.subnqn, a.params.nsid, a.state
+                );
+            }
+        }
+    }
+}
+
+async fn cmd_connect(
+    ctx: &Ctx,
+    f: &Fabric,
+    q: &QueueArgs,
+    nsid: Option<u32>,
+    base: Option<&str>,
+) -> Result<()> {
+    let params = attach_params(f, q, nsid.unwrap_or(1))?;
+    let mut c = ctx.daemon().await.context(
+        "connect keeps the connection in nvmeof-initd (`nvmeof probe` looks at a subsystem \
+         without it)",
+    )?;
+    let done = connect_through_daemon(&mut c, params, nsid, base).await?;
+    print_connected(ctx, &done);
+    Ok(())
+}
+
+async fn cmd_connect_all(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
+    if f.nqn.is_some() {
+        usage!("connect-all connects to what the discovery log lists: -n is not taken");
+    }
+    let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
+    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let t = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = t;
+    opts.timeouts.admin = t;
+    let mut c = ctx.daemon().await?;
+    let log = discover(&opts)
+        .await
+        .with_context(|| format!("discovery at {addr} failed"))?;
+    let mut all = Connected::default();
+    let mut failed: Option<anyhow::Error> = None;
+    for e in &log.entries {
+        // NVM subsystems only (not referrals to other discovery controllers).
+        if e.subtype != 2 {
+            continue;
+        }
+        let mut sub = f.clone();
+        sub.transport = Some(e.trtype_name().to_string());
+        sub.traddr = Some(e.traddr.clone());
+        sub.trsvcid = Some(match e.trsvcid.parse() {
+            Ok(p) => p,
+            Err(_) => {
+                eprintln!(
+                    "nvmeof: {}: skipped: port {:?} is not a number",
+                    e.subnqn, e.trsvcid
+                );
+                continue;
+            }
+        });
+        sub.nqn = Some(e.subnqn.clone());
+        let res = match attach_params(&sub, q, 1) {
+            Ok(p) => connect_through_daemon(&mut c, p, None, None).await,
+            Err(err) => Err(err),
+        };
+        match res {
+            Ok(done) => {
+                all.made.extend(done.made);
+                all.already.extend(done.already);
+            }
+            Err(err) => {
+                eprintln!("nvmeof: error: {}: {}", e.subnqn, one_line(&err));
+                failed = Some(err);
+            }
+        }
+    }
+    print_connected(ctx, &all);
+    match failed {
+        Some(e) => Err(e.context("connect-all: not every subsystem could be connected")),
+        None => Ok(()),
+    }
+}
+
+async fn cmd_disconnect(
+    ctx: &Ctx,
+    name: Option<String>,
+    nqn: Option<String>,
+    device: Option<String>,
+) -> Result<()> {
+    // Either one attachment by name, or every attachment of a subsystem.
+    let by_name = match (name.or(device), nqn) {
+        (Some(n), None) => Ok(n),
+        (None, Some(nqn)) => Err(nqn),
+        (Some(_), Some(_)) => usage!("give either -n NQN or an attachment name, not both"),
+        (None, None) => usage!(
+            "say what to disconnect: -n NQN (every attachment of a subsystem) or -d NAME \
+             (`nvmeof disconnect-all` disconnects everything)"
+        ),
+    };
+    let mut c = ctx.daemon().await?;
+    let names: Vec<String> = match by_name {
+        Ok(n) => vec![n],
+        Err(nqn) => {
+            let names: Vec<String> = c
+                .list()
+                .await?
+                .into_iter()
+                .filter(|a| a.params.subnqn == nqn)
+                .map(|a| a.name)
+                .collect();
+            if names.is_empty() {
+                return Err(nvmeof_initiator::Error::Daemon(format!(
+                    "no attachment of subsystem {nqn} (`nvmeof list-subsys` shows them)"
+                ))
+                .into());
+            }
+            names
+        }
+    };
+    detach_all(ctx, &mut c, names).await
+}
+
+async fn cmd_disconnect_all(ctx: &Ctx) -> Result<()> {
+    let mut c = ctx.daemon().await?;
+    let names = c.list().await?.into_iter().map(|a| a.name).collect();
+    detach_all(ctx, &mut c, names).await
+}
+
+async fn detach_all(ctx: &Ctx, c: &mut DaemonClient, names: Vec<String>) -> Result<()> {
+    for n in &names {
+        c.detach(n).await?;
+        if ctx.output == Output::Normal {
+            println!("detached {n}");
+        }
+    }
+    if ctx.output == Output::Json {
+        print_json(&json!({ "detached": names }));
+    }
+    Ok(())
+}
+
+async fn cmd_list_subsys(ctx: &Ctx) -> Result<()> {
+    let mut c = ctx.daemon().await?;
+    let list = c.list().await?;
+    let mut subsystems: std::collections::BTreeMap<&str, Vec<&AttachmentStatus>> =
+        std::collections::BTreeMap::new();
+    for a in &list {
+        subsystems.entry(&a.params.subnqn).or_default().push(a);
+    }
+    match ctx.output {
+        Output::Json => {
+            let v: Vec<Value> = subsystems
+                .iter()
+                .map(|(nqn, attachments)| {
+                    json!({
+                        "nqn": nqn,
+                        "attachments": attachments
+                            .iter()
+                            .map(|a| attachment_json(a))
+                            .collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            print_json(&json!({ "subsystems": v }));
+        }
+        Output::Normal => {
+            for (nqn, attachments) in &subsystems {
+                println!("{nqn}");
+                for a in attachments {
+                    println!(
+                        " +- {} {} traddr={} trsvcid={} nsid {} {}",
+                        a.name,
+                        a.params.transport,
+                        a.params.traddr,
+                        a.params.trsvcid,
+                        a.params.nsid,
+                        a.state
+                    );
+                }
+            }
         }
     }
     Ok(())
@@ -1167,11 +1612,8 @@ async fn connect_for(
     if q.nr_io_queues.is_none() {
         opts.io_queues = Some(1);
     }
-    let addr = opts.addr.clone();
     let loss = opts.reconnect.ctrl_loss_timeout;
-    let ctrl = Controller::connect(opts)
-        .await
-        .with_context(|| format!("cannot connect to {addr}"))?;
+    let ctrl = connect_direct(opts).await?;
     report_reconnects(&ctrl, loss);
     Ok((ctrl, nsid))
 }
@@ -1300,6 +1742,15 @@ async fn open_namespace(
     }
 }
 
+/// `n` and the noun, plural unless `n` is 1.
+fn count_of(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
 fn summary(
     ctx: &Ctx,
     op: &str,
@@ -1310,6 +1761,8 @@ fn summary(
     data_on_stdout: bool,
 ) {
     let bytes = blocks * u64::from(ns.block_size());
+    // Decimal megabytes per second, as dd and fio print them.
+    let mb_per_s = bytes as f64 / elapsed.as_secs_f64().max(1e-6) / 1e6;
     match ctx.output {
         Output::Json => {
             let v = json!({
@@ -1320,6 +1773,7 @@ fn summary(
                 "block_size": ns.block_size(),
                 "bytes": bytes,
                 "elapsed_ms": elapsed.as_millis() as u64,
+                "mb_per_s": (mb_per_s * 100.0).round() / 100.0,
             });
             if data_on_stdout {
                 eprintln!("{v}");
@@ -1328,7 +1782,8 @@ fn summary(
             }
         }
         Output::Normal => eprintln!(
-            "{op}: {blocks} blocks ({}) at block {start} of namespace {} in {:.3} s",
+            "{op}: {} ({}) at block {start} of namespace {} in {:.3} s, {mb_per_s:.1} MB/s",
+            count_of(blocks, "block"),
             human_size(bytes),
             ns.nsid(),
             elapsed.as_secs_f64()
@@ -1346,16 +1801,18 @@ async fn cmd_read(
     f: &Fabric,
     q: &QueueArgs,
     r: &RangeArgs,
-    blocks: u64,
 ) -> Result<()> {
-    if blocks == 0 {
-        usage!("--block-count must be at least 1");
+    r.refuse_nvme_cli_flags()?;
+    if r.blocks.is_none() && r.data_size.is_none() {
+        usage!("say how much to read: --blocks N or --data-size BYTES");
     }
     let ns = open_namespace(ctx, name, f, q, r.namespace_id).await?;
-    let res = match check_range(&ns, r.start_block, blocks) {
-        Ok(()) => do_read(ctx, &ns, r, blocks).await,
-        Err(e) => Err(e),
-    };
+    let res = async {
+        let blocks = r.count(u64::from(ns.block_size()))?.unwrap_or(0);
+        check_range(&ns, r.start_block, blocks)?;
+        do_read(ctx, &ns, r, blocks).await
+    }
+    .await;
     let _ = ns.controller().clone().disconnect().await;
     res
 }
@@ -1397,7 +1854,20 @@ impl NewFile {
             .write(true)
             .create_new(true)
             .open(&tmp)
-            .with_context(|| format!("cannot create a file next to {}", path.display()))?;
+            .map_err(|e| {
+                let dir = match path.parent() {
+                    Some(d) if !d.as_os_str().is_empty() => d,
+                    _ => std::path::Path::new("."),
+                };
+                let why = match std::fs::metadata(dir) {
+                    Err(m) if m.kind() == std::io::ErrorKind::NotFound => {
+                        format!("directory {} does not exist", dir.display())
+                    }
+                    Ok(m) if !m.is_dir() => format!("{} is not a directory", dir.display()),
+                    _ => e.to_string(),
+                };
+                anyhow::anyhow!("cannot create {}: {why}", path.display())
+            })?;
         Ok(NewFile {
             file: Some(file),
             tmp,
@@ -1456,7 +1926,7 @@ async fn do_read(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, blocks: u64) -> Resul
         let lba = r.start_block + done;
         ns.read(lba, &mut buf[..len])
             .await
-            .with_context(|| format!("read of {n} blocks at block {lba}"))?;
+            .with_context(|| format!("read of {} at block {lba}", count_of(n, "block")))?;
         out.write_all(&buf[..len])
             .context("cannot write the output")?;
         done += n;
@@ -1485,23 +1955,18 @@ async fn cmd_write(
     f: &Fabric,
     q: &QueueArgs,
     r: &RangeArgs,
-    blocks: Option<u64>,
     durability: Durability,
 ) -> Result<()> {
+    r.refuse_nvme_cli_flags()?;
     let ns = open_namespace(ctx, name, f, q, r.namespace_id).await?;
-    let res = do_write(ctx, &ns, r, blocks, durability).await;
+    let res = do_write(ctx, &ns, r, durability).await;
     let _ = ns.controller().clone().disconnect().await;
     res
 }
 
-async fn do_write(
-    ctx: &Ctx,
-    ns: &Namespace,
-    r: &RangeArgs,
-    blocks: Option<u64>,
-    durability: Durability,
-) -> Result<()> {
+async fn do_write(ctx: &Ctx, ns: &Namespace, r: &RangeArgs, durability: Durability) -> Result<()> {
     let bs = u64::from(ns.block_size());
+    let blocks = r.count(bs)?;
     let (mut input, size): (Box<dyn Read>, Option<u64>) = if is_std(&r.data) {
         (Box::new(std::io::stdin().lock()), None)
     } else {
@@ -1515,12 +1980,14 @@ async fn do_write(
         (None, Some(s)) => {
             if s % bs != 0 {
                 usage!(
-                    "the input has {s} bytes, not a multiple of the block size {bs}; give --block-count"
+                    "the input has {s} bytes, not a multiple of the block size {bs}; give --blocks N"
                 );
             }
             s / bs
         }
-        (None, None) => usage!("--block-count is required when writing from stdin"),
+        (None, None) => {
+            usage!("say how much to write from stdin: --blocks N or --data-size BYTES")
+        }
     };
     if blocks == 0 {
         usage!("nothing to write (0 blocks)");
@@ -1528,7 +1995,10 @@ async fn do_write(
     check_range(ns, r.start_block, blocks)?;
     let total = blocks * bs;
     if let Some(s) = size.filter(|&s| s < total) {
-        usage!("the input has {s} bytes, fewer than the {total} of {blocks} blocks");
+        usage!(
+            "the input has {s} bytes, fewer than the {total} of {}",
+            count_of(blocks, "block")
+        );
     }
     let chunk_blocks = (CLI_CHUNK as u64 / bs).max(1);
     let mut buf = vec![0u8; (chunk_blocks.min(blocks) * bs) as usize];
@@ -1540,8 +2010,8 @@ async fn do_write(
         let len = (n * bs) as usize;
         read_full(&mut input, &mut buf[..len]).with_context(|| {
             format!(
-                "the input ended before {total} bytes ({} blocks) were read",
-                blocks
+                "the input ended before {total} bytes ({}) were read",
+                count_of(blocks, "block")
             )
         })?;
         let lba = r.start_block + done;
@@ -1551,7 +2021,7 @@ async fn do_write(
         } else {
             ns.write(lba, data).await
         };
-        written.with_context(|| format!("write of {n} blocks at block {lba}"))?;
+        written.with_context(|| format!("write of {} at block {lba}", count_of(n, "block")))?;
         done += n;
         progress.update(done * bs);
     }
