@@ -9,9 +9,11 @@ use anyhow::Context;
 use blockdev::BackendSpec;
 use clap::Parser;
 use nvmeof_daemon::{LogFormat, Signal, Signals};
-use nvmeof_target::config::{Config, DEFAULT_CONTROL_SOCKET, DEFAULT_NQN, ListenAddr};
+use nvmeof_target::config::{
+    Config, DEFAULT_CONTROL_SOCKET, DEFAULT_NQN, ListenAddr, TargetSettings,
+};
 use nvmeof_target::control::{Request, Response};
-use nvmeof_target::reconfigure::Registry;
+use nvmeof_target::reconfigure::{ConfigFiles, Registry};
 use nvmeof_target::{RunningTarget, Target};
 use serde_json::Value;
 use tracing::{error, info, warn};
@@ -29,6 +31,8 @@ use tracing::{error, info, warn};
 ///
 /// SIGTERM or SIGINT: stop accepting, complete in-flight commands, flush, exit 0.
 /// SIGHUP: reload the --config file and apply what changed (nothing if it is invalid).
+/// Changes made with `ctl` are written back to the --config file (the previous one kept as
+/// FILE.bak), so a restart runs what ran.
 /// NVMEOF_LOG: off, error, warn, info (default), debug, trace, or TARGET=LEVEL.
 #[derive(Debug, Parser)]
 #[command(
@@ -114,6 +118,11 @@ struct Args {
     #[arg(long, value_name = "GROUP")]
     control_group: Option<String>,
 
+    /// The directory `ctl save` may write to (default: the config's save_dir, else the
+    /// --config file's directory; without either, saves are refused).
+    #[arg(long, value_name = "DIR")]
+    save_dir: Option<PathBuf>,
+
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -147,12 +156,16 @@ enum Output {
     Json,
 }
 
-fn load_config(args: &Args) -> anyhow::Result<Config> {
+/// The configuration to run, and the `[target]` settings of the --config file (before flags
+/// override them), which are written back with every live change.
+fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> {
+    let mut file_settings = None;
     let mut cfg = if let Some(path) = &args.config {
         let cfg = Config::from_file(path)?;
         if let Some(w) = nvmeof_target::config::key_file_warning(path, &cfg) {
             warn!("{w}");
         }
+        file_settings = Some(cfg.target.clone());
         cfg
     } else if args.listen.is_empty()
         && args.subsystem.is_none()
@@ -190,13 +203,31 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     t.max_connections_per_listener = args
         .max_connections_per_listener
         .unwrap_or(t.max_connections_per_listener);
+    if let Some(dir) = &args.save_dir {
+        t.save_dir = Some(dir.clone());
+    }
     cfg.validate()?;
     for s in &cfg.subsystems {
         if s.allow_any_host {
             warn!(subsystem = %s.nqn, "any host may connect to this subsystem");
         }
     }
-    Ok(cfg)
+    Ok((cfg, file_settings))
+}
+
+/// Where the running configuration goes: back into the --config file after every live
+/// change, and `ctl save` into save_dir (default: the --config file's directory).
+fn config_files(args: &Args, cfg: &Config, file_settings: Option<TargetSettings>) -> ConfigFiles {
+    let config = args.config.as_ref().and_then(|p| std::path::absolute(p).ok());
+    let save_dir = cfg.target.save_dir.clone().or_else(|| {
+        config
+            .as_ref()
+            .and_then(|p| p.parent().map(std::path::Path::to_path_buf))
+    });
+    ConfigFiles {
+        persist: config.zip(file_settings),
+        save_dir,
+    }
 }
 
 async fn run(mut args: Args) -> anyhow::Result<()> {
@@ -206,7 +237,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let args = Arc::new(args);
     // Watched before anything else, so a signal during start-up is handled, not fatal.
     let mut signals = Signals::new().context("cannot install signal handlers")?;
-    let cfg = load_config(&args)?;
+    let (cfg, file_settings) = load_config(&args)?;
     if args.check {
         let (target, listeners, report) = Target::check(&cfg)?;
         for (path, size) in &report.would_create {
@@ -235,7 +266,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         tokio::spawn(nvmeof_target::metrics::serve(Arc::clone(&target), listener));
     }
     let running = RunningTarget::start(target, listeners)?;
-    let registry = Arc::new(Registry::new(running, cfg.clone()));
+    let files = config_files(&args, &cfg, file_settings);
+    let registry = Arc::new(Registry::new(running, cfg.clone()).with_files(files));
     let socket = control_socket(&args, &cfg, &registry)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
@@ -308,7 +340,7 @@ fn reload(args: &Args, registry: &Registry) {
         return;
     };
     info!(path = %path.display(), "SIGHUP: reloading the configuration");
-    let result = load_config(args).and_then(|cfg| Ok(registry.apply(cfg)?));
+    let result = load_config(args).and_then(|(cfg, _)| Ok(registry.apply(cfg)?));
     match result {
         Ok(changes) if changes.is_empty() => info!("reload: nothing changed"),
         Ok(changes) => info!(changes = changes.len(), "reload applied"),
