@@ -659,6 +659,18 @@ impl Config {
                 ));
             }
         }
+        for d in &self.discovery.listen {
+            if d.addr.port() == 0 {
+                continue;
+            }
+            if let Some(l) = self.listeners.iter().find(|l| l.address == *d) {
+                return bad(format!(
+                    "discovery listener {d} is the same address as listener {}, which serves \
+                     discovery too: remove it from [discovery] listen",
+                    l.address
+                ));
+            }
+        }
         let mut nqns = std::collections::HashSet::new();
         for s in &self.subsystems {
             if let Some(why) = nqn_problem(&s.nqn) {
@@ -891,6 +903,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_discovery_listener_on_an_io_listener_is_named() {
+        let e = Config::from_toml(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:4420\"\n\
+             [discovery]\nlisten = [\"tcp://127.0.0.1:4420\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(
+                "discovery listener tcp://127.0.0.1:4420 is the same address as listener \
+                 tcp://127.0.0.1:4420"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn saves_are_private_atomic_and_never_follow_a_planted_link() {
         use std::os::unix::fs::PermissionsExt as _;
         let dir = tempfile::tempdir().unwrap();
@@ -914,7 +943,9 @@ mod tests {
         }
         // Many writers at once: every one succeeds, one of them wins whole, no temporary
         // file stays.
-        let texts: Vec<String> = (0..16).map(|i| format!("writer {i}\n").repeat(1000)).collect();
+        let texts: Vec<String> = (0..16)
+            .map(|i| format!("writer {i}\n").repeat(1000))
+            .collect();
         std::thread::scope(|s| {
             for t in &texts {
                 let path = &path;

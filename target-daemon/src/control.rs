@@ -108,7 +108,9 @@ pub enum Request {
         size: String,
     },
     /// Allows a host; with keys, the host must authenticate (DH-HMAC-CHAP) or connect over
-    /// TLS with its PSK, as a `[[subsystem.host]]` table says.
+    /// TLS with its PSK, as a `[[subsystem.host]]` table says. With `--replace`, an allowed
+    /// host gets these keys (or none) instead of its old ones: its connected controllers
+    /// stay, the next authentications use the new keys.
     AddHost {
         /// Subsystem NQN.
         #[arg(long, value_name = "NQN")]
@@ -116,18 +118,35 @@ pub enum Request {
         /// Host NQN.
         #[arg(long, value_name = "NQN")]
         host: String,
-        /// The host's DH-HMAC-CHAP secret, `DHHC-1:XX:...:` (`nvme gen-dhchap-key`).
+        /// The host's DH-HMAC-CHAP secret, `DHHC-1:XX:...:` (`nvme gen-dhchap-key`). A key on
+        /// the command line lands in shell history: prefer --dhchap-key-file.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", conflicts_with = "dhchap_key_file")]
         dhchap_key: Option<String>,
+        /// Reads --dhchap-key from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        dhchap_key_file: Option<PathBuf>,
         /// The controller's DH-HMAC-CHAP secret, for bidirectional authentication.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY", requires = "dhchap_key")]
+        #[arg(long, value_name = "KEY", conflicts_with = "dhchap_ctrl_key_file")]
         dhchap_ctrl_key: Option<String>,
+        /// Reads --dhchap-ctrl-key from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        dhchap_ctrl_key_file: Option<PathBuf>,
         /// The host's configured TLS PSK, `NVMeTLSkey-1:01:...:` (`nvme gen-tls-key`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", conflicts_with = "tls_psk_file")]
         tls_psk: Option<String>,
+        /// Reads --tls-psk from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        tls_psk_file: Option<PathBuf>,
+        /// Replace the keys of a host already allowed, keeping its connections.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        #[arg(long)]
+        replace: bool,
     },
     /// Stops allowing a host and disconnects its controllers.
     RemoveHost {
@@ -372,11 +391,21 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             dhchap_key,
             dhchap_ctrl_key,
             tls_psk,
+            replace,
+            ..
         } => {
             let s = subsystem(cfg, nqn)?;
-            if s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host) {
-                return refused(format!("host {host} is already allowed on {nqn}"));
+            let known = s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host);
+            if known && !*replace {
+                return refused(format!(
+                    "host {host} is already allowed on {nqn} (--replace changes its keys)"
+                ));
             }
+            if *replace && !known {
+                return refused(format!("host {host} is not on the allowed list of {nqn}"));
+            }
+            s.hosts.retain(|h| h != host);
+            s.auth_hosts.retain(|h| h.nqn != *host);
             if dhchap_key.is_none() && tls_psk.is_none() {
                 s.hosts.push(host.clone());
             } else {
@@ -612,6 +641,28 @@ pub async fn request(path: &Path, req: &Request) -> Result<Response, ClientError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_files_stay_off_the_wire() {
+        let req = Request::AddHost {
+            subsystem: "nqn.x".into(),
+            host: "nqn.h".into(),
+            dhchap_key: Some("k".into()),
+            dhchap_key_file: Some("/secret".into()),
+            dhchap_ctrl_key: None,
+            dhchap_ctrl_key_file: None,
+            tls_psk: None,
+            tls_psk_file: None,
+            replace: true,
+        };
+        let line = encode(&req);
+        assert!(
+            !line.contains("file") && line.contains("\"replace\":true"),
+            "{line}"
+        );
+        let e = decode(&line.replace("\"replace\"", "\"dhchap_key_file\""));
+        assert!(e.unwrap_err().contains("unknown field"));
+    }
 
     #[test]
     fn requests_round_trip_and_strangers_are_refused() {

@@ -562,9 +562,10 @@ impl Registry {
         if dir.canonicalize().ok() != Some(real) {
             return Err(outside());
         }
-        let backup = self.files.persist.as_ref().is_some_and(|(p, _)| {
-            p.canonicalize().ok() == path.canonicalize().ok() && p.exists()
-        });
+        let backup =
+            self.files.persist.as_ref().is_some_and(|(p, _)| {
+                p.canonicalize().ok() == path.canonicalize().ok() && p.exists()
+            });
         let text = self.config.lock().to_toml()?;
         write_private(path, &text, backup)
             .map_err(|e| ChangeError::Refused(format!("cannot write {}: {e}", path.display())))?;
@@ -846,7 +847,10 @@ mod tests {
             dir.path().join("sub/../../x.toml"),
         ] {
             let e = r.save(&bad).unwrap_err().to_string();
-            assert!(e.contains("saves go to") || e.contains("cannot save"), "{e}");
+            assert!(
+                e.contains("saves go to") || e.contains("cannot save"),
+                "{e}"
+            );
         }
         assert_eq!(std::fs::read_dir(other.path()).unwrap().count(), 0);
         let off = registry(&["mem:1M"]);
@@ -879,7 +883,10 @@ mod tests {
         });
         add_ns(&r, "null:4M", None).unwrap();
         let written = Config::from_file(&path).unwrap();
-        assert_eq!(written.subsystems[0].nsids().collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(
+            written.subsystems[0].nsids().collect::<Vec<_>>(),
+            vec![1, 2]
+        );
         // The file's [target] settings, not the running ones (which may come from flags).
         assert_eq!(written.target, file_settings);
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();

@@ -60,9 +60,12 @@ pub enum StartError {
         /// The namespace that uses it first.
         first: String,
     },
-    /// A file namespace would be created in a directory that does not exist.
-    #[error("subsystem {nqn} namespace {index}: cannot create {path}: {dir} is not a directory")]
+    /// A file namespace would be created in a directory that does not exist or is not a
+    /// directory.
+    #[error("subsystem {nqn} namespace {index}: cannot create {path}: {dir} {why}")]
     NoDirectory {
+        /// `does not exist` or `is not a directory`.
+        why: &'static str,
         /// Subsystem NQN.
         nqn: String,
         /// Namespace position in the configuration (1-based).
@@ -137,6 +140,29 @@ pub struct CheckReport {
     pub would_create: Vec<(String, u64)>,
 }
 
+/// The file that creating `path` would make, however it is spelled: a symlink at the name is
+/// followed (it may dangle), then the parent directory is made canonical (`..`, symlinks).
+fn creation_key(path: &std::path::Path) -> std::path::PathBuf {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::read_link(&p) {
+            Ok(t) => p = p.parent().map_or_else(|| t.clone(), |d| d.join(&t)),
+            Err(_) => break,
+        }
+    }
+    match (p.parent(), p.file_name()) {
+        (Some(d), Some(n)) => {
+            let d = if d.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                d
+            };
+            d.canonicalize().map_or(p.clone(), |d| d.join(n))
+        }
+        _ => p,
+    }
+}
+
 /// Identifies a file or device across the different paths that may name it.
 fn file_identity(path: &std::path::Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
@@ -198,13 +224,18 @@ impl Target {
                         };
                         if !dir.is_dir() {
                             return Err(StartError::NoDirectory {
+                                why: if dir.exists() {
+                                    "is not a directory"
+                                } else {
+                                    "does not exist"
+                                },
                                 nqn: s.nqn.clone(),
                                 index,
                                 path: f.path.display().to_string(),
                                 dir: dir.display().to_string(),
                             });
                         }
-                        if let Some(first) = to_create.insert(f.path.clone(), here.clone()) {
+                        if let Some(first) = to_create.insert(creation_key(&f.path), here.clone()) {
                             return Err(same_file(&first));
                         }
                         report

@@ -792,7 +792,9 @@ mod tests {
         // The same size, a smaller one, or none, serves the file as it is: data is never
         // cut off.
         assert_eq!(
-            FileBackend::open(&spec(&path, 1 << 20)).unwrap().num_blocks(),
+            FileBackend::open(&spec(&path, 1 << 20))
+                .unwrap()
+                .num_blocks(),
             25600
         );
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 100 << 20);

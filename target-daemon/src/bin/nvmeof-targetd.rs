@@ -211,6 +211,16 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
         if s.allow_any_host {
             warn!(subsystem = %s.nqn, "any host may connect to this subsystem");
         }
+        if s.allow_any_host && !s.hosts.is_empty() {
+            warn!(
+                subsystem = %s.nqn,
+                "allow_any_host = true: the hosts list has no effect (any host may connect); \
+                 set allow_any_host = false to admit only the listed hosts"
+            );
+        }
+    }
+    if cfg.subsystems.is_empty() {
+        warn!("no subsystem configured: hosts can only discover (add one with ctl add-subsystem)");
     }
     Ok((cfg, file_settings))
 }
@@ -218,7 +228,10 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
 /// Where the running configuration goes: back into the --config file after every live
 /// change, and `ctl save` into save_dir (default: the --config file's directory).
 fn config_files(args: &Args, cfg: &Config, file_settings: Option<TargetSettings>) -> ConfigFiles {
-    let config = args.config.as_ref().and_then(|p| std::path::absolute(p).ok());
+    let config = args
+        .config
+        .as_ref()
+        .and_then(|p| std::path::absolute(p).ok());
     let save_dir = cfg.target.save_dir.clone().or_else(|| {
         config
             .as_ref()
@@ -240,8 +253,20 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let (cfg, file_settings) = load_config(&args)?;
     if args.check {
         let (target, listeners, report) = Target::check(&cfg)?;
+        if let Some(addr) = cfg.target.metrics {
+            // Bound as starting would, then let go.
+            std::net::TcpListener::bind(addr)
+                .with_context(|| format!("cannot bind the metrics endpoint {addr}"))?;
+        }
+        check_control_socket(&args, &cfg)?;
         for (path, size) in &report.would_create {
             println!("would create {path} ({})", blockdev::format_size(*size));
+        }
+        if cfg.subsystems.is_empty() {
+            eprintln!(
+                "warning: no subsystem configured: hosts can only discover that there is \
+                 nothing to connect to (add one with [[subsystem]] or ctl add-subsystem)"
+            );
         }
         println!(
             "configuration OK: {} subsystem(s), {} listener(s)",
@@ -292,6 +317,30 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     if failures > 0 {
         anyhow::bail!("{failures} namespace(s) failed to flush at shutdown");
     }
+    Ok(())
+}
+
+/// `--check` of the control socket: the one asked for must not be held by a running daemon
+/// (for the default one, starting would only warn, and so does this).
+fn check_control_socket(args: &Args, cfg: &Config) -> anyhow::Result<()> {
+    let chosen = args
+        .control_socket
+        .clone()
+        .or_else(|| cfg.target.control_socket.clone());
+    let path = chosen
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL_SOCKET));
+    if std::os::unix::net::UnixStream::connect(&path).is_err() {
+        return Ok(());
+    }
+    let held = format!(
+        "control socket {}: another nvmeof-targetd is running and holds it",
+        path.display()
+    );
+    if chosen.is_some() {
+        anyhow::bail!("{held} (stop it, or give another --control-socket)");
+    }
+    eprintln!("warning: {held}: this daemon would run without a control socket");
     Ok(())
 }
 
@@ -354,9 +403,39 @@ fn reload(args: &Args, registry: &Registry) {
 /// `nvmeof-targetd ctl`: one request, its answer on stdout; exit status 1 when refused.
 async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
     let mut request = ctl.request;
-    if let Request::Save { path } = &mut request {
-        *path = std::path::absolute(&*path)
-            .with_context(|| format!("{}: cannot make the path absolute", path.display()))?;
+    match &mut request {
+        Request::Save { path } => {
+            *path = std::path::absolute(&*path)
+                .with_context(|| format!("{}: cannot make the path absolute", path.display()))?;
+        }
+        Request::AddHost {
+            dhchap_key,
+            dhchap_key_file,
+            dhchap_ctrl_key,
+            dhchap_ctrl_key_file,
+            tls_psk,
+            tls_psk_file,
+            ..
+        } => {
+            let files = [dhchap_key_file, dhchap_ctrl_key_file, tls_psk_file];
+            if files
+                .iter()
+                .filter(|f| f.as_deref() == Some("-".as_ref()))
+                .count()
+                > 1
+            {
+                anyhow::bail!("only one key can come from standard input (-)");
+            }
+            for (key, file) in [dhchap_key, dhchap_ctrl_key, tls_psk]
+                .into_iter()
+                .zip(files)
+            {
+                if let Some(f) = file.take() {
+                    *key = Some(read_key_file(&f)?);
+                }
+            }
+        }
+        _ => {}
     }
     let resp = nvmeof_target::control::request(&ctl.socket, &request).await?;
     match ctl.output {
@@ -367,6 +446,26 @@ async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
         Some(e) if ctl.output == Output::Normal => anyhow::bail!("{e}"),
         Some(_) => Err(anyhow::anyhow!("request refused")),
         None => Ok(()),
+    }
+}
+
+/// A key from a file (`-`: standard input): its first line, without surrounding blanks.
+fn read_key_file(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    if path.as_os_str() == "-" {
+        std::io::stdin()
+            .take(64 * 1024)
+            .read_to_string(&mut text)
+            .context("cannot read a key from standard input")?;
+    } else {
+        std::fs::File::open(path)
+            .and_then(|f| f.take(64 * 1024).read_to_string(&mut text))
+            .with_context(|| format!("cannot read a key from {}", path.display()))?;
+    }
+    match text.lines().next().map(str::trim) {
+        Some(k) if !k.is_empty() => Ok(k.to_string()),
+        _ => anyhow::bail!("{}: no key in it", path.display()),
     }
 }
 
@@ -403,11 +502,38 @@ fn print_normal(resp: &Response) {
             s["serial"].as_str().unwrap_or("?"),
             s["model"].as_str().unwrap_or("?")
         );
+        let mut hosts: Vec<String> = Vec::new();
         if s["allow_any_host"].as_bool() == Some(true) {
-            println!("  hosts: any");
-        } else {
-            println!("  hosts: {}", list(&s["hosts"]));
+            hosts.push("any".into());
         }
+        let names = |k: &str| -> Vec<String> {
+            s[k].as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        hosts.extend(names("hosts"));
+        // Hosts with keys, named with the kind of key only (never the key).
+        let (dhchap, tls) = (names("dhchap_hosts"), names("tls_hosts"));
+        let mut keyed: Vec<&String> = dhchap.iter().chain(&tls).collect();
+        keyed.sort();
+        keyed.dedup();
+        for h in keyed {
+            let kinds: Vec<&str> = [(&dhchap, "DH-HMAC-CHAP"), (&tls, "TLS PSK")]
+                .iter()
+                .filter(|(l, _)| l.contains(h))
+                .map(|(_, k)| *k)
+                .collect();
+            hosts.push(format!("{h} ({})", kinds.join(", ")));
+        }
+        if hosts.is_empty() {
+            hosts.push("none".into());
+        }
+        println!("  hosts: {}", hosts.join(", "));
         for ns in s["namespaces"].as_array().into_iter().flatten() {
             println!(
                 "  namespace {}: {} ({} blocks of {} bytes, {})",
