@@ -32,6 +32,24 @@ pub const MAX_REQUEST: usize = 64 * 1024;
 /// How long a client waits for an answer.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Limits on the clients of the control socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// A client that sends no complete request for this long is disconnected.
+    pub idle_timeout: Duration,
+    /// Most clients connected at once; one more is answered with an error and closed.
+    pub max_clients: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            idle_timeout: Duration::from_secs(60),
+            max_clients: 64,
+        }
+    }
+}
+
 /// A request (the `op` field names it, in kebab-case; its fields are snake_case). It is also
 /// the `nvmeof-targetd ctl` command line.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, clap::Subcommand)]
@@ -511,14 +529,24 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
     }
 }
 
-/// Serves the control socket until the target shuts down.
-pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
+/// Serves the control socket until the target shuts down, within `limits`.
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>, limits: ClientLimits) {
     let mut shutdown = registry.target().subscribe_shutdown();
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_clients));
     loop {
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, _)) => {
-                    tokio::spawn(serve_client(stream, Arc::clone(&registry)));
+                    let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                        warn!(max = limits.max_clients, "control socket: too many clients, one refused");
+                        tokio::spawn(refuse_client(stream, limits.max_clients));
+                        continue;
+                    };
+                    let registry = Arc::clone(&registry);
+                    tokio::spawn(async move {
+                        serve_client(stream, registry, limits.idle_timeout).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     warn!(error = %e, "control socket: accept failed");
@@ -530,12 +558,30 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
     }
 }
 
-async fn serve_client(stream: UnixStream, registry: Arc<Registry>) {
+/// Answers a client over the limit with one error line, then closes.
+async fn refuse_client(stream: UnixStream, max: usize) {
+    let (_r, mut w) = stream.into_split();
+    let resp = Response::error(format!(
+        "too many control clients (at most {max} at once): try again"
+    ));
+    let _ = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &resp)).await;
+}
+
+async fn serve_client(stream: UnixStream, registry: Arc<Registry>, idle_timeout: Duration) {
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r).take(MAX_REQUEST as u64 + 1);
     loop {
         let mut line = String::new();
-        let answer = match r.read_line(&mut line).await {
+        let Ok(read) = tokio::time::timeout(idle_timeout, r.read_line(&mut line)).await else {
+            debug!("control client idle: disconnected");
+            let resp = Response::error(format!(
+                "idle for {}s: disconnected",
+                idle_timeout.as_secs()
+            ));
+            let _ = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &resp)).await;
+            return;
+        };
+        let answer = match read {
             Ok(0) => return,
             Ok(_)
                 if line.len() > MAX_REQUEST
@@ -560,7 +606,9 @@ async fn serve_client(stream: UnixStream, registry: Arc<Registry>) {
                 return;
             }
         };
-        if write_line(&mut w, &answer).await.is_err() {
+        // A client that does not read its answers does not hold the task forever either.
+        let written = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &answer)).await;
+        if !matches!(written, Ok(Ok(()))) {
             debug!("control client went away");
             return;
         }
@@ -641,6 +689,55 @@ pub async fn request(path: &Path, req: &Request) -> Result<Response, ClientError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_clients_are_dropped_and_clients_are_capped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ctl.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let registry = Arc::new(crate::testing::registry(&["null:1M"]));
+        let limits = ClientLimits {
+            idle_timeout: Duration::from_secs(2),
+            max_clients: 2,
+        };
+        tokio::spawn(serve(listener, Arc::clone(&registry), limits));
+        let answer = |s: UnixStream| async move {
+            let mut line = String::new();
+            BufReader::new(s).read_line(&mut line).await.unwrap();
+            serde_json::from_str::<Response>(&line).unwrap()
+        };
+        // Two clients connected (the first has been served once); a third is refused.
+        let mut first = UnixStream::connect(&path).await.unwrap();
+        first
+            .write_all(b"{\"version\":1,\"op\":\"list\"}\n")
+            .await
+            .unwrap();
+        let mut first = BufReader::new(first);
+        let mut line = String::new();
+        first.read_line(&mut line).await.unwrap();
+        assert!(line.contains("\"ok\":true"), "{line}");
+        let _second = UnixStream::connect(&path).await.unwrap();
+        let third = answer(UnixStream::connect(&path).await.unwrap()).await;
+        assert!(
+            third.error.unwrap().contains("too many control clients"),
+            "the third client"
+        );
+        // The idle first client is told and closed, and its slot is free again.
+        line.clear();
+        first.read_line(&mut line).await.unwrap();
+        assert!(line.contains("idle for"), "{line}");
+        line.clear();
+        assert_eq!(first.read_line(&mut line).await.unwrap(), 0, "closed");
+        drop(first);
+        let mut again = UnixStream::connect(&path).await.unwrap();
+        again
+            .write_all(b"{\"version\":1,\"op\":\"list\"}\n")
+            .await
+            .unwrap();
+        let a = answer(again).await;
+        assert!(a.ok, "{a:?}");
+        registry.running().shutdown().await;
+    }
 
     #[test]
     fn key_files_stay_off_the_wire() {

@@ -250,12 +250,11 @@ impl Registry {
         for s in &new.subsystems {
             let Some(o) = old_subs.get(s.nqn.as_str()) else {
                 let backends = s
-                    .namespaces
-                    .iter()
-                    .enumerate()
-                    .map(|(i, ns)| {
+                    .nsids()
+                    .zip(&s.namespaces)
+                    .map(|(id, ns)| {
                         Ok((
-                            open_backend(&s.nqn, i + 1, &ns.backend)?,
+                            open_backend(&s.nqn, id, &ns.backend)?,
                             ns.backend.to_string(),
                         ))
                     })
@@ -321,7 +320,7 @@ impl Registry {
             let old_ns: BTreeMap<u32, _> = o.nsids().zip(&o.namespaces).collect();
             let current = sub.namespaces();
             let mut map = NamespaceMap::new();
-            for (index, (id, n)) in s.nsids().zip(&s.namespaces).enumerate() {
+            for (id, n) in s.nsids().zip(&s.namespaces) {
                 match old_ns.get(&id) {
                     Some(on) if *on == n => {
                         if let Some(ns) = current.get(&id) {
@@ -342,7 +341,7 @@ impl Registry {
                         plan.changed_nsids.push(id);
                     }
                     None => {
-                        let backend = open_backend(&s.nqn, index + 1, &n.backend)?;
+                        let backend = open_backend(&s.nqn, id, &n.backend)?;
                         let uuid = n.uuid.as_deref().and_then(parse_uuid);
                         let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
                         map.insert(id, Arc::new(ns));
@@ -397,7 +396,7 @@ impl Registry {
                 .resized(size)
                 .map_err(|source| StartError::Backend {
                     nqn: p.sub.nqn.clone(),
-                    index: id as usize,
+                    nsid: id,
                     source,
                 })?;
             let uuid = Some(old.uuid);
@@ -777,6 +776,11 @@ mod tests {
         assert_eq!(nsids(&r), vec![1]);
         let e = add_ns(&r, "mem:1M", Some(1)).unwrap_err().to_string();
         assert!(e.contains("nsid 1 used twice"), "{e}");
+        // A namespace is named by its NSID, not by its place in the list.
+        let e = add_ns(&r, "file:/nonexistent-dir/ns.img,size=1M", Some(9))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("namespace 9:"), "{e}");
         let e = r
             .edit(|c| {
                 c.target.max_queue_depth = 64;

@@ -377,6 +377,7 @@ fn control_socket(
     tokio::spawn(nvmeof_target::control::serve(
         listener,
         Arc::clone(registry),
+        nvmeof_target::control::ClientLimits::default(),
     ));
     Ok(Some(path))
 }
