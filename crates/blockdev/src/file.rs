@@ -199,7 +199,8 @@ impl FileBackend {
     ///
     /// A regular file that is missing or empty is created / extended to `create_size` when
     /// that is given; otherwise its length is the capacity and must be a non-zero multiple of
-    /// the block size (at least `create_size` when that is given: a larger file is served whole, with a warning). Unless the spec says it is
+    /// the block size (at least `create_size` when that is given: a larger file is served
+    /// whole, with a warning, never cut off). Unless the spec says it is
     /// not [`exclusive`](FileSpec::exclusive), the file or device is claimed with an exclusive
     /// `flock` for as long as the backend lives; a second claim fails naming the holder. A block device's size and logical block size come from the
     /// `BLKGETSIZE64` and `BLKSSZGET` ioctls.
