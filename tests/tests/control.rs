@@ -781,3 +781,45 @@ fn host_keys_come_from_files_and_change_without_dropping_connections() {
         "the new key is kept in the config file"
     );
 }
+
+/// A removed file namespace is closed and unlocked while a host's I/O queue that used it sits
+/// idle, so the file can be added again at once (and errors name the NSID).
+#[test]
+fn a_removed_file_namespace_is_released_while_queues_idle() {
+    use nvme_spec::SglDescriptor;
+    use nvme_spec::command::build;
+    use nvmeof_tests::Reply;
+    let d = Daemon::start(&["null:1M", "file:DIR/ns2.img,size=1M"], &[]);
+    let addr = d.target.addr();
+    let (_admin, cntlid) = RawHost::admin(addr, NQN);
+    let mut io = RawHost::io_queue(addr, NQN, cntlid, 1);
+    let mut read = |cid: u16| {
+        let mut r = build::read_write(false, cid, 2, 0, 1);
+        r.dptr = SglDescriptor::tcp_transport(4096);
+        match io.command(&r, &[], &[]) {
+            Reply::Completion(c, _) => c.status().is_success(),
+            Reply::DataSuccess(_) => true,
+            other => panic!("read: {other:?}"),
+        }
+    };
+    assert!(read(1));
+    d.ctl_json(&["remove-namespace", "--subsystem", NQN, "--nsid", "2"]);
+    let spec = format!("file:{}/ns2.img", d.dir.path().display());
+    let add = [
+        "add-namespace",
+        "--subsystem",
+        NQN,
+        "--backend",
+        &spec,
+        "--nsid",
+        "2",
+    ];
+    let mut last = String::new();
+    wait_for("the file to be let go", || {
+        let out = d.ctl_as(&[], &add);
+        last = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!last.contains("namespace 3"), "{last}");
+        out.status.success()
+    });
+    assert!(read(2), "the namespace added again serves the same queue");
+}
