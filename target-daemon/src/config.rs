@@ -1211,6 +1211,33 @@ mod tests {
         }
     }
 
+    /// The shipped unit lets the daemon write back the configuration file it starts from.
+    #[test]
+    fn the_unit_lets_the_daemon_write_its_configuration_directory() {
+        let unit = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nvmeof-targetd.service"),
+        )
+        .unwrap();
+        let value = |key: &str| -> Vec<String> {
+            unit.lines()
+                .filter_map(|l| l.strip_prefix(key))
+                .flat_map(|v| v.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .collect()
+        };
+        let exec = value("ExecStart=");
+        let config = exec
+            .iter()
+            .skip_while(|a| *a != "--config")
+            .nth(1)
+            .expect("ExecStart names --config");
+        let dir = Path::new(config).parent().unwrap().to_str().unwrap();
+        assert!(value("ProtectSystem=").contains(&"strict".to_string()));
+        assert!(
+            value("ReadWritePaths=").iter().any(|p| p == dir),
+            "ReadWritePaths lacks {dir}"
+        );
+    }
+
     #[test]
     fn listener_addresses() {
         for (ok, want) in [
