@@ -390,4 +390,21 @@ fn check_fails_where_starting_would() {
         "{}",
         stderr(&out)
     );
+
+    // Hosts listed where any host may connect: said, not silently ignored.
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n\
+             [[subsystem]]\nnqn = \"{NQN}\"\nallow_any_host = true\nhosts = [\"{TEST_HOSTNQN}\"]\n"
+        ),
+    )
+    .unwrap();
+    let out = targetd(&["--config", cfg.to_str().unwrap(), "--check"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the hosts list has no effect"),
+        "{}",
+        stderr(&out)
+    );
 }
