@@ -386,7 +386,7 @@ fn check_fails_where_starting_would() {
     let out = targetd(&["--config", cfg.to_str().unwrap(), "--check"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
-        stderr(&out).contains("warning: no subsystem configured"),
+        stderr(&out).contains("no subsystem configured: hosts can only discover"),
         "{}",
         stderr(&out)
     );

@@ -220,7 +220,10 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
         }
     }
     if cfg.subsystems.is_empty() {
-        warn!("no subsystem configured: hosts can only discover (add one with ctl add-subsystem)");
+        warn!(
+            "no subsystem configured: hosts can only discover that there is nothing to connect \
+             to (add one with [[subsystem]] or ctl add-subsystem)"
+        );
     }
     Ok((cfg, file_settings))
 }
@@ -261,12 +264,6 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         check_control_socket(&args, &cfg)?;
         for (path, size) in &report.would_create {
             println!("would create {path} ({})", blockdev::format_size(*size));
-        }
-        if cfg.subsystems.is_empty() {
-            eprintln!(
-                "warning: no subsystem configured: hosts can only discover that there is \
-                 nothing to connect to (add one with [[subsystem]] or ctl add-subsystem)"
-            );
         }
         println!(
             "configuration OK: {} subsystem(s), {} listener(s)",
