@@ -4,7 +4,8 @@
 //!
 //! 1. validate: the new configuration must pass [`Config::validate`]; the `[target]`
 //!    settings, a subsystem's serial and model, a namespace's UUID and RDMA listeners change
-//!    only at a restart; a namespace's backend may change only in size;
+//!    only at a restart; a namespace whose backend changes other than in size gets the new
+//!    backend under the same NSID (the old one goes as a removed namespace's does);
 //! 2. prepare, the steps that can fail: bind the new listeners, open the new namespaces'
 //!    backends, grow the resized files. A failure drops what was prepared and changes
 //!    nothing;
@@ -328,17 +329,43 @@ impl Registry {
                         }
                     }
                     Some(on) => {
-                        let size =
-                            resized_to(&on.backend, &n.backend).filter(|_| on.uuid == n.uuid);
-                        let Some(size) = size else {
+                        if on.uuid != n.uuid {
                             return refused(format!(
-                                "subsystem {} namespace {id}: {} cannot become {}; only the size \
-                                 of a served namespace changes (remove it and add it again)",
+                                "subsystem {} namespace {id}: namespace UUIDs change only at a \
+                                 restart",
+                                s.nqn
+                            ));
+                        }
+                        if let Some(size) = resized_to(&on.backend, &n.backend) {
+                            resizes.push((plans.len(), id, size, n.backend.to_string()));
+                            plan.changed_nsids.push(id);
+                            continue;
+                        }
+                        // Another backend under the same NSID: the old one goes as a removed
+                        // namespace does, the new one is opened first.
+                        if let (
+                            BackendSpec::File(a) | BackendSpec::Bdev(a),
+                            BackendSpec::File(b) | BackendSpec::Bdev(b),
+                        ) = (&on.backend, &n.backend)
+                            && a.path == b.path
+                        {
+                            return refused(format!(
+                                "subsystem {} namespace {id}: {} cannot become {} while it \
+                                 serves the same file; other options of a served file change \
+                                 only at a restart (or remove the namespace and add it again)",
                                 s.nqn, on.backend, n.backend
                             ));
-                        };
-                        resizes.push((plans.len(), id, size, n.backend.to_string()));
+                        }
+                        let backend = open_backend(&s.nqn, id, &n.backend)?;
+                        let uuid = n.uuid.as_deref().and_then(parse_uuid);
+                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
+                        map.insert(id, Arc::new(ns));
                         plan.changed_nsids.push(id);
+                        plan.removed.extend(current.get(&id).cloned());
+                        changes.push(format!(
+                            "subsystem {}: namespace {id} is now {} (was {})",
+                            s.nqn, n.backend, on.backend
+                        ));
                     }
                     None => {
                         let backend = open_backend(&s.nqn, id, &n.backend)?;
@@ -794,12 +821,13 @@ mod tests {
         );
         let e = r
             .edit(|c| {
-                c.subsystems[0].namespaces[0].backend = "null:1M".parse().unwrap();
+                c.subsystems[0].namespaces[0].uuid =
+                    Some("00000000-0000-4000-8000-000000000001".into());
                 Ok(())
             })
             .unwrap_err()
             .to_string();
-        assert!(e.contains("only the size"), "{e}");
+        assert!(e.contains("UUIDs change only at a restart"), "{e}");
         let e = r
             .edit(|c| {
                 c.subsystems[0].namespaces[0].backend = "mem:2M".parse().unwrap();
@@ -817,6 +845,50 @@ mod tests {
             .to_string();
         assert!(e.contains("no host may connect"), "{e}");
         assert_eq!(r.config().to_toml().unwrap(), before.to_toml().unwrap());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backend_swap_keeps_the_nsid_and_tells_the_hosts() {
+        let r = registry(&["mem:1M"]);
+        let (mut admin, mut io) = connected(r.target(), HostSgl::Transport);
+        let aec = build::set_features(
+            4,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_NS_ATTRIBUTE_NOTICES,
+        );
+        assert!(answer(&mut admin, &aec).status().is_success());
+        assert!(answer(&mut io, &read(1, 1)).status().is_success());
+        let old = Arc::clone(&r.target().subsystem(NQN).unwrap().namespaces()[&1]);
+        let changes = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "null:2M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        assert!(
+            changes[0].contains("namespace 1 is now null:2M") && changes[0].contains("was mem:1M"),
+            "{changes:?}"
+        );
+        let ns = Arc::clone(&r.target().subsystem(NQN).unwrap().namespaces()[&1]);
+        assert_eq!((ns.blocks, ns.uuid), (512, old.uuid));
+        assert_eq!(changed_ns_log(&mut admin), vec![1]);
+        assert!(answer(&mut io, &read(2, 1)).status().is_success());
+
+        // The same file with other options is not opened twice.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ns.img");
+        let spec = format!("file:{},size=1M", f.display());
+        add_ns(&r, &spec, Some(2)).unwrap();
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[1].backend =
+                    format!("{spec},direct=off").parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("serves the same file"), "{e}");
         r.running().shutdown().await;
     }
 
