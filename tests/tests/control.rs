@@ -267,6 +267,16 @@ fn sighup_reloads_and_the_saved_configuration_restarts_the_same() {
     });
     assert!(d.target.log().contains("/nonexistent-dir/x.img"));
     assert_eq!(nsids(&d.list()), vec![1, 2]);
+    // Another backend for namespace 2: swapped under the same NSID.
+    std::fs::write(&d.config, config_text(port, &["null:1M", "null:3M,bs=512"])).unwrap();
+    d.target.signal(libc::SIGHUP);
+    wait_for("the swap", || {
+        d.list()["subsystems"][0]["namespaces"][1]["backend"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("null:3M,bs=512"))
+    });
+    assert!(d.target.log().contains("namespace 2 is now null:3M,bs=512"));
+    assert_eq!(nsids(&d.list()), vec![1, 2]);
 
     // Changes through ctl, saved, survive a restart.
     d.ctl_json(&[
