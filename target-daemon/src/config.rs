@@ -9,6 +9,7 @@
 //! max_connections_per_listener = 4096
 //! control_socket = "/run/nvmeof/targetd.sock"  # nvmeof-targetd ctl (default shown)
 //! control_group = "nvmeof"          # may use the control socket besides root
+//! save_dir = "/etc/nvmeof"          # where `ctl save` may write (default: the --config file's directory)
 //!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
@@ -246,6 +247,10 @@ pub struct TargetSettings {
     /// Group (name or ID) whose members may use the control socket besides root.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub control_group: Option<String>,
+    /// The directory `nvmeof-targetd ctl save` may write to (default: the directory of the
+    /// `--config` file; without one, saves are refused).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub save_dir: Option<PathBuf>,
 }
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
@@ -268,6 +273,7 @@ impl Default for TargetSettings {
             metrics: None,
             control_socket: None,
             control_group: None,
+            save_dir: None,
         }
     }
 }
@@ -653,6 +659,18 @@ impl Config {
                 ));
             }
         }
+        for d in &self.discovery.listen {
+            if d.addr.port() == 0 {
+                continue;
+            }
+            if let Some(l) = self.listeners.iter().find(|l| l.address == *d) {
+                return bad(format!(
+                    "discovery listener {d} is the same address as listener {}, which serves \
+                     discovery too: remove it from [discovery] listen",
+                    l.address
+                ));
+            }
+        }
         let mut nqns = std::collections::HashSet::new();
         for s in &self.subsystems {
             if let Some(why) = nqn_problem(&s.nqn) {
@@ -744,6 +762,74 @@ pub fn key_file_warning(path: &Path, cfg: &Config) -> Option<String> {
     })
 }
 
+/// Writes `text` to `path` atomically and privately: into a new temporary file of a unique
+/// name in the same directory (created exclusively, so a symlink or file already there is
+/// never followed or reused; mode 0600, as the text may hold keys), synced, renamed over
+/// `path`, then the directory synced. With `backup`, the file that was at `path` is first
+/// copied the same way to `path` + `.bak`. Concurrent writers never fail each other: the last
+/// rename wins.
+pub fn write_private(path: &Path, text: &str, backup: bool) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Some(name) = path.file_name() else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a file name",
+        ));
+    };
+    if backup {
+        match std::fs::read(path) {
+            Ok(old) => {
+                let mut bak = name.to_os_string();
+                bak.push(".bak");
+                replace_private(dir, &dir.join(bak), &old)?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    replace_private(dir, path, text.as_bytes())
+}
+
+/// Writes `bytes` to a fresh 0600 temporary file in `dir` and renames it to `path`.
+fn replace_private(dir: &Path, path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let mut attempt = 0;
+    let (tmp, mut file) = loop {
+        let tmp = dir.join(format!(
+            ".{name}.{}.{:016x}.tmp",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        // create_new: O_CREAT | O_EXCL, which never follows a symlink.
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+        {
+            Ok(f) => break (tmp, f),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 16 => {
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
+}
+
 /// Parses a duration written as a number and a unit: `500ms`, `5s`, `2m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
@@ -815,6 +901,65 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_discovery_listener_on_an_io_listener_is_named() {
+        let e = Config::from_toml(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:4420\"\n\
+             [discovery]\nlisten = [\"tcp://127.0.0.1:4420\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(
+                "discovery listener tcp://127.0.0.1:4420 is the same address as listener \
+                 tcp://127.0.0.1:4420"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn saves_are_private_atomic_and_never_follow_a_planted_link() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "victim").unwrap();
+        // What an attacker or an earlier run may have left: a symlink and an open file at the
+        // temporary names a fixed scheme would use, and a world-readable file in place.
+        std::os::unix::fs::symlink(&victim, dir.path().join("t.tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.path().join("t.toml.tmp")).unwrap();
+        std::fs::write(&path, "old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        write_private(&path, "new", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "victim");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "new");
+        let bak = dir.path().join("t.toml.bak");
+        assert_eq!(std::fs::read_to_string(&bak).unwrap(), "old");
+        for p in [&path, &bak] {
+            let mode = std::fs::metadata(p).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o600, "{}", p.display());
+        }
+        // Many writers at once: every one succeeds, one of them wins whole, no temporary
+        // file stays.
+        let texts: Vec<String> = (0..16)
+            .map(|i| format!("writer {i}\n").repeat(1000))
+            .collect();
+        std::thread::scope(|s| {
+            for t in &texts {
+                let path = &path;
+                s.spawn(move || write_private(path, t, true).unwrap());
+            }
+        });
+        assert!(texts.contains(&std::fs::read_to_string(&path).unwrap()));
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp") && n.starts_with('.'))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 
     #[test]
     fn host_tables_carry_keys_that_never_show() {
@@ -1064,6 +1209,33 @@ mod tests {
                 assert!(size <= 16 << 30, "{}", ns.backend);
             }
         }
+    }
+
+    /// The shipped unit lets the daemon write back the configuration file it starts from.
+    #[test]
+    fn the_unit_lets_the_daemon_write_its_configuration_directory() {
+        let unit = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nvmeof-targetd.service"),
+        )
+        .unwrap();
+        let value = |key: &str| -> Vec<String> {
+            unit.lines()
+                .filter_map(|l| l.strip_prefix(key))
+                .flat_map(|v| v.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .collect()
+        };
+        let exec = value("ExecStart=");
+        let config = exec
+            .iter()
+            .skip_while(|a| *a != "--config")
+            .nth(1)
+            .expect("ExecStart names --config");
+        let dir = Path::new(config).parent().unwrap().to_str().unwrap();
+        assert!(value("ProtectSystem=").contains(&"strict".to_string()));
+        assert!(
+            value("ReadWritePaths=").iter().any(|p| p == dir),
+            "ReadWritePaths lacks {dir}"
+        );
     }
 
     #[test]

@@ -32,6 +32,24 @@ pub const MAX_REQUEST: usize = 64 * 1024;
 /// How long a client waits for an answer.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Limits on the clients of the control socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// A client that sends no complete request for this long is disconnected.
+    pub idle_timeout: Duration,
+    /// Most clients connected at once; one more is answered with an error and closed.
+    pub max_clients: usize,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            idle_timeout: Duration::from_secs(60),
+            max_clients: 64,
+        }
+    }
+}
+
 /// A request (the `op` field names it, in kebab-case; its fields are snake_case). It is also
 /// the `nvmeof-targetd ctl` command line.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, clap::Subcommand)]
@@ -108,7 +126,9 @@ pub enum Request {
         size: String,
     },
     /// Allows a host; with keys, the host must authenticate (DH-HMAC-CHAP) or connect over
-    /// TLS with its PSK, as a `[[subsystem.host]]` table says.
+    /// TLS with its PSK, as a `[[subsystem.host]]` table says. With `--replace`, an allowed
+    /// host gets these keys (or none) instead of its old ones: its connected controllers
+    /// stay, the next authentications use the new keys.
     AddHost {
         /// Subsystem NQN.
         #[arg(long, value_name = "NQN")]
@@ -116,18 +136,35 @@ pub enum Request {
         /// Host NQN.
         #[arg(long, value_name = "NQN")]
         host: String,
-        /// The host's DH-HMAC-CHAP secret, `DHHC-1:XX:...:` (`nvme gen-dhchap-key`).
+        /// The host's DH-HMAC-CHAP secret, `DHHC-1:XX:...:` (`nvme gen-dhchap-key`). A key on
+        /// the command line lands in shell history: prefer --dhchap-key-file.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", conflicts_with = "dhchap_key_file")]
         dhchap_key: Option<String>,
+        /// Reads --dhchap-key from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        dhchap_key_file: Option<PathBuf>,
         /// The controller's DH-HMAC-CHAP secret, for bidirectional authentication.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY", requires = "dhchap_key")]
+        #[arg(long, value_name = "KEY", conflicts_with = "dhchap_ctrl_key_file")]
         dhchap_ctrl_key: Option<String>,
+        /// Reads --dhchap-ctrl-key from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        dhchap_ctrl_key_file: Option<PathBuf>,
         /// The host's configured TLS PSK, `NVMeTLSkey-1:01:...:` (`nvme gen-tls-key`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        #[arg(long, value_name = "KEY")]
+        #[arg(long, value_name = "KEY", conflicts_with = "tls_psk_file")]
         tls_psk: Option<String>,
+        /// Reads --tls-psk from FILE (`-`: standard input).
+        #[serde(skip)]
+        #[arg(long, value_name = "FILE")]
+        tls_psk_file: Option<PathBuf>,
+        /// Replace the keys of a host already allowed, keeping its connections.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        #[arg(long)]
+        replace: bool,
     },
     /// Stops allowing a host and disconnects its controllers.
     RemoveHost {
@@ -372,11 +409,21 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             dhchap_key,
             dhchap_ctrl_key,
             tls_psk,
+            replace,
+            ..
         } => {
             let s = subsystem(cfg, nqn)?;
-            if s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host) {
-                return refused(format!("host {host} is already allowed on {nqn}"));
+            let known = s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host);
+            if known && !*replace {
+                return refused(format!(
+                    "host {host} is already allowed on {nqn} (--replace changes its keys)"
+                ));
             }
+            if *replace && !known {
+                return refused(format!("host {host} is not on the allowed list of {nqn}"));
+            }
+            s.hosts.retain(|h| h != host);
+            s.auth_hosts.retain(|h| h.nqn != *host);
             if dhchap_key.is_none() && tls_psk.is_none() {
                 s.hosts.push(host.clone());
             } else {
@@ -482,14 +529,24 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
     }
 }
 
-/// Serves the control socket until the target shuts down.
-pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
+/// Serves the control socket until the target shuts down, within `limits`.
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>, limits: ClientLimits) {
     let mut shutdown = registry.target().subscribe_shutdown();
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_clients));
     loop {
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, _)) => {
-                    tokio::spawn(serve_client(stream, Arc::clone(&registry)));
+                    let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                        warn!(max = limits.max_clients, "control socket: too many clients, one refused");
+                        tokio::spawn(refuse_client(stream, limits.max_clients));
+                        continue;
+                    };
+                    let registry = Arc::clone(&registry);
+                    tokio::spawn(async move {
+                        serve_client(stream, registry, limits.idle_timeout).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     warn!(error = %e, "control socket: accept failed");
@@ -501,12 +558,30 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
     }
 }
 
-async fn serve_client(stream: UnixStream, registry: Arc<Registry>) {
+/// Answers a client over the limit with one error line, then closes.
+async fn refuse_client(stream: UnixStream, max: usize) {
+    let (_r, mut w) = stream.into_split();
+    let resp = Response::error(format!(
+        "too many control clients (at most {max} at once): try again"
+    ));
+    let _ = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &resp)).await;
+}
+
+async fn serve_client(stream: UnixStream, registry: Arc<Registry>, idle_timeout: Duration) {
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::new(r).take(MAX_REQUEST as u64 + 1);
     loop {
         let mut line = String::new();
-        let answer = match r.read_line(&mut line).await {
+        let Ok(read) = tokio::time::timeout(idle_timeout, r.read_line(&mut line)).await else {
+            debug!("control client idle: disconnected");
+            let resp = Response::error(format!(
+                "idle for {}s: disconnected",
+                idle_timeout.as_secs()
+            ));
+            let _ = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &resp)).await;
+            return;
+        };
+        let answer = match read {
             Ok(0) => return,
             Ok(_)
                 if line.len() > MAX_REQUEST
@@ -531,7 +606,9 @@ async fn serve_client(stream: UnixStream, registry: Arc<Registry>) {
                 return;
             }
         };
-        if write_line(&mut w, &answer).await.is_err() {
+        // A client that does not read its answers does not hold the task forever either.
+        let written = tokio::time::timeout(CLIENT_TIMEOUT, write_line(&mut w, &answer)).await;
+        if !matches!(written, Ok(Ok(()))) {
             debug!("control client went away");
             return;
         }
@@ -612,6 +689,77 @@ pub async fn request(path: &Path, req: &Request) -> Result<Response, ClientError
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_clients_are_dropped_and_clients_are_capped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ctl.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let registry = Arc::new(crate::testing::registry(&["null:1M"]));
+        let limits = ClientLimits {
+            idle_timeout: Duration::from_secs(2),
+            max_clients: 2,
+        };
+        tokio::spawn(serve(listener, Arc::clone(&registry), limits));
+        let answer = |s: UnixStream| async move {
+            let mut line = String::new();
+            BufReader::new(s).read_line(&mut line).await.unwrap();
+            serde_json::from_str::<Response>(&line).unwrap()
+        };
+        // Two clients connected (the first has been served once); a third is refused.
+        let mut first = UnixStream::connect(&path).await.unwrap();
+        first
+            .write_all(b"{\"version\":1,\"op\":\"list\"}\n")
+            .await
+            .unwrap();
+        let mut first = BufReader::new(first);
+        let mut line = String::new();
+        first.read_line(&mut line).await.unwrap();
+        assert!(line.contains("\"ok\":true"), "{line}");
+        let _second = UnixStream::connect(&path).await.unwrap();
+        let third = answer(UnixStream::connect(&path).await.unwrap()).await;
+        assert!(
+            third.error.unwrap().contains("too many control clients"),
+            "the third client"
+        );
+        // The idle first client is told and closed, and its slot is free again.
+        line.clear();
+        first.read_line(&mut line).await.unwrap();
+        assert!(line.contains("idle for"), "{line}");
+        line.clear();
+        assert_eq!(first.read_line(&mut line).await.unwrap(), 0, "closed");
+        drop(first);
+        let mut again = UnixStream::connect(&path).await.unwrap();
+        again
+            .write_all(b"{\"version\":1,\"op\":\"list\"}\n")
+            .await
+            .unwrap();
+        let a = answer(again).await;
+        assert!(a.ok, "{a:?}");
+        registry.running().shutdown().await;
+    }
+
+    #[test]
+    fn key_files_stay_off_the_wire() {
+        let req = Request::AddHost {
+            subsystem: "nqn.x".into(),
+            host: "nqn.h".into(),
+            dhchap_key: Some("k".into()),
+            dhchap_key_file: Some("/secret".into()),
+            dhchap_ctrl_key: None,
+            dhchap_ctrl_key_file: None,
+            tls_psk: None,
+            tls_psk_file: None,
+            replace: true,
+        };
+        let line = encode(&req);
+        assert!(
+            !line.contains("file") && line.contains("\"replace\":true"),
+            "{line}"
+        );
+        let e = decode(&line.replace("\"replace\"", "\"dhchap_key_file\""));
+        assert!(e.unwrap_err().contains("unknown field"));
+    }
 
     #[test]
     fn requests_round_trip_and_strangers_are_refused() {

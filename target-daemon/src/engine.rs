@@ -190,6 +190,7 @@ pub struct Engine<T> {
     inflight: FuturesUnordered<IoFuture<T>>,
     events: Option<EventReceiver>,
     ctrl_shutdown: Option<watch::Receiver<bool>>,
+    ns_changed: Option<watch::Receiver<()>>,
     target_shutdown: watch::Receiver<bool>,
     /// Set once the connection is to close: no new commands, in-flight ones finish.
     pub closing: Option<Closed>,
@@ -205,7 +206,7 @@ async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
     }
 }
 
-async fn changed(rx: &mut Option<watch::Receiver<bool>>) {
+async fn changed<T>(rx: &mut Option<watch::Receiver<T>>) {
     match rx {
         Some(rx) => {
             if rx.changed().await.is_err() {
@@ -261,6 +262,7 @@ impl<T: 'static> Engine<T> {
             inflight: FuturesUnordered::new(),
             events: None,
             ctrl_shutdown: None,
+            ns_changed: None,
             target_shutdown,
             closing: None,
             handshake_deadline,
@@ -292,6 +294,9 @@ impl<T: 'static> Engine<T> {
         if self.ctrl_shutdown.is_none() {
             if let Some(ctrl) = &self.q.ctrl {
                 self.ctrl_shutdown = Some(ctrl.subscribe_shutdown());
+                if self.q.qid != 0 {
+                    self.ns_changed = ctrl.subsystem().map(|s| s.subscribe_namespaces());
+                }
                 if self.events.is_none() {
                     self.events = self.q.events.take();
                 }
@@ -388,6 +393,10 @@ impl<T: 'static> Engine<T> {
             }
             _ = self.target_shutdown.changed() => {
                 self.close(Closed::Local("target shutting down"));
+                Wake::Handled
+            }
+            _ = changed(&mut self.ns_changed) => {
+                self.q.forget_namespaces();
                 Wake::Handled
             }
             _ = sleep_until(deadline), if deadline.is_some() => self.deadline_passed(),

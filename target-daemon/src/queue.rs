@@ -672,6 +672,12 @@ impl QueueState {
         }
     }
 
+    /// Drops the snapshot of the namespaces (the next I/O command takes a new one), so that
+    /// a removed namespace is not held by an idle queue.
+    pub fn forget_namespaces(&mut self) {
+        self.namespaces = None;
+    }
+
     fn namespace(&self, nsid: u32) -> Result<QueueNs, Status> {
         self.namespaces
             .as_ref()

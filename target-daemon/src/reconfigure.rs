@@ -4,7 +4,8 @@
 //!
 //! 1. validate: the new configuration must pass [`Config::validate`]; the `[target]`
 //!    settings, a subsystem's serial and model, a namespace's UUID and RDMA listeners change
-//!    only at a restart; a namespace's backend may change only in size;
+//!    only at a restart; a namespace whose backend changes other than in size gets the new
+//!    backend under the same NSID (the old one goes as a removed namespace's does);
 //! 2. prepare, the steps that can fail: bind the new listeners, open the new namespaces'
 //!    backends, grow the resized files. A failure drops what was prepared and changes
 //!    nothing;
@@ -19,7 +20,7 @@
 //! namespace's backend is flushed, then closed when its last command completes.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use blockdev::{Backend, BackendSpec};
@@ -27,7 +28,10 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
-use crate::config::{Config, ConfigError, ListenAddr, SubsystemConfig, Transport, parse_uuid};
+use crate::config::{
+    Config, ConfigError, ListenAddr, SubsystemConfig, TargetSettings, Transport, parse_uuid,
+    write_private,
+};
 use crate::launcher::RunningTarget;
 use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
 use crate::target::{
@@ -58,6 +62,19 @@ pub fn refused<T>(msg: impl Into<String>) -> Result<T, ChangeError> {
 pub struct Registry {
     running: RunningTarget,
     config: Mutex<Config>,
+    files: ConfigFiles,
+}
+
+/// Where the running configuration is written.
+#[derive(Clone, Debug, Default)]
+pub struct ConfigFiles {
+    /// The file the target was started from and the `[target]` settings it holds (the
+    /// running ones may come from flags): every change applied through [`Registry::edit`] is
+    /// written back to it (see [`write_private`]), the previous version kept as `FILE.bak`,
+    /// so that a restart runs what ran.
+    pub persist: Option<(PathBuf, TargetSettings)>,
+    /// The only directory [`Registry::save`] writes to; `None`: saving is off.
+    pub save_dir: Option<PathBuf>,
 }
 
 /// What changes in one existing subsystem.
@@ -117,7 +134,14 @@ impl Registry {
         Registry {
             running,
             config: Mutex::new(cfg),
+            files: ConfigFiles::default(),
         }
+    }
+
+    /// Sets where the running configuration is written.
+    pub fn with_files(mut self, files: ConfigFiles) -> Self {
+        self.files = files;
+        self
     }
 
     /// The running target.
@@ -135,8 +159,10 @@ impl Registry {
         self.config.lock().clone()
     }
 
-    /// Applies the running configuration as changed by `edit`. Returns what changed, one line
-    /// each.
+    /// Applies the running configuration as changed by `edit`, then writes it to the
+    /// configuration file the target started from, if any ([`ConfigFiles::persist`]). Returns
+    /// what changed, one line each (and a warning line when the file could not be written:
+    /// the change runs all the same).
     pub fn edit(
         &self,
         edit: impl FnOnce(&mut Config) -> Result<(), ChangeError>,
@@ -144,7 +170,30 @@ impl Registry {
         let mut cur = self.config.lock();
         let mut new = cur.clone();
         edit(&mut new)?;
-        self.apply_to(&mut cur, new)
+        let mut changes = self.apply_to(&mut cur, new)?;
+        if let Some((path, settings)) = &self.files.persist
+            && !changes.is_empty()
+        {
+            let mut file = cur.clone();
+            file.target = settings.clone();
+            let written = file
+                .to_toml()
+                .map_err(std::io::Error::other)
+                .and_then(|text| write_private(path, &text, true));
+            match written {
+                Ok(()) => info!(path = %path.display(), "configuration file updated"),
+                Err(e) => {
+                    let line = format!(
+                        "warning: the change runs but {} could not be updated ({e}); a \
+                         restart would not keep it",
+                        path.display()
+                    );
+                    warn!("{line}");
+                    changes.push(line);
+                }
+            }
+        }
+        Ok(changes)
     }
 
     /// Makes the target run `new` (see the module documentation). Returns what changed, one
@@ -158,7 +207,10 @@ impl Registry {
         let mut new = new.with_explicit_nsids();
         new.validate()?;
         if new.target != cur.target {
-            return refused("[target] settings change only at a restart");
+            return refused(format!(
+                "[target] settings change only at a restart: {} changed",
+                changed_settings(&cur.target, &new.target).join(", ")
+            ));
         }
         let mut changes = Vec::new();
         let target = self.target();
@@ -199,12 +251,11 @@ impl Registry {
         for s in &new.subsystems {
             let Some(o) = old_subs.get(s.nqn.as_str()) else {
                 let backends = s
-                    .namespaces
-                    .iter()
-                    .enumerate()
-                    .map(|(i, ns)| {
+                    .nsids()
+                    .zip(&s.namespaces)
+                    .map(|(id, ns)| {
                         Ok((
-                            open_backend(&s.nqn, i + 1, &ns.backend)?,
+                            open_backend(&s.nqn, id, &ns.backend)?,
                             ns.backend.to_string(),
                         ))
                     })
@@ -270,7 +321,7 @@ impl Registry {
             let old_ns: BTreeMap<u32, _> = o.nsids().zip(&o.namespaces).collect();
             let current = sub.namespaces();
             let mut map = NamespaceMap::new();
-            for (index, (id, n)) in s.nsids().zip(&s.namespaces).enumerate() {
+            for (id, n) in s.nsids().zip(&s.namespaces) {
                 match old_ns.get(&id) {
                     Some(on) if *on == n => {
                         if let Some(ns) = current.get(&id) {
@@ -278,20 +329,46 @@ impl Registry {
                         }
                     }
                     Some(on) => {
-                        let size =
-                            resized_to(&on.backend, &n.backend).filter(|_| on.uuid == n.uuid);
-                        let Some(size) = size else {
+                        if on.uuid != n.uuid {
                             return refused(format!(
-                                "subsystem {} namespace {id}: {} cannot become {}; only the size \
-                                 of a served namespace changes (remove it and add it again)",
+                                "subsystem {} namespace {id}: namespace UUIDs change only at a \
+                                 restart",
+                                s.nqn
+                            ));
+                        }
+                        if let Some(size) = resized_to(&on.backend, &n.backend) {
+                            resizes.push((plans.len(), id, size, n.backend.to_string()));
+                            plan.changed_nsids.push(id);
+                            continue;
+                        }
+                        // Another backend under the same NSID: the old one goes as a removed
+                        // namespace does, the new one is opened first.
+                        if let (
+                            BackendSpec::File(a) | BackendSpec::Bdev(a),
+                            BackendSpec::File(b) | BackendSpec::Bdev(b),
+                        ) = (&on.backend, &n.backend)
+                            && a.path == b.path
+                        {
+                            return refused(format!(
+                                "subsystem {} namespace {id}: {} cannot become {} while it \
+                                 serves the same file; other options of a served file change \
+                                 only at a restart (or remove the namespace and add it again)",
                                 s.nqn, on.backend, n.backend
                             ));
-                        };
-                        resizes.push((plans.len(), id, size, n.backend.to_string()));
+                        }
+                        let backend = open_backend(&s.nqn, id, &n.backend)?;
+                        let uuid = n.uuid.as_deref().and_then(parse_uuid);
+                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
+                        map.insert(id, Arc::new(ns));
                         plan.changed_nsids.push(id);
+                        plan.removed.extend(current.get(&id).cloned());
+                        changes.push(format!(
+                            "subsystem {}: namespace {id} is now {} (was {})",
+                            s.nqn, n.backend, on.backend
+                        ));
                     }
                     None => {
-                        let backend = open_backend(&s.nqn, index + 1, &n.backend)?;
+                        let backend = open_backend(&s.nqn, id, &n.backend)?;
                         let uuid = n.uuid.as_deref().and_then(parse_uuid);
                         let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
                         map.insert(id, Arc::new(ns));
@@ -346,7 +423,7 @@ impl Registry {
                 .resized(size)
                 .map_err(|source| StartError::Backend {
                     nqn: p.sub.nqn.clone(),
-                    index: id as usize,
+                    nsid: id,
                     source,
                 })?;
             let uuid = Some(old.uuid);
@@ -484,24 +561,40 @@ impl Registry {
         Ok(changes)
     }
 
-    /// Writes the running configuration to `path` as TOML (through a temporary file renamed
-    /// into place), so that a restart with it serves the same subsystems, namespaces, hosts
-    /// and listeners.
+    /// Writes the running configuration to `path` as TOML (see [`write_private`]), so that a
+    /// restart with it serves the same subsystems, namespaces, hosts and listeners. `path`
+    /// must name a file in [`ConfigFiles::save_dir`]; the configuration file the target
+    /// started from keeps its previous version as `FILE.bak`.
     pub fn save(&self, path: &Path) -> Result<(), ChangeError> {
-        use std::io::Write as _;
-        use std::os::unix::fs::OpenOptionsExt as _;
+        let Some(dir) = &self.files.save_dir else {
+            return refused(
+                "saving is off: start with --config FILE (saves go to its directory) or \
+                 --save-dir DIR",
+            );
+        };
+        let outside = || {
+            ChangeError::Refused(format!(
+                "{}: saves go to {} only (save_dir)",
+                path.display(),
+                dir.display()
+            ))
+        };
+        let (Some(parent), Some(_)) = (path.parent(), path.file_name()) else {
+            return Err(outside());
+        };
+        let real = parent.canonicalize().map_err(|e| {
+            ChangeError::Refused(format!("cannot save to {}: {e}", parent.display()))
+        })?;
+        if dir.canonicalize().ok() != Some(real) {
+            return Err(outside());
+        }
+        let backup =
+            self.files.persist.as_ref().is_some_and(|(p, _)| {
+                p.canonicalize().ok() == path.canonicalize().ok() && p.exists()
+            });
         let text = self.config.lock().to_toml()?;
-        let tmp = path.with_extension("tmp");
-        // The file may hold DH-HMAC-CHAP secrets and TLS PSKs: root only.
-        let write = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .and_then(|mut f| f.write_all(text.as_bytes()))
-            .and_then(|()| std::fs::rename(&tmp, path));
-        write.map_err(|e| ChangeError::Refused(format!("cannot write {}: {e}", path.display())))?;
+        write_private(path, &text, backup)
+            .map_err(|e| ChangeError::Refused(format!("cannot write {}: {e}", path.display())))?;
         info!(path = %path.display(), "saved the running configuration");
         Ok(())
     }
@@ -561,6 +654,22 @@ impl Registry {
         }
         v
     }
+}
+
+/// The names of the `[target]` settings that differ between `a` and `b`.
+fn changed_settings(a: &TargetSettings, b: &TargetSettings) -> Vec<String> {
+    let (Ok(Value::Object(a)), Ok(Value::Object(b))) =
+        (serde_json::to_value(a), serde_json::to_value(b))
+    else {
+        return vec!["[target]".into()];
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .collect()
 }
 
 fn controller_json(c: &crate::controller::Controller) -> Value {
@@ -694,6 +803,11 @@ mod tests {
         assert_eq!(nsids(&r), vec![1]);
         let e = add_ns(&r, "mem:1M", Some(1)).unwrap_err().to_string();
         assert!(e.contains("nsid 1 used twice"), "{e}");
+        // A namespace is named by its NSID, not by its place in the list.
+        let e = add_ns(&r, "file:/nonexistent-dir/ns.img,size=1M", Some(9))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("namespace 9:"), "{e}");
         let e = r
             .edit(|c| {
                 c.target.max_queue_depth = 64;
@@ -701,15 +815,19 @@ mod tests {
             })
             .unwrap_err()
             .to_string();
-        assert!(e.contains("change only at a restart"), "{e}");
+        assert!(
+            e.contains("change only at a restart: max_queue_depth changed"),
+            "{e}"
+        );
         let e = r
             .edit(|c| {
-                c.subsystems[0].namespaces[0].backend = "null:1M".parse().unwrap();
+                c.subsystems[0].namespaces[0].uuid =
+                    Some("00000000-0000-4000-8000-000000000001".into());
                 Ok(())
             })
             .unwrap_err()
             .to_string();
-        assert!(e.contains("only the size"), "{e}");
+        assert!(e.contains("UUIDs change only at a restart"), "{e}");
         let e = r
             .edit(|c| {
                 c.subsystems[0].namespaces[0].backend = "mem:2M".parse().unwrap();
@@ -731,8 +849,56 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backend_swap_keeps_the_nsid_and_tells_the_hosts() {
+        let r = registry(&["mem:1M"]);
+        let (mut admin, mut io) = connected(r.target(), HostSgl::Transport);
+        let aec = build::set_features(
+            4,
+            features::ASYNC_EVENT_CONFIG,
+            features::AEC_NS_ATTRIBUTE_NOTICES,
+        );
+        assert!(answer(&mut admin, &aec).status().is_success());
+        assert!(answer(&mut io, &read(1, 1)).status().is_success());
+        let old = Arc::clone(&r.target().subsystem(NQN).unwrap().namespaces()[&1]);
+        let changes = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[0].backend = "null:2M".parse().unwrap();
+                Ok(())
+            })
+            .unwrap();
+        assert!(
+            changes[0].contains("namespace 1 is now null:2M") && changes[0].contains("was mem:1M"),
+            "{changes:?}"
+        );
+        let ns = Arc::clone(&r.target().subsystem(NQN).unwrap().namespaces()[&1]);
+        assert_eq!((ns.blocks, ns.uuid), (512, old.uuid));
+        assert_eq!(changed_ns_log(&mut admin), vec![1]);
+        assert!(answer(&mut io, &read(2, 1)).status().is_success());
+
+        // The same file with other options is not opened twice.
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ns.img");
+        let spec = format!("file:{},size=1M", f.display());
+        add_ns(&r, &spec, Some(2)).unwrap();
+        let e = r
+            .edit(|c| {
+                c.subsystems[0].namespaces[1].backend =
+                    format!("{spec},direct=off").parse().unwrap();
+                Ok(())
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("serves the same file"), "{e}");
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_saved_configuration_restarts_to_the_same_state() {
-        let r = registry(&["mem:1M", "null:1M"]);
+        let dir = tempfile::tempdir().unwrap();
+        let r = registry(&["mem:1M", "null:1M"]).with_files(ConfigFiles {
+            persist: None,
+            save_dir: Some(dir.path().to_path_buf()),
+        });
         add_ns(&r, "null:4M", Some(7)).unwrap();
         r.edit(|c| {
             c.subsystems[0].namespaces.remove(0);
@@ -745,9 +911,28 @@ mod tests {
         })
         .unwrap();
         assert_eq!(nsids(&r), vec![2, 7]);
-        let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("saved.toml");
         r.save(&path).unwrap();
+        // Only into the save directory, however the path is spelled.
+        let other = tempfile::tempdir().unwrap();
+        let link = dir.path().join("elsewhere");
+        std::os::unix::fs::symlink(other.path(), &link).unwrap();
+        for bad in [
+            other.path().join("x.toml"),
+            link.join("x.toml"),
+            dir.path().join("sub/../../x.toml"),
+        ] {
+            let e = r.save(&bad).unwrap_err().to_string();
+            assert!(
+                e.contains("saves go to") || e.contains("cannot save"),
+                "{e}"
+            );
+        }
+        assert_eq!(std::fs::read_dir(other.path()).unwrap().count(), 0);
+        let off = registry(&["mem:1M"]);
+        let e = off.save(&path).unwrap_err().to_string();
+        assert!(e.contains("saving is off"), "{e}");
+        off.running().shutdown().await;
         let saved = Config::from_file(&path).unwrap();
         assert_eq!(saved.to_toml().unwrap(), r.config().to_toml().unwrap());
         // Bound ports are written, not port 0.
@@ -755,6 +940,49 @@ mod tests {
         assert_eq!(saved.subsystems[0].nsids().collect::<Vec<_>>(), vec![2, 7]);
         // Applying what runs changes nothing.
         assert!(r.apply(saved).unwrap().is_empty());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn applied_changes_are_written_back_to_the_configuration_file() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("target.toml");
+        let r = registry(&["mem:1M"]);
+        let original = r.config();
+        let mut file_settings = original.target.clone();
+        file_settings.reactors = 0;
+        std::fs::write(&path, "# the original\n").unwrap();
+        let r = r.with_files(ConfigFiles {
+            persist: Some((path.clone(), file_settings.clone())),
+            save_dir: None,
+        });
+        add_ns(&r, "null:4M", None).unwrap();
+        let written = Config::from_file(&path).unwrap();
+        assert_eq!(
+            written.subsystems[0].nsids().collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        // The file's [target] settings, not the running ones (which may come from flags).
+        assert_eq!(written.target, file_settings);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let bak = dir.path().join("target.toml.bak");
+        assert_eq!(std::fs::read_to_string(&bak).unwrap(), "# the original\n");
+        // A refused change writes nothing; an unwritable file is a warning line.
+        assert!(add_ns(&r, "null:1M", Some(2)).is_err());
+        assert_eq!(
+            Config::from_file(&path).unwrap().to_toml().unwrap(),
+            written.to_toml().unwrap()
+        );
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let changes = add_ns(&r, "null:1M", None).unwrap();
+        assert!(
+            changes.last().unwrap().contains("could not be updated"),
+            "{changes:?}"
+        );
+        assert_eq!(nsids(&r), vec![1, 2, 3]);
         r.running().shutdown().await;
     }
 

@@ -162,6 +162,8 @@ pub struct Subsystem {
     next_cntlid: Mutex<u16>,
     /// Incremented on every namespace change, after the new map is in place.
     generation: AtomicU64,
+    /// Told of every namespace change, so idle queues let go of removed namespaces.
+    ns_changed: tokio::sync::watch::Sender<()>,
     /// Live queues' counters and the totals of closed ones.
     pub metrics: crate::metrics::SubsystemMetrics,
 }
@@ -199,6 +201,7 @@ impl Subsystem {
             controllers: Mutex::new(BTreeMap::new()),
             next_cntlid: Mutex::new(1),
             generation: AtomicU64::new(0),
+            ns_changed: tokio::sync::watch::channel(()).0,
             metrics: Default::default(),
         }
     }
@@ -250,6 +253,14 @@ impl Subsystem {
     pub fn set_namespaces(&self, namespaces: NamespaceMap) {
         *self.namespaces.write() = Arc::new(namespaces);
         self.generation.fetch_add(1, Ordering::AcqRel);
+        self.ns_changed.send_replace(());
+    }
+
+    /// A receiver that sees every namespace change: a queue waiting for commands drops its
+    /// snapshot of the namespaces then, so a removed namespace's backend (its file and lock)
+    /// is released once its running commands complete, not at the queue's next command.
+    pub fn subscribe_namespaces(&self) -> tokio::sync::watch::Receiver<()> {
+        self.ns_changed.subscribe()
     }
 
     /// Highest NSID (Identify Controller NN).

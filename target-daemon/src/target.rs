@@ -21,12 +21,12 @@ use crate::subsystem::{Namespace, Subsystem, stable_id128};
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// A backend could not be opened.
-    #[error("subsystem {nqn} namespace {index}: {source}")]
+    #[error("subsystem {nqn} namespace {nsid}: {source}")]
     Backend {
         /// Subsystem NQN.
         nqn: String,
-        /// Namespace position in the configuration (1-based).
-        index: usize,
+        /// The namespace's NSID.
+        nsid: u32,
         /// Cause.
         source: blockdev::BackendError,
     },
@@ -48,25 +48,28 @@ pub enum StartError {
     },
     /// Two namespaces name the same file or device.
     #[error(
-        "subsystem {nqn} namespace {index}: {path} already backs {first}; a file or device can back only one namespace"
+        "subsystem {nqn} namespace {nsid}: {path} already backs {first}; a file or device can back only one namespace"
     )]
     SameFile {
         /// Subsystem NQN.
         nqn: String,
-        /// Namespace position in the configuration (1-based).
-        index: usize,
+        /// The namespace's NSID.
+        nsid: u32,
         /// The path as given.
         path: String,
         /// The namespace that uses it first.
         first: String,
     },
-    /// A file namespace would be created in a directory that does not exist.
-    #[error("subsystem {nqn} namespace {index}: cannot create {path}: {dir} is not a directory")]
+    /// A file namespace would be created in a directory that does not exist or is not a
+    /// directory.
+    #[error("subsystem {nqn} namespace {nsid}: cannot create {path}: {dir} {why}")]
     NoDirectory {
+        /// `does not exist` or `is not a directory`.
+        why: &'static str,
         /// Subsystem NQN.
         nqn: String,
-        /// Namespace position in the configuration (1-based).
-        index: usize,
+        /// The namespace's NSID.
+        nsid: u32,
         /// The file to create.
         path: String,
         /// Its parent.
@@ -137,6 +140,29 @@ pub struct CheckReport {
     pub would_create: Vec<(String, u64)>,
 }
 
+/// The file that creating `path` would make, however it is spelled: a symlink at the name is
+/// followed (it may dangle), then the parent directory is made canonical (`..`, symlinks).
+fn creation_key(path: &std::path::Path) -> std::path::PathBuf {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::read_link(&p) {
+            Ok(t) => p = p.parent().map_or_else(|| t.clone(), |d| d.join(&t)),
+            Err(_) => break,
+        }
+    }
+    match (p.parent(), p.file_name()) {
+        (Some(d), Some(n)) => {
+            let d = if d.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                d
+            };
+            d.canonicalize().map_or(p.clone(), |d| d.join(n))
+        }
+        _ => p,
+    }
+}
+
 /// Identifies a file or device across the different paths that may name it.
 fn file_identity(path: &std::path::Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
@@ -171,15 +197,15 @@ impl Target {
         for s in &cfg.subsystems {
             let mut backends = Vec::new();
             for (i, ns) in s.namespaces.iter().enumerate() {
-                let index = i + 1;
-                let here = format!("subsystem {} namespace {index}", s.nqn);
+                let nsid = ns.nsid.unwrap_or(i as u32 + 1);
+                let here = format!("subsystem {} namespace {nsid}", s.nqn);
                 let mut spec = ns.backend.clone();
                 if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &ns.backend
                     && f.exclusive
                 {
                     let same_file = |first: &String| StartError::SameFile {
                         nqn: s.nqn.clone(),
-                        index,
+                        nsid,
                         path: f.path.display().to_string(),
                         first: first.clone(),
                     };
@@ -198,13 +224,18 @@ impl Target {
                         };
                         if !dir.is_dir() {
                             return Err(StartError::NoDirectory {
+                                why: if dir.exists() {
+                                    "is not a directory"
+                                } else {
+                                    "does not exist"
+                                },
                                 nqn: s.nqn.clone(),
-                                index,
+                                nsid,
                                 path: f.path.display().to_string(),
                                 dir: dir.display().to_string(),
                             });
                         }
-                        if let Some(first) = to_create.insert(f.path.clone(), here.clone()) {
+                        if let Some(first) = to_create.insert(creation_key(&f.path), here.clone()) {
                             return Err(same_file(&first));
                         }
                         report
@@ -216,7 +247,7 @@ impl Target {
                         };
                     }
                 }
-                let b = open_backend(&s.nqn, index, &spec)?;
+                let b = open_backend(&s.nqn, nsid, &spec)?;
                 if let blockdev::BackendSpec::File(f) | blockdev::BackendSpec::Bdev(f) = &spec
                     && f.exclusive
                 {
@@ -415,17 +446,17 @@ impl Target {
     }
 }
 
-/// Opens the backend of namespace `index` (1-based position, for messages) of subsystem `nqn`.
+/// Opens the backend of namespace `nsid` (for messages) of subsystem `nqn`.
 pub fn open_backend(
     nqn: &str,
-    index: usize,
+    nsid: u32,
     spec: &blockdev::BackendSpec,
 ) -> Result<Arc<blockdev::AnyBackend>, StartError> {
     blockdev::open(spec)
         .map(Arc::new)
         .map_err(|source| StartError::Backend {
             nqn: nqn.to_string(),
-            index,
+            nsid,
             source,
         })
 }

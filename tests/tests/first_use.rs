@@ -250,7 +250,33 @@ fn namespace_files_are_sized_and_claimed_and_check_creates_nothing() {
     assert!(!img.exists(), "--check created {img_s}");
     let missing_dir = format!("file:{}/no/such/dir/x.img,size=4M", dir.path().display());
     let err = refused(&["--listen", &listen, "--namespace", &missing_dir, "--check"]);
-    assert!(err.contains("is not a directory"), "{err}");
+    assert!(err.contains("/no/such/dir does not exist"), "{err}");
+    let not_dir = format!("file:{img_s}/x.img,size=4M");
+    std::fs::write(&img, "").unwrap();
+    let err = refused(&["--listen", &listen, "--namespace", &not_dir, "--check"]);
+    assert!(
+        err.contains(&format!("{img_s} is not a directory")),
+        "{err}"
+    );
+    std::fs::remove_file(&img).unwrap();
+
+    // One new file named twice, through `..` or a symlink: --check says so, as starting would.
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    std::os::unix::fs::symlink(&img, dir.path().join("link.img")).unwrap();
+    for other in ["sub/../a.img", "link.img"] {
+        let twice = format!("file:{}/{other},size=4M", dir.path().display());
+        let err = refused(&[
+            "--listen",
+            &listen,
+            "--namespace",
+            &spec,
+            "--namespace",
+            &twice,
+            "--check",
+        ]);
+        assert!(err.contains("already backs"), "{other}: {err}");
+        assert!(!img.exists());
+    }
 
     // An existing file whose size disagrees with size=.
     std::fs::File::create(&img)
@@ -325,4 +351,81 @@ fn a_discovery_listener_serves_only_discovery() {
     assert!(connect_status(dport, DISCOVERY_NQN).status().is_success());
     assert!(connect_status(port, NQN).status().is_success());
     assert!(connect_status(port, DISCOVERY_NQN).status().is_success());
+}
+
+/// `--check` fails where starting would: the metrics port taken, the control socket held by
+/// a running daemon, a discovery listener on an I/O listener's address; it warns about a
+/// configuration with no subsystem.
+#[test]
+fn check_fails_where_starting_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("tcp://127.0.0.1:{}", free_port());
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics = taken.local_addr().unwrap().to_string();
+    let err = refused(&["--listen", &listen, "--metrics", &metrics, "--check"]);
+    assert!(
+        err.contains(&format!("cannot bind the metrics endpoint {metrics}")),
+        "{err}"
+    );
+
+    let socket = dir.path().join("ctl.sock");
+    let s = socket.to_str().unwrap();
+    let running = TargetProcess::spawn(
+        &[
+            "--listen",
+            &format!("tcp://127.0.0.1:{}", free_port()),
+            "--control-socket",
+            s,
+        ],
+        0,
+    );
+    let err = refused(&["--listen", &listen, "--control-socket", s, "--check"]);
+    assert!(
+        err.contains("another nvmeof-targetd is running and holds it"),
+        "{err}"
+    );
+    let (code, log) = running.terminate();
+    assert_eq!(code, Some(0), "{log}");
+
+    let port = free_port();
+    let cfg = dir.path().join("t.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n\
+             [discovery]\nlisten = [\"tcp://127.0.0.1:{port}\"]\n"
+        ),
+    )
+    .unwrap();
+    let err = refused(&["--config", cfg.to_str().unwrap(), "--check"]);
+    assert!(err.contains("is the same address as listener"), "{err}");
+    std::fs::write(
+        &cfg,
+        format!("[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n"),
+    )
+    .unwrap();
+    let out = targetd(&["--config", cfg.to_str().unwrap(), "--check"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("no subsystem configured: hosts can only discover"),
+        "{}",
+        stderr(&out)
+    );
+
+    // Hosts listed where any host may connect: said, not silently ignored.
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n\
+             [[subsystem]]\nnqn = \"{NQN}\"\nallow_any_host = true\nhosts = [\"{TEST_HOSTNQN}\"]\n"
+        ),
+    )
+    .unwrap();
+    let out = targetd(&["--config", cfg.to_str().unwrap(), "--check"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("the hosts list has no effect"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -199,7 +199,8 @@ impl FileBackend {
     ///
     /// A regular file that is missing or empty is created / extended to `create_size` when
     /// that is given; otherwise its length is the capacity and must be a non-zero multiple of
-    /// the block size (and equal `create_size` when that is given). Unless the spec says it is
+    /// the block size (at least `create_size` when that is given: a larger file is served
+    /// whole, with a warning, never cut off). Unless the spec says it is
     /// not [`exclusive`](FileSpec::exclusive), the file or device is claimed with an exclusive
     /// `flock` for as long as the backend lives; a second claim fails naming the holder. A block device's size and logical block size come from the
     /// `BLKGETSIZE64` and `BLKSSZGET` ioctls.
@@ -252,9 +253,20 @@ impl FileBackend {
                     file.set_len(create).map_err(|e| open_error(path, e))?;
                     size = create;
                 }
+                // Larger than size= (grown while running, or by hand): its data is served,
+                // never cut off.
+                Some(wanted) if wanted < size => {
+                    tracing::warn!(
+                        path = %path.display(),
+                        "the file is {} ({size} bytes), larger than size={}: serving all of \
+                         it; raise size= to {size} to match",
+                        crate::format_size(size),
+                        crate::format_size(wanted),
+                    );
+                }
                 Some(wanted) if wanted != size => {
                     return Err(BackendError::Config(format!(
-                        "{p} is {} ({size} bytes) but size={} was given: resize the file \
+                        "{p} is {} ({size} bytes) but size={} was given: grow the file \
                          (truncate -s {wanted} {p}) or drop size= to serve it as it is",
                         crate::format_size(size),
                         crate::format_size(wanted),
@@ -762,7 +774,7 @@ mod tests {
     }
 
     #[test]
-    fn a_size_that_disagrees_with_the_file_is_refused() {
+    fn a_size_above_the_file_is_refused_and_one_below_serves_the_whole_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ns.img");
         std::fs::File::create(&path)
@@ -778,7 +790,15 @@ mod tests {
         );
         assert!(err.contains("truncate -s 268435456"), "{err}");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 100 << 20);
-        // The same size, or none, serves the file as it is.
+        // The same size, a smaller one, or none, serves the file as it is: data is never
+        // cut off.
+        assert_eq!(
+            FileBackend::open(&spec(&path, 1 << 20))
+                .unwrap()
+                .num_blocks(),
+            25600
+        );
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 100 << 20);
         assert_eq!(
             FileBackend::open(&spec(&path, 100 << 20))
                 .unwrap()

@@ -176,6 +176,12 @@ pub enum SpecError {
     /// Sizes and block size do not fit together.
     #[error("{0}")]
     Geometry(String),
+    /// A block size that is not one of 512, 1K, 2K ... 64K.
+    #[error(
+        "invalid block size {0:?}: use 512, 1K, 2K, 4K, 8K, 16K, 32K or 64K (a power of two \
+         from 512 bytes to 64 KiB)"
+    )]
+    BadBlockSize(String),
 }
 
 /// Parses a size such as `4096`, `64K`, `1G`, `10GiB` or `2t` (powers of 1024).
@@ -216,10 +222,7 @@ pub fn validate_block_size(block_size: u32) -> Result<(), SpecError> {
     if block_size.is_power_of_two() && (512..=65536).contains(&block_size) {
         Ok(())
     } else {
-        Err(SpecError::BadValue {
-            key: "block size".into(),
-            value: block_size.to_string(),
-        })
+        Err(SpecError::BadBlockSize(block_size.to_string()))
     }
 }
 
@@ -234,12 +237,9 @@ fn validate_geometry(size: u64, block_size: u32) -> Result<(), SpecError> {
 }
 
 fn parse_block_size(v: &str) -> Result<u32, SpecError> {
-    let bs = parse_size(v)?;
-    let bs = u32::try_from(bs).map_err(|_| SpecError::BadValue {
-        key: "bs".into(),
-        value: v.into(),
-    })?;
-    validate_block_size(bs)?;
+    let bad = || SpecError::BadBlockSize(v.into());
+    let bs = u32::try_from(parse_size(v).map_err(|_| bad())?).map_err(|_| bad())?;
+    validate_block_size(bs).map_err(|_| bad())?;
     Ok(bs)
 }
 
@@ -701,6 +701,22 @@ mod tests {
             "mem:1G,volatile_cache=1M",
         ] {
             assert!(bad.parse::<BackendSpec>().is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn a_bad_block_size_lists_the_valid_ones() {
+        for bad in [
+            "mem:1G,bs=1000",
+            "mem:1G,bs=256",
+            "file:/x,bs=128K",
+            "null:1G,bs=big",
+        ] {
+            let e = bad.parse::<BackendSpec>().unwrap_err().to_string();
+            assert!(
+                e.contains("use 512, 1K, 2K, 4K, 8K, 16K, 32K or 64K"),
+                "{bad}: {e}"
+            );
         }
     }
 

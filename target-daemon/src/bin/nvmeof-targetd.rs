@@ -9,9 +9,11 @@ use anyhow::Context;
 use blockdev::BackendSpec;
 use clap::Parser;
 use nvmeof_daemon::{LogFormat, Signal, Signals};
-use nvmeof_target::config::{Config, DEFAULT_CONTROL_SOCKET, DEFAULT_NQN, ListenAddr};
+use nvmeof_target::config::{
+    Config, DEFAULT_CONTROL_SOCKET, DEFAULT_NQN, ListenAddr, TargetSettings,
+};
 use nvmeof_target::control::{Request, Response};
-use nvmeof_target::reconfigure::Registry;
+use nvmeof_target::reconfigure::{ConfigFiles, Registry};
 use nvmeof_target::{RunningTarget, Target};
 use serde_json::Value;
 use tracing::{error, info, warn};
@@ -29,6 +31,8 @@ use tracing::{error, info, warn};
 ///
 /// SIGTERM or SIGINT: stop accepting, complete in-flight commands, flush, exit 0.
 /// SIGHUP: reload the --config file and apply what changed (nothing if it is invalid).
+/// Changes made with `ctl` are written back to the --config file (the previous one kept as
+/// FILE.bak), so a restart runs what ran.
 /// NVMEOF_LOG: off, error, warn, info (default), debug, trace, or TARGET=LEVEL.
 #[derive(Debug, Parser)]
 #[command(
@@ -114,6 +118,11 @@ struct Args {
     #[arg(long, value_name = "GROUP")]
     control_group: Option<String>,
 
+    /// The directory `ctl save` may write to (default: the config's save_dir, else the
+    /// --config file's directory; without either, saves are refused).
+    #[arg(long, value_name = "DIR")]
+    save_dir: Option<PathBuf>,
+
     /// Log format.
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
@@ -147,12 +156,16 @@ enum Output {
     Json,
 }
 
-fn load_config(args: &Args) -> anyhow::Result<Config> {
+/// The configuration to run, and the `[target]` settings of the --config file (before flags
+/// override them), which are written back with every live change.
+fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> {
+    let mut file_settings = None;
     let mut cfg = if let Some(path) = &args.config {
         let cfg = Config::from_file(path)?;
         if let Some(w) = nvmeof_target::config::key_file_warning(path, &cfg) {
             warn!("{w}");
         }
+        file_settings = Some(cfg.target.clone());
         cfg
     } else if args.listen.is_empty()
         && args.subsystem.is_none()
@@ -190,13 +203,47 @@ fn load_config(args: &Args) -> anyhow::Result<Config> {
     t.max_connections_per_listener = args
         .max_connections_per_listener
         .unwrap_or(t.max_connections_per_listener);
+    if let Some(dir) = &args.save_dir {
+        t.save_dir = Some(dir.clone());
+    }
     cfg.validate()?;
     for s in &cfg.subsystems {
         if s.allow_any_host {
             warn!(subsystem = %s.nqn, "any host may connect to this subsystem");
         }
+        if s.allow_any_host && !s.hosts.is_empty() {
+            warn!(
+                subsystem = %s.nqn,
+                "allow_any_host = true: the hosts list has no effect (any host may connect); \
+                 set allow_any_host = false to admit only the listed hosts"
+            );
+        }
     }
-    Ok(cfg)
+    if cfg.subsystems.is_empty() {
+        warn!(
+            "no subsystem configured: hosts can only discover that there is nothing to connect \
+             to (add one with [[subsystem]] or ctl add-subsystem)"
+        );
+    }
+    Ok((cfg, file_settings))
+}
+
+/// Where the running configuration goes: back into the --config file after every live
+/// change, and `ctl save` into save_dir (default: the --config file's directory).
+fn config_files(args: &Args, cfg: &Config, file_settings: Option<TargetSettings>) -> ConfigFiles {
+    let config = args
+        .config
+        .as_ref()
+        .and_then(|p| std::path::absolute(p).ok());
+    let save_dir = cfg.target.save_dir.clone().or_else(|| {
+        config
+            .as_ref()
+            .and_then(|p| p.parent().map(std::path::Path::to_path_buf))
+    });
+    ConfigFiles {
+        persist: config.zip(file_settings),
+        save_dir,
+    }
 }
 
 async fn run(mut args: Args) -> anyhow::Result<()> {
@@ -206,9 +253,15 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let args = Arc::new(args);
     // Watched before anything else, so a signal during start-up is handled, not fatal.
     let mut signals = Signals::new().context("cannot install signal handlers")?;
-    let cfg = load_config(&args)?;
+    let (cfg, file_settings) = load_config(&args)?;
     if args.check {
         let (target, listeners, report) = Target::check(&cfg)?;
+        if let Some(addr) = cfg.target.metrics {
+            // Bound as starting would, then let go.
+            std::net::TcpListener::bind(addr)
+                .with_context(|| format!("cannot bind the metrics endpoint {addr}"))?;
+        }
+        check_control_socket(&args, &cfg)?;
         for (path, size) in &report.would_create {
             println!("would create {path} ({})", blockdev::format_size(*size));
         }
@@ -235,7 +288,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         tokio::spawn(nvmeof_target::metrics::serve(Arc::clone(&target), listener));
     }
     let running = RunningTarget::start(target, listeners)?;
-    let registry = Arc::new(Registry::new(running, cfg.clone()));
+    let files = config_files(&args, &cfg, file_settings);
+    let registry = Arc::new(Registry::new(running, cfg.clone()).with_files(files));
     let socket = control_socket(&args, &cfg, &registry)?;
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
@@ -260,6 +314,30 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     if failures > 0 {
         anyhow::bail!("{failures} namespace(s) failed to flush at shutdown");
     }
+    Ok(())
+}
+
+/// `--check` of the control socket: the one asked for must not be held by a running daemon
+/// (for the default one, starting would only warn, and so does this).
+fn check_control_socket(args: &Args, cfg: &Config) -> anyhow::Result<()> {
+    let chosen = args
+        .control_socket
+        .clone()
+        .or_else(|| cfg.target.control_socket.clone());
+    let path = chosen
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL_SOCKET));
+    if std::os::unix::net::UnixStream::connect(&path).is_err() {
+        return Ok(());
+    }
+    let held = format!(
+        "control socket {}: another nvmeof-targetd is running and holds it",
+        path.display()
+    );
+    if chosen.is_some() {
+        anyhow::bail!("{held} (stop it, or give another --control-socket)");
+    }
+    eprintln!("warning: {held}: this daemon would run without a control socket");
     Ok(())
 }
 
@@ -296,6 +374,7 @@ fn control_socket(
     tokio::spawn(nvmeof_target::control::serve(
         listener,
         Arc::clone(registry),
+        nvmeof_target::control::ClientLimits::default(),
     ));
     Ok(Some(path))
 }
@@ -308,7 +387,7 @@ fn reload(args: &Args, registry: &Registry) {
         return;
     };
     info!(path = %path.display(), "SIGHUP: reloading the configuration");
-    let result = load_config(args).and_then(|cfg| Ok(registry.apply(cfg)?));
+    let result = load_config(args).and_then(|(cfg, _)| Ok(registry.apply(cfg)?));
     match result {
         Ok(changes) if changes.is_empty() => info!("reload: nothing changed"),
         Ok(changes) => info!(changes = changes.len(), "reload applied"),
@@ -322,9 +401,39 @@ fn reload(args: &Args, registry: &Registry) {
 /// `nvmeof-targetd ctl`: one request, its answer on stdout; exit status 1 when refused.
 async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
     let mut request = ctl.request;
-    if let Request::Save { path } = &mut request {
-        *path = std::path::absolute(&*path)
-            .with_context(|| format!("{}: cannot make the path absolute", path.display()))?;
+    match &mut request {
+        Request::Save { path } => {
+            *path = std::path::absolute(&*path)
+                .with_context(|| format!("{}: cannot make the path absolute", path.display()))?;
+        }
+        Request::AddHost {
+            dhchap_key,
+            dhchap_key_file,
+            dhchap_ctrl_key,
+            dhchap_ctrl_key_file,
+            tls_psk,
+            tls_psk_file,
+            ..
+        } => {
+            let files = [dhchap_key_file, dhchap_ctrl_key_file, tls_psk_file];
+            if files
+                .iter()
+                .filter(|f| f.as_deref() == Some("-".as_ref()))
+                .count()
+                > 1
+            {
+                anyhow::bail!("only one key can come from standard input (-)");
+            }
+            for (key, file) in [dhchap_key, dhchap_ctrl_key, tls_psk]
+                .into_iter()
+                .zip(files)
+            {
+                if let Some(f) = file.take() {
+                    *key = Some(read_key_file(&f)?);
+                }
+            }
+        }
+        _ => {}
     }
     let resp = nvmeof_target::control::request(&ctl.socket, &request).await?;
     match ctl.output {
@@ -335,6 +444,26 @@ async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
         Some(e) if ctl.output == Output::Normal => anyhow::bail!("{e}"),
         Some(_) => Err(anyhow::anyhow!("request refused")),
         None => Ok(()),
+    }
+}
+
+/// A key from a file (`-`: standard input): its first line, without surrounding blanks.
+fn read_key_file(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    if path.as_os_str() == "-" {
+        std::io::stdin()
+            .take(64 * 1024)
+            .read_to_string(&mut text)
+            .context("cannot read a key from standard input")?;
+    } else {
+        std::fs::File::open(path)
+            .and_then(|f| f.take(64 * 1024).read_to_string(&mut text))
+            .with_context(|| format!("cannot read a key from {}", path.display()))?;
+    }
+    match text.lines().next().map(str::trim) {
+        Some(k) if !k.is_empty() => Ok(k.to_string()),
+        _ => anyhow::bail!("{}: no key in it", path.display()),
     }
 }
 
@@ -371,11 +500,38 @@ fn print_normal(resp: &Response) {
             s["serial"].as_str().unwrap_or("?"),
             s["model"].as_str().unwrap_or("?")
         );
+        let mut hosts: Vec<String> = Vec::new();
         if s["allow_any_host"].as_bool() == Some(true) {
-            println!("  hosts: any");
-        } else {
-            println!("  hosts: {}", list(&s["hosts"]));
+            hosts.push("any".into());
         }
+        let names = |k: &str| -> Vec<String> {
+            s[k].as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .map(str::to_string)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        hosts.extend(names("hosts"));
+        // Hosts with keys, named with the kind of key only (never the key).
+        let (dhchap, tls) = (names("dhchap_hosts"), names("tls_hosts"));
+        let mut keyed: Vec<&String> = dhchap.iter().chain(&tls).collect();
+        keyed.sort();
+        keyed.dedup();
+        for h in keyed {
+            let kinds: Vec<&str> = [(&dhchap, "DH-HMAC-CHAP"), (&tls, "TLS PSK")]
+                .iter()
+                .filter(|(l, _)| l.contains(h))
+                .map(|(_, k)| *k)
+                .collect();
+            hosts.push(format!("{h} ({})", kinds.join(", ")));
+        }
+        if hosts.is_empty() {
+            hosts.push("none".into());
+        }
+        println!("  hosts: {}", hosts.join(", "));
         for ns in s["namespaces"].as_array().into_iter().flatten() {
             println!(
                 "  namespace {}: {} ({} blocks of {} bytes, {})",
