@@ -815,7 +815,8 @@ impl Controller {
         match &*cached {
             Some((g, page)) if *g == generation => Arc::clone(page),
             _ => {
-                let page: Arc<[u8]> = discovery::log_page(target, &self.hostnqn, origin.local).into();
+                let page: Arc<[u8]> =
+                    discovery::log_page(target, &self.hostnqn, origin.local).into();
                 *cached = Some((generation, Arc::clone(&page)));
                 page
             }
@@ -913,6 +914,74 @@ impl Controller {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A controller of the test target's subsystem, and the target.
+    fn io_controller() -> (Arc<Target>, Arc<Controller>) {
+        let t = crate::testing::target(&["mem:1M"]);
+        let s = Arc::clone(t.subsystems().values().next().unwrap());
+        let peer = crate::testing::origin().peer;
+        let (c, _events) = Controller::new(
+            1,
+            ControllerKind::Io(s),
+            "nqn.h".into(),
+            [0; 16],
+            peer,
+            32,
+            0,
+        );
+        (t, c)
+    }
+
+    #[test]
+    fn cc_and_csts_follow_enable_reset_and_shutdown() {
+        let (t, c) = io_controller();
+        let csts = |c: &Controller| c.property_get(&t, property::CSTS, false).unwrap() as u32;
+        let en = u64::from(Cc::enable_value());
+        // Enabled with queue entry sizes it does not support: fatal status, not ready.
+        c.property_set(property::CC, false, 1).unwrap();
+        assert_eq!(csts(&c), csts::CFS);
+        // A reset clears it; enabled properly, the controller is ready and not failed.
+        c.property_set(property::CC, false, 0).unwrap();
+        assert_eq!(csts(&c), 0);
+        c.property_set(property::CC, false, en).unwrap();
+        assert_eq!(csts(&c), csts::RDY);
+        assert!(c.is_ready());
+        // A normal shutdown completes and leaves the controller not ready.
+        let shn = u64::from(Cc::shutdown_value(Cc::enable_value()));
+        assert_eq!(c.property_set(property::CC, false, shn), Ok(true));
+        assert_eq!(csts(&c), csts::SHST_COMPLETE);
+        assert!(!c.is_ready());
+        // Until a reset and a new enable.
+        c.property_set(property::CC, false, 0).unwrap();
+        c.property_set(property::CC, false, en).unwrap();
+        assert_eq!(csts(&c), csts::RDY);
+    }
+
+    #[test]
+    fn each_granted_io_queue_is_connected_once_at_a_time() {
+        let (t, c) = io_controller();
+        assert!(!c.claim_queue(1), "no queues granted yet");
+        // Two I/O queues (0's based counts).
+        let granted = c.set_features(&t, features::NUMBER_OF_QUEUES, 0x0001_0001);
+        assert!(matches!(granted, AdminReply::Complete { status, .. } if status.is_success()));
+        assert!(!c.claim_queue(0));
+        assert!(c.claim_queue(1));
+        assert!(!c.claim_queue(1), "already connected");
+        assert!(c.claim_queue(2));
+        assert!(!c.claim_queue(3), "beyond the queues granted");
+        c.release_queue(1);
+        assert!(c.claim_queue(1));
+    }
+
+    #[test]
+    fn keep_alive_timer_zero_means_the_default() {
+        let (t, c) = io_controller();
+        c.set_features(&t, features::KEEP_ALIVE_TIMER, 0);
+        assert_eq!(c.kato_ms(), t.settings.default_kato_ms);
+        assert!(c.keep_alive_deadline().is_some());
+        c.set_features(&t, features::KEEP_ALIVE_TIMER, 5000);
+        assert_eq!(c.kato_ms(), 5000);
+    }
 
     #[test]
     fn striped_counters_add_up_over_threads() {

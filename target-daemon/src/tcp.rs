@@ -37,12 +37,15 @@ use crate::target::Target;
 /// Stop handling received PDUs, and reading, while this much waits to be sent: the send
 /// buffer of a connection holds at most this plus one command's data.
 pub const MAX_PENDING_SEND: usize = 8 << 20;
+/// How long a connection closed for a protocol error waits for the host to read the TermReq
+/// and close.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 /// Capacity a connection's send and receive buffers keep when it goes idle.
 const IDLE_KEEP: usize = 256 * 1024;
 /// Commands accepted on a connection before its Connect gives the queue size: the Connect
 /// itself and a few the host may send behind it.
 const QUEUE_SIZE_BEFORE_CONNECT: usize = 32;
-/// Bytes asked of the socket per read.
+/// Most bytes asked of the socket per read (reads start smaller and grow while they fill).
 const READ_CHUNK: usize = 256 * 1024;
 /// While a batch of received commands is handled, the responses leave after every this many
 /// commands, so that the host can start on the first completions before the batch's last is
@@ -128,6 +131,9 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     };
     let reason = conn.run().await;
     let _ = conn.flush();
+    if matches!(reason, Closed::Protocol(_)) {
+        conn.linger().await;
+    }
     conn.e.finish(&reason, peer, "tcp");
 }
 
@@ -154,8 +160,14 @@ impl Conn {
                 }
                 continue;
             }
-            let can_read = self.e.closing.is_none() && !self.paused && !backlog_full;
-            if can_read
+            // While the backlog is full, the socket is still read into the receive buffer (up
+            // to READ_CHUNK bytes), unhandled, so that a host sending past its queue size is
+            // found out.
+            let held_back = self.paused || backlog_full;
+            let can_read =
+                self.e.closing.is_none() && (!held_back || self.engine.buffered() < READ_CHUNK);
+            if !held_back
+                && self.e.closing.is_none()
                 && self.engine.pending_send().is_empty()
                 && self.e.in_flight() == 0
                 && self.writes.is_empty()
@@ -205,6 +217,28 @@ impl Conn {
         None
     }
 
+    /// After a TermReq: ends the sending side behind it and discards what the host still
+    /// sends until it closes, for at most [`LINGER`]. Closing a socket with bytes unread makes
+    /// the kernel reset the connection and drop what it has not sent yet, the TermReq too.
+    async fn linger(&mut self) {
+        let _ = socket2::SockRef::from(self.stream.tcp()).shutdown(std::net::Shutdown::Write);
+        let mut scratch = [0u8; 1024];
+        let _ = tokio::time::timeout(LINGER, async {
+            loop {
+                if self.stream.ready(Interest::READABLE).await.is_err() {
+                    return;
+                }
+                match self.stream.try_read(&mut scratch) {
+                    Ok(0) => return,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => return,
+                }
+            }
+        })
+        .await;
+    }
+
     /// Writes as much of the send buffer as the socket takes.
     fn flush(&mut self) -> io::Result<()> {
         self.unflushed = 0;
@@ -216,7 +250,8 @@ impl Conn {
     /// Reads what the socket has and handles every complete PDU.
     fn receive(&mut self) -> Result<(), Closed> {
         for _ in 0..4 {
-            let buf = self.engine.recv_buf(self.engine.recv_hint(READ_CHUNK));
+            let asked = self.engine.recv_hint(READ_CHUNK);
+            let buf = self.engine.recv_buf(asked);
             match self.stream.try_read(buf) {
                 Ok(0) => return Err(Closed::HostClosed),
                 Ok(n) => {
@@ -224,7 +259,7 @@ impl Conn {
                     self.e.q.tick();
                     crate::reactor::note_activity();
                     self.handle_events()?;
-                    if self.paused || n < READ_CHUNK {
+                    if self.paused || n < asked {
                         break;
                     }
                 }
@@ -243,7 +278,11 @@ impl Conn {
                 self.flush().map_err(Closed::Io)?;
                 if self.engine.pending_send().len() >= MAX_PENDING_SEND {
                     self.paused = true;
-                    return Ok(());
+                    // Commands already received past the queue size end the connection now.
+                    return self
+                        .engine
+                        .check_buffered_commands()
+                        .map_err(|e| Closed::Protocol(e.to_string()));
                 }
             }
             let ev = match self.engine.next_event() {

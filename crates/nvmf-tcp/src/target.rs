@@ -19,6 +19,8 @@ use crate::tagmap::{TagMap, tag_map};
 
 /// Bytes asked of the socket per read right after the ICReq; doubled while reads fill it.
 const FIRST_READ: usize = 4096;
+/// Why a command beyond the queue size ends the connection.
+const QUEUE_OVERRUN: &str = "command beyond the queue size: the host already has as many commands outstanding as the queue holds";
 
 /// Settings of the controller side of a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,6 +266,39 @@ impl TargetConn {
         self.outstanding
     }
 
+    /// Bytes received and not handled yet.
+    pub fn buffered(&self) -> usize {
+        self.rx.len()
+    }
+
+    /// Counts the commands in the receive buffer that [`next_event`](Self::next_event) has
+    /// not reached yet, for a caller that stops handling PDUs while its send backlog drains:
+    /// when they take the host past the queue size, the connection fails now as it would on
+    /// reaching them (C2HTermReq, PDU Sequence Error, echoing the first command too many),
+    /// instead of when the host reads again.
+    pub fn check_buffered_commands(&mut self) -> Result<(), ProtocolError> {
+        if !matches!(self.state, State::Established { .. }) {
+            return Ok(());
+        }
+        let data = self.rx.data();
+        let mut off = 0;
+        let mut commands = self.outstanding;
+        while let Some(ch) = data.get(off..).and_then(CommonHeader::from_prefix) {
+            let plen = ch.plen() as usize;
+            if plen < CH_LEN {
+                break;
+            }
+            if ch.pdu_type() == Ok(PduType::CapsuleCmd) {
+                if commands >= self.config.queue_size {
+                    return Err(self.fail_at(Violation::sequence(QUEUE_OVERRUN), off));
+                }
+                commands += 1;
+            }
+            off += plen;
+        }
+        Ok(())
+    }
+
     /// Gives memory back while nothing is buffered: the send buffer keeps at most `keep`
     /// bytes of capacity, the receive buffer returns to its first size when it holds more
     /// than `keep`. Cheap when there is nothing to give back; call it when the connection
@@ -395,8 +430,13 @@ impl TargetConn {
 
     /// Records a fatal error, queues the C2HTermReq if one is due, and closes receiving.
     fn fail(&mut self, v: Violation) -> ProtocolError {
+        self.fail_at(v, 0)
+    }
+
+    /// [`fail`](Self::fail) for the PDU `at` bytes into the received data.
+    fn fail_at(&mut self, v: Violation, at: usize) -> ProtocolError {
         if v.reply {
-            let data = self.rx.data();
+            let data = self.rx.data().get(at..).unwrap_or(&[]);
             let n = offending_header_len(data);
             let hdr = PduHeader::term_req(PduType::C2hTermReq, v.fes, v.fei, n);
             self.tx.extend_from_slice(hdr.as_bytes());
@@ -611,9 +651,7 @@ impl TargetConn {
                     "short CapsuleCmd header",
                 ))?;
                 if self.outstanding >= self.config.queue_size {
-                    return Err(Violation::sequence(
-                        "command beyond the queue size: the host already has as many commands outstanding as the queue holds",
-                    ));
+                    return Err(Violation::sequence(QUEUE_OVERRUN));
                 }
                 PendingKind::Command { sqe: *hdr.sqe() }
             }
@@ -884,7 +922,11 @@ impl TargetConn {
     /// Marks `n` bytes of [`pending_send`](Self::pending_send) as written to the socket.
     pub fn consume_sent(&mut self, n: usize) {
         self.tx_pos += n.min(self.tx.len() - self.tx_pos);
-        while self.completions.front().is_some_and(|&end| end <= self.tx_pos) {
+        while self
+            .completions
+            .front()
+            .is_some_and(|&end| end <= self.tx_pos)
+        {
             self.completions.pop_front();
             self.outstanding = self.outstanding.saturating_sub(1);
         }

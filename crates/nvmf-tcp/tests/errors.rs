@@ -411,6 +411,25 @@ fn target_commands_beyond_the_queue_size() {
 }
 
 #[test]
+fn target_buffered_commands_beyond_the_queue_size() {
+    let mut t = target(NONE);
+    t.set_queue_size(2);
+    t.feed(&capsule(NONE, 1, &[]));
+    assert!(t.next_event().unwrap().is_some());
+    // Two more arrive while the caller is not handling PDUs: one fits, the other does not.
+    let second = capsule(NONE, 2, &[]);
+    let third = capsule(NONE, 3, &[8; 8]);
+    t.feed(&second);
+    assert_eq!(t.check_buffered_commands(), Ok(()));
+    t.feed(&third);
+    assert_eq!(t.buffered(), second.len() + third.len());
+    let err = t.check_buffered_commands().unwrap_err();
+    assert_eq!((err.fes, err.fei), (Fes::PduSequenceError, 0));
+    check_term_req(t.pending_send(), PduType::C2hTermReq, &err, &third);
+    assert!(t.is_closed());
+}
+
+#[test]
 fn target_receive_buffer_grows_with_reads_and_shrinks_when_idle() {
     let mut t = TargetConn::new(TargetConfig {
         recv_buffer_size: 16384,
