@@ -18,7 +18,7 @@ use crate::rx::{
 use crate::tagmap::{TagMap, tag_map};
 
 /// Bytes asked of the socket per read right after the ICReq; doubled while reads fill it.
-const FIRST_READ: usize = 4096;
+const FIRST_READ: usize = 1024;
 /// Why a command beyond the queue size ends the connection.
 const QUEUE_OVERRUN: &str = "command beyond the queue size: the host already has as many commands outstanding as the queue holds";
 

@@ -438,13 +438,13 @@ fn target_receive_buffer_grows_with_reads_and_shrinks_when_idle() {
     .unwrap();
     t.feed(PduHeader::ic_req(0, NONE, 0).as_bytes());
     assert!(t.next_event().unwrap().is_some());
-    assert_eq!(t.recv_hint(1 << 20), 4096);
-    assert!(t.recv_buf(4096).len() < 16384, "no room reserved up front");
+    assert_eq!(t.recv_hint(1 << 20), 1024);
+    assert!(t.recv_buf(1024).len() < 4096, "no room reserved up front");
     // Reads that fill what was asked double the next one, up to the configured size.
     t.set_queue_size(1 << 20);
     let stream: Vec<u8> = (0..1000).flat_map(|cid| capsule(NONE, cid, &[])).collect();
     let mut off = 0;
-    for want in [8192, 16384, 16384] {
+    for want in [2048, 4096, 8192, 16384, 16384] {
         let n = t.recv_hint(1 << 20);
         t.recv_buf(n)[..n].copy_from_slice(&stream[off..off + n]);
         t.commit_recv(n);
@@ -452,7 +452,6 @@ fn target_receive_buffer_grows_with_reads_and_shrinks_when_idle() {
         assert_eq!(t.recv_hint(1 << 20), want);
         while let Ok(Some(_)) = t.next_event() {}
     }
-    assert!(t.recv_buf(1).len() >= 16384);
     // A partial PDU is still buffered: nothing is given back.
     assert_ne!(off % 72, 0);
     t.release_buffers(0);
@@ -461,7 +460,7 @@ fn target_receive_buffer_grows_with_reads_and_shrinks_when_idle() {
     t.feed(&stream[off..off.next_multiple_of(72)]);
     while let Ok(Some(_)) = t.next_event() {}
     t.release_buffers(0);
-    assert_eq!(t.recv_hint(1 << 20), 4096);
+    assert_eq!(t.recv_hint(1 << 20), 1024);
     assert!(t.recv_buf(1).len() < 16384);
 }
 
