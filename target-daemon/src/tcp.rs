@@ -12,8 +12,9 @@
 //! What a host can make a connection hold is bounded: a command beyond the queue size (SQSIZE
 //! of the Connect, counted until the command's completion has left through the socket) ends
 //! the connection with a C2HTermReq (PDU Sequence Error); once [`MAX_PENDING_SEND`] bytes wait
-//! to be sent, received PDUs are left unhandled and the socket unread until the host reads;
-//! and buffers shrink again when the connection goes idle.
+//! to be sent, received PDUs are left unhandled until the host reads (the socket is read at
+//! most `READ_CHUNK` bytes further, only to find a host that goes past its queue size); and
+//! buffers shrink again when the connection goes idle.
 
 use std::collections::HashMap;
 use std::io;
