@@ -100,9 +100,13 @@ fn overrun(t: &mut TargetProcess, stream: &mut TcpStream, sqe: impl Fn(u16) -> S
     let got = RawHost::read_to_close(stream);
     let log = t.log();
     let tail = &log[log.len().saturating_sub(3000)..];
-    eprintln!("{} bytes received; daemon log ends:\n{tail}", got.len());
     let last = last_pdu(&got).expect("PDUs before the close");
-    assert_eq!(last[0], 0x03, "the last PDU is a C2HTermReq");
+    assert_eq!(
+        last[0],
+        0x03,
+        "the last PDU is a C2HTermReq ({} bytes received); the daemon's log ends:\n{tail}",
+        got.len()
+    );
     assert_eq!(
         u16::from_le_bytes([last[8], last[9]]),
         0x02,
@@ -400,6 +404,7 @@ fn idle_and_half_open_connections_cost_little_memory() {
     const HALF_OPEN: usize = 400;
     const CONTROLLERS: usize = 100;
     raise_open_files_limit(4096);
+    // A daemon for each kind, so that neither reuses memory the other freed.
     let t = TargetProcess::quick(NQN, &["mem:1M,bs=512"]);
     let addr = t.addr();
     // Connections that send an ICReq and stall (the handshake timeout is 5 s).
@@ -414,7 +419,10 @@ fn idle_and_half_open_connections_cost_little_memory() {
     }
     let per_half_open = t.rss_kib().saturating_sub(before) as f64 / HALF_OPEN as f64;
     drop(half_open);
+    drop(t);
     // Idle controllers: an admin queue and an I/O queue each.
+    let t = TargetProcess::quick(NQN, &["mem:1M,bs=512"]);
+    let addr = t.addr();
     let before = t.rss_kib();
     let mut idle = Vec::new();
     for _ in 0..CONTROLLERS {
