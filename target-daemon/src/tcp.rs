@@ -35,8 +35,9 @@ use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::target::Target;
 
-/// Stop handling received PDUs, and reading, while this much waits to be sent: the send
-/// buffer of a connection holds at most this plus one command's data.
+/// Stop handling received PDUs while this much waits to be sent: the send buffer of a
+/// connection holds at most this, one command's data, and the data of the commands that were
+/// running on a backend when it stopped (no more than the queue size).
 pub const MAX_PENDING_SEND: usize = 8 << 20;
 /// How long a connection closed for a protocol error waits for the host to read the TermReq
 /// and close.

@@ -22,8 +22,8 @@ const MIB: u32 = 1 << 20;
 /// Commands the hostile host sends in one burst, on a queue of size 32.
 const BURST: u16 = 1024;
 /// How much the daemon may grow while it works through a burst: a connection holds at most
-/// its 8 MiB send backlog and one command's data, plus what the kernel takes; the unbounded
-/// daemon grew by a GiB.
+/// its 8 MiB send backlog, one command's data and the buffers of the commands running (32 of
+/// 1 MiB at most on a file namespace); the unbounded daemon grew by a GiB.
 const BURST_GROWTH_KIB: u64 = 64 * 1024;
 
 /// A CapsuleCmd PDU carrying `sqe` and `icd` (no digests).
