@@ -442,3 +442,39 @@ fn idle_and_half_open_connections_cost_little_memory() {
     );
     assert!(per_idle < 64.0, "{per_idle:.1} KiB per idle queue");
 }
+
+#[test]
+fn memory_returns_when_a_slow_reader_catches_up() {
+    const READS: u16 = 32;
+    let mut t = TargetProcess::quick(NQN, &["mem:4M,bs=512"]);
+    let addr = t.addr();
+    let (_admin, cntlid) = RawHost::admin(addr, NQN);
+    let mut io = RawHost::io_queue(addr, NQN, cntlid, 1);
+    let base = t.rss_kib();
+    // A whole queue of 1 MiB reads, within the queue size; the host reads nothing yet.
+    for cid in 0..READS {
+        io.submit(&read(cid, 1, MIB), &[]);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let held = t.rss_kib().saturating_sub(base);
+    for _ in 0..READS {
+        match io.wait(&[]) {
+            Reply::Completion(c, data) => {
+                assert_eq!(c.status(), Status::SUCCESS);
+                assert_eq!(data.len(), MIB as usize);
+            }
+            other => panic!("read: {other:?}"),
+        }
+    }
+    // Caught up and idle: the connection gives its send buffer back.
+    let mut kept = u64::MAX;
+    for _ in 0..100 {
+        kept = t.rss_kib().saturating_sub(base);
+        if kept < 4 * 1024 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("{held} KiB held while the host did not read, {kept} KiB once it caught up");
+    assert!(kept < 4 * 1024, "{kept} KiB still held:\n{}", t.log());
+}
