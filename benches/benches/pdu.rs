@@ -34,6 +34,8 @@ fn read_sqe(cid: u16, len: u32) -> [u8; 64] {
 
 fn connected_target(d: Digests) -> TargetConn {
     let mut t = TargetConn::new(TargetConfig::default()).expect("default config is valid");
+    // Commands are fed in batches and answered late, or not at all: no queue size.
+    t.set_queue_size(usize::MAX);
     t.feed(PduHeader::ic_req(0, d, 0).as_bytes());
     let _ = t.next_event();
     let n = t.pending_send().len();

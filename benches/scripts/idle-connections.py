@@ -6,9 +6,12 @@ target on this machine, leaves them idle, and reports the growth of the target's
 (VmRSS from /proc) per connection. Works against any NVMe/TCP target whose PID is given.
 
     benches/scripts/idle-connections.py --pid $(pidof nvmeof-targetd) [--addr 127.0.0.1:4420]
-        [--nqn NQN] [--controllers 32]
+        [--nqn NQN] [--controllers 32] [--half-open N]
 
 Keep alive: connections ask for a 120 s KATO and send nothing, so measure within that time.
+With --half-open N it opens N connections that send an ICReq and then nothing (never a
+Connect) instead, and reports what each costs until the target's handshake timeout (5 s by
+default) closes them: measure within that time (--settle 1).
 """
 import argparse
 import socket
@@ -99,6 +102,15 @@ def enable(s):
         raise RuntimeError("Set Features Number of Queues failed")
 
 
+def half_open(addr):
+    """A connection that sends an ICReq, reads the ICResp, and stalls."""
+    s = socket.create_connection(addr, timeout=10)
+    s.sendall(struct.pack("<BBBBIHBBI", 0x00, 0, 128, 0, 128, 0, 0, 0, 0).ljust(128, b"\0"))
+    if recv_exact(s, 128)[0] != 0x01:
+        raise RuntimeError("expected ICResp")
+    return s
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pid", type=int, required=True, help="the target's process ID")
@@ -106,6 +118,8 @@ def main():
     ap.add_argument("--nqn", default=DEFAULT_NQN)
     ap.add_argument("--controllers", type=int, default=32,
                     help="controllers to open, each an admin and an I/O queue (default 32)")
+    ap.add_argument("--half-open", type=int, default=0,
+                    help="open this many connections that stop after the ICReq instead")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait before reading RSS")
     a = ap.parse_args()
     host, port = a.addr.rsplit(":", 1)
@@ -113,7 +127,9 @@ def main():
     before = rss_kib(a.pid)
     conns = []
     hostid = uuid.uuid4().bytes
-    for _ in range(a.controllers):
+    for _ in range(a.half_open):
+        conns.append(half_open(addr))
+    for _ in range(0 if a.half_open else a.controllers):
         admin, cntlid = open_queue(addr, a.nqn, 0, 0xFFFF, hostid)
         enable(admin)
         io, _ = open_queue(addr, a.nqn, 1, cntlid, hostid)

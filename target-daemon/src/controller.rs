@@ -5,7 +5,7 @@
 //! the I/O path reads immutable fields and bumps its thread's stripe of the controller's
 //! counters ([`IoCounters`]), so reactors serving one controller share no written cache line.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,6 +55,8 @@ struct AdminState {
     csts: u32,
     kato_ms: u32,
     io_queues: u16,
+    /// I/O queue IDs connected now (each may be connected once at a time).
+    connected_queues: BTreeSet<u16>,
     queues_set: bool,
     aec: u32,
     aers: Vec<u16>,
@@ -190,6 +192,9 @@ pub struct Controller {
     keyed_sgls: AtomicBool,
     /// Completions produced outside the admin queue's request path (AERs).
     events_tx: mpsc::UnboundedSender<Cqe>,
+    /// A discovery controller's log page and the generation it was built for: built once per
+    /// generation, not per Get Log Page.
+    discovery_page: Mutex<Option<(u64, Arc<[u8]>)>>,
 }
 
 /// The admin queue's receiver for asynchronous completions.
@@ -271,6 +276,7 @@ impl Controller {
                 csts: 0,
                 kato_ms,
                 io_queues: 0,
+                connected_queues: BTreeSet::new(),
                 queues_set: false,
                 aec: 0,
                 aers: Vec::new(),
@@ -288,6 +294,7 @@ impl Controller {
             torn_down: AtomicBool::new(false),
             keyed_sgls: AtomicBool::new(false),
             events_tx,
+            discovery_page: Mutex::new(None),
         };
         (Arc::new(ctrl), events_rx)
     }
@@ -355,6 +362,19 @@ impl Controller {
     /// Number of I/O queues granted by Set Features Number of Queues.
     pub fn io_queues(&self) -> u16 {
         self.state.lock().io_queues
+    }
+
+    /// Takes I/O queue `qid` for a connecting queue: false when it is beyond the queues
+    /// granted by Set Features Number of Queues or already connected. Give it back with
+    /// [`Controller::release_queue`] when the queue goes.
+    pub fn claim_queue(&self, qid: u16) -> bool {
+        let mut st = self.state.lock();
+        qid != 0 && qid <= st.io_queues && st.connected_queues.insert(qid)
+    }
+
+    /// Gives back an I/O queue taken by [`Controller::claim_queue`].
+    pub fn release_queue(&self, qid: u16) {
+        self.state.lock().connected_queues.remove(&qid);
     }
 
     /// The keep alive timeout in milliseconds (0: none).
@@ -510,10 +530,13 @@ impl Controller {
                 st.csts |= csts::RDY;
             }
         } else if !new.enabled() && old.enabled() {
-            st.csts &= !(csts::RDY | csts::SHST_MASK);
+            // A reset: the controller is not ready and its fatal status is cleared.
+            st.csts &= !(csts::RDY | csts::CFS | csts::SHST_MASK);
         }
         if new.shutdown() != 0 && old.shutdown() == 0 {
-            st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_COMPLETE;
+            // As Linux nvmet: a shut-down controller is no longer ready, so commands other
+            // than fabrics ones fail until the host resets (CC.EN 0) and enables it again.
+            st.csts = (st.csts & !(csts::SHST_MASK | csts::RDY)) | csts::SHST_COMPLETE;
             return Ok(true);
         }
         Ok(false)
@@ -543,6 +566,9 @@ impl Controller {
                 self.set_features(target, fid, cdw11)
             }
             AdminCommand::GetFeatures { fid, sel, .. } => {
+                if sel > 3 {
+                    return invalid_field;
+                }
                 if sel == 3 {
                     // Supported capabilities: nothing saveable, nothing namespace specific;
                     // changeable for the features Set Features can change (not the volatile
@@ -730,12 +756,12 @@ impl Controller {
         if glp.offset % 4 != 0 {
             return invalid_field;
         }
-        let page: Vec<u8> = match (glp.lid, &self.kind) {
+        let page: Arc<[u8]> = match (glp.lid, &self.kind) {
             (log_id::DISCOVERY, ControllerKind::Discovery) => {
                 if !glp.rae {
                     self.state.lock().discovery_notice_outstanding = false;
                 }
-                discovery::log_page(target, &self.hostnqn, origin.local)
+                self.discovery_page(target, origin)
             }
             (log_id::CHANGED_NS_LIST, ControllerKind::Io(_)) => {
                 let mut st = self.state.lock();
@@ -747,7 +773,7 @@ impl Controller {
                     st.changed_ns.clear();
                     st.ns_notice_outstanding = false;
                 }
-                page
+                page.into()
             }
             (log_id::ERROR_INFO, _) => {
                 let st = self.state.lock();
@@ -755,14 +781,14 @@ impl Controller {
                 for (slot, e) in page.chunks_exact_mut(64).zip(st.errors.iter().rev()) {
                     slot.copy_from_slice(e.as_bytes());
                 }
-                page
+                page.into()
             }
-            (log_id::SMART, ControllerKind::Io(_)) => self.smart_log().as_bytes().to_vec(),
+            (log_id::SMART, ControllerKind::Io(_)) => self.smart_log().as_bytes().into(),
             (log_id::FW_SLOT, ControllerKind::Io(_)) => {
                 let mut page = vec![0u8; 512];
                 page[0] = 1; // active slot 1
                 put_ascii_padded(&mut page[8..16], FIRMWARE_REVISION);
-                page
+                page.into()
             }
             _ => {
                 return AdminReply::err(Status::specific(specific::INVALID_LOG_PAGE).with_dnr());
@@ -780,6 +806,21 @@ impl Controller {
         let n = avail.len().min(out.len());
         out[..n].copy_from_slice(&avail[..n]);
         AdminReply::data(out)
+    }
+
+    /// The discovery log page of the current generation, built on first use.
+    fn discovery_page(&self, target: &Target, origin: QueueOrigin) -> Arc<[u8]> {
+        let generation = target.discovery_genctr();
+        let mut cached = self.discovery_page.lock();
+        match &*cached {
+            Some((g, page)) if *g == generation => Arc::clone(page),
+            _ => {
+                let page: Arc<[u8]> =
+                    discovery::log_page(target, &self.hostnqn, origin.local).into();
+                *cached = Some((generation, Arc::clone(&page)));
+                page
+            }
+        }
     }
 
     fn smart_log(&self) -> SmartLog {
@@ -820,7 +861,13 @@ impl Controller {
                 AdminReply::ok(n | (n << 16))
             }
             features::KEEP_ALIVE_TIMER => {
-                st.kato_ms = cdw11;
+                // As at Connect: 0 does not switch keep alive off (a silent host would then
+                // hold its controller forever); it means the target's default.
+                st.kato_ms = if cdw11 == 0 {
+                    target.settings.default_kato_ms
+                } else {
+                    cdw11
+                };
                 drop(st);
                 self.keep_alive();
                 AdminReply::ok(0)
@@ -867,6 +914,74 @@ impl Controller {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A controller of the test target's subsystem, and the target.
+    fn io_controller() -> (Arc<Target>, Arc<Controller>) {
+        let t = crate::testing::target(&["mem:1M"]);
+        let s = Arc::clone(t.subsystems().values().next().unwrap());
+        let peer = crate::testing::origin().peer;
+        let (c, _events) = Controller::new(
+            1,
+            ControllerKind::Io(s),
+            "nqn.h".into(),
+            [0; 16],
+            peer,
+            32,
+            0,
+        );
+        (t, c)
+    }
+
+    #[test]
+    fn cc_and_csts_follow_enable_reset_and_shutdown() {
+        let (t, c) = io_controller();
+        let csts = |c: &Controller| c.property_get(&t, property::CSTS, false).unwrap() as u32;
+        let en = u64::from(Cc::enable_value());
+        // Enabled with queue entry sizes it does not support: fatal status, not ready.
+        c.property_set(property::CC, false, 1).unwrap();
+        assert_eq!(csts(&c), csts::CFS);
+        // A reset clears it; enabled properly, the controller is ready and not failed.
+        c.property_set(property::CC, false, 0).unwrap();
+        assert_eq!(csts(&c), 0);
+        c.property_set(property::CC, false, en).unwrap();
+        assert_eq!(csts(&c), csts::RDY);
+        assert!(c.is_ready());
+        // A normal shutdown completes and leaves the controller not ready.
+        let shn = u64::from(Cc::shutdown_value(Cc::enable_value()));
+        assert_eq!(c.property_set(property::CC, false, shn), Ok(true));
+        assert_eq!(csts(&c), csts::SHST_COMPLETE);
+        assert!(!c.is_ready());
+        // Until a reset and a new enable.
+        c.property_set(property::CC, false, 0).unwrap();
+        c.property_set(property::CC, false, en).unwrap();
+        assert_eq!(csts(&c), csts::RDY);
+    }
+
+    #[test]
+    fn each_granted_io_queue_is_connected_once_at_a_time() {
+        let (t, c) = io_controller();
+        assert!(!c.claim_queue(1), "no queues granted yet");
+        // Two I/O queues (0's based counts).
+        let granted = c.set_features(&t, features::NUMBER_OF_QUEUES, 0x0001_0001);
+        assert!(matches!(granted, AdminReply::Complete { status, .. } if status.is_success()));
+        assert!(!c.claim_queue(0));
+        assert!(c.claim_queue(1));
+        assert!(!c.claim_queue(1), "already connected");
+        assert!(c.claim_queue(2));
+        assert!(!c.claim_queue(3), "beyond the queues granted");
+        c.release_queue(1);
+        assert!(c.claim_queue(1));
+    }
+
+    #[test]
+    fn keep_alive_timer_zero_means_the_default() {
+        let (t, c) = io_controller();
+        c.set_features(&t, features::KEEP_ALIVE_TIMER, 0);
+        assert_eq!(c.kato_ms(), t.settings.default_kato_ms);
+        assert!(c.keep_alive_deadline().is_some());
+        c.set_features(&t, features::KEEP_ALIVE_TIMER, 5000);
+        assert_eq!(c.kato_ms(), 5000);
+    }
 
     #[test]
     fn striped_counters_add_up_over_threads() {

@@ -208,6 +208,16 @@ pub struct QueueState {
     namespaces: Option<(u64, BTreeMap<u32, QueueNs>)>,
 }
 
+impl Drop for QueueState {
+    fn drop(&mut self) {
+        if self.qid != 0
+            && let Some(ctrl) = &self.ctrl
+        {
+            ctrl.release_queue(self.qid);
+        }
+    }
+}
+
 fn status_cqe(cid: u16, status: Status) -> Submit {
     Submit::Complete(Cqe::new(cid, status, 0))
 }
@@ -369,6 +379,10 @@ impl QueueState {
         };
         // Taken for the command and put back: cloning the Arc would bump a count that every
         // reactor serving the controller's queues shares.
+        // Fused operations (Compare and Write) are not supported.
+        if sqe.fuse() != 0 {
+            return status_cqe(cid, Status::generic(generic::INVALID_FIELD).with_dnr());
+        }
         let Some(ctrl) = self.ctrl.take() else {
             return match (sqe.opcode, FabricsCommand::parse(sqe)) {
                 (nvme_spec::opcode::FABRICS, FabricsCommand::Connect(c)) => {
@@ -625,6 +639,14 @@ impl QueueState {
         if c.qid > ctrl.io_queues() {
             return invalid_param(false, SQE_QID_OFFSET);
         }
+        if !ctrl.claim_queue(c.qid) {
+            // As Linux nvmet: a queue ID already connected is a command sequence error.
+            info!(%hostnqn, %peer, cntlid, qid = c.qid, "connect rejected: I/O queue already connected");
+            return status_cqe(
+                cid,
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+            );
+        }
         debug!(%hostnqn, %peer, cntlid, qid = c.qid, sqsize = c.sqsize, "I/O queue connected");
         self.connected(ctrl, None, c, cid)
     }
@@ -701,7 +723,8 @@ impl QueueState {
         to_host: bool,
     ) -> Result<DataSource, Status> {
         let sgl = sqe.dptr;
-        if sqe.psdt() == 0 {
+        // Fabrics carry SGLs only: PRPs (0) and the reserved value (3) are refused.
+        if !matches!(sqe.psdt(), 1 | 2) {
             return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
         }
         if sgl.data_length() as usize != len {
@@ -714,7 +737,9 @@ impl QueueState {
                 }
                 Ok(DataSource::InCapsule)
             }
-            (sgl_type::TRANSPORT_DATA_BLOCK, _) if self.host_sgl == HostSgl::Transport => {
+            (sgl_type::TRANSPORT_DATA_BLOCK, sgl_subtype::TRANSPORT_A)
+                if self.host_sgl == HostSgl::Transport =>
+            {
                 if !icd.is_empty() {
                     return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
                 }

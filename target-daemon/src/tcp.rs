@@ -7,7 +7,14 @@
 //!
 //! A connection that has not finished the ICReq and the Fabrics Connect within the handshake
 //! timeout is closed; until its ICReq is accepted it holds only a few hundred bytes of
-//! buffers.
+//! buffers, and its receive buffer grows only as the host sends.
+//!
+//! What a host can make a connection hold is bounded: a command beyond the queue size (SQSIZE
+//! of the Connect, counted until the command's completion has left through the socket) ends
+//! the connection with a C2HTermReq (PDU Sequence Error); once [`MAX_PENDING_SEND`] bytes wait
+//! to be sent, received PDUs are left unhandled until the host reads (the socket is read at
+//! most `READ_CHUNK` bytes further, only to find a host that goes past its queue size); and
+//! buffers shrink again when the connection goes idle.
 
 use std::collections::HashMap;
 use std::io;
@@ -28,9 +35,19 @@ use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::target::Target;
 
-/// Stop reading from a host whose responses are not being read once this much is queued.
-const MAX_PENDING_SEND: usize = 8 << 20;
-/// Bytes asked of the socket per read.
+/// Stop handling received PDUs while this much waits to be sent: the send buffer of a
+/// connection holds at most this, one command's data, and the data of the commands that were
+/// running on a backend when it stopped (no more than the queue size).
+pub const MAX_PENDING_SEND: usize = 8 << 20;
+/// How long a connection closed for a protocol error waits for the host to read the TermReq
+/// and close.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+/// Capacity a connection's send and receive buffers keep when it goes idle.
+const IDLE_KEEP: usize = 256 * 1024;
+/// Commands accepted on a connection before its Connect gives the queue size: the Connect
+/// itself and a few the host may send behind it.
+const QUEUE_SIZE_BEFORE_CONNECT: usize = 32;
+/// Most bytes asked of the socket per read (reads start smaller and grow while they fill).
 const READ_CHUNK: usize = 256 * 1024;
 /// While a batch of received commands is handled, the responses leave after every this many
 /// commands, so that the host can start on the first completions before the batch's last is
@@ -56,6 +73,8 @@ struct Conn {
     next_ttag: u16,
     /// Commands handled since the last flush ([`FLUSH_EVERY`]).
     unflushed: usize,
+    /// Received PDUs were left unhandled because the send backlog is full.
+    paused: bool,
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -89,7 +108,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         allow_digests: true,
         max_c2h_data: s.max_c2h_data,
         recv_buffer_size: READ_CHUNK,
-        max_outstanding_r2t: usize::from(s.max_queue_depth),
+        queue_size: QUEUE_SIZE_BEFORE_CONNECT,
     };
     let engine = match TargetConn::new(cfg) {
         Ok(e) => e,
@@ -110,9 +129,13 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         writes: HashMap::new(),
         next_ttag: 0,
         unflushed: 0,
+        paused: false,
     };
     let reason = conn.run().await;
     let _ = conn.flush();
+    if matches!(reason, Closed::Protocol(_)) {
+        conn.linger().await;
+    }
     conn.e.finish(&reason, peer, "tcp");
 }
 
@@ -128,10 +151,31 @@ impl Conn {
                 }
                 self.e.closing = Some(reason);
             }
-            let depth = self.e.q.sqsize.max(2) as usize;
-            let can_read = self.e.closing.is_none()
-                && self.e.in_flight() + self.writes.len() < depth
-                && self.engine.pending_send().len() < MAX_PENDING_SEND;
+            let backlog_full = self.engine.pending_send().len() >= MAX_PENDING_SEND;
+            if self.paused && !backlog_full && self.e.closing.is_none() {
+                // The backlog drained: handle the PDUs left in the receive buffer.
+                self.paused = false;
+                if let Err(reason) = self.handle_events() {
+                    if let Some(reason) = self.on_receive_error(reason) {
+                        return reason;
+                    }
+                }
+                continue;
+            }
+            // While the backlog is full, the socket is still read into the receive buffer (up
+            // to READ_CHUNK bytes), unhandled, so that a host sending past its queue size is
+            // found out.
+            let held_back = self.paused || backlog_full;
+            let can_read =
+                self.e.closing.is_none() && (!held_back || self.engine.buffered() < READ_CHUNK);
+            if !held_back
+                && self.e.closing.is_none()
+                && self.engine.pending_send().is_empty()
+                && self.e.in_flight() == 0
+                && self.writes.is_empty()
+            {
+                self.engine.release_buffers(IDLE_KEEP);
+            }
             let want_write = !self.engine.pending_send().is_empty();
             let interest = match (can_read, want_write) {
                 (true, true) => Some(Interest::READABLE | Interest::WRITABLE),
@@ -150,13 +194,9 @@ impl Conn {
                     match r {
                         Ok(ready) if ready.is_readable() && can_read => {
                             if let Err(reason) = self.receive() {
-                                if !matches!(reason, Closed::Protocol(_)) {
+                                if let Some(reason) = self.on_receive_error(reason) {
                                     return reason;
                                 }
-                                // Flush the queued TermReq, then close.
-                                self.e.abandon_in_flight();
-                                self.writes.clear();
-                                self.e.closing = Some(reason);
                             }
                         }
                         Ok(_) => {}
@@ -165,6 +205,40 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// After a receive error: a protocol error flushes its queued TermReq, then closes (None);
+    /// any other error closes at once (returned).
+    fn on_receive_error(&mut self, reason: Closed) -> Option<Closed> {
+        if !matches!(reason, Closed::Protocol(_)) {
+            return Some(reason);
+        }
+        self.e.abandon_in_flight();
+        self.writes.clear();
+        self.e.closing = Some(reason);
+        None
+    }
+
+    /// After a TermReq: ends the sending side behind it and discards what the host still
+    /// sends until it closes, for at most [`LINGER`]. Closing a socket with bytes unread makes
+    /// the kernel reset the connection and drop what it has not sent yet, the TermReq too.
+    async fn linger(&mut self) {
+        let _ = socket2::SockRef::from(self.stream.tcp()).shutdown(std::net::Shutdown::Write);
+        let mut scratch = [0u8; 1024];
+        let _ = tokio::time::timeout(LINGER, async {
+            loop {
+                if self.stream.ready(Interest::READABLE).await.is_err() {
+                    return;
+                }
+                match self.stream.try_read(&mut scratch) {
+                    Ok(0) => return,
+                    Ok(_) => {}
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => return,
+                }
+            }
+        })
+        .await;
     }
 
     /// Writes as much of the send buffer as the socket takes.
@@ -178,7 +252,8 @@ impl Conn {
     /// Reads what the socket has and handles every complete PDU.
     fn receive(&mut self) -> Result<(), Closed> {
         for _ in 0..4 {
-            let buf = self.engine.recv_buf(self.engine.recv_hint(READ_CHUNK));
+            let asked = self.engine.recv_hint(READ_CHUNK);
+            let buf = self.engine.recv_buf(asked);
             match self.stream.try_read(buf) {
                 Ok(0) => return Err(Closed::HostClosed),
                 Ok(n) => {
@@ -186,7 +261,7 @@ impl Conn {
                     self.e.q.tick();
                     crate::reactor::note_activity();
                     self.handle_events()?;
-                    if n < READ_CHUNK {
+                    if self.paused || n < asked {
                         break;
                     }
                 }
@@ -197,8 +272,21 @@ impl Conn {
         Ok(())
     }
 
+    /// Handles the complete PDUs in the receive buffer, until the send backlog is full
+    /// ([`MAX_PENDING_SEND`]; then `paused` is set and the rest waits for the host to read).
     fn handle_events(&mut self) -> Result<(), Closed> {
         loop {
+            if self.engine.pending_send().len() >= MAX_PENDING_SEND {
+                self.flush().map_err(Closed::Io)?;
+                if self.engine.pending_send().len() >= MAX_PENDING_SEND {
+                    self.paused = true;
+                    // Commands already received past the queue size end the connection now.
+                    return self
+                        .engine
+                        .check_buffered_commands()
+                        .map_err(|e| Closed::Protocol(e.to_string()));
+                }
+            }
             let ev = match self.engine.next_event() {
                 Ok(Some(ev)) => ev,
                 Ok(None) => return Ok(()),
@@ -232,6 +320,9 @@ impl Conn {
                         _ => None,
                     };
                     self.dispatch(sqe, submit, icd);
+                    if self.e.q.sqsize > 0 {
+                        self.engine.set_queue_size(self.e.q.sqsize as usize);
+                    }
                     self.unflushed += 1;
                     if self.unflushed >= FLUSH_EVERY && !self.engine.pending_send().is_empty() {
                         self.flush().map_err(Closed::Io)?;
@@ -290,8 +381,14 @@ impl Conn {
                 self.e.watch_controller();
                 let host_len = req.op.host_data_len();
                 if host_len > 0 {
-                    let ttag = self.alloc_ttag();
                     let cid = req.cid;
+                    if self.writes.values().any(|w| w.req.cid == cid) {
+                        // Another write with this identifier still waits for its data.
+                        let cqe = self.e.fail(&sqe, Fault::CommandIdConflict);
+                        self.respond(&cqe);
+                        return;
+                    }
+                    let ttag = self.alloc_ttag();
                     let buf = self.pool.get(host_len);
                     match self.engine.send_r2t(cid, ttag, 0, host_len as u32) {
                         Ok(()) => {

@@ -28,6 +28,8 @@ fn sqe(opcode: u8, cid: u16, sgl_id: u8, len: u32) -> [u8; 64] {
 
 fn target(d: Digests) -> TargetConn {
     let mut t = TargetConn::new(TargetConfig::default()).unwrap();
+    // Commands are fed in batches and answered late, or not at all: no queue size.
+    t.set_queue_size(usize::MAX);
     t.feed(PduHeader::ic_req(0, d, 0).as_bytes());
     t.next_event().unwrap();
     let n = t.pending_send().len();

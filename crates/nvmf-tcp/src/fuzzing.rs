@@ -141,7 +141,7 @@ pub fn drive_target(input: &[u8]) -> Coverage {
         allow_digests: opt.allow_digests,
         max_c2h_data: 1024,
         recv_buffer_size: 512,
-        max_outstanding_r2t: 4,
+        queue_size: 64,
     };
     let Ok(mut t) = TargetConn::new(config) else {
         unreachable!("the driver configuration is valid")

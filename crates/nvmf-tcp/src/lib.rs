@@ -5,7 +5,9 @@
 //!
 //! - [`TargetConn`] is the controller side (used by the target daemon): it answers the ICReq,
 //!   delivers command capsules and H2CData checked against the R2Ts it sent, and encodes
-//!   CapsuleResp, C2HData and R2T PDUs.
+//!   CapsuleResp, C2HData and R2T PDUs. It counts each command until its completion has been
+//!   sent and ends the connection when a host goes past its queue size
+//!   ([`TargetConn::set_queue_size`]).
 //! - [`HostConn`] is the host side (used by the initiator): it sends the ICReq, validates the
 //!   ICResp as the Linux host does, encodes CapsuleCmd and H2CData PDUs, and delivers
 //!   CapsuleResp, C2HData (in pieces, as it arrives) and R2Ts checked against the commands it
@@ -30,8 +32,9 @@
 //! What this crate must not do: perform I/O, spawn tasks, depend on an async runtime, read
 //! the clock, interpret NVMe commands beyond what the transport needs (the command
 //! identifier, and for the host the SGL1 length and data direction), or panic on any input.
-//! Buffers are allocated once (the target's full-size ones when the ICReq is accepted) and
-//! reused; steady-state traffic does not allocate per PDU.
+//! Buffers grow with the traffic (the target's receive buffer from 128 bytes before the ICReq,
+//! its reads doubling while they fill) and are reused; steady-state traffic does not allocate
+//! per PDU. [`TargetConn::release_buffers`] gives capacity back when a connection goes idle.
 #![forbid(unsafe_code)]
 
 mod digest;

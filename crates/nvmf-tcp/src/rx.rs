@@ -62,10 +62,17 @@ impl RecvBuffer {
         }
     }
 
-    /// Grows the backing store to at least `capacity` bytes.
-    pub fn grow(&mut self, capacity: usize) {
-        if self.buf.len() < capacity {
-            self.buf.resize(capacity, 0);
+    /// Size of the backing store.
+    pub fn capacity(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Shrinks an empty backing store to `capacity` bytes (at least a common header).
+    pub fn shrink_to(&mut self, capacity: usize) {
+        if self.len() == 0 {
+            self.start = 0;
+            self.end = 0;
+            self.buf = vec![0; capacity.max(CH_LEN)];
         }
     }
 
@@ -88,8 +95,12 @@ impl RecvBuffer {
                 self.end = used;
             }
             if self.buf.len() < want {
+                // A new zeroed allocation rather than `resize`: large ones come as fresh
+                // pages that become resident only as bytes arrive in them.
                 let grown = want.max(self.buf.len() + self.buf.len() / 2);
-                self.buf.resize(grown, 0);
+                let mut buf = vec![0; grown];
+                buf[..used].copy_from_slice(&self.buf[..used]);
+                self.buf = buf;
             }
         }
         &mut self.buf[self.end..]

@@ -1,6 +1,7 @@
 //! Controller side of an NVMe/TCP connection, as used by a target.
 
 use core::ops::Range;
+use std::collections::VecDeque;
 
 use nvme_spec::tcp::{
     CH_LEN, CapsuleCmdHeader, CommonHeader, DATA_PDU_HLEN, DIGEST_LEN, H2cDataHeader, IC_PDU_LEN,
@@ -16,8 +17,10 @@ use crate::rx::{
 };
 use crate::tagmap::{TagMap, tag_map};
 
-/// Largest PDO a peer can send (it is one byte).
-const MAX_PDO: usize = 255;
+/// Bytes asked of the socket per read right after the ICReq; doubled while reads fill it.
+const FIRST_READ: usize = 1024;
+/// Why a command beyond the queue size ends the connection.
+const QUEUE_OVERRUN: &str = "command beyond the queue size: the host already has as many commands outstanding as the queue holds";
 
 /// Settings of the controller side of a connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,13 +36,18 @@ pub struct TargetConfig {
     pub allow_digests: bool,
     /// [`TargetConn::send_c2h_data`] splits data into C2HData PDUs of at most this many bytes.
     pub max_c2h_data: u32,
-    /// Size of the receive buffer in bytes once the ICReq is accepted (it is never smaller
-    /// than the largest PDU the configuration admits). Until then the connection holds only
-    /// room for the ICReq, so connections that never finish it cost little memory.
+    /// Most bytes [`TargetConn::recv_hint`] asks one socket read for. The receive buffer
+    /// starts with room for the ICReq only and grows as the host sends: by the PDU that does
+    /// not fit, and by doubling the bytes asked per read while reads fill what was asked, up to
+    /// this size. So a connection that never finishes the handshake, or stays idle after it,
+    /// costs little memory.
     pub recv_buffer_size: usize,
-    /// Number of outstanding R2Ts to reserve room for once the ICReq is accepted (the queue
-    /// depth is a good value).
-    pub max_outstanding_r2t: usize,
+    /// Commands the host may have outstanding (the queue size) until
+    /// [`TargetConn::set_queue_size`] sets it, normally to the SQSIZE of the Connect. A command
+    /// counts from its CapsuleCmd until its completion (CapsuleResp, or the C2HData that
+    /// carries SUCCESS) has left through [`TargetConn::consume_sent`]; a CapsuleCmd beyond the
+    /// queue size is a fatal error (C2HTermReq, PDU Sequence Error).
+    pub queue_size: usize,
 }
 
 impl Default for TargetConfig {
@@ -50,7 +58,7 @@ impl Default for TargetConfig {
             allow_digests: true,
             max_c2h_data: 128 * 1024,
             recv_buffer_size: 256 * 1024,
-            max_outstanding_r2t: 128,
+            queue_size: 32,
         }
     }
 }
@@ -214,6 +222,12 @@ pub struct TargetConn {
     tx: Vec<u8>,
     tx_pos: usize,
     r2ts: TagMap<R2tSlot>,
+    /// Bytes [`recv_hint`](Self::recv_hint) asks for once established.
+    read_size: usize,
+    /// Commands received whose completion has not left yet.
+    outstanding: usize,
+    /// End offsets in `tx` of the completions queued and not yet sent, in order.
+    completions: VecDeque<usize>,
 }
 
 impl TargetConn {
@@ -235,17 +249,68 @@ impl TargetConn {
             tx: Vec::new(),
             tx_pos: 0,
             r2ts: tag_map(0),
+            read_size: FIRST_READ,
+            outstanding: 0,
+            completions: VecDeque::new(),
         })
     }
 
-    /// Allocates the buffers of an established connection.
-    fn reserve_established(&mut self) {
-        let c = &self.config;
-        let largest_data = c.maxh2cdata.max(c.max_in_capsule_data) as usize;
-        let largest_pdu = MAX_PDO + largest_data + DIGEST_LEN;
-        self.rx.grow(c.recv_buffer_size.max(largest_pdu));
-        self.tx.reserve(4096);
-        self.r2ts.reserve(c.max_outstanding_r2t);
+    /// Sets the number of commands the host may have outstanding (see
+    /// [`TargetConfig::queue_size`]).
+    pub fn set_queue_size(&mut self, n: usize) {
+        self.config.queue_size = n;
+    }
+
+    /// Commands received whose completion has not been sent yet.
+    pub fn outstanding_commands(&self) -> usize {
+        self.outstanding
+    }
+
+    /// Bytes received and not handled yet.
+    pub fn buffered(&self) -> usize {
+        self.rx.len()
+    }
+
+    /// Counts the commands in the receive buffer that [`next_event`](Self::next_event) has
+    /// not reached yet, for a caller that stops handling PDUs while its send backlog drains:
+    /// when they take the host past the queue size, the connection fails now as it would on
+    /// reaching them (C2HTermReq, PDU Sequence Error, echoing the first command too many),
+    /// instead of when the host reads again.
+    pub fn check_buffered_commands(&mut self) -> Result<(), ProtocolError> {
+        if !matches!(self.state, State::Established { .. }) {
+            return Ok(());
+        }
+        let data = self.rx.data();
+        let mut off = 0;
+        let mut commands = self.outstanding;
+        while let Some(ch) = data.get(off..).and_then(CommonHeader::from_prefix) {
+            let plen = ch.plen() as usize;
+            if plen < CH_LEN {
+                break;
+            }
+            if ch.pdu_type() == Ok(PduType::CapsuleCmd) {
+                if commands >= self.config.queue_size {
+                    return Err(self.fail_at(Violation::sequence(QUEUE_OVERRUN), off));
+                }
+                commands += 1;
+            }
+            off += plen;
+        }
+        Ok(())
+    }
+
+    /// Gives memory back while nothing is buffered: the send buffer keeps at most `keep`
+    /// bytes of capacity, the receive buffer returns to its first size when it holds more
+    /// than `keep`. Cheap when there is nothing to give back; call it when the connection
+    /// goes idle.
+    pub fn release_buffers(&mut self, keep: usize) {
+        if self.tx.is_empty() && self.tx.capacity() > keep {
+            self.tx.shrink_to(keep);
+        }
+        if self.rx.capacity() > keep && self.rx.len() == 0 {
+            self.rx.shrink_to(FIRST_READ);
+            self.read_size = FIRST_READ.min(self.config.recv_buffer_size.max(1));
+        }
     }
 
     /// The configuration.
@@ -277,17 +342,27 @@ impl TargetConn {
 
     /// How many bytes to ask [`recv_buf`](Self::recv_buf) for: `chunk` once the connection
     /// is established, only what the ICReq still lacks before.
+    /// The bytes asked start small and double while reads fill them, up to `chunk` and
+    /// [`TargetConfig::recv_buffer_size`].
     pub fn recv_hint(&self, chunk: usize) -> usize {
         match self.state {
             State::AwaitIcReq => IC_PDU_LEN.saturating_sub(self.rx.len()).max(1),
-            _ => chunk,
+            _ => self
+                .read_size
+                .min(chunk)
+                .min(self.config.recv_buffer_size)
+                .max(1),
         }
     }
 
     /// Marks `n` bytes written into [`recv_buf`](Self::recv_buf) as received (clamped to its
-    /// length).
+    /// length). A read that filled what [`recv_hint`](Self::recv_hint) asked for doubles the
+    /// next one.
     pub fn commit_recv(&mut self, n: usize) {
         self.rx.commit(n);
+        if n >= self.read_size && !matches!(self.state, State::AwaitIcReq) {
+            self.read_size = (self.read_size * 2).min(self.config.recv_buffer_size.max(FIRST_READ));
+        }
     }
 
     /// Copies received bytes in (convenient for tests and simple callers).
@@ -355,8 +430,13 @@ impl TargetConn {
 
     /// Records a fatal error, queues the C2HTermReq if one is due, and closes receiving.
     fn fail(&mut self, v: Violation) -> ProtocolError {
+        self.fail_at(v, 0)
+    }
+
+    /// [`fail`](Self::fail) for the PDU `at` bytes into the received data.
+    fn fail_at(&mut self, v: Violation, at: usize) -> ProtocolError {
         if v.reply {
-            let data = self.rx.data();
+            let data = self.rx.data().get(at..).unwrap_or(&[]);
             let n = offending_header_len(data);
             let hdr = PduHeader::term_req(PduType::C2hTermReq, v.fes, v.fei, n);
             self.tx.extend_from_slice(hdr.as_bytes());
@@ -450,7 +530,6 @@ impl TargetConn {
         self.rx.consume(IC_PDU_LEN);
         self.need = 0;
         // Section 3.6.2.3: PFV 0, CPDA 0 (no alignment needed), the digests exactly as asked.
-        self.reserve_established();
         PduHeader::ic_resp(0, digests, self.config.maxh2cdata).append_to(&mut self.tx, &[]);
         self.state = State::Established {
             params,
@@ -489,6 +568,7 @@ impl TargetConn {
         self.rx.consume(frame.plen);
         let ev = match pending.kind {
             PendingKind::Command { sqe } => {
+                self.outstanding += 1;
                 if digest_ok {
                     Ev::Command { sqe, data }
                 } else {
@@ -570,6 +650,9 @@ impl TargetConn {
                     CommonHeader::OFFSET_HLEN,
                     "short CapsuleCmd header",
                 ))?;
+                if self.outstanding >= self.config.queue_size {
+                    return Err(Violation::sequence(QUEUE_OVERRUN));
+                }
                 PendingKind::Command { sqe: *hdr.sqe() }
             }
             PduType::H2cData => self.check_h2c(data, &frame)?,
@@ -662,6 +745,7 @@ impl TargetConn {
     pub fn send_capsule_resp(&mut self, cqe: &[u8; 16]) -> Result<(), SendError> {
         let p = self.established()?;
         PduHeader::capsule_resp(p.digests, cqe).append_to(&mut self.tx, &[]);
+        self.completions.push_back(self.tx.len());
         Ok(())
     }
 
@@ -701,6 +785,9 @@ impl TargetConn {
                 fin && success,
             )?;
             hdr.append_to(&mut self.tx, chunk);
+        }
+        if last && success {
+            self.completions.push_back(self.tx.len());
         }
         Ok(())
     }
@@ -755,6 +842,9 @@ impl TargetConn {
                 self.tx.extend_from_slice(&d.to_le_bytes());
             }
             off += n;
+        }
+        if success {
+            self.completions.push_back(self.tx.len());
         }
         Ok(Ok(()))
     }
@@ -832,6 +922,14 @@ impl TargetConn {
     /// Marks `n` bytes of [`pending_send`](Self::pending_send) as written to the socket.
     pub fn consume_sent(&mut self, n: usize) {
         self.tx_pos += n.min(self.tx.len() - self.tx_pos);
+        while self
+            .completions
+            .front()
+            .is_some_and(|&end| end <= self.tx_pos)
+        {
+            self.completions.pop_front();
+            self.outstanding = self.outstanding.saturating_sub(1);
+        }
         if self.tx_pos == self.tx.len() {
             self.tx.clear();
             self.tx_pos = 0;

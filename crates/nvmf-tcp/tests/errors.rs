@@ -375,6 +375,95 @@ fn target_in_capsule_data_limit() {
     );
 }
 
+#[test]
+fn target_commands_beyond_the_queue_size() {
+    let mut t = target(NONE);
+    t.set_queue_size(2);
+    for cid in 1..=2 {
+        t.feed(&capsule(NONE, cid, &[]));
+        assert!(matches!(
+            t.next_event(),
+            Ok(Some(nvmf_tcp::TargetEvent::Command { .. }))
+        ));
+    }
+    assert_eq!(t.outstanding_commands(), 2);
+    // A completion queued but not sent yet still counts: the host has not seen it.
+    t.send_capsule_resp(&cqe(1, 0)).unwrap();
+    assert_eq!(t.outstanding_commands(), 2);
+    let n = t.pending_send().len();
+    t.consume_sent(n - 1);
+    assert_eq!(t.outstanding_commands(), 2);
+    t.consume_sent(1);
+    assert_eq!(t.outstanding_commands(), 1);
+    t.feed(&capsule(NONE, 3, &[]));
+    assert!(matches!(
+        t.next_event(),
+        Ok(Some(nvmf_tcp::TargetEvent::Command { .. }))
+    ));
+    // A C2HData carrying SUCCESS is the completion of its command.
+    t.send_c2h_data(2, 0, &[7; 16], true, true).unwrap();
+    take_target_tx(&mut t);
+    assert_eq!(t.outstanding_commands(), 1);
+    t.feed(&capsule(NONE, 4, &[]));
+    assert!(t.next_event().unwrap().is_some());
+    // Two outstanding on a queue of two: the next command is refused.
+    target_fails(&mut t, &capsule(NONE, 5, &[]), Fes::PduSequenceError, 0);
+}
+
+#[test]
+fn target_buffered_commands_beyond_the_queue_size() {
+    let mut t = target(NONE);
+    t.set_queue_size(2);
+    t.feed(&capsule(NONE, 1, &[]));
+    assert!(t.next_event().unwrap().is_some());
+    // Two more arrive while the caller is not handling PDUs: one fits, the other does not.
+    let second = capsule(NONE, 2, &[]);
+    let third = capsule(NONE, 3, &[8; 8]);
+    t.feed(&second);
+    assert_eq!(t.check_buffered_commands(), Ok(()));
+    t.feed(&third);
+    assert_eq!(t.buffered(), second.len() + third.len());
+    let err = t.check_buffered_commands().unwrap_err();
+    assert_eq!((err.fes, err.fei), (Fes::PduSequenceError, 0));
+    check_term_req(t.pending_send(), PduType::C2hTermReq, &err, &third);
+    assert!(t.is_closed());
+}
+
+#[test]
+fn target_receive_buffer_grows_with_reads_and_shrinks_when_idle() {
+    let mut t = TargetConn::new(TargetConfig {
+        recv_buffer_size: 16384,
+        ..target_config()
+    })
+    .unwrap();
+    t.feed(PduHeader::ic_req(0, NONE, 0).as_bytes());
+    assert!(t.next_event().unwrap().is_some());
+    assert_eq!(t.recv_hint(1 << 20), 1024);
+    assert!(t.recv_buf(1024).len() < 4096, "no room reserved up front");
+    // Reads that fill what was asked double the next one, up to the configured size.
+    t.set_queue_size(1 << 20);
+    let stream: Vec<u8> = (0..1000).flat_map(|cid| capsule(NONE, cid, &[])).collect();
+    let mut off = 0;
+    for want in [2048, 4096, 8192, 16384, 16384] {
+        let n = t.recv_hint(1 << 20);
+        t.recv_buf(n)[..n].copy_from_slice(&stream[off..off + n]);
+        t.commit_recv(n);
+        off += n;
+        assert_eq!(t.recv_hint(1 << 20), want);
+        while let Ok(Some(_)) = t.next_event() {}
+    }
+    // A partial PDU is still buffered: nothing is given back.
+    assert_ne!(off % 72, 0);
+    t.release_buffers(0);
+    assert_eq!(t.recv_hint(1 << 20), 16384);
+    // Once it is complete and handled, the buffer returns to its first size.
+    t.feed(&stream[off..off.next_multiple_of(72)]);
+    while let Ok(Some(_)) = t.next_event() {}
+    t.release_buffers(0);
+    assert_eq!(t.recv_hint(1 << 20), 1024);
+    assert!(t.recv_buf(1).len() < 16384);
+}
+
 /// A target with an outstanding R2T: command 4, tag 9, 8192 bytes at offset 0.
 fn target_with_r2t(d: Digests) -> TargetConn {
     let mut t = target(d);

@@ -273,7 +273,7 @@ pub fn target_config() -> TargetConfig {
         allow_digests: true,
         max_c2h_data: 4096,
         recv_buffer_size: 1024,
-        max_outstanding_r2t: 8,
+        queue_size: 128,
     }
 }
 
