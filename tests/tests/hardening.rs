@@ -165,8 +165,10 @@ fn half_open_flood_is_closed_in_time_and_memory_returns() {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let rss = t.rss_kib();
         eprintln!("daemon VmRSS baseline {base_rss} KiB, after the flood {rss} KiB");
+        // The allocator's arenas move by some 10% and a few MiB between floods; what a leak
+        // would hold (5000 connections of ~5 KiB each, ~25 MiB) is well above that.
         assert!(
-            rss * 10 <= base_rss * 11,
+            rss * 10 <= base_rss * 11 + 4096 * 10,
             "daemon memory {rss} KiB after the flood, baseline {base_rss} KiB"
         );
         let ctrl = host.stop().await;
