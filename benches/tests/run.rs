@@ -372,9 +372,9 @@ fn cli_study4_disaggregated_skips_rdma_and_succeeds() {
         &job,
         &[
             "--runtime",
-            "100ms",
+            "1s",
             "--ramp-time",
-            "0s",
+            "300ms",
             "--size",
             "4M",
             "--backend",
