@@ -392,3 +392,32 @@ fn cli_study4_disaggregated_skips_rdma_and_succeeds() {
     assert!(out.contains("skipped: rdma"), "{out}");
     assert!(out.lines().any(|l| l.contains("| tcp |")), "{out}");
 }
+
+/// Off a terminal: a line per measurement with its position and the time left, lines around
+/// the prefill, and no ANSI escapes (log lines included).
+#[test]
+fn cli_progress_lines_without_ansi_off_a_terminal() {
+    let job = "[global]\nbackend = \"mem:16M\"\nsize = \"4M\"\nruntime = \"200ms\"\n\
+               [[job]]\nrw = \"randread\"\niodepth = [1, 4]\n";
+    let (code, out, err) = bench_on(job, &["--modes", "das,tcp"]);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(!err.contains('\u{1b}'), "ANSI escapes in {err:?}");
+    assert!(
+        err.contains("WARN"),
+        "the in-process target logs a warning: {err}"
+    );
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains(" elapsed")).collect();
+    assert_eq!(lines.len(), 4, "{err}");
+    assert!(lines[0].starts_with("[1/4, "), "{err}");
+    assert!(
+        lines[3].starts_with("[4/4, ") && lines[3].contains(" left] [tcp] "),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("prefill: writing the verify pattern over 4 MiB")
+            .count(),
+        2,
+        "{err}"
+    );
+    assert_eq!(err.matches("prefill done: 4 MiB").count(), 2, "{err}");
+}
