@@ -38,7 +38,7 @@ fn loopback(c: &mut Criterion) {
     let settings = TcpSettings {
         addrs: vec![target.addr()],
         nqn: spec.nqn.clone(),
-        hostnqn: None,
+        host: nvmeof_bench::path::HostChoice::bench(),
         queue_pairs: 1,
         queue_depth: 32,
         namespaces: 1,

@@ -4,8 +4,10 @@
 //! [`GpuStaging`] (a CUDA stream and two pinned slots of the block size); a read goes through
 //! the staging into the device buffer and completes only once the data is in device memory.
 //! Over NVMe/TCP the initiator's queue receives the data straight into a pinned slot, which is
-//! then copied to the GPU; in DAS mode the backend reads into host memory and the staging
-//! copies it through a pinned slot (the CPU bounce path of a direct-attached device). With
+//! then copied to the GPU. In DAS mode a memory backend copies the blocks straight into a
+//! pinned slot (one copy, then the host-to-device copy: the best local path, as
+//! `gpu_loader`'s RAM -> HBM); other backends read into host memory, which the staging copies
+//! through a pinned slot (the CPU bounce path of a direct-attached device). With
 //! verify on, every read's device data is copied back (asynchronously, on the buffer's stream,
 //! into pinned memory) and checked against the pattern. Writes (the prefill included) go
 //! through the wrapped path from host memory.
@@ -60,6 +62,21 @@ impl BlockSource for DasBlocks {
         let backend = Arc::clone(&self.backend);
         let len = dest.len();
         async move {
+            if let AnyBackend::Memory(mem) = &*backend
+                && let Some(mut lent) = dest.lend(0, len)
+            {
+                // Local memory: one copy, straight into the staging's pinned slot, whose
+                // host-to-device copy is enqueued when it is taken back (the best local path,
+                // as `gpu_loader`'s RAM -> HBM), instead of a fresh host buffer per read
+                // copied once more into the slot.
+                let r = mem.read_into(lba, &mut lent.bytes_mut()[..len]);
+                dest.take_back(0, len, lent, r.is_ok())
+                    .map_err(|e| nvmeof_initiator::Error::Buffer(e.to_string()))?;
+                // Memory never waits: spend one unit of the task's cooperative budget so a
+                // worker that always finds its data ready still lets the runtime run others.
+                tokio::task::consume_budget().await;
+                return r.map_err(|e| nvmeof_initiator::Error::Buffer(e.to_string()));
+            }
             let (r, buf) = backend.read(lba, IoBuf::new(len)).await;
             r.map_err(|e| nvmeof_initiator::Error::Buffer(e.to_string()))?;
             dest.write_at(0, &buf)

@@ -39,7 +39,7 @@ use crate::job::{Point, RingMode};
 use crate::path::{NsGeometry, TcpPath};
 use crate::pattern::{Pattern, VERIFY_BLOCK};
 use crate::report::Measurement;
-use crate::run::{Prefilled, Timing, failed, prepare, summarize};
+use crate::run::{Prefilled, Progress, Timing, failed, prepare, summarize};
 use crate::worker::{NsAcc, WorkerOutput};
 
 /// Latency histogram buckets in device memory.
@@ -171,8 +171,9 @@ pub(crate) fn measure(
     target_cpu: CpuSource,
     repeat: u32,
     mode: &str,
+    progress: &Progress,
 ) -> Measurement {
-    let (geo, region, verify) = match prepare(rt, &**path, point, prefilled, mode) {
+    let (geo, region, verify) = match prepare(rt, &**path, point, prefilled, mode, progress) {
         Ok(p) => p,
         Err(e) => return failed(repeat, e),
     };

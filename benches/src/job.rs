@@ -103,15 +103,26 @@ pub const DEFAULT_RUNTIME: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     /// The TOML did not parse or had an unknown key or a value of the wrong type.
-    #[error("job file: {0}")]
-    Toml(#[from] toml::de::Error),
+    #[error("job file{}: {msg}", match (line, text) {
+        (Some(l), Some(t)) => format!(", line {l} ({t})"),
+        (Some(l), None) => format!(", line {l}"),
+        _ => String::new(),
+    })]
+    Toml {
+        /// The line (from 1) of the bad value, when known.
+        line: Option<usize>,
+        /// That line's text, trimmed.
+        text: Option<String>,
+        /// What is wrong, on one line.
+        msg: String,
+    },
     /// The file could not be read.
-    #[error("cannot read job file {path}: {source}")]
+    #[error("cannot read job file {}: {msg}", path.display())]
     Read {
         /// The path.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        msg: String,
     },
     /// A value is outside its allowed range or malformed.
     #[error("{job}: {key}: {msg}")]
@@ -339,7 +350,7 @@ pub enum Mode {
     /// NVMe/TCP through the user-space initiator.
     Tcp(TcpTarget),
     /// NVMe/RDMA through the user-space initiator to a target at `addr` (without an address
-    /// the mode is reported as not available: no RDMA target is started in-process).
+    /// the mode is skipped, with one line saying why: no RDMA target is started in-process).
     Rdma {
         /// `HOST:PORT`, when given.
         addr: Option<String>,
@@ -422,18 +433,27 @@ pub struct Bytes(pub u64);
 
 impl<'de> Deserialize<'de> for Bytes {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Repr {
-            N(u64),
-            S(String),
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a size in bytes, e.g. 4096, \"4k\" or \"1M\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Bytes, E> {
+                Ok(Bytes(n))
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Bytes, E> {
+                u64::try_from(n)
+                    .map(Bytes)
+                    .map_err(|_| E::custom(format!("invalid size {n}: negative")))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Bytes, E> {
+                blockdev::parse_size(s)
+                    .map(Bytes)
+                    .map_err(|e| E::custom(format!("invalid size {s:?}: {e}")))
+            }
         }
-        match Repr::deserialize(d)? {
-            Repr::N(n) => Ok(Bytes(n)),
-            Repr::S(s) => blockdev::parse_size(&s)
-                .map(Bytes)
-                .map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(V)
     }
 }
 
@@ -467,31 +487,79 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Repr {
-            N(f64),
-            S(String),
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Dur;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration, e.g. 10 (seconds), \"500ms\" or \"2m\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Dur, E> {
+                self.visit_str(&n.to_string())
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Dur, E> {
+                self.visit_str(&n.to_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Dur, E> {
+                self.visit_str(&n.to_string())
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Dur, E> {
+                parse_duration(s).map(Dur).map_err(E::custom)
+            }
         }
-        match Repr::deserialize(d)? {
-            Repr::N(n) => parse_duration(&n.to_string())
-                .map(Dur)
-                .map_err(serde::de::Error::custom),
-            Repr::S(s) => parse_duration(&s)
-                .map(Dur)
-                .map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(V)
     }
 }
 
-/// One value or a list of values (a sweep).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
+/// One value or a list of values (a sweep). A bad value is reported with the value type's own
+/// message (for enums: the bad value and the valid ones).
+#[derive(Debug, Clone, PartialEq)]
 pub enum OneOrMany<T> {
     /// A single value.
     One(T),
     /// A sweep over these values, in order.
     Many(Vec<T>),
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for OneOrMany<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::IntoDeserializer;
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+            type Value = OneOrMany<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a value or a list of values")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut v = Vec::new();
+                while let Some(x) = seq.next_element()? {
+                    v.push(x);
+                }
+                Ok(OneOrMany::Many(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Self::Value, E> {
+                T::deserialize(s.into_deserializer()).map(OneOrMany::One)
+            }
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<Self::Value, E> {
+                self.visit_str(&s)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Self::Value, E> {
+                T::deserialize(n.into_deserializer()).map(OneOrMany::One)
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Self::Value, E> {
+                T::deserialize(n.into_deserializer()).map(OneOrMany::One)
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<Self::Value, E> {
+                T::deserialize(n.into_deserializer()).map(OneOrMany::One)
+            }
+            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<Self::Value, E> {
+                T::deserialize(b.into_deserializer()).map(OneOrMany::One)
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
 }
 
 impl<T: Clone> OneOrMany<T> {
@@ -600,17 +668,30 @@ pub struct JobFile {
 impl JobFile {
     /// Parses a job file's text.
     pub fn parse(text: &str) -> Result<JobFile, JobError> {
-        Ok(toml::from_str(text)?)
+        toml::from_str(text).map_err(|e| toml_error(text, &e))
     }
 
     /// Reads and parses a job file.
     pub fn load(path: &std::path::Path) -> Result<JobFile, JobError> {
-        let text = std::fs::read_to_string(path).map_err(|source| JobError::Read {
+        let text = std::fs::read_to_string(path).map_err(|e| JobError::Read {
             path: path.to_path_buf(),
-            source,
+            msg: e.to_string(),
         })?;
         Self::parse(&text)
     }
+}
+
+/// A TOML error on one line: the line of the bad value and its text, and the message.
+fn toml_error(text: &str, e: &toml::de::Error) -> JobError {
+    let msg = e.message().split_whitespace().collect::<Vec<_>>().join(" ");
+    let at = e.span().map(|s| s.start.min(text.len()));
+    let line = at.map(|at| text[..at].matches('\n').count() + 1);
+    let text = line
+        .and_then(|l| text.lines().nth(l - 1))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(String::from);
+    JobError::Toml { line, text, msg }
 }
 
 /// Settings given on the command line that replace the job file's.
@@ -821,8 +902,17 @@ pub struct Plan {
     pub namespaces: u32,
     /// Subsystem NQN (remote targets; the started target uses [`DEFAULT_NQN`] unless set).
     pub nqn: String,
-    /// Host NQN to connect with (`None`: [`crate::path::BENCH_HOSTNQN`]).
+    /// Host NQN given by `--hostnqn` or the job file, used in every fabric mode.
     pub hostnqn: Option<String>,
+    /// The host identity of the fabric modes: the given `hostnqn`, else what the binary sets
+    /// for targets given by address (the `nvmeof` CLI's identity, see
+    /// [`crate::path::HostChoice::system`]); `None`: [`crate::path::BENCH_HOSTNQN`]. Targets the
+    /// load generator starts allow any host and are reached with the given `hostnqn` or
+    /// [`crate::path::BENCH_HOSTNQN`].
+    pub host: Option<crate::path::HostChoice>,
+    /// Modes asked for that cannot run (plain `rdma`: no target to reach), each with the
+    /// reason; they are not in [`modes`](Self::modes).
+    pub skipped: Vec<String>,
     /// Reactor threads of the target the load generator starts.
     pub target_reactors: usize,
     /// Busy-poll window of the started target's reactors, in microseconds (0: event-driven;
@@ -898,6 +988,18 @@ impl Plan {
         labels.dedup();
         if labels.len() != modes.len() {
             return Err(invalid("global", "modes", "a mode is listed twice"));
+        }
+        // Plain `rdma` names no target and the load generator starts none: its rows are left
+        // out, with the reason in the report.
+        let (skipped, modes): (Vec<Mode>, Vec<Mode>) = modes
+            .into_iter()
+            .partition(|m| matches!(m, Mode::Rdma { addr: None }));
+        let skipped: Vec<String> = skipped
+            .iter()
+            .map(|m| format!("{m}: {}", crate::run::RDMA_UNAVAILABLE))
+            .collect();
+        if modes.is_empty() {
+            return Err(invalid("global", "modes", crate::run::RDMA_UNAVAILABLE));
         }
         let backend =
             ov.backend
@@ -990,6 +1092,14 @@ impl Plan {
                 ));
             }
         }
+        let host = match (&ov.hostnqn, &g.hostnqn) {
+            (Some(h), _) => Some((h, "--hostnqn")),
+            (None, Some(h)) => Some((h, "hostnqn in the job file")),
+            (None, None) => None,
+        }
+        .map(|(h, source)| crate::path::HostChoice::given(h, source))
+        .transpose()
+        .map_err(|e| invalid("global", "hostnqn", e.to_string()))?;
         let target_cpus = ov.target_cpus.clone().or_else(|| g.target_cpus.clone());
         let client_cpus = ov.client_cpus.clone().or_else(|| g.client_cpus.clone());
         let load_cpus = g.load_cpus.clone();
@@ -1035,6 +1145,8 @@ impl Plan {
             namespaces,
             nqn,
             hostnqn,
+            host,
+            skipped,
             target_reactors,
             target_poll_us,
             client_poll_us,

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Parser;
 use nvmeof_bench::job::{HostLoad, JobFile, Mode, Overrides, Plan, parse_duration};
+use nvmeof_bench::path::HostChoice;
 use nvmeof_bench::run::{RunOptions, run};
 use nvmeof_bench::{QUICK_JOB, svg};
 
@@ -50,9 +51,9 @@ struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     target: Option<String>,
 
-    /// Process ID of the target at --target on this machine: its CPU time is measured
-    /// (and --target-cpus pins it).
-    #[arg(long, requires = "target")]
+    /// Process ID, on this machine, of the target given by address (--target, tcp=HOST:PORT
+    /// or rdma=HOST:PORT): its CPU time is measured (and --target-cpus pins it).
+    #[arg(long, value_name = "PID")]
     target_pid: Option<u32>,
 
     /// Subsystem NQN (for --target and tcp=HOST:PORT).
@@ -91,9 +92,15 @@ struct Args {
     #[arg(long, overrides_with = "prefill")]
     no_prefill: bool,
 
-    /// Host NQN to connect with (for targets that allow only listed hosts).
+    /// Host NQN to connect to a target given by address with (default: as the nvmeof CLI,
+    /// /etc/nvme/hostnqn, else the one stored in --state-dir).
     #[arg(long, value_name = "NQN")]
     hostnqn: Option<String>,
+
+    /// Where the host identity is stored when /etc/nvme/hostnqn is absent (as the nvmeof CLI;
+    /// default: /var/lib/nvmeof for root, else ~/.local/state/nvmeof).
+    #[arg(long, env = "NVMEOF_STATE_DIR", value_name = "DIR")]
+    state_dir: Option<PathBuf>,
 
     /// Backend of each namespace (mem:1G, null:1G, file:PATH,size=1G, bdev:PATH).
     #[arg(long)]
@@ -156,6 +163,7 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(nvmeof_bench::run::stderr_color())
         .with_target(false)
         .init();
     let args = Args::parse();
@@ -163,10 +171,28 @@ fn main() -> ExitCode {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(e) => {
-            eprintln!("nvmeof-bench: {e:#}");
+            eprintln!("nvmeof-bench: {}", one_line(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// An error and its causes on one line, each cause once (a cause whose text the message
+/// already carries is not repeated).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        if out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 fn real_main(args: Args) -> anyhow::Result<bool> {
@@ -209,7 +235,23 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         size: args.size,
         target_pid: args.target_pid,
     };
-    let plan = Plan::resolve(&file, &ov)?;
+    let mut plan = Plan::resolve(&file, &ov)?;
+    for skipped in &plan.skipped {
+        eprintln!("nvmeof-bench: skipped {skipped}");
+    }
+    if plan.target_pid.is_some() && plan.modes.iter().all(Mode::owns_target) {
+        bail!(
+            "--target-pid names the process of a target given by address (--target, \
+             tcp=HOST:PORT or rdma=HOST:PORT); no mode of this run has one"
+        );
+    }
+    if plan.hostnqn.is_none() && plan.modes.iter().any(|m| !m.owns_target()) {
+        let state_dir = args
+            .state_dir
+            .clone()
+            .unwrap_or_else(nvmeof_initiator::default_state_dir);
+        plan.host = Some(HostChoice::system(&state_dir)?);
+    }
     for mode in plan.modes.iter().filter(|m| !m.owns_target()) {
         // Somebody else's target: say once whether it is written to and what is verified.
         if plan.points.iter().any(|p| p.writes() || p.prefill_in(mode)) {

@@ -30,6 +30,66 @@ pub const BENCH_HOSTID: [u8; 16] = [
     0x6e, 0x76, 0x6d, 0x65, 0x6f, 0x66, 0x2d, 0x62, 0x65, 0x6e, 0x63, 0x68, 0, 0, 0, 1,
 ];
 
+/// The host identity a fabric mode connects with, and where it came from (said when a target
+/// refuses the host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostChoice {
+    /// Host NQN and host ID.
+    pub identity: HostIdentity,
+    /// Where the host NQN came from, e.g. `--hostnqn` or `/etc/nvme/hostnqn`.
+    pub source: String,
+}
+
+impl HostChoice {
+    /// The load generator's own identity ([`BENCH_HOSTNQN`]): what it connects to the targets
+    /// it starts with (they allow any host).
+    pub fn bench() -> Self {
+        HostChoice {
+            identity: HostIdentity {
+                hostnqn: BENCH_HOSTNQN.to_string(),
+                hostid: BENCH_HOSTID,
+            },
+            source: "the load generator's built-in host NQN".into(),
+        }
+    }
+
+    /// A host NQN given by the user, with the load generator's host ID.
+    pub fn given(hostnqn: &str, source: &str) -> Result<Self, PathError> {
+        Ok(HostChoice {
+            identity: HostIdentity::new(hostnqn, BENCH_HOSTID)?,
+            source: source.to_string(),
+        })
+    }
+
+    /// The identity the `nvmeof` CLI uses: `/etc/nvme/hostnqn` and `/etc/nvme/hostid` when
+    /// present, else the one stored in `state_dir` (generated there on first use).
+    pub fn system(state_dir: &std::path::Path) -> Result<Self, PathError> {
+        Self::system_from(
+            std::path::Path::new(nvmeof_initiator::identity::ETC_NVME),
+            state_dir,
+        )
+    }
+
+    /// Like [`system`](Self::system) with another directory in place of `/etc/nvme`.
+    pub fn system_from(
+        etc: &std::path::Path,
+        state_dir: &std::path::Path,
+    ) -> Result<Self, PathError> {
+        let identity = HostIdentity::load_or_create_from(etc, state_dir)?;
+        let in_etc = etc.join("hostnqn");
+        let from_etc = std::fs::read_to_string(&in_etc).is_ok_and(|s| s.trim() == identity.hostnqn);
+        let source = if from_etc {
+            in_etc
+        } else {
+            state_dir.join("hostnqn")
+        };
+        Ok(HostChoice {
+            identity,
+            source: source.display().to_string(),
+        })
+    }
+}
+
 /// An I/O failure of a path.
 #[derive(Debug, thiserror::Error)]
 pub enum PathError {
@@ -211,8 +271,8 @@ pub struct TcpSettings {
     pub addrs: Vec<String>,
     /// Subsystem NQN.
     pub nqn: String,
-    /// Host NQN (`None`: [`BENCH_HOSTNQN`]).
-    pub hostnqn: Option<String>,
+    /// Host identity.
+    pub host: HostChoice,
     /// I/O queues to ask for, per controller.
     pub queue_pairs: u16,
     /// Entries per queue to ask for.
@@ -281,15 +341,27 @@ impl TcpPath {
         let target: TargetAddr = addr
             .parse()
             .map_err(|e| PathError::Setup(format!("bad target address {addr}: {e}")))?;
-        let host = HostIdentity::new(s.hostnqn.as_deref().unwrap_or(BENCH_HOSTNQN), BENCH_HOSTID)?;
-        let mut opts = ConnectOptions::new(target, s.nqn.clone(), host);
+        let mut opts = ConnectOptions::new(target, s.nqn.clone(), s.host.identity.clone());
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);
         opts.busy_poll = s.busy_poll;
         opts.queue_pairs = s.rtc_pairs;
         opts.reconnect = ReconnectPolicy::never();
         opts.timeouts.io = Duration::from_secs(30);
-        let ctrl = Controller::connect(opts).await?;
+        let ctrl = Controller::connect(opts).await.map_err(|e| {
+            let invalid_host = e.status().is_some_and(|st| {
+                st.sct == 1 && st.sc == nvme_spec::status::specific::CONNECT_INVALID_HOST
+            });
+            if invalid_host {
+                PathError::Setup(format!(
+                    "{e}: the target does not allow host {} (from {}); allow it on the target \
+                     or connect as an allowed host with --hostnqn",
+                    s.host.identity.hostnqn, s.host.source
+                ))
+            } else {
+                e.into()
+            }
+        })?;
         let queues = ctrl.io_queue_count();
         if queues < usize::from(s.queue_pairs) {
             tracing::warn!(

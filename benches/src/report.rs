@@ -91,6 +91,29 @@ pub struct PlanInfo {
     pub client_cpus: Option<String>,
     /// Repeats.
     pub repeat: u32,
+    /// Modes asked for that could not run here, with the reason (their rows are left out).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped_modes: Vec<String>,
+}
+
+impl PlanInfo {
+    /// What the storage is: the backend for the modes that use the load generator's own
+    /// storage (das, tcp, tcp-bin), and a target given by address for the others.
+    pub fn storage(&self) -> String {
+        let remote = |m: &&String| m.contains('@') || m.as_str() == "rdma";
+        let (others, own): (Vec<&String>, Vec<&String>) = self.modes.iter().partition(remote);
+        let join = |v: &[&String]| v.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(", ");
+        match (own.is_empty(), others.is_empty()) {
+            (true, _) => format!("target at an address ({})", join(&others)),
+            (false, true) => format!("backend {}", self.backend),
+            (false, false) => format!(
+                "backend {} ({}); {}: a target at an address",
+                self.backend,
+                join(&own),
+                join(&others)
+            ),
+        }
+    }
 }
 
 /// Reads or writes of one measurement.
@@ -155,7 +178,8 @@ pub struct NsSpread {
     pub min_iops: f64,
     /// Highest per-namespace IOPS.
     pub max_iops: f64,
-    /// Lowest IOPS as a fraction of the mean (1.0 = perfectly even).
+    /// Lowest IOPS as a fraction of the mean (1.0 = perfectly even; workers take the namespaces
+    /// in turn, so it is 1.0 unless a namespace failed).
     pub min_over_mean: f64,
     /// Coefficient of variation of per-namespace IOPS.
     pub cv: f64,
@@ -297,8 +321,12 @@ pub struct Summary {
     pub iops_per_target_core: Option<Stat>,
     /// IOPS per client core.
     pub iops_per_client_core: Option<Stat>,
-    /// Lowest per-namespace IOPS over the mean.
+    /// Lowest per-namespace IOPS over the mean (workers take the namespaces in turn, so this
+    /// is 1 unless a namespace failed; the latency spread is the telling figure).
     pub ns_min_over_mean: Option<Stat>,
+    /// Highest per-namespace p99 latency over the lowest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ns_p99_max_over_min: Option<Stat>,
     /// Lowest per-queue IOPS over the mean (GPU-issued points).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_min_over_mean: Option<Stat>,
@@ -332,6 +360,9 @@ impl Summary {
             iops_per_target_core: stat(&|m| m.cpu.iops_per_target_core),
             iops_per_client_core: stat(&|m| m.cpu.iops_per_client_core),
             ns_min_over_mean: stat(&|m| m.ns_spread.map(|s| s.min_over_mean)),
+            ns_p99_max_over_min: stat(&|m| {
+                m.ns_spread.map(|s| s.p99_max_over_min).filter(|&r| r > 0.0)
+            }),
             queue_min_over_mean: stat(&|m| m.queue_spread.map(|s| s.min_over_mean)),
             verify_errors: ms.iter().map(|m| m.verify_errors).sum(),
             verified_reads: ms.iter().map(|m| m.verified_reads).sum(),
@@ -454,15 +485,23 @@ impl Report {
         let _ = writeln!(
             s,
             "nvmeof-bench {} | {} | {} CPUs ({}) | kernel {} | {}",
-            self.tool_version, self.started_utc, m.nproc, m.cpu_model, m.kernel, self.plan.backend
+            self.tool_version,
+            self.started_utc,
+            m.nproc,
+            m.cpu_model,
+            m.kernel,
+            self.plan.storage()
         );
         if let Some(d) = &self.plan.description {
             let _ = writeln!(s, "{d}");
         }
+        for skipped in &self.plan.skipped_modes {
+            let _ = writeln!(s, "skipped: {skipped}");
+        }
         let repeats = self.plan.repeat;
         let _ = writeln!(
             s,
-            "\n{}medians{}; CPU = cores busy (CPU-s per s); IOPS/core = IOPS per target core (client core for das); verify = reads checked / errors\n",
+            "\n{}medians{}; point = pattern, block size, qdN = I/Os in flight per worker, xN = N workers (numjobs), qpN = N I/O queue pairs per controller, Ntgt = N targets; CPU = cores busy (CPU-s per s); IOPS/core = IOPS per target core (client core for das); verify = reads checked / errors\n",
             if repeats > 1 {
                 format!("{repeats} repeats, ")
             } else {
@@ -543,16 +582,23 @@ impl Report {
             .iter()
             .flat_map(|p| {
                 p.results.iter().flat_map(move |r| {
-                    let ns = r.summary.ns_min_over_mean.map(|st| (st, "namespace"));
-                    let q = r.summary.queue_min_over_mean.map(|st| (st, "queue"));
-                    ns.into_iter().chain(q).map(move |(st, what)| {
+                    // Workers take the namespaces in turn: their I/O counts are equal by
+                    // construction, their latencies are not.
+                    let ns = r.summary.ns_p99_max_over_min.map(|st| {
                         format!(
-                            "{} / {}: slowest {what} at {:.1}% of the mean",
+                            "{} / {}: p99 latency of the slowest namespace at {:.2}x the fastest's",
+                            p.label, r.mode, st.median
+                        )
+                    });
+                    let q = r.summary.queue_min_over_mean.map(|st| {
+                        format!(
+                            "{} / {}: slowest queue at {:.1}% of the mean IOPS",
                             p.label,
                             r.mode,
                             st.median * 100.0
                         )
-                    })
+                    });
+                    ns.into_iter().chain(q)
                 })
             })
             .collect();
@@ -687,7 +733,7 @@ pub(crate) mod tests {
                 max_iops: iops * 0.6,
                 min_over_mean: 0.8,
                 cv: 0.2,
-                p99_max_over_min: 1.0,
+                p99_max_over_min: 1.5,
             }),
             ..Default::default()
         }
@@ -859,7 +905,32 @@ pub(crate) mod tests {
             "{md}"
         );
         assert!(md.contains("300 ok"));
-        assert!(md.contains("slowest namespace at 80.0%"));
+        // Namespaces are taken in turn: their latency spread is reported, not their equal
+        // I/O counts.
+        assert!(
+            md.contains("p99 latency of the slowest namespace at 1.50x the fastest's"),
+            "{md}"
+        );
+        assert!(!md.contains("of the mean"), "{md}");
+        // The point labels are explained.
+        assert!(md.contains("xN = N workers (numjobs)"), "{md}");
+    }
+
+    #[test]
+    fn header_names_the_storage_of_each_mode() {
+        let mut info = PlanInfo {
+            modes: vec!["das".into(), "tcp".into()],
+            backend: "mem:1G".into(),
+            ..Default::default()
+        };
+        assert_eq!(info.storage(), "backend mem:1G");
+        info.modes = vec!["tcp@10.0.0.2:4420".into()];
+        assert_eq!(info.storage(), "target at an address (tcp@10.0.0.2:4420)");
+        info.modes = vec!["das".into(), "rdma@10.0.0.2:4420".into()];
+        assert_eq!(
+            info.storage(),
+            "backend mem:1G (das); rdma@10.0.0.2:4420: a target at an address"
+        );
     }
 
     #[test]

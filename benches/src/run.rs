@@ -29,7 +29,7 @@ use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
 use crate::job::{Api, Dest, HostLoad, Issue, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
-use crate::path::{DasPath, IoPath, NsGeometry, TcpPath, TcpSettings};
+use crate::path::{DasPath, HostChoice, IoPath, NsGeometry, TcpPath, TcpSettings};
 use crate::pattern::Pattern;
 use crate::report::{
     CpuStats, DirStats, Machine, Measurement, ModeReport, NsSpread, NsStats, PlanInfo, PointReport,
@@ -38,7 +38,7 @@ use crate::report::{
 use crate::worker::{self, PHASE_MEASURE, PHASE_STOP, Shared, WorkerOutput, WorkerSpec};
 
 /// Message of the `rdma` mode without an address (no RDMA target is started in-process).
-pub const RDMA_UNAVAILABLE: &str = "mode rdma without an address is not available: the load generator starts no RDMA target itself; use rdma=HOST:PORT (a target listening on rdma://) with --nqn";
+pub const RDMA_UNAVAILABLE: &str = "mode rdma without an address has no target to reach (the load generator starts no RDMA target itself); use rdma=HOST:PORT (a target listening on rdma://) with --nqn";
 
 /// Errors that stop a whole run (a mode that cannot run is reported in its results instead).
 #[derive(Debug, thiserror::Error)]
@@ -98,12 +98,69 @@ enum ModeState {
     Unavailable(String),
 }
 
-struct Progress {
+/// Whether stderr may carry colours: a terminal, and `NO_COLOR` unset or empty
+/// (<https://no-color.org>).
+pub fn stderr_color() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// What a run tells on stderr while it goes: a line per measurement with its position in the
+/// run, the time spent and an estimate of the time left, a line before and after a prefill,
+/// and on a terminal a live line (rewritten in place) during each.
+pub(crate) struct Progress {
     enabled: bool,
     tty: bool,
+    started: Instant,
+    /// Measurements in the run (repeats x points x modes).
+    total: usize,
+    /// Measurements finished.
+    finished: std::cell::Cell<usize>,
+}
+
+/// `42s`, `3m05s`, `1h02m`.
+fn fmt_secs(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    if s < 60 {
+        format!("{s}s")
+    } else if s < 3600 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    }
 }
 
 impl Progress {
+    fn new(enabled: bool, total: usize) -> Self {
+        Progress {
+            enabled,
+            tty: std::io::stderr().is_terminal(),
+            started: Instant::now(),
+            total,
+            finished: std::cell::Cell::new(0),
+        }
+    }
+
+    /// `point 3/12, 1m05s elapsed, ~4m20s left` (the estimate: the mean time per measurement
+    /// so far, times the measurements left).
+    fn position(&self) -> String {
+        let done = self.finished.get();
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let left = if done > 0 {
+            format!(
+                ", ~{} left",
+                fmt_secs(elapsed / done as f64 * (self.total - done.min(self.total)) as f64)
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "{}/{}, {} elapsed{left}",
+            (done + 1).min(self.total),
+            self.total,
+            fmt_secs(elapsed)
+        )
+    }
+
     fn live(&self, mode: &str, label: &str, elapsed: f64, total: Option<f64>, shared: &Shared) {
         if !(self.enabled && self.tty) {
             return;
@@ -116,24 +173,68 @@ impl Progress {
             None => format!("{elapsed:.1}s"),
         };
         eprint!(
-            "\r\x1b[2K[{mode}] {label}  {t}  {} IOPS  {:.2} GB/s",
+            "\r\x1b[2K[{}] [{mode}] {label}  {t}  {} IOPS  {:.2} GB/s",
+            self.position(),
             fmt_si(rate(ops)),
             rate(bytes) / 1e9
         );
         let _ = std::io::stderr().flush();
     }
 
-    fn done(&self, mode: &str, label: &str, m: &Measurement) {
-        if !self.enabled {
-            return;
+    /// A prefill starts (`bytes` in all).
+    fn prefill_start(&self, mode: &str, bytes: u64, namespaces: usize) {
+        if self.enabled {
+            self.clear();
+            eprintln!(
+                "[{mode}] prefill: writing the verify pattern over {} MiB of {namespaces} namespace(s)",
+                bytes >> 20
+            );
         }
+    }
+
+    /// A prefill has written `done` of `bytes` (a live line on a terminal).
+    fn prefill_live(&self, mode: &str, done: u64, bytes: u64, secs: f64) {
+        if self.enabled && self.tty {
+            eprint!(
+                "\r\x1b[2K[{mode}] prefill {} / {} MiB  {:.0}%  {:.1}s",
+                done >> 20,
+                bytes >> 20,
+                done as f64 * 100.0 / bytes.max(1) as f64,
+                secs
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    /// A prefill has finished.
+    fn prefill_done(&self, mode: &str, bytes: u64, secs: f64) {
+        if self.enabled {
+            self.clear();
+            eprintln!(
+                "[{mode}] prefill done: {} MiB in {secs:.1} s ({:.2} GB/s)",
+                bytes >> 20,
+                bytes as f64 / secs.max(1e-9) / 1e9
+            );
+        }
+    }
+
+    fn clear(&self) {
         if self.tty {
             eprint!("\r\x1b[2K");
         }
+    }
+
+    fn done(&self, mode: &str, label: &str, m: &Measurement) {
+        let position = self.position();
+        self.finished.set(self.finished.get() + 1);
+        if !self.enabled {
+            return;
+        }
+        self.clear();
         match &m.error {
-            Some(e) => eprintln!("[{mode}] {label}: {e}"),
+            Some(e) => eprintln!("[{position}] [{mode}] {label}: {e}"),
             None => eprintln!(
-                "[{mode}] {label}: {} IOPS, {:.3} GB/s, p50 {:.1} us, p99 {:.1} us{}",
+                "[{position}] [{mode}] {label}: {} IOPS, {:.3} GB/s, p50 {:.1} us, p99 {:.1} us{}",
                 fmt_si(m.all.iops),
                 m.all.gbps,
                 m.all.latency.p50_us,
@@ -164,10 +265,10 @@ fn max_queue_depth(plan: &Plan) -> u16 {
 /// Runs a plan and returns its report.
 pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
     let started_utc = now_utc();
-    let progress = Progress {
-        enabled: opts.progress,
-        tty: std::io::stderr().is_terminal(),
-    };
+    let progress = Progress::new(
+        opts.progress,
+        plan.repeat as usize * plan.points.len() * plan.modes.len(),
+    );
     let ctl = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("bench-ctl")
@@ -297,6 +398,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
             target_cpus: plan.target_cpus.clone(),
             client_cpus: plan.client_cpus.clone(),
             repeat: plan.repeat,
+            skipped_modes: plan.skipped.clone(),
         },
         points,
     };
@@ -408,12 +510,19 @@ fn measure_in_mode(
         ModeState::Tcp {
             targets: Ok(target),
             prefilled,
-            ..
+            kind,
         } => {
             let settings = TcpSettings {
                 addrs: target.addrs(),
                 nqn: plan.nqn.clone(),
-                hostnqn: plan.hostnqn.clone(),
+                host: match &plan.host {
+                    Some(h)
+                        if plan.hostnqn.is_some() || matches!(kind, TcpTarget::Remote { .. }) =>
+                    {
+                        h.clone()
+                    }
+                    _ => HostChoice::bench(),
+                },
                 queue_pairs: point.queue_pairs,
                 queue_depth: (point.iodepth * point.numjobs.div_ceil(u32::from(point.queue_pairs))
                     + 1)
@@ -443,6 +552,7 @@ fn measure_in_mode(
                             target.cpu_source(),
                             repeat,
                             mode_label,
+                            progress,
                         )
                     } else {
                         measure_into(
@@ -500,7 +610,13 @@ async fn prefill<P: IoPath>(
     namespaces: usize,
     region: u64,
     pattern: &Pattern,
+    progress: &Progress,
+    mode: &str,
 ) -> Result<(), String> {
+    let total = region * namespaces as u64;
+    let t0 = Instant::now();
+    let mut last = t0;
+    let mut written = 0u64;
     const CHUNK: u64 = 128 * 1024;
     const DEPTH: usize = 16;
     let mut inflight = FuturesUnordered::new();
@@ -516,12 +632,17 @@ async fn prefill<P: IoPath>(
             pattern.fill(off, P::bytes_mut(&mut buf));
             inflight.push(async move {
                 let (r, _buf) = path.write(0, ns, off, buf).await;
-                r.map_err(|e| format!("prefill write at ns index {ns} offset {off:#x}: {e}"))
+                r.map(|()| len)
+                    .map_err(|e| format!("prefill write at ns index {ns} offset {off:#x}: {e}"))
             });
         }
         match inflight.next().await {
-            Some(r) => r?,
+            Some(r) => written += r?,
             None => return Ok(()),
+        }
+        if last.elapsed() >= Duration::from_millis(250) {
+            last = Instant::now();
+            progress.prefill_live(mode, written, total, t0.elapsed().as_secs_f64());
         }
     }
 }
@@ -580,6 +701,7 @@ pub(crate) fn prepare<P: IoPath>(
     point: &Point,
     prefilled: &mut Prefilled,
     mode: &str,
+    progress: &Progress,
 ) -> Result<(Vec<NsGeometry>, u64, bool), String> {
     // The first `point.namespaces` of each target (a path may hold more: das opens every one).
     let mut per_target = Vec::new();
@@ -601,8 +723,10 @@ pub(crate) fn prepare<P: IoPath>(
     if wants_prefill && !prefilled.holds(point.seed, region, point.namespaces) {
         let t = Instant::now();
         let pattern = Pattern::new(point.seed);
-        rt.block_on(prefill(path, geo.len(), region, &pattern))?;
-        tracing::debug!(mode, region, secs = t.elapsed().as_secs_f64(), "prefilled");
+        let bytes = region * geo.len() as u64;
+        progress.prefill_start(mode, bytes, geo.len());
+        rt.block_on(prefill(path, geo.len(), region, &pattern, progress, mode))?;
+        progress.prefill_done(mode, bytes, t.elapsed().as_secs_f64());
         prefilled.seed = point.seed;
         prefilled.bytes = region;
         prefilled.namespaces = point.namespaces;
@@ -631,7 +755,7 @@ fn measure<P: IoPath>(
     mode: &str,
     label: &str,
 ) -> Measurement {
-    let (geo, region, verify) = match prepare(rt, &*path, point, prefilled, mode) {
+    let (geo, region, verify) = match prepare(rt, &*path, point, prefilled, mode, progress) {
         Ok(p) => p,
         Err(e) => return failed(repeat, e),
     };

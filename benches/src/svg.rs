@@ -48,6 +48,8 @@ pub struct Series {
     pub name: String,
     /// Points `(x, y)`, drawn in order.
     pub points: Vec<(f64, f64)>,
+    /// A short label drawn next to each point (e.g. its queue depth); empty: none.
+    pub labels: Vec<String>,
     /// Dashed line.
     pub dashed: bool,
     /// Color index.
@@ -65,6 +67,8 @@ pub struct LineChart {
     pub y_label: String,
     /// Logarithmic x axis (base 2 ticks).
     pub log_x: bool,
+    /// Logarithmic y axis (1-2-5 ticks per decade).
+    pub log_y: bool,
     /// Curves.
     pub series: Vec<Series>,
 }
@@ -83,6 +87,88 @@ fn nice_ticks(max: f64) -> Vec<f64> {
         .unwrap_or(10.0 * mag);
     let n = (max / step).ceil() as usize;
     (0..=n).map(|i| i as f64 * step).collect()
+}
+
+/// A y axis: round ticks from 0 (linear) or 1-2-5 ticks over whole decades (logarithmic).
+struct YAxis {
+    log: bool,
+    ticks: Vec<f64>,
+    lo: f64,
+    hi: f64,
+}
+
+impl YAxis {
+    fn new(values: impl Iterator<Item = f64>, log: bool) -> Self {
+        let v: Vec<f64> = values.filter(|x| x.is_finite()).collect();
+        let max = v.iter().copied().fold(0.0, f64::max);
+        let min_pos = v
+            .iter()
+            .copied()
+            .filter(|x| *x > 0.0)
+            .fold(f64::INFINITY, f64::min);
+        if log && max > 0.0 && min_pos.is_finite() {
+            let a = min_pos.log10().floor() as i32;
+            let b = (max.log10().ceil() as i32).max(a + 1);
+            let steps: &[f64] = if b - a > 3 { &[1.0] } else { &[1.0, 2.0, 5.0] };
+            let mut ticks = Vec::new();
+            for e in a..=b {
+                for m in steps {
+                    let t = m * 10f64.powi(e);
+                    if t <= 10f64.powi(b) {
+                        ticks.push(t);
+                    }
+                }
+            }
+            YAxis {
+                log: true,
+                ticks,
+                lo: 10f64.powi(a),
+                hi: 10f64.powi(b),
+            }
+        } else {
+            let ticks = nice_ticks(max);
+            let hi = *ticks.last().unwrap_or(&1.0);
+            YAxis {
+                log: false,
+                ticks,
+                lo: 0.0,
+                hi,
+            }
+        }
+    }
+
+    /// The picture's y coordinate of value `y`.
+    fn py(&self, y: f64) -> f64 {
+        let f = if self.log {
+            (y.max(self.lo).log10() - self.lo.log10()) / (self.hi.log10() - self.lo.log10())
+        } else {
+            y / self.hi.max(1e-12)
+        };
+        H - BOTTOM - f * (H - BOTTOM - TOP)
+    }
+
+    /// The tick lines and labels.
+    fn draw(&self, s: &mut String) {
+        for &t in &self.ticks {
+            let y = self.py(t);
+            let _ = writeln!(
+                s,
+                r##"<line x1="{LEFT}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
+                W - RIGHT,
+                LEFT - 6.0,
+                y + 4.0,
+                tick_label(t)
+            );
+        }
+    }
+}
+
+/// Whether values spanning this much are better drawn on a logarithmic axis.
+fn wide(values: impl Iterator<Item = f64>) -> bool {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold((f64::INFINITY, 0.0f64), |(a, b), v| (a.min(v), b.max(v)));
+    lo.is_finite() && hi / lo > 20.0
 }
 
 fn tick_label(v: f64) -> String {
@@ -185,9 +271,7 @@ impl LineChart {
             0.0
         };
         let xmax = pts().map(|p| tx(p.0)).fold(f64::NEG_INFINITY, f64::max);
-        let ymax = pts().map(|p| p.1).fold(0.0, f64::max);
-        let yticks = nice_ticks(ymax);
-        let ytop = *yticks.last().unwrap_or(&1.0);
+        let yaxis = YAxis::new(pts().map(|p| p.1), self.log_y);
         let (xmin, xmax) = if !(xmin.is_finite() && xmax.is_finite()) {
             (0.0, 1.0)
         } else if xmax <= xmin {
@@ -208,18 +292,8 @@ impl LineChart {
         let px = |x: f64| {
             LEFT + (tx(x) - xspan_min) / (xspan_max - xspan_min).max(1e-12) * (W - RIGHT - LEFT)
         };
-        let py = |y: f64| H - BOTTOM - y / ytop.max(1e-12) * (H - BOTTOM - TOP);
-        for &t in &yticks {
-            let y = py(t);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{LEFT}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
-                W - RIGHT,
-                LEFT - 6.0,
-                y + 4.0,
-                tick_label(t)
-            );
-        }
+        let py = |y: f64| yaxis.py(y);
+        yaxis.draw(&mut s);
         for &t in &xticks {
             let v = if self.log_x { t.exp2() } else { t };
             let x = px(v);
@@ -256,7 +330,7 @@ impl LineChart {
                     ""
                 }
             );
-            for &(x, y) in &se.points {
+            for (i, &(x, y)) in se.points.iter().enumerate() {
                 let _ = writeln!(
                     s,
                     r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"><title>{}: {} , {}</title></circle>"#,
@@ -266,6 +340,15 @@ impl LineChart {
                     tick_label(x),
                     tick_label(y)
                 );
+                if let Some(l) = se.labels.get(i) {
+                    let _ = writeln!(
+                        s,
+                        r#"<text x="{:.1}" y="{:.1}" font-size="10" fill="{color}">{}</text>"#,
+                        px(x) + 5.0,
+                        py(y) - 5.0,
+                        xml_escape(l)
+                    );
+                }
             }
         }
         let entries: Vec<(String, usize, bool)> = self
@@ -287,8 +370,12 @@ pub type Bar = (Option<f64>, Option<String>);
 pub struct BarChart {
     /// Title.
     pub title: String,
+    /// X axis label (what the groups are).
+    pub x_label: String,
     /// Y axis label.
     pub y_label: String,
+    /// Logarithmic y axis (1-2-5 ticks per decade).
+    pub log_y: bool,
     /// Series names (one bar per series in each group).
     pub series: Vec<String>,
     /// Groups: a label and one value per series (`None`: no bar), plus an optional note per
@@ -301,26 +388,15 @@ impl BarChart {
     pub fn render(&self) -> String {
         let mut s = String::new();
         header(&mut s, &self.title);
-        axes(&mut s, "", &self.y_label);
-        let ymax = self
-            .groups
-            .iter()
-            .flat_map(|g| g.1.iter().filter_map(|b| b.0))
-            .fold(0.0, f64::max);
-        let yticks = nice_ticks(ymax);
-        let ytop = *yticks.last().unwrap_or(&1.0);
-        let py = |y: f64| H - BOTTOM - y / ytop.max(1e-12) * (H - BOTTOM - TOP);
-        for &t in &yticks {
-            let y = py(t);
-            let _ = writeln!(
-                s,
-                r##"<line x1="{LEFT}" y1="{y:.1}" x2="{}" y2="{y:.1}" stroke="#ddd"/><text x="{}" y="{:.1}" text-anchor="end">{}</text>"##,
-                W - RIGHT,
-                LEFT - 6.0,
-                y + 4.0,
-                tick_label(t)
-            );
-        }
+        axes(&mut s, &self.x_label, &self.y_label);
+        let yaxis = YAxis::new(
+            self.groups
+                .iter()
+                .flat_map(|g| g.1.iter().filter_map(|b| b.0)),
+            self.log_y,
+        );
+        let py = |y: f64| yaxis.py(y);
+        yaxis.draw(&mut s);
         let n = self.groups.len().max(1) as f64;
         let gw = (W - RIGHT - LEFT) / n;
         let nb = self.series.len().max(1) as f64;
@@ -371,6 +447,15 @@ impl BarChart {
     }
 }
 
+/// The load of a point on a latency curve: `qd32`, with ` x4` for several workers.
+fn load_label(p: &crate::job::Point) -> String {
+    if p.numjobs > 1 {
+        format!("qd{} x{}", p.iodepth, p.numjobs)
+    } else {
+        format!("qd{}", p.iodepth)
+    }
+}
+
 fn file_name(job: &str, suffix: &str) -> String {
     let clean: String = job
         .chars()
@@ -390,7 +475,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
     let mut out = Vec::new();
     let modes = &r.plan.modes;
     // DAS vs oF bars.
-    let groups = r
+    let groups: Vec<(String, Vec<Bar>)> = r
         .points
         .iter()
         .map(|p| {
@@ -412,7 +497,14 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
         "das-vs-of.svg".to_string(),
         BarChart {
             title: "IOPS by mode (ratio to DAS above the bars)".into(),
+            x_label: "point (pattern, block size, queue depth, workers)".into(),
             y_label: "IOPS".into(),
+            // 4 KiB and 128 KiB points side by side differ by more than an order of magnitude.
+            log_y: wide(
+                groups
+                    .iter()
+                    .flat_map(|g: &(String, Vec<Bar>)| g.1.iter().filter_map(|b| b.0)),
+            ),
             series: modes.clone(),
             groups,
         }
@@ -434,6 +526,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
         for (mi, m) in modes.iter().enumerate() {
             let mut p50 = Vec::new();
             let mut p99 = Vec::new();
+            let mut labels = Vec::new();
             for p in &pts {
                 if let Some(res) = p.results.iter().find(|x| &x.mode == m)
                     && let (Some(i), Some(a), Some(b)) = (
@@ -444,18 +537,21 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
                 {
                     p50.push((i.median, a.median));
                     p99.push((i.median, b.median));
+                    labels.push(load_label(&p.point));
                 }
             }
             lat.push(Series {
                 // The percentile first: it is what tells the two curves of a mode apart.
                 name: format!("p50 {m}"),
                 points: p50,
+                labels,
                 dashed: false,
                 color: mi,
             });
             lat.push(Series {
                 name: format!("p99 {m}"),
                 points: p99,
+                labels: Vec::new(),
                 dashed: true,
                 color: mi,
             });
@@ -464,9 +560,11 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
             file_name(job, "latency"),
             LineChart {
                 title: format!("{job}: latency against load"),
-                x_label: "IOPS".into(),
-                y_label: "latency (µs)".into(),
+                x_label: "IOPS (points labelled with their load: qd = queue depth, x = workers)"
+                    .into(),
+                y_label: "latency (µs, log scale)".into(),
                 log_x: false,
+                log_y: true,
                 series: lat,
             }
             .render(),
@@ -499,6 +597,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
                 series.push(Series {
                     name: m.clone(),
                     points: v,
+                    labels: Vec::new(),
                     dashed: false,
                     color: mi,
                 });
@@ -510,6 +609,7 @@ pub fn plots(r: &Report) -> Vec<(String, String)> {
                     x_label: key.into(),
                     y_label: "IOPS".into(),
                     log_x: true,
+                    log_y: false,
                     series,
                 }
                 .render(),
@@ -628,6 +728,25 @@ mod tests {
         assert_eq!(plots[1].1.matches("stroke-width=\"2\"").count(), 4);
         assert!(plots[2].1.contains("IOPS against iodepth"));
         assert!(plots[1].1.contains(">p50 das</text>") && plots[1].1.contains(">p99 das</text>"));
+        // The bars say what their groups are; latency is on a log axis, each point labelled
+        // with its queue depth.
+        assert!(
+            plots[0].1.contains(">point (pattern, block size"),
+            "{}",
+            plots[0].1
+        );
+        assert!(plots[1].1.contains("log scale") && plots[1].1.contains(">qd32</text>"));
+    }
+
+    #[test]
+    fn log_axes_span_whole_decades() {
+        let y = YAxis::new([40.0, 3000.0].into_iter(), true);
+        assert_eq!((y.lo, y.hi), (10.0, 10_000.0));
+        assert!(y.ticks.contains(&20.0) && y.ticks.contains(&5000.0));
+        assert!((y.py(100.0) - (H - BOTTOM - (H - BOTTOM - TOP) / 3.0)).abs() < 1e-9);
+        // 4 KiB and 128 KiB IOPS side by side get a log axis; close values do not.
+        assert!(wide([900_000.0, 30_000.0].into_iter()));
+        assert!(!wide([900_000.0, 300_000.0].into_iter()));
     }
 
     #[test]
@@ -635,6 +754,7 @@ mod tests {
         let series = |name: &str, color| Series {
             name: name.into(),
             points: vec![(1.0, 2.0), (2.0, 3.0)],
+            labels: Vec::new(),
             dashed: false,
             color,
         };
@@ -643,6 +763,7 @@ mod tests {
             x_label: "x".into(),
             y_label: "y".into(),
             log_x: false,
+            log_y: false,
             series: vec![
                 series("p50 tcp@192.168.100.200:44200", 0),
                 series("p99 tcp@192.168.100.200:44200", 0),
@@ -669,9 +790,11 @@ mod tests {
             x_label: "x".into(),
             y_label: "y".into(),
             log_x: true,
+            log_y: true,
             series: vec![Series {
                 name: "s".into(),
                 points: vec![],
+                labels: Vec::new(),
                 dashed: false,
                 color: 0,
             }],
@@ -684,9 +807,11 @@ mod tests {
             x_label: "x".into(),
             y_label: "y".into(),
             log_x: false,
+            log_y: true,
             series: vec![Series {
                 name: "s".into(),
                 points: vec![(5.0, 0.0)],
+                labels: vec!["qd1".into()],
                 dashed: false,
                 color: 9,
             }],
@@ -696,7 +821,9 @@ mod tests {
         assert!(!one.contains("NaN"));
         let bars = BarChart {
             title: "b".into(),
+            x_label: "x".into(),
             y_label: "y".into(),
+            log_y: true,
             series: vec!["a".into()],
             groups: vec![("g".into(), vec![(None, None)])],
         }

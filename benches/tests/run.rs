@@ -148,12 +148,17 @@ fn das_and_tcp_in_process_side_by_side() {
 
 #[test]
 fn unavailable_modes_and_destinations_say_why() {
-    let r = run_modes(vec![Mode::Rdma { addr: None }]);
-    let m = &r.points[0].results[0].repeats[0];
-    assert!(!m.ok);
-    assert_eq!(m.error.as_deref(), Some(RDMA_UNAVAILABLE));
-    assert!(!r.all_ok());
-    assert!(r.to_markdown().contains("not available"));
+    // Plain rdma names no target: it is skipped with its reason, and alone it is an error.
+    let file = JobFile::parse(JOB).unwrap();
+    let ov = |modes| Overrides {
+        modes: Some(modes),
+        ..Default::default()
+    };
+    let plan = Plan::resolve(&file, &ov(vec![Mode::Das, Mode::Rdma { addr: None }])).unwrap();
+    assert_eq!(plan.modes, vec![Mode::Das]);
+    assert_eq!(plan.skipped, vec![format!("rdma: {RDMA_UNAVAILABLE}")]);
+    let e = Plan::resolve(&file, &ov(vec![Mode::Rdma { addr: None }])).unwrap_err();
+    assert!(e.to_string().contains(RDMA_UNAVAILABLE), "{e}");
 
     // Writes have nothing to land in GPU memory.
     let file =
@@ -293,4 +298,126 @@ fn cli_rejects_bad_jobs_with_a_message() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let _ = Duration::ZERO;
+}
+
+/// Runs the binary on a job text; returns (exit code, stdout, stderr).
+fn bench_on(job: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.toml");
+    std::fs::write(&path, job).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_nvmeof-bench"))
+        .arg(&path)
+        .args(args)
+        .env_remove("NO_COLOR")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A bad value names its key, the value and the valid values, on one line, once.
+#[test]
+fn cli_bad_values_are_named_once_on_one_line() {
+    let (code, _, err) = bench_on("[[job]]\nname = \"a\"\nrw = \"randomread\"\n", &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("line 3") && err.contains("rw = \"randomread\""),
+        "{err}"
+    );
+    assert!(
+        err.contains("randread") && err.contains("readwrite"),
+        "the valid values are listed: {err}"
+    );
+    assert!(!err.contains("untagged"), "{err}");
+    assert_eq!(err.matches("randomread").count(), 2, "printed once: {err}");
+    // The same in a list, and for numbers and sizes.
+    let (code, _, err) = bench_on("[[job]]\nrw = [\"read\", \"rand\"]\n", &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("unknown variant `rand`") && err.contains("line 2"),
+        "{err}"
+    );
+    let (_, _, err) = bench_on("[[job]]\niodepth = \"deep\"\n", &[]);
+    assert!(
+        err.contains("iodepth = \"deep\"") && !err.contains("untagged"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let (_, _, err) = bench_on("[[job]]\nbs = \"4q\"\n", &[]);
+    assert!(
+        err.contains("bs = \"4q\"") && !err.contains("untagged"),
+        "{err}"
+    );
+    let (_, _, err) = bench_on("[[job]]\nruntime = true\n", &[]);
+    assert!(
+        err.contains("runtime = true") && !err.contains("untagged"),
+        "{err}"
+    );
+}
+
+/// The shipped disaggregated study lists plain rdma: without an RDMA target its rows are
+/// skipped with one line and the job succeeds.
+#[test]
+fn cli_study4_disaggregated_skips_rdma_and_succeeds() {
+    let job = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/jobs/study4-disaggregated.toml"
+    ))
+    .unwrap();
+    let (code, out, err) = bench_on(
+        &job,
+        &[
+            "--runtime",
+            "1s",
+            "--ramp-time",
+            "300ms",
+            "--size",
+            "4M",
+            "--backend",
+            "mem:8M",
+            "--quiet",
+        ],
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert_eq!(
+        err.lines().filter(|l| l.contains("skipped rdma")).count(),
+        1,
+        "{err}"
+    );
+    assert!(!out.contains("| rdma |"), "{out}");
+    assert!(out.contains("skipped: rdma"), "{out}");
+    assert!(out.lines().any(|l| l.contains("| tcp |")), "{out}");
+}
+
+/// Off a terminal: a line per measurement with its position and the time left, lines around
+/// the prefill, and no ANSI escapes (log lines included).
+#[test]
+fn cli_progress_lines_without_ansi_off_a_terminal() {
+    let job = "[global]\nbackend = \"mem:16M\"\nsize = \"4M\"\nruntime = \"200ms\"\n\
+               [[job]]\nrw = \"randread\"\niodepth = [1, 4]\n";
+    let (code, out, err) = bench_on(job, &["--modes", "das,tcp"]);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(!err.contains('\u{1b}'), "ANSI escapes in {err:?}");
+    assert!(
+        err.contains("WARN"),
+        "the in-process target logs a warning: {err}"
+    );
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains(" elapsed")).collect();
+    assert_eq!(lines.len(), 4, "{err}");
+    assert!(lines[0].starts_with("[1/4, "), "{err}");
+    assert!(
+        lines[3].starts_with("[4/4, ") && lines[3].contains(" left] [tcp] "),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("prefill: writing the verify pattern over 4 MiB")
+            .count(),
+        2,
+        "{err}"
+    );
+    assert_eq!(err.matches("prefill done: 4 MiB").count(), 2, "{err}");
 }

@@ -70,6 +70,8 @@ impl Drop for Target {
     }
 }
 
+/// Runs the load generator against `t`, its host identity kept in `dir/state` (where the
+/// `nvmeof` CLI keeps it when /etc/nvme/hostnqn is absent).
 fn bench(dir: &Path, t: &Target, extra: &[&str]) -> Output {
     let job = dir.join("job.toml");
     std::fs::write(&job, JOB).unwrap();
@@ -79,9 +81,15 @@ fn bench(dir: &Path, t: &Target, extra: &[&str]) -> Output {
         .arg(format!("tcp={}", t.addr))
         .args(["--nqn", NQN, "--quiet"])
         .args(extra)
+        .env("NVMEOF_STATE_DIR", dir.join("state"))
         .stdin(Stdio::null())
         .output()
         .expect("run nvmeof-bench")
+}
+
+/// Whether this machine has a system host NQN, which wins over the state directory's.
+fn etc_nvme_hostnqn() -> bool {
+    Path::new("/etc/nvme/hostnqn").exists()
 }
 
 fn text(o: &Output) -> String {
@@ -112,10 +120,26 @@ fn read_jobs_leave_a_target_at_an_address_unchanged_and_hostnqn_is_used() {
     std::fs::write(&img, &data).unwrap();
     let t = Target::start(&img);
 
-    // Without a host NQN the target refuses the load generator's own one.
+    // Without a host NQN the load generator connects as the nvmeof CLI would (here a host
+    // NQN generated into the state directory), which the target refuses: the answer names
+    // the host NQN and where it came from.
     let o = bench(dir.path(), &t, &[]);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(row(&o).contains("Connect Invalid Host"), "{}", text(&o));
+    let r = row(&o);
+    assert!(r.contains("Connect Invalid Host"), "{}", text(&o));
+    assert!(r.contains("does not allow host nqn."), "{r}");
+    assert!(r.contains("--hostnqn"), "{r}");
+    if !etc_nvme_hostnqn() {
+        let stored = std::fs::read_to_string(dir.path().join("state/hostnqn")).unwrap();
+        assert!(
+            r.contains(&format!(
+                "host {} (from {})",
+                stored.trim(),
+                dir.path().join("state/hostnqn").display()
+            )),
+            "{r}"
+        );
+    }
 
     // A read job: runs, verifies nothing, writes nothing.
     let o = bench(dir.path(), &t, &["--hostnqn", HOSTNQN]);
@@ -140,4 +164,23 @@ fn read_jobs_leave_a_target_at_an_address_unchanged_and_hostnqn_is_used() {
     let r = row(&o);
     assert!(r.ends_with(" ok |"), "{r}");
     assert!(std::fs::read(&img).unwrap() != data);
+}
+
+/// The host NQN the `nvmeof` CLI uses (/etc/nvme/hostnqn, else the state directory's) is the
+/// load generator's too: an allow-listed host connects without --hostnqn.
+#[test]
+fn the_cli_host_identity_is_used_without_hostnqn() {
+    if etc_nvme_hostnqn() {
+        println!("SKIP the_cli_host_identity_is_used_without_hostnqn: /etc/nvme/hostnqn exists");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("ns.img");
+    std::fs::write(&img, vec![0u8; SIZE]).unwrap();
+    std::fs::create_dir(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("state/hostnqn"), format!("{HOSTNQN}\n")).unwrap();
+    let t = Target::start(&img);
+    let o = bench(dir.path(), &t, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(row(&o).ends_with("| off |"), "{}", text(&o));
 }
