@@ -246,6 +246,11 @@ pub struct TargetSettings {
     /// Group (name or ID) whose members may use the control socket besides root.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub control_group: Option<String>,
+    /// DH-HMAC-CHAP transactions with a Diffie-Hellman exchange allowed per second to each
+    /// host NQN and to each source address, after a burst of `auth_burst`; 0 = no limit.
+    pub auth_rate: u32,
+    /// Such transactions allowed at once to each host NQN and each source address.
+    pub auth_burst: u32,
 }
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
@@ -268,6 +273,8 @@ impl Default for TargetSettings {
             metrics: None,
             control_socket: None,
             control_group: None,
+            auth_rate: 8,
+            auth_burst: 64,
         }
     }
 }

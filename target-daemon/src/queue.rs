@@ -643,12 +643,12 @@ impl QueueState {
         if c.qid == 0 && self.host_sgl == HostSgl::Keyed {
             ctrl.set_keyed_sgls();
         }
+        self.events = events;
         let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.metrics = ctrl
             .subsystem()
             .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));
         self.ctrl = Some(ctrl);
-        self.events = events;
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
     }
 
