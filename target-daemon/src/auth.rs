@@ -275,9 +275,7 @@ impl QueueState {
                 let job = {
                     let busy = Arc::clone(&busy);
                     Box::new(move || {
-                        let action = proto
-                            .lock()
-                            .handle(CtrlEvent::Send(&msg), &mut rand::rng());
+                        let action = proto.lock().handle(CtrlEvent::Send(&msg), &mut rand::rng());
                         let status = match action {
                             CtrlAction::Error(s) => s.with_dnr(),
                             CtrlAction::Accepted | CtrlAction::Data(_) => Status::SUCCESS,
@@ -748,10 +746,9 @@ mod tests {
         }
         // The third in the same second: refused with "authentication failed", at once.
         match authenticate(&mut admin, host_cfg(key(1), None), 3) {
-            HostNext::Failed(e) => assert_eq!(
-                e.explanation(),
-                nvme_auth::FailureExplanation::Failed as u8
-            ),
+            HostNext::Failed(e) => {
+                assert_eq!(e.explanation(), nvme_auth::FailureExplanation::Failed as u8)
+            }
             other => panic!("{other:?}"),
         }
         assert!(admin.auth_pending());

@@ -42,8 +42,8 @@ use crate::admission::{DropReason, Permit};
 use crate::controller::{Controller, EventReceiver};
 use crate::log_limited;
 use crate::metrics::IoCell;
-use crate::ratelimit::LogKind;
 use crate::queue::{IoOp, IoRequest, QueueState};
+use crate::ratelimit::LogKind;
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -436,7 +436,10 @@ impl<T: 'static> Engine<T> {
         let Some(ctrl) = &self.q.ctrl else {
             match reason {
                 Closed::Protocol(r) => {
-                    log_limited!(LogKind::ConnectionError, warn!(%peer, transport, reason = %r, "connection closed: protocol error"))
+                    log_limited!(
+                        LogKind::ConnectionError,
+                        warn!(%peer, transport, reason = %r, "connection closed: protocol error")
+                    )
                 }
                 Closed::HostClosed | Closed::Local(_) => {
                     debug!(%peer, transport, "connection closed before Connect")
@@ -445,7 +448,10 @@ impl<T: 'static> Engine<T> {
                     debug!(%peer, transport, "connection closed: no Connect within the handshake timeout")
                 }
                 other => {
-                    log_limited!(LogKind::ConnectionError, info!(%peer, transport, reason = %other, "connection closed before Connect"))
+                    log_limited!(
+                        LogKind::ConnectionError,
+                        info!(%peer, transport, reason = %other, "connection closed before Connect")
+                    )
                 }
             }
             return;
@@ -454,12 +460,21 @@ impl<T: 'static> Engine<T> {
         if self.q.qid == 0 {
             ctrl.tear_down();
             if error {
-                log_limited!(LogKind::ConnectionError, warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected"));
+                log_limited!(
+                    LogKind::ConnectionError,
+                    warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected")
+                );
             } else {
-                log_limited!(LogKind::Connect, info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected"));
+                log_limited!(
+                    LogKind::Connect,
+                    info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected")
+                );
             }
         } else if error {
-            log_limited!(LogKind::ConnectionError, warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed"));
+            log_limited!(
+                LogKind::ConnectionError,
+                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed")
+            );
         } else {
             debug!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed");
         }

@@ -909,7 +909,10 @@ impl ProcessFigures {
         };
         let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
         let max_fds = limits.lines().find_map(|l| {
-            let v = l.strip_prefix("Max open files")?.split_whitespace().next()?;
+            let v = l
+                .strip_prefix("Max open files")?
+                .split_whitespace()
+                .next()?;
             Some(v.parse::<u64>().unwrap_or(u64::MAX))
         })?;
         Some(ProcessFigures {

@@ -22,10 +22,10 @@ use tracing::{debug, info, warn};
 
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
-use crate::metrics::QueueMetrics;
-use crate::subsystem::Namespace;
 use crate::log_limited;
+use crate::metrics::QueueMetrics;
 use crate::ratelimit::LogKind;
+use crate::subsystem::Namespace;
 use crate::target::Target;
 
 /// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
@@ -525,7 +525,10 @@ impl QueueState {
         };
         let invalid_param = |reason: &'static str, why: &str, in_data: bool, off: u16| {
             let field = if in_data { "connect data" } else { "command" };
-            refused(reason, &format!("{why} (invalid parameter at {field} byte {off})"));
+            refused(
+                reason,
+                &format!("{why} (invalid parameter at {field} byte {off})"),
+            );
             Submit::Complete(Cqe::new(
                 cid,
                 Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr(),

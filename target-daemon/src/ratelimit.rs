@@ -125,8 +125,7 @@ impl LogLimiter {
 
     fn allow_at(&self, kind: LogKind, now: Instant) -> bool {
         let mut w = self.windows[kind.index()].lock();
-        if w
-            .start
+        if w.start
             .is_none_or(|s| now.saturating_duration_since(s) >= LOG_INTERVAL)
         {
             summarize(kind, &mut w);
@@ -380,7 +379,10 @@ mod tests {
         let ip: IpAddr = "10.9.9.9".parse().unwrap();
         assert!(b.take_at("nqn.new", ip, t0).is_err(), "full of spent keys");
         // Once the old buckets are full again they are forgotten.
-        assert!(b.take_at("nqn.new", ip, t0 + Duration::from_secs(2)).is_ok());
+        assert!(
+            b.take_at("nqn.new", ip, t0 + Duration::from_secs(2))
+                .is_ok()
+        );
         assert!(b.state.lock().0.map.len() <= MAX_KEYS);
     }
 }

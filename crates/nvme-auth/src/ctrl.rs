@@ -198,7 +198,9 @@ impl CtrlAuth {
     /// [`CtrlAuth::handle`].
     pub fn dh_work(&self, raw: &[u8]) -> Option<DhWork> {
         match AuthMessage::parse(raw).ok()? {
-            AuthMessage::Negotiate { sc_c, protocols, .. } => {
+            AuthMessage::Negotiate {
+                sc_c, protocols, ..
+            } => {
                 let (_, group) = self.choose(sc_c, &protocols).ok()?;
                 (group != DhGroupId::Null).then_some(DhWork::Negotiate)
             }
