@@ -330,7 +330,10 @@ fn suppressed_in_log(log: &str, event: &str) -> u64 {
         })
         .filter_map(|l| {
             let v = l.split("suppressed=").nth(1)?;
-            v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+            v.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
         })
         .sum()
 }

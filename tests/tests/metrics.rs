@@ -349,10 +349,10 @@ fn head_process_series_build_info_and_refused_connects() {
         "process_max_fds",
         "process_start_time_seconds",
     ] {
-        let v = nvmeof_tests::scraped(&scrape, series);
+        let v = nvmeof_tests::scraped(&scrape, &format!("{series}{{}}"));
         assert!(v.is_some_and(|v| v > 0.0), "{series}: {v:?}\n{scrape}");
     }
-    let rss = nvmeof_tests::scraped(&scrape, "process_resident_memory_bytes").unwrap();
+    let rss = nvmeof_tests::scraped(&scrape, "process_resident_memory_bytes{}").unwrap();
     assert!(rss as u64 > t.rss_kib() * 1024 / 4, "RSS {rss}");
     promtool_accepts(&scrape);
     drop(t);
