@@ -7,6 +7,8 @@
 //! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
 //! max_connections = 16384           # open connections on the whole target
 //! max_connections_per_listener = 4096
+//! auth_rate = 8                     # DH-HMAC-CHAP exchanges per second per host NQN and address
+//! auth_burst = 64                   # ... and at once (auth_rate = 0: no limit)
 //! control_socket = "/run/nvmeof/targetd.sock"  # nvmeof-targetd ctl (default shown)
 //! control_group = "nvmeof"          # may use the control socket besides root
 //!
