@@ -105,15 +105,15 @@ pub static LOG_LIMITS: LogLimiter = LogLimiter::new();
 impl LogLimiter {
     /// Limits with nothing logged yet.
     pub const fn new() -> Self {
-        const W: Mutex<Window> = parking_lot::const_mutex(Window {
-            start: None,
-            logged: 0,
-            suppressed: 0,
-        });
-        const Z: AtomicU64 = AtomicU64::new(0);
         LogLimiter {
-            windows: [W; LogKind::ALL.len()],
-            suppressed_total: [Z; LogKind::ALL.len()],
+            windows: [const {
+                parking_lot::const_mutex(Window {
+                    start: None,
+                    logged: 0,
+                    suppressed: 0,
+                })
+            }; LogKind::ALL.len()],
+            suppressed_total: [const { AtomicU64::new(0) }; LogKind::ALL.len()],
         }
     }
 
