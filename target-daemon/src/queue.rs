@@ -589,7 +589,10 @@ impl QueueState {
         if self.discovery_only {
             return invalid_param(
                 "discovery_only",
-                &format!("the listener {} serves discovery only", self.origin.local),
+                &format!(
+                    "this listener serves discovery only ({})",
+                    self.origin.local
+                ),
                 true,
                 CONNECT_DATA_SUBNQN_OFFSET,
             );
@@ -624,7 +627,7 @@ impl QueueState {
         if !subsys.host_allowed(&hostnqn) {
             refused(
                 "host_not_allowed",
-                "the host is not allowed on the subsystem (invalid host)",
+                "host not allowed on the subsystem (invalid host)",
             );
             return Submit::Complete(Cqe::new(
                 cid,
