@@ -234,7 +234,13 @@ impl QueueState {
         if !cmd.is_dhchap() {
             return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
         }
-        let Some(mut proto) = auth.proto.try_lock() else {
+        // One message at a time: the host waits for a command's completion before the next.
+        let locked = if auth.busy() {
+            None
+        } else {
+            auth.proto.try_lock()
+        };
+        let Some(mut proto) = locked else {
             return Answer::Now(
                 Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
                 None,
