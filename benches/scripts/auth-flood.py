@@ -4,8 +4,8 @@
 A correct host (an allowed host NQN without a key) reads 4 KiB at queue depth 1 from an I/O
 queue, first alone, then while FLOODERS processes, each on its own admin queue of a host
 NQN that has a DH-HMAC-CHAP key, send AUTH_Negotiate (SHA-256, ffdhe8192 only) and read the
-answer over and over without ever replying: every Challenge costs the target one ffdhe8192
-key pair. Prints the host's latency percentiles in both phases and what the flooders got
+answer over and over without ever replying (reconnecting when the handshake timeout closes
+the connection): every Challenge costs the target one ffdhe8192 key pair. Prints the host's latency percentiles in both phases and what the flooders got
 (Challenges, Failure1 refusals).
 
     benches/scripts/auth-flood.py --addr 127.0.0.1:4420 --nqn NQN --host GOOD_NQN \\
@@ -116,13 +116,23 @@ def auth_sqe(cid, send, length):
 
 
 def flooder(addr, nqn, hostnqn, stop, counts):
-    s = open_queue(addr, nqn, hostnqn, 0, 0xFFFF, uuid.uuid4().bytes)
+    """Negotiates over and over; reconnects when the target closes the connection (its
+    handshake timeout runs until the queue authenticates, which it never does)."""
+    s = None
     t_id = 0
     while not stop.is_set():
         t_id = (t_id + 1) & 0xFFFF
         msg = negotiate_msg(t_id)
-        command(s, auth_sqe(t_id, True, len(msg)), msg)
-        status, data = command(s, auth_sqe(t_id, False, 4096))
+        try:
+            if s is None:
+                s = open_queue(addr, nqn, hostnqn, 0, 0xFFFF, uuid.uuid4().bytes)
+            command(s, auth_sqe(t_id, True, len(msg)), msg)
+            status, data = command(s, auth_sqe(t_id, False, 4096))
+        except (RuntimeError, OSError):
+            if s is not None:
+                s.close()
+            s = None
+            continue
         with counts.get_lock():
             if status == 0 and data[1:2] == b"\x01":
                 counts[0] += 1
