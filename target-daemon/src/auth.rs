@@ -11,34 +11,172 @@
 //! The protocol is [`nvme_auth::CtrlAuth`]'s; this module carries its messages in the
 //! commands and applies the outcome. It never logs key material: keys are
 //! [`nvme_auth::DhchapKey`]s, whose `Debug` is redacted, and only outcomes are logged.
+//!
+//! Authentication work is bounded ([`AuthWork`]). The two messages that cost a modular
+//! exponentiation (an AUTH_Negotiate that picks an FFDHE group, up to 19 ms of CPU for
+//! ffdhe8192, and the Reply that follows) never run on a reactor: their Authentication Send
+//! is held and handed to a small pool of threads with a bounded queue, and completes
+//! through the queue's event channel when the work is done. Each AUTH_Negotiate with a
+//! Diffie-Hellman exchange takes a token from its host NQN's and its source address's
+//! budgets ([`crate::ratelimit::AuthBudget`]); over budget, or with the pool's queue full,
+//! the transaction fails at once with AUTH_Failure1 "authentication failed", is logged
+//! (rate-limited) and counted in `nvmeof_auth_failures_total`.
 
-use nvme_auth::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use nvme_auth::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent, DhWork};
 use nvme_spec::auth::AuthCommand;
 use nvme_spec::command::FabricsCommand;
 use nvme_spec::fabrics::CONNECT_AUTHREQ_ATR;
 use nvme_spec::status::{generic, specific};
-use nvme_spec::{Sqe, Status};
+use nvme_spec::{Cqe, Sqe, Status};
+use parking_lot::Mutex;
+use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
+use crate::config::TargetSettings;
 use crate::controller::Controller;
+use crate::log_limited;
 use crate::queue::{QueueState, Submit};
+use crate::ratelimit::{AuthBudget, LogKind};
 
 /// Largest Authentication Send payload accepted: an AUTH_Reply with two SHA-512 values and
 /// an ffdhe8192 public value is 1,168 bytes.
 const MAX_SEND_LEN: u32 = 4096;
 
+/// Authentication Sends waiting for a pool thread; more are refused.
+pub const AUTH_QUEUE: usize = 32;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The threads that run Diffie-Hellman work, started at the first job.
+struct AuthPool {
+    workers: usize,
+    tx: std::sync::OnceLock<mpsc::SyncSender<Job>>,
+}
+
+impl AuthPool {
+    fn sender(&self) -> &mpsc::SyncSender<Job> {
+        self.tx.get_or_init(|| {
+            let (tx, rx) = mpsc::sync_channel::<Job>(AUTH_QUEUE);
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..self.workers {
+                let rx = Arc::clone(&rx);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("nvmeof-auth-{i}"))
+                    .spawn(move || {
+                        loop {
+                            let job = rx.lock().recv();
+                            match job {
+                                Ok(job) => job(),
+                                Err(_) => return,
+                            }
+                        }
+                    });
+                if let Err(e) = spawned {
+                    warn!(error = %e, "cannot start an authentication thread");
+                }
+            }
+            tx
+        })
+    }
+
+    /// Queues `job`; false when the queue is full.
+    fn try_run(&self, job: Job) -> bool {
+        self.sender().try_send(job).is_ok()
+    }
+}
+
+/// Where authentication's Diffie-Hellman work runs ([`AUTH_QUEUE`] jobs queued at most, on
+/// one thread per four cores, at least one), and its budgets per host NQN and source address.
+pub struct AuthWork {
+    pool: AuthPool,
+    /// The budgets of AUTH_Negotiates with a Diffie-Hellman exchange.
+    pub budget: AuthBudget,
+}
+
+impl std::fmt::Debug for AuthWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthWork")
+            .field("workers", &self.pool.workers)
+            .field("budget", &self.budget)
+            .finish()
+    }
+}
+
+impl AuthWork {
+    /// The pool and budgets for `settings` (`auth_rate`, `auth_burst`).
+    pub fn new(settings: &TargetSettings) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        AuthWork {
+            pool: AuthPool {
+                workers: (cores / 4).max(1),
+                tx: std::sync::OnceLock::new(),
+            },
+            budget: AuthBudget::new(settings.auth_rate, settings.auth_burst),
+        }
+    }
+}
+
 /// The authentication state of one queue.
-#[derive(Debug)]
 pub struct QueueAuth {
-    proto: CtrlAuth,
+    /// The protocol state; a pool thread holds it while it works on a message.
+    proto: Arc<Mutex<CtrlAuth>>,
+    /// Set while a message is with the pool.
+    busy: Arc<AtomicBool>,
+    /// Where the completion of a held Authentication Send goes (the queue's event channel).
+    done: UnboundedSender<Cqe>,
     authenticated: bool,
     /// Whether the current transaction's outcome has been applied and logged.
     settled: bool,
+    /// Why this side refused the current transaction without doing its work.
+    refused: Option<&'static str>,
+}
+
+impl std::fmt::Debug for QueueAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueAuth")
+            .field("authenticated", &self.authenticated)
+            .field("busy", &self.busy.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an authentication command comes to.
+enum Answer {
+    Now(Status, Option<Vec<u8>>),
+    /// Handed to the pool: completes through the event channel.
+    Held,
+}
+
+/// The metrics label of a failed transaction.
+fn failure_reason(e: &nvme_auth::AuthError) -> &'static str {
+    use nvme_auth::FailureExplanation as Fx;
+    match e {
+        nvme_auth::AuthError::Received { .. } => "host_reported_failure",
+        nvme_auth::AuthError::Sent { explanation, .. } => match explanation {
+            Fx::Failed => "failed",
+            Fx::ProtocolUnusable => "protocol_unusable",
+            Fx::ConcatMismatch => "concat_mismatch",
+            Fx::HashUnusable => "hash_unusable",
+            Fx::DhGroupUnusable => "dh_group_unusable",
+            Fx::IncorrectPayload => "incorrect_payload",
+            Fx::IncorrectMessage => "incorrect_message",
+        },
+    }
 }
 
 impl QueueAuth {
-    /// A queue that must authenticate `hostnqn` to `subnqn` with `keys`.
-    pub fn new(subnqn: &str, hostnqn: &str, keys: &crate::subsystem::HostKeys) -> Self {
+    /// A queue that must authenticate `hostnqn` to `subnqn` with `keys`; held completions go
+    /// to `done`.
+    pub fn new(
+        subnqn: &str,
+        hostnqn: &str,
+        keys: &crate::subsystem::HostKeys,
+        done: UnboundedSender<Cqe>,
+    ) -> Self {
         let mut cfg = CtrlConfig::new(subnqn, hostnqn, keys.host.clone());
         cfg.ctrl_key = keys.ctrl.clone();
         if let Some(h) = keys.hash {
@@ -48,9 +186,12 @@ impl QueueAuth {
             cfg.dh_groups = vec![g];
         }
         QueueAuth {
-            proto: CtrlAuth::new(cfg),
+            proto: Arc::new(Mutex::new(CtrlAuth::new(cfg))),
+            busy: Arc::new(AtomicBool::new(false)),
+            done,
             authenticated: false,
             settled: false,
+            refused: None,
         }
     }
 
@@ -59,38 +200,14 @@ impl QueueAuth {
         self.authenticated
     }
 
-    /// Handles one Authentication Send (`data`: its payload) or Receive (`room`: the host's
-    /// buffer) command: the completion status and, for a Receive, the message to return.
-    fn command(&mut self, cmd: AuthCommand, data: &[u8], room: u32) -> (Status, Option<Vec<u8>>) {
-        if !cmd.is_dhchap() {
-            return (Status::generic(generic::INVALID_FIELD).with_dnr(), None);
-        }
-        let mut rng = rand::rng();
-        let action = if cmd.send {
-            if cmd.len > MAX_SEND_LEN {
-                return (Status::generic(generic::INVALID_FIELD).with_dnr(), None);
-            }
-            let Some(msg) = data.get(..cmd.len as usize) else {
-                return (
-                    Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
-                    None,
-                );
-            };
-            self.proto.handle(CtrlEvent::Send(msg), &mut rng)
-        } else {
-            let len = cmd.len.min(room);
-            self.proto.handle(CtrlEvent::Receive { len }, &mut rng)
-        };
-        match action {
-            CtrlAction::Accepted => (Status::SUCCESS, None),
-            CtrlAction::Data(d) => (Status::SUCCESS, Some(d)),
-            CtrlAction::Error(s) => (s.with_dnr(), None),
-        }
+    fn busy(&self) -> bool {
+        self.busy.load(Ordering::Acquire)
     }
 
     /// Applies a decided outcome once per transaction; returns it for logging when new.
     fn settle(&mut self) -> Option<Result<nvme_auth::Outcome, nvme_auth::AuthError>> {
-        match self.proto.outcome() {
+        let outcome = self.proto.try_lock()?.outcome();
+        match outcome {
             None => {
                 self.settled = false;
                 None
@@ -106,6 +223,127 @@ impl QueueAuth {
 }
 
 impl QueueState {
+    /// Handles one Authentication Send (`data`: its payload) or Receive (`room`: the host's
+    /// buffer) command.
+    fn auth_command(&mut self, sqe: &Sqe, cmd: AuthCommand, data: &[u8], room: u32) -> Answer {
+        // The completion of a held command, but for its status.
+        let template = self.completion(sqe.cid(), Status::SUCCESS, 0);
+        let Some(auth) = self.auth.as_mut() else {
+            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+        };
+        if !cmd.is_dhchap() {
+            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+        }
+        // One message at a time: the host waits for a command's completion before the next.
+        let locked = if auth.busy() {
+            None
+        } else {
+            auth.proto.try_lock()
+        };
+        let Some(mut proto) = locked else {
+            return Answer::Now(
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+                None,
+            );
+        };
+        let mut rng = rand::rng();
+        let action = if cmd.send {
+            if cmd.len > MAX_SEND_LEN {
+                return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+            }
+            let Some(msg) = data.get(..cmd.len as usize) else {
+                return Answer::Now(
+                    Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+                    None,
+                );
+            };
+            let work = proto.dh_work(msg);
+            if work == Some(DhWork::Negotiate) {
+                // A new transaction: its outcome is still to be applied.
+                auth.settled = false;
+                auth.refused = None;
+                let hostnqn = self.ctrl.as_ref().map_or("", |c| c.hostnqn.as_str());
+                if let Err(over) = self.target.auth.budget.take(hostnqn, self.origin.peer.ip()) {
+                    auth.refused = Some(over.reason());
+                    proto.refuse(msg, "over the authentication budget");
+                    return Answer::Now(Status::SUCCESS, None);
+                }
+            }
+            if work.is_some() {
+                drop(proto);
+                let (proto, busy, done) = (
+                    Arc::clone(&auth.proto),
+                    Arc::clone(&auth.busy),
+                    auth.done.clone(),
+                );
+                let msg = msg.to_vec();
+                busy.store(true, Ordering::Release);
+                let job = {
+                    let busy = Arc::clone(&busy);
+                    Box::new(move || {
+                        let action = proto.lock().handle(CtrlEvent::Send(&msg), &mut rand::rng());
+                        let status = match action {
+                            CtrlAction::Error(s) => s.with_dnr(),
+                            CtrlAction::Accepted | CtrlAction::Data(_) => Status::SUCCESS,
+                        };
+                        busy.store(false, Ordering::Release);
+                        let mut cqe = Cqe::new(template.cid(), status, 0);
+                        cqe.sqhd = template.sqhd;
+                        cqe.sqid = template.sqid;
+                        let _ = done.send(cqe);
+                    })
+                };
+                if self.target.auth.pool.try_run(job) {
+                    return Answer::Held;
+                }
+                busy.store(false, Ordering::Release);
+                auth.refused = Some("busy");
+                auth.proto
+                    .lock()
+                    .refuse(&data[..cmd.len as usize], "authentication threads busy");
+                return Answer::Now(Status::SUCCESS, None);
+            }
+            proto.handle(CtrlEvent::Send(msg), &mut rng)
+        } else {
+            let len = cmd.len.min(room);
+            proto.handle(CtrlEvent::Receive { len }, &mut rng)
+        };
+        match action {
+            CtrlAction::Accepted => Answer::Now(Status::SUCCESS, None),
+            CtrlAction::Data(d) => Answer::Now(Status::SUCCESS, Some(d)),
+            CtrlAction::Error(s) => Answer::Now(s.with_dnr(), None),
+        }
+    }
+
+    /// Applies and logs the outcome of the queue's transaction once it is decided.
+    fn settle_auth(&mut self, ctrl: &Controller) {
+        let Some(auth) = self.auth.as_mut() else {
+            return;
+        };
+        let (qid, peer) = (self.qid, self.origin.peer);
+        match auth.settle() {
+            Some(Ok(o)) => log_limited!(
+                LogKind::AuthSucceeded,
+                info!(
+                    cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid,
+                    hash = o.hash.name(), dhgroup = o.dh_group.name(), bidirectional = o.bidirectional,
+                    "host authenticated"
+                )
+            ),
+            Some(Err(e)) => {
+                let reason = auth.refused.take().unwrap_or_else(|| failure_reason(&e));
+                self.target.metrics.note_auth_failure(reason);
+                log_limited!(
+                    LogKind::AuthFailed,
+                    warn!(
+                        cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid, reason,
+                        error = %e, "host authentication failed"
+                    )
+                );
+            }
+            None => {}
+        }
+    }
     /// After a successful Connect of `ctrl`: when the host must authenticate, arms the queue's
     /// authentication and returns the AUTHREQ bits for the Connect completion's DW0.
     pub(crate) fn require_auth(&mut self, ctrl: &Controller) -> u32 {
@@ -114,7 +352,17 @@ impl QueueState {
             .and_then(|s| s.host_keys(&ctrl.hostnqn).map(|k| (s, k)));
         match keys {
             Some((s, k)) => {
-                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, &k));
+                // Held Authentication Sends complete through the queue's event channel: the
+                // controller's on an admin queue, one of its own on an I/O queue.
+                let done = match &self.events {
+                    Some(_) => ctrl.event_sender(),
+                    None => {
+                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                        self.events = Some(rx);
+                        tx
+                    }
+                };
+                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, &k, done));
                 CONNECT_AUTHREQ_ATR
             }
             None => {
@@ -132,7 +380,12 @@ impl QueueState {
     /// Authentication commands and the refusal of everything else until the queue is
     /// authenticated; `None` when the command is not the authentication's business.
     pub(crate) fn auth_gate(&mut self, ctrl: &Controller, sqe: &Sqe, icd: &[u8]) -> Option<Submit> {
-        let auth = self.auth.as_mut()?;
+        let auth = self.auth.as_ref()?;
+        if !auth.busy() {
+            // A transaction decided on a pool thread.
+            self.settle_auth(ctrl);
+        }
+        let auth = self.auth.as_ref()?;
         let cid = sqe.cid();
         let Some(cmd) = AuthCommand::from_sqe(sqe) else {
             if auth.is_authenticated()
@@ -144,20 +397,11 @@ impl QueueState {
             let status = Status::specific(specific::AUTH_REQUIRED).with_dnr();
             return Some(Submit::Complete(self.completion(cid, status, 0)));
         };
-        let (status, data) = auth.command(cmd, icd, sqe.dptr.data_length());
-        let (qid, peer) = (self.qid, self.origin.peer);
-        match auth.settle() {
-            Some(Ok(o)) => info!(
-                cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid,
-                hash = o.hash.name(), dhgroup = o.dh_group.name(), bidirectional = o.bidirectional,
-                "host authenticated"
-            ),
-            Some(Err(e)) => warn!(
-                cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid, reason = %e,
-                "host authentication failed"
-            ),
-            None => {}
-        }
+        let (status, data) = match self.auth_command(sqe, cmd, icd, sqe.dptr.data_length()) {
+            Answer::Held => return Some(Submit::Held),
+            Answer::Now(status, data) => (status, data),
+        };
+        self.settle_auth(ctrl);
         let cqe = self.completion(cid, status, 0);
         Some(match data {
             Some(d) => Submit::CompleteWithData(d, cqe),
@@ -241,7 +485,7 @@ mod tests {
         loop {
             if let Some(msg) = step.send.take() {
                 let sqe = auth_sqe(t_id, AuthCommand::send(msg.len() as u32));
-                assert_eq!(status(q.submit(&sqe, &msg)), Status::SUCCESS);
+                assert_eq!(send(q, &sqe, &msg), Status::SUCCESS);
             }
             match step.next {
                 HostNext::Receive => {
@@ -254,6 +498,20 @@ mod tests {
                 }
                 done => return done,
             }
+        }
+    }
+
+    /// Submits an Authentication Send; a held one is waited for on the queue's event
+    /// channel, where the transport would.
+    fn send(q: &mut QueueState, sqe: &Sqe, msg: &[u8]) -> Status {
+        match q.submit(sqe, msg) {
+            Submit::Held => {
+                let cqe = q.events.as_mut().unwrap().blocking_recv().unwrap();
+                assert_eq!(cqe.cid(), sqe.cid());
+                assert_eq!(cqe.sqid.get(), q.qid);
+                cqe.status()
+            }
+            other => status(other),
         }
     }
 
@@ -470,6 +728,47 @@ mod tests {
             tokio::time::timeout(std::time::Duration::from_millis(200), e.next()).await
         });
         assert!(!matches!(woke, Ok(Wake::HandshakeExpired)));
+    }
+
+    #[test]
+    fn negotiates_over_the_budget_fail_without_their_work() {
+        let mut cfg = crate::testing::config(&["mem:1M"]);
+        cfg.subsystems[0].allow_any_host = false;
+        cfg.subsystems[0].auth_hosts.push(HostAuthConfig {
+            nqn: HOST.to_string(),
+            dhchap_key: Some(key(1)),
+            tls_psk: None,
+            dhchap_ctrl_key: None,
+            dhchap_hash: None,
+            dhchap_dhgroup: Some(DhGroupId::Ffdhe2048),
+        });
+        cfg.target.auth_rate = 1;
+        cfg.target.auth_burst = 2;
+        let t = Target::build(&cfg).unwrap().0;
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        for t_id in 1..=2 {
+            let next = authenticate(&mut admin, host_cfg(key(1), None), t_id);
+            assert!(matches!(next, HostNext::Authenticated(_)), "{next:?}");
+        }
+        // The third in the same second: refused with "authentication failed", at once.
+        match authenticate(&mut admin, host_cfg(key(1), None), 3) {
+            HostNext::Failed(e) => {
+                assert_eq!(e.explanation(), nvme_auth::FailureExplanation::Failed as u8)
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(admin.auth_pending());
+        let snap = t.metrics_snapshot();
+        assert_eq!(snap.auth_failures.get("host_over_budget"), Some(&1));
+        // Only Diffie-Hellman exchanges are budgeted: the null group still works.
+        let mut null = cfg.clone();
+        null.subsystems[0].auth_hosts[0].dhchap_dhgroup = Some(DhGroupId::Null);
+        let t = Target::build(&null).unwrap().0;
+        let (mut admin, _) = connect(&t, 0, 0xFFFF);
+        for t_id in 1..=5 {
+            let next = authenticate(&mut admin, host_cfg(key(1), None), t_id);
+            assert!(matches!(next, HostNext::Authenticated(_)), "{next:?}");
+        }
     }
 
     #[test]

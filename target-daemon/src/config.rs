@@ -7,6 +7,8 @@
 //! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
 //! max_connections = 16384           # open connections on the whole target
 //! max_connections_per_listener = 4096
+//! auth_rate = 8                     # DH-HMAC-CHAP exchanges per second per host NQN and address
+//! auth_burst = 64                   # ... and at once (auth_rate = 0: no limit)
 //! control_socket = "/run/nvmeof/targetd.sock"  # nvmeof-targetd ctl (default shown)
 //! control_group = "nvmeof"          # may use the control socket besides root
 //! save_dir = "/etc/nvmeof"          # where `ctl save` may write (default: the --config file's directory)
@@ -251,6 +253,11 @@ pub struct TargetSettings {
     /// `--config` file; without one, saves are refused).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save_dir: Option<PathBuf>,
+    /// DH-HMAC-CHAP transactions with a Diffie-Hellman exchange allowed per second to each
+    /// host NQN and to each source address, after a burst of `auth_burst`; 0 = no limit.
+    pub auth_rate: u32,
+    /// Such transactions allowed at once to each host NQN and each source address.
+    pub auth_burst: u32,
 }
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
@@ -274,6 +281,8 @@ impl Default for TargetSettings {
             control_socket: None,
             control_group: None,
             save_dir: None,
+            auth_rate: 8,
+            auth_burst: 64,
         }
     }
 }

@@ -438,6 +438,11 @@ impl Controller {
             .is_ok()
     }
 
+    /// A sender into the admin queue's completions of held commands.
+    pub(crate) fn event_sender(&self) -> mpsc::UnboundedSender<Cqe> {
+        self.events_tx.clone()
+    }
+
     /// Reports an event to the host: completes a held Asynchronous Event Request, or keeps
     /// the event until the host sends one.
     fn post_event(&self, st: &mut AdminState, dw0: u32) {

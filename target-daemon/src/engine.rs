@@ -40,8 +40,10 @@ use tracing::{debug, info, warn};
 
 use crate::admission::{DropReason, Permit};
 use crate::controller::{Controller, EventReceiver};
+use crate::log_limited;
 use crate::metrics::IoCell;
 use crate::queue::{IoOp, IoRequest, QueueState};
+use crate::ratelimit::LogKind;
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -414,11 +416,14 @@ impl<T: 'static> Engine<T> {
         }
         if let Some(ctrl) = &self.q.ctrl {
             if ctrl.keep_alive_deadline().is_some_and(|d| d <= now) {
-                warn!(
-                    cntlid = ctrl.cntlid,
-                    hostnqn = %ctrl.hostnqn,
-                    peer = %self.q.origin.peer,
-                    "keep alive timeout expired: tearing the controller down"
+                log_limited!(
+                    LogKind::ConnectionError,
+                    warn!(
+                        cntlid = ctrl.cntlid,
+                        hostnqn = %ctrl.hostnqn,
+                        peer = %self.q.origin.peer,
+                        "keep alive timeout expired: tearing the controller down"
+                    )
                 );
                 ctrl.tear_down();
                 if let Some(s) = ctrl.subsystem() {
@@ -440,7 +445,10 @@ impl<T: 'static> Engine<T> {
         let Some(ctrl) = &self.q.ctrl else {
             match reason {
                 Closed::Protocol(r) => {
-                    warn!(%peer, transport, reason = %r, "connection closed: protocol error")
+                    log_limited!(
+                        LogKind::ConnectionError,
+                        warn!(%peer, transport, reason = %r, "connection closed: protocol error")
+                    )
                 }
                 Closed::HostClosed | Closed::Local(_) => {
                     debug!(%peer, transport, "connection closed before Connect")
@@ -449,7 +457,10 @@ impl<T: 'static> Engine<T> {
                     debug!(%peer, transport, "connection closed: no Connect within the handshake timeout")
                 }
                 other => {
-                    info!(%peer, transport, reason = %other, "connection closed before Connect")
+                    log_limited!(
+                        LogKind::ConnectionError,
+                        info!(%peer, transport, reason = %other, "connection closed before Connect")
+                    )
                 }
             }
             return;
@@ -458,12 +469,21 @@ impl<T: 'static> Engine<T> {
         if self.q.qid == 0 {
             ctrl.tear_down();
             if error {
-                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected");
+                log_limited!(
+                    LogKind::ConnectionError,
+                    warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected")
+                );
             } else {
-                info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected");
+                log_limited!(
+                    LogKind::Connect,
+                    info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, subnqn = ctrl.subnqn(), reason = %reason, transport, "controller disconnected")
+                );
             }
         } else if error {
-            warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed");
+            log_limited!(
+                LogKind::ConnectionError,
+                warn!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed")
+            );
         } else {
             debug!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid = self.q.qid, reason = %reason, transport, "I/O queue closed");
         }

@@ -50,6 +50,14 @@ impl RunningTarget {
                 ListenerSocket::Rdma(r) => rdma.push((l.addr, r)),
             }
         }
+        // The summaries of suppressed per-connection log lines, every interval.
+        let mut shutdown = running.target.subscribe_shutdown();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = crate::ratelimit::LOG_LIMITS.report() => {}
+                _ = shutdown.changed() => {}
+            }
+        });
         let addrs: Vec<ListenAddr> = rdma.iter().map(|(a, _)| a.clone()).collect();
         let tasks = crate::rdma::start(&running.target, rdma, &tasks_pool);
         running.acceptors.lock().extend(
@@ -160,6 +168,7 @@ impl RunningTarget {
             }
         })
         .await;
+        crate::ratelimit::LOG_LIMITS.flush(true);
         let failures = self.target.flush_all().await;
         info!(flush_failures = failures, "shutdown complete");
         failures

@@ -29,6 +29,8 @@
 //!   [`metrics::MetricsSnapshot`] and the Prometheus endpoint.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
+//! - [`ratelimit`]: the log limits of per-connection events and the authentication budgets
+//!   per host NQN and source address.
 //!
 //! This crate never panics on input from the network: every malformed command gets an NVMe
 //! status, and every protocol violation a TermReq and a closed connection.
@@ -45,6 +47,7 @@ pub mod io;
 pub mod launcher;
 pub mod metrics;
 pub mod queue;
+pub mod ratelimit;
 pub mod rdma;
 pub mod reactor;
 pub mod reconfigure;

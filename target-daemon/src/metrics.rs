@@ -368,6 +368,13 @@ pub struct MetricsSnapshot {
     pub protocol_errors: BTreeMap<&'static str, u64>,
     /// TermReqs received from hosts, by transport.
     pub host_term_reqs: BTreeMap<&'static str, u64>,
+    /// Fabrics Connects refused, by reason.
+    pub connects_refused: BTreeMap<&'static str, u64>,
+    /// Failed authentication transactions, by reason (the failure explanation sent, or a
+    /// refusal: over a budget, the authentication threads busy).
+    pub auth_failures: BTreeMap<&'static str, u64>,
+    /// Log lines suppressed by the log limits, by event kind.
+    pub log_lines_suppressed: BTreeMap<&'static str, u64>,
     /// Figures by subsystem NQN.
     pub subsystems: BTreeMap<String, SubsystemFigures>,
 }
@@ -530,6 +537,10 @@ pub struct TargetMetrics {
     protocol_errors: [AtomicU64; 2],
     /// TermReqs received from hosts, by transport.
     host_term_reqs: [AtomicU64; 2],
+    /// Fabrics Connects refused, by reason.
+    connects_refused: Mutex<BTreeMap<&'static str, u64>>,
+    /// Failed authentications, by reason.
+    auth_failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 const TRANSPORTS: [&str; 2] = ["tcp", "rdma"];
@@ -548,6 +559,17 @@ impl TargetMetrics {
     pub fn note_host_term_req(&self, transport: &str) {
         self.host_term_reqs[transport_index(transport)].fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Counts a Fabrics Connect refused for `reason` (a fixed label such as
+    /// `unknown_subsystem`).
+    pub fn note_connect_refused(&self, reason: &'static str) {
+        *self.connects_refused.lock().entry(reason).or_default() += 1;
+    }
+
+    /// Counts a failed authentication transaction for `reason` (a fixed label).
+    pub fn note_auth_failure(&self, reason: &'static str) {
+        *self.auth_failures.lock().entry(reason).or_default() += 1;
+    }
 }
 
 impl Target {
@@ -564,6 +586,13 @@ impl Target {
             connections: self.connection_count() as u64,
             protocol_errors: per_transport(&self.metrics.protocol_errors),
             host_term_reqs: per_transport(&self.metrics.host_term_reqs),
+            connects_refused: self.metrics.connects_refused.lock().clone(),
+            auth_failures: self.metrics.auth_failures.lock().clone(),
+            log_lines_suppressed: crate::ratelimit::LOG_LIMITS
+                .suppressed()
+                .into_iter()
+                .map(|(k, n)| (k.name(), n))
+                .collect(),
             subsystems: self
                 .subsystems()
                 .iter()
@@ -670,6 +699,33 @@ impl Collector for TargetCollector {
             MetricType::Counter,
             per_transport(&snap.host_term_reqs),
         )?;
+        let by = |label: &'static str, m: &BTreeMap<&'static str, u64>| {
+            m.iter()
+                .map(|(r, n)| (vec![(label, r.to_string())], counter(*n)))
+                .collect::<Vec<(Labels, ConstCounter<u64>)>>()
+        };
+        family(
+            e,
+            "nvmeof_connects_refused",
+            "Fabrics Connects refused, by reason.",
+            MetricType::Counter,
+            by("reason", &snap.connects_refused),
+        )?;
+        family(
+            e,
+            "nvmeof_auth_failures",
+            "Failed DH-HMAC-CHAP transactions, by reason (the failure explanation, or a refusal over a budget or with the authentication threads busy).",
+            MetricType::Counter,
+            by("reason", &snap.auth_failures),
+        )?;
+        family(
+            e,
+            "nvmeof_log_lines_suppressed",
+            "Log lines of per-connection events suppressed by the log limits, by event kind.",
+            MetricType::Counter,
+            by("event", &snap.log_lines_suppressed),
+        )?;
+        process_families(e)?;
         let subs = || snap.subsystems.iter();
         let sub_label = |nqn: &String| vec![("subsystem", nqn.clone())];
         family(
@@ -809,6 +865,126 @@ impl Collector for TargetCollector {
     }
 }
 
+/// Clock ticks per second of `/proc` CPU times (`USER_HZ`, 100 on every Linux platform).
+const USER_HZ: f64 = 100.0;
+
+/// The standard `process_*` figures of this process, read from `/proc`: CPU seconds, start
+/// time, resident and virtual memory, open and maximum file descriptors.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProcessFigures {
+    /// User and system CPU time, in seconds.
+    pub cpu_seconds: f64,
+    /// Start time, in seconds since the Unix epoch.
+    pub start_time_seconds: f64,
+    /// Resident set size, in bytes.
+    pub resident_memory_bytes: u64,
+    /// Virtual memory size, in bytes.
+    pub virtual_memory_bytes: u64,
+    /// Open file descriptors.
+    pub open_fds: u64,
+    /// The open-files limit (soft).
+    pub max_fds: u64,
+}
+
+impl ProcessFigures {
+    /// This process's figures now; `None` where `/proc` cannot be read.
+    pub fn read() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // Field n of proc(5) is f[n - 3].
+        let num = |n: usize| f.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        let ticks = num(14)? + num(15)?;
+        let btime = std::fs::read_to_string("/proc/stat")
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("btime ")?.trim().parse::<u64>().ok())?;
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let kib = |key: &str| {
+            status.lines().find_map(|l| {
+                let v = l.strip_prefix(key)?.trim().strip_suffix("kB")?;
+                v.trim().parse::<u64>().ok()
+            })
+        };
+        let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+        let max_fds = limits.lines().find_map(|l| {
+            let v = l
+                .strip_prefix("Max open files")?
+                .split_whitespace()
+                .next()?;
+            Some(v.parse::<u64>().unwrap_or(u64::MAX))
+        })?;
+        Some(ProcessFigures {
+            cpu_seconds: ticks as f64 / USER_HZ,
+            start_time_seconds: btime as f64 + num(22)? as f64 / USER_HZ,
+            resident_memory_bytes: kib("VmRSS:").unwrap_or(0) * 1024,
+            virtual_memory_bytes: kib("VmSize:").unwrap_or(0) * 1024,
+            open_fds: std::fs::read_dir("/proc/self/fd").ok()?.count() as u64,
+            max_fds,
+        })
+    }
+}
+
+/// The `process_*` families and `nvmeof_build_info`.
+fn process_families(e: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+    family(
+        e,
+        "nvmeof_build_info",
+        "The daemon's version; always 1.",
+        MetricType::Gauge,
+        [(
+            vec![("version", env!("CARGO_PKG_VERSION").to_string())],
+            gauge(1),
+        )],
+    )?;
+    let Some(p) = ProcessFigures::read() else {
+        return Ok(());
+    };
+    fn one<M>(v: M) -> [(Labels, M); 1] {
+        [(Labels::new(), v)]
+    }
+    family(
+        e,
+        "process_cpu_seconds",
+        "Total user and system CPU time spent in seconds.",
+        MetricType::Counter,
+        one(ConstCounter::new(p.cpu_seconds)),
+    )?;
+    family(
+        e,
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds.",
+        MetricType::Gauge,
+        one(ConstGauge::new(p.start_time_seconds)),
+    )?;
+    for (name, help, v) in [
+        (
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes.",
+            p.resident_memory_bytes,
+        ),
+        (
+            "process_virtual_memory_bytes",
+            "Virtual memory size in bytes.",
+            p.virtual_memory_bytes,
+        ),
+        (
+            "process_open_fds",
+            "Number of open file descriptors.",
+            p.open_fds,
+        ),
+        (
+            "process_max_fds",
+            "Maximum number of open file descriptors.",
+            p.max_fds,
+        ),
+    ] {
+        family(e, name, help, MetricType::Gauge, one(gauge(v)))?;
+    }
+    Ok(())
+}
+
 /// The OpenMetrics media type (what Prometheus asks for first).
 pub const OPENMETRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 /// The classic Prometheus text format's media type (what other clients get).
@@ -873,8 +1049,8 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
 }
 
-/// Serves `GET /metrics` on `listener` until the target shuts down: one request per
-/// connection, answered with the figures of the moment in OpenMetrics when the request
+/// Serves `GET /metrics` (and `HEAD`) on `listener` until the target shuts down: one request
+/// per connection, answered with the figures of the moment in OpenMetrics when the request
 /// accepts it, in the classic text format otherwise; other paths get 404, other methods 405,
 /// a request head over 8 KiB 431.
 pub async fn serve(target: Arc<Target>, listener: TcpListener) {
@@ -943,12 +1119,13 @@ async fn answer(target: &Arc<Target>, mut stream: TcpStream) -> std::io::Result<
             parts.next().unwrap_or_default(),
         );
         let path = path.split(|&b| b == b'?').next().unwrap_or_default();
-        match (method, path) {
-            (b"GET", b"/metrics") if wants_openmetrics(&head) => {
+        let get = matches!(method, b"GET" | b"HEAD");
+        match (get, path) {
+            (true, b"/metrics") if wants_openmetrics(&head) => {
                 ("200 OK", render_openmetrics(target), OPENMETRICS_TYPE)
             }
-            (b"GET", b"/metrics") => ("200 OK", render_text(target), TEXT_TYPE),
-            (b"GET", _) => (
+            (true, b"/metrics") => ("200 OK", render_text(target), TEXT_TYPE),
+            (true, _) => (
                 "404 Not Found",
                 "not found: try /metrics\n".into(),
                 "text/plain",
@@ -956,9 +1133,11 @@ async fn answer(target: &Arc<Target>, mut stream: TcpStream) -> std::io::Result<
             _ => ("405 Method Not Allowed", String::new(), "text/plain"),
         }
     };
+    let head_only = head.starts_with(b"HEAD ");
     let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+        body.len(),
+        if head_only { "" } else { body.as_str() }
     );
     stream.write_all(reply.as_bytes()).await?;
     stream.shutdown().await

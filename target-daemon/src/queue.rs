@@ -18,11 +18,13 @@ use nvme_spec::fabrics::{
 use nvme_spec::queue::{sgl_subtype, sgl_type};
 use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, Sqe, Status};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
+use crate::log_limited;
 use crate::metrics::QueueMetrics;
+use crate::ratelimit::LogKind;
 use crate::subsystem::Namespace;
 use crate::target::Target;
 
@@ -511,15 +513,6 @@ impl QueueState {
         let cid = sqe.cid();
         let t = Arc::clone(&self.target);
         let peer = self.origin.peer;
-        let invalid_param = |in_data: bool, off: u16| {
-            let field = if in_data { "connect data" } else { "command" };
-            info!(%peer, qid = c.qid, sqsize = c.sqsize, "connect rejected: invalid parameter at {field} byte {off}");
-            Submit::Complete(Cqe::new(
-                cid,
-                Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr(),
-                connect_invalid_param_dw0(in_data, off),
-            ))
-        };
         if c.recfmt != 0 {
             return status_cqe(
                 cid,
@@ -534,15 +527,46 @@ impl QueueState {
         };
         let subnqn = data.subnqn();
         let hostnqn = data.hostnqn();
+        let on_target = subnqn == DISCOVERY_NQN || t.subsystem(&subnqn).is_some();
+        // Counted, and logged within the log limits with both NQNs and whether the subsystem
+        // is on this target.
+        let refused = |reason: &'static str, why: &str| {
+            t.metrics.note_connect_refused(reason);
+            log_limited!(
+                LogKind::ConnectRefused,
+                warn!(hostnqn = ?hostnqn, %peer, subnqn = ?subnqn, subsystem_on_target = on_target, qid = c.qid, "connect rejected: {why}")
+            );
+        };
+        let invalid_param = |reason: &'static str, why: &str, in_data: bool, off: u16| {
+            let field = if in_data { "connect data" } else { "command" };
+            refused(
+                reason,
+                &format!("{why} (invalid parameter at {field} byte {off})"),
+            );
+            Submit::Complete(Cqe::new(
+                cid,
+                Status::specific(specific::CONNECT_INVALID_PARAMETERS).with_dnr(),
+                connect_invalid_param_dw0(in_data, off),
+            ))
+        };
         // An empty host NQN is accepted as Linux nvmet and SPDK accept it (SPDK's tools send
         // none unless told): only subsystems that allow any host will take such a host.
         if !hostnqn.is_empty() && !crate::config::valid_nqn(&hostnqn) {
-            info!(%peer, hostnqn = ?hostnqn, "connect rejected: the host NQN is not a valid NQN");
-            return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
+            return invalid_param(
+                "invalid_host_nqn",
+                "the host NQN is not a valid NQN",
+                true,
+                CONNECT_DATA_HOSTNQN_OFFSET,
+            );
         }
         let max_depth = u32::from(t.settings.max_queue_depth);
         if c.sqsize < 2 || c.sqsize > max_depth {
-            return invalid_param(false, SQE_SQSIZE_OFFSET);
+            return invalid_param(
+                "invalid_parameter",
+                &format!("queue size {} outside 2..={max_depth}", c.sqsize),
+                false,
+                SQE_SQSIZE_OFFSET,
+            );
         }
         // A host that asks for no keep alive still gets one, so stale controllers go away.
         let kato = if c.kato_ms == 0 {
@@ -552,7 +576,12 @@ impl QueueState {
         };
         if subnqn == DISCOVERY_NQN {
             if c.qid != 0 {
-                return invalid_param(false, SQE_QID_OFFSET);
+                return invalid_param(
+                    "invalid_parameter",
+                    "an I/O queue for the discovery controller",
+                    false,
+                    SQE_QID_OFFSET,
+                );
             }
             let cntlid = t.alloc_discovery_cntlid();
             let (ctrl, events) = Controller::new(
@@ -565,16 +594,30 @@ impl QueueState {
                 kato,
             );
             t.add_discovery_controller(&ctrl);
-            info!(%hostnqn, %peer, cntlid, "discovery controller connected");
+            log_limited!(
+                LogKind::Connect,
+                info!(%hostnqn, %peer, cntlid, "discovery controller connected")
+            );
             return self.connected(ctrl, Some(events), c, cid);
         }
         if self.discovery_only {
-            info!(%hostnqn, %peer, %subnqn, local = %self.origin.local, "connect rejected: this listener serves discovery only");
-            return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
+            return invalid_param(
+                "discovery_only",
+                &format!(
+                    "this listener serves discovery only ({})",
+                    self.origin.local
+                ),
+                true,
+                CONNECT_DATA_SUBNQN_OFFSET,
+            );
         }
         let Some(subsys) = t.subsystem(&subnqn) else {
-            info!(%hostnqn, %peer, %subnqn, "connect rejected: unknown subsystem");
-            return invalid_param(true, CONNECT_DATA_SUBNQN_OFFSET);
+            return invalid_param(
+                "unknown_subsystem",
+                "the subsystem is not on this target",
+                true,
+                CONNECT_DATA_SUBNQN_OFFSET,
+            );
         };
         let tls_mismatch = match &self.tls {
             None => subsys.has_tls_psk(&hostnqn),
@@ -588,7 +631,7 @@ impl QueueState {
             } else {
                 "the host or subsystem NQN is not the TLS PSK identity's"
             };
-            info!(%hostnqn, %peer, %subnqn, "connect rejected: {why}");
+            refused("tls_mismatch", why);
             return Submit::Complete(Cqe::new(
                 cid,
                 Status::specific(specific::CONNECT_INVALID_HOST).with_dnr(),
@@ -596,7 +639,10 @@ impl QueueState {
             ));
         }
         if !subsys.host_allowed(&hostnqn) {
-            info!(%hostnqn, %peer, %subnqn, "connect rejected: host not allowed");
+            refused(
+                "host_not_allowed",
+                "host not allowed on the subsystem (invalid host)",
+            );
             return Submit::Complete(Cqe::new(
                 cid,
                 Status::specific(specific::CONNECT_INVALID_HOST).with_dnr(),
@@ -605,7 +651,12 @@ impl QueueState {
         }
         if c.qid == 0 {
             if data.cntlid.get() != 0xFFFF {
-                return invalid_param(true, CONNECT_DATA_CNTLID_OFFSET);
+                return invalid_param(
+                    "invalid_parameter",
+                    "an admin queue Connect must ask for a dynamic controller (CNTLID FFFFh)",
+                    true,
+                    CONNECT_DATA_CNTLID_OFFSET,
+                );
             }
             let Some(cntlid) = subsys.alloc_cntlid() else {
                 return status_cqe(cid, Status::specific(specific::CONNECT_CONTROLLER_BUSY));
@@ -620,15 +671,28 @@ impl QueueState {
                 kato,
             );
             subsys.add_controller(Arc::clone(&ctrl));
-            info!(%hostnqn, %peer, subnqn = %subsys.nqn, cntlid, kato_ms = kato, "controller connected");
+            log_limited!(
+                LogKind::Connect,
+                info!(%hostnqn, %peer, subnqn = %subsys.nqn, cntlid, kato_ms = kato, "controller connected")
+            );
             return self.connected(ctrl, Some(events), c, cid);
         }
         let cntlid = data.cntlid.get();
         let Some(ctrl) = subsys.controller(cntlid) else {
-            return invalid_param(true, CONNECT_DATA_CNTLID_OFFSET);
+            return invalid_param(
+                "unknown_controller",
+                &format!("no controller {cntlid} on the subsystem"),
+                true,
+                CONNECT_DATA_CNTLID_OFFSET,
+            );
         };
         if ctrl.hostnqn != hostnqn {
-            return invalid_param(true, CONNECT_DATA_HOSTNQN_OFFSET);
+            return invalid_param(
+                "invalid_parameter",
+                &format!("controller {cntlid} belongs to another host"),
+                true,
+                CONNECT_DATA_HOSTNQN_OFFSET,
+            );
         }
         if !ctrl.is_ready() {
             return status_cqe(
@@ -637,7 +701,12 @@ impl QueueState {
             );
         }
         if c.qid > ctrl.io_queues() {
-            return invalid_param(false, SQE_QID_OFFSET);
+            return invalid_param(
+                "invalid_parameter",
+                &format!("queue {} past the {} granted", c.qid, ctrl.io_queues()),
+                false,
+                SQE_QID_OFFSET,
+            );
         }
         if !ctrl.claim_queue(c.qid) {
             // As Linux nvmet: a queue ID already connected is a command sequence error.
@@ -665,12 +734,12 @@ impl QueueState {
         if c.qid == 0 && self.host_sgl == HostSgl::Keyed {
             ctrl.set_keyed_sgls();
         }
+        self.events = events;
         let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.metrics = ctrl
             .subsystem()
             .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));
         self.ctrl = Some(ctrl);
-        self.events = events;
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
     }
 

@@ -44,7 +44,9 @@ use crate::admission::Permit;
 use crate::config::{ListenAddr, Transport};
 use crate::controller::QueueOrigin;
 use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
+use crate::log_limited;
 use crate::queue::{DataSource, HostSgl, IoOp, IoRequest, QueueState, Submit};
+use crate::ratelimit::LogKind;
 use crate::reactor::{Connection, Pool};
 use crate::target::Target;
 
@@ -158,7 +160,10 @@ fn limits(target: &Target) -> QueueLimits {
 fn validate(target: &Target, req: ConnectRequest, permit: Permit) -> Option<Incoming> {
     let peer = req.peer;
     let refuse = |req: ConnectRequest, code: u16, detail: String| {
-        info!(%peer, status = code, reason = reject_reason(code), %detail, "NVMe/RDMA connection rejected");
+        log_limited!(
+            LogKind::Transport,
+            info!(%peer, status = code, reason = reject_reason(code), %detail, "NVMe/RDMA connection rejected")
+        );
         if let Err(e) = req.reject(&reject_data(code)) {
             debug!(%peer, error = %e, "cannot send the reject");
         }
@@ -281,7 +286,10 @@ pub(crate) async fn serve(target: Arc<Target>, inc: Incoming) {
     ) {
         Ok(q) => q,
         Err(e) => {
-            warn!(%peer, error = %e, "cannot set up NVMe/RDMA queue pair: rejected");
+            log_limited!(
+                LogKind::Transport,
+                warn!(%peer, error = %e, "cannot set up NVMe/RDMA queue pair: rejected")
+            );
             return;
         }
     };
@@ -446,7 +454,10 @@ impl Conn {
                             return;
                         }
                         Err(e) => {
-                            warn!(error = %e, "cannot register a buffer for command data");
+                            log_limited!(
+                                LogKind::Transport,
+                                warn!(error = %e, "cannot register a buffer for command data")
+                            );
                             self.fail_slot(slot, sqe, Fault::Resources);
                             return;
                         }
@@ -475,7 +486,10 @@ impl Conn {
                     Some(b)
                 }
                 Err(e) => {
-                    warn!(error = %e, "cannot register a buffer for in-capsule data");
+                    log_limited!(
+                        LogKind::Transport,
+                        warn!(error = %e, "cannot register a buffer for in-capsule data")
+                    );
                     self.fail_slot(slot, sqe, Fault::Resources);
                     return;
                 }
@@ -527,7 +541,10 @@ impl Conn {
                     let buf = match self.pool.get(&pd, host_len) {
                         Ok(b) => b,
                         Err(e) => {
-                            warn!(error = %e, "cannot register a buffer for write data");
+                            log_limited!(
+                                LogKind::Transport,
+                                warn!(error = %e, "cannot register a buffer for write data")
+                            );
                             self.fail_slot(slot, sqe, Fault::Resources);
                             return;
                         }
@@ -553,7 +570,10 @@ impl Conn {
                         match self.pool.get(&pd, len) {
                             Ok(b) => Some(b),
                             Err(e) => {
-                                warn!(error = %e, "cannot register a buffer for read data");
+                                log_limited!(
+                                    LogKind::Transport,
+                                    warn!(error = %e, "cannot register a buffer for read data")
+                                );
                                 self.fail_slot(slot, sqe, Fault::Resources);
                                 return;
                             }
@@ -653,7 +673,10 @@ impl Conn {
                 self.respond(slot, sqe, cqe, Some(out));
             }
             Err(e) => {
-                warn!(error = %e, "cannot register a buffer for command data");
+                log_limited!(
+                    LogKind::Transport,
+                    warn!(error = %e, "cannot register a buffer for command data")
+                );
                 self.fail_slot(slot, *sqe, Fault::Resources);
             }
         }

@@ -101,6 +101,8 @@ pub struct Target {
     connections: Arc<ConnectionCount>,
     /// Target-wide counters (protocol errors).
     pub metrics: crate::metrics::TargetMetrics,
+    /// Where authentication's Diffie-Hellman work runs, and its budgets.
+    pub auth: crate::auth::AuthWork,
 }
 
 /// The subsystems of a target by NQN: an immutable snapshot, replaced whole on a change.
@@ -306,6 +308,7 @@ impl Target {
             shutdown_tx,
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
             metrics: Default::default(),
+            auth: crate::auth::AuthWork::new(&cfg.target),
         };
         Ok((Arc::new(target), bound))
     }

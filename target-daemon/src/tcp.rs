@@ -28,11 +28,13 @@ use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-use crate::admission::Permit;
+use crate::admission::{DropReason, Permit};
 use crate::config::Transport;
 use crate::controller::QueueOrigin;
 use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
+use crate::log_limited;
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
+use crate::ratelimit::LogKind;
 use crate::target::Target;
 
 /// Stop handling received PDUs while this much waits to be sent: the send buffer of a
@@ -91,11 +93,11 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         match tokio::time::timeout(s.handshake_timeout, accept).await {
             Ok(Ok(tls)) => tls,
             Ok(Err(e)) => {
-                warn!(%peer, %local, "connection closed: {e}");
+                log_limited!(LogKind::Tls, warn!(%peer, %local, "connection closed: {e}"));
                 return;
             }
             Err(_) => {
-                warn!(%peer, %local, "connection closed: no TLS handshake within the handshake timeout");
+                permit.gate().note_dropped(DropReason::HandshakeTimeout);
                 return;
             }
         }

@@ -244,3 +244,110 @@ fn dhchap_both_ways_refusals_and_a_daemon_that_keeps_serving() {
     let (code, _) = t.terminate();
     assert_eq!(code, Some(0));
 }
+
+/// One AUTH_Negotiate offering SHA-256 and ffdhe2048 on `h`'s admin queue, and the message
+/// the target answers it with.
+fn negotiate(h: &mut RawHost, t_id: u16) -> nvme_spec::auth::AuthMessage {
+    use nvme_spec::auth::{AuthCommand, AuthMessage, DhGroupId, DhchapProtocol, Protocol};
+    use nvme_spec::command::FabricsCommand;
+    let msg = AuthMessage::Negotiate {
+        t_id,
+        sc_c: 0,
+        protocols: vec![Protocol::Dhchap(DhchapProtocol {
+            hash_ids: vec![HashId::Sha256 as u8],
+            dh_group_ids: vec![DhGroupId::Ffdhe2048 as u8],
+        })],
+    }
+    .encode();
+    let mut send = FabricsCommand::AuthSend.encode(t_id);
+    AuthCommand::send(msg.len() as u32).write_to_sqe(&mut send);
+    send.dptr = SglDescriptor::in_capsule(msg.len() as u32);
+    match h.command(&send, &msg, &[]) {
+        Reply::Completion(c, _) => assert!(c.status().is_success(), "{}", c.status()),
+        other => panic!("Authentication Send: {other:?}"),
+    }
+    let mut recv = FabricsCommand::AuthSend.encode(t_id);
+    AuthCommand::receive(4096).write_to_sqe(&mut recv);
+    recv.dptr = SglDescriptor::tcp_transport(4096);
+    match h.command(&recv, &[], &[]) {
+        Reply::Completion(c, data) => {
+            assert!(c.status().is_success(), "{}", c.status());
+            AuthMessage::parse(&data).expect("an authentication message")
+        }
+        other => panic!("Authentication Receive: {other:?}"),
+    }
+}
+
+#[test]
+fn an_auth_negotiate_flood_is_refused_once_over_budget() {
+    use nvme_spec::auth::{AuthMessage, FailureExplanation};
+    let dir = tempfile::tempdir().unwrap();
+    let k = keys();
+    let port = free_port();
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let text = format!(
+        r#"
+[target]
+auth_rate = 1
+auth_burst = 4
+metrics = "{metrics}"
+
+[[listener]]
+address = "tcp://127.0.0.1:{port}"
+
+[[subsystem]]
+nqn = "{NQN}"
+
+[[subsystem.host]]
+nqn = "{HOST_ONE}"
+dhchap_key = "{}"
+
+[[subsystem.namespace]]
+backend = "mem:8M"
+"#,
+        k.one
+    );
+    let mut t = TargetProcess::with_config(dir.path(), &text, 0o600, port);
+    // Two connections of one host negotiate over and over without ever replying.
+    let mut hosts: Vec<RawHost> = (0..2)
+        .map(|_| {
+            let mut h = RawHost::connect(t.addr(), false, false);
+            let c = h.fabrics_connect(NQN, HOST_ONE, 0, 0xFFFF);
+            assert!(c.status().is_success(), "{}", c.status());
+            h
+        })
+        .collect();
+    let (mut challenges, mut refusals) = (0, 0);
+    for i in 0..40u16 {
+        match negotiate(&mut hosts[usize::from(i % 2)], i + 1) {
+            AuthMessage::Challenge { t_id, .. } => {
+                assert_eq!(t_id, i + 1);
+                challenges += 1;
+            }
+            AuthMessage::Failure1 {
+                t_id, explanation, ..
+            } => {
+                assert_eq!(t_id, i + 1);
+                assert_eq!(explanation, FailureExplanation::Failed as u8);
+                refusals += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(challenges >= 4, "the burst is served: {challenges}");
+    assert!(refusals > 0, "never refused: {challenges} challenges");
+    let (code, scrape) = nvmeof_tests::http_get(metrics, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    let series = r#"nvmeof_auth_failures_total{reason="host_over_budget"}"#;
+    assert_eq!(
+        nvmeof_tests::scraped(&scrape, series),
+        Some(f64::from(refusals)),
+        "{scrape}"
+    );
+    drop(hosts);
+    let log = t.log();
+    assert!(
+        log.contains("host authentication failed") && log.contains("host_over_budget"),
+        "{log}"
+    );
+}

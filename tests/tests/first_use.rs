@@ -193,7 +193,7 @@ fn errors_say_their_cause_once() {
     let err = refused(&["--config", cfg.to_str().unwrap()]);
     assert_eq!(err.matches("unknown field `reactor`").count(), 1, "{err}");
     assert_eq!(err.matches("reactor = 2").count(), 1, "one snippet: {err}");
-    assert!(err.len() < 400, "{err}");
+    assert!(err.len() < 512, "{err}");
 
     let err = refused(&["--namespace", "file:/nonexistent/dir/x.img"]);
     let errors: Vec<&str> = err.lines().filter(|l| !l.contains(" WARN ")).collect();

@@ -323,3 +323,73 @@ fn connect_disconnect_loop_returns_fds_and_memory() {
     assert_eq!(code, Some(0));
     assert!(!log.contains("panicked"), "{log}");
 }
+
+/// The sum of the `suppressed=N` counts of the summary lines of `event` in `log`.
+fn suppressed_in_log(log: &str, event: &str) -> u64 {
+    log.lines()
+        .filter(|l| {
+            l.contains("similar log lines suppressed") && l.contains(&format!("event=\"{event}\""))
+        })
+        .filter_map(|l| {
+            let v = l.split("suppressed=").nth(1)?;
+            v.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[test]
+fn a_client_making_many_bad_connects_gets_a_bounded_log_and_counted_refusals() {
+    const CONNECTS: usize = 300;
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_arg = metrics.to_string();
+    let args = [
+        "--listen",
+        &listen,
+        "--subsystem",
+        NQN,
+        "--namespace",
+        "mem:1M",
+        "--metrics",
+        &metrics_arg,
+    ];
+    let t = TargetProcess::spawn(&args, port);
+    for _ in 0..CONNECTS {
+        let mut h = RawHost::connect(t.addr(), false, false);
+        let c = h.fabrics_connect("nqn.2026-11.io.nvmeof-direct:not-here", NQN, 0, 0xFFFF);
+        assert!(!c.status().is_success());
+    }
+    let (code, scrape) = nvmeof_tests::http_get(metrics, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    let refused = r#"nvmeof_connects_refused_total{reason="unknown_subsystem"}"#;
+    assert_eq!(
+        nvmeof_tests::scraped(&scrape, refused),
+        Some(CONNECTS as f64),
+        "{scrape}"
+    );
+    let suppressed = r#"nvmeof_log_lines_suppressed_total{event="connect refused"}"#;
+    let counted = nvmeof_tests::scraped(&scrape, suppressed).unwrap_or(0.0) as u64;
+    let (_, log) = t.terminate();
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("connect rejected"))
+        .collect::<Vec<_>>();
+    // Each line names the host and says the subsystem is not on this target.
+    assert!(
+        lines[0].contains("WARN")
+            && lines[0].contains(NQN)
+            && lines[0].contains("subsystem_on_target=false")
+            && lines[0].contains("not on this target"),
+        "{}",
+        lines[0]
+    );
+    // A bounded number of lines; every refusal is either logged or counted as suppressed,
+    // and the summary lines (the last one written at shutdown) add up to the counter.
+    assert!(lines.len() < CONNECTS / 4, "{} lines", lines.len());
+    assert_eq!(lines.len() as u64 + counted, CONNECTS as u64);
+    assert_eq!(suppressed_in_log(&log, "connect refused"), counted, "{log}");
+}

@@ -302,3 +302,67 @@ fn prometheus_scrapes_counters_that_follow_io() {
     let (code, log) = t.terminate();
     assert_eq!(code, Some(0), "{log}");
 }
+
+#[test]
+fn head_process_series_build_info_and_refused_connects() {
+    use std::io::{Read, Write};
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_arg = metrics.to_string();
+    let args = [
+        "--listen",
+        &listen,
+        "--subsystem",
+        NQN,
+        "--namespace",
+        "mem:1M",
+        "--host",
+        nvmeof_tests::TEST_HOSTNQN,
+        "--metrics",
+        &metrics_arg,
+    ];
+    let t = TargetProcess::spawn(&args, port);
+    // A host that is not allowed: refused and counted.
+    let mut h = nvmeof_tests::RawHost::connect(t.addr(), false, false);
+    let c = h.fabrics_connect(NQN, "nqn.2026-11.io.example:not-allowed", 0, 0xFFFF);
+    assert!(!c.status().is_success());
+    drop(h);
+    // HEAD: the GET's head, no body.
+    let mut s = std::net::TcpStream::connect(metrics).unwrap();
+    write!(s, "HEAD /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+    assert!(reply.ends_with("\r\n\r\n"), "no body: {reply}");
+    assert!(!reply.contains("Content-Length: 0\r\n"), "{reply}");
+    let (code, scrape) = nvmeof_tests::http_get(metrics, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    let version = env!("CARGO_PKG_VERSION");
+    let build = format!("nvmeof_build_info{{version=\"{version}\"}}");
+    assert_eq!(
+        nvmeof_tests::scraped(&scrape, &build),
+        Some(1.0),
+        "{scrape}"
+    );
+    let refused = r#"nvmeof_connects_refused_total{reason="host_not_allowed"}"#;
+    assert_eq!(
+        nvmeof_tests::scraped(&scrape, refused),
+        Some(1.0),
+        "{scrape}"
+    );
+    for series in [
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ] {
+        let v = nvmeof_tests::scraped(&scrape, &format!("{series}{{}}"));
+        assert!(v.is_some_and(|v| v > 0.0), "{series}: {v:?}\n{scrape}");
+    }
+    let rss = nvmeof_tests::scraped(&scrape, "process_resident_memory_bytes{}").unwrap();
+    assert!(rss as u64 > t.rss_kib() * 1024 / 4, "RSS {rss}");
+    promtool_accepts(&scrape);
+    drop(t);
+}

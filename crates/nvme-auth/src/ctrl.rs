@@ -102,6 +102,15 @@ struct Round {
     kp: Option<DhKeyPair>,
 }
 
+/// The modular exponentiation a message would cost ([`CtrlAuth::dh_work`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DhWork {
+    /// An AUTH_Negotiate selecting an FFDHE group: the controller's key pair is generated.
+    Negotiate,
+    /// A DH-HMAC-CHAP_Reply to an FFDHE Challenge: the shared secret is computed.
+    Reply,
+}
+
 /// The controller side of DH-HMAC-CHAP on one queue. A new AUTH_Negotiate starts a new
 /// transaction (re-authentication).
 #[derive(Debug)]
@@ -182,12 +191,47 @@ impl CtrlAuth {
         }
     }
 
-    fn on_negotiate(
-        &self,
-        sc: u8,
-        protocols: &[Protocol],
-        rng: &mut impl CryptoRng,
-    ) -> Result<State, Fail> {
+    /// Whether handling the Authentication Send payload `raw` now would perform a modular
+    /// exponentiation: an AUTH_Negotiate that selects an FFDHE group (key pair generation) or
+    /// a Reply to such a Challenge (shared secret). Cheap (a parse, no arithmetic), so that a
+    /// caller can budget or move the expensive messages elsewhere before calling
+    /// [`CtrlAuth::handle`].
+    pub fn dh_work(&self, raw: &[u8]) -> Option<DhWork> {
+        match AuthMessage::parse(raw).ok()? {
+            AuthMessage::Negotiate {
+                sc_c, protocols, ..
+            } => {
+                let (_, group) = self.choose(sc_c, &protocols).ok()?;
+                (group != DhGroupId::Null).then_some(DhWork::Negotiate)
+            }
+            AuthMessage::Reply { t_id, .. } => match &self.state {
+                State::AwaitReply(round) if round.kp.is_some() && t_id == self.t_id => {
+                    Some(DhWork::Reply)
+                }
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    /// Ends the transaction that the AUTH_Negotiate `raw` starts without doing its work: the
+    /// next Authentication Receive returns AUTH_Failure1 with the reason code explanation
+    /// "authentication failed", and [`CtrlAuth::outcome`] reports `detail`. For a caller
+    /// that refuses the work (a budget spent, no room to do it); `raw` that is not an
+    /// AUTH_Negotiate fails the transaction the same way.
+    pub fn refuse(&mut self, raw: &[u8], detail: &'static str) {
+        if let Ok(AuthMessage::Negotiate { t_id, .. }) = AuthMessage::parse(raw) {
+            self.t_id = t_id;
+        }
+        let f = Fail::Ours(Fx::Failed, detail);
+        self.state = State::Pending {
+            msg: common::failure(true, self.t_id, Fx::Failed),
+            then: Box::new(State::Failed(f.into_error())),
+        };
+    }
+
+    /// The hash and DH group for a host's AUTH_Negotiate.
+    fn choose(&self, sc: u8, protocols: &[Protocol]) -> Result<(HashId, DhGroupId), Fail> {
         if sc != sc_c::NONE {
             return ours(
                 Fx::ConcatMismatch,
@@ -221,6 +265,16 @@ impl CtrlAuth {
         else {
             return ours(Fx::DhGroupUnusable, "no DH group in common");
         };
+        Ok((hash, group))
+    }
+
+    fn on_negotiate(
+        &self,
+        sc: u8,
+        protocols: &[Protocol],
+        rng: &mut impl CryptoRng,
+    ) -> Result<State, Fail> {
+        let (hash, group) = self.choose(sc, protocols)?;
         let round = Round {
             hash,
             group,

@@ -38,7 +38,7 @@ mod keys;
 mod secret;
 pub mod tls;
 
-pub use ctrl::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent};
+pub use ctrl::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent, DhWork};
 pub use error::{AuthError, Outcome};
 pub use host::{HostAuth, HostConfig, HostEvent, HostNext, HostStep};
 pub use keys::{DhchapKey, KeyError};

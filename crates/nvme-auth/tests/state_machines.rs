@@ -717,3 +717,66 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn dh_work_names_the_messages_that_exponentiate_and_refuse_fails_the_transaction() {
+    use nvme_auth::DhWork;
+    let mut rng = rng();
+    // An FFDHE group: the Negotiate and the Reply each cost an exponentiation.
+    let mut host = HostAuth::new(
+        host_cfg(&[HashId::Sha256], &[DhGroupId::Ffdhe2048], false),
+        3,
+    );
+    let mut ctrl = CtrlAuth::new(ctrl_cfg());
+    let step = host.handle(HostEvent::Start, &mut rng);
+    let negotiate = step.send.unwrap();
+    assert_eq!(ctrl.dh_work(&negotiate), Some(DhWork::Negotiate));
+    assert_eq!(
+        ctrl.handle(CtrlEvent::Send(&negotiate), &mut rng),
+        CtrlAction::Accepted
+    );
+    let CtrlAction::Data(challenge) = ctrl.handle(CtrlEvent::Receive { len: 4096 }, &mut rng)
+    else {
+        panic!("no Challenge")
+    };
+    let reply = host
+        .handle(HostEvent::Received(&challenge), &mut rng)
+        .send
+        .unwrap();
+    assert_eq!(ctrl.dh_work(&reply), Some(DhWork::Reply));
+    assert_eq!(ctrl.dh_work(&[1, 2, 3]), None, "malformed: no work");
+
+    // The null group costs nothing.
+    let mut host = HostAuth::new(host_cfg(&[HashId::Sha256], &[DhGroupId::Null], false), 4);
+    let negotiate = host.handle(HostEvent::Start, &mut rng).send.unwrap();
+    assert_eq!(CtrlAuth::new(ctrl_cfg()).dh_work(&negotiate), None);
+
+    // A refused Negotiate: Failure1 "authentication failed" with its transaction ID.
+    let mut host = HostAuth::new(
+        host_cfg(&[HashId::Sha256], &[DhGroupId::Ffdhe8192], false),
+        9,
+    );
+    let negotiate = host.handle(HostEvent::Start, &mut rng).send.unwrap();
+    let mut ctrl = CtrlAuth::new(ctrl_cfg());
+    ctrl.refuse(&negotiate, "over budget");
+    let CtrlAction::Data(d) = ctrl.handle(CtrlEvent::Receive { len: 4096 }, &mut rng) else {
+        panic!("no Failure1")
+    };
+    assert_eq!(
+        AuthMessage::parse(&d).unwrap(),
+        AuthMessage::Failure1 {
+            t_id: 9,
+            reason: nvme_spec::auth::FAILURE_REASON_AUTH_FAILED,
+            explanation: Fx::Failed as u8
+        }
+    );
+    let out = ctrl.outcome().unwrap().unwrap_err();
+    assert!(
+        sent(Fx::Failed)(&out) && out.to_string().contains("over budget"),
+        "{out}"
+    );
+    assert!(matches!(
+        host.handle(HostEvent::Received(&d), &mut rng).next,
+        HostNext::Failed(_)
+    ));
+}
