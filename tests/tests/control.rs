@@ -684,7 +684,7 @@ fn host_keys_come_from_files_and_change_without_dropping_connections() {
     let connect = |secret: &str| {
         Command::new(bin_path("nvmeof"))
             .args([
-                "connect",
+                "probe",
                 "-a",
                 "127.0.0.1",
                 "-s",
