@@ -25,7 +25,7 @@
 # --quick job also runs in modes rdma and tcp against nvmeof-targetd (reads verified).
 #
 # With AUTH_NQN, AUTH_HOSTID, AUTH_KEY and AUTH_CTRL_KEY, nvmeof-targetd also requires that host to
-# authenticate both ways (DH-HMAC-CHAP): `nvmeof connect` with the secrets over NVMe/RDMA, then a
+# authenticate both ways (DH-HMAC-CHAP): `nvmeof probe` with the secrets over NVMe/RDMA, then a
 # wrong secret refused in one line.
 #
 # Environment: QUEUES (3), KERNEL_PORT (4420), OUR_PORT (4421), CLI_MB (3), AUTH_* (above).
