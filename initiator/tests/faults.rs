@@ -110,7 +110,11 @@ async fn silent_target_times_out() {
         .expect_err("silent");
     let took = start.elapsed();
     assert!(e.is_timeout(), "{e:?}");
-    assert!(e.to_string().contains("ICResp"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("the answer to the NVMe/TCP connection request"),
+        "{e}"
+    );
     assert!(
         took >= Duration::from_millis(600) && took < Duration::from_secs(2),
         "{took:?}"

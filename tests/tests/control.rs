@@ -683,13 +683,7 @@ fn host_keys_come_from_files_and_change_without_dropping_connections() {
     d.ctl_json(&["add-host", "--subsystem", AUTH_NQN, "--host", HOST, "--dhchap-key-file", file]);
     let connect = |secret: &str| {
         Command::new(bin_path("nvmeof"))
-            .args([
-                "probe",
-                "-a",
-                "127.0.0.1",
-                "-s",
-                &d.target.port.to_string(),
-            ])
+            .args(["probe", "-a", "127.0.0.1", "-s", &d.target.port.to_string()])
             .args(["-n", AUTH_NQN, "-q", HOST, "--dhchap-secret", secret])
             .args(["-I", "6a0f0c4e-0000-4000-8000-00000000c0fe"])
             .env("NVMEOF_STATE_DIR", d.dir.path())
