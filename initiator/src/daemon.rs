@@ -486,6 +486,27 @@ pub async fn open_attached_at(socket: &Path, name: &str) -> Result<Namespace, Er
 mod tests {
     use super::*;
 
+    /// Parameters of an attachment over NVMe/TCP with no keys and every option at its default.
+    fn plain_params() -> AttachParams {
+        AttachParams {
+            transport: "tcp".into(),
+            traddr: "127.0.0.1".into(),
+            trsvcid: 4420,
+            subnqn: "nqn.x:y".into(),
+            nsid: 1,
+            hostnqn: None,
+            hostid: None,
+            hdr_digest: false,
+            data_digest: false,
+            nr_io_queues: None,
+            queue_size: None,
+            kato_ms: None,
+            dhchap_secret: None,
+            dhchap_ctrl_secret: None,
+            tls_key: None,
+        }
+    }
+
     #[test]
     fn request_wire_format() {
         let r = Request::Detach { name: "a".into() };
@@ -496,21 +517,9 @@ mod tests {
         let back: Request = serde_json::from_str(r#"{"op":"list"}"#).unwrap();
         assert_eq!(back, Request::List);
         let p = AttachParams {
-            transport: "tcp".into(),
-            traddr: "127.0.0.1".into(),
-            trsvcid: 4420,
-            subnqn: "nqn.x:y".into(),
-            nsid: 1,
-            hostnqn: None,
-            hostid: None,
-            hdr_digest: false,
             data_digest: true,
             nr_io_queues: Some(2),
-            queue_size: None,
-            kato_ms: None,
-            dhchap_secret: None,
-            dhchap_ctrl_secret: None,
-            tls_key: None,
+            ..plain_params()
         };
         let s = serde_json::to_string(&Request::Attach {
             name: "n".into(),
@@ -550,21 +559,10 @@ mod tests {
         const TLS_KEY: &str = "NVMeTLSkey-1:01:BwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwcHBwfLJNij:";
         let key = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
         let p = AttachParams {
-            transport: "tcp".into(),
-            traddr: "127.0.0.1".into(),
-            trsvcid: 4420,
-            subnqn: "nqn.x:y".into(),
-            nsid: 1,
-            hostnqn: None,
-            hostid: None,
-            hdr_digest: false,
-            data_digest: false,
-            nr_io_queues: None,
-            queue_size: None,
-            kato_ms: None,
             dhchap_secret: Some(KeyText(key.into())),
             dhchap_ctrl_secret: Some(KeyText(key.into())),
             tls_key: Some(KeyText(TLS_KEY.into())),
+            ..plain_params()
         };
         let host = HostIdentity::new("nqn.h:1", [1; 16]).unwrap();
         let o = p.connect_options(host.clone()).unwrap();
@@ -609,23 +607,7 @@ mod tests {
         let refused = Response::failure("no", &Error::Daemon("no".into()));
         assert_eq!(refused.class, None);
         let wire = serde_json::to_string(&Request::ActiveNamespaces {
-            params: Box::new(AttachParams {
-                transport: "tcp".into(),
-                traddr: "127.0.0.1".into(),
-                trsvcid: 4420,
-                subnqn: "nqn.x:y".into(),
-                nsid: 1,
-                hostnqn: None,
-                hostid: None,
-                hdr_digest: false,
-                data_digest: false,
-                nr_io_queues: None,
-                queue_size: None,
-                kato_ms: None,
-                dhchap_secret: None,
-                dhchap_ctrl_secret: None,
-                tls_key: None,
-            }),
+            params: Box::new(plain_params()),
         })
         .unwrap();
         assert!(
