@@ -17,6 +17,9 @@ stage() { printf '\n=== %s (%ss)\n' "$1" "$SECONDS"; }
 
 sudo_() { if [[ $(id -u) == 0 ]]; then "$@"; else sudo "$@"; fi; }
 
+# One build per run: incremental caches would only cost disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 stage "toolchain"
 if ! command -v cargo >/dev/null; then
     echo "cargo not found: install Rust (https://rustup.rs) first" >&2
