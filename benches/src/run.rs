@@ -595,7 +595,15 @@ fn region_of(point: &Point, geo: &[NsGeometry]) -> Result<u64, String> {
             ));
         }
     }
-    let region = point.size.unwrap_or(cap).min(cap) / point.bs * point.bs;
+    if let Some(size) = point.size.filter(|&size| size > cap) {
+        return Err(format!(
+            "size {} is larger than the namespace{} ({}): lower size or use a larger namespace",
+            blockdev::format_size(size),
+            if geo.len() > 1 { "s' smallest" } else { "" },
+            blockdev::format_size(cap)
+        ));
+    }
+    let region = point.size.unwrap_or(cap) / point.bs * point.bs;
     if region == 0 {
         return Err(format!(
             "the namespaces ({cap} bytes) are smaller than one block of {} bytes",
@@ -1113,7 +1121,12 @@ mod tests {
             block_size,
         };
         assert_eq!(region_of(p, &[geo(1 << 30, 4096)]).unwrap(), 96 * 1024);
-        assert_eq!(region_of(p, &[geo(64 * 1024, 4096)]).unwrap(), 64 * 1024);
+        // A size beyond the namespace is refused, never clamped to it.
+        let err = region_of(p, &[geo(64 * 1024, 4096)]).unwrap_err();
+        assert!(
+            err.contains("size 100K is larger than the namespace (64K)"),
+            "{err}"
+        );
         assert!(region_of(p, &[geo(1 << 30, 16384)]).is_err());
         assert!(region_of(p, &[geo(4096, 4096)]).is_err());
     }

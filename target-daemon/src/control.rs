@@ -337,6 +337,11 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             if cfg.subsystems.iter().any(|s| &s.nqn == nqn) {
                 return refused(format!("subsystem {nqn} exists already"));
             }
+            if *allow_any_host && !hosts.is_empty() {
+                return refused(
+                    "--allow-any-host admits every host: drop --host, or drop --allow-any-host to admit only the listed hosts",
+                );
+            }
             cfg.subsystems.push(SubsystemConfig {
                 nqn: nqn.clone(),
                 serial: serial.clone(),
@@ -421,6 +426,14 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             }
             if *replace && !known {
                 return refused(format!("host {host} is not on the allowed list of {nqn}"));
+            }
+            if let Some(why) = crate::config::nqn_problem(host) {
+                return refused(format!("host NQN {host:?}: {why}"));
+            }
+            if s.allow_any_host && dhchap_key.is_none() && tls_psk.is_none() {
+                return refused(format!(
+                    "subsystem {nqn} admits any host: allowing {host} without keys would change nothing"
+                ));
             }
             s.hosts.retain(|h| h != host);
             s.auth_hosts.retain(|h| h.nqn != *host);
@@ -737,6 +750,38 @@ mod tests {
         let a = answer(again).await;
         assert!(a.ok, "{a:?}");
         registry.running().shutdown().await;
+    }
+
+    #[test]
+    fn hosts_that_would_change_nothing_are_refused() {
+        let mut cfg = Config::from_toml(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.2026-11.test:any\"\nallow_any_host = true",
+        )
+        .unwrap();
+        let add = |host: &str, key: Option<&str>| Request::AddHost {
+            subsystem: "nqn.2026-11.test:any".into(),
+            host: host.into(),
+            dhchap_key: key.map(Into::into),
+            dhchap_key_file: None,
+            dhchap_ctrl_key: None,
+            dhchap_ctrl_key_file: None,
+            tls_psk: None,
+            tls_psk_file: None,
+            replace: false,
+        };
+        let e = edit(&add("nqn.2026-11.test:h", None), &mut cfg).unwrap_err();
+        assert!(e.to_string().contains("admits any host"), "{e}");
+        let both = Request::AddSubsystem {
+            nqn: "nqn.2026-11.test:both".into(),
+            allow_any_host: true,
+            hosts: vec!["nqn.2026-11.test:h".into()],
+            serial: None,
+            model: None,
+        };
+        let e = edit(&both, &mut cfg).unwrap_err();
+        assert!(e.to_string().contains("drop --host"), "{e}");
+        assert_eq!(cfg.subsystems.len(), 1);
+        assert!(cfg.subsystems[0].hosts.is_empty());
     }
 
     #[test]

@@ -110,6 +110,18 @@ impl TargetProcess {
         Self::spawn(&args, port)
     }
 
+    /// Starts `nvmeof-targetd --listen tcp://127.0.0.1:PORT --metrics ADDR ARGS` on two free
+    /// loopback ports; returns the target and its metrics endpoint.
+    pub fn with_metrics(args: &[&str]) -> (Self, SocketAddr) {
+        let port = free_port();
+        let listen = format!("tcp://127.0.0.1:{port}");
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let metrics_arg = metrics.to_string();
+        let mut all = vec!["--listen", &listen, "--metrics", &metrics_arg];
+        all.extend_from_slice(args);
+        (Self::spawn(&all, port), metrics)
+    }
+
     /// Starts `nvmeof-targetd --config FILE`, FILE holding `toml` in `dir` with permission
     /// bits `mode`; `port` is its first listener's.
     pub fn with_config(dir: &Path, toml: &str, mode: u32, port: u16) -> Self {

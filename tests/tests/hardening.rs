@@ -343,21 +343,7 @@ fn suppressed_in_log(log: &str, event: &str) -> u64 {
 #[test]
 fn a_client_making_many_bad_connects_gets_a_bounded_log_and_counted_refusals() {
     const CONNECTS: usize = 300;
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let metrics_arg = metrics.to_string();
-    let args = [
-        "--listen",
-        &listen,
-        "--subsystem",
-        NQN,
-        "--namespace",
-        "mem:1M",
-        "--metrics",
-        &metrics_arg,
-    ];
-    let t = TargetProcess::spawn(&args, port);
+    let (t, metrics) = TargetProcess::with_metrics(&["--subsystem", NQN, "--namespace", "mem:1M"]);
     for _ in 0..CONNECTS {
         let mut h = RawHost::connect(t.addr(), false, false);
         let c = h.fabrics_connect("nqn.2026-11.io.nvmeof-direct:not-here", NQN, 0, 0xFFFF);

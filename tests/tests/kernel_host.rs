@@ -13,10 +13,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use std::net::SocketAddr;
-
 use nvmeof_tests::{
-    TargetProcess, free_port, guest_sh, http_get, promtool_accepts, scraped, skip_without_interop,
+    TargetProcess, guest_sh, http_get, promtool_accepts, scraped, skip_without_interop,
 };
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:kernel-host";
@@ -34,23 +32,15 @@ fn kernel_host_discover_connect_fio_verify() {
     if skip_without_interop() {
         return;
     }
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let metrics_arg = metrics.to_string();
     let args = [
-        "--listen",
-        &listen,
         "--subsystem",
         NQN,
         "--namespace",
         "mem:256M",
         "--reactors",
         "2",
-        "--metrics",
-        &metrics_arg,
     ];
-    let mut t = TargetProcess::spawn(&args, port);
+    let (mut t, metrics) = TargetProcess::with_metrics(&args);
     let out = Command::new(guest_sh())
         .args(["run", "--with-fio", "--timeout", "900"])
         .arg("--env")

@@ -156,23 +156,15 @@ fn prometheus_scrapes_counters_that_follow_io() {
     }
     let dir = tempfile::tempdir().unwrap();
     let file_ns = format!("file:{},size=8M", dir.path().join("ns2.img").display());
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let metrics_arg = metrics.to_string();
     let args = [
-        "--listen",
-        &listen,
         "--subsystem",
         NQN,
         "--namespace",
         "mem:16M",
         "--namespace",
         &file_ns,
-        "--metrics",
-        &metrics_arg,
     ];
-    let t = TargetProcess::spawn(&args, port);
+    let (t, metrics) = TargetProcess::with_metrics(&args);
 
     // The endpoint: 404 elsewhere, a clean scrape before any I/O.
     assert_eq!(http_get(metrics, "/").unwrap().0, 404);
@@ -286,7 +278,12 @@ fn prometheus_scrapes_counters_that_follow_io() {
 
     // A second daemon cannot take the same endpoint: one line, non-zero exit.
     let out = Command::new(bin_path("nvmeof-targetd"))
-        .args(["--listen", "tcp://127.0.0.1:0", "--metrics", &metrics_arg])
+        .args([
+            "--listen",
+            "tcp://127.0.0.1:0",
+            "--metrics",
+            &metrics.to_string(),
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -306,23 +303,15 @@ fn prometheus_scrapes_counters_that_follow_io() {
 #[test]
 fn head_process_series_build_info_and_refused_connects() {
     use std::io::{Read, Write};
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let metrics_arg = metrics.to_string();
     let args = [
-        "--listen",
-        &listen,
         "--subsystem",
         NQN,
         "--namespace",
         "mem:1M",
         "--host",
         nvmeof_tests::TEST_HOSTNQN,
-        "--metrics",
-        &metrics_arg,
     ];
-    let t = TargetProcess::spawn(&args, port);
+    let (t, metrics) = TargetProcess::with_metrics(&args);
     // A host that is not allowed: refused and counted.
     let mut h = nvmeof_tests::RawHost::connect(t.addr(), false, false);
     let c = h.fabrics_connect(NQN, "nqn.2026-11.io.example:not-allowed", 0, 0xFFFF);
