@@ -534,8 +534,8 @@ impl Conn {
             return false;
         }
         self.pieces.clear();
-        let read = crate::io::read_shared(&ns.backend, lba, len as usize, &mut self.pieces)
-            .unwrap_or(Ok(()));
+        let read =
+            crate::io::read_shared(&ns.backend, lba, len, &mut self.pieces).unwrap_or(Ok(()));
         ctrl.counters.read(len as u64);
         let success = self.e.q.sq_flow_disabled;
         let mut answered = false;
