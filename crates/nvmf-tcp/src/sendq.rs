@@ -61,8 +61,8 @@ impl SendQueue {
             return;
         }
         self.queued += added as u64;
-        // Extend the last run of own bytes, unless it is the front one partly sent: the
-        // front's `front_sent` counts from where it started, which stays true either way.
+        // Extend the last run of own bytes (when that is the front, partly sent, its
+        // `front_sent` still counts from where it started).
         if let Some(Seg::Own { len }) = self.segs.back_mut() {
             *len += added;
         } else {
