@@ -43,6 +43,22 @@ pub(crate) fn read_now(
     }
 }
 
+/// Appends the shared pieces of memory that hold `len` bytes from block `lba` of a memory
+/// or null namespace (sent without a copy: [`blockdev::MemoryBackend::read_shared`]); None,
+/// doing nothing, for other backends.
+pub(crate) fn read_shared(
+    backend: &AnyBackend,
+    lba: u64,
+    len: usize,
+    out: &mut Vec<blockdev::SharedPiece>,
+) -> Option<Result<(), BackendError>> {
+    match backend {
+        AnyBackend::Memory(m) => Some(m.read_shared(lba, len, out)),
+        AnyBackend::Null(n) => Some(n.read_shared(lba, len, out)),
+        AnyBackend::File(_) | AnyBackend::Cached(_) | AnyBackend::Pcie(_) => None,
+    }
+}
+
 /// The status of a backend operation's outcome; failures of the medium are counted and logged.
 pub(crate) fn status_of(ctrl: &Controller, r: Result<(), BackendError>) -> Status {
     match r {

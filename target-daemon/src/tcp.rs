@@ -2,8 +2,9 @@
 //!
 //! Each loop iteration reads everything the socket has into the engine's receive buffer,
 //! handles every complete PDU, starts backend I/O, and writes every queued PDU with one
-//! `write` call. Memory and null namespaces complete inline with no task or allocation per
-//! command; file namespaces run concurrently up to the queue depth.
+//! vectored write. Memory and null namespaces complete inline with no task or allocation per
+//! command, large reads from them leaving from the namespace's memory with no copy of ours;
+//! file namespaces run concurrently up to the queue depth.
 //!
 //! A connection that has not finished the ICReq and the Fabrics Connect within the handshake
 //! timeout is closed; until its ICReq is accepted it holds only a few hundred bytes of
@@ -56,6 +57,12 @@ const READ_CHUNK: usize = 256 * 1024;
 /// handled. Answering a whole batch at once makes host and target take turns: on one queue
 /// at QD32 each side then idles while the other works (see BENCHMARKS.md).
 const FLUSH_EVERY: usize = 16;
+/// Reads this large from memory and null namespaces are sent from the namespace's memory
+/// without a copy into the send buffer; smaller ones are copied, which costs less than
+/// holding and gathering the pieces.
+const SHARED_READ_MIN: usize = 32 * 1024;
+/// Most slices gathered into one vectored write.
+const FLUSH_IOV: usize = 64;
 
 /// A write (or Dataset Management) waiting for its data from the host.
 struct PendingWrite {
@@ -77,6 +84,8 @@ struct Conn {
     unflushed: usize,
     /// Received PDUs were left unhandled because the send backlog is full.
     paused: bool,
+    /// Scratch list of the namespace memory a shared read sends from.
+    pieces: Vec<blockdev::SharedPiece>,
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -132,6 +141,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         next_ttag: 0,
         unflushed: 0,
         paused: false,
+        pieces: Vec::new(),
     };
     let reason = conn.run().await;
     let _ = conn.flush();
@@ -153,7 +163,7 @@ impl Conn {
                 }
                 self.e.closing = Some(reason);
             }
-            let backlog_full = self.engine.pending_send().len() >= MAX_PENDING_SEND;
+            let backlog_full = self.engine.pending_send_len() >= MAX_PENDING_SEND;
             if self.paused && !backlog_full && self.e.closing.is_none() {
                 // The backlog drained: handle the PDUs left in the receive buffer.
                 self.paused = false;
@@ -243,12 +253,29 @@ impl Conn {
         .await;
     }
 
-    /// Writes as much of the send buffer as the socket takes.
+    /// Writes as much of the send buffer as the socket takes: its own bytes and the
+    /// namespace memory that large reads send from ([`read_shared`](Self::read_shared)), with
+    /// vectored writes.
     fn flush(&mut self) -> io::Result<()> {
         self.unflushed = 0;
-        let n = self.stream.try_write_some(self.engine.pending_send())?;
-        self.engine.consume_sent(n);
-        Ok(())
+        loop {
+            let mut iov = [io::IoSlice::new(&[]); FLUSH_IOV];
+            let mut used = 0;
+            let mut bytes = 0;
+            for (slot, s) in iov.iter_mut().zip(self.engine.pending_send_slices()) {
+                *slot = io::IoSlice::new(s);
+                used += 1;
+                bytes += s.len();
+            }
+            if bytes == 0 {
+                return Ok(());
+            }
+            let n = self.stream.try_write_vectored(&iov[..used])?;
+            self.engine.consume_sent(n);
+            if n < bytes {
+                return Ok(());
+            }
+        }
     }
 
     /// Reads what the socket has and handles every complete PDU.
@@ -278,9 +305,9 @@ impl Conn {
     /// ([`MAX_PENDING_SEND`]; then `paused` is set and the rest waits for the host to read).
     fn handle_events(&mut self) -> Result<(), Closed> {
         loop {
-            if self.engine.pending_send().len() >= MAX_PENDING_SEND {
+            if self.engine.pending_send_len() >= MAX_PENDING_SEND {
                 self.flush().map_err(Closed::Io)?;
-                if self.engine.pending_send().len() >= MAX_PENDING_SEND {
+                if self.engine.pending_send_len() >= MAX_PENDING_SEND {
                     self.paused = true;
                     // Commands already received past the queue size end the connection now.
                     return self
@@ -413,7 +440,8 @@ impl Conn {
                     }
                     return;
                 }
-                if icd.is_none() && self.read_in_place(&req, &sqe) {
+                if icd.is_none() && (self.read_shared(&req, &sqe) || self.read_in_place(&req, &sqe))
+                {
                     return;
                 }
                 let buf = match (icd, req.op) {
@@ -486,6 +514,47 @@ impl Conn {
         }
         let cqe = self.e.io_completion(sqe, req, status);
         self.respond(&cqe);
+        true
+    }
+
+    /// Serves a read of at least [`SHARED_READ_MIN`] bytes from a memory or null namespace
+    /// with no copy of ours: the C2HData PDUs go out from the namespace's own memory
+    /// ([`blockdev::MemoryBackend::read_shared`]), held until the socket has taken them, so
+    /// the kernel's copy into the socket is the only one. Returns false, doing nothing, for
+    /// other reads and backends.
+    fn read_shared(&mut self, req: &IoRequest, sqe: &Sqe) -> bool {
+        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.e.q.ctrl)
+        else {
+            return false;
+        };
+        let Ok(len32) = u32::try_from(len) else {
+            return false;
+        };
+        if len < SHARED_READ_MIN || !crate::io::never_waits(&ns.backend) {
+            return false;
+        }
+        self.pieces.clear();
+        let read =
+            crate::io::read_shared(&ns.backend, lba, len, &mut self.pieces).unwrap_or(Ok(()));
+        ctrl.counters.read(len as u64);
+        let success = self.e.q.sq_flow_disabled;
+        let mut answered = false;
+        if read.is_ok() {
+            match self
+                .engine
+                .send_c2h_data_shared(req.cid, len32, success, &self.pieces)
+            {
+                Ok(()) => answered = success,
+                Err(e) => debug!(error = %e, cid = req.cid, "cannot queue C2HData"),
+            }
+        }
+        self.pieces.clear();
+        let status = crate::io::status_of(ctrl, read);
+        self.e.q.record_io(req, status);
+        if !answered {
+            let cqe = self.e.io_completion(sqe, req, status);
+            self.respond(&cqe);
+        }
         true
     }
 

@@ -77,7 +77,7 @@ pub use buf::{BufPool, CapacityError, IO_ALIGN, IoBuf};
 pub use cache::VolatileCache;
 pub use error::{BackendError, IoOp, StatusHint};
 pub use file::{FileBackend, FileEngine};
-pub use mem::{DEFAULT_CHUNK_SIZE, MemoryBackend};
+pub use mem::{DEFAULT_CHUNK_SIZE, MemoryBackend, SharedPiece};
 pub use null::NullBackend;
 pub use pcie::PcieBackend;
 pub use spec::{

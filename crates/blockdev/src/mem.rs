@@ -10,10 +10,17 @@
 //! line that threads reading that shard share, and nothing else written); a write takes it
 //! for writing, so threads reading and writing chunks of different shards do not wait for each
 //! other, and a write never tears a concurrent read.
+//!
+//! Chunks are shared buffers: [`MemoryBackend::read_shared`] hands out the chunks that hold a
+//! range instead of copying them, so that a transport sends a read's data straight from the
+//! namespace. A write or a zeroing that finds its chunk still held that way writes into a copy
+//! (copy on write), so held data never changes.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::RwLock;
 
@@ -44,7 +51,24 @@ impl Hasher for ChunkHasher {
     }
 }
 
-type ChunkMap = HashMap<u64, Box<[u8]>, BuildHasherDefault<ChunkHasher>>;
+type ChunkMap = HashMap<u64, Arc<[u8]>, BuildHasherDefault<ChunkHasher>>;
+
+/// A range of a shared buffer that holds part of a read's data ([`MemoryBackend::read_shared`]).
+pub type SharedPiece = (Arc<[u8]>, Range<usize>);
+
+/// Length of the shared zero buffer that holes in a namespace read as.
+const ZEROS_LEN: usize = 1 << 20;
+
+/// Appends pieces of a shared zero buffer adding up to `len` bytes.
+pub(crate) fn shared_zeros(mut len: usize, out: &mut Vec<SharedPiece>) {
+    static ZEROS: OnceLock<Arc<[u8]>> = OnceLock::new();
+    let zeros = ZEROS.get_or_init(|| vec![0u8; ZEROS_LEN].into());
+    while len > 0 {
+        let n = len.min(ZEROS_LEN);
+        out.push((Arc::clone(zeros), 0..n));
+        len -= n;
+    }
+}
 
 /// One shard of the chunk map, alone on its cache lines (two, for the adjacent-line
 /// prefetcher), so that threads using neighbouring shards do not share a line.
@@ -128,6 +152,27 @@ impl MemoryBackend {
         Ok(())
     }
 
+    /// Appends to `out` the pieces of shared buffers that hold `len` bytes starting at block
+    /// `lba`, in order, without copying them: chunks of the namespace, and a shared zero
+    /// buffer for chunks never written. The data they hold does not change while they are
+    /// held; later writes go to copies of the chunks.
+    pub fn read_shared(
+        &self,
+        lba: u64,
+        len: usize,
+        out: &mut Vec<SharedPiece>,
+    ) -> Result<(), BackendError> {
+        let offset = check_transfer(lba, len, self.block_size, self.num_blocks)?;
+        for p in self.pieces(offset, len as u64) {
+            let chunk = self.shard(p.chunk).read().get(&p.chunk).map(Arc::clone);
+            match chunk {
+                Some(c) => out.push((c, p.offset..p.offset + p.len)),
+                None => shared_zeros(p.len, out),
+            }
+        }
+        Ok(())
+    }
+
     fn shard(&self, chunk: u64) -> &RwLock<ChunkMap> {
         &self.shards[(chunk as usize) % SHARDS].0
     }
@@ -175,9 +220,9 @@ impl MemoryBackend {
             let mut shard = self.shard(p.chunk).write();
             let chunk = shard.entry(p.chunk).or_insert_with(|| {
                 self.allocated.fetch_add(1, Ordering::Relaxed);
-                vec![0u8; self.chunk_size()].into_boxed_slice()
+                std::iter::repeat_n(0u8, self.chunk_size()).collect()
             });
-            chunk[p.offset..p.offset + p.len].copy_from_slice(src);
+            Arc::make_mut(chunk)[p.offset..p.offset + p.len].copy_from_slice(src);
         }
     }
 
@@ -215,7 +260,7 @@ impl MemoryBackend {
             } else {
                 let mut shard = self.shard(p.chunk).write();
                 if let Some(chunk) = shard.get_mut(&p.chunk) {
-                    chunk[p.offset..p.offset + p.len].fill(0);
+                    Arc::make_mut(chunk)[p.offset..p.offset + p.len].fill(0);
                 }
             }
         }
@@ -327,6 +372,39 @@ mod tests {
         m.read_sync(0, &mut out);
         assert!(out[..4096 + 512].iter().all(|&b| b == 0));
         assert!(out[4096 + 512..].iter().all(|&b| b == 0xAB));
+    }
+
+    #[test]
+    fn shared_reads_hold_their_data_across_writes() {
+        let m = MemoryBackend::with_chunk_size(1 << 20, 512, 4096).unwrap();
+        m.write_sync(4096, &[0xAB; 4096]);
+        let mut held = Vec::new();
+        // Half of the hole in chunk 0, all of chunk 1, the start of the hole in chunk 2.
+        m.read_shared(4, 7168, &mut held).unwrap();
+        let flat = |pieces: &[SharedPiece]| -> Vec<u8> {
+            pieces
+                .iter()
+                .flat_map(|(d, r)| d[r.clone()].to_vec())
+                .collect()
+        };
+        let mut want = vec![0u8; 2048];
+        want.extend([0xAB; 4096]);
+        want.extend([0; 1024]);
+        assert_eq!(flat(&held), want);
+        // Writes and zeroing while the pieces are held change the namespace, not them.
+        m.write_sync(4096, &[0xCD; 512]);
+        m.zero_sync(4096 + 512, 512);
+        assert_eq!(flat(&held), want);
+        let mut now = vec![0u8; 4096];
+        m.read_sync(4096, &mut now);
+        assert!(now[..512].iter().all(|&b| b == 0xCD));
+        assert!(now[512..1024].iter().all(|&b| b == 0));
+        assert!(now[1024..].iter().all(|&b| b == 0xAB));
+        assert_eq!(m.allocated_chunks(), 1);
+        // Out of range: refused, nothing appended.
+        held.clear();
+        assert!(m.read_shared(2047, 1024, &mut held).is_err());
+        assert!(held.is_empty());
     }
 
     #[test]

@@ -34,6 +34,19 @@ impl NullBackend {
         out.fill(0);
         Ok(())
     }
+
+    /// Appends pieces of a shared zero buffer adding up to `len` bytes after checking the
+    /// range, like [`MemoryBackend::read_shared`](crate::MemoryBackend::read_shared).
+    pub fn read_shared(
+        &self,
+        lba: u64,
+        len: usize,
+        out: &mut Vec<crate::SharedPiece>,
+    ) -> Result<(), BackendError> {
+        check_transfer(lba, len, self.block_size, self.num_blocks)?;
+        crate::mem::shared_zeros(len, out);
+        Ok(())
+    }
 }
 
 impl Backend for NullBackend {

@@ -26,8 +26,10 @@
 //! 128 bytes) and call
 //! [`TargetConn::commit_recv`] (or [`TargetConn::feed`] a slice), then call
 //! [`TargetConn::next_event`] until it returns `Ok(None)`. Event data borrows the receive
-//! buffer: no copy is made. Sending: write [`TargetConn::pending_send`] to the socket and
-//! report progress with [`TargetConn::consume_sent`]. The host side works the same way.
+//! buffer: no copy is made. Sending: write [`TargetConn::pending_send_slices`] to the socket
+//! (one vectored write) and report progress with [`TargetConn::consume_sent`]; read data
+//! queued with [`TargetConn::send_c2h_data_shared`] is sent from the caller's shared buffers,
+//! not copied. The host side works the same way, with [`HostConn::pending_send`].
 //!
 //! What this crate must not do: perform I/O, spawn tasks, depend on an async runtime, read
 //! the clock, interpret NVMe commands beyond what the transport needs (the command
@@ -43,6 +45,7 @@ mod error;
 pub mod fuzzing;
 mod host;
 mod rx;
+mod sendq;
 mod tagmap;
 mod target;
 

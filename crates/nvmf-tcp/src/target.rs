@@ -2,19 +2,21 @@
 
 use core::ops::Range;
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use nvme_spec::tcp::{
     CH_LEN, CapsuleCmdHeader, CommonHeader, DATA_PDU_HLEN, DIGEST_LEN, H2cDataHeader, IC_PDU_LEN,
     IcReq, MAX_PDA, MIN_MAXH2CDATA, PFV_1_0, PduType, SQE_LEN, flags,
 };
 
-use crate::digest::{crc32c, read_digest};
+use crate::digest::{DataDigest, crc32c, read_digest};
 use crate::encode::{Digests, PduHeader, pda_alignment};
 use crate::error::{ConfigError, ProtocolError, SendError, Violation};
 use crate::rx::{
     Frame, RecvBuffer, Side, check_common_header, check_header_digest, offending_header_len,
     parse_term_req,
 };
+use crate::sendq::SendQueue;
 use crate::tagmap::{TagMap, tag_map};
 
 /// Bytes asked of the socket per read right after the ICReq; doubled while reads fill it.
@@ -219,15 +221,15 @@ pub struct TargetConn {
     rx: RecvBuffer,
     /// Bytes the PDU at the front of the receive buffer needs in total (0 when unknown).
     need: usize,
-    tx: Vec<u8>,
-    tx_pos: usize,
+    tx: SendQueue,
     r2ts: TagMap<R2tSlot>,
     /// Bytes [`recv_hint`](Self::recv_hint) asks for once established.
     read_size: usize,
     /// Commands received whose completion has not left yet.
     outstanding: usize,
-    /// End offsets in `tx` of the completions queued and not yet sent, in order.
-    completions: VecDeque<usize>,
+    /// Positions in the outgoing stream of the ends of the completions queued and not yet
+    /// sent, in order.
+    completions: VecDeque<u64>,
 }
 
 impl TargetConn {
@@ -246,8 +248,7 @@ impl TargetConn {
             state: State::AwaitIcReq,
             rx: RecvBuffer::with_capacity(IC_PDU_LEN),
             need: 0,
-            tx: Vec::new(),
-            tx_pos: 0,
+            tx: SendQueue::default(),
             r2ts: tag_map(0),
             read_size: FIRST_READ,
             outstanding: 0,
@@ -304,9 +305,7 @@ impl TargetConn {
     /// than `keep`. Cheap when there is nothing to give back; call it when the connection
     /// goes idle.
     pub fn release_buffers(&mut self, keep: usize) {
-        if self.tx.is_empty() && self.tx.capacity() > keep {
-            self.tx.shrink_to(keep);
-        }
+        self.tx.shrink(keep);
         if self.rx.capacity() > keep && self.rx.len() == 0 {
             self.rx.shrink_to(FIRST_READ);
             self.read_size = FIRST_READ.min(self.config.recv_buffer_size.max(1));
@@ -439,8 +438,10 @@ impl TargetConn {
             let data = self.rx.data().get(at..).unwrap_or(&[]);
             let n = offending_header_len(data);
             let hdr = PduHeader::term_req(PduType::C2hTermReq, v.fes, v.fei, n);
-            self.tx.extend_from_slice(hdr.as_bytes());
-            self.tx.extend_from_slice(&data[..n]);
+            self.tx.append(|v| {
+                v.extend_from_slice(hdr.as_bytes());
+                v.extend_from_slice(&data[..n]);
+            });
         }
         let err = v.into_error(v.reply);
         self.rx.clear();
@@ -530,7 +531,8 @@ impl TargetConn {
         self.rx.consume(IC_PDU_LEN);
         self.need = 0;
         // Section 3.6.2.3: PFV 0, CPDA 0 (no alignment needed), the digests exactly as asked.
-        PduHeader::ic_resp(0, digests, self.config.maxh2cdata).append_to(&mut self.tx, &[]);
+        let resp = PduHeader::ic_resp(0, digests, self.config.maxh2cdata);
+        self.tx.append(|v| resp.append_to(v, &[]));
         self.state = State::Established {
             params,
             pending: None,
@@ -744,8 +746,9 @@ impl TargetConn {
     /// Queues a CapsuleResp carrying `cqe`.
     pub fn send_capsule_resp(&mut self, cqe: &[u8; 16]) -> Result<(), SendError> {
         let p = self.established()?;
-        PduHeader::capsule_resp(p.digests, cqe).append_to(&mut self.tx, &[]);
-        self.completions.push_back(self.tx.len());
+        let hdr = PduHeader::capsule_resp(p.digests, cqe);
+        self.tx.append(|v| hdr.append_to(v, &[]));
+        self.completions.push_back(self.tx.queued());
         Ok(())
     }
 
@@ -784,10 +787,10 @@ impl TargetConn {
                 fin && last,
                 fin && success,
             )?;
-            hdr.append_to(&mut self.tx, chunk);
+            self.tx.append(|v| hdr.append_to(v, chunk));
         }
         if last && success {
-            self.completions.push_back(self.tx.len());
+            self.completions.push_back(self.tx.queued());
         }
         Ok(())
     }
@@ -810,7 +813,7 @@ impl TargetConn {
         }
         let max = self.config.max_c2h_data as usize;
         let total = len as usize;
-        let mark = self.tx.len();
+        let mark = self.tx.mark();
         let mut off = 0;
         while off < total {
             let n = max.min(total - off);
@@ -826,27 +829,110 @@ impl TargetConn {
             ) {
                 Ok(h) => h,
                 Err(e) => {
-                    self.tx.truncate(mark);
+                    self.tx.rollback(mark);
                     return Err(e);
                 }
             };
-            self.tx.extend_from_slice(hdr.as_bytes());
-            let start = self.tx.len();
-            self.tx.resize(start + n, 0);
-            if let Err(e) = fill(off, &mut self.tx[start..]) {
-                self.tx.truncate(mark);
+            let mut filled = Ok(());
+            self.tx.append(|v| {
+                v.extend_from_slice(hdr.as_bytes());
+                let start = v.len();
+                v.resize(start + n, 0);
+                filled = fill(off, &mut v[start..]);
+                if filled.is_ok() && hdr.data_digest_len() > 0 {
+                    let d = crc32c(&v[start..]);
+                    v.extend_from_slice(&d.to_le_bytes());
+                }
+            });
+            if let Err(e) = filled {
+                self.tx.rollback(mark);
                 return Ok(Err(e));
-            }
-            if hdr.data_digest_len() > 0 {
-                let d = crc32c(&self.tx[start..]);
-                self.tx.extend_from_slice(&d.to_le_bytes());
             }
             off += n;
         }
         if success {
-            self.completions.push_back(self.tx.len());
+            self.completions.push_back(self.tx.queued());
         }
         Ok(Ok(()))
+    }
+
+    /// Queues all of a read's data for command `cccid` as C2HData PDUs (as
+    /// [`send_c2h_data`](Self::send_c2h_data) does with `datao` 0 and `last`), sent from
+    /// `pieces` themselves: ranges of shared buffers, in order, holding the data. Only the PDU
+    /// headers and data digests are copied into the send buffer; each piece is held until its
+    /// bytes have left through [`consume_sent`](Self::consume_sent), so its owner must not
+    /// change those bytes meanwhile (copy on write). Nothing is queued on an error, and when
+    /// the pieces do not add up to exactly `len` bytes ([`SendError::TooLarge`] then).
+    pub fn send_c2h_data_shared(
+        &mut self,
+        cccid: u16,
+        len: u32,
+        success: bool,
+        pieces: &[(Arc<[u8]>, Range<usize>)],
+    ) -> Result<(), SendError> {
+        let p = self.established()?;
+        if len == 0 {
+            return Err(SendError::EmptyData);
+        }
+        let given: usize = pieces
+            .iter()
+            .map(|(d, r)| d.get(r.clone()).map_or(usize::MAX, <[u8]>::len))
+            .fold(0usize, usize::saturating_add);
+        if given != len as usize {
+            return Err(SendError::TooLarge);
+        }
+        let max = self.config.max_c2h_data as usize;
+        let total = len as usize;
+        let mark = self.tx.mark();
+        // The piece being sent, and how much of it was.
+        let (mut idx, mut used) = (0, 0);
+        let mut off = 0;
+        while off < total {
+            let n = max.min(total - off);
+            let fin = off + n == total;
+            let hdr = match PduHeader::c2h_data(
+                p.digests,
+                p.hpda,
+                cccid,
+                off as u32,
+                n as u32,
+                fin,
+                fin && success,
+            ) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.tx.rollback(mark);
+                    return Err(e);
+                }
+            };
+            self.tx.append(|v| v.extend_from_slice(hdr.as_bytes()));
+            let mut digest = DataDigest::new();
+            let mut left = n;
+            while left > 0 {
+                let (data, range) = &pieces[idx];
+                let start = range.start + used;
+                let take = left.min(range.end - start);
+                if hdr.data_digest_len() > 0 {
+                    digest.update(&data[start..start + take]);
+                }
+                self.tx.push_shared(Arc::clone(data), start..start + take);
+                left -= take;
+                used += take;
+                if range.start + used == range.end {
+                    idx += 1;
+                    used = 0;
+                }
+            }
+            if hdr.data_digest_len() > 0 {
+                let d = digest.to_bytes();
+                self.tx.append(|v| v.extend_from_slice(&d));
+            }
+            off += n;
+        }
+        if success {
+            self.completions.push_back(self.tx.queued());
+        }
+        Ok(())
     }
 
     /// Encodes only the header (with header digest and padding) of one C2HData PDU for the
@@ -899,7 +985,8 @@ impl TargetConn {
                 end,
             },
         );
-        PduHeader::r2t(p.digests, cccid, ttag, r2to, r2tl).append_to(&mut self.tx, &[]);
+        let hdr = PduHeader::r2t(p.digests, cccid, ttag, r2to, r2tl);
+        self.tx.append(|v| hdr.append_to(v, &[]));
         Ok(())
     }
 
@@ -914,25 +1001,33 @@ impl TargetConn {
         self.r2ts.len()
     }
 
-    /// Bytes queued for sending (ICResp, responses, data, R2Ts, a TermReq).
+    /// The first contiguous run of bytes queued for sending (ICResp, responses, data, R2Ts, a
+    /// TermReq): everything queued, unless data queued with
+    /// [`send_c2h_data_shared`](Self::send_c2h_data_shared) waits too; then
+    /// [`pending_send_slices`](Self::pending_send_slices) gives all of it. Empty only when
+    /// nothing waits.
     pub fn pending_send(&self) -> &[u8] {
-        &self.tx[self.tx_pos..]
+        self.tx.front()
     }
 
-    /// Marks `n` bytes of [`pending_send`](Self::pending_send) as written to the socket.
+    /// Everything queued for sending, in order, as contiguous slices for one vectored write.
+    pub fn pending_send_slices(&self) -> impl Iterator<Item = &[u8]> {
+        self.tx.slices()
+    }
+
+    /// Number of bytes queued for sending, in every slice.
+    pub fn pending_send_len(&self) -> usize {
+        self.tx.len()
+    }
+
+    /// Marks `n` bytes of [`pending_send_slices`](Self::pending_send_slices) as written to the
+    /// socket.
     pub fn consume_sent(&mut self, n: usize) {
-        self.tx_pos += n.min(self.tx.len() - self.tx_pos);
-        while self
-            .completions
-            .front()
-            .is_some_and(|&end| end <= self.tx_pos)
-        {
+        self.tx.consume(n);
+        let sent = self.tx.sent();
+        while self.completions.front().is_some_and(|&end| end <= sent) {
             self.completions.pop_front();
             self.outstanding = self.outstanding.saturating_sub(1);
-        }
-        if self.tx_pos == self.tx.len() {
-            self.tx.clear();
-            self.tx_pos = 0;
         }
     }
 }

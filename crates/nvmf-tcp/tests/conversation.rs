@@ -252,6 +252,89 @@ fn c2h_data_written_in_place_matches_copied() {
     }
 }
 
+/// Read data sent from shared buffers (`send_c2h_data_shared`) is byte for byte what
+/// `send_c2h_data` queues for the same data, however the pieces fall across PDU boundaries;
+/// the pieces are held until sent, the completion counts until its last byte has left, and
+/// pieces that do not add up to the length queue nothing.
+#[test]
+fn c2h_data_sent_from_shared_buffers_matches_copied() {
+    use std::sync::Arc;
+    for d in ALL_DIGESTS {
+        for len in [512usize, 4096, 4097, 3 * 4096 + 100] {
+            for piece in [100usize, 4096, 5000, len] {
+                let data = pattern(len, 3);
+                let (_h, mut a) = connect(d, &mut |n| n);
+                let (_h, mut b) = connect(d, &mut |n| n);
+                a.send_capsule_resp(&cqe(1, 0)).unwrap();
+                a.send_c2h_data(5, 0, &data, true, true).unwrap();
+                a.send_capsule_resp(&cqe(2, 0)).unwrap();
+                let shared: Vec<(Arc<[u8]>, core::ops::Range<usize>)> = data
+                    .chunks(piece)
+                    .map(|c| {
+                        // Each piece in the middle of a larger buffer.
+                        let mut buf = vec![0xEE; 7];
+                        buf.extend_from_slice(c);
+                        buf.extend_from_slice(&[0xDD; 5]);
+                        (Arc::from(buf), 7..7 + c.len())
+                    })
+                    .collect();
+                b.send_capsule_resp(&cqe(1, 0)).unwrap();
+                b.send_c2h_data_shared(5, len as u32, true, &shared)
+                    .unwrap();
+                b.send_capsule_resp(&cqe(2, 0)).unwrap();
+                assert!(
+                    shared.iter().all(|(p, _)| Arc::strong_count(p) >= 2),
+                    "queued pieces are held"
+                );
+                assert_eq!(
+                    take_target_tx(&mut a),
+                    take_target_tx(&mut b),
+                    "{d:?} {len} {piece}"
+                );
+                assert!(
+                    shared.iter().all(|(p, _)| Arc::strong_count(p) == 1),
+                    "sent pieces are released"
+                );
+
+                // Too few or too many bytes: refused, nothing queued.
+                let short = &shared[..shared.len() - 1];
+                let extra: Vec<_> = shared.iter().chain(&shared[..1]).cloned().collect();
+                for pieces in [short, &extra[..]] {
+                    if pieces.is_empty() {
+                        continue;
+                    }
+                    assert_eq!(
+                        b.send_c2h_data_shared(6, len as u32, true, pieces),
+                        Err(nvmf_tcp::SendError::TooLarge)
+                    );
+                    assert_eq!(b.pending_send_len(), 0, "nothing queued on refusal");
+                }
+            }
+        }
+    }
+}
+
+/// A completion sent with shared read data (SUCCESS in the last C2HData) counts against the
+/// queue size until its last byte has been sent.
+#[test]
+fn shared_read_data_completes_only_once_sent() {
+    use std::sync::Arc;
+    let (mut h, mut t) = connect(Digests::default(), &mut |n| n);
+    let before = t.outstanding_commands();
+    let data: Arc<[u8]> = pattern(10_000, 1).into();
+    h.send_capsule_cmd(&sqe(0x02, 9, SGL_TCP, 10_000), &[])
+        .unwrap();
+    let _ = to_target(&mut t, &take_host_tx(&mut h), &mut |n| n);
+    assert_eq!(t.outstanding_commands(), before + 1);
+    t.send_c2h_data_shared(9, 10_000, true, &[(Arc::clone(&data), 0..10_000)])
+        .unwrap();
+    let total = t.pending_send_len();
+    t.consume_sent(total - 1);
+    assert_eq!(t.outstanding_commands(), before + 1, "one byte left");
+    t.consume_sent(1);
+    assert_eq!(t.outstanding_commands(), before);
+}
+
 /// Delivers `wire` to the host as a socket would with reads of `chunk` bytes: whenever the
 /// engine reports pending C2HData, the bytes go straight into `buf` (as the initiator reads
 /// them into the command's buffer) and are committed; everything else goes through the

@@ -295,6 +295,32 @@ impl Stream {
         Ok(done)
     }
 
+    /// Writes as much of `bufs`, in order, as the socket takes without blocking and returns
+    /// how much that was (0 when it takes nothing now): one vectored write on plain TCP;
+    /// over TLS, buffer after buffer until one is not taken whole. A socket that accepts no
+    /// bytes is an error.
+    pub fn try_write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => match s.try_write_vectored(bufs) {
+                Ok(0) if bufs.iter().any(|b| !b.is_empty()) => Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+                Err(e) => Err(e),
+            },
+            Stream::Tls(_) => {
+                let mut done = 0;
+                for b in bufs {
+                    let n = self.try_write_some(b)?;
+                    done += n;
+                    if n < b.len() {
+                        break;
+                    }
+                }
+                Ok(done)
+            }
+        }
+    }
+
     /// Reads, waiting until something arrives.
     pub async fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         loop {

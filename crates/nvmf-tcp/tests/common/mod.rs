@@ -211,14 +211,17 @@ pub fn to_host(h: &mut HostConn, bytes: &[u8], split: Split<'_>) -> Vec<HEv> {
     out
 }
 
-/// Takes everything the target queued, consuming it in two steps.
+/// Takes everything the target queued (in every slice), consuming it in two steps.
 pub fn take_target_tx(t: &mut TargetConn) -> Vec<u8> {
-    let bytes = t.pending_send().to_vec();
+    let bytes: Vec<u8> = t.pending_send_slices().flatten().copied().collect();
+    assert_eq!(t.pending_send_len(), bytes.len());
     let half = bytes.len() / 2;
     t.consume_sent(half);
-    assert_eq!(t.pending_send(), &bytes[half..]);
+    let rest: Vec<u8> = t.pending_send_slices().flatten().copied().collect();
+    assert_eq!(rest, &bytes[half..]);
     t.consume_sent(bytes.len() - half);
     assert!(t.pending_send().is_empty());
+    assert_eq!(t.pending_send_len(), 0);
     bytes
 }
 
