@@ -828,6 +828,9 @@ impl Point {
             (Issue::Cpu, true) => s.push_str(" cpu-chase"),
             (Issue::Cpu, false) => {}
         }
+        if self.issue == Issue::Cpu && self.dest == Dest::Gpu {
+            s.push_str(" into-gpu");
+        }
         if self.issue == Issue::Gpu {
             match self.ring_mode {
                 RingMode::Pull => {}
@@ -1501,6 +1504,8 @@ mod tests {
         assert!(c.points.iter().all(|p| p.chase));
         assert_eq!(c.points[0].label(), "randread 4k qd1 x1 cpu-chase");
         assert_eq!(c.points[1].label(), "randread 4k qd1 x1 gpu-chase");
+        let g = plan("[[job]]\nrw = \"read\"\ndest = \"gpu\"").unwrap();
+        assert_eq!(g.points[0].label(), "read 4k qd1 x1 into-gpu");
         let m = plan(
             "[[job]]\nname = \"m\"\nrw = \"randread\"\nissue = [\"cpu\", \"gpu\"]\nring_mode = [\"pull\", \"push\", \"device\"]\n",
         )

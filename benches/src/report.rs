@@ -501,7 +501,7 @@ impl Report {
         let repeats = self.plan.repeat;
         let _ = writeln!(
             s,
-            "\n{}medians{}; point = pattern, block size, qdN = I/Os in flight per worker, xN = N workers (numjobs), qpN = N I/O queue pairs per controller, Ntgt = N targets; CPU = cores busy (CPU-s per s); IOPS/core = IOPS per target core (client core for das); verify = reads checked / errors\n",
+            "\n{}medians{}; point = pattern, block size, qdN = I/Os in flight per worker, xN = N workers (numjobs), qpN = N I/O queue pairs per controller, Ntgt = N targets, into-gpu = CPU-issued reads land in GPU memory; CPU = cores busy (CPU-s per s); IOPS/core = IOPS per target core (client core for das); verify = reads checked / errors\n",
             if repeats > 1 {
                 format!("{repeats} repeats, ")
             } else {
