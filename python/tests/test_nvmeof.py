@@ -1,0 +1,166 @@
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import nvmeof
+
+
+def test_connect_and_namespaces(target):
+    c = nvmeof.connect("127.0.0.1", target["port"], target["nqn"], queues=1)
+    try:
+        nss = c.namespaces
+        assert [n.nsid for n in nss] == [1]
+        n = nss[0]
+        assert n.size == 16 << 20
+        assert n.block_size in (512, 4096)
+        assert n.blocks * n.block_size == n.size
+        assert n.uuid is None or isinstance(n.uuid, str)
+        assert not c.closed
+        assert "Controller" in repr(c) and "Namespace" in repr(n)
+    finally:
+        c.close()
+    assert c.closed
+    c.close()  # twice is harmless
+
+
+def test_write_pread_roundtrip(ns):
+    bs = ns.block_size
+    data = os.urandom(4 * bs)
+    assert ns.write(data, 8 * bs) == len(data)
+    ns.flush()
+    assert ns.pread(4 * bs, 8 * bs) == data
+
+
+def test_read_into_bytearray_memoryview_numpy(ns):
+    bs = ns.block_size
+    data = os.urandom(2 * bs)
+    ns.write(bytearray(data), 0)
+    b = bytearray(2 * bs)
+    assert ns.read_into(b, 0) == 2 * bs
+    assert bytes(b) == data
+    big = bytearray(4 * bs)
+    ns.read_into(memoryview(big)[bs:3 * bs], 0)
+    assert bytes(big[bs:3 * bs]) == data
+    a = np.zeros(2 * bs // 4, dtype=np.float32)
+    ns.read_into(a, 0)
+    assert a.tobytes() == data
+    ns.write(np.frombuffer(data, dtype=np.uint8), bs * 2)
+    assert ns.pread(2 * bs, 2 * bs) == data
+
+
+def test_read_batch(ns):
+    bs = ns.block_size
+    blobs = [os.urandom(bs) for _ in range(8)]
+    for i, b in enumerate(blobs):
+        ns.write(b, (100 + i) * bs)
+    dests = [bytearray(bs) for _ in blobs]
+    ns.read_batch([((100 + i) * bs, bs, d) for i, d in enumerate(dests)])
+    assert [bytes(d) for d in dests] == blobs
+    arr = np.zeros((8, bs), dtype=np.uint8)
+    ns.read_batch([((100 + i) * bs, bs, arr[i]) for i in range(8)])
+    assert [arr[i].tobytes() for i in range(8)] == blobs
+    ns.read_batch([])
+
+
+def test_bad_input(ns):
+    bs = ns.block_size
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.pread(bs, 1)
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_into(bytearray(bs + 1), 0)
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.pread(bs, ns.size)
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.write(bytes(2 * bs), ns.size - bs)
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(bytes(bs), 0)
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(memoryview(bytearray(bs)).toreadonly(), 0)
+    with pytest.raises(TypeError, match="buffer"):
+        ns.read_into("not a buffer", 0)
+    with pytest.raises(TypeError, match="buffer"):
+        ns.write(12, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        ns.read_into(np.zeros((2, bs), dtype=np.uint8)[:, 0], 0)
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_batch([(0, 2 * bs, bytearray(bs))])
+    b = bytearray(2 * bs)
+    with pytest.raises(ValueError, match="overlap"):
+        ns.read_batch([(0, bs, b), (0, bs, memoryview(b)[:bs])])
+    with pytest.raises(OverflowError):
+        ns.pread(bs, -bs)
+
+
+def test_nvme_status_error(ctrl):
+    with pytest.raises(nvmeof.NvmeError) as e:
+        ctrl.namespace(77)
+    assert isinstance(e.value.sct, int) and isinstance(e.value.sc, int)
+    assert isinstance(e.value.dnr, bool)
+    assert "\n" not in str(e.value)
+
+
+def test_connection_errors(target):
+    with pytest.raises(ValueError, match="transport"):
+        nvmeof.connect("127.0.0.1", target["port"], transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="timeout"):
+        nvmeof.connect("127.0.0.1", target["port"], timeout=0)
+    with pytest.raises(ValueError, match="NQN"):
+        nvmeof.connect("127.0.0.1", target["port"], "not-an-nqn")
+    # Nothing listens on port 1.
+    with pytest.raises(nvmeof.ConnectionError):
+        nvmeof.connect("127.0.0.1", 1, target["nqn"], timeout=5)
+    with pytest.raises(nvmeof.Error):
+        nvmeof.connect("127.0.0.1", target["port"], "nqn.2026-11.io.nvmeof-direct:nope", timeout=5)
+
+
+def test_closed_controller(spec):
+    c = spec.connect()
+    n = c.namespace(1)
+    with c:
+        pass
+    assert c.closed
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.pread(n.block_size, 0)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        c.namespace(1)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.flush()
+
+
+def test_spec_pickles_and_reconnects(spec):
+    s2 = pickle.loads(pickle.dumps(spec))
+    assert (s2.traddr, s2.trsvcid, s2.subnqn, s2.queues, s2.timeout, s2.transport) == (
+        spec.traddr, spec.trsvcid, spec.subnqn, spec.queues, spec.timeout, spec.transport)
+    with s2.connect() as c:
+        assert c.spec.subnqn == spec.subnqn
+        assert c.namespace(1).nsid == 1
+
+
+def test_use_after_fork(ctrl, spec):
+    ns = ctrl.namespace(1)
+    bs = ns.block_size
+    ns.write(b"\x5a" * bs, 0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                ns.pread(bs, 0)
+            except nvmeof.Error as e:
+                if "fork" in str(e):
+                    with spec.connect() as c2:
+                        if c2.namespace(1).pread(bs, 0) == b"\x5a" * bs:
+                            code = 0
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+    # The parent's controller is untouched.
+    assert ns.pread(bs, 0) == b"\x5a" * bs
