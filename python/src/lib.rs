@@ -109,7 +109,9 @@ impl Spec {
         transport: String,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(PyValueError::new_err("timeout must be a positive number of seconds"));
+            return Err(PyValueError::new_err(
+                "timeout must be a positive number of seconds",
+            ));
         }
         transport
             .parse::<ini::Transport>()
@@ -157,7 +159,8 @@ impl Spec {
 impl Spec {
     fn options(&self) -> Result<ini::ConnectOptions, ini::Error> {
         let transport: ini::Transport = self.transport.parse()?;
-        let addr = ini::TargetAddr::new(self.traddr.clone(), self.trsvcid).with_transport(transport);
+        let addr =
+            ini::TargetAddr::new(self.traddr.clone(), self.trsvcid).with_transport(transport);
         let host = match &self.hostnqn {
             Some(n) => ini::HostIdentity::new(n, *uuid_v4().as_bytes())?,
             None => ini::HostIdentity::load_or_create(&ini::default_state_dir())?,
@@ -226,7 +229,11 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let live = self.live.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let live = self
+            .live
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(live) = live {
             if self.pid == std::process::id() {
                 let live = ManuallyDrop::into_inner(live);
@@ -249,7 +256,9 @@ struct Controller {
 impl Controller {
     fn open(py: Python<'_>, spec: Spec) -> PyResult<Controller> {
         let opts = spec.options().map_err(py_err)?;
-        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(4);
+        let workers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(4);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers)
             .thread_name("nvmeof-py")
@@ -377,7 +386,11 @@ impl Lent {
         // SAFETY: obj is a live object (we hold the GIL through the Bound), and view points
         // to writable memory of the right type.
         let rc = unsafe {
-            ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_STRIDES | ffi::PyBUF_FORMAT)
+            ffi::PyObject_GetBuffer(
+                obj.as_ptr(),
+                &mut *view,
+                ffi::PyBUF_STRIDES | ffi::PyBUF_FORMAT,
+            )
         };
         if rc != 0 {
             let py = obj.py();
@@ -528,11 +541,17 @@ impl Namespace {
     }
 
     /// Reads `size` bytes at `offset` and returns them as bytes.
-    fn pread<'py>(&self, py: Python<'py>, size: usize, offset: u64) -> PyResult<Bound<'py, PyBytes>> {
+    fn pread<'py>(
+        &self,
+        py: Python<'py>,
+        size: usize,
+        offset: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let lba = self.range(offset, size)?;
         let mut v = vec![0u8; size];
         let ns = &*self.ns;
-        self.shared.run(py, |l| l.rt.block_on(ns.read(lba, &mut v)))?;
+        self.shared
+            .run(py, |l| l.rt.block_on(ns.read(lba, &mut v)))?;
         Ok(PyBytes::new(py, &v))
     }
 
@@ -560,7 +579,11 @@ impl Namespace {
 
     /// Reads many ranges: `reads` is a list of (offset, length, dest) with `dest` a writable
     /// buffer of at least `length` bytes. Every read is submitted before any is waited for.
-    fn read_batch(&self, py: Python<'_>, reads: Vec<(u64, usize, Bound<'_, PyAny>)>) -> PyResult<()> {
+    fn read_batch(
+        &self,
+        py: Python<'_>,
+        reads: Vec<(u64, usize, Bound<'_, PyAny>)>,
+    ) -> PyResult<()> {
         let mut lent = Vec::with_capacity(reads.len());
         let mut jobs = Vec::with_capacity(reads.len());
         for (i, (offset, length, dest)) in reads.iter().enumerate() {
@@ -589,7 +612,8 @@ impl Namespace {
                 let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
                 ns.read(lba, buf)
             });
-            l.rt.block_on(futures_util::future::try_join_all(ios)).map(|_| ())
+            l.rt.block_on(futures_util::future::try_join_all(ios))
+                .map(|_| ())
         })?;
         drop(lent);
         Ok(())
@@ -628,7 +652,8 @@ fn connect(
 
 /// The `nvmeof` module.
 #[pymodule]
-fn nvmeof(m: &Bound<'_, PyModule>) -> PyResult<()> {
+#[pyo3(name = "nvmeof")]
+fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(connect, m)?)?;
     m.add_class::<Spec>()?;
