@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: installs what the tests need, then runs formatting and lint
 # checks, every unit and integration test (the Linux kernel NVMe-oF host and target in a QEMU
-# guest included), and brief fuzzing of the NVMe/TCP deframer and the authentication messages.
+# guest included), the Python package's tests, and brief fuzzing of the NVMe/TCP deframer and the authentication messages.
 #
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    skip the QEMU guest and fuzzing (no root needed)
@@ -104,6 +104,9 @@ cargo build --workspace --bins --locked
 stage "tests"
 # Interop tests boot guests: run test binaries one at a time so guests do not compete for the CPUs.
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
+
+stage "Python package"
+python/tests/run.sh
 
 if [[ $quick == 0 ]]; then
     stage "fuzzing: NVMe/TCP deframers, then the target's capsule handling"
