@@ -60,6 +60,7 @@ class Namespace:
     uuid: Optional[str]
     eui64: Optional[str]
     nguid: Optional[str]
+    controller: Controller
     def read_into(self, buffer: Buffer, offset: int) -> int:
         """Reads len(buffer) bytes at offset into a writable, C-contiguous buffer
         (bytearray, memoryview, NumPy array). TypeError: not a buffer or read-only;
@@ -76,7 +77,8 @@ class Namespace:
 
 class Controller:
     """A connection to one controller. A context manager: leaving it closes."""
-    spec: Spec
+    spec: Optional[Spec]
+    """None for an nvmeof-initd attachment."""
     closed: bool
     namespaces: list[Namespace]
     """The active namespaces."""
@@ -103,3 +105,8 @@ def connect(
     transport: str = "tcp",
 ) -> Controller:
     """Connects to an NVMe-oF subsystem (transport "tcp" or "rdma")."""
+
+def attach(name: str, socket: Optional[str] = None) -> Namespace:
+    """Opens the namespace of nvmeof-initd attachment ``name`` (as the nvmeof CLI resolves a
+    NAME): the daemon gives the parameters, this process connects its own controller.
+    ``socket`` defaults to $NVMEOF_INITD_SOCKET or the daemon's default socket."""

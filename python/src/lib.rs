@@ -193,7 +193,8 @@ struct Live {
 struct Shared {
     /// The process that connected; a forked child has none of the runtime's threads.
     pid: u32,
-    spec: Spec,
+    /// `None` for an attachment of nvmeof-initd (its parameters stay with the daemon).
+    spec: Option<Spec>,
     /// `None` once closed. I/O holds the read lock while it runs (GIL released); `close`
     /// takes the write lock, so it waits for I/O in flight.
     live: RwLock<Option<ManuallyDrop<Live>>>,
@@ -227,6 +228,29 @@ impl Shared {
     }
 }
 
+impl Shared {
+    fn new(spec: Option<Spec>, rt: tokio::runtime::Runtime, ctrl: ini::Controller) -> Arc<Self> {
+        Arc::new(Shared {
+            pid: std::process::id(),
+            spec,
+            live: RwLock::new(Some(ManuallyDrop::new(Live { rt, ctrl }))),
+        })
+    }
+}
+
+/// The I/O runtime of one controller.
+fn runtime() -> PyResult<tokio::runtime::Runtime> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(4);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("nvmeof-py")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::new_err(format!("cannot start the I/O runtime: {e}")))
+}
+
 impl Drop for Shared {
     fn drop(&mut self) {
         let live = self
@@ -256,24 +280,12 @@ struct Controller {
 impl Controller {
     fn open(py: Python<'_>, spec: Spec) -> PyResult<Controller> {
         let opts = spec.options().map_err(py_err)?;
-        let workers = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(4);
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .thread_name("nvmeof-py")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::new_err(format!("cannot start the I/O runtime: {e}")))?;
+        let rt = runtime()?;
         let ctrl = py
             .allow_threads(|| rt.block_on(ini::Controller::connect(opts)))
             .map_err(py_err)?;
         Ok(Controller {
-            shared: Arc::new(Shared {
-                pid: std::process::id(),
-                spec,
-                live: RwLock::new(Some(ManuallyDrop::new(Live { rt, ctrl }))),
-            }),
+            shared: Shared::new(Some(spec), rt, ctrl),
         })
     }
 
@@ -290,9 +302,10 @@ impl Controller {
 
 #[pymethods]
 impl Controller {
-    /// The parameters this controller was connected with (picklable).
+    /// The parameters this controller was connected with (picklable); None for an
+    /// nvmeof-initd attachment.
     #[getter]
-    fn spec(&self) -> Spec {
+    fn spec(&self) -> Option<Spec> {
         self.shared.spec.clone()
     }
 
@@ -356,14 +369,14 @@ impl Controller {
     }
 
     fn __repr__(&self) -> String {
-        let s = &self.shared.spec;
-        format!(
-            "<nvmeof.Controller {} {}:{}{}>",
-            s.subnqn,
-            s.traddr,
-            s.trsvcid,
-            if self.closed() { " closed" } else { "" }
-        )
+        let closed = if self.closed() { " closed" } else { "" };
+        match &self.shared.spec {
+            Some(s) => format!(
+                "<nvmeof.Controller {} {}:{}{closed}>",
+                s.subnqn, s.traddr, s.trsvcid
+            ),
+            None => format!("<nvmeof.Controller (attachment){closed}>"),
+        }
     }
 }
 
@@ -619,6 +632,14 @@ impl Namespace {
         Ok(())
     }
 
+    /// The controller this namespace belongs to.
+    #[getter]
+    fn controller(&self) -> Controller {
+        Controller {
+            shared: self.shared.clone(),
+        }
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<nvmeof.Namespace nsid={} size={} block_size={}>",
@@ -650,12 +671,38 @@ fn connect(
     Controller::open(py, spec)
 }
 
+/// Opens the namespace of the nvmeof-initd attachment `name`, as the `nvmeof` CLI resolves a
+/// NAME: the daemon gives the connection parameters (keys included) and this process connects
+/// its own controller. `socket`: the daemon's socket, else `$NVMEOF_INITD_SOCKET` or the
+/// default ones.
+#[pyfunction]
+#[pyo3(signature = (name, socket=None))]
+fn attach(py: Python<'_>, name: String, socket: Option<std::path::PathBuf>) -> PyResult<Namespace> {
+    let rt = runtime()?;
+    let ns = py
+        .allow_threads(|| {
+            rt.block_on(async {
+                match &socket {
+                    Some(p) => ini::open_attached_at(p, &name).await,
+                    None => ini::open_attached(&name).await,
+                }
+            })
+        })
+        .map_err(py_err)?;
+    let ctrl = ns.controller().clone();
+    Ok(Namespace {
+        shared: Shared::new(None, rt, ctrl),
+        ns: ManuallyDrop::new(ns),
+    })
+}
+
 /// The `nvmeof` module.
 #[pymodule]
 #[pyo3(name = "nvmeof")]
 fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(connect, m)?)?;
+    m.add_function(wrap_pyfunction!(attach, m)?)?;
     m.add_class::<Spec>()?;
     m.add_class::<Controller>()?;
     m.add_class::<Namespace>()?;

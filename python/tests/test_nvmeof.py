@@ -1,4 +1,5 @@
 import os
+import pathlib
 import pickle
 
 import numpy as np
@@ -164,3 +165,41 @@ def test_use_after_fork(ctrl, spec):
     assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0
     # The parent's controller is untouched.
     assert ns.pread(bs, 0) == b"\x5a" * bs
+
+
+def test_attach(target, tmp_path):
+    import subprocess
+    import time
+    from conftest import ROOT
+
+    bindir = pathlib.Path(os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/x"))).parent
+    sock = tmp_path / "initd.sock"
+    env = {k: v for k, v in os.environ.items() if k != "NVMEOF_INITD_SOCKET"}
+    initd = subprocess.Popen(
+        [str(bindir / "nvmeof-initd"), "--socket", str(sock), "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        for _ in range(300):
+            assert initd.poll() is None, "nvmeof-initd exited"
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        subprocess.run(
+            [str(bindir / "nvmeof"), "attach", "data0", "-a", "127.0.0.1", "-s", str(target["port"]),
+             "-n", target["nqn"], "--namespace-id", "1", "--socket", str(sock),
+             "--state-dir", str(tmp_path / "state")],
+            check=True, env=env, stdout=subprocess.DEVNULL)
+        ns = nvmeof.attach("data0", socket=str(sock))
+        bs = ns.block_size
+        assert ns.nsid == 1 and ns.size == 16 << 20
+        ns.write(b"\xa5" * bs, 3 * bs)
+        assert ns.pread(bs, 3 * bs) == b"\xa5" * bs
+        assert ns.controller.spec is None
+        ns.controller.close()
+        with pytest.raises(nvmeof.Error, match="closed"):
+            ns.pread(bs, 0)
+        with pytest.raises(nvmeof.Error, match="nope"):
+            nvmeof.attach("nope", socket=str(sock))
+    finally:
+        initd.terminate()
+        initd.wait()
