@@ -203,3 +203,32 @@ def test_attach(target, tmp_path):
     finally:
         initd.terminate()
         initd.wait()
+
+
+def test_large_transfer_and_threads(ns):
+    import threading
+
+    bs = ns.block_size
+    data = os.urandom(4 << 20)  # larger than one command's transfer
+    ns.write(data, 0)
+    out = np.empty(len(data), dtype=np.uint8)
+    ns.read_into(out, 0)
+    assert out.tobytes() == data
+
+    errors = []
+
+    def reader(i):
+        try:
+            for j in range(20):
+                off = ((i * 20 + j) % 64) * bs
+                if ns.pread(bs, off) != data[off:off + bs]:
+                    errors.append((i, j))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
