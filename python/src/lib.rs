@@ -262,8 +262,14 @@ impl Drop for Shared {
             if self.pid == std::process::id() {
                 let live = ManuallyDrop::into_inner(live);
                 let Live { rt, ctrl } = live;
-                let _ = rt.block_on(ctrl.disconnect());
-                drop(rt);
+                // A graceful shutdown, bounded by the shutdown and admin timeouts; other
+                // Python threads run meanwhile.
+                Python::with_gil(|py| {
+                    py.allow_threads(move || {
+                        let _ = rt.block_on(ctrl.disconnect());
+                        drop(rt);
+                    })
+                });
             }
             // In a forked child the runtime's threads do not exist: joining them would hang,
             // so the parent's state is left alone (ManuallyDrop).

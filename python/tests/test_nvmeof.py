@@ -232,3 +232,34 @@ def test_large_transfer_and_threads(ns):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_drop_without_close(spec):
+    import gc
+
+    c = spec.connect()
+    n = c.namespace(1)
+    del c, n
+    gc.collect()
+    with spec.connect() as c2:
+        assert c2.namespace(1).nsid == 1
+
+
+def test_child_drops_parents_controller(spec):
+    import gc
+
+    c = spec.connect()
+    n = c.namespace(1)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            del c, n
+            gc.collect()  # must neither hang nor touch the parent's connection
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert n.pread(n.block_size, 0) is not None
+    c.close()
