@@ -47,6 +47,7 @@ class Spec:
         dhchap_key: Optional[str] = None,
         timeout: float = 10.0,
         transport: str = "tcp",
+        tls_key: Optional[str] = None,
     ) -> None: ...
     def connect(self) -> Controller: ...
 
@@ -103,8 +104,10 @@ def connect(
     dhchap_key: Optional[str] = None,
     timeout: float = 10.0,
     transport: str = "tcp",
+    tls_key: Optional[str] = None,
 ) -> Controller:
-    """Connects to an NVMe-oF subsystem (transport "tcp" or "rdma")."""
+    """Connects to an NVMe-oF subsystem (transport "tcp" or "rdma"). ``tls_key``: an
+    NVMe/TCP TLS configured PSK (``NVMeTLSkey-1:01:...:``) for TLS 1.3."""
 
 def attach(name: str, socket: Optional[str] = None) -> Namespace:
     """Opens the namespace of nvmeof-initd attachment ``name`` (as the nvmeof CLI resolves a

@@ -91,12 +91,14 @@ struct Spec {
     /// "tcp" or "rdma".
     #[pyo3(get)]
     transport: String,
+    /// NVMe/TCP TLS configured PSK (`NVMeTLSkey-1:01:...:`), or None for plain TCP.
+    tls_key: Option<String>,
 }
 
 #[pymethods]
 impl Spec {
     #[new]
-    #[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string()))]
+    #[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         traddr: String,
@@ -107,6 +109,7 @@ impl Spec {
         dhchap_key: Option<String>,
         timeout: f64,
         transport: String,
+        tls_key: Option<String>,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(
@@ -125,6 +128,7 @@ impl Spec {
             dhchap_key,
             timeout,
             transport,
+            tls_key,
         })
     }
 
@@ -144,6 +148,7 @@ impl Spec {
             self.dhchap_key.clone(),
             self.timeout,
             self.transport.clone(),
+            self.tls_key.clone(),
         );
         (cls, args).into_pyobject(py)
     }
@@ -173,6 +178,9 @@ impl Spec {
         o.timeouts.io = t;
         if let Some(k) = &self.dhchap_key {
             o.dhchap = Some(ini::DhchapSecrets::parse(k, None)?);
+        }
+        if let Some(k) = &self.tls_key {
+            o.tls = Some(ini::TlsOptions::parse(k)?);
         }
         Ok(o)
     }
@@ -658,7 +666,7 @@ impl Namespace {
 
 /// Connects to an NVMe-oF subsystem and returns a Controller.
 #[pyfunction]
-#[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string()))]
+#[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None))]
 #[allow(clippy::too_many_arguments)]
 fn connect(
     py: Python<'_>,
@@ -670,9 +678,10 @@ fn connect(
     dhchap_key: Option<String>,
     timeout: f64,
     transport: String,
+    tls_key: Option<String>,
 ) -> PyResult<Controller> {
     let spec = Spec::new(
-        traddr, trsvcid, subnqn, hostnqn, queues, dhchap_key, timeout, transport,
+        traddr, trsvcid, subnqn, hostnqn, queues, dhchap_key, timeout, transport, tls_key,
     )?;
     Controller::open(py, spec)
 }

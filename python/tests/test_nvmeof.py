@@ -107,6 +107,10 @@ def test_connection_errors(target):
         nvmeof.connect("127.0.0.1", target["port"], transport="carrier-pigeon")
     with pytest.raises(ValueError, match="timeout"):
         nvmeof.connect("127.0.0.1", target["port"], timeout=0)
+    with pytest.raises(ValueError, match="TLS PSK"):
+        nvmeof.connect("127.0.0.1", target["port"], tls_key="NVMeTLSkey-1:01:bogus:")
+    with pytest.raises(ValueError, match="DHHC|secret|DH-HMAC"):
+        nvmeof.connect("127.0.0.1", target["port"], dhchap_key="not-a-key")
     with pytest.raises(ValueError, match="NQN"):
         nvmeof.connect("127.0.0.1", target["port"], "not-an-nqn")
     # Nothing listens on port 1.
