@@ -267,3 +267,73 @@ def test_child_drops_parents_controller(spec):
     assert os.waitstatus_to_exitcode(status) == 0
     assert n.pread(n.block_size, 0) is not None
     c.close()
+
+
+def _key(prefix, byte):
+    import base64
+    import struct
+    import zlib
+
+    raw = bytes([byte]) * 32
+    return f"{prefix}:01:{base64.b64encode(raw + struct.pack('<I', zlib.crc32(raw))).decode()}:"
+
+
+def test_tls_and_dhchap(tmp_path):
+    import subprocess
+    import socket as so
+    import time
+    from conftest import ROOT, free_port
+
+    exe = os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/nvmeof-targetd"))
+    tls_port, port = free_port(), free_port()
+    nqn = "nqn.2026-11.io.nvmeof-direct:keys"
+    host = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000c1"
+    psk, dh = _key("NVMeTLSkey-1", 0x21), _key("DHHC-1", 0x31)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f"""
+[[listener]]
+address = "tcp://127.0.0.1:{tls_port}"
+tls = "required"
+
+[[listener]]
+address = "tcp://127.0.0.1:{port}"
+
+[[subsystem]]
+nqn = "{nqn}"
+
+[[subsystem.host]]
+nqn = "{host}"
+tls_psk = "{psk}"
+dhchap_key = "{dh}"
+
+[[subsystem.namespace]]
+backend = "mem:8M"
+""")
+    cfg.chmod(0o600)
+    proc = subprocess.Popen([exe, "--config", str(cfg), "--control-socket", str(tmp_path / "c.sock")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            assert proc.poll() is None, "nvmeof-targetd exited"
+            try:
+                so.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        with nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk,
+                            dhchap_key=dh, queues=1) as c:
+            n = c.namespace(1)
+            assert n.pread(n.block_size, 0) == bytes(n.block_size)
+        # A host given a TLS key is refused on the plain listener, with its NVMe status.
+        with pytest.raises(nvmeof.NvmeError) as e:
+            nvmeof.connect("127.0.0.1", port, nqn, hostnqn=host, dhchap_key=dh, queues=1)
+        assert e.value.sct == 1 and e.value.dnr
+        with pytest.raises(nvmeof.Error):
+            nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk, queues=1,
+                           timeout=5)
+        with pytest.raises(nvmeof.ConnectionError):
+            nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk, queues=1,
+                           timeout=5, dhchap_key=_key("DHHC-1", 0x32))
+    finally:
+        proc.terminate()
+        proc.wait()
