@@ -337,3 +337,69 @@ backend = "mem:8M"
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_target_restart(tmp_path):
+    import signal
+    import subprocess
+    import socket as so
+    import threading
+    import time
+    from conftest import ROOT, free_port
+
+    exe = os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/nvmeof-targetd"))
+    port = free_port()
+    nqn = "nqn.2026-11.io.nvmeof-direct:restart"
+
+    def start():
+        p = subprocess.Popen([exe, "--listen", f"tcp://127.0.0.1:{port}", "-n", nqn,
+                              "--namespace", "mem:8M", "--allow-any-host",
+                              "--control-socket", str(tmp_path / "c.sock")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            assert p.poll() is None, "nvmeof-targetd exited"
+            try:
+                so.create_connection(("127.0.0.1", port), timeout=1).close()
+                return p
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("nvmeof-targetd did not listen")
+
+    proc = start()
+    c = nvmeof.connect("127.0.0.1", port, nqn, queues=1, timeout=5)
+    try:
+        n = c.namespace(1)
+        bs = n.block_size
+        outcome = []
+
+        def reader():
+            # Reads running while the target dies and comes back: each completes (after a
+            # reconnect) or fails with a connection error; none hangs past the timeout.
+            for _ in range(200):
+                try:
+                    n.pread(bs, 0)
+                    outcome.append("ok")
+                except nvmeof.ConnectionError:
+                    outcome.append("conn")
+                except nvmeof.Error as e:
+                    outcome.append(f"other: {e}")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start()
+        t.join()
+        assert all(o in ("ok", "conn") for o in outcome), outcome
+        # After the restart, reads work again (reconnected or not, they end).
+        try:
+            assert len(n.pread(bs, 0)) == bs
+        except nvmeof.ConnectionError:
+            pass
+    finally:
+        try:
+            c.close()
+        except nvmeof.Error:
+            pass
+        proc.terminate()
+        proc.wait()
