@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: installs what the tests need, then runs formatting and lint
 # checks, every unit and integration test (the Linux kernel NVMe-oF host and target in a QEMU
-# guest included), and brief fuzzing of the NVMe/TCP deframer and the authentication messages.
+# guest included), the Python package's tests, and brief fuzzing of the NVMe/TCP deframer and the authentication messages.
 #
 #   scripts/test.sh            everything (what CI runs)
 #   scripts/test.sh --quick    skip the QEMU guest and fuzzing (no root needed)
@@ -29,15 +29,18 @@ cargo --version
 rustup component list --installed 2>/dev/null | grep -qE '^(clippy|rustfmt)' || rustup component add clippy rustfmt 2>/dev/null || true
 
 stage "build dependencies"
-# OpenSSL 3 headers for nvmf-tls (NVMe/TCP TLS through the openssl crate).
-if ! dpkg -s libssl-dev pkg-config >/dev/null 2>&1; then
+# OpenSSL 3 headers for nvmf-tls (NVMe/TCP TLS through the openssl crate); Debian's Python 3
+# (3.11 or later) for the Python module, which workspace builds link against libpython.
+if ! dpkg -s libssl-dev pkg-config python3-dev >/dev/null 2>&1; then
     if [[ $(id -u) != 0 ]] && ! command -v sudo >/dev/null; then
-        echo "libssl-dev and pkg-config are needed to build (apt-get install libssl-dev pkg-config)" >&2
+        echo "libssl-dev, pkg-config and python3-dev are needed to build (apt-get install libssl-dev pkg-config python3-dev)" >&2
         exit 1
     fi
     sudo_ apt-get update -qq
-    sudo_ apt-get install -y -qq --no-install-recommends libssl-dev pkg-config
+    sudo_ apt-get install -y -qq --no-install-recommends libssl-dev pkg-config python3-dev
 fi
+# PyO3 builds against the interpreter the Python stage tests with, not whichever is on PATH.
+export PYO3_PYTHON="${PYO3_PYTHON:-/usr/bin/python3}"
 
 stage "systemd units"
 # Verifies deploy/ units (a warning fails the run) and prints their exposure scores. The units
@@ -104,6 +107,9 @@ cargo build --workspace --bins --locked
 stage "tests"
 # Interop tests boot guests: run test binaries one at a time so guests do not compete for the CPUs.
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
+
+stage "Python package"
+python/tests/run.sh
 
 if [[ $quick == 0 ]]; then
     stage "fuzzing: NVMe/TCP deframers, then the target's capsule handling"

@@ -19,6 +19,8 @@
 //!
 //! Sans-IO: the caller passes the time; no clock, thread or allocation inside.
 
+#![forbid(unsafe_code)]
+
 use std::time::{Duration, Instant};
 
 /// Full scale of the hit share (fixed point: 256 = every recent arrival was a hit).

@@ -1,0 +1,115 @@
+"""NVMe-over-Fabrics namespaces from Python, through the nvmeof-direct initiator.
+
+Offsets and lengths are in bytes and must be multiples of the namespace's block size.
+Blocking calls release the GIL. A Controller belongs to the process that connected it: in a
+forked child, connect again (``Spec`` is picklable; ``spec.connect()`` in each worker).
+"""
+
+from types import TracebackType
+from typing import Optional, Sequence, Tuple
+
+from collections.abc import Buffer
+
+DEFAULT_SUBNQN: str
+"""The subsystem nvmeof-targetd serves when started with no arguments."""
+
+class Error(Exception):
+    """Base class of every nvmeof error (also: a closed controller, use after fork)."""
+
+class NvmeError(Error):
+    """A command completed with an NVMe error status."""
+    sct: int
+    """Status code type."""
+    sc: int
+    """Status code."""
+    dnr: bool
+    """Do Not Retry."""
+
+class ConnectionError(Error):
+    """The connection failed, was lost, or timed out."""
+
+class Spec:
+    """Connection parameters; picklable. ``connect()`` opens a Controller in this process."""
+    traddr: str
+    trsvcid: int
+    subnqn: str
+    hostnqn: Optional[str]
+    queues: Optional[int]
+    timeout: float
+    transport: str
+    def __init__(
+        self,
+        traddr: str,
+        trsvcid: int = 4420,
+        subnqn: str = ...,
+        hostnqn: Optional[str] = None,
+        queues: Optional[int] = None,
+        dhchap_key: Optional[str] = None,
+        timeout: float = 10.0,
+        transport: str = "tcp",
+        tls_key: Optional[str] = None,
+    ) -> None: ...
+    def connect(self) -> Controller: ...
+
+class Namespace:
+    """A namespace: block I/O addressed in bytes."""
+    nsid: int
+    size: int
+    """Size in bytes."""
+    block_size: int
+    blocks: int
+    uuid: Optional[str]
+    eui64: Optional[str]
+    nguid: Optional[str]
+    controller: Controller
+    def read_into(self, buffer: Buffer, offset: int) -> int:
+        """Reads len(buffer) bytes at offset into a writable, C-contiguous buffer
+        (bytearray, memoryview, NumPy array). TypeError: not a buffer or read-only;
+        ValueError: not contiguous, unaligned, or outside the namespace."""
+    def pread(self, size: int, offset: int) -> bytes:
+        """Reads size bytes at offset."""
+    def write(self, data: Buffer, offset: int) -> int:
+        """Writes the bytes of a C-contiguous buffer at offset."""
+    def flush(self) -> None:
+        """Flushes the volatile write cache."""
+    def read_batch(self, reads: Sequence[Tuple[int, int, Buffer]]) -> None:
+        """Reads each (offset, length, dest): all submitted, then all awaited. Each dest is
+        writable with at least length bytes; dests must not overlap."""
+
+class Controller:
+    """A connection to one controller. A context manager: leaving it closes."""
+    spec: Optional[Spec]
+    """None for an nvmeof-initd attachment."""
+    closed: bool
+    namespaces: list[Namespace]
+    """The active namespaces."""
+    def namespace(self, nsid: int) -> Namespace:
+        """NvmeError for an inactive nsid."""
+    def close(self) -> None:
+        """Disconnects; later calls raise Error. Closing twice is harmless."""
+    def __enter__(self) -> Controller: ...
+    def __exit__(
+        self,
+        t: Optional[type[BaseException]],
+        v: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+def connect(
+    traddr: str,
+    trsvcid: int = 4420,
+    subnqn: str = ...,
+    hostnqn: Optional[str] = None,
+    queues: Optional[int] = None,
+    dhchap_key: Optional[str] = None,
+    timeout: float = 10.0,
+    transport: str = "tcp",
+    tls_key: Optional[str] = None,
+) -> Controller:
+    """Connects to an NVMe-oF subsystem (transport "tcp" or "rdma"). ``tls_key``: an
+    NVMe/TCP TLS configured PSK (``NVMeTLSkey-1:01:...:``) for TLS 1.3."""
+
+def attach(name: str, socket: Optional[str] = None) -> Namespace:
+    """Opens the namespace of nvmeof-initd attachment ``name`` (as the nvmeof CLI resolves a
+    NAME): the daemon gives the parameters, this process connects its own controller.
+    ``socket`` defaults to $NVMEOF_INITD_SOCKET or the daemon's default socket."""

@@ -1,0 +1,405 @@
+import os
+import pathlib
+import pickle
+
+import numpy as np
+import pytest
+
+import nvmeof
+
+
+def test_connect_and_namespaces(target):
+    c = nvmeof.connect("127.0.0.1", target["port"], target["nqn"], queues=1)
+    try:
+        nss = c.namespaces
+        assert [n.nsid for n in nss] == [1]
+        n = nss[0]
+        assert n.size == 16 << 20
+        assert n.block_size in (512, 4096)
+        assert n.blocks * n.block_size == n.size
+        assert n.uuid is None or isinstance(n.uuid, str)
+        assert not c.closed
+        assert "Controller" in repr(c) and "Namespace" in repr(n)
+    finally:
+        c.close()
+    assert c.closed
+    c.close()  # twice is harmless
+
+
+def test_write_pread_roundtrip(ns):
+    bs = ns.block_size
+    data = os.urandom(4 * bs)
+    assert ns.write(data, 8 * bs) == len(data)
+    ns.flush()
+    assert ns.pread(4 * bs, 8 * bs) == data
+
+
+def test_read_into_bytearray_memoryview_numpy(ns):
+    bs = ns.block_size
+    data = os.urandom(2 * bs)
+    ns.write(bytearray(data), 0)
+    b = bytearray(2 * bs)
+    assert ns.read_into(b, 0) == 2 * bs
+    assert bytes(b) == data
+    big = bytearray(4 * bs)
+    ns.read_into(memoryview(big)[bs:3 * bs], 0)
+    assert bytes(big[bs:3 * bs]) == data
+    a = np.zeros(2 * bs // 4, dtype=np.float32)
+    ns.read_into(a, 0)
+    assert a.tobytes() == data
+    ns.write(np.frombuffer(data, dtype=np.uint8), bs * 2)
+    assert ns.pread(2 * bs, 2 * bs) == data
+
+
+def test_read_batch(ns):
+    bs = ns.block_size
+    blobs = [os.urandom(bs) for _ in range(8)]
+    for i, b in enumerate(blobs):
+        ns.write(b, (100 + i) * bs)
+    dests = [bytearray(bs) for _ in blobs]
+    ns.read_batch([((100 + i) * bs, bs, d) for i, d in enumerate(dests)])
+    assert [bytes(d) for d in dests] == blobs
+    arr = np.zeros((8, bs), dtype=np.uint8)
+    ns.read_batch([((100 + i) * bs, bs, arr[i]) for i in range(8)])
+    assert [arr[i].tobytes() for i in range(8)] == blobs
+    ns.read_batch([])
+
+
+def test_bad_input(ns):
+    bs = ns.block_size
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.pread(bs, 1)
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_into(bytearray(bs + 1), 0)
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.pread(bs, ns.size)
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.write(bytes(2 * bs), ns.size - bs)
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(bytes(bs), 0)
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(memoryview(bytearray(bs)).toreadonly(), 0)
+    with pytest.raises(TypeError, match="buffer"):
+        ns.read_into("not a buffer", 0)
+    with pytest.raises(TypeError, match="buffer"):
+        ns.write(12, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        ns.read_into(np.zeros((2, bs), dtype=np.uint8)[:, 0], 0)
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_batch([(0, 2 * bs, bytearray(bs))])
+    b = bytearray(2 * bs)
+    with pytest.raises(ValueError, match="overlap"):
+        ns.read_batch([(0, bs, b), (0, bs, memoryview(b)[:bs])])
+    with pytest.raises(OverflowError):
+        ns.pread(bs, -bs)
+
+
+def test_nvme_status_error(ctrl):
+    with pytest.raises(nvmeof.NvmeError) as e:
+        ctrl.namespace(77)
+    assert isinstance(e.value.sct, int) and isinstance(e.value.sc, int)
+    assert isinstance(e.value.dnr, bool)
+    assert "\n" not in str(e.value)
+
+
+def test_connection_errors(target):
+    with pytest.raises(ValueError, match="transport"):
+        nvmeof.connect("127.0.0.1", target["port"], transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="timeout"):
+        nvmeof.connect("127.0.0.1", target["port"], timeout=0)
+    with pytest.raises(ValueError, match="TLS PSK"):
+        nvmeof.connect("127.0.0.1", target["port"], tls_key="NVMeTLSkey-1:01:bogus:")
+    with pytest.raises(ValueError, match="DHHC|secret|DH-HMAC"):
+        nvmeof.connect("127.0.0.1", target["port"], dhchap_key="not-a-key")
+    with pytest.raises(ValueError, match="NQN"):
+        nvmeof.connect("127.0.0.1", target["port"], "not-an-nqn")
+    # Nothing listens on port 1.
+    with pytest.raises(nvmeof.ConnectionError):
+        nvmeof.connect("127.0.0.1", 1, target["nqn"], timeout=5)
+    with pytest.raises(nvmeof.Error):
+        nvmeof.connect("127.0.0.1", target["port"], "nqn.2026-11.io.nvmeof-direct:nope", timeout=5)
+
+
+def test_closed_controller(spec):
+    c = spec.connect()
+    n = c.namespace(1)
+    with c:
+        pass
+    assert c.closed
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.pread(n.block_size, 0)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        c.namespace(1)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.flush()
+
+
+def test_spec_pickles_and_reconnects(spec):
+    s2 = pickle.loads(pickle.dumps(spec))
+    assert (s2.traddr, s2.trsvcid, s2.subnqn, s2.queues, s2.timeout, s2.transport) == (
+        spec.traddr, spec.trsvcid, spec.subnqn, spec.queues, spec.timeout, spec.transport)
+    with s2.connect() as c:
+        assert c.spec.subnqn == spec.subnqn
+        assert c.namespace(1).nsid == 1
+
+
+def test_use_after_fork(ctrl, spec):
+    ns = ctrl.namespace(1)
+    bs = ns.block_size
+    ns.write(b"\x5a" * bs, 0)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                ns.pread(bs, 0)
+            except nvmeof.Error as e:
+                if "fork" in str(e):
+                    with spec.connect() as c2:
+                        if c2.namespace(1).pread(bs, 0) == b"\x5a" * bs:
+                            code = 0
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+    # The parent's controller is untouched.
+    assert ns.pread(bs, 0) == b"\x5a" * bs
+
+
+def test_attach(target, tmp_path):
+    import subprocess
+    import time
+    from conftest import ROOT
+
+    bindir = pathlib.Path(os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/x"))).parent
+    sock = tmp_path / "initd.sock"
+    env = {k: v for k, v in os.environ.items() if k != "NVMEOF_INITD_SOCKET"}
+    initd = subprocess.Popen(
+        [str(bindir / "nvmeof-initd"), "--socket", str(sock), "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        for _ in range(300):
+            assert initd.poll() is None, "nvmeof-initd exited"
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        subprocess.run(
+            [str(bindir / "nvmeof"), "attach", "data0", "-a", "127.0.0.1", "-s", str(target["port"]),
+             "-n", target["nqn"], "--namespace-id", "1", "--socket", str(sock),
+             "--state-dir", str(tmp_path / "state")],
+            check=True, env=env, stdout=subprocess.DEVNULL)
+        ns = nvmeof.attach("data0", socket=str(sock))
+        bs = ns.block_size
+        assert ns.nsid == 1 and ns.size == 16 << 20
+        ns.write(b"\xa5" * bs, 3 * bs)
+        assert ns.pread(bs, 3 * bs) == b"\xa5" * bs
+        assert ns.controller.spec is None
+        ns.controller.close()
+        with pytest.raises(nvmeof.Error, match="closed"):
+            ns.pread(bs, 0)
+        with pytest.raises(nvmeof.Error, match="nope"):
+            nvmeof.attach("nope", socket=str(sock))
+    finally:
+        initd.terminate()
+        initd.wait()
+
+
+def test_large_transfer_and_threads(ns):
+    import threading
+
+    bs = ns.block_size
+    data = os.urandom(4 << 20)  # larger than one command's transfer
+    ns.write(data, 0)
+    out = np.empty(len(data), dtype=np.uint8)
+    ns.read_into(out, 0)
+    assert out.tobytes() == data
+
+    errors = []
+
+    def reader(i):
+        try:
+            for j in range(20):
+                off = ((i * 20 + j) % 64) * bs
+                if ns.pread(bs, off) != data[off:off + bs]:
+                    errors.append((i, j))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_drop_without_close(spec):
+    import gc
+
+    c = spec.connect()
+    n = c.namespace(1)
+    del c, n
+    gc.collect()
+    with spec.connect() as c2:
+        assert c2.namespace(1).nsid == 1
+
+
+def test_child_drops_parents_controller(spec):
+    import gc
+
+    c = spec.connect()
+    n = c.namespace(1)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            del c, n
+            gc.collect()  # must neither hang nor touch the parent's connection
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert n.pread(n.block_size, 0) is not None
+    c.close()
+
+
+def _key(prefix, byte):
+    import base64
+    import struct
+    import zlib
+
+    raw = bytes([byte]) * 32
+    return f"{prefix}:01:{base64.b64encode(raw + struct.pack('<I', zlib.crc32(raw))).decode()}:"
+
+
+def test_tls_and_dhchap(tmp_path):
+    import subprocess
+    import socket as so
+    import time
+    from conftest import ROOT, free_port
+
+    exe = os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/nvmeof-targetd"))
+    tls_port, port = free_port(), free_port()
+    nqn = "nqn.2026-11.io.nvmeof-direct:keys"
+    host = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000c1"
+    psk, dh = _key("NVMeTLSkey-1", 0x21), _key("DHHC-1", 0x31)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f"""
+[[listener]]
+address = "tcp://127.0.0.1:{tls_port}"
+tls = "required"
+
+[[listener]]
+address = "tcp://127.0.0.1:{port}"
+
+[[subsystem]]
+nqn = "{nqn}"
+
+[[subsystem.host]]
+nqn = "{host}"
+tls_psk = "{psk}"
+dhchap_key = "{dh}"
+
+[[subsystem.namespace]]
+backend = "mem:8M"
+""")
+    cfg.chmod(0o600)
+    proc = subprocess.Popen([exe, "--config", str(cfg), "--control-socket", str(tmp_path / "c.sock")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            assert proc.poll() is None, "nvmeof-targetd exited"
+            try:
+                so.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        with nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk,
+                            dhchap_key=dh, queues=1) as c:
+            n = c.namespace(1)
+            assert n.pread(n.block_size, 0) == bytes(n.block_size)
+        # A host given a TLS key is refused on the plain listener, with its NVMe status.
+        with pytest.raises(nvmeof.NvmeError) as e:
+            nvmeof.connect("127.0.0.1", port, nqn, hostnqn=host, dhchap_key=dh, queues=1)
+        assert e.value.sct == 1 and e.value.dnr
+        with pytest.raises(nvmeof.Error):
+            nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk, queues=1,
+                           timeout=5)
+        with pytest.raises(nvmeof.ConnectionError):
+            nvmeof.connect("127.0.0.1", tls_port, nqn, hostnqn=host, tls_key=psk, queues=1,
+                           timeout=5, dhchap_key=_key("DHHC-1", 0x32))
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def test_target_restart(tmp_path):
+    import signal
+    import subprocess
+    import socket as so
+    import threading
+    import time
+    from conftest import ROOT, free_port
+
+    exe = os.environ.get("NVMEOF_TARGETD", str(ROOT / "target/debug/nvmeof-targetd"))
+    port = free_port()
+    nqn = "nqn.2026-11.io.nvmeof-direct:restart"
+
+    def start():
+        p = subprocess.Popen([exe, "--listen", f"tcp://127.0.0.1:{port}", "-n", nqn,
+                              "--namespace", "mem:8M", "--allow-any-host",
+                              "--control-socket", str(tmp_path / "c.sock")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(300):
+            assert p.poll() is None, "nvmeof-targetd exited"
+            try:
+                so.create_connection(("127.0.0.1", port), timeout=1).close()
+                return p
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("nvmeof-targetd did not listen")
+
+    proc = start()
+    c = nvmeof.connect("127.0.0.1", port, nqn, queues=1, timeout=5)
+    try:
+        n = c.namespace(1)
+        bs = n.block_size
+        outcome = []
+
+        def reader():
+            # Reads running while the target dies and comes back: each completes (after a
+            # reconnect) or fails with a connection error; none hangs past the timeout.
+            for _ in range(200):
+                try:
+                    n.pread(bs, 0)
+                    outcome.append("ok")
+                except nvmeof.ConnectionError:
+                    outcome.append("conn")
+                except nvmeof.Error as e:
+                    outcome.append(f"other: {e}")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc = start()
+        t.join()
+        assert all(o in ("ok", "conn") for o in outcome), outcome
+        # After the restart, reads work again (reconnected or not, they end).
+        try:
+            assert len(n.pread(bs, 0)) == bs
+        except nvmeof.ConnectionError:
+            pass
+    finally:
+        try:
+            c.close()
+        except nvmeof.Error:
+            pass
+        proc.terminate()
+        proc.wait()
