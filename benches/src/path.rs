@@ -458,7 +458,7 @@ impl IoPath for TcpPath {
         let h = self.handle(queue, ns);
         let lba = offset / u64::from(self.geometry[ns].block_size);
         async move {
-            let r = h.read(lba, &mut buf).await;
+            let r = h.read_into(lba, &mut buf).await;
             (r.map_err(PathError::from), buf)
         }
     }

@@ -101,6 +101,12 @@ impl ReadDest for [u8] {
     }
 }
 
+/// A `Vec<u8>` read in one command (no larger than the controller's maximum transfer) lends
+/// itself: over NVMe/TCP the data is received from the socket straight into it, with no copy
+/// from the queue's buffer. The vector is back, filled, when the read returns. A read whose
+/// future is dropped while in flight, or that fails before it reaches the queue (the
+/// controller closed or failed), leaves the vector empty; a read that fails later gives it
+/// back unchanged in length.
 impl ReadDest for Vec<u8> {
     fn len(&self) -> usize {
         Vec::len(self)
@@ -108,6 +114,44 @@ impl ReadDest for Vec<u8> {
 
     fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
         self.as_mut_slice().write_at(offset, data)
+    }
+
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+        if offset != 0 || len != Vec::len(self) {
+            return None;
+        }
+        Some(Box::new(std::mem::take(self)))
+    }
+
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Box<dyn LentBuffer>,
+        filled: bool,
+    ) -> Result<(), BufferError> {
+        let _ = (offset, len, filled);
+        match buf.into_any().downcast::<Vec<u8>>() {
+            Ok(v) => {
+                *self = *v;
+                Ok(())
+            }
+            Err(_) => Err("a buffer this vector did not lend came back".into()),
+        }
+    }
+}
+
+impl LentBuffer for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
     }
 }
 

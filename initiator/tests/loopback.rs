@@ -649,3 +649,42 @@ async fn reads_land_in_buffers_the_destination_lends() {
         ctrl.disconnect().await.expect("disconnect");
     }
 }
+
+/// A `Vec<u8>` read in one command lends itself: the data lands straight in the vector (no
+/// copy from the queue's buffer), the vector comes back filled, and an error status gives it
+/// back with its length. A read split over several commands copies into it as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vec_reads_land_in_the_vector() {
+    let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 512);
+    let ctrl = Controller::connect(options(t.target_addr()))
+        .await
+        .expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+    let len = 1 << 20;
+    let data = pattern(5, 3 * 4096, len);
+    ns.write(3, &data).await.expect("write");
+    let before = ctrl.queue_stats()[1];
+    for bytes in [4096usize, 512 << 10] {
+        let mut v = vec![0u8; bytes];
+        ns.read_into(3, &mut v).await.expect("read");
+        assert!(v == data[..bytes], "{bytes} bytes");
+    }
+    let after = ctrl.queue_stats()[1];
+    assert_eq!(after.lent_commands - before.lent_commands, 2);
+
+    // Split over two commands: copied in, nothing lent.
+    let mut v = vec![0u8; len];
+    ns.read_into(3, &mut v).await.expect("read");
+    assert!(v == data);
+    assert_eq!(ctrl.queue_stats()[1].lent_commands, after.lent_commands);
+
+    // An error status: the vector comes back whole.
+    let mut v = vec![0u8; 2 * 4096];
+    let e = ns
+        .read_into(ns.num_blocks() - 1, &mut v)
+        .await
+        .expect_err("out of range");
+    assert_eq!(e.status().map(|s| s.sc), Some(generic::LBA_OUT_OF_RANGE));
+    assert_eq!(v.len(), 2 * 4096);
+    ctrl.disconnect().await.expect("disconnect");
+}
