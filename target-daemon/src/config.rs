@@ -258,7 +258,19 @@ pub struct TargetSettings {
     pub auth_rate: u32,
     /// Such transactions allowed at once to each host NQN and each source address.
     pub auth_burst: u32,
+    /// The memory all connections together may hold in send backlogs, receive buffers and
+    /// data buffers, in bytes (written like `"1G"` or `"512M"` in the file; at least 16M).
+    /// A connection over it stops reading its socket until others give memory back
+    /// ([`crate::memory`]).
+    #[serde(
+        deserialize_with = "deserialize_size",
+        serialize_with = "serialize_size"
+    )]
+    pub memory_budget: u64,
 }
+
+/// The default daemon-wide memory budget (`memory_budget`): 1 GiB.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
 pub const DEFAULT_POLL_US: u32 = 50;
@@ -283,6 +295,7 @@ impl Default for TargetSettings {
             save_dir: None,
             auth_rate: 8,
             auth_burst: 64,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
         }
     }
 }
@@ -655,6 +668,12 @@ impl Config {
                 t.handshake_timeout.as_millis()
             ));
         }
+        if t.memory_budget < crate::memory::MIN_MEMORY_BUDGET {
+            return bad(format!(
+                "target.memory_budget = {}: must be at least 16M",
+                blockdev::format_size(t.memory_budget)
+            ));
+        }
         if t.max_connections == 0 || t.max_connections_per_listener == 0 {
             return bad(
                 "target.max_connections and max_connections_per_listener must be at least 1".into(),
@@ -860,6 +879,23 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     ms.map(Duration::from_millis)
         .ok_or_else(|| format!("duration {s:?} is too long"))
+}
+
+fn serialize_size<S: serde::Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&blockdev::format_size(*n))
+}
+
+fn deserialize_size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Size::deserialize(d)? {
+        Size::Bytes(n) => Ok(n),
+        Size::Text(s) => blockdev::parse_size(&s).map_err(serde::de::Error::custom),
+    }
 }
 
 fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

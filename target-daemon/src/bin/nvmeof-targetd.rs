@@ -97,6 +97,12 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_connections_per_listener: Option<usize>,
 
+    /// The memory all connections together may hold in send backlogs, receive buffers and
+    /// data buffers, e.g. 1G or 512M (default: the config's memory_budget, else 1G; at least
+    /// 16M). A connection over it stops reading until others give memory back.
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    memory_budget: Option<u64>,
+
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9464 (default: the
     /// config's `metrics`, else off).
     #[arg(long, value_name = "ADDR:PORT")]
@@ -200,6 +206,7 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
     t.handshake_timeout = args.handshake_timeout.unwrap_or(t.handshake_timeout);
     t.max_connections = args.max_connections.unwrap_or(t.max_connections);
     t.metrics = args.metrics.or(t.metrics);
+    t.memory_budget = args.memory_budget.unwrap_or(t.memory_budget);
     t.max_connections_per_listener = args
         .max_connections_per_listener
         .unwrap_or(t.max_connections_per_listener);
@@ -584,4 +591,9 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Parses `--memory-budget` (K, M, G, T suffixes, powers of 1024).
+fn parse_budget(s: &str) -> Result<u64, String> {
+    blockdev::parse_size(s).map_err(|e| e.to_string())
 }
