@@ -279,6 +279,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    raise_open_files_limit(cfg.target.max_connections);
     let (target, listeners) = Target::build(&cfg)?;
     let metrics = match cfg.target.metrics {
         Some(addr) => Some(
@@ -596,4 +597,38 @@ fn main() -> ExitCode {
 /// Parses `--memory-budget` (K, M, G, T suffixes, powers of 1024).
 fn parse_budget(s: &str) -> Result<u64, String> {
     blockdev::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// Raises the soft limit on open files to the hard limit (each connection is one), and
+/// says so in the log when even that is below `max_connections`.
+fn raise_open_files_limit(max_connections: usize) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        let old = lim.current;
+        lim.current = lim.maximum;
+        match setrlimit(Resource::Nofile, lim.clone()) {
+            Ok(()) => {
+                let show = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
+                info!(
+                    from = %show(old),
+                    to = %show(lim.maximum),
+                    "raised the open files limit to the hard limit"
+                );
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot raise the open files limit");
+                lim.current = old;
+            }
+        }
+    }
+    // A few files besides the connections: listeners, backends, sockets, the log.
+    let needed = max_connections as u64 + 64;
+    if let Some(limit) = lim.current.filter(|&n| n < needed) {
+        warn!(
+            limit,
+            max_connections,
+            "the open files limit is below max_connections: connections past it are refused"
+        );
+    }
 }
