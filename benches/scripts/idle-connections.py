@@ -185,7 +185,8 @@ def main():
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
         except (ValueError, OSError) as e:
-            print(f"cannot raise the open files limit to {want}: {e}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            print(f"cannot raise the open files limit to {want} ({e}): at most {hard} files")
     host, port = a.addr.rsplit(":", 1)
     addr = (host, int(port))
     before = rss_kib(a.pid)

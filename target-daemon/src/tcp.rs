@@ -173,8 +173,7 @@ impl Conn {
                 self.e.closing = Some(reason);
             }
             let over_budget = self.account();
-            let backlog_full =
-                self.engine.pending_send_len() >= MAX_PENDING_SEND || over_budget;
+            let backlog_full = self.engine.pending_send_len() >= MAX_PENDING_SEND || over_budget;
             if self.paused && !backlog_full && self.e.closing.is_none() {
                 // The backlog drained: handle the PDUs left in the receive buffer.
                 self.paused = false;

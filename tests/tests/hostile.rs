@@ -516,7 +516,9 @@ fn hostile_queues_together_stay_within_the_memory_budget() {
     for n in 0..QUEUES {
         let (cntlid, qid) = (admins[usize::from(n / 3)].1, n % 3 + 1);
         let mut io = RawHost::io_queue(addr, NQN, cntlid, qid);
-        let burst: Vec<u8> = (0..32).flat_map(|cid| capsule(&read(cid, 1, MIB), &[])).collect();
+        let burst: Vec<u8> = (0..32)
+            .flat_map(|cid| capsule(&read(cid, 1, MIB), &[]))
+            .collect();
         io.stream.write_all(&burst).expect("send the reads");
         hostile.push(io);
     }

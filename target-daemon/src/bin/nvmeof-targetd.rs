@@ -564,6 +564,17 @@ fn print_normal(resp: &Response) {
     if let Some(n) = status["connections"].as_u64() {
         println!("connections: {n}");
     }
+    let m = &status["metrics"];
+    if let (Some(used), Some(budget)) = (
+        m["memory_in_use_bytes"].as_u64(),
+        m["memory_budget_bytes"].as_u64(),
+    ) {
+        println!(
+            "connection memory: {} of {}",
+            blockdev::format_size(used),
+            blockdev::format_size(budget)
+        );
+    }
 }
 
 fn main() -> ExitCode {
@@ -607,7 +618,7 @@ fn raise_open_files_limit(max_connections: usize) {
     if lim.current < lim.maximum {
         let old = lim.current;
         lim.current = lim.maximum;
-        match setrlimit(Resource::Nofile, lim.clone()) {
+        match setrlimit(Resource::Nofile, lim) {
             Ok(()) => {
                 let show = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
                 info!(
