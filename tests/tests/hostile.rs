@@ -1,8 +1,9 @@
 //! A hostile host against the `nvmeof-targetd` process: commands past the queue size from a
 //! host that never reads its socket (I/O reads on memory and file namespaces, discovery log
 //! pages), the same I/O queue connected twice, keep alive switched off, I/O after a shutdown,
-//! duplicate command identifiers and fields the specification reserves. The daemon's memory
-//! must stay bounded and every case must get the specification's answer.
+//! duplicate command identifiers and fields the specification reserves, several queues that
+//! together would overrun the daemon's memory budget. The daemon's memory must stay bounded
+//! and every case must get the specification's answer.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -530,9 +531,9 @@ fn hostile_queues_together_stay_within_the_memory_budget() {
     let grown = peak.saturating_sub(base);
     eprintln!("{QUEUES} hostile queues: the daemon grew by {grown} KiB");
     // The budget, plus a command's data and a small share per connection, plus what the
-    // allocator keeps.
+    // allocator keeps (54-74 MiB measured; 578 MiB without a budget).
     assert!(
-        grown < (BUDGET_MIB + 48) * 1024,
+        grown < (BUDGET_MIB + 64) * 1024,
         "the daemon grew by {grown} KiB with a budget of {BUDGET_MIB} MiB"
     );
     // A correct host is still served, small reads and large.
