@@ -1146,6 +1146,7 @@ mod tests {
             handshake_timeout = "1500ms"
             max_connections = 100
             max_connections_per_listener = 10
+            memory_budget = "512M"
             [[listener]]
             address = "tcp://0.0.0.0:4420"
             [discovery]
@@ -1167,7 +1168,20 @@ mod tests {
         assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
         assert_eq!(c.target.max_connections, 100);
         assert_eq!(c.target.max_connections_per_listener, 10);
+        assert_eq!(c.target.memory_budget, 512 << 20);
         assert_eq!(c.subsystems[0].namespaces[1].nsid, Some(7));
+        // The budget saves as it was written and reads back; too small a budget is refused.
+        let saved = toml::to_string(&c.target).unwrap();
+        assert!(saved.contains("memory_budget = \"512M\""), "{saved}");
+        let mut small = c.clone();
+        small.target.memory_budget = 1 << 20;
+        assert!(
+            small
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("at least 16M")
+        );
         assert_eq!(c.discovery.listen[0].addr.port(), 8009);
     }
 
