@@ -93,6 +93,9 @@ struct Conn {
     in_flight_bytes: usize,
     /// What this connection holds of the daemon's memory budget.
     charge: Charge,
+    /// Bytes of the free buffers in `pool`, as of the last turn of the connection's loop (the
+    /// pool is counted once per turn, not per PDU).
+    pool_cached: usize,
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -151,6 +154,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         pieces: Vec::new(),
         in_flight_bytes: 0,
         charge: Charge::new(&target.memory),
+        pool_cached: 0,
     };
     let reason = conn.run().await;
     let _ = conn.flush();
@@ -172,6 +176,7 @@ impl Conn {
                 }
                 self.e.closing = Some(reason);
             }
+            self.pool_cached = self.pool.cached_bytes();
             let over_budget = self.account();
             let backlog_full = self.engine.pending_send_len() >= MAX_PENDING_SEND || over_budget;
             if self.paused && !backlog_full && self.e.closing.is_none() {
@@ -322,17 +327,18 @@ impl Conn {
     /// Accounts what this connection holds now against the daemon's memory budget: its send
     /// and receive buffers (and the namespace memory waiting to be sent from), the buffers of
     /// writes waiting for their data and of requests running on a backend, and its free
-    /// data buffers. While the daemon is over its budget, gives back the capacity kept for
+    /// data buffers (as of the last turn of the loop). While the daemon is over its budget, gives back the capacity kept for
     /// later. Returns whether this connection must wait for memory
     /// ([`Charge::must_wait`]).
     fn account(&mut self) -> bool {
         if self.charge.budget().exceeded() {
             self.pool.clear();
+            self.pool_cached = 0;
             self.engine.release_buffers(0);
         }
         let writes: usize = self.writes.values().map(|w| w.buf.capacity()).sum();
         let busy = writes + self.in_flight_bytes;
-        let held = self.engine.memory_held() + busy + self.pool.cached_bytes();
+        let held = self.engine.memory_held() + busy + self.pool_cached;
         self.charge.set(held as u64);
         let active = self.engine.pending_send_len() + self.engine.buffered() + busy;
         self.charge.must_wait(active as u64)
