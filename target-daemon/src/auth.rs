@@ -19,8 +19,11 @@
 //! through the queue's event channel when the work is done. Each AUTH_Negotiate with a
 //! Diffie-Hellman exchange takes a token from its host NQN's and its source address's
 //! budgets ([`crate::ratelimit::AuthBudget`]); over budget, or with the pool's queue full,
-//! the transaction fails at once with AUTH_Failure1 "authentication failed", is logged
-//! (rate-limited) and counted in `nvmeof_auth_failures_total`.
+//! the transaction fails with AUTH_Failure1 "authentication failed", is logged
+//! (rate-limited) and counted in `nvmeof_auth_failures_total`. The refused Authentication
+//! Send completes only after [`REFUSAL_DELAY`] (a timer, no thread), so that a flooder
+//! that retries as soon as it is refused retries at most once per delay and queue, and its
+//! refusals cost the target little.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,6 +48,9 @@ use crate::ratelimit::{AuthBudget, LogKind};
 /// Largest Authentication Send payload accepted: an AUTH_Reply with two SHA-512 values and
 /// an ffdhe8192 public value is 1,168 bytes.
 const MAX_SEND_LEN: u32 = 4096;
+/// How long the Authentication Send of a transaction refused for a budget or busy threads
+/// is held before it completes.
+pub const REFUSAL_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Authentication Sends waiting for a pool thread; more are refused.
 pub const AUTH_QUEUE: usize = 32;
@@ -195,6 +201,24 @@ impl QueueAuth {
         }
     }
 
+    /// Completes a refused transaction's Authentication Send (`template`: its completion)
+    /// after [`REFUSAL_DELAY`], through the event channel; the queue takes no other
+    /// authentication message meanwhile. Outside a runtime (unit tests of the protocol)
+    /// completes at once.
+    fn hold_refusal(&self, template: Cqe) -> Answer {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return Answer::Now(Status::SUCCESS, None);
+        };
+        let (busy, done) = (Arc::clone(&self.busy), self.done.clone());
+        busy.store(true, Ordering::Release);
+        rt.spawn(async move {
+            tokio::time::sleep(REFUSAL_DELAY).await;
+            busy.store(false, Ordering::Release);
+            let _ = done.send(template);
+        });
+        Answer::Held
+    }
+
     /// Whether the queue may run commands other than authentication ones.
     pub fn is_authenticated(&self) -> bool {
         self.authenticated
@@ -266,7 +290,8 @@ impl QueueState {
                 if let Err(over) = self.target.auth.budget.take(hostnqn, self.origin.peer.ip()) {
                     auth.refused = Some(over.reason());
                     proto.refuse(msg, "over the authentication budget");
-                    return Answer::Now(Status::SUCCESS, None);
+                    drop(proto);
+                    return auth.hold_refusal(template);
                 }
             }
             if work.is_some() {
@@ -301,7 +326,7 @@ impl QueueState {
                 auth.proto
                     .lock()
                     .refuse(&data[..cmd.len as usize], "authentication threads busy");
-                return Answer::Now(Status::SUCCESS, None);
+                return auth.hold_refusal(template);
             }
             proto.handle(CtrlEvent::Send(msg), &mut rng)
         } else {
@@ -760,6 +785,33 @@ mod tests {
         assert!(admin.auth_pending());
         let snap = t.metrics_snapshot();
         assert_eq!(snap.auth_failures.get("host_over_budget"), Some(&1));
+        // On a reactor the refused Send completes only after the refusal delay (a lower
+        // bound: a timer never fires early).
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let mut host = HostAuth::new(host_cfg(key(1), None), 4);
+            let msg = host
+                .handle(HostEvent::Start, &mut rand::rng())
+                .send
+                .unwrap();
+            let sqe = auth_sqe(4, AuthCommand::send(msg.len() as u32));
+            let start = std::time::Instant::now();
+            assert!(matches!(admin.submit(&sqe, &msg), Submit::Held));
+            let cqe = admin.events.as_mut().unwrap().recv().await.unwrap();
+            assert!(cqe.status().is_success());
+            assert!(start.elapsed() >= REFUSAL_DELAY);
+        });
+        let receive = auth_sqe(4, AuthCommand::receive(4096));
+        let Submit::CompleteWithData(d, _) = admin.submit(&receive, &[]) else {
+            panic!("Authentication Receive returned no data");
+        };
+        assert!(matches!(
+            nvme_spec::auth::AuthMessage::parse(&d),
+            Ok(nvme_spec::auth::AuthMessage::Failure1 { .. })
+        ));
         // Only Diffie-Hellman exchanges are budgeted: the null group still works.
         let mut null = cfg.clone();
         null.subsystems[0].auth_hosts[0].dhchap_dhgroup = Some(DhGroupId::Null);

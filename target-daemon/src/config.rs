@@ -258,7 +258,19 @@ pub struct TargetSettings {
     pub auth_rate: u32,
     /// Such transactions allowed at once to each host NQN and each source address.
     pub auth_burst: u32,
+    /// The memory all connections together may hold in send backlogs, receive buffers and
+    /// data buffers, in bytes (written like `"1G"` or `"512M"` in the file; at least 16M).
+    /// A connection over it stops reading its socket until others give memory back
+    /// ([`crate::memory`]).
+    #[serde(
+        deserialize_with = "deserialize_size",
+        serialize_with = "serialize_size"
+    )]
+    pub memory_budget: u64,
 }
+
+/// The default daemon-wide memory budget (`memory_budget`): 1 GiB.
+pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
 
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
 pub const DEFAULT_POLL_US: u32 = 50;
@@ -283,6 +295,7 @@ impl Default for TargetSettings {
             save_dir: None,
             auth_rate: 8,
             auth_burst: 64,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
         }
     }
 }
@@ -655,6 +668,12 @@ impl Config {
                 t.handshake_timeout.as_millis()
             ));
         }
+        if t.memory_budget < crate::memory::MIN_MEMORY_BUDGET {
+            return bad(format!(
+                "target.memory_budget = {}: must be at least 16M",
+                blockdev::format_size(t.memory_budget)
+            ));
+        }
         if t.max_connections == 0 || t.max_connections_per_listener == 0 {
             return bad(
                 "target.max_connections and max_connections_per_listener must be at least 1".into(),
@@ -860,6 +879,23 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     ms.map(Duration::from_millis)
         .ok_or_else(|| format!("duration {s:?} is too long"))
+}
+
+fn serialize_size<S: serde::Serializer>(n: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&blockdev::format_size(*n))
+}
+
+fn deserialize_size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Size {
+        Bytes(u64),
+        Text(String),
+    }
+    match Size::deserialize(d)? {
+        Size::Bytes(n) => Ok(n),
+        Size::Text(s) => blockdev::parse_size(&s).map_err(serde::de::Error::custom),
+    }
 }
 
 fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -1110,6 +1146,7 @@ mod tests {
             handshake_timeout = "1500ms"
             max_connections = 100
             max_connections_per_listener = 10
+            memory_budget = "512M"
             [[listener]]
             address = "tcp://0.0.0.0:4420"
             [discovery]
@@ -1131,7 +1168,20 @@ mod tests {
         assert_eq!(c.target.handshake_timeout, Duration::from_millis(1500));
         assert_eq!(c.target.max_connections, 100);
         assert_eq!(c.target.max_connections_per_listener, 10);
+        assert_eq!(c.target.memory_budget, 512 << 20);
         assert_eq!(c.subsystems[0].namespaces[1].nsid, Some(7));
+        // The budget saves as it was written and reads back; too small a budget is refused.
+        let saved = toml::to_string(&c.target).unwrap();
+        assert!(saved.contains("memory_budget = \"512M\""), "{saved}");
+        let mut small = c.clone();
+        small.target.memory_budget = 1 << 20;
+        assert!(
+            small
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("at least 16M")
+        );
         assert_eq!(c.discovery.listen[0].addr.port(), 8009);
     }
 

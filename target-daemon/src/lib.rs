@@ -45,6 +45,7 @@ pub mod discovery;
 pub mod engine;
 pub mod io;
 pub mod launcher;
+pub mod memory;
 pub mod metrics;
 pub mod queue;
 pub mod ratelimit;

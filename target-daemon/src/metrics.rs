@@ -364,6 +364,10 @@ pub struct SubsystemFigures {
 pub struct MetricsSnapshot {
     /// Open connections (every transport, before and after Connect).
     pub connections: u64,
+    /// The daemon-wide memory budget of the connections, in bytes.
+    pub memory_budget_bytes: u64,
+    /// What the connections hold of it now, in bytes.
+    pub memory_in_use_bytes: u64,
     /// Protocol errors by transport: connections closed with a TermReq sent by the target.
     pub protocol_errors: BTreeMap<&'static str, u64>,
     /// TermReqs received from hosts, by transport.
@@ -584,6 +588,8 @@ impl Target {
         };
         MetricsSnapshot {
             connections: self.connection_count() as u64,
+            memory_budget_bytes: self.memory.limit(),
+            memory_in_use_bytes: self.memory.in_use(),
             protocol_errors: per_transport(&self.metrics.protocol_errors),
             host_term_reqs: per_transport(&self.metrics.host_term_reqs),
             connects_refused: self.metrics.connects_refused.lock().clone(),
@@ -679,6 +685,20 @@ impl Collector for TargetCollector {
             "Open connections (every transport, before and after Connect).",
             MetricType::Gauge,
             [(Labels::new(), gauge(snap.connections))],
+        )?;
+        family(
+            e,
+            "nvmeof_memory_budget_bytes",
+            "The memory all connections together may hold in send backlogs, receive buffers and data buffers.",
+            MetricType::Gauge,
+            [(Labels::new(), gauge(snap.memory_budget_bytes))],
+        )?;
+        family(
+            e,
+            "nvmeof_memory_in_use_bytes",
+            "What the connections hold of the memory budget now.",
+            MetricType::Gauge,
+            [(Labels::new(), gauge(snap.memory_in_use_bytes))],
         )?;
         let per_transport = |m: &BTreeMap<&'static str, u64>| -> Vec<(Labels, ConstCounter<u64>)> {
             m.iter()

@@ -103,6 +103,8 @@ pub struct Target {
     pub metrics: crate::metrics::TargetMetrics,
     /// Where authentication's Diffie-Hellman work runs, and its budgets.
     pub auth: crate::auth::AuthWork,
+    /// The memory all connections share ([`crate::memory`]).
+    pub memory: Arc<crate::memory::MemoryBudget>,
 }
 
 /// The subsystems of a target by NQN: an immutable snapshot, replaced whole on a change.
@@ -309,6 +311,7 @@ impl Target {
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
             metrics: Default::default(),
             auth: crate::auth::AuthWork::new(&cfg.target),
+            memory: crate::memory::MemoryBudget::new(cfg.target.memory_budget),
         };
         Ok((Arc::new(target), bound))
     }

@@ -34,6 +34,7 @@ use crate::config::Transport;
 use crate::controller::QueueOrigin;
 use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
 use crate::log_limited;
+use crate::memory::Charge;
 use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::ratelimit::LogKind;
 use crate::target::Target;
@@ -63,6 +64,8 @@ const FLUSH_EVERY: usize = 16;
 const SHARED_READ_MIN: usize = 32 * 1024;
 /// Most slices gathered into one vectored write.
 const FLUSH_IOV: usize = 64;
+/// How often a connection waiting for the memory budget looks again without being woken.
+const BUDGET_RECHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A write (or Dataset Management) waiting for its data from the host.
 struct PendingWrite {
@@ -86,6 +89,13 @@ struct Conn {
     paused: bool,
     /// Scratch list of the namespace memory a shared read sends from.
     pieces: Vec<blockdev::SharedPiece>,
+    /// Data buffers of requests running on a backend, in bytes.
+    in_flight_bytes: usize,
+    /// What this connection holds of the daemon's memory budget.
+    charge: Charge,
+    /// Bytes of the free buffers in `pool`, as of the last turn of the connection's loop (the
+    /// pool is counted once per turn, not per PDU).
+    pool_cached: usize,
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -142,6 +152,9 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         unflushed: 0,
         paused: false,
         pieces: Vec::new(),
+        in_flight_bytes: 0,
+        charge: Charge::new(&target.memory),
+        pool_cached: 0,
     };
     let reason = conn.run().await;
     let _ = conn.flush();
@@ -163,7 +176,9 @@ impl Conn {
                 }
                 self.e.closing = Some(reason);
             }
-            let backlog_full = self.engine.pending_send_len() >= MAX_PENDING_SEND;
+            self.pool_cached = self.pool.cached_bytes();
+            let over_budget = self.account();
+            let backlog_full = self.engine.pending_send_len() >= MAX_PENDING_SEND || over_budget;
             if self.paused && !backlog_full && self.e.closing.is_none() {
                 // The backlog drained: handle the PDUs left in the receive buffer.
                 self.paused = false;
@@ -195,6 +210,9 @@ impl Conn {
                 (false, true) => Some(Interest::WRITABLE),
                 (false, false) => None,
             };
+            // Over the memory budget: look again once another connection gave some back (or
+            // after a short while, in case that happened before this connection waited).
+            let budget = over_budget.then(|| Arc::clone(self.charge.budget()));
             tokio::select! {
                 biased;
                 wake = self.e.next() => {
@@ -202,6 +220,11 @@ impl Conn {
                         return reason;
                     }
                 }
+                _ = async {
+                    if let Some(b) = &budget {
+                        let _ = tokio::time::timeout(BUDGET_RECHECK, b.freed()).await;
+                    }
+                }, if budget.is_some() => {}
                 r = async { self.stream.ready(interest.unwrap_or(Interest::READABLE)).await }, if interest.is_some() => {
                     match r {
                         Ok(ready) if ready.is_readable() && can_read => {
@@ -301,13 +324,41 @@ impl Conn {
         Ok(())
     }
 
+    /// Accounts what this connection holds now against the daemon's memory budget: its send
+    /// and receive buffers (and the namespace memory waiting to be sent from), the buffers of
+    /// writes waiting for their data and of requests running on a backend, and its free
+    /// data buffers (as of the last turn of the loop). While the daemon is over its budget, gives back the capacity kept for
+    /// later. Returns whether this connection must wait for memory
+    /// ([`Charge::must_wait`]).
+    fn account(&mut self) -> bool {
+        if self.charge.budget().exceeded() {
+            self.pool.clear();
+            self.pool_cached = 0;
+            self.engine.release_buffers(0);
+        }
+        let writes: usize = self.writes.values().map(|w| w.buf.capacity()).sum();
+        let busy = writes + self.in_flight_bytes;
+        let held = self.engine.memory_held() + busy + self.pool_cached;
+        self.charge.set(held as u64);
+        let active = self.engine.pending_send_len() + self.engine.buffered() + busy;
+        self.charge.must_wait(active as u64)
+    }
+
+    /// Whether this connection must stop taking on work: its send backlog is full
+    /// ([`MAX_PENDING_SEND`]) or the daemon is over its memory budget and this connection
+    /// has more than [`FREE_SHARE`](crate::memory::FREE_SHARE) of work under way.
+    fn must_hold_back(&mut self) -> bool {
+        self.engine.pending_send_len() >= MAX_PENDING_SEND || self.account()
+    }
+
     /// Handles the complete PDUs in the receive buffer, until the send backlog is full
-    /// ([`MAX_PENDING_SEND`]; then `paused` is set and the rest waits for the host to read).
+    /// ([`MAX_PENDING_SEND`]) or the daemon is over its memory budget; then `paused` is set
+    /// and the rest waits for the host to read or for memory.
     fn handle_events(&mut self) -> Result<(), Closed> {
         loop {
-            if self.engine.pending_send_len() >= MAX_PENDING_SEND {
+            if self.must_hold_back() {
                 self.flush().map_err(Closed::Io)?;
-                if self.engine.pending_send_len() >= MAX_PENDING_SEND {
+                if self.must_hold_back() {
                     self.paused = true;
                     // Commands already received past the queue size end the connection now.
                     return self
@@ -449,6 +500,7 @@ impl Conn {
                     (None, IoOp::Read { len, .. }) => self.pool.get(len),
                     (None, _) => IoBuf::new(0),
                 };
+                self.in_flight_bytes += buf.len();
                 self.start(sqe, req, buf);
             }
         }
@@ -475,6 +527,7 @@ impl Conn {
             self.respond(&cqe);
             return;
         }
+        self.in_flight_bytes += w.buf.len();
         self.start(w.sqe, w.req, w.buf);
     }
 
@@ -578,6 +631,7 @@ impl crate::engine::Transport for Conn {
         let cid = done.req.cid;
         let read_data = done.status.is_success() && matches!(done.req.op, IoOp::Read { .. });
         let success = read_data && self.e.q.sq_flow_disabled;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(done.buf.len());
         if read_data {
             if let Err(e) = self.engine.send_c2h_data(cid, 0, &done.buf, true, success) {
                 debug!(error = %e, cid, "cannot queue C2HData");

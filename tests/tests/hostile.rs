@@ -1,8 +1,9 @@
 //! A hostile host against the `nvmeof-targetd` process: commands past the queue size from a
 //! host that never reads its socket (I/O reads on memory and file namespaces, discovery log
 //! pages), the same I/O queue connected twice, keep alive switched off, I/O after a shutdown,
-//! duplicate command identifiers and fields the specification reserves. The daemon's memory
-//! must stay bounded and every case must get the specification's answer.
+//! duplicate command identifiers and fields the specification reserves, several queues that
+//! together would overrun the daemon's memory budget. The daemon's memory must stay bounded
+//! and every case must get the specification's answer.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -477,4 +478,75 @@ fn memory_returns_when_a_slow_reader_catches_up() {
     }
     eprintln!("{held} KiB held while the host did not read, {kept} KiB once it caught up");
     assert!(kept < 4 * 1024, "{kept} KiB still held:\n{}", t.log());
+}
+
+#[test]
+fn hostile_queues_together_stay_within_the_memory_budget() {
+    /// Three controllers of three I/O queues each.
+    const QUEUES: u16 = 9;
+    const BUDGET_MIB: u64 = 32;
+    let dir = tempfile::tempdir().unwrap();
+    let file = format!(
+        "file:{},size=4M,bs=512,direct=off",
+        dir.path().join("ns").display()
+    );
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let budget = format!("{BUDGET_MIB}M");
+    let mut t = TargetProcess::spawn(
+        &[
+            "--listen",
+            &listen,
+            "--subsystem",
+            NQN,
+            "--reactors",
+            "2",
+            "--namespace",
+            &file,
+            "--memory-budget",
+            &budget,
+        ],
+        port,
+    );
+    let addr = t.addr();
+    let admins: Vec<(RawHost, u16)> = (0..4).map(|_| RawHost::admin(addr, NQN)).collect();
+    let base = t.rss_kib();
+    // Each queue sends a whole queue of 1 MiB reads and never reads its socket: alone, each
+    // could hold 32 MiB; together they must stay within the budget.
+    let mut hostile = Vec::new();
+    for n in 0..QUEUES {
+        let (cntlid, qid) = (admins[usize::from(n / 3)].1, n % 3 + 1);
+        let mut io = RawHost::io_queue(addr, NQN, cntlid, qid);
+        let burst: Vec<u8> = (0..32)
+            .flat_map(|cid| capsule(&read(cid, 1, MIB), &[]))
+            .collect();
+        io.stream.write_all(&burst).expect("send the reads");
+        hostile.push(io);
+    }
+    let mut peak = base;
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(100));
+        peak = peak.max(t.rss_kib());
+    }
+    let grown = peak.saturating_sub(base);
+    eprintln!("{QUEUES} hostile queues: the daemon grew by {grown} KiB");
+    // The budget, plus a command's data and a small share per connection, plus what the
+    // allocator keeps (54-74 MiB measured; 578 MiB without a budget).
+    assert!(
+        grown < (BUDGET_MIB + 64) * 1024,
+        "the daemon grew by {grown} KiB with a budget of {BUDGET_MIB} MiB"
+    );
+    // A correct host is still served, small reads and large.
+    let mut io = RawHost::io_queue(addr, NQN, admins[3].1, 1);
+    for (cid, len) in [(1, 4096), (2, MIB), (3, 128 * 1024)] {
+        match io.command(&read(cid, 1, len), &[], &[]) {
+            Reply::Completion(c, data) => {
+                assert_eq!(c.status(), Status::SUCCESS);
+                assert_eq!(data.len(), len as usize);
+            }
+            other => panic!("read: {other:?}"),
+        }
+    }
+    assert!(t.is_running(), "the daemon ended:\n{}", t.log());
+    drop(hostile);
 }

@@ -303,6 +303,22 @@ impl BufPool {
         }
     }
 
+    /// Frees every free buffer held.
+    pub fn clear(&self) {
+        for c in self.classes.iter() {
+            c.lock().clear();
+        }
+    }
+
+    /// The bytes of the free buffers held, over all classes.
+    pub fn cached_bytes(&self) -> usize {
+        self.classes
+            .iter()
+            .enumerate()
+            .map(|(class, c)| c.lock().len() * (IO_ALIGN << class))
+            .sum()
+    }
+
     /// The number of free buffers held, over all classes.
     pub fn cached(&self) -> usize {
         self.classes.iter().map(|c| c.lock().len()).sum()

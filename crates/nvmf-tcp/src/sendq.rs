@@ -163,6 +163,18 @@ impl SendQueue {
         }
     }
 
+    /// Memory this queue holds: its own buffer's capacity (sent bytes included until the
+    /// queue empties) and the namespace memory its shared segments wait to send.
+    pub fn held(&self) -> usize {
+        let shared: usize = self
+            .segs
+            .iter()
+            .filter(|s| matches!(s, Seg::Shared { .. }))
+            .map(Seg::len)
+            .sum();
+        self.own.capacity() + shared
+    }
+
     /// Gives back capacity of the own buffer beyond `keep` while nothing waits.
     pub fn shrink(&mut self, keep: usize) {
         if self.segs.is_empty() && self.own.capacity() > keep {

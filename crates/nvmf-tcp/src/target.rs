@@ -267,6 +267,12 @@ impl TargetConn {
         self.outstanding
     }
 
+    /// Memory the connection's buffers hold: the send buffer's capacity, the namespace memory
+    /// waiting to be sent from, and the receive buffer's capacity.
+    pub fn memory_held(&self) -> usize {
+        self.tx.held() + self.rx.capacity()
+    }
+
     /// Bytes received and not handled yet.
     pub fn buffered(&self) -> usize {
         self.rx.len()

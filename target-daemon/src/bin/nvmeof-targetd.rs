@@ -97,6 +97,12 @@ struct Args {
     #[arg(long, value_name = "N")]
     max_connections_per_listener: Option<usize>,
 
+    /// The memory all connections together may hold in send backlogs, receive buffers and
+    /// data buffers, e.g. 1G or 512M (default: the config's memory_budget, else 1G; at least
+    /// 16M). A connection over it stops reading until others give memory back.
+    #[arg(long, value_name = "SIZE", value_parser = parse_budget)]
+    memory_budget: Option<u64>,
+
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics, e.g. 127.0.0.1:9464 (default: the
     /// config's `metrics`, else off).
     #[arg(long, value_name = "ADDR:PORT")]
@@ -200,6 +206,7 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
     t.handshake_timeout = args.handshake_timeout.unwrap_or(t.handshake_timeout);
     t.max_connections = args.max_connections.unwrap_or(t.max_connections);
     t.metrics = args.metrics.or(t.metrics);
+    t.memory_budget = args.memory_budget.unwrap_or(t.memory_budget);
     t.max_connections_per_listener = args
         .max_connections_per_listener
         .unwrap_or(t.max_connections_per_listener);
@@ -272,6 +279,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    raise_open_files_limit(cfg.target.max_connections);
     let (target, listeners) = Target::build(&cfg)?;
     let metrics = match cfg.target.metrics {
         Some(addr) => Some(
@@ -556,6 +564,17 @@ fn print_normal(resp: &Response) {
     if let Some(n) = status["connections"].as_u64() {
         println!("connections: {n}");
     }
+    let m = &status["metrics"];
+    if let (Some(used), Some(budget)) = (
+        m["memory_in_use_bytes"].as_u64(),
+        m["memory_budget_bytes"].as_u64(),
+    ) {
+        println!(
+            "connection memory: {} of {}",
+            blockdev::format_size(used),
+            blockdev::format_size(budget)
+        );
+    }
 }
 
 fn main() -> ExitCode {
@@ -583,5 +602,44 @@ fn main() -> ExitCode {
             eprintln!("nvmeof-targetd: {}", nvmeof_daemon::error_line(e.as_ref()));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Parses `--memory-budget` (K, M, G, T suffixes, powers of 1024).
+fn parse_budget(s: &str) -> Result<u64, String> {
+    blockdev::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// Raises the soft limit on open files to the hard limit (each connection is one), and
+/// says so in the log when even that is below `max_connections`.
+fn raise_open_files_limit(max_connections: usize) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        let old = lim.current;
+        lim.current = lim.maximum;
+        match setrlimit(Resource::Nofile, lim) {
+            Ok(()) => {
+                let show = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
+                info!(
+                    from = %show(old),
+                    to = %show(lim.maximum),
+                    "raised the open files limit to the hard limit"
+                );
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot raise the open files limit");
+                lim.current = old;
+            }
+        }
+    }
+    // A few files besides the connections: listeners, backends, sockets, the log.
+    let needed = max_connections as u64 + 64;
+    if let Some(limit) = lim.current.filter(|&n| n < needed) {
+        warn!(
+            limit,
+            max_connections,
+            "the open files limit is below max_connections: connections past it are refused"
+        );
     }
 }
