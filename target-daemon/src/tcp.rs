@@ -281,6 +281,13 @@ impl Conn {
     /// vectored writes.
     fn flush(&mut self) -> io::Result<()> {
         self.unflushed = 0;
+        let first = self.engine.pending_send();
+        if first.len() == self.engine.pending_send_len() {
+            // Only bytes of our own (no shared namespace memory): one plain write.
+            let n = self.stream.try_write_some(first)?;
+            self.engine.consume_sent(n);
+            return Ok(());
+        }
         loop {
             let mut iov = [io::IoSlice::new(&[]); FLUSH_IOV];
             let mut used = 0;
@@ -336,7 +343,11 @@ impl Conn {
             self.pool_cached = 0;
             self.engine.release_buffers(0);
         }
-        let writes: usize = self.writes.values().map(|w| w.buf.capacity()).sum();
+        let writes: usize = if self.writes.is_empty() {
+            0
+        } else {
+            self.writes.values().map(|w| w.buf.capacity()).sum()
+        };
         let busy = writes + self.in_flight_bytes;
         let held = self.engine.memory_held() + busy + self.pool_cached;
         self.charge.set(held as u64);
