@@ -69,7 +69,7 @@ if command -v systemd-analyze >/dev/null; then
         printf 'systemd-analyze verify:\n%s\n' "$verify" >&2
         exit 1
     fi
-    if systemd-analyze --help | grep -q -- --offline; then
+    if [[ $(systemd-analyze --help) == *--offline* ]]; then
         for u in "$units"/*.service; do
             systemd-analyze security --offline=true --no-pager "$u" | tail -n 1
         done

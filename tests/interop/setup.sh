@@ -483,8 +483,9 @@ build_tool_segment() {
     pack "$st" "$name" "$hash"
 }
 
-# glibc dlopen()s libgcc_s for thread exit/cancellation; ldd does not list it.
-LIBGCC_S=$(ldconfig -p | awk '/libgcc_s.so.1 .*x86-64/ {print $NF; exit}')
+# glibc dlopen()s libgcc_s for thread exit/cancellation; ldd does not list it. awk reads the whole
+# list: leaving early would kill ldconfig with SIGPIPE, which pipefail turns into a failure.
+LIBGCC_S=$(ldconfig -p | awk '/libgcc_s.so.1 .*x86-64/ && !found { print $NF; found = 1 }')
 [[ -n $LIBGCC_S ]] || die "libgcc_s.so.1 not found"
 build_tool_segment nvme "$(pkg_versions nvme-cli libnvme1 libc6 libgcc-s1)" "/usr/sbin/nvme $LIBGCC_S"
 build_tool_segment fio "$(pkg_versions fio libc6 libgcc-s1)" "/usr/bin/fio $LIBGCC_S"
