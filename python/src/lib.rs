@@ -1,4 +1,5 @@
-//! The `nvmeof` Python module: a thin binding over the `nvmeof-initiator` crate.
+//! The `nvmeof._nvmeof` extension of the `nvmeof` Python package: a thin binding over the
+//! `nvmeof-initiator` crate (the package re-exports it; `nvmeof.torch` is Python over it).
 //!
 //! Every protocol decision stays in the initiator; this crate turns Python arguments into
 //! initiator calls, runs them on a Tokio runtime owned by the controller with the GIL released,
@@ -713,7 +714,7 @@ fn attach(py: Python<'_>, name: String, socket: Option<std::path::PathBuf>) -> P
 
 /// The `nvmeof` module.
 #[pymodule]
-#[pyo3(name = "nvmeof")]
+#[pyo3(name = "_nvmeof")]
 fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(connect, m)?)?;

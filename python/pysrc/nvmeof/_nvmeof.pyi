@@ -1,4 +1,5 @@
-"""NVMe-over-Fabrics namespaces from Python, through the nvmeof-direct initiator.
+"""The extension module of nvmeof (re-exported by the package): NVMe-over-Fabrics namespaces
+from Python, through the nvmeof-direct initiator.
 
 Offsets and lengths are in bytes and must be multiples of the namespace's block size.
 Blocking calls release the GIL. A Controller belongs to the process that connected it: in a
