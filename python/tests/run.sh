@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the nvmeof wheel with maturin and installs it into a virtual environment, as a user
 # would, then runs the pytest suite against target/debug/nvmeof-targetd (build it first:
-# `cargo build --workspace --bins`). Debian's /usr/bin/python3 with python3-venv, python3-numpy
-# and python3-pytest (installed here when missing); maturin from PyPI into the venv.
+# `cargo build --workspace --bins`). Debian's /usr/bin/python3 with python3-venv, python3-numpy,
+# python3-pytest and python3-torch (installed here when missing); maturin from PyPI into the venv.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -13,6 +13,8 @@ missing=()
 for p in python3-venv python3-numpy python3-pytest; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
 done
+# PyTorch (CPU) for the nvmeof.torch tests: any torch the interpreter imports will do.
+"$py" -c "import torch" >/dev/null 2>&1 || missing+=(python3-torch)
 if ((${#missing[@]})); then
     sudo_ apt-get update -qq
     sudo_ apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -94,6 +94,26 @@ def test_bad_input(ns):
         ns.pread(bs, -bs)
 
 
+def test_read_only_and_undersized_destinations(ns):
+    bs = ns.block_size
+    ro = np.zeros(bs, dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(ro, 0)
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_batch([(0, bs, bytearray(bs)), (bs, bs, ro)])
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_batch([(0, bs, bytes(bs))])
+    assert not ro.any()
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_batch([(0, bs, bytearray(bs)), (bs, 2 * bs, np.zeros(2 * bs - 1, np.uint8))])
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_batch([(0, bs, bytearray(0))])
+    # An undersized read_into is a read of fewer bytes: it must still be whole blocks.
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_into(bytearray(bs - 1), 0)
+
+
 def test_nvme_status_error(ctrl):
     with pytest.raises(nvmeof.NvmeError) as e:
         ctrl.namespace(77)
@@ -132,6 +152,15 @@ def test_closed_controller(spec):
         c.namespace(1)
     with pytest.raises(nvmeof.Error, match="closed"):
         n.flush()
+    bs = n.block_size
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.read_into(bytearray(bs), 0)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.write(bytes(bs), 0)
+    with pytest.raises(nvmeof.Error, match="closed"):
+        n.read_batch([(0, bs, bytearray(bs))])
+    with pytest.raises(nvmeof.Error, match="closed"):
+        c.namespaces
 
 
 def test_spec_pickles_and_reconnects(spec):
