@@ -9,15 +9,16 @@
 
 use std::ffi::c_char;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use nvmeof_initiator as ini;
+use nvmeof_initiator::gpu::{GpuIoError, GpuStaging, StagingConfig, cuda};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyCapsule, PyDict, PyTuple};
 
 /// The subsystem `nvmeof-targetd` serves when started without arguments.
 const DEFAULT_SUBNQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -61,6 +62,31 @@ fn py_err(e: ini::Error) -> PyErr {
             ConnectionError::new_err(msg)
         }
         _ => Error::new_err(msg),
+    }
+}
+
+/// Turns a CUDA error into a Python exception.
+fn cuda_err(e: cuda::GpuError) -> PyErr {
+    let msg = e.to_string().replace('\n', " ");
+    if e.is_unavailable() {
+        return Error::new_err(format!(
+            "a CUDA destination needs a usable CUDA driver and device: {msg}"
+        ));
+    }
+    match e {
+        cuda::GpuError::NotDeviceMemory { .. } => {
+            PyValueError::new_err(format!("CUDA destination: {msg}"))
+        }
+        _ => Error::new_err(format!("CUDA: {msg}")),
+    }
+}
+
+/// Turns an error of the GPU staging path into a Python exception.
+fn gpu_err(e: GpuIoError) -> PyErr {
+    match e {
+        GpuIoError::Io(e) => py_err(e),
+        GpuIoError::Gpu(e) => cuda_err(e),
+        e => Error::new_err(format!("CUDA: {}", e.to_string().replace('\n', " "))),
     }
 }
 
@@ -207,6 +233,50 @@ struct Shared {
     /// `None` once closed. I/O holds the read lock while it runs (GIL released); `close`
     /// takes the write lock, so it waits for I/O in flight.
     live: RwLock<Option<ManuallyDrop<Live>>>,
+    /// CUDA state per device, made on the first CUDA destination of that device.
+    gpu: Mutex<Vec<GpuDevice>>,
+}
+
+/// What reads into one device's memory use: its primary context, the initiator's pinned
+/// staging ring (single reads) and a pinned buffer that batches are received into.
+struct GpuDevice {
+    ctx: cuda::GpuContext,
+    staging: GpuStaging,
+    batch: Option<cuda::PinnedBuffer>,
+}
+
+impl GpuDevice {
+    /// The state of device `ordinal`, made on first use.
+    fn of(devs: &mut Vec<GpuDevice>, ordinal: usize) -> Result<&mut GpuDevice, GpuIoError> {
+        let i = match devs.iter().position(|d| d.ctx.ordinal() == ordinal) {
+            Some(i) => i,
+            None => {
+                let ctx = cuda::GpuContext::new(ordinal)?;
+                let staging = GpuStaging::new(&ctx, StagingConfig::default())?;
+                devs.push(GpuDevice {
+                    ctx,
+                    staging,
+                    batch: None,
+                });
+                devs.len() - 1
+            }
+        };
+        Ok(&mut devs[i])
+    }
+
+    /// A pinned buffer of at least `len` bytes for a batch.
+    fn batch_buffer(&mut self, len: usize) -> Result<&mut cuda::PinnedBuffer, GpuIoError> {
+        if self.batch.as_ref().is_none_or(|b| b.len() < len) {
+            self.batch = None;
+            self.batch = Some(
+                self.ctx
+                    .alloc_pinned(len.next_power_of_two().max(1 << 20))?,
+            );
+        }
+        self.batch
+            .as_mut()
+            .ok_or_else(|| GpuIoError::InvalidArgument("no batch buffer".into()))
+    }
 }
 
 impl Shared {
@@ -238,11 +308,28 @@ impl Shared {
 }
 
 impl Shared {
+    /// Runs `f` on the live controller with the GIL released; `f` makes its own Python errors.
+    fn run_py<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Live) -> PyResult<T> + Send,
+    ) -> PyResult<T> {
+        self.check_pid()?;
+        py.allow_threads(|| {
+            let g = self.live.read().unwrap_or_else(|p| p.into_inner());
+            match g.as_ref() {
+                None => Err(Error::new_err("the controller is closed")),
+                Some(live) => f(live),
+            }
+        })
+    }
+
     fn new(spec: Option<Spec>, rt: tokio::runtime::Runtime, ctrl: ini::Controller) -> Arc<Self> {
         Arc::new(Shared {
             pid: std::process::id(),
             spec,
             live: RwLock::new(Some(ManuallyDrop::new(Live { rt, ctrl }))),
+            gpu: Mutex::new(Vec::new()),
         })
     }
 }
@@ -262,6 +349,13 @@ fn runtime() -> PyResult<tokio::runtime::Runtime> {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        let gpu = std::mem::take(self.gpu.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if self.pid == std::process::id() {
+            drop(gpu);
+        } else {
+            // CUDA contexts do not survive fork: the child leaves the parent's alone.
+            std::mem::forget(gpu);
+        }
         let live = self
             .live
             .get_mut()
@@ -467,6 +561,309 @@ impl Drop for Lent {
     }
 }
 
+/// A destination in CUDA device memory, given through `__cuda_array_interface__` or DLPack.
+struct CudaDest {
+    /// Device address of the first byte.
+    ptr: u64,
+    len: usize,
+    /// A stream whose queued work must finish before the memory is written (CAI v3's
+    /// `stream`; `1`, the legacy default stream, for DLPack).
+    stream: Option<u64>,
+    /// The exporting object (or the DLPack capsule), alive until the read returns.
+    _owner: PyObject,
+}
+
+/// DLPack's `DLDevice`.
+#[repr(C)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// DLPack's `DLDataType`.
+#[repr(C)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// DLPack's `DLTensor`, the first member of `DLManagedTensor` (the unversioned capsule
+/// `"dltensor"`).
+#[repr(C)]
+struct DlTensor {
+    data: *mut std::ffi::c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+/// DLPack device types that are CUDA device memory (`kDLCUDA`, `kDLCUDAManaged`).
+const DL_CUDA: [i32; 2] = [2, 13];
+
+/// Checks that `shape` and `strides` (in units of `unit` bytes; None: C order) describe a
+/// C-contiguous array of `itemsize`-byte items; returns its size in bytes.
+fn contiguous_len(
+    shape: &[i64],
+    strides: Option<&[i64]>,
+    itemsize: usize,
+    unit: usize,
+) -> PyResult<usize> {
+    if shape.iter().any(|&d| d < 0) {
+        return Err(PyValueError::new_err(format!("negative shape {shape:?}")));
+    }
+    let count = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d as usize))
+        .and_then(|n| n.checked_mul(itemsize))
+        .ok_or_else(|| PyValueError::new_err(format!("shape {shape:?} overflows")))?;
+    if let (Some(strides), true) = (strides, count > 0) {
+        if strides.len() != shape.len() {
+            return Err(PyValueError::new_err("strides and shape differ in length"));
+        }
+        let mut expect = itemsize as i128;
+        for (&d, &st) in shape.iter().zip(strides).rev() {
+            if d != 1 && i128::from(st) * unit as i128 != expect {
+                return Err(PyValueError::new_err(
+                    "the CUDA destination is not C-contiguous",
+                ));
+            }
+            expect *= i128::from(d);
+        }
+    }
+    Ok(count)
+}
+
+impl CudaDest {
+    /// The destination `obj` describes with `__cuda_array_interface__`, if it has one, and the
+    /// interface's version.
+    fn from_cai(obj: &Bound<'_, PyAny>) -> PyResult<Option<(CudaDest, i64)>> {
+        let py = obj.py();
+        // Objects that do not live on a GPU have no such attribute (PyTorch raises for CPU
+        // tensors): any failure means "not a CUDA array".
+        let Ok(cai) = obj.getattr(pyo3::intern!(py, "__cuda_array_interface__")) else {
+            return Ok(None);
+        };
+        let bad = |what: &str| PyValueError::new_err(format!("__cuda_array_interface__: {what}"));
+        let d = cai
+            .downcast::<PyDict>()
+            .map_err(|_| PyTypeError::new_err("__cuda_array_interface__ is not a dict"))?;
+        let item = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            Ok(d.get_item(k)?.filter(|v| !v.is_none()))
+        };
+        let version: i64 = item("version")?
+            .map(|v| v.extract())
+            .transpose()
+            .map_err(|_| bad("version is not an integer"))?
+            .unwrap_or(0);
+        let shape: Vec<i64> = item("shape")?
+            .ok_or_else(|| bad("no shape"))?
+            .extract()
+            .map_err(|_| bad("shape is not a tuple of integers"))?;
+        let typestr: String = item("typestr")?
+            .ok_or_else(|| bad("no typestr"))?
+            .extract()
+            .map_err(|_| bad("typestr is not a string"))?;
+        let itemsize = typestr
+            .get(2..)
+            .and_then(|n| n.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .ok_or_else(|| bad(&format!("typestr {typestr:?} has no item size")))?;
+        let (ptr, readonly): (u64, bool) =
+            item("data")?
+                .ok_or_else(|| bad("no data"))?
+                .extract()
+                .map_err(|_| bad("data is not a (pointer, read-only) tuple"))?;
+        if readonly {
+            return Err(PyTypeError::new_err(
+                "the destination is read-only (its __cuda_array_interface__ says so)",
+            ));
+        }
+        if item("mask")?.is_some() {
+            return Err(bad("masked arrays cannot be read into"));
+        }
+        let strides: Option<Vec<i64>> = item("strides")?
+            .map(|s| s.extract())
+            .transpose()
+            .map_err(|_| bad("strides is not a tuple of integers"))?;
+        let len = contiguous_len(&shape, strides.as_deref(), itemsize, 1)?;
+        let stream = match item("stream")? {
+            None => None,
+            Some(v) => match v.extract::<i64>() {
+                Ok(0) => {
+                    return Err(bad(
+                        "stream 0 is ambiguous (use 1 for the legacy default stream, 2 for the per-thread one)",
+                    ));
+                }
+                Ok(n) if n > 0 => Some(n as u64),
+                _ => return Err(bad("stream is not a positive integer")),
+            },
+        };
+        let dest = CudaDest {
+            ptr,
+            len,
+            stream,
+            _owner: obj.clone().unbind(),
+        };
+        Ok(Some((dest, version)))
+    }
+
+    /// The destination `obj` exports through DLPack, if it is CUDA device memory.
+    fn from_dlpack(obj: &Bound<'_, PyAny>) -> PyResult<Option<CudaDest>> {
+        let py = obj.py();
+        let Ok(device) = obj.call_method0(pyo3::intern!(py, "__dlpack_device__")) else {
+            return Ok(None);
+        };
+        let Ok((device_type, _)) = device.extract::<(i32, i32)>() else {
+            return Ok(None);
+        };
+        if !DL_CUDA.contains(&device_type) {
+            return Ok(None);
+        }
+        // Ask the producer to order its pending work before the legacy default stream, which
+        // is synchronized before the memory is written.
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("stream", 1)?;
+        let cap = match obj.call_method(pyo3::intern!(py, "__dlpack__"), (), Some(&kwargs)) {
+            Ok(c) => c,
+            Err(_) => obj.call_method0(pyo3::intern!(py, "__dlpack__"))?,
+        };
+        let capsule = cap
+            .downcast::<PyCapsule>()
+            .map_err(|_| PyTypeError::new_err("__dlpack__ did not return a capsule"))?;
+        if capsule.name()? != Some(c"dltensor") {
+            return Err(PyValueError::new_err(
+                "__dlpack__ returned a capsule that is not an unused \"dltensor\"",
+            ));
+        }
+        let t = capsule.pointer().cast::<DlTensor>();
+        if t.is_null() {
+            return Err(PyValueError::new_err(
+                "__dlpack__ returned an empty capsule",
+            ));
+        }
+        // SAFETY: a "dltensor" capsule holds a DLManagedTensor, whose first member is the
+        // DLTensor laid out as `DlTensor`; the producer keeps it and the arrays it points to
+        // valid until the capsule's destructor runs, and we hold the capsule.
+        let t = unsafe { &*t };
+        if !DL_CUDA.contains(&t.device.device_type) {
+            return Err(PyValueError::new_err(
+                "the DLPack tensor is not CUDA device memory",
+            ));
+        }
+        let ndim = usize::try_from(t.ndim)
+            .map_err(|_| PyValueError::new_err("DLPack tensor with negative ndim"))?;
+        let bits = usize::from(t.dtype.bits) * usize::from(t.dtype.lanes);
+        if bits == 0 || bits % 8 != 0 {
+            return Err(PyValueError::new_err(format!(
+                "DLPack items of {bits} bits are not whole bytes"
+            )));
+        }
+        // `dtype.code` (integer, float...) does not matter: the read fills bytes.
+        let _ = t.dtype.code;
+        let (shape, strides): (Vec<i64>, Option<Vec<i64>>) = if ndim == 0 {
+            (Vec::new(), None)
+        } else {
+            if t.shape.is_null() {
+                return Err(PyValueError::new_err("DLPack tensor without a shape"));
+            }
+            // SAFETY: `shape` points to `ndim` integers and `strides`, when not null, too
+            // (DLPack), valid while the capsule lives.
+            let shape = unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec();
+            let strides = (!t.strides.is_null())
+                // SAFETY: as above.
+                .then(|| unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec());
+            (shape, strides)
+        };
+        let itemsize = bits / 8;
+        let len = contiguous_len(&shape, strides.as_deref(), itemsize, itemsize)?;
+        let ptr = (t.data as u64)
+            .checked_add(t.byte_offset)
+            .ok_or_else(|| PyValueError::new_err("DLPack data pointer overflows"))?;
+        Ok(Some(CudaDest {
+            ptr,
+            len,
+            stream: Some(1),
+            _owner: capsule.clone().into_any().unbind(),
+        }))
+    }
+}
+
+/// A read destination: host memory lent through the buffer protocol, or CUDA memory.
+enum Dest {
+    Host(Lent),
+    Cuda(CudaDest),
+}
+
+impl Dest {
+    /// What `obj` offers: `__cuda_array_interface__` v3 (which names the stream to wait for),
+    /// else DLPack on a CUDA device (the producer orders its work before the legacy default
+    /// stream), else an older `__cuda_array_interface__` (PyTorch's is v2: no stream, so the
+    /// legacy default stream is waited for), else a writable buffer.
+    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Dest> {
+        let cai = CudaDest::from_cai(obj)?;
+        match cai {
+            Some((d, version)) if version >= 3 => return Ok(Dest::Cuda(d)),
+            _ => {}
+        }
+        if let Some(d) = CudaDest::from_dlpack(obj)? {
+            return Ok(Dest::Cuda(d));
+        }
+        if let Some((mut d, _)) = cai {
+            d.stream = d.stream.or(Some(1));
+            return Ok(Dest::Cuda(d));
+        }
+        Lent::get(obj, true).map(Dest::Host)
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Dest::Host(l) => l.len(),
+            Dest::Cuda(c) => c.len,
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            Dest::Host(l) => l.addr() as u64,
+            Dest::Cuda(c) => c.ptr,
+        }
+    }
+}
+
+/// Waits for the streams CUDA destinations named (each once).
+fn sync_streams(dev: &GpuDevice, dests: &[&CudaDest]) -> Result<(), GpuIoError> {
+    let mut done: Vec<u64> = Vec::new();
+    for s in dests.iter().filter_map(|d| d.stream) {
+        if !done.contains(&s) {
+            // SAFETY: the stream comes from the destination's exporter, which describes memory
+            // of this device and names a stream of its context (or 1 / 2, the default
+            // streams), as the interface requires.
+            unsafe { dev.ctx.synchronize_raw_stream(s) }?;
+            done.push(s);
+        }
+    }
+    Ok(())
+}
+
+/// The device all `dests` live on (one batch reads into one device).
+fn device_of(dests: &[&CudaDest]) -> Result<usize, GpuIoError> {
+    let mut ordinal = None;
+    for d in dests {
+        let o = cuda::device_of_pointer(d.ptr)?;
+        if ordinal.is_some_and(|p| p != o) {
+            return Err(GpuIoError::InvalidArgument(
+                "the CUDA destinations of one batch must be on one device".into(),
+            ));
+        }
+        ordinal = Some(o);
+    }
+    ordinal.ok_or_else(|| GpuIoError::InvalidArgument("no CUDA destination".into()))
+}
+
 /// A namespace of a controller: byte-addressed block I/O.
 #[pyclass(module = "nvmeof", frozen)]
 struct Namespace {
@@ -550,22 +947,49 @@ impl Namespace {
         Some(self.ns.info().nguid.clone()).filter(|s| !s.is_empty())
     }
 
-    /// Reads len(buffer) bytes at `offset` into a writable, C-contiguous buffer; returns the
-    /// number of bytes read.
+    /// Reads len(buffer) bytes at `offset` into a writable, C-contiguous buffer or CUDA
+    /// array; returns the number of bytes read.
     fn read_into(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>, offset: u64) -> PyResult<usize> {
-        let dest = Lent::get(buffer, true)?;
+        let dest = Dest::get(buffer)?;
         let lba = self.range(offset, dest.len())?;
-        let (addr, len) = (dest.addr(), dest.len());
         let ns = &*self.ns;
-        self.shared.run(py, |l| {
-            // SAFETY: `dest` keeps the exported, writable, contiguous region of `len` bytes
-            // at `addr` pinned until it drops after this call; the binding makes no other
-            // reference to it while the read runs.
-            let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-            l.rt.block_on(ns.read(lba, buf))
-        })?;
-        drop(dest);
-        Ok(len)
+        match dest {
+            Dest::Host(dest) => {
+                let (addr, len) = (dest.addr(), dest.len());
+                self.shared.run(py, |l| {
+                    // SAFETY: `dest` keeps the exported, writable, contiguous region of `len`
+                    // bytes at `addr` pinned until it drops after this call; the binding makes
+                    // no other reference to it while the read runs.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+                    l.rt.block_on(ns.read(lba, buf))
+                })?;
+                drop(dest);
+                Ok(len)
+            }
+            Dest::Cuda(d) => {
+                if d.len > 0 {
+                    let (ptr, len) = (d.ptr, d.len);
+                    let shared = &self.shared;
+                    let dref = &d;
+                    shared.run_py(py, |l| {
+                        let read = || -> Result<(), GpuIoError> {
+                            let ordinal = cuda::device_of_pointer(ptr)?;
+                            let mut devs = shared.gpu.lock().unwrap_or_else(|p| p.into_inner());
+                            let dev = GpuDevice::of(&mut devs, ordinal)?;
+                            sync_streams(dev, &[dref])?;
+                            // SAFETY: `d` holds the exporting object, so the memory stays
+                            // allocated until this call returns, after the buffer is dropped;
+                            // the driver checked that the range is device memory of this
+                            // device; the caller gave it to be written.
+                            let mut buf = unsafe { dev.ctx.borrow_device_memory(ptr, len) }?;
+                            l.rt.block_on(dev.staging.read(ns, lba, buf.as_slice_mut()))
+                        };
+                        read().map_err(gpu_err)
+                    })?;
+                }
+                Ok(d.len)
+            }
+        }
     }
 
     /// Reads `size` bytes at `offset` and returns them as bytes.
@@ -606,16 +1030,17 @@ impl Namespace {
     }
 
     /// Reads many ranges: `reads` is a list of (offset, length, dest) with `dest` a writable
-    /// buffer of at least `length` bytes. Every read is submitted before any is waited for.
+    /// buffer or CUDA array of at least `length` bytes. Every read is submitted before any is
+    /// waited for.
     fn read_batch(
         &self,
         py: Python<'_>,
         reads: Vec<(u64, usize, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
-        let mut lent = Vec::with_capacity(reads.len());
+        let mut dests = Vec::with_capacity(reads.len());
         let mut jobs = Vec::with_capacity(reads.len());
         for (i, (offset, length, dest)) in reads.iter().enumerate() {
-            let d = Lent::get(dest, true)?;
+            let d = Dest::get(dest)?;
             if d.len() < *length {
                 return Err(PyValueError::new_err(format!(
                     "read {i}: the destination holds {} bytes, fewer than {length}",
@@ -624,26 +1049,102 @@ impl Namespace {
             }
             let lba = self.range(*offset, *length)?;
             jobs.push((lba, d.addr(), *length));
-            lent.push(d);
+            dests.push(d);
         }
-        let mut spans: Vec<(usize, usize)> = jobs.iter().map(|j| (j.1, j.1 + j.2)).collect();
+        let mut spans: Vec<(u64, u64)> = jobs
+            .iter()
+            .filter(|j| j.2 > 0)
+            .map(|j| (j.1, j.1 + j.2 as u64))
+            .collect();
         spans.sort_unstable();
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
             return Err(PyValueError::new_err("destinations of a batch overlap"));
         }
         let ns = &*self.ns;
-        self.shared.run(py, |l| {
-            let ios = jobs.iter().map(|&(lba, addr, len)| {
-                // SAFETY: each region is pinned by its `Lent` in `lent` until after this
-                // call, writable and at least `len` bytes long, and no two overlap (checked
-                // above), so each slice is the only reference to its bytes.
-                let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                ns.read(lba, buf)
-            });
-            l.rt.block_on(futures_util::future::try_join_all(ios))
-                .map(|_| ())
-        })?;
-        drop(lent);
+        let cuda: Vec<&CudaDest> = dests
+            .iter()
+            .filter_map(|d| match d {
+                Dest::Cuda(c) if c.len > 0 => Some(c),
+                _ => None,
+            })
+            .collect();
+        if cuda.is_empty() {
+            self.shared.run(py, |l| {
+                let ios = jobs.iter().map(|&(lba, addr, len)| {
+                    // SAFETY: each region is pinned by its `Lent` in `dests` until after this
+                    // call, writable and at least `len` bytes long, and no two overlap
+                    // (checked above), so each slice is the only reference to its bytes.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+                    ns.read(lba, buf)
+                });
+                l.rt.block_on(futures_util::future::try_join_all(ios))
+                    .map(|_| ())
+            })?;
+        } else {
+            let is_cuda: Vec<bool> = dests.iter().map(|d| matches!(d, Dest::Cuda(_))).collect();
+            let shared = &self.shared;
+            let cuda = &cuda;
+            let jobs = &jobs;
+            shared.run_py(py, |l| {
+                let read = || -> Result<(), GpuIoError> {
+                    let ordinal = device_of(cuda)?;
+                    let mut devs = shared.gpu.lock().unwrap_or_else(|p| p.into_inner());
+                    let dev = GpuDevice::of(&mut devs, ordinal)?;
+                    sync_streams(dev, cuda)?;
+                    // Reads into CUDA memory are received, all together with the host ones,
+                    // into one pinned buffer, then copied to their destinations on one stream.
+                    let staged: usize = jobs
+                        .iter()
+                        .zip(&is_cuda)
+                        .filter(|(_, c)| **c)
+                        .map(|(j, _)| j.2)
+                        .sum();
+                    let stream = dev.staging.stream().clone();
+                    let ctx = dev.ctx.clone();
+                    let pinned = dev.batch_buffer(staged.max(1))?;
+                    let mut copies = Vec::new();
+                    {
+                        let mut rest = &mut pinned.as_mut_slice()?[..staged];
+                        let mut at = 0usize;
+                        let mut ios = Vec::with_capacity(jobs.len());
+                        for (&(lba, addr, len), &c) in jobs.iter().zip(&is_cuda) {
+                            let buf: &mut [u8] = if c {
+                                let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+                                rest = tail;
+                                copies.push((at, addr, len));
+                                at += len;
+                                head
+                            } else {
+                                // SAFETY: as for host-only batches above.
+                                unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+                            };
+                            ios.push(ns.read(lba, buf));
+                        }
+                        l.rt.block_on(futures_util::future::try_join_all(ios))?;
+                    }
+                    let mut bufs = Vec::with_capacity(copies.len());
+                    for &(at, addr, len) in &copies {
+                        if len == 0 {
+                            continue;
+                        }
+                        // SAFETY: each CUDA destination's exporter is held in `dests` until
+                        // this call returns, after the buffers drop; the driver checks the
+                        // range; destinations do not overlap (checked above).
+                        let mut buf = unsafe { ctx.borrow_device_memory(addr, len) }?;
+                        stream.copy_h2d_async(
+                            &pinned.slice(at..at + len)?,
+                            &mut buf.as_slice_mut(),
+                        )?;
+                        bufs.push(buf);
+                    }
+                    stream.synchronize()?;
+                    drop(bufs);
+                    Ok(())
+                };
+                read().map_err(gpu_err)
+            })?;
+        }
+        drop(dests);
         Ok(())
     }
 
@@ -726,5 +1227,6 @@ fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NvmeError", py.get_type::<NvmeError>())?;
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
     m.add("DEFAULT_SUBNQN", DEFAULT_SUBNQN)?;
+    m.add("GPU_DESTINATIONS", true)?;
     Ok(())
 }

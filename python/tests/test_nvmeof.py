@@ -432,3 +432,107 @@ def test_target_restart(tmp_path):
             pass
         proc.terminate()
         proc.wait()
+
+
+class FakeCai:
+    """An object that claims CUDA memory through __cuda_array_interface__ (at an address no
+    GPU has): what the module makes of it is checked without a GPU."""
+
+    def __init__(self, **kw):
+        self.__cuda_array_interface__ = dict(
+            shape=(4096,), typestr="|u1", data=(0x7F0000000000, False), version=3,
+            strides=None, stream=None)
+        self.__cuda_array_interface__.update(kw)
+
+
+def _fake_dlpack(shape, strides=None, device=2, bits=8):
+    import ctypes as C
+
+    class DLDevice(C.Structure):
+        _fields_ = [("device_type", C.c_int32), ("device_id", C.c_int32)]
+
+    class DLDataType(C.Structure):
+        _fields_ = [("code", C.c_uint8), ("bits", C.c_uint8), ("lanes", C.c_uint16)]
+
+    class DLTensor(C.Structure):
+        _fields_ = [("data", C.c_void_p), ("device", DLDevice), ("ndim", C.c_int32),
+                    ("dtype", DLDataType), ("shape", C.POINTER(C.c_int64)),
+                    ("strides", C.POINTER(C.c_int64)), ("byte_offset", C.c_uint64)]
+
+    class DLManagedTensor(C.Structure):
+        _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", C.c_void_p),
+                    ("deleter", C.c_void_p)]
+
+    new_capsule = C.pythonapi.PyCapsule_New
+    new_capsule.restype = C.py_object
+    new_capsule.argtypes = [C.c_void_p, C.c_char_p, C.c_void_p]
+
+    class Fake:
+        def __init__(self):
+            self.shape = (C.c_int64 * len(shape))(*shape)
+            self.strides = None if strides is None else (C.c_int64 * len(strides))(*strides)
+            t = DLManagedTensor()
+            t.dl_tensor.data = 0x7F0000000000
+            t.dl_tensor.device = DLDevice(device, 0)
+            t.dl_tensor.ndim = len(shape)
+            t.dl_tensor.dtype = DLDataType(1, bits, 1)
+            t.dl_tensor.shape = self.shape
+            if self.strides is not None:
+                t.dl_tensor.strides = self.strides
+            self.t, self.streams = t, []
+
+        def __dlpack_device__(self):
+            return (device, 0)
+
+        def __dlpack__(self, stream=None):
+            self.streams.append(stream)
+            return new_capsule(C.addressof(self.t), b"dltensor", None)
+
+    return Fake()
+
+
+def test_cuda_destinations_checked_and_refused_cleanly(ns):
+    """CUDA destinations are parsed and checked before any I/O; where there is no CUDA driver
+    (or the address is not device memory) the read ends with a clear error, never a crash."""
+    bs = ns.block_size
+    assert nvmeof.GPU_DESTINATIONS is True
+    no_gpu = (nvmeof.Error, ValueError)
+    with pytest.raises(no_gpu, match="CUDA"):
+        ns.read_into(FakeCai(shape=(bs,)), 0)
+    with pytest.raises(no_gpu, match="CUDA"):
+        ns.read_into(FakeCai(shape=(2, bs // 4), typestr="<f4", strides=(bs, 4)), 0)
+    with pytest.raises(no_gpu, match="CUDA"):
+        ns.read_batch([(0, bs, bytearray(bs)), (bs, bs, FakeCai(shape=(bs,), stream=2))])
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_into(FakeCai(shape=(bs,), data=(0x7F0000000000, True)), 0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ns.read_into(FakeCai(shape=(bs,), strides=(2,)), 0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ns.read_into(FakeCai(shape=(2, bs // 4), typestr="<f4", strides=(8, 4)), 0)
+    with pytest.raises(ValueError, match="item size"):
+        ns.read_into(FakeCai(typestr="|u"), 0)
+    with pytest.raises(ValueError, match="stream 0"):
+        ns.read_into(FakeCai(shape=(bs,), stream=0), 0)
+    with pytest.raises(ValueError, match="mask"):
+        ns.read_into(FakeCai(shape=(bs,), mask=object()), 0)
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_into(FakeCai(shape=(bs - 1,)), 0)
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.read_into(FakeCai(shape=(2 * bs,)), ns.size - bs)
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_batch([(0, 2 * bs, FakeCai(shape=(bs,)))])
+    with pytest.raises(ValueError, match="__cuda_array_interface__"):
+        ns.read_into(FakeCai(shape="x"), 0)
+    # DLPack: CUDA tensors are asked for the legacy default stream (1).
+    d = _fake_dlpack((bs,))
+    with pytest.raises(no_gpu, match="CUDA"):
+        ns.read_into(d, 0)
+    assert d.streams == [1]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        ns.read_into(_fake_dlpack((2, bs), strides=(1, 2)), 0)
+    with pytest.raises(ValueError, match="bits"):
+        ns.read_into(_fake_dlpack((bs,), bits=12), 0)
+    # A DLPack tensor on the CPU is not CUDA memory: the buffer protocol is asked instead.
+    with pytest.raises(TypeError, match="buffer"):
+        ns.read_into(_fake_dlpack((bs,), device=1), 0)
+    assert ns.pread(bs, 0) is not None  # the controller is fine

@@ -186,6 +186,15 @@ pub enum GpuError {
     /// `elapsed_ms` was asked of an event created without timing.
     #[error("elapsed time needs two events created with timing enabled")]
     EventTimingDisabled,
+    /// An address handed in as device memory is not (or not wholly) device memory of the
+    /// expected device.
+    #[error("address {ptr:#x} is not usable device memory: {reason}")]
+    NotDeviceMemory {
+        /// The address.
+        ptr: u64,
+        /// What the driver said about it.
+        reason: String,
+    },
     /// A name passed to the driver contains a NUL byte.
     #[error("name {0:?} contains a NUL byte")]
     InvalidName(String),

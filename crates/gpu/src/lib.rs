@@ -10,7 +10,9 @@
 //! What it offers:
 //! - [`GpuContext`]: a device's primary context and its [`DeviceInfo`];
 //! - [`DeviceBuffer`] with byte-offset views [`DeviceSlice`] / [`DeviceSliceMut`] (any offset,
-//!   any length), blocking copies to and from host memory;
+//!   any length), blocking copies to and from host memory; device memory of other CUDA users
+//!   in the process borrowed as a buffer ([`GpuContext::borrow_device_memory`], checked with
+//!   [`device_of_pointer`]);
 //! - [`PinnedBuffer`]: page-locked host staging memory;
 //! - [`GpuStream`] / [`GpuEvent`] and asynchronous copies (`copy_h2d_async`, ...);
 //! - dma-buf export of device memory ([`DeviceSlice::export_dmabuf`] -> [`DmaBuf`]) for
@@ -42,7 +44,7 @@ pub use driver::{DriverInfo, MIN_DRIVER_VERSION, driver_available, ensure_driver
 pub use error::{GpuError, GpuResult};
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, HostPinned, PinnedBuffer,
-    PinnedSlice, PinnedSliceMut, check_range, resolve_range,
+    PinnedSlice, PinnedSliceMut, check_range, device_of_pointer, resolve_range,
 };
 pub use module::{
     CodeTarget, CompiledModule, Kernel, LaunchArgs, LaunchConfig, Module, ParamInfo, compile,
@@ -81,5 +83,6 @@ mod tests {
         assert!(err.is_unavailable(), "{err}");
         assert_eq!(device_count().unwrap_err(), err);
         assert_eq!(ensure_driver().unwrap_err(), err);
+        assert_eq!(device_of_pointer(0x7f00_0000_0000).unwrap_err(), err);
     }
 }

@@ -58,6 +58,9 @@ pub(crate) struct DeviceAlloc {
     /// Bytes actually allocated (`len` rounded up for exportable buffers).
     pub(crate) capacity: u64,
     pub(crate) tracker: UseTracker,
+    /// False for memory another CUDA user allocated ([`GpuContext::borrow_device_memory`]):
+    /// never freed here.
+    pub(crate) owned: bool,
 }
 
 impl Drop for DeviceAlloc {
@@ -66,9 +69,11 @@ impl Drop for DeviceAlloc {
         // Never free memory a stream may still use; if waiting fails the context is broken and
         // freeing is the best that can be done.
         let _ = self.tracker.wait_host();
-        // SAFETY: `ptr` came from `cuMemAlloc_v2` in this context and is freed exactly once,
-        // here, after all tracked uses completed.
-        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        if self.owned {
+            // SAFETY: `ptr` came from `cuMemAlloc_v2` in this context and is freed exactly
+            // once, here, after all tracked uses completed.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
         // While `ctx` is still held: dropping it may destroy the context.
         self.tracker.release();
     }
@@ -133,9 +138,120 @@ impl GpuContext {
                 len,
                 capacity,
                 tracker: UseTracker::new(),
+                owned: true,
             }),
         })
     }
+
+    /// `len` bytes of device memory at `ptr` that another CUDA user of this process allocated
+    /// (PyTorch, CuPy...), as a buffer this crate's copies can write and read. The driver is
+    /// asked whether the range is device memory of this context's device, inside one
+    /// allocation ([`GpuError::NotDeviceMemory`] otherwise). Dropping the buffer waits for the
+    /// work this crate enqueued on it and never frees the memory.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay allocated until the returned buffer is dropped, and nothing else
+    /// may use it meanwhile in a way that races the copies made through it (ordering against
+    /// the owner's streams is the caller's job, e.g. with
+    /// [`synchronize_raw_stream`](Self::synchronize_raw_stream)).
+    pub unsafe fn borrow_device_memory(&self, ptr: u64, len: usize) -> GpuResult<DeviceBuffer> {
+        if len == 0 {
+            return Err(GpuError::EmptyAllocation);
+        }
+        let ordinal = device_of_pointer(ptr)?;
+        if ordinal != self.ordinal() {
+            return Err(not_device(
+                ptr,
+                format!(
+                    "memory of device {ordinal}, not of device {}",
+                    self.ordinal()
+                ),
+            ));
+        }
+        let start: sys::CUdeviceptr = pointer_attribute(
+            ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        )?;
+        let size: usize = pointer_attribute(
+            ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        )?;
+        let end = ptr.checked_add(len as u64);
+        if ptr < start || end.is_none_or(|end| end > start.saturating_add(size as u64)) {
+            return Err(not_device(
+                ptr,
+                format!("{len} bytes do not fit in its allocation ({size} bytes at {start:#x})"),
+            ));
+        }
+        Ok(DeviceBuffer {
+            alloc: Arc::new(DeviceAlloc {
+                ctx: self.inner.clone(),
+                ptr,
+                len: len as u64,
+                capacity: len as u64,
+                tracker: UseTracker::new(),
+                owned: false,
+            }),
+        })
+    }
+
+    /// Blocks until the work queued so far on `stream`, a raw `CUstream` of this context that
+    /// another CUDA user made (or `1`, the legacy default stream, or `2`, the per-thread
+    /// default stream), has completed.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be `1`, `2` or a live stream of this context.
+    pub unsafe fn synchronize_raw_stream(&self, stream: u64) -> GpuResult<()> {
+        self.inner.bind()?;
+        // SAFETY: the caller guarantees a live stream handle (or a special one); the context
+        // it belongs to is current.
+        let rc = unsafe { sys::cuStreamSynchronize(stream as usize as sys::CUstream) };
+        check(rc, "cuStreamSynchronize")
+    }
+}
+
+fn not_device(ptr: u64, reason: String) -> GpuError {
+    GpuError::NotDeviceMemory { ptr, reason }
+}
+
+/// One attribute of the memory at `ptr` (`T` must be the attribute's type).
+fn pointer_attribute<T: Default>(ptr: u64, attr: sys::CUpointer_attribute) -> GpuResult<T> {
+    let mut value = T::default();
+    // SAFETY: the driver is loaded (callers ensured it); `value` is a valid out-pointer of the
+    // attribute's type; the driver only inspects the address, it does not dereference it.
+    let rc = unsafe {
+        sys::cuPointerGetAttribute((&mut value as *mut T).cast(), attr, ptr as sys::CUdeviceptr)
+    };
+    if rc != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(not_device(
+            ptr,
+            String::from("the CUDA driver does not know this address"),
+        ));
+    }
+    Ok(value)
+}
+
+/// The ordinal of the device whose memory `ptr` points into; [`GpuError::NotDeviceMemory`]
+/// for host memory or an address the driver does not know.
+pub fn device_of_pointer(ptr: u64) -> GpuResult<usize> {
+    crate::driver::ensure_driver()?;
+    let kind: u32 = pointer_attribute(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    )?;
+    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Err(not_device(
+            ptr,
+            format!("memory type {kind}, not device memory"),
+        ));
+    }
+    let ordinal: i32 = pointer_attribute(
+        ptr,
+        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+    )?;
+    usize::try_from(ordinal).map_err(|_| not_device(ptr, format!("device ordinal {ordinal}")))
 }
 
 impl DeviceBuffer {

@@ -402,3 +402,40 @@ fn gpu_kernel_launch_bounded_abi() {
         Err(GpuError::Compile { .. })
     ));
 }
+
+#[test]
+fn borrowed_device_memory() {
+    let ctx = ctx_or_skip!("borrowed_device_memory");
+    let mut owner = ctx.alloc_zeroed(1 << 20).expect("alloc");
+    let base = owner.device_ptr();
+    assert_eq!(gpu::device_of_pointer(base).expect("device"), ctx.ordinal());
+    let host = [0u8; 64];
+    assert!(matches!(
+        gpu::device_of_pointer(host.as_ptr() as u64),
+        Err(GpuError::NotDeviceMemory { .. })
+    ));
+    {
+        // SAFETY: `owner` outlives the borrowed buffer and is not used meanwhile.
+        let mut borrowed = unsafe { ctx.borrow_device_memory(base + 4096, 8192) }.expect("borrow");
+        let data = bytes(7, 8192);
+        borrowed.copy_from_host(&data).expect("copy");
+        assert_eq!(borrowed.to_vec().expect("read back"), data);
+    }
+    // Dropping the borrowed buffer did not free the memory: the owner still reads it.
+    let all = owner.to_vec().expect("owner reads");
+    assert_eq!(&all[4096..12288], &bytes(7, 8192)[..]);
+    assert!(all[..4096].iter().all(|&b| b == 0));
+    // Past the end of the allocation, or not device memory: refused.
+    // SAFETY: the calls fail before anything is borrowed.
+    let past = unsafe { ctx.borrow_device_memory(base + (1 << 20) - 4096, 8192) };
+    assert!(
+        matches!(past, Err(GpuError::NotDeviceMemory { .. })),
+        "{past:?}"
+    );
+    // SAFETY: as above.
+    let host_mem = unsafe { ctx.borrow_device_memory(host.as_ptr() as u64, 64) };
+    assert!(matches!(host_mem, Err(GpuError::NotDeviceMemory { .. })));
+    // SAFETY: 1 is the legacy default stream.
+    unsafe { ctx.synchronize_raw_stream(1) }.expect("legacy stream");
+    owner.zero().expect("owner still usable");
+}

@@ -9,6 +9,7 @@ forked child, connect again (``Spec`` is picklable; ``spec.connect()`` in each w
 
 from ._nvmeof import (
     DEFAULT_SUBNQN,
+    GPU_DESTINATIONS,
     ConnectionError,
     Controller,
     Error,
@@ -21,6 +22,7 @@ from ._nvmeof import (
 
 __all__ = [
     "DEFAULT_SUBNQN",
+    "GPU_DESTINATIONS",
     "ConnectionError",
     "Controller",
     "Error",

@@ -7,12 +7,29 @@ forked child, connect again (``Spec`` is picklable; ``spec.connect()`` in each w
 """
 
 from types import TracebackType
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Protocol, Sequence, Tuple, Union
 
 from collections.abc import Buffer
 
+class CudaArray(Protocol):
+    """CUDA device memory described by ``__cuda_array_interface__`` (CuPy, Numba, PyTorch)."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+class DLPackArray(Protocol):
+    """An array exported through DLPack (``__dlpack__`` / ``__dlpack_device__``)."""
+    def __dlpack__(self, *, stream: Optional[int] = None) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+Destination = Union[Buffer, CudaArray, DLPackArray]
+"""Where a read may land: a writable C-contiguous buffer (bytearray, memoryview, NumPy array),
+or C-contiguous CUDA device memory (a torch CUDA tensor, a CuPy array)."""
+
 DEFAULT_SUBNQN: str
 """The subsystem nvmeof-targetd serves when started with no arguments."""
+
+GPU_DESTINATIONS: bool
+"""True: reads accept CUDA device memory (the CUDA driver is loaded on first use)."""
 
 class Error(Exception):
     """Base class of every nvmeof error (also: a closed controller, use after fork)."""
@@ -63,19 +80,22 @@ class Namespace:
     eui64: Optional[str]
     nguid: Optional[str]
     controller: Controller
-    def read_into(self, buffer: Buffer, offset: int) -> int:
+    def read_into(self, buffer: Destination, offset: int) -> int:
         """Reads len(buffer) bytes at offset into a writable, C-contiguous buffer
-        (bytearray, memoryview, NumPy array). TypeError: not a buffer or read-only;
-        ValueError: not contiguous, unaligned, or outside the namespace."""
+        (bytearray, memoryview, NumPy array) or CUDA array (``__cuda_array_interface__``
+        v3, whose stream is waited for, or DLPack on a CUDA device). Returns when the data is
+        in place. TypeError: not a buffer or read-only; ValueError: not contiguous, unaligned,
+        or outside the namespace; Error: CUDA memory given where no CUDA driver is."""
     def pread(self, size: int, offset: int) -> bytes:
         """Reads size bytes at offset."""
     def write(self, data: Buffer, offset: int) -> int:
         """Writes the bytes of a C-contiguous buffer at offset."""
     def flush(self) -> None:
         """Flushes the volatile write cache."""
-    def read_batch(self, reads: Sequence[Tuple[int, int, Buffer]]) -> None:
+    def read_batch(self, reads: Sequence[Tuple[int, int, Destination]]) -> None:
         """Reads each (offset, length, dest): all submitted, then all awaited. Each dest is
-        writable with at least length bytes; dests must not overlap."""
+        writable with at least length bytes; dests must not overlap. CUDA dests (all on one
+        device) are received into pinned memory and copied to the device."""
 
 class Controller:
     """A connection to one controller. A context manager: leaving it closes."""

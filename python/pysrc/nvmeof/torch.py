@@ -197,9 +197,8 @@ class RecordDataset(_Records, Dataset):
     DataLoader ``collate_fn=nvmeof.torch.collate`` to get it as one ``(n, record_size)``
     tensor without a copy.
 
-    ``device="cuda"``: records are read into CUDA tensors directly where the module supports
-    CUDA destinations (``nvmeof.GPU_DESTINATIONS``), else into pinned CPU memory and copied
-    with ``.to(device, non_blocking=True)``. CUDA cannot be used in forked DataLoader workers:
+    ``device="cuda"``: records are read into CUDA tensors directly (``nvmeof.GPU_DESTINATIONS``);
+    other devices get pinned CPU memory copied with ``.to(device, non_blocking=True)``. CUDA cannot be used in forked DataLoader workers:
     with ``num_workers > 0`` keep ``device="cpu"`` and pass ``pin_memory=True`` to the
     DataLoader, or use ``multiprocessing_context="spawn"``.
     """
