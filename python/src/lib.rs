@@ -956,6 +956,9 @@ impl Namespace {
         match dest {
             Dest::Host(dest) => {
                 let (addr, len) = (dest.addr(), dest.len());
+                if len == 0 {
+                    return Ok(0);
+                }
                 self.shared.run(py, |l| {
                     // SAFETY: `dest` keeps the exported, writable, contiguous region of `len`
                     // bytes at `addr` pinned until it drops after this call; the binding makes
@@ -1048,14 +1051,14 @@ impl Namespace {
                 )));
             }
             let lba = self.range(*offset, *length)?;
-            jobs.push((lba, d.addr(), *length));
-            dests.push(d);
+            // Nothing to read for an empty range (and an empty destination may have no
+            // address).
+            if *length > 0 {
+                jobs.push((lba, d.addr(), *length));
+                dests.push(d);
+            }
         }
-        let mut spans: Vec<(u64, u64)> = jobs
-            .iter()
-            .filter(|j| j.2 > 0)
-            .map(|j| (j.1, j.1 + j.2 as u64))
-            .collect();
+        let mut spans: Vec<(u64, u64)> = jobs.iter().map(|j| (j.1, j.1 + j.2 as u64)).collect();
         spans.sort_unstable();
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
             return Err(PyValueError::new_err("destinations of a batch overlap"));
@@ -1064,8 +1067,8 @@ impl Namespace {
         let cuda: Vec<&CudaDest> = dests
             .iter()
             .filter_map(|d| match d {
-                Dest::Cuda(c) if c.len > 0 => Some(c),
-                _ => None,
+                Dest::Cuda(c) => Some(c),
+                Dest::Host(_) => None,
             })
             .collect();
         if cuda.is_empty() {
@@ -1124,9 +1127,6 @@ impl Namespace {
                     }
                     let mut bufs = Vec::with_capacity(copies.len());
                     for &(at, addr, len) in &copies {
-                        if len == 0 {
-                            continue;
-                        }
                         // SAFETY: each CUDA destination's exporter is held in `dests` until
                         // this call returns, after the buffers drop; the driver checks the
                         // range; destinations do not overlap (checked above).

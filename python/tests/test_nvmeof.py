@@ -535,4 +535,8 @@ def test_cuda_destinations_checked_and_refused_cleanly(ns):
     # A DLPack tensor on the CPU is not CUDA memory: the buffer protocol is asked instead.
     with pytest.raises(TypeError, match="buffer"):
         ns.read_into(_fake_dlpack((bs,), device=1), 0)
+    # Empty destinations read nothing, CUDA or not (no driver needed).
+    assert ns.read_into(FakeCai(shape=(0,), data=(0, False)), 0) == 0
+    assert ns.read_into(bytearray(0), 0) == 0
+    ns.read_batch([(0, 0, FakeCai(shape=(0,), data=(0, False))), (0, 0, bytearray(0))])
     assert ns.pread(bs, 0) is not None  # the controller is fine
