@@ -8,6 +8,7 @@
 //! each with its SAFETY argument.
 
 use std::ffi::c_char;
+use std::future::Future;
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCapsule, PyDict, PyTuple};
+use pyo3::types::{PyBytes, PyCFunction, PyCapsule, PyDict, PyTuple};
 
 /// The subsystem `nvmeof-targetd` serves when started without arguments.
 const DEFAULT_SUBNQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -901,10 +902,247 @@ impl Namespace {
         }
         Ok(offset / bs)
     }
+
+    /// Runs `work` on the controller's runtime and returns an asyncio future of the running
+    /// loop that completes with `to_py` of its result (or its error). Cancelling the future
+    /// aborts the work; closing the controller fails it.
+    fn spawn<'py, T: Send + 'static>(
+        &self,
+        py: Python<'py>,
+        work: impl Future<Output = Result<T, ini::Error>> + Send + 'static,
+        to_py: fn(Python<'_>, T) -> PyResult<PyObject>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let event_loop = py.import("asyncio")?.call_method0("get_running_loop")?;
+        let fut = event_loop.call_method0("create_future")?;
+        let settler = Settler {
+            target: Some((event_loop.unbind(), fut.clone().unbind())),
+        };
+        let abort = {
+            let g = self.shared.live.read().unwrap_or_else(|p| p.into_inner());
+            let Some(live) = g.as_ref() else {
+                let mut settler = settler;
+                settler.target = None;
+                return Err(Error::new_err("the controller is closed"));
+            };
+            live.rt
+                .spawn(async move {
+                    let mut settler = settler;
+                    let r = work.await;
+                    let r = Python::with_gil(|py| r.map_err(py_err).and_then(|v| to_py(py, v)));
+                    settler.settle(r);
+                })
+                .abort_handle()
+        };
+        let on_done = PyCFunction::new_closure(
+            py,
+            None,
+            None,
+            move |args: &Bound<'_, PyTuple>, _kw: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                if args.get_item(0)?.call_method0("cancelled")?.is_truthy()? {
+                    abort.abort();
+                }
+                Ok(())
+            },
+        )?;
+        fut.call_method1("add_done_callback", (on_done,))?;
+        Ok(fut)
+    }
+
+    /// A host buffer for an asynchronous call (CUDA memory is read with the blocking calls).
+    fn host_dest(obj: &Bound<'_, PyAny>) -> PyResult<Lent> {
+        match Dest::get(obj)? {
+            Dest::Host(l) => Ok(l),
+            Dest::Cuda(_) => Err(PyTypeError::new_err(
+                "the asynchronous calls take host buffers; read CUDA memory with read_into or read_batch",
+            )),
+        }
+    }
+}
+
+/// Completes an asyncio future from any thread, through its loop's `call_soon_threadsafe`;
+/// dropped unfinished (the work was aborted, or the controller closed) it fails the future.
+struct Settler {
+    target: Option<(PyObject, PyObject)>,
+}
+
+impl Settler {
+    fn settle(&mut self, r: PyResult<PyObject>) {
+        let Some((event_loop, fut)) = self.target.take() else {
+            return;
+        };
+        Python::with_gil(|py| {
+            let (failed, value) = match r {
+                Ok(v) => (false, v),
+                Err(e) => (true, e.into_value(py).into_any()),
+            };
+            let settle = py
+                .import("nvmeof._nvmeof")
+                .and_then(|m| m.getattr("_settle"));
+            if let Ok(settle) = settle {
+                // A closed loop has nobody waiting: nothing to tell.
+                let _ = event_loop
+                    .bind(py)
+                    .call_method1("call_soon_threadsafe", (settle, fut, failed, value));
+            }
+        });
+    }
+}
+
+impl Drop for Settler {
+    fn drop(&mut self) {
+        if self.target.is_some() {
+            self.settle(Err(Error::new_err(
+                "the call did not complete: it was cancelled or the controller was closed",
+            )));
+        }
+    }
+}
+
+/// Sets the result or exception of an asyncio future, unless it is done (cancelled).
+#[pyfunction]
+fn _settle(fut: &Bound<'_, PyAny>, failed: bool, value: &Bound<'_, PyAny>) -> PyResult<()> {
+    if fut.call_method0("done")?.is_truthy()? {
+        return Ok(());
+    }
+    let method = if failed {
+        "set_exception"
+    } else {
+        "set_result"
+    };
+    fut.call_method1(method, (value,))?;
+    Ok(())
+}
+
+fn int_to_py(py: Python<'_>, n: usize) -> PyResult<PyObject> {
+    Ok(n.into_pyobject(py)?.into_any().unbind())
 }
 
 #[pymethods]
 impl Namespace {
+    /// asyncio form of `read_into` (host buffers): a future of the number of bytes read.
+    fn read_into_async<'py>(
+        &self,
+        py: Python<'py>,
+        buffer: &Bound<'_, PyAny>,
+        offset: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let dest = Self::host_dest(buffer)?;
+        let lba = self.range(offset, dest.len())?;
+        let ns = (*self.ns).clone();
+        let work = async move {
+            let (addr, len) = (dest.addr(), dest.len());
+            if len > 0 {
+                // SAFETY: `dest` keeps the exported, writable, contiguous region of `len`
+                // bytes at `addr` pinned until it drops below, after the read completed or
+                // was dropped (then the initiator no longer touches the slice); the binding
+                // makes no other reference to it.
+                let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+                ns.read(lba, buf).await?;
+            }
+            drop(dest);
+            Ok(len)
+        };
+        self.spawn(py, work, int_to_py)
+    }
+
+    /// asyncio form of `read_batch` (host buffers): a future of None.
+    fn read_batch_async<'py>(
+        &self,
+        py: Python<'py>,
+        reads: Vec<(u64, usize, Bound<'_, PyAny>)>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let mut lent = Vec::with_capacity(reads.len());
+        let mut jobs = Vec::with_capacity(reads.len());
+        for (i, (offset, length, dest)) in reads.iter().enumerate() {
+            let d = Self::host_dest(dest)?;
+            if d.len() < *length {
+                return Err(PyValueError::new_err(format!(
+                    "read {i}: the destination holds {} bytes, fewer than {length}",
+                    d.len()
+                )));
+            }
+            let lba = self.range(*offset, *length)?;
+            if *length > 0 {
+                jobs.push((lba, d.addr(), *length));
+                lent.push(d);
+            }
+        }
+        let mut spans: Vec<(usize, usize)> = jobs.iter().map(|j| (j.1, j.1 + j.2)).collect();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(PyValueError::new_err("destinations of a batch overlap"));
+        }
+        let ns = (*self.ns).clone();
+        let work = async move {
+            let ios = jobs.iter().map(|&(lba, addr, len)| {
+                // SAFETY: each region is pinned by its `Lent` in `lent` until it drops below,
+                // after every read completed or was dropped; regions are writable, `len`
+                // bytes long and do not overlap (checked above).
+                let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+                ns.read(lba, buf)
+            });
+            let r = futures_util::future::try_join_all(ios).await.map(|_| ());
+            drop(lent);
+            r
+        };
+        self.spawn(py, work, |py, ()| Ok(py.None()))
+    }
+
+    /// asyncio form of `pread`: a future of bytes.
+    fn pread_async<'py>(
+        &self,
+        py: Python<'py>,
+        size: usize,
+        offset: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let lba = self.range(offset, size)?;
+        let ns = (*self.ns).clone();
+        let work = async move {
+            let mut v = vec![0u8; size];
+            ns.read(lba, &mut v).await?;
+            Ok(v)
+        };
+        self.spawn(py, work, |py, v| {
+            Ok(PyBytes::new(py, &v).into_any().unbind())
+        })
+    }
+
+    /// asyncio form of `write`: a future of the number of bytes written.
+    fn write_async<'py>(
+        &self,
+        py: Python<'py>,
+        data: &Bound<'_, PyAny>,
+        offset: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let src = Lent::get(data, false)?;
+        let lba = self.range(offset, src.len())?;
+        let ns = (*self.ns).clone();
+        let work = async move {
+            let (addr, len) = (src.addr(), src.len());
+            if len > 0 {
+                // SAFETY: `src` keeps the exported contiguous region of `len` bytes at `addr`
+                // pinned until it drops below; it is only read.
+                let buf = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+                ns.write(lba, buf).await?;
+            }
+            drop(src);
+            Ok(len)
+        };
+        self.spawn(py, work, int_to_py)
+    }
+
+    /// asyncio form of `flush`: a future of None.
+    fn flush_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.shared.check_pid()?;
+        let ns = (*self.ns).clone();
+        self.spawn(py, async move { ns.flush().await }, |py, ()| Ok(py.None()))
+    }
+
     /// Namespace ID.
     #[getter]
     fn nsid(&self) -> u32 {
@@ -1220,6 +1458,7 @@ fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(connect, m)?)?;
     m.add_function(wrap_pyfunction!(attach, m)?)?;
+    m.add_function(wrap_pyfunction!(_settle, m)?)?;
     m.add_class::<Spec>()?;
     m.add_class::<Controller>()?;
     m.add_class::<Namespace>()?;

@@ -540,3 +540,54 @@ def test_cuda_destinations_checked_and_refused_cleanly(ns):
     assert ns.read_into(bytearray(0), 0) == 0
     ns.read_batch([(0, 0, FakeCai(shape=(0,), data=(0, False))), (0, 0, bytearray(0))])
     assert ns.pread(bs, 0) is not None  # the controller is fine
+
+
+def test_asyncio(ns, spec):
+    import asyncio
+
+    bs = ns.block_size
+    data = os.urandom(4 * bs)
+
+    async def main():
+        assert await ns.write_async(data, 20 * bs) == 4 * bs
+        await ns.flush_async()
+        b = bytearray(4 * bs)
+        assert await ns.read_into_async(b, 20 * bs) == 4 * bs
+        assert bytes(b) == data
+        assert await ns.pread_async(bs, 21 * bs) == data[bs:2 * bs]
+        dests = [bytearray(bs) for _ in range(4)]
+        assert await ns.read_batch_async([((20 + i) * bs, bs, d) for i, d in enumerate(dests)]) \
+            is None
+        assert b"".join(dests) == data
+        # Many in flight at once, completing on the loop.
+        res = await asyncio.gather(*[ns.pread_async(bs, (20 + i % 4) * bs) for i in range(32)])
+        assert all(r == data[(i % 4) * bs:(i % 4 + 1) * bs] for i, r in enumerate(res))
+        # Bad input is refused when the call is made, before anything is awaited.
+        with pytest.raises(ValueError, match="block size"):
+            ns.pread_async(bs, 1)
+        with pytest.raises(TypeError, match="read-only"):
+            ns.read_into_async(bytes(bs), 0)
+        with pytest.raises(ValueError, match="overlap"):
+            ns.read_batch_async([(0, bs, b), (0, bs, memoryview(b)[:bs])])
+        with pytest.raises(TypeError, match="host buffers"):
+            ns.read_into_async(FakeCai(shape=(bs,)), 0)
+        # A cancelled call ends as cancelled.
+        f = ns.pread_async(bs, 0)
+        f.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await f
+        # A closed controller: new calls raise; a call in flight completes or fails clearly.
+        c = spec.connect()
+        n = c.namespace(1)
+        pending = n.pread_async(bs, 20 * bs)
+        c.close()
+        try:
+            assert await pending == data[:bs]
+        except nvmeof.Error as e:
+            assert "closed" in str(e)
+        with pytest.raises(nvmeof.Error, match="closed"):
+            n.pread_async(bs, 0)
+
+    asyncio.run(main())
+    with pytest.raises(RuntimeError):  # no running event loop
+        ns.pread_async(bs, 0)

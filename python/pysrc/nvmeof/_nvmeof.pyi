@@ -6,6 +6,7 @@ Blocking calls release the GIL. A Controller belongs to the process that connect
 forked child, connect again (``Spec`` is picklable; ``spec.connect()`` in each worker).
 """
 
+import asyncio
 from types import TracebackType
 from typing import Any, Optional, Protocol, Sequence, Tuple, Union
 
@@ -96,6 +97,23 @@ class Namespace:
         """Reads each (offset, length, dest): all submitted, then all awaited. Each dest is
         writable with at least length bytes; dests must not overlap. CUDA dests (all on one
         device) are received into pinned memory and copied to the device."""
+
+    # asyncio: each call checks its arguments at once (raising as the blocking call does),
+    # starts the I/O on the controller's runtime and returns a future of the running loop.
+    # Cancelling the future stops the I/O; closing the controller fails the futures in flight.
+    # Host buffers only (CUDA memory: use the blocking calls). RuntimeError without a loop.
+    def read_into_async(self, buffer: Buffer, offset: int) -> asyncio.Future[int]:
+        """asyncio form of read_into."""
+    def read_batch_async(
+        self, reads: Sequence[Tuple[int, int, Buffer]]
+    ) -> asyncio.Future[None]:
+        """asyncio form of read_batch."""
+    def pread_async(self, size: int, offset: int) -> asyncio.Future[bytes]:
+        """asyncio form of pread."""
+    def write_async(self, data: Buffer, offset: int) -> asyncio.Future[int]:
+        """asyncio form of write."""
+    def flush_async(self) -> asyncio.Future[None]:
+        """asyncio form of flush."""
 
 class Controller:
     """A connection to one controller. A context manager: leaving it closes."""
