@@ -135,6 +135,12 @@ def test_getitems_is_one_submission(spec, records):
     assert ds.__getitems__([]).tensor.shape == (0, RS)
     # collate falls back to PyTorch's for anything else.
     assert nt.collate([torch.zeros(2), torch.ones(2)]).shape == (2, 2)
+    # Through a DataLoader: one submission per batch.
+    counting.calls.clear()
+    dl = DataLoader(ds, batch_size=12, shuffle=True, collate_fn=nt.collate)
+    rows = torch.cat(list(dl)).numpy()
+    assert len(counting.calls) == N // 12
+    assert sorted(rows[:, :4].copy().view("<u4").ravel().tolist()) == list(range(N))
     ds._ns = counting.ns
     ds.close()
 

@@ -40,7 +40,7 @@ Source = Union["nvmeof.Spec", "nvmeof.Namespace", str]
 connected with ``connect`` (its ``controller.spec`` reconnects in other processes), or the name
 of an nvmeof-initd attachment (``nvmeof.attach`` in each process)."""
 
-_GPU_DESTINATIONS = bool(getattr(nvmeof, "GPU_DESTINATIONS", False))
+_GPU_DESTINATIONS = nvmeof.GPU_DESTINATIONS
 
 
 class _Records:
