@@ -100,7 +100,8 @@ class Namespace:
 
     # asyncio: each call checks its arguments at once (raising as the blocking call does),
     # starts the I/O on the controller's runtime and returns a future of the running loop.
-    # Cancelling the future stops the I/O; closing the controller fails the futures in flight.
+    # Cancelling the future aborts the I/O; closing the controller ends the calls in flight
+    # (each completes or fails with Error).
     # Host buffers only (CUDA memory: use the blocking calls). RuntimeError without a loop.
     def read_into_async(self, buffer: Buffer, offset: int) -> asyncio.Future[int]:
         """asyncio form of read_into."""
