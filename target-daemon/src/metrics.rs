@@ -1169,19 +1169,20 @@ mod tests {
     use nvme_spec::queue::SglDescriptor;
 
     use super::*;
-    use crate::engine::Engine;
-    use crate::queue::{HostSgl, Submit};
-    use crate::testing::{NQN, connected, target};
+    use crate::engine::{Engine, Step};
+    use crate::queue::HostSgl;
+    use crate::testing::{NQN, Wire, connected, target};
 
-    /// Submits `sqe` on `e`'s queue and runs it as a transport would (memory: inline).
-    fn run(e: &mut Engine<()>, sqe: &nvme_spec::Sqe, data: &[u8]) {
-        if let Submit::Io(req) = e.q.submit(sqe, data) {
-            let mut buf = blockdev::IoBuf::new(sqe.dptr.data_length() as usize);
-            if !data.is_empty() {
-                buf.copy_from_slice(data);
-            }
-            assert!(e.run((), req, buf).is_some(), "memory runs inline");
-        }
+    /// Hands `sqe` with its in-capsule `data` to the engine (memory: answered inline).
+    fn run(e: &mut Engine<nvme_spec::Sqe>, sqe: &nvme_spec::Sqe, data: &[u8]) {
+        let mut w = Wire {
+            capsule: data.to_vec(),
+            ..Wire::default()
+        };
+        assert!(
+            matches!(e.command(&mut w, *sqe), Step::Answered),
+            "memory runs inline"
+        );
     }
 
     #[test]
@@ -1192,7 +1193,7 @@ mod tests {
             .listener_gate("tcp://127.0.0.1:4420".parse().unwrap())
             .admit()
             .unwrap();
-        let mut e: Engine<()> = Engine::new(io, permit);
+        let mut e = Engine::new(io, permit);
         let mut w = build::read_write(true, 1, 1, 0, 2);
         w.dptr = SglDescriptor::in_capsule(8192);
         run(&mut e, &w, &[0x5a; 8192]);

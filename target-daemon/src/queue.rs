@@ -910,3 +910,114 @@ impl QueueState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::FromBytes;
+    use nvme_spec::command::build;
+    use nvme_spec::identify::{IdentifyController, SGLS_KEYED, SGLS_TRANSPORT};
+    use nvme_spec::queue::SglDescriptor;
+
+    use super::*;
+    use crate::testing::{connected, status, target};
+
+    fn sgls(admin: &mut QueueState) -> u32 {
+        let mut id = build::identify(5, 1, 0);
+        id.dptr = SglDescriptor::keyed(0x2000, 4096, 9, false);
+        match admin.submit(&id, &[]) {
+            Submit::CompleteWithData(data, cqe) => {
+                assert!(cqe.status().is_success());
+                IdentifyController::read_from_bytes(&data[..4096])
+                    .unwrap()
+                    .sgls
+                    .get()
+            }
+            _ => panic!("Identify Controller returned no data"),
+        }
+    }
+
+    #[test]
+    fn rdma_queues_take_keyed_sgls_and_advertise_them() {
+        let t = target(&["mem:4M"]);
+        let (mut admin, mut io) = connected(&t, HostSgl::Keyed);
+        let s = sgls(&mut admin);
+        assert_ne!(s & SGLS_KEYED, 0, "keyed SGL data blocks advertised");
+        assert_eq!(s & SGLS_TRANSPORT, 0, "no transport SGLs over RDMA");
+        assert_ne!(s & 0b11, 0);
+
+        // Write with a keyed descriptor: data comes from the host (RDMA READ).
+        let mut w = build::read_write(true, 10, 1, 0, 2);
+        w.dptr = SglDescriptor::keyed(0x10_0000, 8192, 0xabcd, true);
+        assert!(
+            !io.wants_data_at_submit(&w),
+            "I/O writes are fetched after validation"
+        );
+        match io.submit(&w, &[]) {
+            Submit::Io(req) => {
+                assert_eq!(
+                    req.op,
+                    IoOp::Write {
+                        lba: 0,
+                        len: 8192,
+                        src: DataSource::Host,
+                        fua: false
+                    }
+                );
+                assert_eq!(req.op.host_data_len(), 8192);
+            }
+            _ => panic!("keyed write not accepted"),
+        }
+
+        // Read with a keyed descriptor (address subtype: no invalidation).
+        let mut r = build::read_write(false, 11, 1, 0, 1);
+        r.dptr = SglDescriptor::keyed(0x20_0000, 4096, 0x55, false);
+        assert!(
+            matches!(io.submit(&r, &[]), Submit::Io(req) if req.op == IoOp::Read { lba: 0, len: 4096 })
+        );
+
+        // In-capsule write through the offset descriptor.
+        let mut ic = build::read_write(true, 12, 1, 0, 1);
+        ic.dptr = SglDescriptor::in_capsule(4096);
+        assert!(
+            matches!(io.submit(&ic, &[0u8; 4096]), Submit::Io(req) if req.op == IoOp::Write { lba: 0, len: 4096, src: DataSource::InCapsule, fua: false })
+        );
+
+        // NVMe/TCP's transport descriptor is refused on RDMA, as are keyed lengths that
+        // differ from the command and keyed descriptors with in-capsule data.
+        let mut bad = build::read_write(true, 13, 1, 0, 1);
+        bad.dptr = SglDescriptor::tcp_transport(4096);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 2048, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[1u8; 16])),
+            Status::generic(generic::INVALID_FIELD).with_dnr()
+        );
+        admin.ctrl.take().unwrap().tear_down();
+    }
+
+    #[test]
+    fn tcp_queues_keep_transport_sgls() {
+        let t = target(&["mem:4M"]);
+        let (mut admin, mut io) = connected(&t, HostSgl::Transport);
+        let s = sgls(&mut admin);
+        assert_eq!(s & SGLS_KEYED, 0);
+        assert_ne!(s & SGLS_TRANSPORT, 0);
+        let mut w = build::read_write(true, 10, 1, 0, 1);
+        w.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&w, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        w.dptr = SglDescriptor::tcp_transport(4096);
+        assert!(matches!(io.submit(&w, &[]), Submit::Io(_)));
+        admin.ctrl.take().unwrap().tear_down();
+    }
+}
