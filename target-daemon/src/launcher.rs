@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::config::ListenAddr;
-use crate::reactor::{Connection, Pool};
+use crate::reactor::Pool;
 use crate::target::{BoundListener, ListenerSocket, StartError, Target};
 
 /// A handle to a running target.
@@ -129,7 +129,7 @@ impl RunningTarget {
                                     continue;
                                 }
                             };
-                            if pool.hand(Connection::Tcp(stream, permit)).is_err() {
+                            if pool.hand(Box::new(crate::tcp::Incoming { stream, permit })).is_err() {
                                 break;
                             }
                         }

@@ -23,7 +23,6 @@
 //! NVMe/TCP is unaffected.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,32 +47,13 @@ use crate::engine::{Closed, Engine, Fault, Fetch, Refused, Step, Transport};
 use crate::log_limited;
 use crate::queue::{HostSgl, QueueState};
 use crate::ratelimit::LogKind;
-use crate::reactor::{Connection, Pool};
+use crate::reactor::Pool;
 use crate::target::Target;
 
 /// Largest data a non-I/O command may bring (Connect carries 1 KiB).
 const MAX_ADMIN_DATA: usize = 64 * 1024;
 /// Pool buffers kept per connection, in bytes (registered memory is pinned).
 const POOL_BYTES: usize = 16 << 20;
-
-/// A bound RDMA-CM listener, not yet accepting.
-pub struct RdmaListener {
-    inner: Listener,
-}
-
-impl RdmaListener {
-    /// Loads the RDMA libraries and listens on `addr` (an address of an RDMA interface).
-    pub fn bind(addr: &ListenAddr) -> Result<RdmaListener, String> {
-        Listener::bind(addr.addr, 1024)
-            .map(|inner| RdmaListener { inner })
-            .map_err(|e| e.to_string())
-    }
-
-    /// The bound address.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
-}
 
 /// A validated connection request on its way to a reactor.
 pub struct Incoming {
@@ -83,24 +63,32 @@ pub struct Incoming {
     permit: Permit,
 }
 
+impl crate::reactor::Incoming for Incoming {
+    fn serve(
+        self: Box<Self>,
+        target: Arc<Target>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> {
+        Box::pin(serve(target, *self))
+    }
+
+    fn refuse(self: Box<Self>) {
+        let _ = self.req.reject(&reject_data(reject::NO_RESOURCES));
+    }
+}
+
 /// Starts one acceptor task per listener on the current tokio runtime; accepted connections
 /// go to the reactors of `pool`. Returns the task handles, which end when the target shuts
 /// down.
 pub fn start(
     target: &Arc<Target>,
-    listeners: Vec<(ListenAddr, RdmaListener)>,
+    listeners: Vec<(ListenAddr, Listener)>,
     pool: &Arc<Pool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let mut tasks = Vec::new();
     for (addr, l) in listeners {
         info!(listener = %addr, "listening");
         let t = Arc::clone(target);
-        tasks.push(tokio::spawn(accept_loop(
-            t,
-            addr,
-            l.inner,
-            Arc::clone(pool),
-        )));
+        tasks.push(tokio::spawn(accept_loop(t, addr, l, Arc::clone(pool))));
     }
     tasks
 }
@@ -124,8 +112,7 @@ async fn accept_loop(
                         continue;
                     };
                     if let Some(inc) = validate(&target, req, permit) {
-                        if let Err(Connection::Rdma(inc)) = pool.hand(Connection::Rdma(Box::new(inc))) {
-                            let _ = inc.req.reject(&reject_data(reject::NO_RESOURCES));
+                        if pool.hand(Box::new(inc)).is_err() {
                             break;
                         }
                     }

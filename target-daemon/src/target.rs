@@ -134,7 +134,7 @@ pub enum ListenerSocket {
     /// An NVMe/TCP listening socket.
     Tcp(StdTcpListener),
     /// An NVMe/RDMA RDMA-CM listener.
-    Rdma(crate::rdma::RdmaListener),
+    Rdma(nvmf_rdma::Listener),
 }
 
 /// What [`Target::check`] found would happen at start, besides what it opened and bound.
@@ -482,12 +482,18 @@ pub fn log_namespace_ready(nqn: &str, ns: &Namespace) {
     }
 }
 
+/// Connection requests an RDMA-CM listener queues.
+const RDMA_BACKLOG: i32 = 1024;
+
 /// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
 pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
     let (socket, local) = if addr.transport == Transport::Rdma {
-        let l = crate::rdma::RdmaListener::bind(addr).map_err(|reason| StartError::Transport {
-            addr: addr.to_string(),
-            reason,
+        // Loads the RDMA libraries; `addr` is an address of an RDMA interface.
+        let l = nvmf_rdma::Listener::bind(addr.addr, RDMA_BACKLOG).map_err(|e| {
+            StartError::Transport {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            }
         })?;
         let local = l.local_addr();
         (ListenerSocket::Rdma(l), local)

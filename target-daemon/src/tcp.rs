@@ -97,6 +97,30 @@ struct Conn {
     pool_cached: usize,
 }
 
+/// An accepted NVMe/TCP socket on its way to a reactor, with its place in the connection
+/// limits.
+pub struct Incoming {
+    /// The socket.
+    pub stream: std::net::TcpStream,
+    /// Its place in the connection limits.
+    pub permit: Permit,
+}
+
+impl crate::reactor::Incoming for Incoming {
+    fn serve(
+        self: Box<Self>,
+        target: Arc<Target>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> {
+        Box::pin(async move {
+            // Registered with the runtime of the reactor that runs it.
+            match TcpStream::from_std(self.stream) {
+                Ok(stream) => serve(target, stream, self.permit).await,
+                Err(e) => warn!(error = %e, "cannot register connection"),
+            }
+        })
+    }
+}
+
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
 /// limits. On a listener that requires TLS the TLS handshake comes first, within the
 /// handshake timeout; a connection that fails it is closed.
