@@ -25,8 +25,9 @@
 //!   applied, with the hosts notified; [`control`]: the control socket's protocol.
 //! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
 //!   (with the busy-poll window), the accept loops, orderly shutdown.
-//! - [`metrics`]: per-queue counters and latency histograms added up at scrape time, the
-//!   [`metrics::MetricsSnapshot`] and the Prometheus endpoint.
+//! - [`metrics`]: per-queue counter cells and latency histograms (a leaf the hot path
+//!   writes) and the [`metrics::MetricsSnapshot`] they add up to at scrape time;
+//!   [`exporter`]: the Prometheus endpoint over a running target.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
 //! - [`ratelimit`]: the log limits of per-connection events and the authentication budgets
@@ -43,10 +44,12 @@ pub mod control;
 pub mod controller;
 pub mod discovery;
 pub mod engine;
+pub mod exporter;
 pub mod io;
 pub mod launcher;
 pub mod memory;
 pub mod metrics;
+pub mod op;
 pub mod queue;
 pub mod ratelimit;
 pub mod rdma;

@@ -24,23 +24,15 @@ use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
 use crate::log_limited;
 use crate::metrics::QueueMetrics;
+pub use crate::op::{DataSource, IoOp};
 use crate::ratelimit::LogKind;
-use crate::subsystem::Namespace;
+use crate::subsystem::{Namespace, Subsystem};
 use crate::target::Target;
 
 /// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
 const SQE_QID_OFFSET: u16 = 42;
 /// Byte offset of SQSIZE in a Connect SQE.
 const SQE_SQSIZE_OFFSET: u16 = 44;
-
-/// Where the data of a host-to-controller command is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DataSource {
-    /// In the command capsule.
-    InCapsule,
-    /// To be fetched from the host by the transport (R2T for TCP, RDMA READ for RDMA).
-    Host,
-}
 
 /// How a transport carries command data that is not in the capsule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,72 +78,6 @@ impl std::ops::Deref for QueueNs {
 
     fn deref(&self) -> &Namespace {
         &self.0.ns
-    }
-}
-
-/// Data-plane operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IoOp {
-    /// Read `len` bytes at block `lba` and return them to the host.
-    Read {
-        /// First block.
-        lba: u64,
-        /// Bytes.
-        len: usize,
-    },
-    /// Write `len` bytes at block `lba`.
-    Write {
-        /// First block.
-        lba: u64,
-        /// Bytes.
-        len: usize,
-        /// Where the data is.
-        src: DataSource,
-        /// Force Unit Access: durable before it completes.
-        fua: bool,
-    },
-    /// Make written data durable.
-    Flush,
-    /// Write zeroes (optionally deallocating).
-    WriteZeroes {
-        /// First block.
-        lba: u64,
-        /// Blocks.
-        nlb: u32,
-        /// Deallocate instead of writing if possible.
-        deallocate: bool,
-        /// Force Unit Access: durable before it completes.
-        fua: bool,
-    },
-    /// Dataset Management: the ranges in the command data (`ranges` 16-byte entries).
-    Dsm {
-        /// Number of ranges.
-        ranges: u16,
-        /// Bytes of command data (at least `ranges` * 16; hosts may send a whole page).
-        len: usize,
-        /// Where the range list is.
-        src: DataSource,
-        /// Deallocate the ranges (otherwise only hints, nothing to do).
-        deallocate: bool,
-    },
-}
-
-impl IoOp {
-    /// Bytes the host must send before the operation runs (0 if none or in the capsule).
-    pub fn host_data_len(&self) -> usize {
-        match *self {
-            IoOp::Write {
-                len,
-                src: DataSource::Host,
-                ..
-            } => len,
-            IoOp::Dsm {
-                len,
-                src: DataSource::Host,
-                ..
-            } => len,
-            _ => 0,
-        }
     }
 }
 
@@ -738,7 +664,7 @@ impl QueueState {
         let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.metrics = ctrl
             .subsystem()
-            .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));
+            .map(|s| QueueMetrics::new(Arc::<Subsystem>::clone(s), c.qid));
         self.ctrl = Some(ctrl);
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
     }
