@@ -102,7 +102,7 @@ pub struct Target {
     /// Target-wide counters (protocol errors).
     pub metrics: crate::metrics::TargetMetrics,
     /// Where authentication's Diffie-Hellman work runs, and its budgets.
-    pub auth: crate::auth::AuthWork,
+    pub auth: crate::ratelimit::AuthWork,
     /// The memory all connections share ([`crate::memory`]).
     pub memory: Arc<crate::memory::MemoryBudget>,
 }
@@ -310,7 +310,7 @@ impl Target {
             shutdown_tx,
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
             metrics: Default::default(),
-            auth: crate::auth::AuthWork::new(&cfg.target),
+            auth: crate::ratelimit::AuthWork::new(&cfg.target),
             memory: crate::memory::MemoryBudget::new(cfg.target.memory_budget),
         };
         Ok((Arc::new(target), bound))
