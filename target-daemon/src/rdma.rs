@@ -1,6 +1,7 @@
 //! The NVMe/RDMA transport (RoCE v2, InfiniBand, iWARP) on `nvmf-rdma`.
 //!
-//! An acceptor task per listener takes RDMA-CM connection requests, validates the NVMe
+//! An acceptor task per listener (started by the launcher, at start or live) takes RDMA-CM
+//! connection requests, validates the NVMe
 //! private data (record format, queue ID, HSQSIZE, HRQSIZE, the host's IRD) and rejects bad
 //! ones with the matching NVMe reject status; good ones go to a reactor thread (the same pool
 //! as NVMe/TCP's, with the same busy-poll window), which sets up the queue pair and accepts. Each connection then runs like an NVMe/TCP one (see
@@ -76,21 +77,17 @@ impl crate::reactor::Incoming for Incoming {
     }
 }
 
-/// Starts one acceptor task per listener on the current tokio runtime; accepted connections
-/// go to the reactors of `pool`. Returns the task handles, which end when the target shuts
-/// down.
-pub fn start(
+/// Starts the acceptor task of RDMA-CM listener `l` bound on `addr`, on the current tokio
+/// runtime; accepted connections go to the reactors of `pool`. The task ends when the target
+/// shuts down, or when it is aborted (the listener removed live), which closes the listener.
+pub fn accept(
     target: &Arc<Target>,
-    listeners: Vec<(ListenAddr, Listener)>,
-    pool: &Arc<Pool>,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let mut tasks = Vec::new();
-    for (addr, l) in listeners {
-        info!(listener = %addr, "listening");
-        let t = Arc::clone(target);
-        tasks.push(tokio::spawn(accept_loop(t, addr, l, Arc::clone(pool))));
-    }
-    tasks
+    addr: ListenAddr,
+    l: Listener,
+    pool: Arc<Pool>,
+) -> tokio::task::JoinHandle<()> {
+    info!(listener = %addr, "listening");
+    tokio::spawn(accept_loop(Arc::clone(target), addr, l, pool))
 }
 
 async fn accept_loop(
