@@ -356,9 +356,11 @@ impl Conn {
             if let Some(why) = self.w.broken.take() {
                 self.e.close(Closed::Transport(why));
             }
-            let idle = self.w.q.is_idle() || self.w.q.failed().is_some();
-            if let Some(reason) = self.e.drained(idle) {
-                return reason;
+            if self.e.closing.is_some() {
+                let idle = self.w.q.is_idle() || self.w.q.failed().is_some();
+                if let Some(reason) = self.e.drained(idle) {
+                    return reason;
+                }
             }
             tokio::select! {
                 biased;

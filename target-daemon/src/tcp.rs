@@ -192,7 +192,9 @@ impl Conn {
             if let Err(e) = self.flush() {
                 return Closed::Io(e);
             }
-            if let Some(reason) = self.e.drained(self.engine.pending_send().is_empty()) {
+            if self.e.closing.is_some()
+                && let Some(reason) = self.e.drained(self.engine.pending_send().is_empty())
+            {
                 return reason;
             }
             self.pool_cached = self.pool.cached_bytes();
