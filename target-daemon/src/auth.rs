@@ -12,7 +12,7 @@
 //! commands and applies the outcome. It never logs key material: keys are
 //! [`nvme_auth::DhchapKey`]s, whose `Debug` is redacted, and only outcomes are logged.
 //!
-//! Authentication work is bounded ([`AuthWork`]). The two messages that cost a modular
+//! Authentication work is bounded ([`crate::ratelimit::AuthWork`]). The two messages that cost a modular
 //! exponentiation (an AUTH_Negotiate that picks an FFDHE group, up to 19 ms of CPU for
 //! ffdhe8192, and the Reply that follows) never run on a reactor: their Authentication Send
 //! is held and handed to a small pool of threads with a bounded queue, and completes
@@ -27,118 +27,32 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
 
-use nvme_auth::{CtrlAction, CtrlAuth, CtrlConfig, CtrlEvent, DhWork};
-use nvme_spec::auth::AuthCommand;
-use nvme_spec::command::FabricsCommand;
-use nvme_spec::fabrics::CONNECT_AUTHREQ_ATR;
-use nvme_spec::status::{generic, specific};
-use nvme_spec::{Cqe, Sqe, Status};
+use nvme_auth::{CtrlAuth, CtrlConfig};
+use nvme_spec::{Cqe, Status};
 use parking_lot::Mutex;
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{info, warn};
-
-use crate::config::TargetSettings;
-use crate::controller::Controller;
-use crate::log_limited;
-use crate::queue::{QueueState, Submit};
-use crate::ratelimit::{AuthBudget, LogKind};
 
 /// Largest Authentication Send payload accepted: an AUTH_Reply with two SHA-512 values and
 /// an ffdhe8192 public value is 1,168 bytes.
-const MAX_SEND_LEN: u32 = 4096;
+pub(crate) const MAX_SEND_LEN: u32 = 4096;
 /// How long the Authentication Send of a transaction refused for a budget or busy threads
 /// is held before it completes.
 pub const REFUSAL_DELAY: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// Authentication Sends waiting for a pool thread; more are refused.
-pub const AUTH_QUEUE: usize = 32;
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The threads that run Diffie-Hellman work, started at the first job.
-struct AuthPool {
-    workers: usize,
-    tx: std::sync::OnceLock<mpsc::SyncSender<Job>>,
-}
-
-impl AuthPool {
-    fn sender(&self) -> &mpsc::SyncSender<Job> {
-        self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::sync_channel::<Job>(AUTH_QUEUE);
-            let rx = Arc::new(Mutex::new(rx));
-            for i in 0..self.workers {
-                let rx = Arc::clone(&rx);
-                let spawned = std::thread::Builder::new()
-                    .name(format!("nvmeof-auth-{i}"))
-                    .spawn(move || {
-                        loop {
-                            let job = rx.lock().recv();
-                            match job {
-                                Ok(job) => job(),
-                                Err(_) => return,
-                            }
-                        }
-                    });
-                if let Err(e) = spawned {
-                    warn!(error = %e, "cannot start an authentication thread");
-                }
-            }
-            tx
-        })
-    }
-
-    /// Queues `job`; false when the queue is full.
-    fn try_run(&self, job: Job) -> bool {
-        self.sender().try_send(job).is_ok()
-    }
-}
-
-/// Where authentication's Diffie-Hellman work runs ([`AUTH_QUEUE`] jobs queued at most, on
-/// one thread per four cores, at least one), and its budgets per host NQN and source address.
-pub struct AuthWork {
-    pool: AuthPool,
-    /// The budgets of AUTH_Negotiates with a Diffie-Hellman exchange.
-    pub budget: AuthBudget,
-}
-
-impl std::fmt::Debug for AuthWork {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AuthWork")
-            .field("workers", &self.pool.workers)
-            .field("budget", &self.budget)
-            .finish()
-    }
-}
-
-impl AuthWork {
-    /// The pool and budgets for `settings` (`auth_rate`, `auth_burst`).
-    pub fn new(settings: &TargetSettings) -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        AuthWork {
-            pool: AuthPool {
-                workers: (cores / 4).max(1),
-                tx: std::sync::OnceLock::new(),
-            },
-            budget: AuthBudget::new(settings.auth_rate, settings.auth_burst),
-        }
-    }
-}
-
 /// The authentication state of one queue.
 pub struct QueueAuth {
     /// The protocol state; a pool thread holds it while it works on a message.
-    proto: Arc<Mutex<CtrlAuth>>,
+    pub(crate) proto: Arc<Mutex<CtrlAuth>>,
     /// Set while a message is with the pool.
-    busy: Arc<AtomicBool>,
+    pub(crate) busy: Arc<AtomicBool>,
     /// Where the completion of a held Authentication Send goes (the queue's event channel).
-    done: UnboundedSender<Cqe>,
+    pub(crate) done: UnboundedSender<Cqe>,
     authenticated: bool,
     /// Whether the current transaction's outcome has been applied and logged.
-    settled: bool,
+    pub(crate) settled: bool,
     /// Why this side refused the current transaction without doing its work.
-    refused: Option<&'static str>,
+    pub(crate) refused: Option<&'static str>,
 }
 
 impl std::fmt::Debug for QueueAuth {
@@ -151,14 +65,14 @@ impl std::fmt::Debug for QueueAuth {
 }
 
 /// What an authentication command comes to.
-enum Answer {
+pub(crate) enum Answer {
     Now(Status, Option<Vec<u8>>),
     /// Handed to the pool: completes through the event channel.
     Held,
 }
 
 /// The metrics label of a failed transaction.
-fn failure_reason(e: &nvme_auth::AuthError) -> &'static str {
+pub(crate) fn failure_reason(e: &nvme_auth::AuthError) -> &'static str {
     use nvme_auth::FailureExplanation as Fx;
     match e {
         nvme_auth::AuthError::Received { .. } => "host_reported_failure",
@@ -205,7 +119,7 @@ impl QueueAuth {
     /// after [`REFUSAL_DELAY`], through the event channel; the queue takes no other
     /// authentication message meanwhile. Outside a runtime (unit tests of the protocol)
     /// completes at once.
-    fn hold_refusal(&self, template: Cqe) -> Answer {
+    pub(crate) fn hold_refusal(&self, template: Cqe) -> Answer {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return Answer::Now(Status::SUCCESS, None);
         };
@@ -224,12 +138,12 @@ impl QueueAuth {
         self.authenticated
     }
 
-    fn busy(&self) -> bool {
+    pub(crate) fn busy(&self) -> bool {
         self.busy.load(Ordering::Acquire)
     }
 
     /// Applies a decided outcome once per transaction; returns it for logging when new.
-    fn settle(&mut self) -> Option<Result<nvme_auth::Outcome, nvme_auth::AuthError>> {
+    pub(crate) fn settle(&mut self) -> Option<Result<nvme_auth::Outcome, nvme_auth::AuthError>> {
         let outcome = self.proto.try_lock()?.outcome();
         match outcome {
             None => {
@@ -246,195 +160,6 @@ impl QueueAuth {
     }
 }
 
-impl QueueState {
-    /// Handles one Authentication Send (`data`: its payload) or Receive (`room`: the host's
-    /// buffer) command.
-    fn auth_command(&mut self, sqe: &Sqe, cmd: AuthCommand, data: &[u8], room: u32) -> Answer {
-        // The completion of a held command, but for its status.
-        let template = self.completion(sqe.cid(), Status::SUCCESS, 0);
-        let Some(auth) = self.auth.as_mut() else {
-            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
-        };
-        if !cmd.is_dhchap() {
-            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
-        }
-        // One message at a time: the host waits for a command's completion before the next.
-        let locked = if auth.busy() {
-            None
-        } else {
-            auth.proto.try_lock()
-        };
-        let Some(mut proto) = locked else {
-            return Answer::Now(
-                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
-                None,
-            );
-        };
-        let mut rng = rand::rng();
-        let action = if cmd.send {
-            if cmd.len > MAX_SEND_LEN {
-                return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
-            }
-            let Some(msg) = data.get(..cmd.len as usize) else {
-                return Answer::Now(
-                    Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
-                    None,
-                );
-            };
-            let work = proto.dh_work(msg);
-            if work == Some(DhWork::Negotiate) {
-                // A new transaction: its outcome is still to be applied.
-                auth.settled = false;
-                auth.refused = None;
-                let hostnqn = self.ctrl.as_ref().map_or("", |c| c.hostnqn.as_str());
-                if let Err(over) = self.target.auth.budget.take(hostnqn, self.origin.peer.ip()) {
-                    auth.refused = Some(over.reason());
-                    proto.refuse(msg, "over the authentication budget");
-                    drop(proto);
-                    return auth.hold_refusal(template);
-                }
-            }
-            if work.is_some() {
-                drop(proto);
-                let (proto, busy, done) = (
-                    Arc::clone(&auth.proto),
-                    Arc::clone(&auth.busy),
-                    auth.done.clone(),
-                );
-                let msg = msg.to_vec();
-                busy.store(true, Ordering::Release);
-                let job = {
-                    let busy = Arc::clone(&busy);
-                    Box::new(move || {
-                        let action = proto.lock().handle(CtrlEvent::Send(&msg), &mut rand::rng());
-                        let status = match action {
-                            CtrlAction::Error(s) => s.with_dnr(),
-                            CtrlAction::Accepted | CtrlAction::Data(_) => Status::SUCCESS,
-                        };
-                        busy.store(false, Ordering::Release);
-                        let mut cqe = Cqe::new(template.cid(), status, 0);
-                        cqe.sqhd = template.sqhd;
-                        cqe.sqid = template.sqid;
-                        let _ = done.send(cqe);
-                    })
-                };
-                if self.target.auth.pool.try_run(job) {
-                    return Answer::Held;
-                }
-                busy.store(false, Ordering::Release);
-                auth.refused = Some("busy");
-                auth.proto
-                    .lock()
-                    .refuse(&data[..cmd.len as usize], "authentication threads busy");
-                return auth.hold_refusal(template);
-            }
-            proto.handle(CtrlEvent::Send(msg), &mut rng)
-        } else {
-            let len = cmd.len.min(room);
-            proto.handle(CtrlEvent::Receive { len }, &mut rng)
-        };
-        match action {
-            CtrlAction::Accepted => Answer::Now(Status::SUCCESS, None),
-            CtrlAction::Data(d) => Answer::Now(Status::SUCCESS, Some(d)),
-            CtrlAction::Error(s) => Answer::Now(s.with_dnr(), None),
-        }
-    }
-
-    /// Applies and logs the outcome of the queue's transaction once it is decided.
-    fn settle_auth(&mut self, ctrl: &Controller) {
-        let Some(auth) = self.auth.as_mut() else {
-            return;
-        };
-        let (qid, peer) = (self.qid, self.origin.peer);
-        match auth.settle() {
-            Some(Ok(o)) => log_limited!(
-                LogKind::AuthSucceeded,
-                info!(
-                    cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid,
-                    hash = o.hash.name(), dhgroup = o.dh_group.name(), bidirectional = o.bidirectional,
-                    "host authenticated"
-                )
-            ),
-            Some(Err(e)) => {
-                let reason = auth.refused.take().unwrap_or_else(|| failure_reason(&e));
-                self.target.metrics.note_auth_failure(reason);
-                log_limited!(
-                    LogKind::AuthFailed,
-                    warn!(
-                        cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid, reason,
-                        error = %e, "host authentication failed"
-                    )
-                );
-            }
-            None => {}
-        }
-    }
-    /// After a successful Connect of `ctrl`: when the host must authenticate, arms the queue's
-    /// authentication and returns the AUTHREQ bits for the Connect completion's DW0.
-    pub(crate) fn require_auth(&mut self, ctrl: &Controller) -> u32 {
-        let keys = ctrl
-            .subsystem()
-            .and_then(|s| s.host_keys(&ctrl.hostnqn).map(|k| (s, k)));
-        match keys {
-            Some((s, k)) => {
-                // Held Authentication Sends complete through the queue's event channel: the
-                // controller's on an admin queue, one of its own on an I/O queue.
-                let done = match &self.events {
-                    Some(_) => ctrl.event_sender(),
-                    None => {
-                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                        self.events = Some(rx);
-                        tx
-                    }
-                };
-                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, &k, done));
-                CONNECT_AUTHREQ_ATR
-            }
-            None => {
-                self.auth = None;
-                0
-            }
-        }
-    }
-
-    /// Whether the queue is connected but still has to authenticate.
-    pub fn auth_pending(&self) -> bool {
-        self.auth.as_ref().is_some_and(|a| !a.is_authenticated())
-    }
-
-    /// Authentication commands and the refusal of everything else until the queue is
-    /// authenticated; `None` when the command is not the authentication's business.
-    pub(crate) fn auth_gate(&mut self, ctrl: &Controller, sqe: &Sqe, icd: &[u8]) -> Option<Submit> {
-        let auth = self.auth.as_ref()?;
-        if !auth.busy() {
-            // A transaction decided on a pool thread.
-            self.settle_auth(ctrl);
-        }
-        let auth = self.auth.as_ref()?;
-        let cid = sqe.cid();
-        let Some(cmd) = AuthCommand::from_sqe(sqe) else {
-            if auth.is_authenticated()
-                || (sqe.opcode == nvme_spec::opcode::FABRICS
-                    && matches!(FabricsCommand::parse(sqe), FabricsCommand::Disconnect))
-            {
-                return None;
-            }
-            let status = Status::specific(specific::AUTH_REQUIRED).with_dnr();
-            return Some(Submit::Complete(self.completion(cid, status, 0)));
-        };
-        let (status, data) = match self.auth_command(sqe, cmd, icd, sqe.dptr.data_length()) {
-            Answer::Held => return Some(Submit::Held),
-            Answer::Now(status, data) => (status, data),
-        };
-        self.settle_auth(ctrl);
-        let cqe = self.completion(cid, status, 0);
-        Some(match data {
-            Some(d) => Submit::CompleteWithData(d, cqe),
-            None => Submit::Complete(cqe),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -444,8 +169,15 @@ mod tests {
     use nvme_spec::queue::SglDescriptor;
     use nvme_spec::{IntoBytes, status::sct};
 
+    use nvme_spec::Sqe;
+    use nvme_spec::auth::AuthCommand;
+    use nvme_spec::command::FabricsCommand;
+    use nvme_spec::fabrics::CONNECT_AUTHREQ_ATR;
+    use nvme_spec::status::{generic, specific};
+
     use super::*;
     use crate::config::HostAuthConfig;
+    use crate::queue::{QueueState, Submit};
     use crate::target::Target;
     use crate::testing::{HOST, NQN, connect_sqe, origin, status};
 

@@ -177,7 +177,7 @@ pub enum Request {
     },
     /// Starts listening on an address (NVMe/TCP).
     AddListener {
-        /// `tcp://ADDR:PORT`.
+        /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
         #[arg(value_name = "tcp://ADDR:PORT")]
         address: String,
         /// A dedicated discovery listener.
@@ -187,7 +187,7 @@ pub enum Request {
     },
     /// Stops listening on an address; connections it accepted stay.
     RemoveListener {
-        /// `tcp://ADDR:PORT`.
+        /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT`.
         #[arg(value_name = "tcp://ADDR:PORT")]
         address: String,
         /// A dedicated discovery listener.

@@ -1,36 +1,41 @@
-//! The command engine: what happens to a command between the [`Submit`](crate::queue::Submit)
-//! of [`crate::queue`] and its single completion, the same for every transport.
+//! The command engine: what happens to a command from its arrival to its single completion,
+//! the same for every transport.
 //!
 //! A transport (NVMe/TCP in [`crate::tcp`], NVMe/RDMA in [`crate::rdma`]) moves bytes, work
-//! completions and data; it owns one [`Engine`] per connection and asks it to:
+//! completions and data. It owns one [`Engine`] per connection and hands it each command
+//! ([`Engine::command`]); the engine validates it ([`crate::queue`]), runs it and answers
+//! it through the transport's side of the contract, [`Transport`], which says only where
+//! bytes come from and where they go. What the transport does next is the returned [`Step`]:
+//! nothing (answered, or running on a backend), fetch the data from the host and hand it
+//! back ([`Engine::fetched`]), keep a held command, or close.
 //!
-//! - run data-plane requests ([`Engine::run`], [`Transport::start`]): inline for backends that never wait (memory,
-//!   null), as a future otherwise, up to the queue depth; which is which is the engine's
-//!   business, not the transport's;
-//! - turn an outcome into the CQE to send, recording failures (with their LBA) in the
-//!   controller's error log ([`Engine::io_completion`]); a transport that cannot carry a
-//!   command names the [`Fault`] and the engine picks the status ([`Engine::fail`]);
-//! - wait for the next thing that is not the transport's own I/O ([`Engine::next`]): a
+//! The engine also:
+//! - runs data-plane requests: inline for backends that never wait (memory, null), as a
+//!   future otherwise, up to the queue depth; which is which is the engine's business, not
+//!   the transport's. A read from memory or null goes straight where the transport sends
+//!   from: written in place ([`Transport::send_read_with`]) or, when large, sent from the
+//!   namespace's own memory ([`Transport::send_read_shared`]);
+//! - turns an outcome into the CQE to send, recording failures (with their LBA) in the
+//!   controller's error log; a transport that cannot carry a command names the [`Fault`]
+//!   and the engine picks the status ([`Engine::fail`]);
+//! - waits for the next thing that is not the transport's own I/O ([`Engine::next`]): a
 //!   finished request, an asynchronous event for a held Asynchronous Event Request, the
-//!   controller's teardown, the target's shutdown, the handshake timeout and the keep-alive
-//!   timeout (which tears the controller down);
-//! - log why the connection ended ([`Engine::finish`]).
+//!   controller's teardown, the target's shutdown, the handshake timeout, the keep-alive
+//!   timeout (which tears the controller down) and the end of the closing grace;
+//! - decides when a closing connection may go ([`Engine::drained`]): once no request runs
+//!   and the transport has nothing left to send, or the grace ran out;
+//! - logs why the connection ended ([`Engine::finish`]).
 //!
-//! In return the transport implements [`Transport`]: send a finished request's data and
-//! completion, and send the completion of a held command. Dispatch is static (generics): no
-//! allocation, lock or dynamic call is added per command.
-//!
-//! `T` is the transport's tag for a running request: what it needs to answer it (the SQE on
-//! NVMe/TCP, the command's slot token on NVMe/RDMA).
+//! Dispatch is static (generics): no allocation, lock or dynamic call is added per command.
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use blockdev::IoBuf;
+use blockdev::{Backend, IoBuf, SharedPiece};
 use futures_util::FutureExt;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use nvme_spec::status::generic;
@@ -42,8 +47,12 @@ use crate::admission::{DropReason, Permit};
 use crate::controller::{Controller, EventReceiver};
 use crate::log_limited;
 use crate::metrics::IoCell;
-use crate::queue::{IoOp, IoRequest, QueueState};
+use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
 use crate::ratelimit::LogKind;
+
+/// How long a closing connection waits for the transport to send what it has queued before
+/// it goes anyway (requests running on a backend always finish first).
+pub const CLOSE_GRACE: Duration = Duration::from_secs(10);
 
 /// Why a connection ended.
 #[derive(Debug)]
@@ -117,45 +126,135 @@ impl Fault {
     }
 }
 
-/// The transport contract: what the engine needs from a transport. The transport moves
-/// bytes, work completions and data; everything about commands is the engine's.
+/// A command the transport could not answer as asked: its tag and why.
+pub type Refused<T> = (T, Fault);
+
+/// The transport's side of the command flow: where a command's bytes come from and where its
+/// answer goes. The engine calls these while it takes a command in and answers it;
+/// everything about commands (opcodes, backends, statuses) is the engine's.
+///
+/// `Tag` names a command from its arrival to its answer: what the transport needs to answer
+/// it (the SQE on NVMe/TCP, the command's slot token on NVMe/RDMA).
 pub trait Transport {
-    /// What the transport needs to answer a running request.
+    /// What names a command until it is answered.
     type Tag: 'static;
 
-    /// The connection's engine.
-    fn engine(&mut self) -> &mut Engine<Self::Tag>;
+    /// The command `tag` names.
+    fn sqe<'a>(&'a self, tag: &'a Self::Tag) -> &'a Sqe;
 
-    /// Sends a finished request's data (a successful read's) and its completion, built with
-    /// [`Engine::io_completion`].
-    fn complete(&mut self, done: Done<Self::Tag>);
+    /// The command's in-capsule data (or its data fetched before it was handed over).
+    fn capsule(&self, tag: &Self::Tag) -> &[u8];
+
+    /// A buffer of `len` bytes for a request's data (a read's destination, a write's data);
+    /// with `from_capsule` a copy of the command's in-capsule data, which is `len` bytes.
+    /// It comes back through [`send_read`](Self::send_read) or
+    /// [`recycle`](Self::recycle).
+    fn buffer(&mut self, tag: &Self::Tag, len: usize, from_capsule: bool) -> Result<IoBuf, Fault>;
+
+    /// Sends `cqe`, the answer to `tag`, after `data` for the host when there is any (an
+    /// admin command's data); what the command held is let go. Refused when the command's
+    /// data descriptor cannot carry `data`.
+    fn respond(&mut self, tag: Self::Tag, data: &[u8], cqe: &Cqe)
+    -> Result<(), Refused<Self::Tag>>;
+
+    /// Sends a successful read's data, all of `buf`, then `cqe`; with `in_data` the
+    /// completion may go with the data instead (NVMe/TCP's SUCCESS flag when the host
+    /// disabled SQ flow control). Takes the buffer back.
+    fn send_read(
+        &mut self,
+        tag: Self::Tag,
+        buf: IoBuf,
+        cqe: &Cqe,
+        in_data: bool,
+    ) -> Result<(), Refused<Self::Tag>>;
+
+    /// Takes back a request's buffer that carries no data to the host.
+    fn recycle(&mut self, tag: &Self::Tag, buf: IoBuf);
 
     /// Sends the completion of a held command (an Asynchronous Event Request).
-    fn complete_held(&mut self, cqe: Cqe);
+    fn complete_held(&mut self, cqe: &Cqe);
 
-    /// Runs a request on the engine; an inline outcome is answered at once.
-    fn start(&mut self, tag: Self::Tag, req: IoRequest, buf: IoBuf) {
-        if let Some(done) = self.engine().run(tag, req, buf) {
-            self.complete(done);
-        }
+    /// Sends `len` bytes of read data for `tag` with each piece written in place by
+    /// `fill(offset, out)`, at offsets that are multiples of `align`: the data goes from the
+    /// namespace to where the transport sends from with one copy. `Some(Ok(true))`: sent with
+    /// the completion in it (only with `in_data`); `Some(Ok(false))`: the completion is still
+    /// to be sent (also when the data could not be queued); the error of `fill` when it
+    /// failed (nothing queued). None, doing nothing, when the transport cannot; the engine
+    /// then reads into a [`buffer`](Self::buffer).
+    fn send_read_with<E>(
+        &mut self,
+        _tag: &Self::Tag,
+        _len: usize,
+        _align: usize,
+        _in_data: bool,
+        _fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Option<Result<bool, E>> {
+        None
     }
 
-    /// Acts on what [`Engine::next`] woke for: answers finished requests (every one that has
-    /// finished by now, so that their answers leave together) and events. Returns
-    /// [`Closed::HandshakeTimeout`] when the handshake timeout passed.
-    fn on_wake(&mut self, wake: Wake<Self::Tag>) -> Option<Closed> {
-        match wake {
-            Wake::Done(done) => {
-                self.complete(done);
-                while let Some(done) = self.engine().done_now() {
-                    self.complete(done);
-                }
-            }
-            Wake::Event(cqe) => self.complete_held(cqe),
-            Wake::HandshakeExpired => return Some(Closed::HandshakeTimeout),
-            Wake::Handled => {}
-        }
-        None
+    /// Reads of at least this many bytes from memory and null namespaces are sent from the
+    /// namespace's own memory ([`send_read_shared`](Self::send_read_shared)); `usize::MAX`
+    /// for never.
+    fn shared_read_min(&self) -> usize {
+        usize::MAX
+    }
+
+    /// Sends `len` bytes of read data for `tag` from `pieces` of namespace memory (held
+    /// until sent). Returns whether the completion went with the data (only with
+    /// `in_data`).
+    fn send_read_shared(
+        &mut self,
+        _tag: &Self::Tag,
+        _len: usize,
+        _in_data: bool,
+        _pieces: &[SharedPiece],
+    ) -> bool {
+        false
+    }
+}
+
+/// What the transport does next with a command handed to [`Engine::command`].
+#[must_use]
+pub enum Step<T> {
+    /// Nothing: the command was answered.
+    Answered,
+    /// Nothing now: the request runs on a backend and [`Engine::next`] returns it.
+    Started,
+    /// Keep `T` until the command's completion comes through
+    /// [`Transport::complete_held`] (an Asynchronous Event Request).
+    Held(T),
+    /// Fetch the command's data from the host ([`Fetch::len`] bytes), then hand it to
+    /// [`Engine::fetched`] (or the fault to [`Engine::fetch_failed`]).
+    Fetch(Fetch<T>),
+    /// The command was answered and the connection closes ([`Engine::closing`] is set).
+    Close,
+}
+
+/// A command waiting for its data from the host ([`Step::Fetch`]).
+pub struct Fetch<T> {
+    tag: T,
+    req: IoRequest,
+}
+
+impl<T> Fetch<T> {
+    /// The command's tag.
+    pub fn tag(&self) -> &T {
+        &self.tag
+    }
+
+    /// Bytes to fetch.
+    pub fn len(&self) -> usize {
+        self.req.op.host_data_len()
+    }
+
+    /// Whether there is nothing to fetch (never, for a [`Step::Fetch`]).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The command identifier.
+    pub fn cid(&self) -> u16 {
+        self.req.cid
     }
 }
 
@@ -167,7 +266,7 @@ pub struct Done<T> {
     pub req: IoRequest,
     /// Its outcome.
     pub status: Status,
-    /// The data buffer handed to [`Engine::run`], with a read's data.
+    /// The data buffer it ran with, with a read's data.
     pub buf: IoBuf,
 }
 
@@ -194,11 +293,18 @@ pub struct Engine<T> {
     ctrl_shutdown: Option<watch::Receiver<bool>>,
     ns_changed: Option<watch::Receiver<()>>,
     target_shutdown: watch::Receiver<bool>,
-    /// Set once the connection is to close: no new commands, in-flight ones finish.
+    /// Set once the connection is to close: in-flight requests finish, then
+    /// [`Engine::drained`] lets the transport go.
     pub closing: Option<Closed>,
     /// Until the Fabrics Connect succeeds: when the connection is closed.
     handshake_deadline: Option<Instant>,
+    /// Once closing: when the connection goes even with bytes still to send.
+    grace_deadline: Option<Instant>,
+    /// How long the closing grace is ([`CLOSE_GRACE`]).
+    grace: Duration,
     permit: Permit,
+    /// Scratch list of the namespace memory a shared read sends from.
+    pieces: Vec<SharedPiece>,
 }
 
 async fn next_event(rx: &mut Option<EventReceiver>) -> Option<Cqe> {
@@ -232,6 +338,20 @@ fn error_lba(op: &IoOp) -> u64 {
         IoOp::Read { lba, .. } | IoOp::Write { lba, .. } | IoOp::WriteZeroes { lba, .. } => lba,
         _ => 0,
     }
+}
+
+/// Whether the request's data comes in the command capsule.
+fn from_capsule(op: &IoOp) -> bool {
+    matches!(
+        op,
+        IoOp::Write {
+            src: DataSource::InCapsule,
+            ..
+        } | IoOp::Dsm {
+            src: DataSource::InCapsule,
+            ..
+        }
+    )
 }
 
 async fn run_io<T>(
@@ -268,7 +388,10 @@ impl<T: 'static> Engine<T> {
             target_shutdown,
             closing: None,
             handshake_deadline,
+            grace_deadline: None,
+            grace: CLOSE_GRACE,
             permit,
+            pieces: Vec::new(),
         }
     }
 
@@ -277,6 +400,20 @@ impl<T: 'static> Engine<T> {
         if self.closing.is_none() {
             self.closing = Some(reason);
         }
+    }
+
+    /// Whether a closing connection may go now, and why it closes: no request runs on a
+    /// backend and the transport is `idle` (nothing left to send), or the closing grace
+    /// ([`CLOSE_GRACE`] from the first call) ran out. None while it is not closing. Call it
+    /// on every turn of the transport's loop; [`Engine::next`] wakes at the grace's end.
+    pub fn drained(&mut self, idle: bool) -> Option<Closed> {
+        self.closing.as_ref()?;
+        let now = Instant::now();
+        let grace = *self.grace_deadline.get_or_insert(now + self.grace);
+        if self.inflight.is_empty() && (idle || now >= grace) {
+            return self.closing.take();
+        }
+        None
     }
 
     /// Requests running on a backend.
@@ -309,10 +446,179 @@ impl<T: 'static> Engine<T> {
         }
     }
 
-    /// Runs `req` with `buf` (a write's data, the destination of a read). Returns the outcome
-    /// at once for backends that never wait; otherwise the request runs concurrently and
+    /// Takes the command `tag` names (with its in-capsule data from `w`) in: validates it,
+    /// answers it or starts it, and says what the transport does next.
+    pub fn command<W: Transport<Tag = T>>(&mut self, w: &mut W, tag: T) -> Step<T> {
+        let submit = self.q.submit(w.sqe(&tag), w.capsule(&tag));
+        let step = match submit {
+            Submit::Complete(cqe) => {
+                self.answer(w, tag, &[], &cqe);
+                Step::Answered
+            }
+            Submit::CompleteWithData(data, cqe) => {
+                self.answer(w, tag, &data, &cqe);
+                Step::Answered
+            }
+            Submit::CompleteAndClose(cqe) => {
+                self.answer(w, tag, &[], &cqe);
+                self.close(Closed::Local("host disconnected the queue"));
+                Step::Close
+            }
+            Submit::Held => Step::Held(tag),
+            Submit::Io(req) if req.op.host_data_len() > 0 => Step::Fetch(Fetch { tag, req }),
+            Submit::Io(req) => self.start(w, tag, req),
+        };
+        self.watch_controller();
+        step
+    }
+
+    /// Runs a request whose data the transport fetched from the host into `buf` (a
+    /// [`Step::Fetch`]): [`Step::Answered`] or [`Step::Started`].
+    pub fn fetched<W: Transport<Tag = T>>(
+        &mut self,
+        w: &mut W,
+        f: Fetch<T>,
+        buf: IoBuf,
+    ) -> Step<T> {
+        self.run(w, f.tag, f.req, buf)
+    }
+
+    /// Answers a command whose data could not be fetched with the status of `fault`.
+    pub fn fetch_failed<W: Transport<Tag = T>>(&mut self, w: &mut W, f: Fetch<T>, fault: Fault) {
+        self.fail(w, f.tag, fault);
+    }
+
+    /// Answers the command `tag` with the status of `fault`, recorded in the error log (no
+    /// LBA).
+    pub fn fail<W: Transport<Tag = T>>(&mut self, w: &mut W, tag: T, fault: Fault) {
+        let cqe = self.fault_cqe(w.sqe(&tag), fault);
+        if let Err((tag, fault)) = w.respond(tag, &[], &cqe) {
+            debug!(cid = cqe.cid(), ?fault, "cannot send a completion");
+            drop(tag);
+        }
+    }
+
+    /// Acts on what [`Engine::next`] woke for: answers finished requests (every one that has
+    /// finished by now, so that their answers leave together) and events. Returns
+    /// [`Closed::HandshakeTimeout`] when the handshake timeout passed.
+    pub fn on_wake<W: Transport<Tag = T>>(&mut self, w: &mut W, wake: Wake<T>) -> Option<Closed> {
+        match wake {
+            Wake::Done(done) => {
+                self.finished(w, done);
+                while let Some(done) = self.inflight.next().now_or_never().flatten() {
+                    self.finished(w, done);
+                }
+            }
+            Wake::Event(cqe) => w.complete_held(&cqe),
+            Wake::HandshakeExpired => return Some(Closed::HandshakeTimeout),
+            Wake::Handled => {}
+        }
+        None
+    }
+
+    /// Sends `data` and `cqe`; a descriptor that cannot carry the data gets its fault's status.
+    fn answer<W: Transport<Tag = T>>(&mut self, w: &mut W, tag: T, data: &[u8], cqe: &Cqe) {
+        if let Err((tag, fault)) = w.respond(tag, data, cqe) {
+            self.fail(w, tag, fault);
+        }
+    }
+
+    /// Starts a request that needs no data from the host.
+    fn start<W: Transport<Tag = T>>(&mut self, w: &mut W, tag: T, req: IoRequest) -> Step<T> {
+        let capsule = from_capsule(&req.op);
+        let (tag, len) = match req.op {
+            IoOp::Read { len, .. } => match self.read_inline(w, tag, &req) {
+                Ok(()) => return Step::Answered,
+                Err(tag) => (tag, len),
+            },
+            _ if capsule => {
+                let len = w.capsule(&tag).len();
+                (tag, len)
+            }
+            _ => (tag, 0),
+        };
+        let buf = if len > 0 || capsule {
+            match w.buffer(&tag, len, capsule) {
+                Ok(b) => b,
+                Err(fault) => {
+                    self.fail(w, tag, fault);
+                    return Step::Answered;
+                }
+            }
+        } else {
+            IoBuf::new(0)
+        };
+        self.run(w, tag, req, buf)
+    }
+
+    /// Serves a read from a backend that never waits (memory, null) straight where the
+    /// transport sends from: from the namespace's own memory when large enough, else written
+    /// in place. Gives the tag back, doing nothing, for other backends and when the
+    /// transport can do neither.
+    fn read_inline<W: Transport<Tag = T>>(
+        &mut self,
+        w: &mut W,
+        tag: T,
+        req: &IoRequest,
+    ) -> Result<(), T> {
+        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.q.ctrl)
+        else {
+            return Err(tag);
+        };
+        if !crate::io::never_waits(&ns.backend) {
+            return Err(tag);
+        }
+        let in_data = self.q.sq_flow_disabled;
+        let (status, answered) = if len >= w.shared_read_min() {
+            self.pieces.clear();
+            let read =
+                crate::io::read_shared(&ns.backend, lba, len, &mut self.pieces).unwrap_or(Ok(()));
+            ctrl.counters.read(len as u64);
+            let answered = read.is_ok() && w.send_read_shared(&tag, len, in_data, &self.pieces);
+            self.pieces.clear();
+            (crate::io::status_of(ctrl, read), answered)
+        } else {
+            let bs = ns.backend.block_size() as usize;
+            let sent = w.send_read_with(&tag, len, bs, in_data, |off, out| {
+                crate::io::read_now(&ns.backend, lba + (off / bs) as u64, out).unwrap_or(Ok(()))
+            });
+            let Some(sent) = sent else {
+                return Err(tag);
+            };
+            ctrl.counters.read(len as u64);
+            let answered = matches!(sent, Ok(true));
+            (crate::io::status_of(ctrl, sent.map(|_| ())), answered)
+        };
+        self.q.record_io(req, status);
+        if !answered {
+            let cqe = self.io_completion(w.sqe(&tag), req, status);
+            self.answer(w, tag, &[], &cqe);
+        }
+        Ok(())
+    }
+
+    /// Runs `req` with `buf` (a write's data, the destination of a read): at once for
+    /// backends that never wait, answered before this returns; otherwise concurrently, and
     /// [`Engine::next`] returns it when done.
-    pub fn run(&mut self, tag: T, req: IoRequest, buf: IoBuf) -> Option<Done<T>> {
+    fn run<W: Transport<Tag = T>>(
+        &mut self,
+        w: &mut W,
+        tag: T,
+        req: IoRequest,
+        buf: IoBuf,
+    ) -> Step<T> {
+        match self.execute(tag, req, buf) {
+            Some(done) => {
+                self.finished(w, done);
+                Step::Answered
+            }
+            None => Step::Started,
+        }
+    }
+
+    /// Runs `req`: the outcome at once for backends that never wait (and on a queue without
+    /// a controller); None when it runs concurrently.
+    fn execute(&mut self, tag: T, req: IoRequest, buf: IoBuf) -> Option<Done<T>> {
         let Some(ctrl) = &self.q.ctrl else {
             let status = Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr();
             return Some(Done {
@@ -350,13 +656,28 @@ impl<T: 'static> Engine<T> {
         None
     }
 
-    /// A request that finished by now, without waiting.
-    pub fn done_now(&mut self) -> Option<Done<T>> {
-        self.inflight.next().now_or_never().flatten()
+    /// Answers a finished request: a successful read's data and completion, otherwise the
+    /// completion (a failure goes to the error log with its LBA).
+    fn finished<W: Transport<Tag = T>>(&mut self, w: &mut W, done: Done<T>) {
+        let Done {
+            tag,
+            req,
+            status,
+            buf,
+        } = done;
+        let cqe = self.io_completion(w.sqe(&tag), &req, status);
+        if status.is_success() && matches!(req.op, IoOp::Read { .. }) {
+            if let Err((tag, fault)) = w.send_read(tag, buf, &cqe, self.q.sq_flow_disabled) {
+                self.fail(w, tag, fault);
+            }
+        } else {
+            w.recycle(&tag, buf);
+            self.answer(w, tag, &[], &cqe);
+        }
     }
 
     /// The CQE of a finished request; a failure goes to the error log with its LBA.
-    pub fn io_completion(&self, sqe: &Sqe, req: &IoRequest, status: Status) -> Cqe {
+    fn io_completion(&self, sqe: &Sqe, req: &IoRequest, status: Status) -> Cqe {
         if !status.is_success() {
             self.q.record_error(sqe, status, error_lba(&req.op));
         }
@@ -364,7 +685,7 @@ impl<T: 'static> Engine<T> {
     }
 
     /// The CQE failing `sqe` for `fault`, recorded in the error log (no LBA).
-    pub fn fail(&self, sqe: &Sqe, fault: Fault) -> Cqe {
+    fn fault_cqe(&self, sqe: &Sqe, fault: Fault) -> Cqe {
         let status = fault.status();
         self.q.record_error(sqe, status, 0);
         if let Some(m) = &self.q.metrics {
@@ -374,8 +695,9 @@ impl<T: 'static> Engine<T> {
     }
 
     /// Waits for a finished request, an asynchronous event, the controller's teardown, the
-    /// target's shutdown, the handshake timeout or the keep-alive timeout, in that order of
-    /// preference. Teardown, shutdown and keep-alive expiry set [`Engine::closing`].
+    /// target's shutdown, the handshake timeout, the keep-alive timeout or the end of the
+    /// closing grace, in that order of preference. Teardown, shutdown and keep-alive expiry
+    /// set [`Engine::closing`].
     pub async fn next(&mut self) -> Wake<T> {
         let deadline = self.handshake_deadline.or_else(|| {
             self.q
@@ -384,6 +706,14 @@ impl<T: 'static> Engine<T> {
                 .filter(|_| self.q.qid == 0)
                 .and_then(|c| c.keep_alive_deadline())
         });
+        // The grace's end wakes the transport once, to let it go.
+        let grace = self
+            .grace_deadline
+            .filter(|g| self.closing.is_some() && *g > Instant::now());
+        let deadline = match (deadline, grace) {
+            (Some(d), Some(g)) => Some(d.min(g)),
+            (d, g) => d.or(g),
+        };
         tokio::select! {
             biased;
             Some(done) = self.inflight.next(), if !self.inflight.is_empty() => Wake::Done(done),
@@ -501,37 +831,16 @@ mod tests {
     use nvme_spec::status::{media, sct};
 
     use super::*;
-    use crate::queue::{HostSgl, Submit};
+    use crate::queue::{HostSgl, IoRequest, Submit};
     use crate::target::Target;
-    use crate::testing::{connected, origin, target};
+    use crate::testing::{ReadPath, Wire, connected, origin, target};
 
-    /// A transport that keeps what it would send.
+    /// A connection on the fake transport.
     struct Fake {
         e: Engine<Sqe>,
-        /// Completions in the order sent.
-        sent: Vec<Cqe>,
-        /// Data sent before a completion: (CID, bytes).
-        data: Vec<(u16, Vec<u8>)>,
-    }
-
-    impl Transport for Fake {
-        type Tag = Sqe;
-
-        fn engine(&mut self) -> &mut Engine<Sqe> {
-            &mut self.e
-        }
-
-        fn complete(&mut self, done: Done<Sqe>) {
-            if done.status.is_success() && matches!(done.req.op, IoOp::Read { .. }) {
-                self.data.push((done.req.cid, done.buf.to_vec()));
-            }
-            let cqe = self.e.io_completion(&done.tag, &done.req, done.status);
-            self.sent.push(cqe);
-        }
-
-        fn complete_held(&mut self, cqe: Cqe) {
-            self.sent.push(cqe);
-        }
+        w: Wire,
+        /// The steps of the commands handed over, by kind.
+        steps: Vec<&'static str>,
     }
 
     fn permit(t: &Target) -> Permit {
@@ -547,39 +856,56 @@ mod tests {
             e.watch_controller();
             Fake {
                 e,
-                sent: Vec::new(),
-                data: Vec::new(),
+                w: Wire::default(),
+                steps: Vec::new(),
             }
         }
 
-        /// What a transport does with a command that arrived with `data`.
+        /// What a transport does with a command that arrived with `data` in its capsule.
         fn command(&mut self, sqe: Sqe, data: &[u8]) {
-            match self.e.q.submit(&sqe, data) {
-                Submit::Complete(c) | Submit::CompleteWithData(_, c) => self.sent.push(c),
-                Submit::CompleteAndClose(c) => {
-                    self.sent.push(c);
-                    self.e.close(Closed::Local("host disconnected the queue"));
+            self.hand_over(sqe, data, &[]);
+        }
+
+        /// What a transport does with a command whose `data` is in host memory: fetched
+        /// when the engine asks for it.
+        fn command_from_host(&mut self, sqe: Sqe, data: &[u8]) {
+            self.hand_over(sqe, &[], data);
+        }
+
+        fn hand_over(&mut self, sqe: Sqe, capsule: &[u8], host: &[u8]) {
+            self.w.capsule = capsule.to_vec();
+            let data = host;
+            let step = self.e.command(&mut self.w, sqe);
+            self.w.capsule.clear();
+            let kind = match step {
+                Step::Answered => "answered",
+                Step::Started => "started",
+                Step::Held(_) => "held",
+                Step::Close => "close",
+                Step::Fetch(f) => {
+                    assert_eq!(f.len(), data.len(), "fetches what the host sends");
+                    let mut buf = IoBuf::new(f.len());
+                    buf.copy_from_slice(data);
+                    self.w.buffers_out += 1;
+                    match self.e.fetched(&mut self.w, f, buf) {
+                        Step::Answered => "fetched, answered",
+                        Step::Started => "fetched, started",
+                        _ => "fetched, other",
+                    }
                 }
-                Submit::Held => {}
-                Submit::Io(req) => {
-                    let buf = match req.op {
-                        IoOp::Read { len, .. } => IoBuf::new(len),
-                        _ => {
-                            let mut b = IoBuf::new(data.len());
-                            b.copy_from_slice(data);
-                            b
-                        }
-                    };
-                    self.start(sqe, req, buf);
-                }
-            }
-            self.e.watch_controller();
+            };
+            self.steps.push(kind);
         }
 
         /// The one completion sent since the last call.
         fn answer(&mut self) -> Cqe {
-            assert_eq!(self.sent.len(), 1, "one completion: {:?}", self.sent);
-            self.sent.pop().unwrap()
+            assert_eq!(self.w.sent.len(), 1, "one completion: {:?}", self.w.sent);
+            self.w.sent.pop().unwrap()
+        }
+
+        /// The step of the last command.
+        fn step(&self) -> &'static str {
+            self.steps.last().copied().unwrap_or("none")
         }
 
         /// Waits (at most 10 s) for the engine and acts on what it woke for, until `until`.
@@ -588,7 +914,7 @@ mod tests {
                 tokio::time::timeout(Duration::from_secs(10), async {
                     while !until(self) {
                         let wake = self.e.next().await;
-                        if let Some(r) = self.on_wake(wake) {
+                        if let Some(r) = self.e.on_wake(&mut self.w, wake) {
                             self.e.close(r);
                         }
                     }
@@ -648,7 +974,10 @@ mod tests {
         io.command(read(2, 1, 7, 2), &[]);
         let cqe = io.answer();
         assert_eq!((cqe.cid(), cqe.status()), (2, Status::SUCCESS));
-        assert_eq!(io.data, vec![(2, vec![0x5a; 1024])]);
+        assert_eq!(
+            io.w.data,
+            vec![(2, vec![0x5a; 1024], Some(ReadPath::InPlace))]
+        );
     }
 
     #[test]
@@ -701,7 +1030,7 @@ mod tests {
             op: IoOp::Flush,
             arrived: Instant::now(),
         };
-        let done = e.run((), req, IoBuf::new(0)).expect("answered at once");
+        let done = e.execute((), req, IoBuf::new(0)).expect("answered at once");
         assert_eq!(
             done.status,
             Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr()
@@ -724,11 +1053,11 @@ mod tests {
             .unwrap();
         io.command(read(7, 1, 100, 1), &[]);
         assert_eq!(io.e.in_flight(), 1, "file requests run concurrently");
-        io.drive(&rt, |f| !f.sent.is_empty());
+        io.drive(&rt, |f| !f.w.sent.is_empty());
         let cqe = io.answer();
         assert_eq!(cqe.cid(), 7);
         assert_eq!(cqe.status(), Status::media(media::UNRECOVERED_READ_ERROR));
-        assert!(io.data.is_empty(), "no data for a failed read");
+        assert!(io.w.data.is_empty(), "no data for a failed read");
         let e = last_error(&mut admin);
         assert_eq!((e.cid.get(), e.lba.get(), e.sqid.get()), (7, 100, 1));
         let ctrl = admin.e.q.ctrl.clone().unwrap();
@@ -759,7 +1088,7 @@ mod tests {
         ];
         for (i, (fault, status)) in table.into_iter().enumerate() {
             let sqe = read(20 + i as u16, 1, 0, 1);
-            let cqe = io.e.fail(&sqe, fault);
+            let cqe = io.e.fault_cqe(&sqe, fault);
             assert_eq!((cqe.cid(), cqe.status()), (20 + i as u16, status));
             let e = last_error(&mut admin);
             assert_eq!(
@@ -774,10 +1103,11 @@ mod tests {
         let (mut admin, _io) = queues(&["mem:1M"]);
         let rt = rt();
         admin.command(build::async_event_request(11), &[]);
-        assert!(admin.sent.is_empty(), "an AER is held");
+        assert!(admin.w.sent.is_empty(), "an AER is held");
+        assert_eq!(admin.step(), "held");
         let ctrl = admin.e.q.ctrl.clone().unwrap();
         assert!(ctrl.raise_event(0, 0x0002_0002));
-        admin.drive(&rt, |f| !f.sent.is_empty());
+        admin.drive(&rt, |f| !f.w.sent.is_empty());
         let cqe = admin.answer();
         assert_eq!(
             (cqe.cid(), cqe.status(), cqe.dw0.get()),
@@ -859,10 +1189,10 @@ mod tests {
         let cqe = io.answer();
         assert_eq!((cqe.cid(), cqe.status()), (13, Status::SUCCESS));
         io.command(read(14, 1, 0, 8), &[]);
-        io.drive(&rt, |f| !f.sent.is_empty());
+        io.drive(&rt, |f| !f.w.sent.is_empty());
         assert_eq!(
-            io.data,
-            vec![(14, vec![0xa5; 4096])],
+            io.w.data,
+            vec![(14, vec![0xa5; 4096], Some(ReadPath::Buffer))],
             "the acknowledged write is there"
         );
     }
@@ -879,12 +1209,12 @@ mod tests {
         // Removed while the write runs: the write holds the backend and completes.
         let sub = io.e.q.target.subsystems().values().next().unwrap().clone();
         sub.set_namespaces(Default::default());
-        io.drive(&rt, |f| f.e.in_flight() == 0 && !f.sent.is_empty());
+        io.drive(&rt, |f| f.e.in_flight() == 0 && !f.w.sent.is_empty());
         let cqe = io.answer();
         assert_eq!((cqe.cid(), cqe.status()), (15, Status::SUCCESS));
         // The next command on it finds no namespace.
         io.command(read(16, 1, 0, 8), &[]);
-        io.drive(&rt, |f| !f.sent.is_empty());
+        io.drive(&rt, |f| !f.w.sent.is_empty());
         assert_eq!(
             io.answer().status(),
             Status::generic(generic::INVALID_NAMESPACE).with_dnr()
@@ -892,5 +1222,181 @@ mod tests {
         // The write reached the file.
         let data = std::fs::read(&path).unwrap();
         assert_eq!(&data[..4096], &[0x5a; 4096][..]);
+    }
+
+    /// A write of 512-byte blocks whose data the transport fetches from the host.
+    fn host_write(cid: u16, slba: u64, nlb: u32) -> Sqe {
+        let mut sqe = build::read_write(true, cid, 1, slba, nlb);
+        sqe.dptr = SglDescriptor::tcp_transport(nlb * 512);
+        sqe
+    }
+
+    #[test]
+    fn each_step_tells_the_transport_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!("file:{},size=1M,bs=512", dir.path().join("ns").display());
+        let (mut admin, mut io) = queues(&[spec.as_str()]);
+        let rt = rt();
+        // Answered at once, with data for the host.
+        let mut identify = build::identify(1, 1, 0);
+        identify.dptr = SglDescriptor::tcp_transport(4096);
+        admin.command(identify, &[]);
+        assert_eq!(admin.step(), "answered");
+        assert!(admin.answer().status().is_success());
+        assert_eq!(admin.w.data.len(), 1, "Identify data before its completion");
+        // Held until an event.
+        admin.command(build::async_event_request(2), &[]);
+        assert_eq!(admin.step(), "held");
+        assert!(admin.w.sent.is_empty());
+        // Data fetched from the host, then started on the file.
+        io.command_from_host(host_write(3, 0, 8), &[0x11; 4096]);
+        assert_eq!(io.step(), "fetched, started");
+        assert_eq!(io.e.in_flight(), 1);
+        io.drive(&rt, |f| !f.w.sent.is_empty());
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        // Started: a read of the file, answered from its buffer.
+        io.command(read(4, 1, 0, 8), &[]);
+        assert_eq!(io.step(), "started");
+        io.drive(&rt, |f| !f.w.sent.is_empty());
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        assert_eq!(
+            io.w.data,
+            vec![(4, vec![0x11; 4096], Some(ReadPath::Buffer))]
+        );
+        assert_eq!(io.w.buffers_out, 0, "every buffer came back");
+        // Close: Disconnect answers, then the connection closes.
+        io.command(nvme_spec::FabricsCommand::Disconnect.encode(5), &[]);
+        assert_eq!(io.step(), "close");
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        assert!(matches!(
+            io.e.closing,
+            Some(Closed::Local("host disconnected the queue"))
+        ));
+    }
+
+    #[test]
+    fn in_capsule_and_fetched_writes_run_from_their_data() {
+        let (mut admin, mut io) = queues(&["mem:1M,bs=512"]);
+        io.command(write(1, 0, 2), &[0x22; 1024]);
+        assert_eq!(io.step(), "answered", "memory writes run inline");
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        io.command_from_host(host_write(2, 2, 2), &[0x33; 1024]);
+        assert_eq!(io.step(), "fetched, answered");
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        assert_eq!(io.w.buffers_out, 0);
+        io.command(read(3, 1, 0, 4), &[]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        let mut want = vec![0x22; 1024];
+        want.extend([0x33; 1024]);
+        assert_eq!(io.w.data, vec![(3, want, Some(ReadPath::InPlace))]);
+
+        // A fetch that fails gets its fault's status, in the error log.
+        io.w.capsule.clear();
+        let sqe = host_write(4, 0, 1);
+        let Step::Fetch(f) = io.e.command(&mut io.w, sqe) else {
+            panic!("a write of host data is fetched");
+        };
+        assert_eq!((f.cid(), f.len()), (4, 512));
+        io.e.fetch_failed(&mut io.w, f, Fault::DataDigest);
+        let cqe = io.answer();
+        assert_eq!(
+            (cqe.cid(), cqe.status()),
+            (4, Status::generic(generic::TRANSIENT_TRANSPORT_ERROR))
+        );
+        assert_eq!(last_error(&mut admin).cid.get(), 4);
+
+        // A transport out of buffers fails the command with its fault.
+        io.w.no_buffers = Some(Fault::Resources);
+        io.command(write(5, 0, 1), &[0; 512]);
+        assert_eq!(
+            io.answer().status(),
+            Status::generic(generic::INTERNAL_ERROR)
+        );
+    }
+
+    #[test]
+    fn memory_reads_go_straight_where_the_transport_sends_from() {
+        let (_admin, mut io) = queues(&["mem:1M,bs=512"]);
+        let pattern: Vec<u8> = (0..65536u32).map(|i| (i / 512) as u8).collect();
+        io.command(write(1, 0, 128), &pattern);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        // Small: written in place, in pieces of the transport's size.
+        io.command(read(2, 1, 0, 32), &[]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        // Large: sent from the namespace's memory.
+        io.command(read(3, 1, 0, 128), &[]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        // A transport that cannot write in place gets a buffer.
+        io.w.piece = 0;
+        io.command(read(4, 1, 8, 8), &[]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        // So does one whose pieces do not hold whole blocks.
+        io.w.piece = 1000;
+        io.command(read(5, 1, 8, 8), &[]);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        let got: Vec<_> =
+            io.w.data
+                .drain(..)
+                .map(|(c, d, p)| (c, d.len(), p))
+                .collect();
+        assert_eq!(
+            got,
+            vec![
+                (2, 16384, Some(ReadPath::InPlace)),
+                (3, 65536, Some(ReadPath::Shared)),
+                (4, 4096, Some(ReadPath::Buffer)),
+                (5, 4096, Some(ReadPath::Buffer)),
+            ]
+        );
+        assert_eq!(io.w.buffers_out, 0);
+        // With SQ flow control disabled the completion goes with the data.
+        io.e.q.sq_flow_disabled = true;
+        io.w.piece = 8192;
+        io.command(read(6, 1, 0, 8), &[]);
+        io.command(read(7, 1, 0, 128), &[]);
+        assert!(io.w.sent.is_empty(), "no separate completions");
+        assert_eq!(io.w.in_data, 2);
+        assert_eq!(io.w.data[0].1, pattern[..4096]);
+        assert_eq!(io.w.data[1].1, pattern);
+        let figures = io.e.q.target.metrics_snapshot();
+        let ns = &figures.subsystems[crate::testing::NQN].namespaces[&1];
+        assert_eq!(ns.bytes_read, 16384 + 65536 * 2 + 4096 * 3);
+    }
+
+    #[test]
+    fn closing_waits_for_running_requests_then_for_the_transport() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!("file:{},size=1M,bs=512", dir.path().join("ns").display());
+        let (_admin, mut io) = queues(&[spec.as_str()]);
+        let rt = rt();
+        assert!(io.e.drained(true).is_none(), "not closing");
+        io.command(write(1, 0, 8), &[0x44; 4096]);
+        assert_eq!(io.step(), "started");
+        io.e.close(Closed::HostClosed);
+        assert!(io.e.drained(true).is_none(), "a request still runs");
+        io.drive(&rt, |f| f.e.in_flight() == 0);
+        assert_eq!(io.answer().status(), Status::SUCCESS);
+        assert!(
+            io.e.drained(false).is_none(),
+            "the transport still has bytes to send"
+        );
+        assert!(matches!(io.e.drained(true), Some(Closed::HostClosed)));
+    }
+
+    #[test]
+    fn the_closing_grace_lets_a_connection_go_with_bytes_unsent() {
+        let (_admin, mut io) = queues(&["mem:1M"]);
+        let rt = rt();
+        io.e.grace = Duration::from_millis(50);
+        io.e.close(Closed::Local("target shutting down"));
+        assert!(io.e.drained(false).is_none());
+        // The engine wakes at the grace's end.
+        rt.block_on(async {
+            while io.e.drained(false).is_none() {
+                let wake = io.e.next().await;
+                assert!(matches!(wake, Wake::Handled));
+            }
+        });
+        assert!(io.e.closing.is_none(), "the reason was handed over");
     }
 }

@@ -1,5 +1,7 @@
 //! The launcher: starts the reactor pool and the listeners' accept loops for a built
-//! [`Target`], and shuts them down in order. The target itself ([`crate::target`]) is the
+//! [`Target`], NVMe/TCP and NVMe/RDMA side by side, at start and live
+//! ([`RunningTarget::start_listener`], [`RunningTarget::stop_listener`]), and shuts them down
+//! in order. The target itself ([`crate::target`]) is the
 //! registry of subsystems, listeners and limits; transports serve connections
 //! ([`crate::tcp`], [`crate::rdma`]) on the reactors of [`crate::reactor`].
 
@@ -10,7 +12,7 @@ use parking_lot::Mutex;
 use tracing::{info, warn};
 
 use crate::config::ListenAddr;
-use crate::reactor::{Connection, Pool};
+use crate::reactor::Pool;
 use crate::target::{BoundListener, ListenerSocket, StartError, Target};
 
 /// A handle to a running target.
@@ -36,19 +38,14 @@ impl RunningTarget {
         listeners: Vec<BoundListener>,
     ) -> Result<RunningTarget, StartError> {
         let (pool, reactors) = Pool::start(&target)?;
-        let tasks_pool = Arc::clone(&pool);
         let running = RunningTarget {
             target,
             pool: Mutex::new(Some(pool)),
             reactors: Mutex::new(reactors),
             acceptors: Mutex::new(Vec::new()),
         };
-        let mut rdma = Vec::new();
         for l in listeners {
-            match l.socket {
-                ListenerSocket::Tcp(s) => running.accept_tcp(l.addr, s)?,
-                ListenerSocket::Rdma(r) => rdma.push((l.addr, r)),
-            }
+            running.start_listener(l)?;
         }
         // The summaries of suppressed per-connection log lines, every interval.
         let mut shutdown = running.target.subscribe_shutdown();
@@ -58,30 +55,36 @@ impl RunningTarget {
                 _ = shutdown.changed() => {}
             }
         });
-        let addrs: Vec<ListenAddr> = rdma.iter().map(|(a, _)| a.clone()).collect();
-        let tasks = crate::rdma::start(&running.target, rdma, &tasks_pool);
-        running.acceptors.lock().extend(
-            addrs
-                .into_iter()
-                .zip(tasks)
-                .map(|(addr, task)| Acceptor { addr, task }),
-        );
         Ok(running)
     }
 
-    /// Starts accepting on a listener bound while the target runs (NVMe/TCP only: RDMA
-    /// listeners are set at start).
+    /// Starts accepting on a bound listener, NVMe/TCP or NVMe/RDMA, at start or while the
+    /// target runs: the one place listeners are started.
     pub fn start_listener(&self, l: BoundListener) -> Result<(), StartError> {
         match l.socket {
             ListenerSocket::Tcp(s) => self.accept_tcp(l.addr, s),
-            ListenerSocket::Rdma(_) => Err(StartError::Transport {
-                addr: l.addr.to_string(),
-                reason: "RDMA listeners are set at start".into(),
-            }),
+            ListenerSocket::Rdma(r) => {
+                let pool = self.pool(&l.addr)?;
+                let task = crate::rdma::accept(&self.target, l.addr.clone(), r, pool);
+                self.acceptors.lock().push(Acceptor { addr: l.addr, task });
+                Ok(())
+            }
         }
     }
 
-    /// Stops accepting on `addr` and closes its socket; connections it accepted stay.
+    /// The reactor pool, while the target is not shutting down.
+    fn pool(&self, addr: &ListenAddr) -> Result<Arc<Pool>, StartError> {
+        self.pool
+            .lock()
+            .clone()
+            .ok_or_else(|| StartError::Transport {
+                addr: addr.to_string(),
+                reason: "the target is shutting down".into(),
+            })
+    }
+
+    /// Stops accepting on `addr` and closes its socket or RDMA-CM listener; connections it
+    /// accepted stay.
     /// Returns false when nothing listens there.
     pub fn stop_listener(&self, addr: &ListenAddr) -> bool {
         let mut acceptors = self.acceptors.lock();
@@ -103,13 +106,8 @@ impl RunningTarget {
                 addr: addr.to_string(),
                 source,
             })?;
+        let pool = self.pool(&addr)?;
         info!(listener = %addr, "listening");
-        let Some(pool) = self.pool.lock().clone() else {
-            return Err(StartError::Transport {
-                addr: addr.to_string(),
-                reason: "the target is shutting down".into(),
-            });
-        };
         let mut shutdown = self.target.subscribe_shutdown();
         let gate = self.target.listener_gate(addr.clone());
         let l = addr.clone();
@@ -129,7 +127,7 @@ impl RunningTarget {
                                     continue;
                                 }
                             };
-                            if pool.hand(Connection::Tcp(stream, permit)).is_err() {
+                            if pool.hand(Box::new(crate::tcp::Incoming { stream, permit })).is_err() {
                                 break;
                             }
                         }

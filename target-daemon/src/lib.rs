@@ -10,13 +10,15 @@
 //!   sans-IO `nvmf-tcp` engine; data moves by C2HData and R2T/H2CData.
 //! - [`rdma`]: NVMe/RDMA on `nvmf-rdma` (libibverbs/librdmacm loaded at run time): capsules by
 //!   SEND/RECV, data by RDMA READ/WRITE of the host's keyed buffers.
-//! - [`engine`]: the command engine every transport shares, from a validated command to its
-//!   single completion: inline or concurrent execution, the error log, asynchronous events,
-//!   keep-alive, shutdown and the closing log.
+//! - [`engine`]: the command engine every transport shares, from a command's arrival to its
+//!   single completion: submission, inline or concurrent execution (the memory/null read fast
+//!   path too), the error log, asynchronous events, keep-alive, the closing drain and grace,
+//!   shutdown and the closing log. Transports supply only where bytes come from and go.
 //! - [`queue`]: transport-independent queue logic (Connect, properties, validation of I/O
-//!   commands into [`queue::IoRequest`]s). Transports never look at opcodes.
-//! - [`auth`]: in-band authentication (DH-HMAC-CHAP) of each queue, and the refusal of other
-//!   commands until it succeeds.
+//!   commands into [`queue::IoRequest`]s of an [`op::IoOp`]). Transports never look at
+//!   opcodes.
+//! - [`auth`]: in-band authentication (DH-HMAC-CHAP) of each queue (the queue's side, and
+//!   the refusal of other commands until it succeeds, are in [`queue`]).
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
 //!   discovery log page.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
@@ -25,12 +27,13 @@
 //!   applied, with the hosts notified; [`control`]: the control socket's protocol.
 //! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
 //!   (with the busy-poll window), the accept loops, orderly shutdown.
-//! - [`metrics`]: per-queue counters and latency histograms added up at scrape time, the
-//!   [`metrics::MetricsSnapshot`] and the Prometheus endpoint.
+//! - [`metrics`]: per-queue counter cells and latency histograms (a leaf the hot path
+//!   writes) and the [`metrics::MetricsSnapshot`] they add up to at scrape time;
+//!   [`exporter`]: the Prometheus endpoint over a running target.
 //! - [`admission`]: connection limits per listener and in total, and the log of connections
 //!   dropped by a limit or by the handshake timeout.
 //! - [`ratelimit`]: the log limits of per-connection events and the authentication budgets
-//!   per host NQN and source address.
+//!   per host NQN and source address, and the threads authentication work runs on.
 //!
 //! This crate never panics on input from the network: every malformed command gets an NVMe
 //! status, and every protocol violation a TermReq and a closed connection.
@@ -43,10 +46,12 @@ pub mod control;
 pub mod controller;
 pub mod discovery;
 pub mod engine;
+pub mod exporter;
 pub mod io;
 pub mod launcher;
 pub mod memory;
 pub mod metrics;
+pub mod op;
 pub mod queue;
 pub mod ratelimit;
 pub mod rdma;

@@ -7,40 +7,36 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use nvme_auth::tls::PskIdentity;
+use nvme_auth::{CtrlAction, CtrlEvent, DhWork};
+use nvme_spec::auth::AuthCommand;
 use nvme_spec::command::{AdminCommand, FabricsCommand, IoCommand, ReadWrite};
 use nvme_spec::fabrics::{
-    CONNECT_DATA_CNTLID_OFFSET, CONNECT_DATA_HOSTNQN_OFFSET, CONNECT_DATA_SUBNQN_OFFSET,
-    ConnectData, DISCOVERY_NQN, connect_invalid_param_dw0,
+    CONNECT_AUTHREQ_ATR, CONNECT_DATA_CNTLID_OFFSET, CONNECT_DATA_HOSTNQN_OFFSET,
+    CONNECT_DATA_SUBNQN_OFFSET, ConnectData, DISCOVERY_NQN, connect_invalid_param_dw0,
 };
 use nvme_spec::queue::{sgl_subtype, sgl_type};
 use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, Sqe, Status};
 use tracing::{debug, info, warn};
 
+use crate::auth::{Answer, MAX_SEND_LEN, QueueAuth, failure_reason};
 use crate::config::Transport;
 use crate::controller::{AdminReply, Controller, ControllerKind, EventReceiver, QueueOrigin};
 use crate::log_limited;
 use crate::metrics::QueueMetrics;
+pub use crate::op::{DataSource, IoOp};
 use crate::ratelimit::LogKind;
-use crate::subsystem::Namespace;
+use crate::subsystem::{Namespace, Subsystem};
 use crate::target::Target;
 
 /// Byte offset of QID in a Connect SQE (for invalid-parameter answers).
 const SQE_QID_OFFSET: u16 = 42;
 /// Byte offset of SQSIZE in a Connect SQE.
 const SQE_SQSIZE_OFFSET: u16 = 44;
-
-/// Where the data of a host-to-controller command is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DataSource {
-    /// In the command capsule.
-    InCapsule,
-    /// To be fetched from the host by the transport (R2T for TCP, RDMA READ for RDMA).
-    Host,
-}
 
 /// How a transport carries command data that is not in the capsule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,72 +85,6 @@ impl std::ops::Deref for QueueNs {
     }
 }
 
-/// Data-plane operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IoOp {
-    /// Read `len` bytes at block `lba` and return them to the host.
-    Read {
-        /// First block.
-        lba: u64,
-        /// Bytes.
-        len: usize,
-    },
-    /// Write `len` bytes at block `lba`.
-    Write {
-        /// First block.
-        lba: u64,
-        /// Bytes.
-        len: usize,
-        /// Where the data is.
-        src: DataSource,
-        /// Force Unit Access: durable before it completes.
-        fua: bool,
-    },
-    /// Make written data durable.
-    Flush,
-    /// Write zeroes (optionally deallocating).
-    WriteZeroes {
-        /// First block.
-        lba: u64,
-        /// Blocks.
-        nlb: u32,
-        /// Deallocate instead of writing if possible.
-        deallocate: bool,
-        /// Force Unit Access: durable before it completes.
-        fua: bool,
-    },
-    /// Dataset Management: the ranges in the command data (`ranges` 16-byte entries).
-    Dsm {
-        /// Number of ranges.
-        ranges: u16,
-        /// Bytes of command data (at least `ranges` * 16; hosts may send a whole page).
-        len: usize,
-        /// Where the range list is.
-        src: DataSource,
-        /// Deallocate the ranges (otherwise only hints, nothing to do).
-        deallocate: bool,
-    },
-}
-
-impl IoOp {
-    /// Bytes the host must send before the operation runs (0 if none or in the capsule).
-    pub fn host_data_len(&self) -> usize {
-        match *self {
-            IoOp::Write {
-                len,
-                src: DataSource::Host,
-                ..
-            } => len,
-            IoOp::Dsm {
-                len,
-                src: DataSource::Host,
-                ..
-            } => len,
-            _ => 0,
-        }
-    }
-}
-
 /// What the transport must do with a submitted command.
 pub enum Submit {
     /// Send this completion.
@@ -191,7 +121,7 @@ pub struct QueueState {
     /// The queue's counters, once connected to an NVM subsystem.
     pub metrics: Option<QueueMetrics>,
     /// In-band authentication, when the host must authenticate this queue.
-    pub(crate) auth: Option<crate::auth::QueueAuth>,
+    pub(crate) auth: Option<QueueAuth>,
     /// When the transport's current batch of received data arrived ([`QueueState::tick`]):
     /// the arrival time of every command in it, so that a batch costs one clock read.
     clock: Instant,
@@ -738,7 +668,7 @@ impl QueueState {
         let dw0 = u32::from(ctrl.cntlid) | self.require_auth(&ctrl);
         self.metrics = ctrl
             .subsystem()
-            .map(|s| QueueMetrics::new(Arc::clone(s), c.qid));
+            .map(|s| QueueMetrics::new(Arc::<Subsystem>::clone(s), c.qid));
         self.ctrl = Some(ctrl);
         Submit::Complete(self.completion(cid, Status::SUCCESS, dw0))
     }
@@ -908,5 +838,305 @@ impl QueueState {
                 Err(Status::generic(generic::INVALID_OPCODE).with_dnr())
             }
         }
+    }
+}
+
+impl QueueState {
+    /// Handles one Authentication Send (`data`: its payload) or Receive (`room`: the host's
+    /// buffer) command.
+    fn auth_command(&mut self, sqe: &Sqe, cmd: AuthCommand, data: &[u8], room: u32) -> Answer {
+        // The completion of a held command, but for its status.
+        let template = self.completion(sqe.cid(), Status::SUCCESS, 0);
+        let Some(auth) = self.auth.as_mut() else {
+            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+        };
+        if !cmd.is_dhchap() {
+            return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+        }
+        // One message at a time: the host waits for a command's completion before the next.
+        let locked = if auth.busy() {
+            None
+        } else {
+            auth.proto.try_lock()
+        };
+        let Some(mut proto) = locked else {
+            return Answer::Now(
+                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
+                None,
+            );
+        };
+        let mut rng = rand::rng();
+        let action = if cmd.send {
+            if cmd.len > MAX_SEND_LEN {
+                return Answer::Now(Status::generic(generic::INVALID_FIELD).with_dnr(), None);
+            }
+            let Some(msg) = data.get(..cmd.len as usize) else {
+                return Answer::Now(
+                    Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr(),
+                    None,
+                );
+            };
+            let work = proto.dh_work(msg);
+            if work == Some(DhWork::Negotiate) {
+                // A new transaction: its outcome is still to be applied.
+                auth.settled = false;
+                auth.refused = None;
+                let hostnqn = self.ctrl.as_ref().map_or("", |c| c.hostnqn.as_str());
+                if let Err(over) = self.target.auth.budget.take(hostnqn, self.origin.peer.ip()) {
+                    auth.refused = Some(over.reason());
+                    proto.refuse(msg, "over the authentication budget");
+                    drop(proto);
+                    return auth.hold_refusal(template);
+                }
+            }
+            if work.is_some() {
+                drop(proto);
+                let (proto, busy, done) = (
+                    Arc::clone(&auth.proto),
+                    Arc::clone(&auth.busy),
+                    auth.done.clone(),
+                );
+                let msg = msg.to_vec();
+                busy.store(true, Ordering::Release);
+                let job = {
+                    let busy = Arc::clone(&busy);
+                    Box::new(move || {
+                        let action = proto.lock().handle(CtrlEvent::Send(&msg), &mut rand::rng());
+                        let status = match action {
+                            CtrlAction::Error(s) => s.with_dnr(),
+                            CtrlAction::Accepted | CtrlAction::Data(_) => Status::SUCCESS,
+                        };
+                        busy.store(false, Ordering::Release);
+                        let mut cqe = Cqe::new(template.cid(), status, 0);
+                        cqe.sqhd = template.sqhd;
+                        cqe.sqid = template.sqid;
+                        let _ = done.send(cqe);
+                    })
+                };
+                if self.target.auth.pool.try_run(job) {
+                    return Answer::Held;
+                }
+                busy.store(false, Ordering::Release);
+                auth.refused = Some("busy");
+                auth.proto
+                    .lock()
+                    .refuse(&data[..cmd.len as usize], "authentication threads busy");
+                return auth.hold_refusal(template);
+            }
+            proto.handle(CtrlEvent::Send(msg), &mut rng)
+        } else {
+            let len = cmd.len.min(room);
+            proto.handle(CtrlEvent::Receive { len }, &mut rng)
+        };
+        match action {
+            CtrlAction::Accepted => Answer::Now(Status::SUCCESS, None),
+            CtrlAction::Data(d) => Answer::Now(Status::SUCCESS, Some(d)),
+            CtrlAction::Error(s) => Answer::Now(s.with_dnr(), None),
+        }
+    }
+
+    /// Applies and logs the outcome of the queue's transaction once it is decided.
+    fn settle_auth(&mut self, ctrl: &Controller) {
+        let Some(auth) = self.auth.as_mut() else {
+            return;
+        };
+        let (qid, peer) = (self.qid, self.origin.peer);
+        match auth.settle() {
+            Some(Ok(o)) => log_limited!(
+                LogKind::AuthSucceeded,
+                info!(
+                    cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid,
+                    hash = o.hash.name(), dhgroup = o.dh_group.name(), bidirectional = o.bidirectional,
+                    "host authenticated"
+                )
+            ),
+            Some(Err(e)) => {
+                let reason = auth.refused.take().unwrap_or_else(|| failure_reason(&e));
+                self.target.metrics.note_auth_failure(reason);
+                log_limited!(
+                    LogKind::AuthFailed,
+                    warn!(
+                        cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, %peer, qid, reason,
+                        error = %e, "host authentication failed"
+                    )
+                );
+            }
+            None => {}
+        }
+    }
+    /// After a successful Connect of `ctrl`: when the host must authenticate, arms the queue's
+    /// authentication and returns the AUTHREQ bits for the Connect completion's DW0.
+    pub(crate) fn require_auth(&mut self, ctrl: &Controller) -> u32 {
+        let keys = ctrl
+            .subsystem()
+            .and_then(|s| s.host_keys(&ctrl.hostnqn).map(|k| (s, k)));
+        match keys {
+            Some((s, k)) => {
+                // Held Authentication Sends complete through the queue's event channel: the
+                // controller's on an admin queue, one of its own on an I/O queue.
+                let done = match &self.events {
+                    Some(_) => ctrl.event_sender(),
+                    None => {
+                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                        self.events = Some(rx);
+                        tx
+                    }
+                };
+                self.auth = Some(QueueAuth::new(&s.nqn, &ctrl.hostnqn, &k, done));
+                CONNECT_AUTHREQ_ATR
+            }
+            None => {
+                self.auth = None;
+                0
+            }
+        }
+    }
+
+    /// Whether the queue is connected but still has to authenticate.
+    pub fn auth_pending(&self) -> bool {
+        self.auth.as_ref().is_some_and(|a| !a.is_authenticated())
+    }
+
+    /// Authentication commands and the refusal of everything else until the queue is
+    /// authenticated; `None` when the command is not the authentication's business.
+    pub(crate) fn auth_gate(&mut self, ctrl: &Controller, sqe: &Sqe, icd: &[u8]) -> Option<Submit> {
+        let auth = self.auth.as_ref()?;
+        if !auth.busy() {
+            // A transaction decided on a pool thread.
+            self.settle_auth(ctrl);
+        }
+        let auth = self.auth.as_ref()?;
+        let cid = sqe.cid();
+        let Some(cmd) = AuthCommand::from_sqe(sqe) else {
+            if auth.is_authenticated()
+                || (sqe.opcode == nvme_spec::opcode::FABRICS
+                    && matches!(FabricsCommand::parse(sqe), FabricsCommand::Disconnect))
+            {
+                return None;
+            }
+            let status = Status::specific(specific::AUTH_REQUIRED).with_dnr();
+            return Some(Submit::Complete(self.completion(cid, status, 0)));
+        };
+        let (status, data) = match self.auth_command(sqe, cmd, icd, sqe.dptr.data_length()) {
+            Answer::Held => return Some(Submit::Held),
+            Answer::Now(status, data) => (status, data),
+        };
+        self.settle_auth(ctrl);
+        let cqe = self.completion(cid, status, 0);
+        Some(match data {
+            Some(d) => Submit::CompleteWithData(d, cqe),
+            None => Submit::Complete(cqe),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use nvme_spec::FromBytes;
+    use nvme_spec::command::build;
+    use nvme_spec::identify::{IdentifyController, SGLS_KEYED, SGLS_TRANSPORT};
+    use nvme_spec::queue::SglDescriptor;
+
+    use super::*;
+    use crate::testing::{connected, status, target};
+
+    fn sgls(admin: &mut QueueState) -> u32 {
+        let mut id = build::identify(5, 1, 0);
+        id.dptr = SglDescriptor::keyed(0x2000, 4096, 9, false);
+        match admin.submit(&id, &[]) {
+            Submit::CompleteWithData(data, cqe) => {
+                assert!(cqe.status().is_success());
+                IdentifyController::read_from_bytes(&data[..4096])
+                    .unwrap()
+                    .sgls
+                    .get()
+            }
+            _ => panic!("Identify Controller returned no data"),
+        }
+    }
+
+    #[test]
+    fn rdma_queues_take_keyed_sgls_and_advertise_them() {
+        let t = target(&["mem:4M"]);
+        let (mut admin, mut io) = connected(&t, HostSgl::Keyed);
+        let s = sgls(&mut admin);
+        assert_ne!(s & SGLS_KEYED, 0, "keyed SGL data blocks advertised");
+        assert_eq!(s & SGLS_TRANSPORT, 0, "no transport SGLs over RDMA");
+        assert_ne!(s & 0b11, 0);
+
+        // Write with a keyed descriptor: data comes from the host (RDMA READ).
+        let mut w = build::read_write(true, 10, 1, 0, 2);
+        w.dptr = SglDescriptor::keyed(0x10_0000, 8192, 0xabcd, true);
+        assert!(
+            !io.wants_data_at_submit(&w),
+            "I/O writes are fetched after validation"
+        );
+        match io.submit(&w, &[]) {
+            Submit::Io(req) => {
+                assert_eq!(
+                    req.op,
+                    IoOp::Write {
+                        lba: 0,
+                        len: 8192,
+                        src: DataSource::Host,
+                        fua: false
+                    }
+                );
+                assert_eq!(req.op.host_data_len(), 8192);
+            }
+            _ => panic!("keyed write not accepted"),
+        }
+
+        // Read with a keyed descriptor (address subtype: no invalidation).
+        let mut r = build::read_write(false, 11, 1, 0, 1);
+        r.dptr = SglDescriptor::keyed(0x20_0000, 4096, 0x55, false);
+        assert!(
+            matches!(io.submit(&r, &[]), Submit::Io(req) if req.op == IoOp::Read { lba: 0, len: 4096 })
+        );
+
+        // In-capsule write through the offset descriptor.
+        let mut ic = build::read_write(true, 12, 1, 0, 1);
+        ic.dptr = SglDescriptor::in_capsule(4096);
+        assert!(
+            matches!(io.submit(&ic, &[0u8; 4096]), Submit::Io(req) if req.op == IoOp::Write { lba: 0, len: 4096, src: DataSource::InCapsule, fua: false })
+        );
+
+        // NVMe/TCP's transport descriptor is refused on RDMA, as are keyed lengths that
+        // differ from the command and keyed descriptors with in-capsule data.
+        let mut bad = build::read_write(true, 13, 1, 0, 1);
+        bad.dptr = SglDescriptor::tcp_transport(4096);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 2048, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[])),
+            Status::generic(generic::DATA_SGL_LENGTH_INVALID).with_dnr()
+        );
+        bad.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&bad, &[1u8; 16])),
+            Status::generic(generic::INVALID_FIELD).with_dnr()
+        );
+        admin.ctrl.take().unwrap().tear_down();
+    }
+
+    #[test]
+    fn tcp_queues_keep_transport_sgls() {
+        let t = target(&["mem:4M"]);
+        let (mut admin, mut io) = connected(&t, HostSgl::Transport);
+        let s = sgls(&mut admin);
+        assert_eq!(s & SGLS_KEYED, 0);
+        assert_ne!(s & SGLS_TRANSPORT, 0);
+        let mut w = build::read_write(true, 10, 1, 0, 1);
+        w.dptr = SglDescriptor::keyed(0x1000, 4096, 1, false);
+        assert_eq!(
+            status(io.submit(&w, &[])),
+            Status::generic(generic::SGL_TYPE_INVALID).with_dnr()
+        );
+        w.dptr = SglDescriptor::tcp_transport(4096);
+        assert!(matches!(io.submit(&w, &[]), Submit::Io(_)));
+        admin.ctrl.take().unwrap().tear_down();
     }
 }

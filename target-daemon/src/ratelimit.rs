@@ -1,6 +1,7 @@
 //! Limits on what one peer can make the daemon do: rate-limited logging of per-connection
-//! events, and token buckets for the authentication work each host NQN and each source
-//! address may cause.
+//! events, token buckets for the authentication work each host NQN and each source
+//! address may cause, and the bounded pool of threads that authentication work runs on
+//! ([`AuthWork`]).
 //!
 //! Logging: every per-connection event (a Connect accepted or refused, an authentication
 //! that succeeded, failed or was refused, a connection closed for an error, a TLS
@@ -19,10 +20,13 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tracing::warn;
+
+use crate::config::TargetSettings;
 
 /// The interval of the log limits.
 pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
@@ -316,6 +320,80 @@ impl AuthBudget {
                 sources.set(source, s - 1.0, now);
                 Ok(())
             }
+        }
+    }
+}
+
+/// Authentication Sends waiting for a pool thread; more are refused.
+pub const AUTH_QUEUE: usize = 32;
+
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+/// The threads that run Diffie-Hellman work, started at the first job.
+pub(crate) struct AuthPool {
+    workers: usize,
+    tx: std::sync::OnceLock<mpsc::SyncSender<Job>>,
+}
+
+impl AuthPool {
+    fn sender(&self) -> &mpsc::SyncSender<Job> {
+        self.tx.get_or_init(|| {
+            let (tx, rx) = mpsc::sync_channel::<Job>(AUTH_QUEUE);
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..self.workers {
+                let rx = Arc::clone(&rx);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("nvmeof-auth-{i}"))
+                    .spawn(move || {
+                        loop {
+                            let job = rx.lock().recv();
+                            match job {
+                                Ok(job) => job(),
+                                Err(_) => return,
+                            }
+                        }
+                    });
+                if let Err(e) = spawned {
+                    warn!(error = %e, "cannot start an authentication thread");
+                }
+            }
+            tx
+        })
+    }
+
+    /// Queues `job`; false when the queue is full.
+    pub(crate) fn try_run(&self, job: Job) -> bool {
+        self.sender().try_send(job).is_ok()
+    }
+}
+
+/// Where authentication's Diffie-Hellman work runs ([`AUTH_QUEUE`] jobs queued at most, on
+/// one thread per four cores, at least one), and its budgets per host NQN and source address.
+pub struct AuthWork {
+    pub(crate) pool: AuthPool,
+    /// The budgets of AUTH_Negotiates with a Diffie-Hellman exchange.
+    pub budget: AuthBudget,
+}
+
+impl std::fmt::Debug for AuthWork {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthWork")
+            .field("workers", &self.pool.workers)
+            .field("budget", &self.budget)
+            .finish()
+    }
+}
+
+impl AuthWork {
+    /// The pool and budgets for `settings` (`auth_rate`, `auth_burst`).
+    pub fn new(settings: &TargetSettings) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        AuthWork {
+            pool: AuthPool {
+                workers: (cores / 4).max(1),
+                tx: std::sync::OnceLock::new(),
+            },
+            budget: AuthBudget::new(settings.auth_rate, settings.auth_burst),
         }
     }
 }

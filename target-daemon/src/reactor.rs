@@ -11,6 +11,8 @@
 //! ([`busy_poll::PollGate`]): sparse traffic does not keep a core spinning.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,18 +20,21 @@ use std::time::{Duration, Instant};
 
 use busy_poll::PollGate;
 use tokio::sync::{Notify, mpsc};
-use tracing::{error, warn};
+use tracing::error;
 
-use crate::admission::Permit;
 use crate::target::{StartError, Target};
 
-/// A new connection on its way to a reactor.
-pub enum Connection {
-    /// An accepted NVMe/TCP socket.
-    Tcp(std::net::TcpStream, Permit),
-    /// A validated NVMe/RDMA connection request, accepted by the reactor.
-    Rdma(Box<crate::rdma::Incoming>),
+/// A new connection of some transport, on its way to a reactor.
+pub trait Incoming: Send {
+    /// The connection's task, run on the reactor that takes it until the connection ends.
+    fn serve(self: Box<Self>, target: Arc<Target>) -> Pin<Box<dyn Future<Output = ()>>>;
+
+    /// Refuses the connection: the reactors have stopped.
+    fn refuse(self: Box<Self>) {}
 }
+
+/// A new connection on its way to a reactor.
+pub type Connection = Box<dyn Incoming>;
 
 /// The reactor threads' inboxes. Dropping every clone of the pool lets the reactors end once
 /// their connections have.
@@ -66,14 +71,22 @@ impl Pool {
         Ok((Arc::new(pool), threads))
     }
 
-    /// Hands `conn` to the next reactor; gives it back when the reactors have stopped.
-    pub fn hand(&self, conn: Connection) -> Result<(), Connection> {
+    /// Hands `conn` to the next reactor; refuses it, and fails, when the reactors have
+    /// stopped.
+    pub fn hand(&self, conn: Connection) -> Result<(), Stopped> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.senders.len();
         self.senders[i]
             .send(conn)
-            .map_err(|mpsc::error::SendError(c)| c)
+            .map_err(|mpsc::error::SendError(c)| {
+                c.refuse();
+                Stopped
+            })
     }
 }
+
+/// The reactors have stopped: no more connections are taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped;
 
 /// The busy-poll state of one reactor thread.
 struct Poller {
@@ -144,22 +157,7 @@ fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Connec
     });
     local.block_on(&rt, async {
         while let Some(conn) = rx.recv().await {
-            let t = Arc::clone(&target);
-            match conn {
-                Connection::Tcp(stream, permit) => {
-                    let stream = match tokio::net::TcpStream::from_std(stream) {
-                        Ok(s) => s,
-                        Err(e) => {
-                            warn!(reactor = index, error = %e, "cannot register connection");
-                            continue;
-                        }
-                    };
-                    tokio::task::spawn_local(crate::tcp::serve(t, stream, permit));
-                }
-                Connection::Rdma(inc) => {
-                    tokio::task::spawn_local(crate::rdma::serve(t, *inc));
-                }
-            }
+            tokio::task::spawn_local(conn.serve(Arc::clone(&target)));
         }
     });
     // Stop polling, then let every connection finish its in-flight commands and close.

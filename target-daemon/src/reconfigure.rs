@@ -3,8 +3,8 @@
 //! [`Registry::apply`] compares with the running one and applies entirely or not at all:
 //!
 //! 1. validate: the new configuration must pass [`Config::validate`]; the `[target]`
-//!    settings, a subsystem's serial and model, a namespace's UUID and RDMA listeners change
-//!    only at a restart; a namespace whose backend changes other than in size gets the new
+//!    settings, a subsystem's serial and model and a namespace's UUID change only at a
+//!    restart; a namespace whose backend changes other than in size gets the new
 //!    backend under the same NSID (the old one goes as a removed namespace's does);
 //! 2. prepare, the steps that can fail: bind the new listeners, open the new namespaces'
 //!    backends, grow the resized files. A failure drops what was prepared and changes
@@ -29,8 +29,7 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use crate::config::{
-    Config, ConfigError, ListenAddr, SubsystemConfig, TargetSettings, Transport, parse_uuid,
-    write_private,
+    Config, ConfigError, ListenAddr, SubsystemConfig, TargetSettings, parse_uuid, write_private,
 };
 use crate::launcher::RunningTarget;
 use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
@@ -228,13 +227,6 @@ impl Registry {
             .into_iter()
             .chain(missing(&new_disc, &old_disc))
             .collect();
-        if let Some(a) = gone
-            .iter()
-            .chain(&added)
-            .find(|a| a.transport == Transport::Rdma)
-        {
-            return refused(format!("{a}: RDMA listeners change only at a restart"));
-        }
         if let Some(a) = added.iter().find(|a| gone.contains(a)) {
             return refused(format!(
                 "{a} cannot be an I/O and a discovery listener at once"
@@ -845,6 +837,40 @@ mod tests {
             .to_string();
         assert!(e.contains("no host may connect"), "{e}");
         assert_eq!(r.config().to_toml().unwrap(), before.to_toml().unwrap());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rdma_listeners_change_live_like_tcp_ones() {
+        let r = registry(&["mem:1M"]);
+        let listeners = r.target().listeners();
+        let rdma: ListenAddr = "rdma://127.0.0.1:4420".parse().unwrap();
+        let added = r.edit(|c| {
+            c.listeners.push(ListenerConfig {
+                address: rdma.clone(),
+                tls: None,
+            });
+            Ok(())
+        });
+        match added {
+            // An RDMA device on the loopback address: the listener is live, and goes again.
+            Ok(_) => {
+                assert!(r.target().listeners().io.contains(&rdma));
+                r.edit(|c| {
+                    c.listeners.retain(|l| l.address != rdma);
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(r.target().listeners(), listeners);
+            }
+            // Usually none (or no RDMA libraries): binding it fails, as a TCP bind can.
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("rdma://127.0.0.1:4420"), "{e}");
+                assert!(!e.contains("restart"), "{e}");
+                assert_eq!(r.target().listeners(), listeners);
+            }
+        }
         r.running().shutdown().await;
     }
 

@@ -337,6 +337,20 @@ pub fn stable_id128(s: &str) -> [u8; 16] {
     out
 }
 
+impl crate::metrics::CellRegistry for Subsystem {
+    fn cells(&self) -> &crate::metrics::SubsystemMetrics {
+        &self.metrics
+    }
+
+    fn nsids(&self) -> Vec<u32> {
+        self.namespaces().keys().copied().collect()
+    }
+
+    fn has_namespace(&self, nsid: u32) -> bool {
+        self.namespaces().contains_key(&nsid)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -102,7 +102,7 @@ pub struct Target {
     /// Target-wide counters (protocol errors).
     pub metrics: crate::metrics::TargetMetrics,
     /// Where authentication's Diffie-Hellman work runs, and its budgets.
-    pub auth: crate::auth::AuthWork,
+    pub auth: crate::ratelimit::AuthWork,
     /// The memory all connections share ([`crate::memory`]).
     pub memory: Arc<crate::memory::MemoryBudget>,
 }
@@ -134,7 +134,7 @@ pub enum ListenerSocket {
     /// An NVMe/TCP listening socket.
     Tcp(StdTcpListener),
     /// An NVMe/RDMA RDMA-CM listener.
-    Rdma(crate::rdma::RdmaListener),
+    Rdma(nvmf_rdma::Listener),
 }
 
 /// What [`Target::check`] found would happen at start, besides what it opened and bound.
@@ -310,7 +310,7 @@ impl Target {
             shutdown_tx,
             connections: Arc::new(ConnectionCount::new(cfg.target.max_connections)),
             metrics: Default::default(),
-            auth: crate::auth::AuthWork::new(&cfg.target),
+            auth: crate::ratelimit::AuthWork::new(&cfg.target),
             memory: crate::memory::MemoryBudget::new(cfg.target.memory_budget),
         };
         Ok((Arc::new(target), bound))
@@ -482,12 +482,18 @@ pub fn log_namespace_ready(nqn: &str, ns: &Namespace) {
     }
 }
 
+/// Connection requests an RDMA-CM listener queues.
+const RDMA_BACKLOG: i32 = 1024;
+
 /// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
 pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
     let (socket, local) = if addr.transport == Transport::Rdma {
-        let l = crate::rdma::RdmaListener::bind(addr).map_err(|reason| StartError::Transport {
-            addr: addr.to_string(),
-            reason,
+        // Loads the RDMA libraries; `addr` is an address of an RDMA interface.
+        let l = nvmf_rdma::Listener::bind(addr.addr, RDMA_BACKLOG).map_err(|e| {
+            StartError::Transport {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            }
         })?;
         let local = l.local_addr();
         (ListenerSocket::Rdma(l), local)

@@ -1,10 +1,12 @@
 //! The NVMe/TCP transport: one task per connection, on the reactor that accepted it.
 //!
-//! Each loop iteration reads everything the socket has into the engine's receive buffer,
-//! handles every complete PDU, starts backend I/O, and writes every queued PDU with one
-//! vectored write. Memory and null namespaces complete inline with no task or allocation per
-//! command, large reads from them leaving from the namespace's memory with no copy of ours;
-//! file namespaces run concurrently up to the queue depth.
+//! Each loop iteration reads everything the socket has into the PDU engine's receive buffer,
+//! hands every command to the command engine ([`crate::engine`]) and acts on its
+//! [`Step`] (an R2T when the data is in host memory), and writes every queued PDU with one
+//! vectored write. The transport's side of the engine is `Wire`: a command's in-capsule
+//! data (still in the receive buffer), its answer and data into the send buffer (a read from
+//! memory or null written there in place, or, when large, sent from the namespace's memory
+//! with no copy of ours), and pooled data buffers.
 //!
 //! A connection that has not finished the ICReq and the Fabrics Connect within the handshake
 //! timeout is closed; until its ICReq is accepted it holds only a few hundred bytes of
@@ -21,21 +23,21 @@ use std::collections::HashMap;
 use std::io;
 use std::sync::Arc;
 
-use blockdev::{Backend, BufPool, IoBuf};
-use nvme_spec::{Cqe, Sqe, Status};
-use nvmf_tcp::{TargetConfig, TargetConn, TargetEvent};
+use blockdev::{BufPool, IoBuf, SharedPiece};
+use nvme_spec::{Cqe, Sqe};
+use nvmf_tcp::{Responder, TargetConfig, TargetConn, TargetEvent};
 use nvmf_tls::Stream;
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
 use crate::admission::{DropReason, Permit};
-use crate::config::Transport;
+use crate::config;
 use crate::controller::QueueOrigin;
-use crate::engine::{Closed, Done, Engine, Fault, Transport as _};
+use crate::engine::{Closed, Engine, Fault, Fetch, Refused, Step, Transport};
 use crate::log_limited;
 use crate::memory::Charge;
-use crate::queue::{DataSource, IoOp, IoRequest, QueueState, Submit};
+use crate::queue::QueueState;
 use crate::ratelimit::LogKind;
 use crate::target::Target;
 
@@ -69,8 +71,7 @@ const BUDGET_RECHECK: std::time::Duration = std::time::Duration::from_millis(20)
 
 /// A write (or Dataset Management) waiting for its data from the host.
 struct PendingWrite {
-    req: IoRequest,
-    sqe: Sqe,
+    fetch: Fetch<Sqe>,
     buf: IoBuf,
     digest_error: bool,
 }
@@ -87,8 +88,6 @@ struct Conn {
     unflushed: usize,
     /// Received PDUs were left unhandled because the send backlog is full.
     paused: bool,
-    /// Scratch list of the namespace memory a shared read sends from.
-    pieces: Vec<blockdev::SharedPiece>,
     /// Data buffers of requests running on a backend, in bytes.
     in_flight_bytes: usize,
     /// What this connection holds of the daemon's memory budget.
@@ -96,6 +95,30 @@ struct Conn {
     /// Bytes of the free buffers in `pool`, as of the last turn of the connection's loop (the
     /// pool is counted once per turn, not per PDU).
     pool_cached: usize,
+}
+
+/// An accepted NVMe/TCP socket on its way to a reactor, with its place in the connection
+/// limits.
+pub struct Incoming {
+    /// The socket.
+    pub stream: std::net::TcpStream,
+    /// Its place in the connection limits.
+    pub permit: Permit,
+}
+
+impl crate::reactor::Incoming for Incoming {
+    fn serve(
+        self: Box<Self>,
+        target: Arc<Target>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> {
+        Box::pin(async move {
+            // Registered with the runtime of the reactor that runs it.
+            match TcpStream::from_std(self.stream) {
+                Ok(stream) => serve(target, stream, self.permit).await,
+                Err(e) => warn!(error = %e, "cannot register connection"),
+            }
+        })
+    }
 }
 
 /// Serves one NVMe/TCP connection until it closes; `permit` is its place in the connection
@@ -140,7 +163,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
     };
     let mdts = s.mdts_kib as usize * 1024;
     let q = QueueState::new(Arc::clone(&target), QueueOrigin { local, peer })
-        .on_listener(Transport::Tcp)
+        .on_listener(config::Transport::Tcp)
         .with_tls(stream.is_tls(), stream.psk_identity());
     let mut conn = Conn {
         stream,
@@ -151,7 +174,6 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         next_ttag: 0,
         unflushed: 0,
         paused: false,
-        pieces: Vec::new(),
         in_flight_bytes: 0,
         charge: Charge::new(&target.memory),
         pool_cached: 0,
@@ -170,11 +192,10 @@ impl Conn {
             if let Err(e) = self.flush() {
                 return Closed::Io(e);
             }
-            if let Some(reason) = self.e.closing.take() {
-                if self.e.in_flight() == 0 && self.engine.pending_send().is_empty() {
-                    return reason;
-                }
-                self.e.closing = Some(reason);
+            if self.e.closing.is_some()
+                && let Some(reason) = self.e.drained(self.engine.pending_send().is_empty())
+            {
+                return reason;
             }
             self.pool_cached = self.pool.cached_bytes();
             let over_budget = self.account();
@@ -216,7 +237,8 @@ impl Conn {
             tokio::select! {
                 biased;
                 wake = self.e.next() => {
-                    if let Some(reason) = self.on_wake(wake) {
+                    let mut w = Wire::new(self.engine.responder(), &self.pool, &mut self.in_flight_bytes);
+                    if let Some(reason) = self.e.on_wake(&mut w, wake) {
                         return reason;
                     }
                 }
@@ -378,51 +400,33 @@ impl Conn {
                         .map_err(|e| Closed::Protocol(e.to_string()));
                 }
             }
-            let ev = match self.engine.next_event() {
+            let (ev, out) = match self.engine.next_event_and_responder() {
                 Ok(Some(ev)) => ev,
                 Ok(None) => return Ok(()),
                 Err(e) => return Err(Closed::Protocol(e.to_string())),
             };
+            let mut w = Wire::new(out, &self.pool, &mut self.in_flight_bytes);
             match ev {
                 TargetEvent::Connected(p) => {
                     debug!(peer = %self.e.q.origin.peer, hdgst = p.digests.header, ddgst = p.digests.data, "NVMe/TCP connection initialized");
+                    continue;
                 }
                 TargetEvent::Command { sqe, data } => {
-                    let sqe = Sqe::from_array(&sqe);
-                    // Copy in-capsule data out of the receive buffer only when needed.
-                    let submit = self.e.q.submit(&sqe, data);
-                    let icd = match &submit {
-                        Submit::Io(req)
-                            if matches!(
-                                req.op,
-                                IoOp::Write {
-                                    src: DataSource::InCapsule,
-                                    ..
-                                } | IoOp::Dsm {
-                                    src: DataSource::InCapsule,
-                                    ..
-                                }
-                            ) =>
-                        {
-                            let mut b = self.pool.get(data.len());
-                            b.copy_from_slice(data);
-                            Some(b)
-                        }
-                        _ => None,
-                    };
-                    self.dispatch(sqe, submit, icd);
-                    if self.e.q.sqsize > 0 {
-                        self.engine.set_queue_size(self.e.q.sqsize as usize);
-                    }
-                    self.unflushed += 1;
-                    if self.unflushed >= FLUSH_EVERY && !self.engine.pending_send().is_empty() {
-                        self.flush().map_err(Closed::Io)?;
+                    w.icd = data;
+                    if let Step::Fetch(f) = self.e.command(&mut w, Sqe::from_array(&sqe)) {
+                        w.icd = &[];
+                        fetch(
+                            &mut self.e,
+                            &mut w,
+                            &mut self.writes,
+                            &mut self.next_ttag,
+                            f,
+                        );
                     }
                 }
                 TargetEvent::CommandDataDigestError { sqe } => {
-                    let sqe = Sqe::from_array(&sqe);
-                    let cqe = self.e.fail(&sqe, Fault::DataDigest);
-                    self.respond(&cqe);
+                    self.e
+                        .fail(&mut w, Sqe::from_array(&sqe), Fault::DataDigest);
                 }
                 TargetEvent::H2CData {
                     ttag,
@@ -431,231 +435,240 @@ impl Conn {
                     last,
                     ..
                 } => {
-                    if let Some(w) = self.writes.get_mut(&ttag) {
+                    if let Some(pw) = self.writes.get_mut(&ttag) {
                         let off = datao as usize;
-                        if let Some(dst) = w.buf.get_mut(off..off + data.len()) {
+                        if let Some(dst) = pw.buf.get_mut(off..off + data.len()) {
                             dst.copy_from_slice(data);
                         }
                     }
                     if last {
-                        self.write_data_complete(ttag);
+                        fetched(&mut self.e, &mut w, &mut self.writes, ttag);
                     }
+                    continue;
                 }
                 TargetEvent::H2CDataDigestError { ttag, last, .. } => {
-                    if let Some(w) = self.writes.get_mut(&ttag) {
-                        w.digest_error = true;
+                    if let Some(pw) = self.writes.get_mut(&ttag) {
+                        pw.digest_error = true;
                     }
                     if last {
-                        self.write_data_complete(ttag);
+                        fetched(&mut self.e, &mut w, &mut self.writes, ttag);
                     }
+                    continue;
                 }
                 TargetEvent::TermReq { fes, .. } => return Err(Closed::HostTermReq(fes)),
             }
-        }
-    }
-
-    fn dispatch(&mut self, sqe: Sqe, submit: Submit, icd: Option<IoBuf>) {
-        match submit {
-            Submit::Complete(cqe) => self.respond(&cqe),
-            Submit::CompleteWithData(data, cqe) => {
-                if let Err(e) = self.engine.send_c2h_data(cqe.cid(), 0, &data, true, false) {
-                    debug!(error = %e, "cannot queue C2HData");
-                }
-                self.respond(&cqe);
+            // A command was handled.
+            if self.e.q.sqsize > 0 {
+                self.engine.set_queue_size(self.e.q.sqsize as usize);
             }
-            Submit::CompleteAndClose(cqe) => {
-                self.respond(&cqe);
-                self.e.closing = Some(Closed::Local("host disconnected the queue"));
-            }
-            Submit::Held => {}
-            Submit::Io(req) => {
-                self.e.watch_controller();
-                let host_len = req.op.host_data_len();
-                if host_len > 0 {
-                    let cid = req.cid;
-                    if self.writes.values().any(|w| w.req.cid == cid) {
-                        // Another write with this identifier still waits for its data.
-                        let cqe = self.e.fail(&sqe, Fault::CommandIdConflict);
-                        self.respond(&cqe);
-                        return;
-                    }
-                    let ttag = self.alloc_ttag();
-                    let buf = self.pool.get(host_len);
-                    match self.engine.send_r2t(cid, ttag, 0, host_len as u32) {
-                        Ok(()) => {
-                            self.writes.insert(
-                                ttag,
-                                PendingWrite {
-                                    req,
-                                    sqe,
-                                    buf,
-                                    digest_error: false,
-                                },
-                            );
-                        }
-                        Err(e) => {
-                            debug!(error = %e, cid, "cannot queue R2T");
-                            let cqe = self.e.fail(&sqe, Fault::CommandIdConflict);
-                            self.pool.put(buf);
-                            self.respond(&cqe);
-                        }
-                    }
-                    return;
-                }
-                if icd.is_none() && (self.read_shared(&req, &sqe) || self.read_in_place(&req, &sqe))
-                {
-                    return;
-                }
-                let buf = match (icd, req.op) {
-                    (Some(b), _) => b,
-                    (None, IoOp::Read { len, .. }) => self.pool.get(len),
-                    (None, _) => IoBuf::new(0),
-                };
-                self.in_flight_bytes += buf.len();
-                self.start(sqe, req, buf);
-            }
-        }
-        self.e.watch_controller();
-    }
-
-    fn alloc_ttag(&mut self) -> u16 {
-        loop {
-            let t = self.next_ttag;
-            self.next_ttag = self.next_ttag.wrapping_add(1);
-            if !self.writes.contains_key(&t) {
-                return t;
+            self.unflushed += 1;
+            if self.unflushed >= FLUSH_EVERY && !self.engine.pending_send().is_empty() {
+                self.flush().map_err(Closed::Io)?;
             }
         }
     }
+}
 
-    fn write_data_complete(&mut self, ttag: u16) {
-        let Some(w) = self.writes.remove(&ttag) else {
-            return;
-        };
-        if w.digest_error {
-            let cqe = self.e.fail(&w.sqe, Fault::DataDigest);
-            self.pool.put(w.buf);
-            self.respond(&cqe);
-            return;
+/// Asks the host for a command's data with an R2T; the write waits in `writes` until the
+/// data is in.
+fn fetch(
+    e: &mut Engine<Sqe>,
+    w: &mut Wire<'_>,
+    writes: &mut HashMap<u16, PendingWrite>,
+    next_ttag: &mut u16,
+    f: Fetch<Sqe>,
+) {
+    let cid = f.cid();
+    if writes.values().any(|pw| pw.fetch.cid() == cid) {
+        // Another write with this identifier still waits for its data.
+        e.fetch_failed(w, f, Fault::CommandIdConflict);
+        return;
+    }
+    let ttag = loop {
+        let t = *next_ttag;
+        *next_ttag = next_ttag.wrapping_add(1);
+        if !writes.contains_key(&t) {
+            break t;
         }
-        self.in_flight_bytes += w.buf.len();
-        self.start(w.sqe, w.req, w.buf);
+    };
+    let len = f.len();
+    match w.out.send_r2t(cid, ttag, 0, len as u32) {
+        Ok(()) => {
+            let buf = w.pool.get(len);
+            writes.insert(
+                ttag,
+                PendingWrite {
+                    fetch: f,
+                    buf,
+                    digest_error: false,
+                },
+            );
+        }
+        Err(err) => {
+            debug!(error = %err, cid, "cannot queue R2T");
+            e.fetch_failed(w, f, Fault::CommandIdConflict);
+        }
+    }
+}
+
+/// The last of a write's data arrived: runs it (or fails it, its data damaged).
+fn fetched(
+    e: &mut Engine<Sqe>,
+    w: &mut Wire<'_>,
+    writes: &mut HashMap<u16, PendingWrite>,
+    ttag: u16,
+) {
+    let Some(pw) = writes.remove(&ttag) else {
+        return;
+    };
+    if pw.digest_error {
+        w.pool.put(pw.buf);
+        e.fetch_failed(w, pw.fetch, Fault::DataDigest);
+        return;
+    }
+    *w.in_flight_bytes += pw.buf.len();
+    let _ = e.fetched(w, pw.fetch, pw.buf);
+}
+
+/// The transport's side of the engine ([`Transport`]) on one NVMe/TCP connection: a command's
+/// in-capsule data, where its answer and data go (the connection's send buffer), and its
+/// data buffers.
+struct Wire<'a> {
+    out: Responder<'a>,
+    /// In-capsule data of the command being handed to the engine.
+    icd: &'a [u8],
+    pool: &'a BufPool,
+    /// Data buffers of requests handed to the engine, in bytes.
+    in_flight_bytes: &'a mut usize,
+}
+
+impl<'a> Wire<'a> {
+    fn new(out: Responder<'a>, pool: &'a BufPool, in_flight_bytes: &'a mut usize) -> Self {
+        Wire {
+            out,
+            icd: &[],
+            pool,
+            in_flight_bytes,
+        }
     }
 
-    /// Serves a read from a backend that never waits (memory, null) straight into the send
-    /// buffer: one copy from the namespace to the socket's buffer, no staging buffer. Returns
-    /// false, doing nothing, for other backends.
-    fn read_in_place(&mut self, req: &IoRequest, sqe: &Sqe) -> bool {
-        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.e.q.ctrl)
-        else {
-            return false;
-        };
-        if !crate::io::never_waits(&ns.backend) {
-            return false;
-        }
-        let bs = ns.backend.block_size() as usize;
-        if self.engine.config().max_c2h_data as usize % bs != 0 {
-            return false;
-        }
-        let success = self.e.q.sq_flow_disabled;
-        let sent = self
-            .engine
-            .send_c2h_data_with(req.cid, len as u32, success, |off, out| {
-                crate::io::read_now(&ns.backend, lba + (off / bs) as u64, out).unwrap_or(Ok(()))
-            });
-        ctrl.counters.read(len as u64);
-        let answered = success && matches!(sent, Ok(Ok(())));
-        let status = match sent {
-            Ok(r) => crate::io::status_of(ctrl, r),
-            Err(e) => {
-                debug!(error = %e, cid = req.cid, "cannot queue C2HData");
-                Status::SUCCESS
-            }
-        };
-        self.e.q.record_io(req, status);
-        if answered {
-            return true;
-        }
-        let cqe = self.e.io_completion(sqe, req, status);
-        self.respond(&cqe);
-        true
-    }
-
-    /// Serves a read of at least [`SHARED_READ_MIN`] bytes from a memory or null namespace
-    /// with no copy of ours: the C2HData PDUs go out from the namespace's own memory
-    /// ([`blockdev::MemoryBackend::read_shared`]), held until the socket has taken them, so
-    /// the kernel's copy into the socket is the only one. Returns false, doing nothing, for
-    /// other reads and backends.
-    fn read_shared(&mut self, req: &IoRequest, sqe: &Sqe) -> bool {
-        let (IoOp::Read { lba, len }, Some(ns), Some(ctrl)) = (req.op, &req.ns, &self.e.q.ctrl)
-        else {
-            return false;
-        };
-        let Ok(len32) = u32::try_from(len) else {
-            return false;
-        };
-        if len < SHARED_READ_MIN || !crate::io::never_waits(&ns.backend) {
-            return false;
-        }
-        self.pieces.clear();
-        let read =
-            crate::io::read_shared(&ns.backend, lba, len, &mut self.pieces).unwrap_or(Ok(()));
-        ctrl.counters.read(len as u64);
-        let success = self.e.q.sq_flow_disabled;
-        let mut answered = false;
-        if read.is_ok() {
-            match self
-                .engine
-                .send_c2h_data_shared(req.cid, len32, success, &self.pieces)
-            {
-                Ok(()) => answered = success,
-                Err(e) => debug!(error = %e, cid = req.cid, "cannot queue C2HData"),
-            }
-        }
-        self.pieces.clear();
-        let status = crate::io::status_of(ctrl, read);
-        self.e.q.record_io(req, status);
-        if !answered {
-            let cqe = self.e.io_completion(sqe, req, status);
-            self.respond(&cqe);
-        }
-        true
-    }
-
-    fn respond(&mut self, cqe: &Cqe) {
-        if let Err(e) = self.engine.send_capsule_resp(&cqe.to_array()) {
+    fn send_cqe(&mut self, cqe: &Cqe) {
+        if let Err(e) = self.out.send_capsule_resp(&cqe.to_array()) {
             debug!(error = %e, cid = cqe.cid(), "cannot queue CapsuleResp");
         }
     }
 }
 
-impl crate::engine::Transport for Conn {
+impl Transport for Wire<'_> {
     type Tag = Sqe;
 
-    fn engine(&mut self) -> &mut Engine<Sqe> {
-        &mut self.e
+    fn sqe<'s>(&'s self, tag: &'s Sqe) -> &'s Sqe {
+        tag
     }
 
-    /// A read's data goes in C2HData PDUs (with the SUCCESS flag in place of the completion
-    /// when the host disabled SQ flow control), then the CapsuleResp.
-    fn complete(&mut self, done: Done<Sqe>) {
-        let cid = done.req.cid;
-        let read_data = done.status.is_success() && matches!(done.req.op, IoOp::Read { .. });
-        let success = read_data && self.e.q.sq_flow_disabled;
-        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(done.buf.len());
-        if read_data {
-            if let Err(e) = self.engine.send_c2h_data(cid, 0, &done.buf, true, success) {
-                debug!(error = %e, cid, "cannot queue C2HData");
+    fn capsule(&self, _: &Sqe) -> &[u8] {
+        self.icd
+    }
+
+    fn buffer(&mut self, _: &Sqe, len: usize, from_capsule: bool) -> Result<IoBuf, Fault> {
+        let mut b = self.pool.get(len);
+        if from_capsule {
+            b.copy_from_slice(self.icd);
+        }
+        *self.in_flight_bytes += b.len();
+        Ok(b)
+    }
+
+    /// Data goes in C2HData PDUs before the CapsuleResp.
+    fn respond(&mut self, _: Sqe, data: &[u8], cqe: &Cqe) -> Result<(), Refused<Sqe>> {
+        if !data.is_empty() {
+            if let Err(e) = self.out.send_c2h_data(cqe.cid(), 0, data, true, false) {
+                debug!(error = %e, "cannot queue C2HData");
             }
         }
-        self.pool.put(done.buf);
-        if !success {
-            let cqe = self.e.io_completion(&done.tag, &done.req, done.status);
-            self.respond(&cqe);
+        self.send_cqe(cqe);
+        Ok(())
+    }
+
+    /// With `in_data`, the SUCCESS flag of the last C2HData PDU stands for the completion.
+    fn send_read(
+        &mut self,
+        _: Sqe,
+        buf: IoBuf,
+        cqe: &Cqe,
+        in_data: bool,
+    ) -> Result<(), Refused<Sqe>> {
+        let cid = cqe.cid();
+        *self.in_flight_bytes = self.in_flight_bytes.saturating_sub(buf.len());
+        if let Err(e) = self.out.send_c2h_data(cid, 0, &buf, true, in_data) {
+            debug!(error = %e, cid, "cannot queue C2HData");
+        }
+        self.pool.put(buf);
+        if !in_data {
+            self.send_cqe(cqe);
+        }
+        Ok(())
+    }
+
+    fn recycle(&mut self, _: &Sqe, buf: IoBuf) {
+        *self.in_flight_bytes = self.in_flight_bytes.saturating_sub(buf.len());
+        self.pool.put(buf);
+    }
+
+    fn complete_held(&mut self, cqe: &Cqe) {
+        self.send_cqe(cqe);
+    }
+
+    /// Each C2HData PDU's payload is written straight into the send buffer.
+    fn send_read_with<E>(
+        &mut self,
+        tag: &Sqe,
+        len: usize,
+        align: usize,
+        in_data: bool,
+        fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Option<Result<bool, E>> {
+        if self.out.config().max_c2h_data as usize % align != 0 {
+            return None;
+        }
+        match self
+            .out
+            .send_c2h_data_with(tag.cid(), len as u32, in_data, fill)
+        {
+            Ok(Ok(())) => Some(Ok(in_data)),
+            Ok(Err(e)) => Some(Err(e)),
+            Err(e) => {
+                debug!(error = %e, cid = tag.cid(), "cannot queue C2HData");
+                Some(Ok(false))
+            }
         }
     }
 
-    fn complete_held(&mut self, cqe: Cqe) {
-        self.respond(&cqe);
+    fn shared_read_min(&self) -> usize {
+        SHARED_READ_MIN
+    }
+
+    /// The C2HData PDUs go out from the namespace's memory, held until the socket has taken
+    /// them, so the kernel's copy into the socket is the only one.
+    fn send_read_shared(
+        &mut self,
+        tag: &Sqe,
+        len: usize,
+        in_data: bool,
+        pieces: &[SharedPiece],
+    ) -> bool {
+        let Ok(len) = u32::try_from(len) else {
+            return false;
+        };
+        match self
+            .out
+            .send_c2h_data_shared(tag.cid(), len, in_data, pieces)
+        {
+            Ok(()) => in_data,
+            Err(e) => {
+                debug!(error = %e, cid = tag.cid(), "cannot queue C2HData");
+                false
+            }
+        }
     }
 }

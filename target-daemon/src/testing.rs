@@ -4,13 +4,15 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use blockdev::IoBuf;
 use nvme_spec::command::build;
 use nvme_spec::fabrics::{Cc, ConnectData, property};
 use nvme_spec::queue::SglDescriptor;
-use nvme_spec::{FabricsCommand, IntoBytes, Sqe, Status};
+use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe, Status};
 
 use crate::config::Config;
 use crate::controller::QueueOrigin;
+use crate::engine::{Fault, Refused, Transport};
 use crate::launcher::RunningTarget;
 use crate::queue::{HostSgl, QueueState, Submit};
 use crate::reconfigure::Registry;
@@ -107,4 +109,152 @@ pub fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState)
     assert!(io.wants_data_at_submit(&sqe));
     assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);
     (admin, io)
+}
+
+/// How the fake transport ([`Wire`]) served a read's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadPath {
+    /// Written in place ([`crate::engine::Transport::send_read_with`]).
+    InPlace,
+    /// Sent from namespace memory ([`crate::engine::Transport::send_read_shared`]).
+    Shared,
+    /// From a buffer the request ran with ([`crate::engine::Transport::send_read`]).
+    Buffer,
+}
+
+/// The engine's fake transport: keeps what it would send, no sockets.
+pub struct Wire {
+    /// In-capsule data of the command being handed over.
+    pub capsule: Vec<u8>,
+    /// Completions, in the order sent.
+    pub sent: Vec<Cqe>,
+    /// Data sent to the host: (CID, bytes, how).
+    pub data: Vec<(u16, Vec<u8>, Option<ReadPath>)>,
+    /// Completions that went with their read data.
+    pub in_data: usize,
+    /// The most a read's data piece written in place holds (0: no reads in place).
+    pub piece: usize,
+    /// [`crate::engine::Transport::shared_read_min`].
+    pub shared_min: usize,
+    /// Buffers handed out and not back yet.
+    pub buffers_out: usize,
+    /// When set, buffers are refused with this fault.
+    pub no_buffers: Option<Fault>,
+}
+
+impl Default for Wire {
+    fn default() -> Self {
+        Wire {
+            capsule: Vec::new(),
+            sent: Vec::new(),
+            data: Vec::new(),
+            in_data: 0,
+            piece: 8192,
+            shared_min: 32 * 1024,
+            buffers_out: 0,
+            no_buffers: None,
+        }
+    }
+}
+
+impl Transport for Wire {
+    type Tag = Sqe;
+
+    fn sqe<'a>(&'a self, tag: &'a Sqe) -> &'a Sqe {
+        tag
+    }
+
+    fn capsule(&self, _: &Sqe) -> &[u8] {
+        &self.capsule
+    }
+
+    fn buffer(&mut self, _: &Sqe, len: usize, from_capsule: bool) -> Result<IoBuf, Fault> {
+        if let Some(f) = self.no_buffers {
+            return Err(f);
+        }
+        let mut b = IoBuf::new(len);
+        if from_capsule {
+            b.copy_from_slice(&self.capsule);
+        }
+        self.buffers_out += 1;
+        Ok(b)
+    }
+
+    fn respond(&mut self, _: Sqe, data: &[u8], cqe: &Cqe) -> Result<(), Refused<Sqe>> {
+        if !data.is_empty() {
+            self.data.push((cqe.cid(), data.to_vec(), None));
+        }
+        self.sent.push(*cqe);
+        Ok(())
+    }
+
+    fn send_read(
+        &mut self,
+        _: Sqe,
+        buf: IoBuf,
+        cqe: &Cqe,
+        in_data: bool,
+    ) -> Result<(), Refused<Sqe>> {
+        self.buffers_out -= 1;
+        self.data
+            .push((cqe.cid(), buf.to_vec(), Some(ReadPath::Buffer)));
+        if in_data {
+            self.in_data += 1;
+        } else {
+            self.sent.push(*cqe);
+        }
+        Ok(())
+    }
+
+    fn recycle(&mut self, _: &Sqe, buf: IoBuf) {
+        if buf.capacity() > 0 {
+            self.buffers_out -= 1;
+        }
+    }
+
+    fn complete_held(&mut self, cqe: &Cqe) {
+        self.sent.push(*cqe);
+    }
+
+    fn send_read_with<E>(
+        &mut self,
+        tag: &Sqe,
+        len: usize,
+        align: usize,
+        in_data: bool,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Option<Result<bool, E>> {
+        if self.piece == 0 || self.piece % align != 0 {
+            return None;
+        }
+        let mut out = vec![0; len];
+        for (i, chunk) in out.chunks_mut(self.piece).enumerate() {
+            if let Err(e) = fill(i * self.piece, chunk) {
+                return Some(Err(e));
+            }
+        }
+        self.data.push((tag.cid(), out, Some(ReadPath::InPlace)));
+        self.in_data += usize::from(in_data);
+        Some(Ok(in_data))
+    }
+
+    fn shared_read_min(&self) -> usize {
+        self.shared_min
+    }
+
+    fn send_read_shared(
+        &mut self,
+        tag: &Sqe,
+        _: usize,
+        in_data: bool,
+        pieces: &[blockdev::SharedPiece],
+    ) -> bool {
+        let out = pieces
+            .iter()
+            .flat_map(|(d, r)| d[r.clone()].iter().copied())
+            .collect();
+        self.data.push((tag.cid(), out, Some(ReadPath::Shared)));
+        self.in_data += usize::from(in_data);
+        in_data
+    }
 }

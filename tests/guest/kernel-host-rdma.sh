@@ -2,8 +2,9 @@
 # The Linux kernel NVMe/RDMA host (nvme-rdma over Soft-RoCE) against nvmeof-targetd, both in
 # the guest: rxe0 on eth0, the target on rdma://GUEST_IP:TARGET_PORT, then discovery, connect
 # with several I/O queues, Identify (keyed SGLs advertised), fio with verify (4k and 128k
-# random writes, iodepth 16), flush, discard and write zeroes, disconnect, and a clean
-# SIGTERM shutdown of the target. Run by tests/tests/kernel_host_rdma.rs; also by hand:
+# random writes, iodepth 16), flush, discard and write zeroes, disconnect, an RDMA listener
+# added and removed while the target runs (nvmeof-targetd ctl), and a clean SIGTERM shutdown
+# of the target. Run by tests/tests/kernel_host_rdma.rs; also by hand:
 #   cargo build -p nvmeof-target --bins
 #   tests/interop/guest.sh run --with-rdma --with-fio \
 #       --add-bin target/debug/nvmeof-targetd:/usr/bin/nvmeof-targetd tests/guest/kernel-host-rdma.sh
@@ -54,8 +55,10 @@ if [ -x "$LOOPBACK" ]; then
 fi
 
 log "starting nvmeof-targetd on rdma://$addr:$TARGET_PORT"
+sock=/tmp/nvmeof-targetd.sock
 NVMEOF_LOG=${NVMEOF_LOG:-debug} "$TARGETD" --listen "rdma://$addr:$TARGET_PORT" \
-    --subsystem "$TARGET_NQN" --namespace "$NS" --reactors 2 >"$tlog" 2>&1 &
+    --subsystem "$TARGET_NQN" --namespace "$NS" --reactors 2 --control-socket "$sock" \
+    >"$tlog" 2>&1 &
 tpid=$!
 i=0
 until grep -q "nvmeof-targetd ready" "$tlog"; do
@@ -132,6 +135,20 @@ step nvme write-zeroes "$dev" -s 512 -c 63
 
 step nvme disconnect -n "$TARGET_NQN"
 [ -z "$(nvme_ctrl_for "$TARGET_NQN")" ] || die "controller still present after disconnect"
+
+# An RDMA listener added and removed while the target runs, as NVMe/TCP ones are.
+live=$((TARGET_PORT + 2))
+step "$TARGETD" ctl --socket "$sock" add-listener "rdma://$addr:$live"
+out=$(nvme discover -t rdma -a "$addr" -s "$live") || die "nvme discover on the added listener failed: $out"
+expect_contains "$out" "trsvcid: $live" "discovery log page through the added listener"
+step "$TARGETD" ctl --socket "$sock" remove-listener "rdma://$addr:$live"
+i=0
+while nvme discover -t rdma -a "$addr" -s "$live" >/dev/null 2>&1; do
+    i=$((i + 1))
+    [ $i -lt 50 ] || die "the removed RDMA listener still answers"
+    sleep 0.1
+done
+log "RDMA listener rdma://$addr:$live added and removed live"
 
 kill -TERM "$tpid"
 i=0

@@ -2,7 +2,8 @@
 //! `nvmeof-targetd` listening on `rdma://10.0.2.15:4420` in the same guest: discovery over
 //! RDMA, connect with two I/O queues, Identify with keyed SGLs, fio with verify (4k and 128k
 //! random writes at iodepth 16), 1 MiB transfers, flush, discard, write zeroes, disconnect,
-//! and a clean shutdown of the daemon.
+//! an RDMA listener added and removed live through `nvmeof-targetd ctl`, and a clean shutdown
+//! of the daemon.
 //!
 //! Before that, nvmf-rdma's loopback example (when built) runs in the guest: an RDMA-CM
 //! connect rejected with INVALID_QID, then one accepted, and rounds of SEND/RECV with RDMA
@@ -62,6 +63,8 @@ fn kernel_rdma_host_discover_connect_fio_verify() {
         "controller connected",
         "NVMe/RDMA queue pair accepted",
         "qid=2",
+        "listening listener=rdma://10.0.2.15:4422",
+        "stopped listening listener=rdma://10.0.2.15:4422",
         "shutdown complete flush_failures=0",
     ] {
         assert!(

@@ -54,4 +54,4 @@ pub use encode::{Digests, MAX_HEADER_LEN, PduHeader, pda_alignment};
 pub use error::{ConfigError, ProtocolError, SendError};
 pub use host::{DataCommit, HostConfig, HostConn, HostEvent, HostParams, PendingData};
 pub use nvme_spec::tcp::FatalErrorStatus;
-pub use target::{TargetConfig, TargetConn, TargetEvent, TargetParams};
+pub use target::{Responder, TargetConfig, TargetConn, TargetEvent, TargetParams};

@@ -379,57 +379,43 @@ impl TargetConn {
     /// needed (or the connection is closed). On a fatal error a C2HTermReq is queued and the
     /// same error is returned on every later call.
     pub fn next_event(&mut self) -> Result<Option<TargetEvent<'_>>, ProtocolError> {
+        Ok(self.next_event_and_responder()?.map(|(ev, _)| ev))
+    }
+
+    /// [`next_event`](Self::next_event), with a [`Responder`] that queues responses while the
+    /// event still borrows the receive buffer (its in-capsule or H2CData data): a command can
+    /// be answered, its read data sent, before its data is let go.
+    pub fn next_event_and_responder(
+        &mut self,
+    ) -> Result<Option<(TargetEvent<'_>, Responder<'_>)>, ProtocolError> {
         if let State::Failed(e) = &self.state {
             return Err(e.clone());
         }
         match self.step() {
             Ok(None) => Ok(None),
-            Ok(Some(ev)) => Ok(Some(self.materialize(ev))),
+            Ok(Some(ev)) => {
+                let ev = materialize(self.rx.raw(), ev);
+                let out = Responder {
+                    config: &self.config,
+                    params: established(&self.state),
+                    tx: &mut self.tx,
+                    completions: &mut self.completions,
+                    r2ts: &mut self.r2ts,
+                };
+                Ok(Some((ev, out)))
+            }
             Err(v) => Err(self.fail(v)),
         }
     }
 
-    fn materialize(&self, ev: Ev) -> TargetEvent<'_> {
-        let raw = self.rx.raw();
-        let slice = |r: Range<usize>| raw.get(r).unwrap_or(&[]);
-        match ev {
-            Ev::Connected(p) => TargetEvent::Connected(p),
-            Ev::Command { sqe, data } => TargetEvent::Command {
-                sqe,
-                data: slice(data),
-            },
-            Ev::CommandDigest { sqe } => TargetEvent::CommandDataDigestError { sqe },
-            Ev::H2c {
-                cccid,
-                ttag,
-                datao,
-                data,
-                last,
-            } => TargetEvent::H2CData {
-                cccid,
-                ttag,
-                datao,
-                data: slice(data),
-                last,
-            },
-            Ev::H2cDigest {
-                cccid,
-                ttag,
-                datao,
-                datal,
-                last,
-            } => TargetEvent::H2CDataDigestError {
-                cccid,
-                ttag,
-                datao,
-                datal,
-                last,
-            },
-            Ev::TermReq { fes, fei, data } => TargetEvent::TermReq {
-                fes,
-                fei,
-                data: slice(data),
-            },
+    /// A [`Responder`] for queueing responses.
+    pub fn responder(&mut self) -> Responder<'_> {
+        Responder {
+            config: &self.config,
+            params: established(&self.state),
+            tx: &mut self.tx,
+            completions: &mut self.completions,
+            r2ts: &mut self.r2ts,
         }
     }
 
@@ -742,16 +728,235 @@ impl TargetConn {
     }
 
     fn established(&self) -> Result<TargetParams, SendError> {
-        match &self.state {
-            State::Established { params, .. } => Ok(*params),
-            State::AwaitIcReq => Err(SendError::NotEstablished),
-            State::Failed(_) | State::Closed => Err(SendError::Closed),
+        established(&self.state)
+    }
+
+    /// Queues a CapsuleResp carrying `cqe` ([`Responder::send_capsule_resp`]).
+    pub fn send_capsule_resp(&mut self, cqe: &[u8; 16]) -> Result<(), SendError> {
+        self.responder().send_capsule_resp(cqe)
+    }
+
+    /// Queues C2HData PDUs ([`Responder::send_c2h_data`]).
+    pub fn send_c2h_data(
+        &mut self,
+        cccid: u16,
+        datao: u32,
+        data: &[u8],
+        last: bool,
+        success: bool,
+    ) -> Result<(), SendError> {
+        self.responder()
+            .send_c2h_data(cccid, datao, data, last, success)
+    }
+
+    /// Queues a read's data written in place ([`Responder::send_c2h_data_with`]).
+    pub fn send_c2h_data_with<E>(
+        &mut self,
+        cccid: u16,
+        len: u32,
+        success: bool,
+        fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, SendError> {
+        self.responder()
+            .send_c2h_data_with(cccid, len, success, fill)
+    }
+
+    /// Queues a read's data sent from shared buffers ([`Responder::send_c2h_data_shared`]).
+    pub fn send_c2h_data_shared(
+        &mut self,
+        cccid: u16,
+        len: u32,
+        success: bool,
+        pieces: &[(Arc<[u8]>, Range<usize>)],
+    ) -> Result<(), SendError> {
+        self.responder()
+            .send_c2h_data_shared(cccid, len, success, pieces)
+    }
+
+    /// Encodes only the header (with header digest and padding) of one C2HData PDU for the
+    /// negotiated parameters, for callers that send `header`, payload and data digest with
+    /// one vectored write. Flush [`pending_send`](Self::pending_send) first to keep PDUs in
+    /// order. A data digest ([`crate::digest_bytes`]) must follow the payload when
+    /// [`PduHeader::data_digest_len`] is not 0.
+    pub fn c2h_data_header(
+        &self,
+        cccid: u16,
+        datao: u32,
+        datal: u32,
+        last: bool,
+        success: bool,
+    ) -> Result<PduHeader, SendError> {
+        let p = self.established()?;
+        datao.checked_add(datal).ok_or(SendError::TooLarge)?;
+        PduHeader::c2h_data(p.digests, p.hpda, cccid, datao, datal, last, success)
+    }
+
+    /// Queues an R2T ([`Responder::send_r2t`]).
+    pub fn send_r2t(
+        &mut self,
+        cccid: u16,
+        ttag: u16,
+        r2to: u32,
+        r2tl: u32,
+    ) -> Result<(), SendError> {
+        self.responder().send_r2t(cccid, ttag, r2to, r2tl)
+    }
+
+    /// Forgets the outstanding R2T `ttag` (for a command abandoned early). Returns whether
+    /// it was outstanding. H2CData for it that arrives later is a protocol error.
+    pub fn cancel_r2t(&mut self, ttag: u16) -> bool {
+        self.r2ts.remove(&ttag).is_some()
+    }
+
+    /// Number of R2Ts whose data has not fully arrived.
+    pub fn outstanding_r2ts(&self) -> usize {
+        self.r2ts.len()
+    }
+
+    /// The first contiguous run of bytes queued for sending (ICResp, responses, data, R2Ts, a
+    /// TermReq): everything queued, unless data queued with
+    /// [`send_c2h_data_shared`](Self::send_c2h_data_shared) waits too; then
+    /// [`pending_send_slices`](Self::pending_send_slices) gives all of it. Empty only when
+    /// nothing waits.
+    pub fn pending_send(&self) -> &[u8] {
+        self.tx.front()
+    }
+
+    /// Everything queued for sending, in order, as contiguous slices for one vectored write.
+    pub fn pending_send_slices(&self) -> impl Iterator<Item = &[u8]> {
+        self.tx.slices()
+    }
+
+    /// Number of bytes queued for sending, in every slice.
+    pub fn pending_send_len(&self) -> usize {
+        self.tx.len()
+    }
+
+    /// Marks `n` bytes of [`pending_send_slices`](Self::pending_send_slices) as written to the
+    /// socket.
+    pub fn consume_sent(&mut self, n: usize) {
+        self.tx.consume(n);
+        let sent = self.tx.sent();
+        while self.completions.front().is_some_and(|&end| end <= sent) {
+            self.completions.pop_front();
+            self.outstanding = self.outstanding.saturating_sub(1);
         }
+    }
+}
+
+fn established(state: &State) -> Result<TargetParams, SendError> {
+    match state {
+        State::Established { params, .. } => Ok(*params),
+        State::AwaitIcReq => Err(SendError::NotEstablished),
+        State::Failed(_) | State::Closed => Err(SendError::Closed),
+    }
+}
+
+fn materialize(raw: &[u8], ev: Ev) -> TargetEvent<'_> {
+    let slice = |r: Range<usize>| raw.get(r).unwrap_or(&[]);
+    match ev {
+        Ev::Connected(p) => TargetEvent::Connected(p),
+        Ev::Command { sqe, data } => TargetEvent::Command {
+            sqe,
+            data: slice(data),
+        },
+        Ev::CommandDigest { sqe } => TargetEvent::CommandDataDigestError { sqe },
+        Ev::H2c {
+            cccid,
+            ttag,
+            datao,
+            data,
+            last,
+        } => TargetEvent::H2CData {
+            cccid,
+            ttag,
+            datao,
+            data: slice(data),
+            last,
+        },
+        Ev::H2cDigest {
+            cccid,
+            ttag,
+            datao,
+            datal,
+            last,
+        } => TargetEvent::H2CDataDigestError {
+            cccid,
+            ttag,
+            datao,
+            datal,
+            last,
+        },
+        Ev::TermReq { fes, fei, data } => TargetEvent::TermReq {
+            fes,
+            fei,
+            data: slice(data),
+        },
+    }
+}
+
+/// Queues responses on a connection ([`TargetConn::responder`],
+/// [`TargetConn::next_event_and_responder`]): CapsuleResps and C2HData.
+#[derive(Debug)]
+pub struct Responder<'a> {
+    config: &'a TargetConfig,
+    params: Result<TargetParams, SendError>,
+    tx: &'a mut SendQueue,
+    completions: &'a mut VecDeque<u64>,
+    r2ts: &'a mut TagMap<R2tSlot>,
+}
+
+impl Responder<'_> {
+    /// Queues an R2T asking the host for `r2tl` bytes at `r2to` of command `cccid`, and
+    /// registers it so the H2CData PDUs that answer it are checked. `ttag` must not belong
+    /// to another outstanding R2T.
+    pub fn send_r2t(
+        &mut self,
+        cccid: u16,
+        ttag: u16,
+        r2to: u32,
+        r2tl: u32,
+    ) -> Result<(), SendError> {
+        let p = self.params?;
+        if r2tl == 0 {
+            return Err(SendError::EmptyData);
+        }
+        let end = r2to.checked_add(r2tl).ok_or(SendError::TooLarge)?;
+        if self.r2ts.contains_key(&ttag) {
+            return Err(SendError::TagInUse(ttag));
+        }
+        let allowed = u64::from(p.maxr2t) + 1;
+        let outstanding = self.r2ts.values().filter(|s| s.cccid == cccid).count() as u64;
+        if outstanding >= allowed {
+            return Err(SendError::R2tLimit(cccid));
+        }
+        self.r2ts.insert(
+            ttag,
+            R2tSlot {
+                cccid,
+                start: r2to,
+                next: r2to,
+                end,
+            },
+        );
+        let hdr = PduHeader::r2t(p.digests, cccid, ttag, r2to, r2tl);
+        self.tx.append(|v| hdr.append_to(v, &[]));
+        Ok(())
+    }
+
+    /// The connection's configuration.
+    pub fn config(&self) -> &TargetConfig {
+        self.config
+    }
+
+    /// Bytes queued for sending.
+    pub fn pending_send_len(&self) -> usize {
+        self.tx.len()
     }
 
     /// Queues a CapsuleResp carrying `cqe`.
     pub fn send_capsule_resp(&mut self, cqe: &[u8; 16]) -> Result<(), SendError> {
-        let p = self.established()?;
+        let p = self.params?;
         let hdr = PduHeader::capsule_resp(p.digests, cqe);
         self.tx.append(|v| hdr.append_to(v, &[]));
         self.completions.push_back(self.tx.queued());
@@ -770,7 +975,7 @@ impl TargetConn {
         last: bool,
         success: bool,
     ) -> Result<(), SendError> {
-        let p = self.established()?;
+        let p = self.params?;
         if data.is_empty() {
             return Err(SendError::EmptyData);
         }
@@ -813,7 +1018,7 @@ impl TargetConn {
         success: bool,
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, SendError> {
-        let p = self.established()?;
+        let p = self.params?;
         if len == 0 {
             return Err(SendError::EmptyData);
         }
@@ -876,7 +1081,7 @@ impl TargetConn {
         success: bool,
         pieces: &[(Arc<[u8]>, Range<usize>)],
     ) -> Result<(), SendError> {
-        let p = self.established()?;
+        let p = self.params?;
         if len == 0 {
             return Err(SendError::EmptyData);
         }
@@ -939,102 +1144,6 @@ impl TargetConn {
             self.completions.push_back(self.tx.queued());
         }
         Ok(())
-    }
-
-    /// Encodes only the header (with header digest and padding) of one C2HData PDU for the
-    /// negotiated parameters, for callers that send `header`, payload and data digest with
-    /// one vectored write. Flush [`pending_send`](Self::pending_send) first to keep PDUs in
-    /// order. A data digest ([`crate::digest_bytes`]) must follow the payload when
-    /// [`PduHeader::data_digest_len`] is not 0.
-    pub fn c2h_data_header(
-        &self,
-        cccid: u16,
-        datao: u32,
-        datal: u32,
-        last: bool,
-        success: bool,
-    ) -> Result<PduHeader, SendError> {
-        let p = self.established()?;
-        datao.checked_add(datal).ok_or(SendError::TooLarge)?;
-        PduHeader::c2h_data(p.digests, p.hpda, cccid, datao, datal, last, success)
-    }
-
-    /// Queues an R2T asking the host for `r2tl` bytes at `r2to` of command `cccid`, and
-    /// registers it so the H2CData PDUs that answer it are checked. `ttag` must not belong
-    /// to another outstanding R2T.
-    pub fn send_r2t(
-        &mut self,
-        cccid: u16,
-        ttag: u16,
-        r2to: u32,
-        r2tl: u32,
-    ) -> Result<(), SendError> {
-        let p = self.established()?;
-        if r2tl == 0 {
-            return Err(SendError::EmptyData);
-        }
-        let end = r2to.checked_add(r2tl).ok_or(SendError::TooLarge)?;
-        if self.r2ts.contains_key(&ttag) {
-            return Err(SendError::TagInUse(ttag));
-        }
-        let allowed = u64::from(p.maxr2t) + 1;
-        let outstanding = self.r2ts.values().filter(|s| s.cccid == cccid).count() as u64;
-        if outstanding >= allowed {
-            return Err(SendError::R2tLimit(cccid));
-        }
-        self.r2ts.insert(
-            ttag,
-            R2tSlot {
-                cccid,
-                start: r2to,
-                next: r2to,
-                end,
-            },
-        );
-        let hdr = PduHeader::r2t(p.digests, cccid, ttag, r2to, r2tl);
-        self.tx.append(|v| hdr.append_to(v, &[]));
-        Ok(())
-    }
-
-    /// Forgets the outstanding R2T `ttag` (for a command abandoned early). Returns whether
-    /// it was outstanding. H2CData for it that arrives later is a protocol error.
-    pub fn cancel_r2t(&mut self, ttag: u16) -> bool {
-        self.r2ts.remove(&ttag).is_some()
-    }
-
-    /// Number of R2Ts whose data has not fully arrived.
-    pub fn outstanding_r2ts(&self) -> usize {
-        self.r2ts.len()
-    }
-
-    /// The first contiguous run of bytes queued for sending (ICResp, responses, data, R2Ts, a
-    /// TermReq): everything queued, unless data queued with
-    /// [`send_c2h_data_shared`](Self::send_c2h_data_shared) waits too; then
-    /// [`pending_send_slices`](Self::pending_send_slices) gives all of it. Empty only when
-    /// nothing waits.
-    pub fn pending_send(&self) -> &[u8] {
-        self.tx.front()
-    }
-
-    /// Everything queued for sending, in order, as contiguous slices for one vectored write.
-    pub fn pending_send_slices(&self) -> impl Iterator<Item = &[u8]> {
-        self.tx.slices()
-    }
-
-    /// Number of bytes queued for sending, in every slice.
-    pub fn pending_send_len(&self) -> usize {
-        self.tx.len()
-    }
-
-    /// Marks `n` bytes of [`pending_send_slices`](Self::pending_send_slices) as written to the
-    /// socket.
-    pub fn consume_sent(&mut self, n: usize) {
-        self.tx.consume(n);
-        let sent = self.tx.sent();
-        while self.completions.front().is_some_and(|&end| end <= sent) {
-            self.completions.pop_front();
-            self.outstanding = self.outstanding.saturating_sub(1);
-        }
     }
 }
 

@@ -1,18 +1,21 @@
-//! Arbitrary command capsules through the target's queue logic: Connect handling, the admin
-//! command set, I/O validation, and execution against a memory namespace. Any panic is a bug.
+//! Arbitrary command capsules through the target's command engine, by the entry point every
+//! transport uses: Connect handling, the admin command set, I/O validation, data fetched from
+//! the host, and execution against a memory namespace (the inline read path too). Any panic
+//! is a bug.
 #![no_main]
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
-use futures_util::FutureExt;
+use blockdev::{IoBuf, SharedPiece};
 use libfuzzer_sys::fuzz_target;
 use nvme_spec::fabrics::{Cc, ConnectData, property};
-use nvme_spec::{FabricsCommand, IntoBytes, SglDescriptor, Sqe};
+use nvme_spec::{Cqe, FabricsCommand, IntoBytes, SglDescriptor, Sqe};
 use nvmeof_target::Target;
 use nvmeof_target::config::Config;
 use nvmeof_target::controller::QueueOrigin;
-use nvmeof_target::queue::{QueueState, Submit};
+use nvmeof_target::engine::{Engine, Fault, Refused, Step, Transport};
+use nvmeof_target::queue::QueueState;
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:fuzz";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:fuzz";
@@ -32,22 +35,94 @@ fn target() -> &'static Arc<Target> {
     })
 }
 
-fn run(q: &mut QueueState, sqe: &Sqe, data: &[u8]) {
-    if let Submit::Io(req) = q.submit(sqe, data) {
-        let Some(ctrl) = q.ctrl.clone() else { return };
-        let len = req.op.host_data_len().max(match req.op {
-            nvmeof_target::queue::IoOp::Read { len, .. } => len,
-            nvmeof_target::queue::IoOp::Write { len, .. } => len,
-            _ => 0,
-        });
-        let mut buf = blockdev::IoBuf::new(len);
-        let n = data.len().min(len);
-        buf[..n].copy_from_slice(&data[..n]);
-        let _ = nvmeof_target::io::execute(&ctrl, &req, buf).now_or_never();
+/// A transport that sends nothing: the data goes nowhere, written in place in pieces of
+/// 8 KiB or sent from namespace memory from 32 KiB as NVMe/TCP does.
+#[derive(Default)]
+struct Wire {
+    capsule: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl Transport for Wire {
+    type Tag = Sqe;
+
+    fn sqe<'a>(&'a self, tag: &'a Sqe) -> &'a Sqe {
+        tag
+    }
+
+    fn capsule(&self, _: &Sqe) -> &[u8] {
+        &self.capsule
+    }
+
+    fn buffer(&mut self, _: &Sqe, len: usize, from_capsule: bool) -> Result<IoBuf, Fault> {
+        let mut b = IoBuf::new(len);
+        if from_capsule {
+            b.copy_from_slice(&self.capsule);
+        }
+        Ok(b)
+    }
+
+    fn respond(&mut self, _: Sqe, _: &[u8], _: &Cqe) -> Result<(), Refused<Sqe>> {
+        Ok(())
+    }
+
+    fn send_read(&mut self, _: Sqe, _: IoBuf, _: &Cqe, _: bool) -> Result<(), Refused<Sqe>> {
+        Ok(())
+    }
+
+    fn recycle(&mut self, _: &Sqe, _: IoBuf) {}
+
+    fn complete_held(&mut self, _: &Cqe) {}
+
+    fn send_read_with<E>(
+        &mut self,
+        _: &Sqe,
+        len: usize,
+        align: usize,
+        in_data: bool,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Option<Result<bool, E>> {
+        const PIECE: usize = 8192;
+        if PIECE % align != 0 {
+            return None;
+        }
+        self.out.resize(len, 0);
+        for (i, chunk) in self.out.chunks_mut(PIECE).enumerate() {
+            if let Err(e) = fill(i * PIECE, chunk) {
+                return Some(Err(e));
+            }
+        }
+        Some(Ok(in_data))
+    }
+
+    fn shared_read_min(&self) -> usize {
+        32 * 1024
+    }
+
+    fn send_read_shared(&mut self, _: &Sqe, _: usize, in_data: bool, _: &[SharedPiece]) -> bool {
+        in_data
     }
 }
 
-fn connect(q: &mut QueueState, qid: u16, cntlid: u16) {
+/// Hands `sqe` to the engine with `data` in its capsule, or fetched from the host when the
+/// engine asks for it.
+fn run(e: &mut Engine<Sqe>, w: &mut Wire, sqe: &Sqe, data: &[u8]) {
+    w.capsule.clear();
+    w.capsule.extend_from_slice(data);
+    if let Step::Fetch(f) = e.command(w, *sqe) {
+        let mut buf = IoBuf::new(f.len());
+        let n = data.len().min(f.len());
+        buf[..n].copy_from_slice(&data[..n]);
+        let _ = e.fetched(w, f, buf);
+    }
+}
+
+fn engine(q: QueueState) -> Engine<Sqe> {
+    let gate = target().listener_gate("tcp://127.0.0.1:4420".parse().unwrap());
+    Engine::new(q, gate.admit().expect("a connection slot"))
+}
+
+fn connect(e: &mut Engine<Sqe>, w: &mut Wire, qid: u16, cntlid: u16) {
     let mut sqe = FabricsCommand::Connect(nvme_spec::command::Connect {
         recfmt: 0,
         qid,
@@ -57,7 +132,7 @@ fn connect(q: &mut QueueState, qid: u16, cntlid: u16) {
     })
     .encode(0);
     sqe.dptr = SglDescriptor::in_capsule(1024);
-    run(q, &sqe, ConnectData::new([1; 16], cntlid, NQN, HOST).as_bytes());
+    run(e, w, &sqe, ConnectData::new([1; 16], cntlid, NQN, HOST).as_bytes());
 }
 
 fuzz_target!(|input: &[u8]| {
@@ -67,21 +142,23 @@ fuzz_target!(|input: &[u8]| {
         peer: SocketAddr::from(([127, 0, 0, 1], 40000)),
     };
     // An admin queue connected and enabled, and an I/O queue of the same controller.
-    let mut admin = QueueState::new(Arc::clone(&t), origin);
-    let mut io = QueueState::new(Arc::clone(&t), origin);
-    let mut fresh = QueueState::new(Arc::clone(&t), origin);
+    let mut w = Wire::default();
+    let mut admin = engine(QueueState::new(Arc::clone(&t), origin));
+    let mut io = engine(QueueState::new(Arc::clone(&t), origin));
+    let mut fresh = engine(QueueState::new(Arc::clone(&t), origin));
     if input.first().is_some_and(|b| b & 1 == 1) {
-        connect(&mut admin, 0, 0xFFFF);
-        if let Some(ctrl) = admin.ctrl.clone() {
+        connect(&mut admin, &mut w, 0, 0xFFFF);
+        if let Some(ctrl) = admin.q.ctrl.clone() {
             let cc = FabricsCommand::PropertySet {
                 size8: false,
                 offset: property::CC,
                 value: u64::from(Cc::enable_value()),
             }
             .encode(1);
-            run(&mut admin, &cc, &[]);
-            run(&mut admin, &nvme_spec::command::build::set_features(2, 7, 0x0001_0001), &[]);
-            connect(&mut io, 1, ctrl.cntlid);
+            run(&mut admin, &mut w, &cc, &[]);
+            let sf = nvme_spec::command::build::set_features(2, 7, 0x0001_0001);
+            run(&mut admin, &mut w, &sf, &[]);
+            connect(&mut io, &mut w, 1, ctrl.cntlid);
         }
     }
     // Then records: selector byte, 64-byte SQE, length byte (x16 bytes of data), data.
@@ -93,14 +170,14 @@ fuzz_target!(|input: &[u8]| {
         let data = &rest[66..66 + dlen];
         rest = &rest[66 + dlen..];
         let sqe = Sqe::from_array(&raw);
-        let q = match sel % 3 {
+        let e = match sel % 3 {
             0 => &mut admin,
             1 => &mut io,
             _ => &mut fresh,
         };
-        run(q, &sqe, data);
+        run(e, &mut w, &sqe, data);
     }
-    if let Some(c) = admin.ctrl.take() {
+    if let Some(c) = admin.q.ctrl.take() {
         c.tear_down();
     }
 });

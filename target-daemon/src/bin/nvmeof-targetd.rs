@@ -283,7 +283,7 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let (target, listeners) = Target::build(&cfg)?;
     let metrics = match cfg.target.metrics {
         Some(addr) => Some(
-            nvmeof_target::metrics::bind(addr)
+            nvmeof_target::exporter::bind(addr)
                 .await
                 .with_context(|| format!("cannot bind the metrics endpoint {addr}"))?,
         ),
@@ -293,7 +293,10 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         if let Ok(addr) = listener.local_addr() {
             info!(%addr, "serving metrics at http://{addr}/metrics");
         }
-        tokio::spawn(nvmeof_target::metrics::serve(Arc::clone(&target), listener));
+        tokio::spawn(nvmeof_target::exporter::serve(
+            Arc::clone(&target),
+            listener,
+        ));
     }
     let running = RunningTarget::start(target, listeners)?;
     let files = config_files(&args, &cfg, file_settings);
