@@ -41,7 +41,7 @@ use crate::queue::{
 use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
 use crate::setup::QueueSpec;
-use crate::supervisor::{Action, Event as SupEvent, Supervisor};
+use crate::supervisor::{Action, Event as SupEvent, State as SupState, Supervisor};
 use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
 
 /// Connection state of a controller.
@@ -635,6 +635,28 @@ impl Controller {
     }
 }
 
+/// The state of `machine` as the API reports it; `None` while new.
+fn public_state(machine: &Supervisor) -> Option<ControllerState> {
+    let last_error = || {
+        machine
+            .last_error()
+            .map(Error::to_string)
+            .unwrap_or_default()
+    };
+    Some(match machine.state() {
+        SupState::New => return None,
+        SupState::Live => ControllerState::Connected,
+        SupState::Resetting | SupState::Connecting => ControllerState::Reconnecting {
+            attempt: machine.attempt(),
+            last_error: last_error(),
+        },
+        SupState::Dead => ControllerState::Failed {
+            error: last_error(),
+        },
+        SupState::Deleting => ControllerState::Closed,
+    })
+}
+
 /// What a controller's helper tasks report to its supervisor task.
 enum Report {
     /// The Keep Alive sent in association `generation` succeeded (a failed one comes as
@@ -746,7 +768,7 @@ impl SupervisorTask {
 
     /// Publishes the machine's state where it changed.
     fn publish(&self) {
-        let Some(state) = self.machine.public_state() else {
+        let Some(state) = public_state(&self.machine) else {
             return;
         };
         let generation = self.machine.generation();
@@ -764,7 +786,7 @@ impl SupervisorTask {
             let next = match action {
                 Action::DetachQueues => {
                     if let Some(ControllerState::Reconnecting { last_error, .. }) =
-                        self.machine.public_state()
+                        public_state(&self.machine)
                     {
                         warn!(addr = %self.shared.addr, error = %last_error, "connection lost; reconnecting");
                     }

@@ -57,7 +57,7 @@ pub(crate) async fn establish(
         depth: ADMIN_QUEUE_ENTRIES,
         in_capsule: 0,
     };
-    let tls = crate::setup::tls_context(opts)?;
+    let tls = crate::tcp::tls_context(opts)?;
     let mut admin = SetupConn::open(
         &opts.addr,
         admin_queue,
@@ -256,7 +256,7 @@ pub(crate) async fn open_io_queue(
     spec: QueueSpec,
 ) -> Result<Link, Error> {
     let t = &opts.timeouts;
-    let tls = crate::setup::tls_context(opts)?;
+    let tls = crate::tcp::tls_context(opts)?;
     let digests = (opts.header_digest, opts.data_digest);
     let (qid, cntlid, depth, icd) = (spec.qid, spec.cntlid, spec.depth, spec.in_capsule);
     let mut q = SetupConn::open(

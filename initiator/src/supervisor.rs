@@ -23,7 +23,6 @@
 
 use std::time::{Duration, Instant};
 
-use crate::controller::ControllerState;
 use crate::{Error, ReconnectPolicy};
 
 /// Shortest delay between reconnect attempts.
@@ -178,7 +177,6 @@ impl Supervisor {
     }
 
     /// The state now.
-    #[cfg(test)]
     pub fn state(&self) -> State {
         self.state
     }
@@ -188,26 +186,14 @@ impl Supervisor {
         self.generation
     }
 
-    /// The state as the API reports it; `None` while new.
-    pub fn public_state(&self) -> Option<ControllerState> {
-        let last_error = || {
-            self.last_error
-                .as_ref()
-                .map(Error::to_string)
-                .unwrap_or_default()
-        };
-        Some(match self.state {
-            State::New => return None,
-            State::Live => ControllerState::Connected,
-            State::Resetting | State::Connecting => ControllerState::Reconnecting {
-                attempt: self.attempt,
-                last_error: last_error(),
-            },
-            State::Dead => ControllerState::Failed {
-                error: last_error(),
-            },
-            State::Deleting => ControllerState::Closed,
-        })
+    /// Attempts made since the connection was lost.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// Why the connection or the last attempt failed (while reconnecting or dead).
+    pub fn last_error(&self) -> Option<&Error> {
+        self.last_error.as_ref()
     }
 
     /// The next timer: when it fires and the event to feed then.
@@ -412,10 +398,8 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Supervisor::new(policy(limit), KATO, ADMIN);
         assert_eq!(s.state(), State::New);
-        assert_eq!(s.public_state(), None);
         assert!(s.handle(t0, Event::Established).is_empty());
         assert_eq!(s.state(), State::Live);
-        assert_eq!(s.public_state(), Some(ControllerState::Connected));
         (s, t0)
     }
 
@@ -496,10 +480,7 @@ mod tests {
         assert_eq!(acts, vec![Action::DetachQueues]);
         assert_eq!(s.state(), State::Resetting);
         assert_eq!(s.generation(), 2);
-        assert!(matches!(
-            s.public_state(),
-            Some(ControllerState::Reconnecting { attempt: 0, .. })
-        ));
+        assert_eq!(s.attempt(), 0);
         // The timer is not early.
         assert!(s.handle(t0 + ms(99), Event::ReconnectTimer).is_empty());
         let (at, acts) = fire(&mut s);
@@ -511,7 +492,6 @@ mod tests {
         let acts = s.handle(at + ms(5), Event::ReconnectSucceeded);
         assert_eq!(acts, vec![Action::Install { generation: 2 }]);
         assert_eq!(s.state(), State::Live);
-        assert_eq!(s.public_state(), Some(ControllerState::Connected));
         // Keep-alive runs again from the reconnect.
         let (next, _) = fire(&mut s);
         assert_eq!(next, at + ms(5) + KATO / 2);
@@ -536,10 +516,7 @@ mod tests {
             now = at;
             assert!(s.handle(now, Event::ReconnectFailed(lost())).is_empty());
             assert_eq!(s.state(), State::Connecting);
-            assert!(matches!(
-                s.public_state(),
-                Some(ControllerState::Reconnecting { attempt, .. }) if attempt == n
-            ));
+            assert_eq!(s.attempt(), n);
         }
         assert_eq!(delays, [100, 200, 400, 500, 500].map(ms));
         // A later loss starts from the initial delay again.
@@ -575,10 +552,7 @@ mod tests {
             [Action::GiveUp { reason }] if reason.contains("gone")
         ));
         assert_eq!(s.state(), State::Dead);
-        assert!(matches!(
-            s.public_state(),
-            Some(ControllerState::Failed { error }) if error.contains("gone")
-        ));
+        assert!(s.last_error().unwrap().to_string().contains("gone"));
         assert!(s.next_timer().is_none());
         // Nothing revives it but a shutdown ends it.
         assert!(s.handle(at, Event::ReconnectTimer).is_empty());
@@ -591,7 +565,7 @@ mod tests {
             s.handle(at, Event::ShutdownRequested),
             vec![Action::Shutdown { graceful: false }]
         );
-        assert_eq!(s.public_state(), Some(ControllerState::Closed));
+        assert_eq!(s.state(), State::Deleting);
     }
 
     #[test]
