@@ -741,7 +741,7 @@ impl SupervisorTask {
                         SupEvent::KeepAliveDone { generation, error: None }
                     }
                     Report::AsyncEvent { generation, dw0 } => {
-                        SupEvent::AsyncEvent { generation, dw0 }
+                        SupEvent::Aen { generation, dw0 }
                     }
                 },
                 _ = tokio::time::sleep_until(Instant::from_std(timer.unwrap_or_else(now))),

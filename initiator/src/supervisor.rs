@@ -75,7 +75,7 @@ pub(crate) enum Event {
     /// The reconnect attempt failed.
     ReconnectFailed(Error),
     /// An Asynchronous Event Request completed with `dw0` in association `generation`.
-    AsyncEvent {
+    Aen {
         /// The association it completed in.
         generation: u64,
         /// Completion DW0.
@@ -303,7 +303,7 @@ impl Supervisor {
                     .max(MIN_RECONNECT_DELAY);
                 self.give_up_or_wait(now)
             }
-            Event::AsyncEvent { generation, dw0 } => match self.state {
+            Event::Aen { generation, dw0 } => match self.state {
                 State::Live if generation == self.generation => {
                     vec![Action::HandleAsyncEvent(dw0)]
                 }
@@ -599,7 +599,7 @@ mod tests {
         s.handle(at, Event::ReconnectSucceeded);
         assert!(s.handle(at, report(1)).is_empty());
         assert_eq!(s.state(), State::Live);
-        let stale_aen = Event::AsyncEvent {
+        let stale_aen = Event::Aen {
             generation: 1,
             dw0: 2,
         };
@@ -610,7 +610,7 @@ mod tests {
     #[test]
     fn async_events_handled_when_live_held_while_reconnecting() {
         let (mut s, t0) = live(None);
-        let aen = |g, dw0| Event::AsyncEvent { generation: g, dw0 };
+        let aen = |g, dw0| Event::Aen { generation: g, dw0 };
         assert_eq!(
             s.handle(t0, aen(1, 0x0004_0002)),
             vec![Action::HandleAsyncEvent(0x0004_0002)]
