@@ -1,6 +1,7 @@
 //! In-band authentication (DH-HMAC-CHAP) of one queue during its set-up: when the Connect
 //! completion asks for it (AUTHREQ), the host runs [`nvme_auth::HostAuth`] in Authentication
-//! Send/Receive commands on that queue before anything else. Every queue of a controller, the
+//! Send/Receive commands on that queue (through [`Admin`], as set-up commands go) before
+//! anything else. Every queue of a controller, the
 //! admin queue and each I/O queue, authenticates on its own.
 
 use nvme_auth::{HostAuth, HostConfig, HostEvent, HostNext, HostStep};
@@ -9,7 +10,8 @@ use nvme_spec::auth::AuthCommand;
 use nvme_spec::fabrics::CONNECT_AUTHREQ_ASCR;
 use tracing::debug;
 
-use crate::setup::SetupConn;
+use crate::admin::Admin;
+use crate::queue_core::Retry;
 use crate::{DhchapSecrets, Error};
 
 /// The Authentication Send or Receive command `cmd` describes.
@@ -21,7 +23,7 @@ fn auth_sqe(cmd: AuthCommand) -> nvme_spec::Sqe {
 
 /// Runs the DH-HMAC-CHAP transaction on queue `qid`, whose Connect completion DW0 was `dw0`.
 pub(crate) async fn authenticate(
-    conn: &mut SetupConn,
+    conn: &mut impl Admin,
     qid: u16,
     dw0: u32,
     subnqn: &str,
@@ -50,7 +52,7 @@ pub(crate) async fn authenticate(
         let HostStep { send, next } = step;
         if let Some(msg) = send {
             let sqe = auth_sqe(AuthCommand::send(msg.len() as u32));
-            let sent = conn.command(sqe, &msg, 0).await;
+            let sent = conn.run(sqe, &msg, 0, Retry::Never).await;
             // A Failure2 is sent as a courtesy: what failed is what the caller hears about.
             if let (Err(e), HostNext::Receive | HostNext::Authenticated(_)) = (sent, &next) {
                 return Err(fail(e.to_string()));
@@ -61,7 +63,7 @@ pub(crate) async fn authenticate(
                 let len = nvme_auth::MAX_MESSAGE_LEN;
                 let sqe = auth_sqe(AuthCommand::receive(len as u32));
                 let (_, data) = conn
-                    .command(sqe, &[], len)
+                    .run(sqe, &[], len as u32, Retry::Never)
                     .await
                     .map_err(|e| fail(e.to_string()))?;
                 step = host.handle(HostEvent::Received(&data), &mut rand::rng());

@@ -1,50 +1,48 @@
-//! Controllers: the association with an NVM subsystem (admin queue and I/O queues), its
-//! keep-alive, asynchronous events, reconnect after a lost connection, and graceful
-//! disconnect.
+//! Controllers: the public API of an association with an NVM subsystem (admin queue and
+//! I/O queues), and the tasks that keep it: the supervisor task, which carries out what the
+//! [`Supervisor`] state machine decides (detach, reconnect, install, give up, Keep Alive,
+//! asynchronous events, graceful shutdown), and the asynchronous event tasks.
 //!
-//! Tasks, per controller:
-//! - one queue task per queue ([`crate::queue`]);
-//! - the supervisor, which owns the association: it reconnects (admin queue, then every I/O
-//!   queue) with exponential backoff when a queue reports a lost connection, and performs the
-//!   graceful shutdown;
-//! - the keep-alive task (Keep Alive every KATO/2 on the admin queue);
-//! - the event task, which keeps an Asynchronous Event Request posted and reacts to events
-//!   (a namespace attribute change refreshes the namespace list).
+//! Where the parts live:
+//! - setting up an association, first and after a loss: [`crate::establish`];
+//! - what happens when (states, reconnect delays, giving up, keep-alive timing):
+//!   [`crate::supervisor`], with no sockets and no timers;
+//! - each queue's task, through which every command goes: [`crate::queue`].
+//!
+//! Tasks, per controller: one queue task per queue; the supervisor task; one task that keeps
+//! an Asynchronous Event Request posted, and one that handles the events it completes with
+//! (a namespace attribute change refreshes the namespace list); a short-lived task per Keep
+//! Alive.
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use nvme_spec::FromBytes;
 use nvme_spec::command::{build, cns, log_id};
-use nvme_spec::fabrics::{Cc, property};
-use nvme_spec::identify::{
-    IdentifyController, IdentifyNamespace, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
-};
-use nvme_spec::{FromBytes, features};
+use nvme_spec::features;
+use nvme_spec::identify::{IdentifyController, IdentifyNamespace};
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::admin::{self, Admin, admin_request};
-use crate::info::{ControllerInfo, NamespaceInfo, fill_from_identify, namespace_info};
+use crate::establish::{ADMIN_QUEUE_ENTRIES, Established, establish, open_io_queue};
+use crate::info::{ControllerInfo, NamespaceInfo, namespace_info};
 use crate::link::Link;
 use crate::queue::{
     DataDir, QueueConfig, QueueCtl, QueueHandle, QueueStats, Request, Retry, SupMsg,
 };
 use crate::queue_core::LinkLimits;
 use crate::rdma::SharedPd;
-use crate::setup::{QueueSpec, SetupConn};
+use crate::setup::QueueSpec;
+use crate::supervisor::{Action, Event as SupEvent, State as SupState, Supervisor};
 use crate::{ConnectOptions, Error, QueuePolicy, RegisteredBuffer, Transport};
-
-/// Entries of the admin queue.
-const ADMIN_QUEUE_ENTRIES: u16 = 32;
-/// Transfer limit used when the controller reports none (MDTS 0).
-const DEFAULT_MAX_TRANSFER: u64 = 1 << 20;
 
 /// Connection state of a controller.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -168,10 +166,6 @@ impl CtrlShared {
         f(&self.info.read())
     }
 
-    fn generation(&self) -> u64 {
-        self.state.borrow().generation
-    }
-
     /// The running admin queue as an [`Admin`].
     fn admin_api(&self) -> AdminQueue<'_> {
         AdminQueue(self)
@@ -265,258 +259,6 @@ impl std::fmt::Debug for Controller {
             .field("state", &self.state())
             .finish()
     }
-}
-
-/// The result of setting up an association.
-struct Established {
-    admin: Link,
-    ios: Vec<Link>,
-    /// The highest I/O queue ID granted (queue pairs use those past the shared queues).
-    max_qid: u16,
-    info: ControllerInfo,
-    identify: Box<IdentifyController>,
-    active_ns: Vec<u32>,
-}
-
-/// Sets up the whole association: admin queue (Connect, enable, Identify, queues), then the
-/// I/O queues. `want_io` is the number of I/O queues to ask for.
-async fn establish(
-    opts: &ConnectOptions,
-    want_io: u16,
-    pd: &SharedPd,
-) -> Result<Established, Error> {
-    let t = &opts.timeouts;
-    let digests = (opts.header_digest, opts.data_digest);
-    let admin_queue = QueueSpec {
-        qid: 0,
-        cntlid: 0xFFFF,
-        depth: ADMIN_QUEUE_ENTRIES,
-        in_capsule: 0,
-    };
-    let tls = crate::setup::tls_context(opts)?;
-    let mut admin = SetupConn::open(
-        &opts.addr,
-        admin_queue,
-        digests,
-        t.connect,
-        t.admin,
-        pd,
-        tls.as_ref(),
-    )
-    .await?;
-    let kato_ms = opts.kato.as_millis().min(u128::from(u32::MAX)) as u32;
-    let cntlid = admin
-        .connect(
-            0,
-            u32::from(ADMIN_QUEUE_ENTRIES),
-            kato_ms,
-            0xFFFF,
-            &opts.subnqn,
-            &opts.host,
-            opts.dhchap.as_ref(),
-        )
-        .await?;
-    let cap = admin.property_get(property::CAP, true).await?;
-    let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
-    let cc = admin.property_get(property::CC, false).await? as u32;
-    if !Cc(cc).enabled() {
-        admin::enable(&mut admin, cap_to_ms, Duration::from_millis(500)).await?;
-    }
-    let vs = admin.property_get(property::VS, false).await? as u32;
-    let raw = admin.identify(cns::CONTROLLER, 0).await?;
-    let id = IdentifyController::read_from_bytes(&raw)
-        .map_err(|_| Error::Refused("short Identify Controller data".into()))?;
-    if id.cntlid.get() != cntlid {
-        return Err(Error::Refused(format!(
-            "Identify Controller reports controller ID {} but Connect returned {cntlid}",
-            id.cntlid.get()
-        )));
-    }
-    if id.cntrltype == cntrltype::DISCOVERY {
-        return Err(Error::Refused(format!(
-            "{} is a discovery controller, not an I/O controller",
-            opts.subnqn
-        )));
-    }
-    if id.icdoff.get() != 0 {
-        return Err(Error::Refused(format!(
-            "in-capsule data offset {} is not supported",
-            id.icdoff.get()
-        )));
-    }
-    if id.sgls.get() & 0b11 == 0 {
-        return Err(Error::Refused(
-            "the controller does not support SGLs".into(),
-        ));
-    }
-    if id.kas.get() == 0 && kato_ms != 0 {
-        return Err(Error::Refused(
-            "the controller does not support Keep Alive (KAS = 0)".into(),
-        ));
-    }
-    let subnqn = nvme_spec::identify::get_trimmed(&id.subnqn);
-    if !subnqn.is_empty() && subnqn != opts.subnqn {
-        return Err(Error::Refused(format!(
-            "the controller belongs to {subnqn}, not {}",
-            opts.subnqn
-        )));
-    }
-    // The keep alive timeout actually in force.
-    let kato_ms = match admin
-        .command(build::get_features(0, features::KEEP_ALIVE_TIMER), &[], 0)
-        .await
-    {
-        Ok((cqe, _)) => cqe.dw0.get(),
-        Err(_) => kato_ms,
-    };
-    if id.oaes.get() & OAES_NS_ATTRIBUTE != 0 {
-        if let Err(e) = admin
-            .set_features(features::ASYNC_EVENT_CONFIG, OAES_NS_ATTRIBUTE)
-            .await
-        {
-            debug!(error = %e, "cannot enable namespace attribute notices");
-        }
-    }
-    // Queue IDs past the shared I/O queues are kept for queue pairs.
-    let ask = want_io.saturating_add(opts.queue_pairs).min(u16::MAX - 1);
-    let granted_all = if ask == 0 {
-        0
-    } else {
-        let n = u32::from(ask - 1);
-        let dw0 = admin
-            .set_features(features::NUMBER_OF_QUEUES, n | (n << 16))
-            .await?;
-        let nsqa = dw0 & 0xFFFF;
-        let ncqa = dw0 >> 16;
-        (nsqa.min(ncqa) + 1).min(u32::from(ask)) as u16
-    };
-    let granted = granted_all.min(want_io);
-    let active_ns = {
-        let raw = admin.identify(cns::ACTIVE_NS_LIST, 0).await?;
-        nvme_spec::identify::decode_ns_list(&raw)
-    };
-    let mqe = (cap & 0xFFFF) as u32 + 1;
-    let depth = u32::from(opts.queue_depth).min(mqe).max(2) as u16;
-    let mpsmin = 4096u64 << ((cap >> 48) & 0xF);
-    let mdts_bytes = (id.mdts != 0).then(|| mpsmin << id.mdts.min(20));
-    let mut max_transfer = mdts_bytes.unwrap_or(DEFAULT_MAX_TRANSFER);
-    if let Some(m) = opts.max_transfer {
-        max_transfer = max_transfer.min(u64::from(m));
-    }
-    let limits = admin.link.limits();
-    if let Some(m) = limits.max_transfer {
-        max_transfer = max_transfer.min(m);
-    }
-    let max_transfer = max_transfer.min(u64::from(u32::MAX)) as u32;
-    let ioccsz = id.ioccsz.get();
-    let mut icd = if ioccsz >= 4 {
-        (ioccsz.saturating_mul(16) - 64).min(1 << 20)
-    } else {
-        0
-    };
-    if let Some(m) = limits.max_in_capsule {
-        icd = icd.min(m);
-    }
-    if limits.needs_keyed_sgls && id.sgls.get() & SGLS_KEYED == 0 {
-        return Err(Error::Refused(
-            "the controller does not support keyed SGL data blocks, which NVMe/RDMA needs".into(),
-        ));
-    }
-    let mut info = ControllerInfo {
-        addr: opts.addr.to_string(),
-        subnqn: String::new(),
-        hostnqn: opts.host.hostnqn.clone(),
-        hostid: opts.host.hostid_string(),
-        cntlid,
-        model: String::new(),
-        serial: String::new(),
-        firmware: String::new(),
-        version: crate::info::version_string(vs),
-        controller_type: String::new(),
-        mdts_bytes,
-        max_transfer_bytes: max_transfer,
-        in_capsule_data_bytes: icd,
-        io_queues: granted,
-        queue_depth: depth,
-        max_queue_entries: mqe,
-        kato_ms,
-        header_digest: admin.params.digests.header,
-        data_digest: admin.params.digests.data,
-        nn: 0,
-        write_zeroes: false,
-        dataset_management: false,
-        volatile_write_cache: false,
-    };
-    fill_from_identify(&mut info, &id);
-
-    let mut set: JoinSet<Result<(u16, Link), Error>> = JoinSet::new();
-    for qid in 1..=granted {
-        let opts = opts.clone();
-        let pd = pd.clone();
-        set.spawn(async move {
-            let spec = QueueSpec {
-                qid,
-                cntlid,
-                depth,
-                in_capsule: icd as usize,
-            };
-            Ok((qid, open_io_queue(&opts, &pd, spec).await?))
-        });
-    }
-    let mut ios: Vec<Option<Link>> = (0..granted).map(|_| None).collect();
-    while let Some(r) = set.join_next().await {
-        let (qid, live) = r.map_err(|e| {
-            Error::lost(
-                &opts.addr.to_string(),
-                format!("I/O queue set-up task failed: {e}"),
-            )
-        })??;
-        ios[usize::from(qid) - 1] = Some(live);
-    }
-    let ios = ios.into_iter().flatten().collect();
-    Ok(Established {
-        admin: admin.into_link(limits.admin_in_capsule),
-        ios,
-        max_qid: granted_all,
-        info,
-        identify: Box::new(id),
-        active_ns,
-    })
-}
-
-/// Opens I/O queue `spec.qid` of controller `spec.cntlid`: its connection (with TLS when the
-/// options ask for it) and its Fabrics Connect (and authentication), on the current runtime.
-pub(crate) async fn open_io_queue(
-    opts: &ConnectOptions,
-    pd: &SharedPd,
-    spec: QueueSpec,
-) -> Result<Link, Error> {
-    let t = &opts.timeouts;
-    let tls = crate::setup::tls_context(opts)?;
-    let digests = (opts.header_digest, opts.data_digest);
-    let (qid, cntlid, depth, icd) = (spec.qid, spec.cntlid, spec.depth, spec.in_capsule);
-    let mut q = SetupConn::open(
-        &opts.addr,
-        spec,
-        digests,
-        t.connect,
-        t.admin,
-        pd,
-        tls.as_ref(),
-    )
-    .await?;
-    let dhchap = opts.dhchap.as_ref();
-    q.connect(
-        qid,
-        u32::from(depth),
-        0,
-        cntlid,
-        &opts.subnqn,
-        &opts.host,
-        dhchap,
-    )
-    .await?;
-    Ok(q.into_link(icd))
 }
 
 thread_local! {
@@ -622,14 +364,7 @@ impl Controller {
             queue_depth = est.info.queue_depth,
             "controller connected"
         );
-        let sup = Supervisor {
-            shared: Arc::clone(&shared),
-            rx: sup_rx,
-            tx: sup_tx.clone(),
-            generation: 1,
-            helpers: Vec::new(),
-            done: false,
-        };
+        let sup = SupervisorTask::new(Arc::clone(&shared), sup_tx.clone(), sup_rx);
         tokio::spawn(sup.run());
         Ok(Controller {
             inner: Arc::new(CtrlInner { shared, sup_tx }),
@@ -900,161 +635,224 @@ impl Controller {
     }
 }
 
-struct Supervisor {
-    shared: Arc<CtrlShared>,
-    rx: mpsc::UnboundedReceiver<SupMsg>,
-    tx: mpsc::UnboundedSender<SupMsg>,
-    generation: u64,
-    helpers: Vec<JoinHandle<()>>,
-    done: bool,
+/// The state of `machine` as the API reports it; `None` while new.
+fn public_state(machine: &Supervisor) -> Option<ControllerState> {
+    let last_error = || {
+        machine
+            .last_error()
+            .map(Error::to_string)
+            .unwrap_or_default()
+    };
+    Some(match machine.state() {
+        SupState::New => return None,
+        SupState::Live => ControllerState::Connected,
+        SupState::Resetting | SupState::Connecting => ControllerState::Reconnecting {
+            attempt: machine.attempt(),
+            last_error: last_error(),
+        },
+        SupState::Dead => ControllerState::Failed {
+            error: last_error(),
+        },
+        SupState::Deleting => ControllerState::Closed,
+    })
 }
 
-impl Supervisor {
-    async fn run(mut self) {
-        self.start_helpers();
-        while let Some(msg) = self.rx.recv().await {
-            match msg {
-                SupMsg::QueueFailed {
-                    qid,
-                    generation,
-                    error,
-                } if generation == self.generation && !self.done => {
-                    warn!(addr = %self.shared.addr, qid, error = %error, "connection lost; reconnecting");
-                    if !self.recover(error).await {
-                        return;
-                    }
-                }
-                SupMsg::KeepAliveFailed { generation, error }
-                    if generation == self.generation && !self.done =>
-                {
-                    warn!(addr = %self.shared.addr, error = %error, "keep alive failed; reconnecting");
-                    if !self.recover(error).await {
-                        return;
-                    }
-                }
-                SupMsg::Shutdown { reply } => {
-                    let r = self.shutdown().await;
-                    if let Some(reply) = reply {
-                        let _ = reply.send(r);
-                    }
-                    return;
-                }
-                _ => {}
-            }
+/// What a controller's helper tasks report to its supervisor task.
+enum Report {
+    /// The Keep Alive sent in association `generation` succeeded (a failed one comes as
+    /// [`SupMsg::KeepAliveFailed`]).
+    KeepAliveDone { generation: u64 },
+    /// An Asynchronous Event Request completed in association `generation`.
+    AsyncEvent { generation: u64, dw0: u32 },
+}
+
+/// The supervisor task: feeds the [`Supervisor`] what happens to the controller (queue
+/// reports, helper reports, its timers, the host's disconnect) and carries out its actions.
+struct SupervisorTask {
+    shared: Arc<CtrlShared>,
+    machine: Supervisor,
+    rx: mpsc::UnboundedReceiver<SupMsg>,
+    /// Where Keep Alive failures go, as queues report theirs.
+    tx: mpsc::UnboundedSender<SupMsg>,
+    reports: mpsc::UnboundedReceiver<Report>,
+    report_tx: mpsc::UnboundedSender<Report>,
+    /// Asynchronous events to the task that handles them one after the other.
+    events_tx: mpsc::UnboundedSender<u32>,
+    helpers: Vec<JoinHandle<()>>,
+    /// The association the last reconnect attempt set up, until installed.
+    established: Option<Established>,
+}
+
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
+impl SupervisorTask {
+    /// The task of a controller whose first association is up.
+    fn new(
+        shared: Arc<CtrlShared>,
+        tx: mpsc::UnboundedSender<SupMsg>,
+        rx: mpsc::UnboundedReceiver<SupMsg>,
+    ) -> Self {
+        let (kato, t) = (shared.info.read().kato_ms, &shared.opts.timeouts);
+        let kato = Duration::from_millis(u64::from(kato));
+        let mut machine = Supervisor::new(shared.opts.reconnect.clone(), kato, t.admin);
+        machine.handle(now(), SupEvent::Established);
+        let (report_tx, reports) = mpsc::unbounded_channel();
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let helpers = vec![
+            tokio::spawn(event_loop(Arc::clone(&shared), report_tx.clone())),
+            tokio::spawn(event_handler(Arc::clone(&shared), events_rx)),
+        ];
+        SupervisorTask {
+            shared,
+            machine,
+            rx,
+            tx,
+            reports,
+            report_tx,
+            events_tx,
+            helpers,
+            established: None,
         }
-        let _ = self.shutdown().await;
     }
 
-    fn start_helpers(&mut self) {
-        let kato = self.shared.info.read().kato_ms;
-        if kato > 0 {
-            let period = Duration::from_millis(u64::from(kato) / 2).max(Duration::from_millis(50));
-            self.helpers.push(tokio::spawn(keep_alive_loop(
-                Arc::clone(&self.shared),
-                self.tx.clone(),
-                period,
-            )));
+    async fn run(mut self) {
+        let mut reply = None;
+        loop {
+            let timer = self.machine.next_timer().map(|(at, _)| at);
+            let event = tokio::select! {
+                msg = self.rx.recv() => match msg {
+                    None => SupEvent::ShutdownRequested,
+                    Some(SupMsg::QueueFailed { qid, generation, error }) => {
+                        debug!(addr = %self.shared.addr, qid, error = %error, "queue lost its connection");
+                        SupEvent::ConnectionLost { generation, error }
+                    }
+                    Some(SupMsg::KeepAliveFailed { generation, error }) => {
+                        SupEvent::KeepAliveDone { generation, error: Some(error) }
+                    }
+                    Some(SupMsg::Shutdown { reply: r }) => {
+                        reply = r;
+                        SupEvent::ShutdownRequested
+                    }
+                },
+                Some(r) = self.reports.recv() => match r {
+                    Report::KeepAliveDone { generation } => {
+                        SupEvent::KeepAliveDone { generation, error: None }
+                    }
+                    Report::AsyncEvent { generation, dw0 } => {
+                        SupEvent::Aen { generation, dw0 }
+                    }
+                },
+                _ = tokio::time::sleep_until(Instant::from_std(timer.unwrap_or_else(now))),
+                    if timer.is_some() =>
+                {
+                    match self.machine.next_timer() {
+                        Some((_, ev)) => ev,
+                        None => continue,
+                    }
+                },
+            };
+            if let Some(r) = self.step(event).await {
+                if let Some(reply) = reply.take() {
+                    let _ = reply.send(r);
+                }
+                return;
+            }
         }
-        self.helpers
-            .push(tokio::spawn(event_loop(Arc::clone(&self.shared))));
     }
 
     fn all_queues(&self) -> impl Iterator<Item = &QueueHandle> {
         std::iter::once(&self.shared.admin).chain(&self.shared.io)
     }
 
-    /// Re-establishes the association. Returns when connected again or failed (true), or
-    /// shut down while waiting (false).
-    async fn recover(&mut self, error: Error) -> bool {
-        self.generation += 1;
-        let generation = self.generation;
-        for q in self.all_queues() {
-            q.control(QueueCtl::Detach);
-        }
-        let policy = self.shared.opts.reconnect.clone();
-        self.shared.set_state(
-            ControllerState::Reconnecting {
-                attempt: 0,
-                last_error: error.to_string(),
-            },
-            generation,
-        );
-        let start = Instant::now();
-        let mut delay = policy.initial_delay;
-        let mut attempt = 0u32;
-        let mut last = error;
-        loop {
-            if policy
-                .ctrl_loss_timeout
-                .is_some_and(|limit| start.elapsed() >= limit)
-            {
-                let err = Error::ControllerFailed {
-                    addr: self.shared.addr.clone(),
-                    reason: last.to_string(),
-                };
-                warn!(addr = %self.shared.addr, error = %last, "giving up reconnecting");
-                for q in self.all_queues() {
-                    q.control(QueueCtl::Fail(err.clone()));
-                }
-                self.shared.set_state(
-                    ControllerState::Failed {
-                        error: last.to_string(),
-                    },
-                    generation,
-                );
-                self.done = true;
-                return true;
-            }
-            if !self.pause(delay).await {
-                return false;
-            }
-            attempt += 1;
-            let want = self.shared.io.len() as u16;
-            match establish(&self.shared.opts, want, &self.shared.pd).await {
-                Ok(est) => {
-                    self.install(est, generation);
-                    return true;
-                }
-                Err(e) => {
-                    debug!(addr = %self.shared.addr, attempt, error = %e, "reconnect attempt failed");
-                    self.shared.set_state(
-                        ControllerState::Reconnecting {
-                            attempt,
-                            last_error: e.to_string(),
-                        },
-                        generation,
-                    );
-                    last = e;
-                    delay = (delay * 2)
-                        .min(policy.max_delay)
-                        .max(Duration::from_millis(10));
-                }
-            }
+    /// Publishes the machine's state where it changed.
+    fn publish(&self) {
+        let Some(state) = public_state(&self.machine) else {
+            return;
+        };
+        let generation = self.machine.generation();
+        let now = self.shared.state.borrow().clone();
+        if now.state != state || now.generation != generation {
+            self.shared.set_state(state, generation);
         }
     }
 
-    /// Sleeps, serving a shutdown request if one comes. Returns false when shut down.
-    async fn pause(&mut self, delay: Duration) -> bool {
-        let until = Instant::now() + delay;
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep_until(until) => return true,
-                msg = self.rx.recv() => match msg {
-                    None => {
-                        let _ = self.shutdown().await;
-                        return false;
+    /// Feeds `event` and carries out what follows. Returns the shutdown's result once the
+    /// controller is shut down.
+    async fn step(&mut self, event: SupEvent) -> Option<Result<(), Error>> {
+        let mut todo: VecDeque<Action> = self.machine.handle(now(), event).into();
+        while let Some(action) = todo.pop_front() {
+            let next = match action {
+                Action::DetachQueues => {
+                    if let Some(ControllerState::Reconnecting { last_error, .. }) =
+                        public_state(&self.machine)
+                    {
+                        warn!(addr = %self.shared.addr, error = %last_error, "connection lost; reconnecting");
                     }
-                    Some(SupMsg::Shutdown { reply }) => {
-                        let r = self.shutdown().await;
-                        if let Some(reply) = reply {
-                            let _ = reply.send(r);
-                        }
-                        return false;
+                    for q in self.all_queues() {
+                        q.control(QueueCtl::Detach);
                     }
-                    Some(_) => {}
-                },
+                    None
+                }
+                Action::Reconnect { attempt } => {
+                    let want = self.shared.io.len() as u16;
+                    Some(
+                        match establish(&self.shared.opts, want, &self.shared.pd).await {
+                            Ok(est) => {
+                                self.established = Some(est);
+                                SupEvent::ReconnectSucceeded
+                            }
+                            Err(e) => {
+                                debug!(addr = %self.shared.addr, attempt, error = %e, "reconnect attempt failed");
+                                SupEvent::ReconnectFailed(e)
+                            }
+                        },
+                    )
+                }
+                Action::Install { generation } => {
+                    if let Some(est) = self.established.take() {
+                        self.install(est, generation);
+                    }
+                    None
+                }
+                Action::GiveUp { reason } => {
+                    warn!(addr = %self.shared.addr, error = %reason, "giving up reconnecting");
+                    let err = Error::ControllerFailed {
+                        addr: self.shared.addr.clone(),
+                        reason,
+                    };
+                    for q in self.all_queues() {
+                        q.control(QueueCtl::Fail(err.clone()));
+                    }
+                    None
+                }
+                Action::SendKeepAlive {
+                    generation,
+                    timeout,
+                } => {
+                    // Detached: the report of a Keep Alive that outlives the task is dropped.
+                    tokio::spawn(keep_alive(
+                        Arc::clone(&self.shared),
+                        self.tx.clone(),
+                        self.report_tx.clone(),
+                        generation,
+                        timeout,
+                    ));
+                    None
+                }
+                Action::HandleAsyncEvent(dw0) => {
+                    let _ = self.events_tx.send(dw0);
+                    None
+                }
+                Action::Shutdown { graceful } => return Some(self.shutdown(graceful).await),
+            };
+            if let Some(event) = next {
+                todo.extend(self.machine.handle(now(), event));
             }
         }
+        self.publish();
+        None
     }
 
     fn install(&mut self, est: Established, generation: u64) {
@@ -1087,43 +885,36 @@ impl Supervisor {
         s.active_io
             .store(granted.min(s.io.len()), Ordering::Relaxed);
         s.reconnects.fetch_add(1, Ordering::Relaxed);
-        s.set_state(ControllerState::Connected, generation);
+        self.publish();
         let _ = s.events.send(ControllerEvent::Reconnected { cntlid });
         info!(addr = %s.addr, cntlid, "controller reconnected");
     }
 
-    /// Graceful shutdown; idempotent.
-    async fn shutdown(&mut self) -> Result<(), Error> {
+    /// Closes the queues, asking the controller for a normal shutdown first when `graceful`.
+    async fn shutdown(&mut self, graceful: bool) -> Result<(), Error> {
         for h in self.helpers.drain(..) {
             h.abort();
         }
-        let was = self.shared.state.borrow().state.clone();
-        if was == ControllerState::Closed {
-            return Ok(());
-        }
-        self.done = true;
         for q in &self.shared.io {
             q.control(QueueCtl::Close);
         }
-        let r = if was == ControllerState::Connected {
-            shutdown_controller(&self.shared).await
+        let r = if graceful {
+            admin::shutdown(
+                &mut self.shared.admin_api(),
+                self.shared.opts.timeouts.shutdown,
+            )
+            .await
         } else {
             Ok(())
         };
         self.shared.admin.control(QueueCtl::Close);
-        self.shared
-            .set_state(ControllerState::Closed, self.generation);
+        self.publish();
         match &r {
             Ok(()) => info!(addr = %self.shared.addr, "controller disconnected"),
             Err(e) => warn!(addr = %self.shared.addr, error = %e, "controller shutdown incomplete"),
         }
         r
     }
-}
-
-/// CC.SHN, then CSTS.SHST polling, through the admin queue.
-async fn shutdown_controller(s: &CtrlShared) -> Result<(), Error> {
-    admin::shutdown(&mut s.admin_api(), s.opts.timeouts.shutdown).await
 }
 
 /// A controller's running admin queue: commands go through its queue task, with the admin
@@ -1153,47 +944,32 @@ impl Admin for AdminQueue<'_> {
     }
 }
 
-async fn keep_alive_loop(s: Arc<CtrlShared>, tx: mpsc::UnboundedSender<SupMsg>, period: Duration) {
-    let mut iv = tokio::time::interval(period);
-    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    iv.tick().await;
-    loop {
-        iv.tick().await;
-        let (state, generation) = {
-            let st = s.state.borrow();
-            (st.state.clone(), st.generation)
-        };
-        match state {
-            ControllerState::Connected => {}
-            ControllerState::Reconnecting { .. } => continue,
-            ControllerState::Failed { .. } | ControllerState::Closed => return,
-        }
-        let req = Request {
-            sqe: build::keep_alive(0),
-            dir: DataDir::None,
-            len: 0,
-            retry: Retry::Never,
-            timeout: Some(s.opts.timeouts.admin.min(period * 2)),
-        };
-        match s.admin.execute(req, |_| Ok(()), |_| ()).await {
-            Ok(_) => {}
-            Err(Error::Closed) => return,
-            // A lost connection or a timeout is reported by the queue itself.
-            Err(e) if e.is_transport() => {}
-            Err(e) => {
-                if s.generation() == generation {
-                    let _ = tx.send(SupMsg::KeepAliveFailed {
-                        generation,
-                        error: e,
-                    });
-                }
-            }
-        }
-    }
+/// Sends one Keep Alive and reports how it ended.
+async fn keep_alive(
+    s: Arc<CtrlShared>,
+    failed: mpsc::UnboundedSender<SupMsg>,
+    tx: mpsc::UnboundedSender<Report>,
+    generation: u64,
+    timeout: Duration,
+) {
+    let req = Request {
+        sqe: build::keep_alive(0),
+        dir: DataDir::None,
+        len: 0,
+        retry: Retry::Never,
+        timeout: Some(timeout),
+    };
+    let _ = match s.admin.execute(req, |_| Ok(()), |_| ()).await {
+        Ok(_) => tx.send(Report::KeepAliveDone { generation }).is_ok(),
+        Err(error) => failed
+            .send(SupMsg::KeepAliveFailed { generation, error })
+            .is_ok(),
+    };
 }
 
-/// Keeps one Asynchronous Event Request posted and handles what completes it.
-async fn event_loop(s: Arc<CtrlShared>) {
+/// Keeps one Asynchronous Event Request posted while the controller is connected and
+/// reports what completes it.
+async fn event_loop(s: Arc<CtrlShared>, tx: mpsc::UnboundedSender<Report>) {
     let mut rx = s.state.subscribe();
     loop {
         let generation = match rx
@@ -1211,7 +987,10 @@ async fn event_loop(s: Arc<CtrlShared>) {
             timeout: None,
         };
         match s.admin.execute(req, |_| Ok(()), |_| ()).await {
-            Ok((cqe, ())) => handle_event(&s, cqe.dw0.get()).await,
+            Ok((cqe, ())) => {
+                let dw0 = cqe.dw0.get();
+                let _ = tx.send(Report::AsyncEvent { generation, dw0 });
+            }
             Err(Error::Closed) => return,
             Err(e) => {
                 if !e.is_transport() {
@@ -1233,6 +1012,13 @@ async fn event_loop(s: Arc<CtrlShared>) {
                 }
             }
         }
+    }
+}
+
+/// Handles the asynchronous events the supervisor passes on, one after the other.
+async fn event_handler(s: Arc<CtrlShared>, mut rx: mpsc::UnboundedReceiver<u32>) {
+    while let Some(dw0) = rx.recv().await {
+        handle_event(&s, dw0).await;
     }
 }
 

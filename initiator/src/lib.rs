@@ -101,6 +101,7 @@ mod controller;
 pub mod daemon;
 mod discovery;
 mod error;
+mod establish;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod identity;
@@ -116,6 +117,7 @@ mod registered;
 mod ring_proxy;
 mod ring_serve;
 mod setup;
+mod supervisor;
 mod tcp;
 
 pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};

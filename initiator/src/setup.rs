@@ -1,17 +1,17 @@
-//! Connection set-up: TCP connect and ICReq/ICResp (NVMe/TCP) or the RDMA-CM connection
-//! (NVMe/RDMA), and commands issued one at a time before a queue is handed to its I/O task
-//! (Fabrics Connect, properties, Identify, discovery). Those commands go through a queue
-//! core of one slot on the connection's link: the same command path as I/O.
+//! Connection set-up: a queue's link opened by its transport ([`TcpConn::open`],
+//! [`RdmaConn::open`]), and commands issued one at a time before the queue is handed to its
+//! task (Fabrics Connect and authentication, properties, Identify, discovery). Those commands
+//! go through a queue core of one slot on the connection's link: the same command path as
+//! I/O.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use nvme_spec::fabrics::{CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, ConnectData};
 use nvme_spec::{Cqe, FabricsCommand, IntoBytes, Sqe};
-use nvmf_tcp::{HostConfig, HostConn, HostEvent, HostParams};
-use nvmf_tls::{ClientContext, Stream};
+use nvmf_tcp::HostParams;
+use nvmf_tls::ClientContext;
 use parking_lot::Mutex;
-use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
 use crate::admin::{Admin, admin_request};
@@ -20,34 +20,8 @@ use crate::error::command_name;
 use crate::link::Link;
 use crate::queue_core::{Completions, Core, QueueCounters, Retry};
 use crate::rdma::{RdmaConn, SharedPd};
-use crate::tcp::{READ_CHUNK, TcpConn};
-use crate::{ConnectOptions, DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
-
-/// The TLS context of a controller's NVMe/TCP connections, when `opts` asks for TLS: the TLS
-/// PSK and identity derived from the configured PSK for the host and subsystem NQNs.
-pub(crate) fn tls_context(opts: &ConnectOptions) -> Result<Option<ClientContext>, Error> {
-    let Some(t) = &opts.tls else {
-        return Ok(None);
-    };
-    if opts.addr.transport != Transport::Tcp {
-        return Err(Error::InvalidArgument(
-            "TLS is available over NVMe/TCP only".into(),
-        ));
-    }
-    let psk = t
-        .psk
-        .tls_psk(t.identity_version, &opts.host.hostnqn, &opts.subnqn)
-        .ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "TLS PSK identity version {}: expected 0 or 1",
-                t.identity_version
-            ))
-        })?;
-    ClientContext::new(psk).map(Some).map_err(|e| Error::Tls {
-        addr: opts.addr.to_string(),
-        reason: e.to_string(),
-    })
-}
+use crate::tcp::TcpConn;
+use crate::{DhchapSecrets, Error, HostIdentity, TargetAddr, Transport};
 
 /// Which queue a connection is for (NVMe/RDMA names it when connecting).
 #[derive(Clone, Copy, Debug)]
@@ -105,10 +79,8 @@ impl SetupConn {
         }
     }
 
-    /// Opens the connection, all within `connect_timeout`: for NVMe/TCP the TCP connection,
-    /// the TLS handshake with `tls` when given, and the ICReq/ICResp exchange, for NVMe/RDMA
-    /// the RDMA-CM connection with the NVMe private data of queue `q`, in the protection
-    /// domain `pd` shares.
+    /// Opens the connection of queue `q` within `connect_timeout`: [`TcpConn::open`] or
+    /// [`RdmaConn::open`] (in the protection domain `pd` shares).
     #[allow(clippy::too_many_arguments)]
     pub async fn open(
         addr: &TargetAddr,
@@ -119,103 +91,38 @@ impl SetupConn {
         pd: &SharedPd,
         tls: Option<&ClientContext>,
     ) -> Result<Self, Error> {
-        let addr_s = addr.to_string();
-        let no_digests = HostParams {
-            digests: nvmf_tcp::Digests::default(),
-            maxh2cdata: 0,
-            cpda: 0,
-        };
-        if addr.transport == Transport::Rdma {
-            let conn = RdmaConn::open(
-                addr,
-                q.qid,
-                q.depth,
-                q.cntlid,
-                q.in_capsule,
-                connect_timeout,
-                pd,
-            )
-            .await?;
-            return Ok(SetupConn::new(
-                Link::Rdma(conn),
-                no_digests,
-                addr_s,
-                admin_timeout,
-            ));
-        }
-        let deadline = Instant::now() + connect_timeout;
-        let stream = match timeout_at(
-            deadline,
-            TcpStream::connect((addr.host.as_str(), addr.port)),
-        )
-        .await
-        {
-            Err(_) => return Err(Error::timeout("the TCP connection", connect_timeout)),
-            Ok(Err(e)) => return Err(Error::connect(&addr_s, e)),
-            Ok(Ok(s)) => s,
-        };
-        let _ = stream.set_nodelay(true);
-        let stream = match tls {
-            None => Stream::Plain(stream),
-            Some(ctx) => match timeout_at(deadline, Stream::connect(ctx, stream)).await {
-                Err(_) => return Err(Error::timeout("the TLS handshake", connect_timeout)),
-                Ok(Err(e)) => {
-                    return Err(Error::Tls {
-                        addr: addr_s,
-                        reason: e.to_string(),
-                    });
-                }
-                Ok(Ok(s)) => s,
-            },
-        };
-        let engine = HostConn::new(HostConfig {
-            hdgst: digests.0,
-            ddgst: digests.1,
-            recv_buffer_size: READ_CHUNK,
-            max_outstanding_commands: usize::from(q.depth).max(2),
-        });
-        let mut tcp = TcpConn {
-            stream,
-            engine,
-            addr: addr_s.clone(),
-            icd_limit: 0,
-        };
-        tcp.flush(
-            deadline,
-            "the answer to the NVMe/TCP connection request",
-            connect_timeout,
-        )
-        .await?;
-        loop {
-            match tcp.engine.next_event() {
-                Ok(Some(HostEvent::Connected(p))) => {
-                    return Ok(SetupConn::new(Link::Tcp(tcp), p, addr_s, admin_timeout));
-                }
-                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
-                    return Err(Error::TermReq {
-                        addr: addr_s,
-                        fes,
-                        fei,
-                    });
-                }
-                Ok(Some(_)) => {}
-                Ok(None) => {
-                    tcp.read_more(
-                        deadline,
-                        "the answer to the NVMe/TCP connection request",
-                        connect_timeout,
-                    )
-                    .await?
-                }
-                Err(source) => {
-                    tcp.flush_best_effort().await;
-                    return Err(Error::Protocol {
-                        addr: addr_s,
-                        source,
-                    });
-                }
+        let (link, params) = match addr.transport {
+            Transport::Tcp => {
+                let (tcp, params) =
+                    TcpConn::open(addr, q.depth, digests, connect_timeout, tls).await?;
+                (Link::Tcp(tcp), params)
             }
-        }
+            Transport::Rdma => {
+                let conn = RdmaConn::open(
+                    addr,
+                    q.qid,
+                    q.depth,
+                    q.cntlid,
+                    q.in_capsule,
+                    connect_timeout,
+                    pd,
+                )
+                .await?;
+                // Digests are NVMe/TCP's.
+                let params = HostParams {
+                    digests: nvmf_tcp::Digests::default(),
+                    maxh2cdata: 0,
+                    cpda: 0,
+                };
+                (Link::Rdma(conn), params)
+            }
+        };
+        Ok(SetupConn::new(
+            link,
+            params,
+            addr.to_string(),
+            admin_timeout,
+        ))
     }
 
     /// The connection as a queue task's, with writes of up to `icd_limit` bytes in capsules.

@@ -1,5 +1,5 @@
 //! NVMe/TCP queue connections: the socket and the `nvmf-tcp` engine. The twin of `rdma`:
-//! commands one at a time while a queue is set up, and the queue task's side of the link
+//! opening a queue's connection (TCP connect, TLS, ICReq/ICResp), and the queue's side of the link
 //! contract ([`Wire`]: capsules with in-capsule data or a transport SGL answered on R2T;
 //! receiving PDUs, read data into the command's buffer, completions into the queue core).
 
@@ -7,13 +7,14 @@ use std::io;
 use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Status};
-use nvmf_tcp::{DataCommit, HostConn, HostEvent, PendingData};
-use nvmf_tls::Stream;
+use nvmf_tcp::{DataCommit, HostConfig, HostConn, HostEvent, HostParams, PendingData};
+use nvmf_tls::{ClientContext, Stream};
 use tokio::io::{Interest, Ready};
+use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
-use crate::Error;
 use crate::queue_core::{Cmd, Completions, Core, DataDir, LinkLimits, QueueCounters, Wire, bump};
+use crate::{ConnectOptions, Error, TargetAddr, Transport};
 
 /// Bytes asked of the socket per read.
 pub(crate) const READ_CHUNK: usize = 256 * 1024;
@@ -50,6 +51,93 @@ impl TcpConn {
         needs_keyed_sgls: false,
         setup_in_capsule: usize::MAX,
     };
+
+    /// Opens a queue's connection, all within `connect_timeout`: the TCP connection, the
+    /// TLS handshake with `tls` when given, and the ICReq/ICResp exchange for a queue of
+    /// `depth` entries with the `digests` (header, data) asked for. Returns the connection
+    /// and the parameters the controller answered with.
+    pub async fn open(
+        addr: &TargetAddr,
+        depth: u16,
+        digests: (bool, bool),
+        connect_timeout: Duration,
+        tls: Option<&ClientContext>,
+    ) -> Result<(Self, HostParams), Error> {
+        let addr_s = addr.to_string();
+        let deadline = Instant::now() + connect_timeout;
+        let stream = match timeout_at(
+            deadline,
+            TcpStream::connect((addr.host.as_str(), addr.port)),
+        )
+        .await
+        {
+            Err(_) => return Err(Error::timeout("the TCP connection", connect_timeout)),
+            Ok(Err(e)) => return Err(Error::connect(&addr_s, e)),
+            Ok(Ok(s)) => s,
+        };
+        let _ = stream.set_nodelay(true);
+        let stream = match tls {
+            None => Stream::Plain(stream),
+            Some(ctx) => match timeout_at(deadline, Stream::connect(ctx, stream)).await {
+                Err(_) => return Err(Error::timeout("the TLS handshake", connect_timeout)),
+                Ok(Err(e)) => {
+                    return Err(Error::Tls {
+                        addr: addr_s,
+                        reason: e.to_string(),
+                    });
+                }
+                Ok(Ok(s)) => s,
+            },
+        };
+        let engine = HostConn::new(HostConfig {
+            hdgst: digests.0,
+            ddgst: digests.1,
+            recv_buffer_size: READ_CHUNK,
+            max_outstanding_commands: usize::from(depth).max(2),
+        });
+        let mut tcp = TcpConn {
+            stream,
+            engine,
+            addr: addr_s.clone(),
+            icd_limit: 0,
+        };
+        tcp.flush(
+            deadline,
+            "the answer to the NVMe/TCP connection request",
+            connect_timeout,
+        )
+        .await?;
+        loop {
+            match tcp.engine.next_event() {
+                Ok(Some(HostEvent::Connected(p))) => {
+                    return Ok((tcp, p));
+                }
+                Ok(Some(HostEvent::TermReq { fes, fei, .. })) => {
+                    return Err(Error::TermReq {
+                        addr: addr_s,
+                        fes,
+                        fei,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    tcp.read_more(
+                        deadline,
+                        "the answer to the NVMe/TCP connection request",
+                        connect_timeout,
+                    )
+                    .await?
+                }
+                Err(source) => {
+                    tcp.flush_best_effort().await;
+                    return Err(Error::Protocol {
+                        addr: addr_s,
+                        source,
+                    });
+                }
+            }
+        }
+    }
 
     /// Waits until the socket is readable (or writable while bytes wait to be sent).
     pub async fn ready(&self) -> io::Result<Ready> {
@@ -323,4 +411,30 @@ fn data_buf<C: Completions>(core: &mut Core<C>, p: PendingData) -> Option<&mut [
     cmd.buf
         .as_mut_slice()
         .get_mut(start..start.checked_add(p.len)?)
+}
+
+/// The TLS context of a controller's NVMe/TCP connections, when `opts` asks for TLS: the TLS
+/// PSK and identity derived from the configured PSK for the host and subsystem NQNs.
+pub(crate) fn tls_context(opts: &ConnectOptions) -> Result<Option<ClientContext>, Error> {
+    let Some(t) = &opts.tls else {
+        return Ok(None);
+    };
+    if opts.addr.transport != Transport::Tcp {
+        return Err(Error::InvalidArgument(
+            "TLS is available over NVMe/TCP only".into(),
+        ));
+    }
+    let psk = t
+        .psk
+        .tls_psk(t.identity_version, &opts.host.hostnqn, &opts.subnqn)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "TLS PSK identity version {}: expected 0 or 1",
+                t.identity_version
+            ))
+        })?;
+    ClientContext::new(psk).map(Some).map_err(|e| Error::Tls {
+        addr: opts.addr.to_string(),
+        reason: e.to_string(),
+    })
 }
