@@ -65,6 +65,29 @@ pub struct TargetProcess {
 impl TargetProcess {
     /// Starts `nvmeof-targetd ARGS` and waits (up to 20 s) for its readiness line.
     pub fn spawn(args: &[&str], port: u16) -> Self {
+        Self::try_spawn(args, port)
+            .unwrap_or_else(|log| panic!("nvmeof-targetd did not become ready:\n{log}"))
+    }
+
+    /// Starts a target on loopback ports that `args(ports)` places, picking `n` free ports
+    /// again when one was taken between the pick and the target's bind (by a connection of
+    /// a test running alongside). The first port is its first listener's; returns the ports.
+    fn spawn_on_free_ports(n: usize, args: impl Fn(&[u16]) -> Vec<String>) -> (Self, Vec<u16>) {
+        let mut tries = 0;
+        loop {
+            let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
+            let a = args(&ports);
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            match Self::try_spawn(&a, ports[0]) {
+                Ok(t) => return (t, ports),
+                Err(log) if log.contains("Address already in use") && tries < 5 => tries += 1,
+                Err(log) => panic!("nvmeof-targetd did not become ready:\n{log}"),
+            }
+        }
+    }
+
+    /// [`spawn`](Self::spawn), with the log of a target that did not become ready as the error.
+    fn try_spawn(args: &[&str], port: u16) -> Result<Self, String> {
         let mut child = Command::new(bin_path("nvmeof-targetd"))
             .args(args)
             .env("NVMEOF_LOG", "debug")
@@ -94,32 +117,42 @@ impl TargetProcess {
             reader: Some(reader),
             port,
         };
-        assert!(ready, "nvmeof-targetd did not become ready:\n{}", t.log());
-        t
+        if ready { Ok(t) } else { Err(t.log()) }
     }
 
     /// Starts a target on a free port exporting `namespaces` in `nqn` to any host.
     pub fn quick(nqn: &str, namespaces: &[&str]) -> Self {
-        let port = free_port();
-        let listen = format!("tcp://127.0.0.1:{port}");
-        let mut args = vec!["--listen", &listen, "--subsystem", nqn, "--reactors", "2"];
-        for ns in namespaces {
-            args.push("--namespace");
-            args.push(ns);
-        }
-        Self::spawn(&args, port)
+        let (t, _) = Self::spawn_on_free_ports(1, |ports| {
+            let mut args = vec![
+                "--listen".to_string(),
+                format!("tcp://127.0.0.1:{}", ports[0]),
+                "--subsystem".into(),
+                nqn.into(),
+                "--reactors".into(),
+                "2".into(),
+            ];
+            for ns in namespaces {
+                args.extend(["--namespace".to_string(), ns.to_string()]);
+            }
+            args
+        });
+        t
     }
 
     /// Starts `nvmeof-targetd --listen tcp://127.0.0.1:PORT --metrics ADDR ARGS` on two free
     /// loopback ports; returns the target and its metrics endpoint.
     pub fn with_metrics(args: &[&str]) -> (Self, SocketAddr) {
-        let port = free_port();
-        let listen = format!("tcp://127.0.0.1:{port}");
-        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let metrics_arg = metrics.to_string();
-        let mut all = vec!["--listen", &listen, "--metrics", &metrics_arg];
-        all.extend_from_slice(args);
-        (Self::spawn(&all, port), metrics)
+        let (t, ports) = Self::spawn_on_free_ports(2, |ports| {
+            let mut all = vec![
+                "--listen".to_string(),
+                format!("tcp://127.0.0.1:{}", ports[0]),
+                "--metrics".into(),
+                format!("127.0.0.1:{}", ports[1]),
+            ];
+            all.extend(args.iter().map(|a| a.to_string()));
+            all
+        });
+        (t, SocketAddr::from(([127, 0, 0, 1], ports[1])))
     }
 
     /// Starts `nvmeof-targetd --config FILE`, FILE holding `toml` in `dir` with permission
