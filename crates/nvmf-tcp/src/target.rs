@@ -1022,23 +1022,12 @@ impl Responder<'_> {
         if len == 0 {
             return Err(SendError::EmptyData);
         }
-        let max = self.config.max_c2h_data as usize;
         let total = len as usize;
         let mark = self.tx.mark();
         let mut off = 0;
         while off < total {
-            let n = max.min(total - off);
-            let fin = off + n == total;
-            let hdr = match PduHeader::c2h_data(
-                p.digests,
-                p.hpda,
-                cccid,
-                off as u32,
-                n as u32,
-                fin,
-                fin && success,
-            ) {
-                Ok(h) => h,
+            let (n, hdr) = match self.read_pdu(p, cccid, off, total, success) {
+                Ok(x) => x,
                 Err(e) => {
                     self.tx.rollback(mark);
                     return Err(e);
@@ -1092,25 +1081,14 @@ impl Responder<'_> {
         if given != len as usize {
             return Err(SendError::TooLarge);
         }
-        let max = self.config.max_c2h_data as usize;
         let total = len as usize;
         let mark = self.tx.mark();
         // The piece being sent, and how much of it was.
         let (mut idx, mut used) = (0, 0);
         let mut off = 0;
         while off < total {
-            let n = max.min(total - off);
-            let fin = off + n == total;
-            let hdr = match PduHeader::c2h_data(
-                p.digests,
-                p.hpda,
-                cccid,
-                off as u32,
-                n as u32,
-                fin,
-                fin && success,
-            ) {
-                Ok(h) => h,
+            let (n, hdr) = match self.read_pdu(p, cccid, off, total, success) {
+                Ok(x) => x,
                 Err(e) => {
                     self.tx.rollback(mark);
                     return Err(e);
@@ -1144,6 +1122,31 @@ impl Responder<'_> {
             self.completions.push_back(self.tx.queued());
         }
         Ok(())
+    }
+
+    /// The length and header of the C2HData PDU that starts at `off` in a read of `total`
+    /// bytes for command `cccid`: at most `max_c2h_data` bytes; the final PDU carries
+    /// LAST_PDU, and SUCCESS with `success`.
+    fn read_pdu(
+        &self,
+        p: TargetParams,
+        cccid: u16,
+        off: usize,
+        total: usize,
+        success: bool,
+    ) -> Result<(usize, PduHeader), SendError> {
+        let n = (self.config.max_c2h_data as usize).min(total - off);
+        let fin = off + n == total;
+        let hdr = PduHeader::c2h_data(
+            p.digests,
+            p.hpda,
+            cccid,
+            off as u32,
+            n as u32,
+            fin,
+            fin && success,
+        )?;
+        Ok((n, hdr))
     }
 }
 
