@@ -960,6 +960,22 @@ impl Namespace {
     }
 }
 
+/// Reads into a host buffer that Python exported, for the blocking and the asyncio calls;
+/// returns its length. `dest` is dropped when the read has ended (or was dropped).
+async fn read_host(ns: &ini::Namespace, lba: u64, dest: Lent) -> Result<usize, ini::Error> {
+    let (addr, len) = (dest.addr(), dest.len());
+    if len > 0 {
+        // SAFETY: `dest` keeps the exported, writable, contiguous region of `len` bytes at
+        // `addr` pinned until it drops at the end of this function, after the read completed
+        // or was dropped (then the initiator no longer touches the slice); the binding makes
+        // no other reference to it.
+        let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+        ns.read(lba, buf).await?;
+    }
+    drop(dest);
+    Ok(len)
+}
+
 /// Completes an asyncio future from any thread, through its loop's `call_soon_threadsafe`;
 /// dropped unfinished (the work was aborted, or the controller closed) it fails the future.
 struct Settler {
@@ -1031,19 +1047,7 @@ impl Namespace {
         let dest = Self::host_dest(buffer)?;
         let lba = self.range(offset, dest.len())?;
         let ns = (*self.ns).clone();
-        let work = async move {
-            let (addr, len) = (dest.addr(), dest.len());
-            if len > 0 {
-                // SAFETY: `dest` keeps the exported, writable, contiguous region of `len`
-                // bytes at `addr` pinned until it drops below, after the read completed or
-                // was dropped (then the initiator no longer touches the slice); the binding
-                // makes no other reference to it.
-                let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                ns.read(lba, buf).await?;
-            }
-            drop(dest);
-            Ok(len)
-        };
+        let work = async move { read_host(&ns, lba, dest).await };
         self.spawn(py, work, int_to_py)
     }
 
@@ -1103,7 +1107,7 @@ impl Namespace {
         let ns = (*self.ns).clone();
         let work = async move {
             let mut v = vec![0u8; size];
-            ns.read(lba, &mut v).await?;
+            ns.read_into(lba, &mut v).await?;
             Ok(v)
         };
         self.spawn(py, work, |py, v| {
@@ -1192,21 +1196,10 @@ impl Namespace {
         let lba = self.range(offset, dest.len())?;
         let ns = &*self.ns;
         match dest {
-            Dest::Host(dest) => {
-                let (addr, len) = (dest.addr(), dest.len());
-                if len == 0 {
-                    return Ok(0);
-                }
-                self.shared.run(py, |l| {
-                    // SAFETY: `dest` keeps the exported, writable, contiguous region of `len`
-                    // bytes at `addr` pinned until it drops after this call; the binding makes
-                    // no other reference to it while the read runs.
-                    let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                    l.rt.block_on(ns.read(lba, buf))
-                })?;
-                drop(dest);
-                Ok(len)
-            }
+            Dest::Host(dest) if dest.len() == 0 => Ok(0),
+            Dest::Host(dest) => self
+                .shared
+                .run(py, |l| l.rt.block_on(read_host(ns, lba, dest))),
             Dest::Cuda(d) => {
                 if d.len > 0 {
                     let (ptr, len) = (d.ptr, d.len);
@@ -1244,7 +1237,7 @@ impl Namespace {
         let mut v = vec![0u8; size];
         let ns = &*self.ns;
         self.shared
-            .run(py, |l| l.rt.block_on(ns.read(lba, &mut v)))?;
+            .run(py, |l| l.rt.block_on(ns.read_into(lba, &mut v)))?;
         Ok(PyBytes::new(py, &v))
     }
 
