@@ -22,17 +22,7 @@ insert() {
     grep -F "$TARGET_NQN" /proc/keys || fail "the PSK is not in a keyring"
 }
 
-cat >/etc/tlshd.conf <<EOC
-[debug]
-loglevel=1
-tls=0
-nl=0
-
-[authenticate]
-keyrings=.nvme
-EOC
-tlshd -s -c /etc/tlshd.conf >/tmp/tlshd.log 2>&1 &
-tlshd_pid=$!
+tlshd_start
 
 insert "$TLS_PSK"
 
@@ -67,8 +57,5 @@ fi
 [ -z "$(nvme_ctrl_for "$TARGET_NQN")" ] || fail "a controller is left after the refusal"
 log "refused as expected: wrong PSK"
 
-kill "$tlshd_pid" 2>/dev/null
-wait "$tlshd_pid" 2>/dev/null
-echo "tlshd log:"
-sed 's/^/  /' /tmp/tlshd.log
+tlshd_stop
 log "PASS: kernel host TLS against nvmeof-targetd"

@@ -14,17 +14,7 @@ grep -q '^nvmet_tcp ' /proc/modules || step modprobe nvmet_tcp
 step nvme check-tls-key --hostnqn="$TLS_HOST" --subsysnqn="$NVMET_NQN" --keydata="$TLS_PSK" --insert
 grep -F "$NVMET_NQN" /proc/keys || fail "the PSK is not in a keyring"
 
-cat >/etc/tlshd.conf <<EOC
-[debug]
-loglevel=1
-tls=0
-nl=0
-
-[authenticate]
-keyrings=.nvme
-EOC
-tlshd -s -c /etc/tlshd.conf >/tmp/tlshd.log 2>&1 &
-tlshd_pid=$!
+tlshd_start
 
 nvmet_subsystem "$NVMET_NQN" "$TLS_HOST"
 nvmet_namespace "$NVMET_NQN" 1 "$(nvmet_backing file 32 1)"
@@ -34,10 +24,7 @@ log "port 1: addr_tsas $(cat "$NVMET_CFS/ports/1/addr_tsas"), addr_treq $(cat "$
 nvmet_link 1 "$NVMET_NQN"
 serve_until_stop NVMET-READY
 
-kill "$tlshd_pid" 2>/dev/null
-wait "$tlshd_pid" 2>/dev/null
-echo "--- tlshd log"
-sed 's/^/  /' /tmp/tlshd.log
+tlshd_stop
 echo "--- target log"
 dmesg | grep -E 'nvmet|nvme' || true
 nvmet_clear

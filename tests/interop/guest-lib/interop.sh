@@ -202,6 +202,54 @@ serve_until_stop() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# tlshd (the kernel's TLS handshake agent)
+# ---------------------------------------------------------------------------------------------
+
+# tlshd_start: writes /etc/tlshd.conf (PSKs from the .nvme keyring, each handshake's result
+# logged), starts tlshd with its log in /tmp/tlshd.log and waits until it listens for the
+# kernel's handshake requests: before that the kernel finds no handler and closes every TLS
+# connection at once. Sets TLSHD_PID.
+tlshd_start() {
+    cat >/etc/tlshd.conf <<EOF
+[debug]
+loglevel=1
+tls=0
+nl=0
+
+[authenticate]
+keyrings=.nvme
+EOF
+    tlshd -s -c /etc/tlshd.conf >/tmp/tlshd.log 2>&1 &
+    TLSHD_PID=$!
+    tenths=0
+    until tlshd_listening "$TLSHD_PID"; do
+        kill -0 "$TLSHD_PID" 2>/dev/null || fail "tlshd exited: $(cat /tmp/tlshd.log)"
+        [ "$tenths" -lt 1200 ] || fail "tlshd did not join the handshake group within 120 s"
+        sleep 0.1
+        tenths=$((tenths + 1))
+    done
+    log "tlshd ($TLSHD_PID) listens for handshake requests"
+}
+
+# tlshd_listening PID: true once one of PID's generic netlink sockets has joined a multicast
+# group (tlshd joins only the handshake family's) according to /proc/net/netlink.
+tlshd_listening() {
+    for inode in $(ls -l "/proc/$1/fd" 2>/dev/null | sed -n 's/.*socket:\[\([0-9]*\)\].*/\1/p'); do
+        awk -v inode="$inode" '$2 == 16 && $NF == inode && $4 !~ /^0+$/ { found = 1 }
+            END { exit !found }' /proc/net/netlink && return 0
+    done
+    return 1
+}
+
+# tlshd_stop: stops tlshd and prints its log.
+tlshd_stop() {
+    kill "$TLSHD_PID" 2>/dev/null
+    wait "$TLSHD_PID" 2>/dev/null
+    echo "--- tlshd log"
+    sed 's/^/  /' /tmp/tlshd.log
+}
+
+# ---------------------------------------------------------------------------------------------
 # Kernel host (nvme-cli)
 # ---------------------------------------------------------------------------------------------
 

@@ -114,18 +114,7 @@ step nvme check-tls-key --hostnqn="$HOSTNQN" --subsysnqn="$TLS_NQN" --keydata="$
 keys=$(grep -F "$TLS_NQN" /proc/keys) || fail "the PSK is not in a keyring: $(cat /proc/keys)"
 echo "$keys"
 
-# tlshd serves the kernel's handshake upcalls; it may read the PSKs of the .nvme keyring.
-cat >/etc/tlshd.conf <<EOF
-[debug]
-loglevel=1
-tls=0
-nl=0
-
-[authenticate]
-keyrings=.nvme
-EOF
-tlshd -s -c /etc/tlshd.conf >/tmp/tlshd.log 2>&1 &
-tlshd_pid=$!
+tlshd_start
 
 nvmet_subsystem "$TLS_NQN"
 nvmet_namespace "$TLS_NQN" 1 "$(nvmet_backing file 16 2)"
@@ -142,9 +131,6 @@ log "$CTRL uses TLS key $tls_key"
 [ -n "$tls_key" ] || fail "$CTRL did not negotiate TLS"
 disconnect "$TLS_NQN"
 
-kill "$tlshd_pid" 2>/dev/null
-wait "$tlshd_pid" 2>/dev/null
-echo "tlshd log:"
-sed 's/^/  /' /tmp/tlshd.log
+tlshd_stop
 nvmet_clear
 log "PASS: TLS between the kernel host and the kernel target"
