@@ -13,6 +13,8 @@ use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+mod rings;
+
 use nvmeof_initiator as ini;
 use nvmeof_initiator::gpu::{GpuIoError, GpuStaging, StagingConfig, cuda};
 use pyo3::create_exception;
@@ -281,6 +283,14 @@ impl GpuDevice {
 }
 
 impl Shared {
+    /// True once the controller was closed.
+    fn is_closed(&self) -> bool {
+        self.live
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
     fn check_pid(&self) -> PyResult<()> {
         if self.pid != std::process::id() {
             return Err(Error::new_err(format!(
@@ -335,11 +345,11 @@ impl Shared {
     }
 }
 
-/// The I/O runtime of one controller.
-fn runtime() -> PyResult<tokio::runtime::Runtime> {
-    let workers = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(4);
+/// The I/O runtime of one controller: a worker thread per I/O queue asked for (4 when not
+/// said), at most one per core, so every queue (and the GPU rings it serves) has a thread.
+fn runtime(queues: Option<u16>) -> PyResult<tokio::runtime::Runtime> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let workers = queues.map_or(4, usize::from).clamp(1, cores);
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
         .thread_name("nvmeof-py")
@@ -390,7 +400,7 @@ struct Controller {
 impl Controller {
     fn open(py: Python<'_>, spec: Spec) -> PyResult<Controller> {
         let opts = spec.options().map_err(py_err)?;
-        let rt = runtime()?;
+        let rt = runtime(spec.queues)?;
         let ctrl = py
             .allow_threads(|| rt.block_on(ini::Controller::connect(opts)))
             .map_err(py_err)?;
@@ -422,11 +432,7 @@ impl Controller {
     /// True once `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.shared
-            .live
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+        self.shared.is_closed()
     }
 
     /// The active namespaces.
@@ -439,6 +445,43 @@ impl Controller {
     /// The namespace `nsid` (identified now: an inactive one raises NvmeError).
     fn namespace(&self, py: Python<'_>, nsid: u32) -> PyResult<Namespace> {
         self.ns(py, nsid)
+    }
+
+    /// Request rings through which GPU threads issue their own reads of the namespaces
+    /// `nsids` (default: every active one), served by this controller's I/O queues. Kernels
+    /// include `nvmf_gpu.cuh` (`nvmeof.include_dir()`) and take the rings' descriptor table
+    /// (`cupy.asarray(rings)`); ring namespace index `i` reads `nsids[i]`. `rings`: how many
+    /// (default one per I/O queue); `slots`: per ring, a power of two (the most reads a ring
+    /// has in flight); `slot_bytes`: the largest read of one request (default the first
+    /// namespace's block size, at least 4096); `mode`: "pull" (the waiting threads copy from
+    /// pinned host memory) or "push" (a copy kernel moves the data to each request's
+    /// destination); `device`: the CUDA device ordinal.
+    #[pyo3(signature = (nsids=None, rings=None, slots=256, slot_bytes=None, mode="pull", device=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn gpu_rings(
+        &self,
+        py: Python<'_>,
+        nsids: Option<Vec<u32>>,
+        rings: Option<u32>,
+        slots: u32,
+        slot_bytes: Option<u32>,
+        mode: &str,
+        device: usize,
+    ) -> PyResult<rings::GpuRings> {
+        let nsids = match nsids {
+            Some(n) => n,
+            None => self.shared.run(py, |l| Ok(l.ctrl.namespace_ids()))?,
+        };
+        rings::GpuRings::open(
+            py,
+            self.shared.clone(),
+            nsids,
+            rings,
+            slots,
+            slot_bytes,
+            mode,
+            device,
+        )
     }
 
     /// Disconnects (normal shutdown). Later calls raise nvmeof.Error; closing twice is harmless.
@@ -1426,7 +1469,7 @@ fn connect(
 #[pyfunction]
 #[pyo3(signature = (name, socket=None))]
 fn attach(py: Python<'_>, name: String, socket: Option<std::path::PathBuf>) -> PyResult<Namespace> {
-    let rt = runtime()?;
+    let rt = runtime(None)?;
     let ns = py
         .allow_threads(|| {
             rt.block_on(async {
@@ -1455,10 +1498,12 @@ fn nvmeof_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Spec>()?;
     m.add_class::<Controller>()?;
     m.add_class::<Namespace>()?;
+    m.add_class::<rings::GpuRings>()?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("NvmeError", py.get_type::<NvmeError>())?;
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
     m.add("DEFAULT_SUBNQN", DEFAULT_SUBNQN)?;
     m.add("GPU_DESTINATIONS", true)?;
+    m.add("NVMF_GPU_CUH", ini::gpu::kernels::ring::HEADER)?;
     Ok(())
 }

@@ -156,3 +156,71 @@ def test_cupy_stream_is_honoured(ns):
         ns.read_into(a, 4 * MiB)
     s.synchronize()
     assert cupy.asnumpy(a).tobytes() == data
+
+
+READ_BLOCKS = r"""
+#include "nvmf_gpu.cuh"
+
+// Thread i reads `blocks` blocks at first_lba + i * blocks of ring namespace `ns` into
+// out[i * bytes ...]; statuses[i] gets the NVMe status.
+extern "C" __global__ void read_blocks(const unsigned char* rings, unsigned char* out,
+                                       unsigned int* statuses, unsigned int n,
+                                       unsigned int ns, unsigned long long first_lba,
+                                       unsigned int blocks, unsigned int bytes) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const struct nvmf_gpu_ring* ring = nvmf_gpu_ring_for_warp((const struct nvmf_gpu_ring*)rings);
+    statuses[i] = nvmf_gpu_read_warp(ring, ns, first_lba + (unsigned long long)i * blocks, blocks,
+                                     out + (unsigned long long)i * bytes, bytes, 5000000000ULL);
+}
+"""
+
+
+@pytest.mark.skipif(cupy is None, reason="CuPy is not installed")
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_gpu_issued_reads_from_a_cupy_kernel(ctrl, ns, mode):
+    """GPU threads of a CuPy RawKernel read 4 KiB blocks themselves through the controller's
+    rings; an out-of-range read gets LBA Out of Range; closed rings refuse."""
+    n, bs = 1024, 4096
+    data = put(ns, 0, n * bs)
+    kernel = cupy.RawKernel(READ_BLOCKS, "read_blocks",
+                            options=("-I" + nvmeof.include_dir(),))
+    with ctrl.gpu_rings([ns.nsid], rings=2, slots=512, mode=mode) as rings:
+        assert (rings.nrings, rings.slots, rings.slot_bytes, rings.nsids) == (2, 512, 4096,
+                                                                              [ns.nsid])
+        table = cupy.asarray(rings)
+        assert table.nbytes == rings.table_len and table.data.ptr == rings.table_ptr
+        out = cupy.zeros(n * bs, dtype=cupy.uint8)
+        st = cupy.full(n, 0xFFFF, dtype=cupy.uint32)
+        blocks = bs // ns.block_size
+        kernel(((n + 127) // 128,), (128,),
+               (table, out, st, cupy.uint32(n), cupy.uint32(0), cupy.uint64(0),
+                cupy.uint32(blocks), cupy.uint32(bs)))
+        cupy.cuda.Device().synchronize()
+        assert not cupy.asnumpy(st).any()
+        assert cupy.asnumpy(out).tobytes() == data
+        # The last block's neighbour lies past the end: the host answers LBA Out of Range
+        # (0x0080) without sending anything.
+        last = ns.size // ns.block_size - blocks
+        kernel((1,), (2,), (table, out, st, cupy.uint32(2), cupy.uint32(0), cupy.uint64(last),
+                            cupy.uint32(blocks), cupy.uint32(bs)))
+        cupy.cuda.Device().synchronize()
+        assert list(cupy.asnumpy(st[:2])) == [0, 0x0080]
+    assert rings.closed
+    with pytest.raises(nvmeof.Error, match="closed"):
+        rings.table_ptr
+    rings.close()  # twice is harmless
+
+
+@pytest.mark.skipif(cupy is None, reason="CuPy is not installed")
+def test_gpu_rings_bad_arguments(ctrl, ns):
+    with pytest.raises(ValueError, match="mode"):
+        ctrl.gpu_rings([ns.nsid], mode="sideways")
+    with pytest.raises(ValueError, match="slots"):
+        ctrl.gpu_rings([ns.nsid], slots=100)
+    with pytest.raises(nvmeof.NvmeError):
+        ctrl.gpu_rings([77])
+    with pytest.raises(ValueError, match="namespace"):
+        ctrl.gpu_rings([])

@@ -542,6 +542,29 @@ def test_cuda_destinations_checked_and_refused_cleanly(ns):
     assert ns.pread(bs, 0) is not None  # the controller is fine
 
 
+def test_gpu_rings_header_and_refusals(ctrl, ns):
+    """The device header ships with the package; GPU rings with bad arguments are refused
+    before anything is made, and where there is no CUDA driver the refusal is one clear error."""
+    path = os.path.join(nvmeof.include_dir(), "nvmf_gpu.cuh")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert text == nvmeof.NVMF_GPU_CUH and "nvmf_gpu_read_warp" in text
+    assert nvmeof.include_dir() == nvmeof.include_dir()  # written once per process
+    with pytest.raises(ValueError, match="mode"):
+        ctrl.gpu_rings([ns.nsid], mode="sideways")
+    with pytest.raises(ValueError, match="namespace"):
+        ctrl.gpu_rings([])
+    with pytest.raises((nvmeof.Error, ValueError), match="CUDA|slots"):
+        ctrl.gpu_rings([ns.nsid], slots=100)
+    try:
+        rings = ctrl.gpu_rings([ns.nsid])
+    except nvmeof.Error as e:  # no CUDA driver or device here
+        assert "CUDA" in str(e) and "\n" not in str(e)
+    else:
+        rings.close()
+    assert ns.pread(ns.block_size, 0) is not None  # the controller is fine
+
+
 def test_asyncio(ns, spec):
     import asyncio
 

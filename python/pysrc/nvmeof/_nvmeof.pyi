@@ -32,6 +32,9 @@ DEFAULT_SUBNQN: str
 GPU_DESTINATIONS: bool
 """True: reads accept CUDA device memory (the CUDA driver is loaded on first use)."""
 
+NVMF_GPU_CUH: str
+"""The source of ``nvmf_gpu.cuh``, the device side of GPU-issued reads."""
+
 class Error(Exception):
     """Base class of every nvmeof error (also: a closed controller, use after fork)."""
 
@@ -125,9 +128,49 @@ class Controller:
     """The active namespaces."""
     def namespace(self, nsid: int) -> Namespace:
         """NvmeError for an inactive nsid."""
+    def gpu_rings(
+        self,
+        nsids: Optional[list[int]] = None,
+        rings: Optional[int] = None,
+        slots: int = 256,
+        slot_bytes: Optional[int] = None,
+        mode: str = "pull",
+        device: int = 0,
+    ) -> GpuRings:
+        """Request rings through which GPU threads issue their own reads of ``nsids``
+        (default: every active namespace; ring namespace index i reads nsids[i]), served by
+        this controller's I/O queues. ``rings`` defaults to one per I/O queue; ``slots`` is a
+        power of two; ``slot_bytes`` (the largest read of one request) defaults to the first
+        namespace's block size, at least 4096; ``mode`` is "pull" or "push"."""
     def close(self) -> None:
         """Disconnects; later calls raise Error. Closing twice is harmless."""
     def __enter__(self) -> Controller: ...
+    def __exit__(
+        self,
+        t: Optional[type[BaseException]],
+        v: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+
+class GpuRings:
+    """Request rings for GPU-issued reads (``Controller.gpu_rings``). Kernels include
+    ``nvmf_gpu.cuh`` (``nvmeof.include_dir()``) and take the descriptor table, which this
+    object exposes through ``__cuda_array_interface__`` (``cupy.asarray(rings)``). A context
+    manager: leaving it closes."""
+    nrings: int
+    slots: int
+    slot_bytes: int
+    nsids: list[int]
+    device: int
+    table_ptr: int
+    """Device address of ``struct nvmf_gpu_ring[nrings]``; Error once closed."""
+    table_len: int
+    closed: bool
+    __cuda_array_interface__: dict[str, Any]
+    def close(self) -> None:
+        """Detaches the rings (reads in flight end first) and frees them; no kernel may use
+        them any more. Closing twice is harmless."""
+    def __enter__(self) -> GpuRings: ...
     def __exit__(
         self,
         t: Optional[type[BaseException]],
