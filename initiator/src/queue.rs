@@ -142,6 +142,10 @@ pub struct QueueStats {
     pub registered_commands: u64,
     /// Bytes those commands moved.
     pub registered_bytes: u64,
+    /// Command buffers registered for NVMe/RDMA (a slot's or a queue pair identifier's
+    /// buffer, the first time a keyed command uses it and when a larger transfer comes):
+    /// registrations are kept, so this stops growing once every buffer has been used.
+    pub buffer_registrations: u64,
     /// NVMe/TCP read data received from the socket straight into the command's buffer (the
     /// rest: received into the connection's buffer, then copied).
     pub in_place_bytes: u64,
@@ -248,6 +252,7 @@ impl QueueStats {
             connections: g(&c.connections),
             registered_commands: g(&c.registered_commands),
             registered_bytes: g(&c.registered_bytes),
+            buffer_registrations: g(&c.buffer_registrations),
             in_place_bytes: g(&c.in_place_bytes),
             lent_commands: g(&c.lent_commands),
             ring_reads: g(&c.ring_reads),
