@@ -418,7 +418,7 @@ impl QueuePair {
         let req = self
             .ns
             .plain_request(build::flush(0, self.ns.nsid()), Retry::Always);
-        self.submit(req, "Flush", Vec::new(), user_data)
+        self.submit(req, "Flush", Vec::new(), user_data, false, false)
     }
 
     fn submit_rw(
@@ -443,20 +443,12 @@ impl QueuePair {
         }
         let req = self.ns.request(write, lba, len, false);
         let name = if write { "Write" } else { "Read" };
-        self.submit_with(req, name, buf, user_data, write, self.staged)
+        self.submit(req, name, buf, user_data, write, self.staged)
     }
 
+    /// Takes a free identifier for `req` and hands it to the core with `buf` (through the
+    /// identifier's staging buffer when `staged`).
     fn submit(
-        &mut self,
-        req: Request,
-        name: &'static str,
-        buf: Vec<u8>,
-        user_data: u64,
-    ) -> Result<(), Rejected> {
-        self.submit_with(req, name, buf, user_data, false, false)
-    }
-
-    fn submit_with(
         &mut self,
         req: Request,
         name: &'static str,
