@@ -244,8 +244,10 @@ impl Drop for Opening {
 /// controller reports detaches the queue pair the same way. Commands in flight are handed
 /// over as the shared queues hand theirs over: reads and Flush (and writes, with
 /// [`ConnectOptions::retry_writes`](crate::ConnectOptions::retry_writes)) wait, in their
-/// order, and are sent again on the new connection, with their own deadlines still running;
-/// writes fail at once with [`Error::Interrupted`]. Commands submitted meanwhile wait too.
+/// order, and are sent again on the new connection, with their own deadlines still running
+/// (one that passes completes with [`Error::Timeout`]); writes that were on the wire fail at
+/// once with [`Error::Interrupted`], as they may or may not have reached the media. Commands
+/// submitted meanwhile wait too.
 /// Once the controller is connected again, the next [`poll`](QueuePair::poll) or
 /// [`wait`](QueuePair::wait) opens the queue pair's I/O queue in the new association (same
 /// queue ID, in the background: neither call blocks on it) and sends what waits. When the
