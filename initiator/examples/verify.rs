@@ -24,8 +24,14 @@
 //! LBA Out of Range without reaching the wire. Over NVMe/RDMA every ring read must have named
 //! the ring's registered data area in its keyed SGL (`registered_commands`); the line
 //! `VERIFY RINGS` reports it.
+//! Then (without a fifth argument) a run-to-completion queue pair writes a region in pieces
+//! of 16 blocks and reads it back in pieces of 1 to 16 blocks, compared; over NVMe/RDMA its
+//! command buffers are registered during the writes and never again during the reads
+//! (`buffer_registrations`); the line `VERIFY QUEUE-PAIR` reports it.
 //! With `reconnect`, a buffer registered before the break is read into after the reconnect;
-//! with `stall`, a registered read that times out must leave its buffer free at once.
+//! with `stall`, a registered read that times out must leave its buffer free at once. With
+//! either, a queue pair opened before the break reads the pieces back after the reconnect, on
+//! its own new connection (`VERIFY QUEUE-PAIR-ACROSS-RECONNECT`).
 //!
 //! ```text
 //! cargo run -p nvmeof-initiator --example verify -- ADDR NQN [NSID] [QUEUES] [reconnect|stall FILE]
@@ -39,7 +45,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use nvmeof_initiator::{
-    ConnectOptions, Controller, HostIdentity, Namespace, QueuePolicy, TargetAddr,
+    ConnectOptions, Controller, HostIdentity, Namespace, QueuePair, QueuePolicy, TargetAddr,
 };
 use tokio::task::JoinSet;
 
@@ -47,6 +53,12 @@ use tokio::task::JoinSet;
 const CHUNK: usize = 64 * 1024;
 /// Concurrent writes per I/O queue.
 const PER_QUEUE: usize = 4;
+/// Blocks of each write through the queue pair.
+const QP_PIECE: u64 = 16;
+/// Blocks the queue pair writes and reads back.
+const QP_AREA: u64 = 256;
+/// Queue pair commands in flight at most.
+const QP_IN_FLIGHT: usize = 16;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -94,6 +106,136 @@ async fn pieces(ns: &Namespace, list: &[(u64, u64, usize)], write: bool) -> Resu
         r.map_err(|e| format!("task: {e}"))??;
     }
     Ok(())
+}
+
+/// Writes (or reads back and compares) `(lba, seed, len)` pieces through a run-to-completion
+/// queue pair, at most [`QP_IN_FLIGHT`] at a time, each wait bounded.
+async fn qp_pieces(
+    qp: &mut QueuePair,
+    list: &[(u64, u64, usize)],
+    write: bool,
+) -> Result<(), String> {
+    let mut done = Vec::new();
+    let (mut next, mut finished) = (0, 0);
+    while finished < list.len() {
+        while next < list.len() && qp.in_flight() < QP_IN_FLIGHT {
+            let (lba, seed, len) = list[next];
+            let r = if write {
+                qp.write(lba, pattern(seed, len), next as u64)
+            } else {
+                qp.read(lba, vec![0; len], next as u64)
+            };
+            r.map_err(|r| format!("queue pair submit at {lba}: {}", r.error))?;
+            next += 1;
+        }
+        if qp.wait(&mut done, 1, Some(Duration::from_secs(150))).await == 0 {
+            return Err(format!(
+                "queue pair: no completion within 150 s ({:?})",
+                qp.stats()
+            ));
+        }
+        for c in done.drain(..) {
+            let (lba, seed, len) = list[c.user_data as usize];
+            c.result
+                .map_err(|e| format!("queue pair command at {lba}: {e}"))?;
+            if !write && c.buf != pattern(seed, len) {
+                return Err(format!(
+                    "{len} bytes read through the queue pair at block {lba} differ from what was written"
+                ));
+            }
+            finished += 1;
+        }
+    }
+    Ok(())
+}
+
+/// A run-to-completion queue pair over `area` (blocks from its first): one round of writes of
+/// [`QP_PIECE`] blocks (every command identifier the phase uses gets its buffer), then reads of
+/// 1 to `QP_PIECE` blocks of everything back, compared. Over NVMe/RDMA the first round
+/// registers each identifier's buffer once; the reads register nothing more
+/// (`buffer_registrations` stays put). Prints `VERIFY QUEUE-PAIR`.
+async fn queue_pair(
+    ns: &Namespace,
+    area: (u64, u64),
+    transport: nvmeof_initiator::Transport,
+) -> Result<(), String> {
+    let bs = ns.block_size() as usize;
+    let mut qp = QueuePair::open(ns)
+        .await
+        .map_err(|e| format!("open: {e}"))?;
+    let writes: Vec<_> = (0..area.1 / QP_PIECE)
+        .map(|i| (area.0 + i * QP_PIECE, 3000 + i, QP_PIECE as usize * bs))
+        .collect();
+    qp_pieces(&mut qp, &writes, true).await?;
+    let warm = qp.stats();
+    let whole: Vec<u8> = writes
+        .iter()
+        .flat_map(|&(_, seed, len)| pattern(seed, len))
+        .collect();
+    // Read back in pieces of 1 to QP_PIECE blocks, each compared with its part of the write.
+    let mut done = Vec::new();
+    let (mut lba, mut k, mut reads) = (area.0, 0u64, 0u64);
+    let end = area.0 + (area.1 / QP_PIECE) * QP_PIECE;
+    while lba < end || qp.in_flight() > 0 {
+        while lba < end && qp.in_flight() < QP_IN_FLIGHT {
+            let blocks = (1 + k % QP_PIECE).min(end - lba);
+            qp.read(lba, vec![0; blocks as usize * bs], lba)
+                .map_err(|r| format!("queue pair submit at {lba}: {}", r.error))?;
+            lba += blocks;
+            k += 1;
+            reads += 1;
+        }
+        if qp.wait(&mut done, 1, Some(Duration::from_secs(150))).await == 0 {
+            return Err("queue pair: no completion within 150 s".into());
+        }
+        for c in done.drain(..) {
+            let at = c.user_data;
+            c.result
+                .map_err(|e| format!("queue pair read at {at}: {e}"))?;
+            let off = (at - area.0) as usize * bs;
+            if whole.get(off..off + c.buf.len()) != Some(&c.buf[..]) {
+                return Err(format!(
+                    "{} bytes read through the queue pair at block {at} differ from what was written",
+                    c.buf.len()
+                ));
+            }
+        }
+    }
+    let st = qp.stats();
+    let registered = st.buffer_registrations;
+    if transport == nvmeof_initiator::Transport::Rdma
+        && (warm.buffer_registrations == 0 || registered != warm.buffer_registrations)
+    {
+        return Err(format!(
+            "queue pair buffers registered {} times for the writes, {registered} after {reads} reads: expected some, then none more",
+            warm.buffer_registrations
+        ));
+    }
+    println!(
+        "VERIFY QUEUE-PAIR transport={transport} qid={} commands={} reads={reads} buffer_registrations={registered}",
+        qp.qid(),
+        st.commands
+    );
+    Ok(())
+}
+
+/// Reads `list` back through a queue pair opened before the connection broke: it reconnected
+/// with the controller. Prints `VERIFY QUEUE-PAIR-ACROSS-RECONNECT`.
+async fn queue_pair_across(qp: Option<&mut QueuePair>, list: &[(u64, u64, usize)]) {
+    let Some(qp) = qp else { return };
+    qp_pieces(qp, list, false)
+        .await
+        .unwrap_or_else(|e| fail(format!("queue pair after the reconnect: {e}")));
+    let st = qp.stats();
+    println!(
+        "VERIFY QUEUE-PAIR-ACROSS-RECONNECT connections={} retries={} connected={}",
+        st.connections,
+        st.retries,
+        qp.is_connected()
+    );
+    if st.connections < 2 {
+        fail("the queue pair did not reconnect".into());
+    }
 }
 
 /// Starts a read into `buf`, drops it after its first poll, and checks that the buffer is busy
@@ -420,6 +562,7 @@ async fn main() {
     opts.io_queues = Some(queues);
     opts.queue_depth = 32;
     opts.queue_policy = QueuePolicy::RoundRobin;
+    opts.queue_pairs = 1;
     opts.timeouts.io = Duration::from_secs(if stall { 10 } else { 120 });
     opts.timeouts.admin = Duration::from_secs(30);
 
@@ -474,6 +617,8 @@ async fn main() {
     let reg_len = info.max_transfer_bytes as usize + 2 * bs;
     let reg_lba = lba;
     lba += blocks(reg_len);
+    let qp_area = (lba, QP_AREA);
+    lba += QP_AREA;
     let total: usize = list.iter().chain(&smalls).map(|p| p.2).sum::<usize>() + big;
     if lba * bs as u64 > ns.size_bytes() {
         fail(format!(
@@ -548,6 +693,20 @@ async fn main() {
             .unwrap_or_else(|e| fail(format!("registered memory: {e}")));
     }
     if phase.is_empty() {
+        queue_pair(&ns, qp_area, addr.transport)
+            .await
+            .unwrap_or_else(|e| fail(format!("queue pair: {e}")));
+    }
+    // Opened before the connection breaks, used after the reconnect.
+    let mut early_qp = if phase.is_empty() {
+        None
+    } else {
+        let qp = QueuePair::open(&ns)
+            .await
+            .unwrap_or_else(|e| fail(format!("queue pair: {e}")));
+        Some(qp)
+    };
+    if phase.is_empty() {
         rings(&ctrl, &ns, &list, addr.transport)
             .await
             .unwrap_or_else(|e| fail(format!("GPU request rings: {e}")));
@@ -585,6 +744,7 @@ async fn main() {
             fail("a read into memory registered before the reconnect differs".into());
         }
         println!("VERIFY REGISTERED-ACROSS-RECONNECT");
+        queue_pair_across(early_qp.as_mut(), &list[1..]).await;
         let resent: u64 = ctrl.queue_stats().iter().map(|s| s.retries).sum();
         println!(
             "VERIFY RECONNECTED reconnects={} read rounds while waiting={rounds} commands resent={resent} state={:?}",
@@ -648,12 +808,14 @@ async fn main() {
         pieces(&ns, &[big_piece], false)
             .await
             .unwrap_or_else(|e| fail(e));
+        queue_pair_across(early_qp.as_mut(), &list).await;
         let timeouts: u64 = ctrl.queue_stats().iter().map(|s| s.timeouts).sum();
         println!(
             "VERIFY STALL-RECOVERED timeouts={timeouts} reconnects={}",
             ctrl.reconnects()
         );
     }
+    drop(early_qp);
     ctrl.disconnect()
         .await
         .unwrap_or_else(|e| fail(format!("disconnect: {e}")));

@@ -264,12 +264,13 @@ impl SlotBuf {
     }
 
     /// Registers the buffer (at least `len` bytes, contents kept) with `pd` unless it already
-    /// is, and returns what the target needs to reach its first `len` bytes.
+    /// is, and returns what the target needs to reach its first `len` bytes, and whether it
+    /// registered the buffer now.
     pub(crate) fn remote(
         &mut self,
         pd: &Arc<ProtectionDomain>,
         len: usize,
-    ) -> Result<RemoteKey, nvmf_rdma::Error> {
+    ) -> Result<(RemoteKey, bool), nvmf_rdma::Error> {
         let ok = matches!(self, SlotBuf::Registered(r)
             if r.is_registered_with(pd) && r.capacity() >= len);
         if !ok {
@@ -292,7 +293,7 @@ impl SlotBuf {
             *self = SlotBuf::Registered(reg);
         }
         match self {
-            SlotBuf::Registered(r) => r.remote_key(0, len).ok_or_else(|| {
+            SlotBuf::Registered(r) => r.remote_key(0, len).map(|k| (k, !ok)).ok_or_else(|| {
                 nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
             }),
             SlotBuf::Heap(_) | SlotBuf::Lent(_) | SlotBuf::Ring(_) => {

@@ -93,10 +93,12 @@ pub enum ControllerEvent {
     },
 }
 
+/// The controller's state and the generation of its association (a new one after each
+/// reconnect), as the supervisor task publishes them.
 #[derive(Clone, Debug)]
-struct StateInfo {
-    state: ControllerState,
-    generation: u64,
+pub(crate) struct StateInfo {
+    pub state: ControllerState,
+    pub generation: u64,
 }
 
 /// The namespace cache.
@@ -146,6 +148,52 @@ impl PairQid {
     /// The queue ID.
     pub fn qid(&self) -> u16 {
         self.qid
+    }
+
+    /// The set-up of this I/O queue in the association now live, for `slots` commands at
+    /// most (`None`: as many as the controller's queues take). Fails with a clear error when
+    /// the controller, after a reconnect, no longer grants this queue ID or that many
+    /// entries.
+    pub fn spec(&self, slots: Option<u16>) -> Result<QueueSpec, Error> {
+        let s = &self.shared;
+        let max_qid = s.pair_qids.lock().max_qid;
+        if self.qid > max_qid {
+            return Err(Error::Refused(format!(
+                "the controller grants I/O queue IDs up to {max_qid} since it reconnected; this queue pair's ({}) is gone",
+                self.qid
+            )));
+        }
+        let info = s.info.read();
+        if let Some(slots) = slots {
+            if info.queue_depth.saturating_sub(1) < slots {
+                return Err(Error::Refused(format!(
+                    "the controller's queues hold {} entries since it reconnected, fewer than this queue pair's {}",
+                    info.queue_depth,
+                    u32::from(slots) + 1
+                )));
+            }
+        }
+        Ok(QueueSpec {
+            qid: self.qid,
+            cntlid: info.cntlid,
+            depth: slots.map_or(info.queue_depth, |n| n + 1),
+            in_capsule: info.in_capsule_data_bytes as usize,
+        })
+    }
+
+    /// Opens this I/O queue as `spec` says (its connection and Fabrics Connect, on the
+    /// current runtime).
+    pub fn open(
+        &self,
+        spec: QueueSpec,
+    ) -> impl Future<Output = Result<Link, Error>> + Send + 'static {
+        let s = Arc::clone(&self.shared);
+        async move { open_io_queue(&s.opts, &s.pd, spec).await }
+    }
+
+    /// The controller's limits for its transport.
+    pub fn limits(&self) -> LinkLimits {
+        self.shared.limits
     }
 }
 
@@ -417,10 +465,9 @@ impl Controller {
         }
     }
 
-    /// Takes a free queue-pair queue ID and opens that I/O queue on the current runtime (its
-    /// own connection and Fabrics Connect, as the shared queues are set up). Returns the
-    /// queue ID (given back when dropped), the link and the queue's entries.
-    pub(crate) async fn open_pair_queue(&self) -> Result<(PairQid, Link, u16), Error> {
+    /// Takes a free queue-pair queue ID (given back when the lease is dropped); the
+    /// controller must be connected.
+    pub(crate) fn lease_pair_qid(&self) -> Result<PairQid, Error> {
         let s = &self.inner.shared;
         if self.state() != ControllerState::Connected {
             return Err(Error::lost(
@@ -429,31 +476,29 @@ impl Controller {
             ));
         }
         let first = s.io.len() as u16 + 1;
-        let qid = {
-            let mut ids = s.pair_qids.lock();
-            let free = (first..=ids.max_qid).find(|q| !ids.used.contains(q));
-            let Some(qid) = free else {
-                return Err(Error::InvalidArgument(format!(
-                    "no I/O queue ID is free for a queue pair ({} kept, all in use; see ConnectOptions::queue_pairs)",
-                    ids.max_qid.saturating_sub(first - 1)
-                )));
-            };
-            ids.used.insert(qid);
-            qid
+        let mut ids = s.pair_qids.lock();
+        let free = (first..=ids.max_qid).find(|q| !ids.used.contains(q));
+        let Some(qid) = free else {
+            return Err(Error::InvalidArgument(format!(
+                "no I/O queue ID is free for a queue pair ({} kept, all in use; see ConnectOptions::queue_pairs)",
+                ids.max_qid.saturating_sub(first - 1)
+            )));
         };
-        let lease = PairQid {
+        ids.used.insert(qid);
+        Ok(PairQid {
             shared: Arc::clone(s),
             qid,
-        };
-        let info = self.info();
-        let spec = QueueSpec {
-            qid,
-            cntlid: info.cntlid,
-            depth: info.queue_depth,
-            in_capsule: info.in_capsule_data_bytes as usize,
-        };
-        let link = open_io_queue(&s.opts, &s.pd, spec).await?;
-        Ok((lease, link, info.queue_depth))
+        })
+    }
+
+    /// The controller's state and association generation, as they change.
+    pub(crate) fn watch_state(&self) -> watch::Receiver<StateInfo> {
+        self.inner.shared.state.subscribe()
+    }
+
+    /// Where queues report a lost connection.
+    pub(crate) fn supervisor(&self) -> mpsc::UnboundedSender<SupMsg> {
+        self.inner.sup_tx.clone()
     }
 
     pub(crate) fn shared(&self) -> &CtrlShared {

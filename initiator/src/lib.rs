@@ -25,6 +25,8 @@
 //!   alternative for data-loader threads: the caller owns one I/O queue (a queue ID kept with
 //!   [`ConnectOptions::queue_pairs`]), submits reads and writes into its own buffers with no
 //!   channel or task in between, and reaps [`Completion`]s in batches with `poll` or `wait`.
+//!   It reconnects with the controller, handing its commands in flight over as the shared
+//!   queues do (see [`QueuePair`], "Lost connections").
 //! - [`Controller::register_buffer`] gives memory registered once for NVMe/RDMA, which
 //!   [`Namespace::read_registered`] / [`write_registered`](Namespace::write_registered) let the
 //!   target write and read directly (no slot buffer, no copy; plain memory over NVMe/TCP);

@@ -40,12 +40,6 @@ impl Link {
         }
     }
 
-    /// Whether this is an NVMe/RDMA queue pair (the target may write host memory until it is
-    /// destroyed).
-    pub fn is_rdma(&self) -> bool {
-        matches!(self, Link::Rdma(_))
-    }
-
     /// Sets the largest write sent in the capsule.
     pub fn set_icd_limit(&mut self, icd_limit: usize) {
         match self {
@@ -102,6 +96,18 @@ impl Link {
             Link::Rdma(r) => r.process(core).map(|_| ()),
         }
     }
+}
+
+/// Event: the timer, for a queue driven over `link`: fails the commands past their deadline.
+/// When one of them was on the wire the target stopped answering: the link is closed first,
+/// so that no buffer goes back to its owner while the target can still reach it (an NVMe/RDMA
+/// target writes host memory until its queue pair is destroyed), and the command's error is
+/// returned for the queue to report the loss.
+pub(crate) fn expire<C: Completions>(link: &mut Option<Link>, core: &mut Core<C>) -> Option<Error> {
+    if core.sent_command_expired() {
+        drop(link.take());
+    }
+    core.expire(link.as_mut())
 }
 
 impl Wire for Link {

@@ -37,10 +37,9 @@ use tokio::time::{Instant, MissedTickBehavior};
 use crate::Error;
 use crate::buffer::{LentBuffer, SlotBuf};
 use crate::error::command_name;
-use crate::link::{Link, LinkWake};
+use crate::link::{self, Link, LinkWake};
 use crate::queue_core::{Completions, Core, QueueCounters, RingDone, RingSlot, bump};
 pub(crate) use crate::queue_core::{DataDir, Request, Retry};
-use crate::rdma::RdmaWake;
 use crate::registered::Direct;
 use crate::ring_serve::{RingGrant, RingTable, RingWait, TagSource};
 
@@ -143,6 +142,10 @@ pub struct QueueStats {
     pub registered_commands: u64,
     /// Bytes those commands moved.
     pub registered_bytes: u64,
+    /// Command buffers registered for NVMe/RDMA (a slot's or a queue pair identifier's
+    /// buffer, the first time a keyed command uses it and when a larger transfer comes):
+    /// registrations are kept, so this stops growing once every buffer has been used.
+    pub buffer_registrations: u64,
     /// NVMe/TCP read data received from the socket straight into the command's buffer (the
     /// rest: received into the connection's buffer, then copied).
     pub in_place_bytes: u64,
@@ -249,6 +252,7 @@ impl QueueStats {
             connections: g(&c.connections),
             registered_commands: g(&c.registered_commands),
             registered_bytes: g(&c.registered_bytes),
+            buffer_registrations: g(&c.buffer_registrations),
             in_place_bytes: g(&c.in_place_bytes),
             lent_commands: g(&c.lent_commands),
             ring_reads: g(&c.ring_reads),
@@ -625,22 +629,10 @@ impl Task {
             self.core.now = Instant::now();
             if self.core.now >= next_scan {
                 next_scan = self.core.now + self.scan_period;
-                // Over RDMA the target may still write a timed-out command's buffer: destroy
-                // the queue pair before the buffer goes back to its caller.
-                let dropped = if self.live.as_ref().is_some_and(Link::is_rdma)
-                    && self.core.sent_command_expired()
-                {
-                    self.live.take()
-                } else {
-                    None
-                };
-                let had_rdma = dropped.is_some();
-                drop(dropped);
-                if let Some(err) = self.core.expire(self.live.as_mut()) {
-                    if had_rdma {
+                let had_link = self.live.is_some();
+                if let Some(err) = link::expire(&mut self.live, &mut self.core) {
+                    if had_link {
                         self.report_loss(err);
-                    } else {
-                        self.lose(err);
                     }
                 }
             }
@@ -708,42 +700,15 @@ impl Task {
                         self.lose(e);
                     }
                 }
-                Wake::Ready(LinkWake::Tcp(Ok(ready))) => {
-                    if ready.is_readable() {
-                        self.poll.arrived(self.core.now.into_std());
-                        if let Err(e) = self.receive() {
-                            self.lose(e);
-                        }
+                Wake::Ready(wake) => {
+                    let err = (self.live.as_ref())
+                        .and_then(|live| live.wake_error(self.core.addr(), wake));
+                    match err {
+                        Some(err) => self.lose(err),
+                        None => self.poll_link(),
                     }
                 }
-                Wake::Poll => match self.receive() {
-                    Ok(true) => self.poll.arrived(self.core.now.into_std()),
-                    Ok(false) => {}
-                    Err(e) => self.lose(e),
-                },
-                Wake::Ready(LinkWake::Tcp(Err(e))) => {
-                    let err = Error::lost(self.core.addr(), format!("socket error: {e}"));
-                    self.lose(err);
-                }
-                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Ok(())))) => {
-                    self.poll.arrived(self.core.now.into_std());
-                    if let Err(e) = self.receive() {
-                        self.lose(e);
-                    }
-                }
-                Wake::Ready(LinkWake::Rdma(RdmaWake::Completions(Err(e)))) => {
-                    let err = Error::lost(self.core.addr(), format!("completion queue: {e}"));
-                    self.lose(err);
-                }
-                Wake::Ready(LinkWake::Rdma(RdmaWake::Cm(ev))) => {
-                    let outcome = match self.live.as_ref() {
-                        Some(Link::Rdma(conn)) => conn.cm_outcome(ev),
-                        _ => None,
-                    };
-                    if let Some(err) = outcome {
-                        self.lose(err);
-                    }
-                }
+                Wake::Poll => self.poll_link(),
                 Wake::Tick | Wake::RingCheck => {}
             }
             self.serve_rings();
@@ -807,11 +772,16 @@ impl Task {
         self.rings.reap();
     }
 
-    /// Takes what the link has and handles it. Returns whether anything arrived.
-    fn receive(&mut self) -> Result<bool, Error> {
-        match self.live.as_mut() {
+    /// Takes what the link has and handles it.
+    fn poll_link(&mut self) {
+        let got = match self.live.as_mut() {
             Some(live) => live.receive(&mut self.core),
             None => Ok(false),
+        };
+        match got {
+            Ok(true) => self.poll.arrived(self.core.now.into_std()),
+            Ok(false) => {}
+            Err(e) => self.lose(e),
         }
     }
 

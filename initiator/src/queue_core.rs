@@ -88,6 +88,7 @@ pub(crate) struct QueueCounters {
     pub(crate) connections: AtomicU64,
     pub(crate) registered_commands: AtomicU64,
     pub(crate) registered_bytes: AtomicU64,
+    pub(crate) buffer_registrations: AtomicU64,
     pub(crate) in_place_bytes: AtomicU64,
     pub(crate) lent_commands: AtomicU64,
     pub(crate) ring_reads: AtomicU64,

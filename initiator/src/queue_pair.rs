@@ -6,14 +6,17 @@ use std::time::Duration;
 use busy_poll::PollGate;
 use nvme_spec::Cqe;
 use nvme_spec::command::build;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, timeout_at};
+use tracing::{debug, info, warn};
 
 use crate::buffer::SlotBuf;
-use crate::controller::PairQid;
-use crate::link::Link;
-use crate::queue::QueueStats;
+use crate::controller::{PairQid, StateInfo};
+use crate::link::{self, Link};
+use crate::queue::{QueueStats, SupMsg};
 use crate::queue_core::{Completions, Core, QueueCounters, Request, Retry, bump};
-use crate::{Error, Namespace};
+use crate::{ControllerState, Error, Namespace};
 
 /// One finished command of a [`QueuePair`].
 #[derive(Debug)]
@@ -38,10 +41,13 @@ pub struct Rejected {
 }
 
 /// What a queue pair knows of each command identifier.
-#[derive(Clone, Copy)]
 struct Tag {
     user_data: u64,
     name: &'static str,
+    /// The caller's buffer while the command moves its data through the identifier's
+    /// registered staging buffer (over a link that cannot use the caller's memory), and
+    /// whether it is a read (whose data is copied in when it succeeds).
+    held: Option<(Vec<u8>, bool)>,
 }
 
 /// Where the core's completions go: a list the owner reaps, and the free identifiers.
@@ -49,51 +55,151 @@ struct Reaped {
     done: Vec<Completion>,
     tags: Box<[Tag]>,
     free: Vec<u16>,
+    /// Each identifier's staging buffer: registered with the NVMe/RDMA protection domain the
+    /// first time a command needs it and kept, so that no command registers memory once
+    /// every identifier has been used (unused over NVMe/TCP, which receives into the
+    /// caller's buffer).
+    staging: Box<[SlotBuf]>,
     counters: QueueCounters,
 }
 
 impl Reaped {
     /// An empty list for `slots` command identifiers, all free.
     fn new(slots: u16) -> Reaped {
+        let n = usize::from(slots);
         Reaped {
-            done: Vec::with_capacity(usize::from(slots)),
-            tags: vec![
-                Tag {
+            done: Vec::with_capacity(n),
+            tags: (0..n)
+                .map(|_| Tag {
                     user_data: 0,
                     name: "Read",
-                };
-                usize::from(slots)
-            ]
-            .into_boxed_slice(),
+                    held: None,
+                })
+                .collect(),
             free: (0..slots).rev().collect(),
+            staging: (0..n).map(|_| SlotBuf::default()).collect(),
             counters: QueueCounters::default(),
         }
+    }
+
+    /// The buffer command `tag` sends: `buf` itself, or (`staged`) the identifier's staging
+    /// buffer, holding write data copied from `buf`, while `buf` waits in the tag.
+    fn take_buffer(&mut self, tag: u16, buf: Vec<u8>, write: bool, staged: bool) -> SlotBuf {
+        let i = usize::from(tag);
+        if !staged {
+            self.tags[i].held = None;
+            return SlotBuf::Heap(buf);
+        }
+        let mut stage = std::mem::take(&mut self.staging[i]);
+        if write && stage.ensure(buf.len()).is_ok() {
+            stage.as_mut_slice()[..buf.len()].copy_from_slice(&buf);
+        }
+        self.tags[i].held = Some((buf, !write));
+        stage
     }
 }
 
 impl Completions for Reaped {
     fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf) {
-        let Some(t) = self.tags.get(usize::from(tag)).copied() else {
+        let i = usize::from(tag);
+        let Some(t) = self.tags.get_mut(i) else {
             return;
         };
+        let (name, user_data, held) = (t.name, t.user_data, t.held.take());
         let result = result.and_then(|cqe| {
             let st = cqe.status();
             if st.is_success() {
                 Ok(())
             } else {
-                Err(Error::status_of(t.name, st))
+                Err(Error::status_of(name, st))
             }
         });
+        let buf = match held {
+            None => buf.into_vec(),
+            Some((mut own, read)) => {
+                if read && result.is_ok() {
+                    if let Some(data) = buf.as_slice().get(..own.len()) {
+                        own.copy_from_slice(data);
+                    }
+                }
+                self.staging[i] = buf;
+                own
+            }
+        };
         self.free.push(tag);
         self.done.push(Completion {
-            user_data: t.user_data,
+            user_data,
             result,
-            buf: buf.into_vec(),
+            buf,
         });
     }
 
     fn counters(&self) -> &QueueCounters {
         &self.counters
+    }
+}
+
+/// What a queue pair does about its connection, given the controller's state.
+#[derive(Debug)]
+enum Plan {
+    /// Keep the link: it belongs to the live association.
+    Keep,
+    /// Drop the link (its association is gone); keep the commands for the next one.
+    Detach,
+    /// Open the I/O queue again, in association `generation`.
+    Open(u64),
+    /// Wait: for the controller to reconnect, or for the open under way.
+    Wait,
+    /// Fail every command, now and later, with this error.
+    Fail(Error),
+}
+
+/// Where the queue pair's connection stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Attachment {
+    /// The association the link belongs to (None: no link).
+    link: Option<u64>,
+    /// The association the I/O queue is being opened in.
+    opening: Option<u64>,
+    /// The association in which the queue pair lost its link and reported it: it is not
+    /// opened again in that one (the controller resets it).
+    lost_in: Option<u64>,
+}
+
+impl Attachment {
+    /// What to do, the controller being in `state` with association `generation`.
+    fn plan(&self, state: &ControllerState, generation: u64, addr: &str) -> Plan {
+        match state {
+            ControllerState::Failed { error } => Plan::Fail(Error::ControllerFailed {
+                addr: addr.to_string(),
+                reason: error.clone(),
+            }),
+            ControllerState::Closed => Plan::Fail(Error::Closed),
+            ControllerState::Reconnecting { .. } if self.link.is_some() => Plan::Detach,
+            ControllerState::Reconnecting { .. } => Plan::Wait,
+            ControllerState::Connected => match self.link {
+                Some(g) if g == generation => Plan::Keep,
+                Some(_) => Plan::Detach,
+                None if self.opening == Some(generation) || self.lost_in == Some(generation) => {
+                    Plan::Wait
+                }
+                None => Plan::Open(generation),
+            },
+        }
+    }
+}
+
+/// The I/O queue being opened again: the association it is opened in, and where the link
+/// comes back.
+struct Opening {
+    generation: u64,
+    rx: oneshot::Receiver<Result<Link, Error>>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
@@ -126,13 +232,41 @@ impl Completions for Reaped {
 ///
 /// Every command has the controller's I/O timeout: one that does not complete in time
 /// completes with [`Error::Timeout`] from `poll` or `wait` (the connection is then closed, as
-/// the target stopped answering). When the connection is lost every command in flight, and
-/// every later one, completes with the error; the queue pair does not reconnect: open a new
-/// one once the controller is connected again
-/// ([`Controller::wait_for_state`](crate::Controller::wait_for_state)).
+/// the target stopped answering, and set up again as below).
 ///
-/// Over NVMe/RDMA each command's buffer is registered for that command (correct, but not the
-/// fast path that [`RegisteredBuffer`](crate::RegisteredBuffer) gives the async API).
+/// # Lost connections
+///
+/// A queue pair reconnects through its controller's supervisor, like the shared queues, as
+/// the controller's [`ReconnectPolicy`](crate::ReconnectPolicy) says. When its connection
+/// fails (a socket or queue pair error, the target going away, a command timing out) it
+/// reports the loss to the supervisor, which resets the association (admin queue and every
+/// I/O queue) and re-establishes it with backoff; a loss that any other queue of the
+/// controller reports detaches the queue pair the same way. Commands in flight are handed
+/// over as the shared queues hand theirs over: reads and Flush (and writes, with
+/// [`ConnectOptions::retry_writes`](crate::ConnectOptions::retry_writes)) wait, in their
+/// order, and are sent again on the new connection, with their own deadlines still running
+/// (one that passes completes with [`Error::Timeout`]); writes that were on the wire fail at
+/// once with [`Error::Interrupted`], as they may or may not have reached the media. Commands
+/// submitted meanwhile wait too.
+/// Once the controller is connected again, the next [`poll`](QueuePair::poll) or
+/// [`wait`](QueuePair::wait) opens the queue pair's I/O queue in the new association (same
+/// queue ID, in the background: neither call blocks on it) and sends what waits. When the
+/// supervisor gives up (`ctrl_loss_timeout`) every command, and every later one, completes
+/// with [`Error::ControllerFailed`] naming the last error; after
+/// [`Controller::disconnect`](crate::Controller::disconnect), with [`Error::Closed`]. A
+/// reconnected controller that no longer grants the queue pair's queue ID or depth fails it
+/// with [`Error::Refused`] saying so. [`is_connected`](QueuePair::is_connected) tells whether
+/// the I/O queue is up now; [`QueueStats::connections`] counts its connections.
+///
+/// # Memory over NVMe/RDMA
+///
+/// The target reaches only registered memory. Each command identifier of a queue pair has a
+/// staging buffer, registered with the controller's protection domain the first time a
+/// command needs it (and again only when a larger transfer comes) and kept: a read lands
+/// there and is copied into the caller's `Vec`, a write is copied there and fetched by the
+/// target, and no command registers memory in steady state (the shape of the shared queues'
+/// slot buffers). Over NVMe/TCP there is no staging: reads are received into the caller's
+/// buffer.
 ///
 /// # Example
 ///
@@ -162,6 +296,19 @@ pub struct QueuePair {
     lease: PairQid,
     link: Option<Link>,
     core: Core<Reaped>,
+    /// Where the connection stands against the controller's association.
+    at: Attachment,
+    /// The controller's state and association generation.
+    state: watch::Receiver<StateInfo>,
+    /// Where a lost connection is reported.
+    supervisor: mpsc::UnboundedSender<SupMsg>,
+    /// The I/O queue being opened again.
+    opening: Option<Opening>,
+    /// The runtime the queue pair runs on (its links are opened there).
+    rt: tokio::runtime::Handle,
+    /// Whether commands move their data through the staging buffers (the link cannot reach
+    /// the caller's memory).
+    staged: bool,
     depth: usize,
     poll: PollGate,
     /// When the last command was submitted (its answer is due: `wait` polls for the busy-poll
@@ -189,9 +336,13 @@ impl QueuePair {
     /// The queue ID is free again when the queue pair is dropped.
     pub async fn open(ns: &Namespace) -> Result<QueuePair, Error> {
         let ctrl = ns.controller();
-        let (lease, link, depth) = ctrl.open_pair_queue().await?;
+        let lease = ctrl.lease_pair_qid()?;
+        let mut state = ctrl.watch_state();
+        let generation = state.borrow_and_update().generation;
+        let spec = lease.spec(None)?;
+        let link = lease.open(spec).await?;
         let opts = &ctrl.shared().opts;
-        let slots = depth.saturating_sub(1).max(1);
+        let slots = spec.depth.saturating_sub(1).max(1);
         let sink = Reaped::new(slots);
         bump(&sink.counters.connections, 1);
         let addr = ctrl.shared().addr.clone();
@@ -200,9 +351,18 @@ impl QueuePair {
             (opts.timeouts.io / 8).clamp(Duration::from_millis(10), Duration::from_secs(1));
         Ok(QueuePair {
             ns: ns.clone(),
+            staged: !lease.limits().lends_buffers,
             lease,
             link: Some(link),
             core,
+            at: Attachment {
+                link: Some(generation),
+                ..Attachment::default()
+            },
+            state,
+            supervisor: ctrl.supervisor(),
+            opening: None,
+            rt: tokio::runtime::Handle::current(),
             depth: usize::from(slots),
             poll: PollGate::new(opts.busy_poll),
             last_submit: None,
@@ -231,7 +391,8 @@ impl QueuePair {
         self.depth - self.core.sink().free.len()
     }
 
-    /// Whether the connection is up (once lost, every command fails).
+    /// Whether the I/O queue is connected now (false while it is set up again after a lost
+    /// connection, and once the controller failed or was disconnected).
     pub fn is_connected(&self) -> bool {
         self.link.is_some()
     }
@@ -259,7 +420,7 @@ impl QueuePair {
         let req = self
             .ns
             .plain_request(build::flush(0, self.ns.nsid()), Retry::Always);
-        self.submit(req, "Flush", Vec::new(), user_data)
+        self.submit(req, "Flush", Vec::new(), user_data, false, false)
     }
 
     fn submit_rw(
@@ -283,29 +444,37 @@ impl QueuePair {
             return Err(Rejected { error, buf });
         }
         let req = self.ns.request(write, lba, len, false);
-        self.submit(req, if write { "Write" } else { "Read" }, buf, user_data)
+        let name = if write { "Write" } else { "Read" };
+        self.submit(req, name, buf, user_data, write, self.staged)
     }
 
+    /// Takes a free identifier for `req` and hands it to the core with `buf` (through the
+    /// identifier's staging buffer when `staged`).
     fn submit(
         &mut self,
         req: Request,
         name: &'static str,
         buf: Vec<u8>,
         user_data: u64,
+        write: bool,
+        staged: bool,
     ) -> Result<(), Rejected> {
         let sink = self.core.sink_mut();
         let Some(tag) = sink.free.pop() else {
             let error = Error::QueueFull { depth: self.depth };
             return Err(Rejected { error, buf });
         };
-        sink.tags[usize::from(tag)] = Tag { user_data, name };
+        let t = &mut sink.tags[usize::from(tag)];
+        t.user_data = user_data;
+        t.name = name;
+        let buf = sink.take_buffer(tag, buf, write, staged);
         let now = Instant::now();
         self.core.now = now;
         self.poll.submitted(now.into_std());
         self.last_submit = Some(now);
         let r = self
             .core
-            .submit(self.link.as_mut(), tag, req, SlotBuf::Heap(buf), None, None);
+            .submit(self.link.as_mut(), tag, req, buf, None, None);
         if let Err(e) = r {
             self.lose(e);
         }
@@ -353,15 +522,23 @@ impl QueuePair {
                 continue;
             }
             let until = deadline.map_or(self.next_scan, |d| d.min(self.next_scan));
-            match self.link.as_ref() {
-                Some(link) => {
-                    if let Ok(wake) = timeout_at(until, link.ready()).await {
-                        if let Some(err) = link.wake_error(self.core.addr(), wake) {
-                            self.lose(err);
-                        }
+            if let Some(link) = self.link.as_ref() {
+                if let Ok(wake) = timeout_at(until, link.ready()).await {
+                    if let Some(err) = link.wake_error(self.core.addr(), wake) {
+                        self.lose(err);
                     }
                 }
-                None => tokio::time::sleep_until(until).await,
+            } else if let Some(op) = self.opening.as_mut() {
+                if let Ok(r) = timeout_at(until, &mut op.rx).await {
+                    let generation = op.generation;
+                    self.opening = None;
+                    self.opened(generation, r.unwrap_or_else(|_| Err(self.setup_gone())));
+                }
+            } else if self.core.failed().is_none() {
+                // Until the controller's state changes (it reconnected, or gave up).
+                let _ = timeout_at(until, self.state.changed()).await;
+            } else {
+                tokio::time::sleep_until(until).await;
             }
         }
     }
@@ -369,6 +546,9 @@ impl QueuePair {
     /// Sends, receives and checks deadlines once, at `core.now`.
     fn drive(&mut self) {
         let now = self.core.now;
+        if self.link.is_none() || self.state.has_changed().unwrap_or(true) {
+            self.supervise();
+        }
         if let Some(link) = self.link.as_mut() {
             if let Err(e) = link.try_flush() {
                 let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
@@ -391,13 +571,11 @@ impl QueuePair {
         }
         if now >= self.next_scan {
             self.next_scan = now + self.scan_period;
-            // Over RDMA the target may still write a timed-out command's buffer: destroy the
-            // queue pair before the buffer goes back to its owner.
-            if self.link.as_ref().is_some_and(Link::is_rdma) && self.core.sent_command_expired() {
-                self.link = None;
-            }
-            if let Some(err) = self.core.expire(self.link.as_mut()) {
-                self.lose(err);
+            let had_link = self.link.is_some();
+            if let Some(err) = link::expire(&mut self.link, &mut self.core) {
+                if had_link {
+                    self.report_loss(err);
+                }
             }
         }
     }
@@ -410,13 +588,142 @@ impl QueuePair {
         n
     }
 
-    /// Closes the connection after `err` and fails every command with it, now and later.
+    /// Follows the controller's association: takes the link an open brought, drops a link
+    /// whose association is gone, starts opening the I/O queue in a new one, or fails
+    /// everything once the controller failed or closed.
+    fn supervise(&mut self) {
+        if let Some(op) = self.opening.as_mut() {
+            match op.rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => {}
+                r => {
+                    let generation = op.generation;
+                    self.opening = None;
+                    self.opened(generation, r.unwrap_or_else(|_| Err(self.setup_gone())));
+                }
+            }
+        }
+        loop {
+            self.at.link = self.link.as_ref().and(self.at.link);
+            self.at.opening = self.opening.as_ref().map(|o| o.generation);
+            let plan = {
+                let st = self.state.borrow_and_update();
+                self.at.plan(&st.state, st.generation, self.core.addr())
+            };
+            match plan {
+                Plan::Keep | Plan::Wait => return,
+                Plan::Detach => {
+                    self.link = None;
+                    self.at.link = None;
+                    let reason = Error::lost(self.core.addr(), "controller reset");
+                    self.core.link_lost(&reason);
+                }
+                Plan::Open(generation) => return self.start_open(generation),
+                Plan::Fail(err) => {
+                    self.link = None;
+                    self.opening = None;
+                    if self.core.failed().is_none() {
+                        debug!(qid = self.qid(), error = %err, "queue pair failed");
+                        self.core.fail(err);
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Starts opening the I/O queue in association `generation`, on the queue pair's
+    /// runtime.
+    fn start_open(&mut self, generation: u64) {
+        let slots = u16::try_from(self.depth).unwrap_or(u16::MAX);
+        let spec = match self.lease.spec(Some(slots)) {
+            Ok(spec) => spec,
+            Err(e) => {
+                warn!(qid = self.qid(), error = %e, "queue pair cannot be set up again");
+                self.core.fail(e);
+                return;
+            }
+        };
+        let (tx, rx) = oneshot::channel();
+        let open = self.lease.open(spec);
+        let task = self.rt.spawn(async move {
+            let _ = tx.send(open.await);
+        });
+        self.opening = Some(Opening {
+            generation,
+            rx,
+            task,
+        });
+    }
+
+    /// The open in association `generation` ended with `r`.
+    fn opened(&mut self, generation: u64, r: Result<Link, Error>) {
+        let current = {
+            let st = self.state.borrow();
+            st.state == ControllerState::Connected && st.generation == generation
+        };
+        if !current {
+            // The association moved on: the next one is opened in its turn.
+            return;
+        }
+        match r {
+            Ok(mut link) => {
+                self.at = Attachment {
+                    link: Some(generation),
+                    ..Attachment::default()
+                };
+                bump(&self.core.counters().connections, 1);
+                let res = self
+                    .core
+                    .link_restored(&mut link)
+                    .and_then(|()| link.process(&mut self.core));
+                self.link = Some(link);
+                info!(addr = %self.core.addr(), qid = self.qid(), "queue pair reconnected");
+                if let Err(e) = res {
+                    self.lose(e);
+                }
+            }
+            Err(e) if e.is_transport() => {
+                // Reported like a lost connection: the supervisor resets the association.
+                self.at.link = Some(generation);
+                self.report_loss(e);
+                self.at.link = None;
+            }
+            Err(e) => {
+                warn!(qid = self.qid(), error = %e, "queue pair cannot be set up again");
+                self.core.fail(e);
+            }
+        }
+    }
+
+    fn setup_gone(&self) -> Error {
+        Error::lost(self.core.addr(), "the queue set-up task ended")
+    }
+
+    /// Closes the connection after `err`: keeps or fails the commands in flight and reports
+    /// the loss to the supervisor.
     fn lose(&mut self, err: Error) {
         if let Some(mut link) = self.link.take() {
             // A protocol error leaves a TermReq to send; give it one try.
             let _ = link.try_flush();
+            drop(link);
+            self.report_loss(err);
         }
-        self.core.fail(err);
+    }
+
+    /// After the connection was dropped: keeps the commands that may be sent again, fails
+    /// the others, and tells the supervisor (the association is not opened again until it
+    /// moved on).
+    fn report_loss(&mut self, err: Error) {
+        self.core.link_lost(&err);
+        let generation = self.at.link.unwrap_or_default();
+        debug!(addr = %self.core.addr(), qid = self.qid(), error = %err, "queue pair lost its connection");
+        self.at.lost_in = Some(generation);
+        self.at.link = None;
+        let _ = self.supervisor.send(SupMsg::QueueFailed {
+            qid: self.qid(),
+            generation,
+            error: err,
+        });
     }
 }
 
@@ -563,17 +870,26 @@ mod tests {
 
     /// Takes a tag as `QueuePair::submit` does and hands the command to the core.
     fn submit(core: &mut Core<Reaped>, link: &mut Sent, user_data: u64, name: &'static str) -> u16 {
-        let tag = core.sink_mut().free.pop().expect("a free tag");
-        core.sink_mut().tags[usize::from(tag)] = Tag { user_data, name };
-        core.submit(
-            Some(link),
-            tag,
-            read(),
-            SlotBuf::Heap(vec![7; 512]),
-            None,
-            None,
-        )
-        .unwrap();
+        submit_buf(core, link, user_data, name, vec![7; 512], false)
+    }
+
+    /// The same with buffer `buf` (a write when `name` says so), staged or not.
+    fn submit_buf(
+        core: &mut Core<Reaped>,
+        link: &mut Sent,
+        user_data: u64,
+        name: &'static str,
+        buf: Vec<u8>,
+        staged: bool,
+    ) -> u16 {
+        let sink = core.sink_mut();
+        let tag = sink.free.pop().expect("a free tag");
+        let t = &mut sink.tags[usize::from(tag)];
+        t.user_data = user_data;
+        t.name = name;
+        let buf = sink.take_buffer(tag, buf, name == "Write", staged);
+        core.submit(Some(link), tag, read(), buf, None, None)
+            .unwrap();
         tag
     }
 
@@ -617,5 +933,110 @@ mod tests {
             }]
         ));
         assert!(core.sink().free.contains(&c));
+    }
+
+    #[test]
+    fn staged_commands_keep_their_staging_buffer_and_copy_read_data_in() {
+        let mut core = Core::new(Reaped::new(2), "t".into(), 2, false, false);
+        let mut link = Sent::default();
+        // A write: its data is copied into the identifier's staging buffer, which the link
+        // sends; the caller's buffer comes back untouched.
+        let w = submit_buf(&mut core, &mut link, 1, "Write", vec![5; 512], true);
+        assert_eq!(core.cmd_mut(w).unwrap().buf.as_slice()[..512], [5; 512]);
+        // The link grows the staging buffer, as registering it does.
+        core.cmd_mut(w).unwrap().buf.ensure(4096).unwrap();
+        let staging_ptr = core.cmd_mut(w).unwrap().buf.as_slice().as_ptr();
+        core.on_response(&mut link, Cqe::new(w, Status::SUCCESS, 0))
+            .unwrap();
+        let c = core.sink_mut().done.pop().unwrap();
+        assert_eq!((c.user_data, c.buf.len()), (1, 512));
+        assert!(c.buf.iter().all(|&b| b == 5));
+        assert_eq!(core.sink().staging[usize::from(w)].as_slice().len(), 4096);
+        // A read with the same identifier uses the same staging buffer (no new one, no new
+        // registration) and gets the data the target put there.
+        let r = submit_buf(&mut core, &mut link, 2, "Read", vec![0; 1024], true);
+        assert_eq!(r, w);
+        let cmd = core.cmd_mut(r).unwrap();
+        assert_eq!(cmd.buf.as_slice().as_ptr(), staging_ptr);
+        cmd.buf.as_mut_slice()[..1024].fill(9);
+        core.on_response(&mut link, Cqe::new(r, Status::SUCCESS, 0))
+            .unwrap();
+        let c = core.sink_mut().done.pop().unwrap();
+        assert_eq!(c.user_data, 2);
+        assert!(c.buf.len() == 1024 && c.buf.iter().all(|&b| b == 9));
+        // A failed read gives the caller's buffer back as it was.
+        let r = submit_buf(&mut core, &mut link, 3, "Read", vec![1; 512], true);
+        core.cmd_mut(r).unwrap().buf.as_mut_slice()[..512].fill(4);
+        let bad = Status::generic(generic::LBA_OUT_OF_RANGE);
+        core.on_response(&mut link, Cqe::new(r, bad, 0)).unwrap();
+        let c = core.sink_mut().done.pop().unwrap();
+        assert!(c.result.is_err() && c.buf.iter().all(|&b| b == 1));
+        // Unstaged, the caller's buffer is the command's.
+        let u = submit_buf(&mut core, &mut link, 4, "Read", vec![2; 512], false);
+        let ptr = core.cmd_mut(u).unwrap().buf.as_slice().as_ptr();
+        core.fail(Error::Closed);
+        let c = core.sink_mut().done.pop().unwrap();
+        assert_eq!(c.buf.as_ptr(), ptr);
+        assert_eq!(core.sink().staging[usize::from(w)].as_slice().len(), 4096);
+    }
+
+    fn plan(at: Attachment, state: ControllerState, generation: u64) -> String {
+        format!("{:?}", at.plan(&state, generation, "t"))
+    }
+
+    fn reconnecting() -> ControllerState {
+        ControllerState::Reconnecting {
+            attempt: 1,
+            last_error: "reset".into(),
+        }
+    }
+
+    #[test]
+    fn a_queue_pair_follows_the_association() {
+        let up = |g| Attachment {
+            link: Some(g),
+            ..Attachment::default()
+        };
+        let down = Attachment::default();
+        let connected = ControllerState::Connected;
+        // Live in its association: nothing to do.
+        assert_eq!(plan(up(1), connected.clone(), 1), "Keep");
+        // The controller resets: the link goes, commands wait.
+        assert_eq!(plan(up(1), reconnecting(), 2), "Detach");
+        assert_eq!(plan(down, reconnecting(), 2), "Wait");
+        // A new association: open the I/O queue in it, once.
+        assert_eq!(plan(down, connected.clone(), 2), "Open(2)");
+        let opening = Attachment {
+            opening: Some(2),
+            ..down
+        };
+        assert_eq!(plan(opening, connected.clone(), 2), "Wait");
+        // An open for an older association does not stop one in the new one.
+        let stale = Attachment {
+            opening: Some(2),
+            ..down
+        };
+        assert_eq!(plan(stale, connected.clone(), 3), "Open(3)");
+        // A link of an older association is dropped even while connected.
+        assert_eq!(plan(up(1), connected.clone(), 2), "Detach");
+        // Lost and reported in association 2: no reopening in it, only in the next.
+        let lost = Attachment {
+            lost_in: Some(2),
+            ..down
+        };
+        assert_eq!(plan(lost, connected.clone(), 2), "Wait");
+        assert_eq!(plan(lost, connected, 3), "Open(3)");
+        // The supervisor gave up, or the host disconnected: everything fails, clearly.
+        let failed = ControllerState::Failed {
+            error: "connection refused".into(),
+        };
+        for at in [up(1), down, opening] {
+            let p = plan(at, failed.clone(), 2);
+            assert!(
+                p.starts_with("Fail(ControllerFailed") && p.contains("connection refused"),
+                "{p}"
+            );
+            assert_eq!(plan(at, ControllerState::Closed, 2), "Fail(Closed)");
+        }
     }
 }

@@ -186,15 +186,17 @@ impl RdmaConn {
 
     /// Sends command `sqe` (its command identifier set) with `len` bytes of data in `buf`
     /// (`to_host`: read data). Data up to [`icd_limit`](Self::icd_limit) bytes of a write
-    /// travels in the capsule; other data gets a keyed SGL data block. A registration failure is an error
-    /// of this command only ([`Error::Rdma`], `Ok(Err(..))`); a failed send is a connection
-    /// error (`Err`).
+    /// travels in the capsule; other data gets a keyed SGL data block on `buf`, registered
+    /// once and kept with it (counted in `c`). A registration failure is an error of this
+    /// command only ([`Error::Rdma`], `Ok(Err(..))`); a failed send is a connection error
+    /// (`Err`).
     pub fn send_command(
         &mut self,
         mut sqe: Sqe,
         buf: &mut SlotBuf,
         len: usize,
         to_host: bool,
+        c: &QueueCounters,
     ) -> Result<Result<DataPath, Error>, Error> {
         sqe.set_sgl();
         if len == 0 {
@@ -208,7 +210,10 @@ impl RdmaConn {
             return Ok(Ok(DataPath::InCapsule));
         }
         let remote = match buf.remote(self.q.pd(), len) {
-            Ok(k) => k,
+            Ok((k, registered)) => {
+                bump(&c.buffer_registrations, u64::from(registered));
+                k
+            }
             Err(e) => return Ok(Err(rdma_error(&self.addr, e))),
         };
         self.send_keyed(sqe, remote)?;
@@ -354,7 +359,7 @@ impl Wire for RdmaConn {
         } else {
             // Err inside: this command's buffer could not be registered; the connection is
             // fine.
-            match self.send_command(sqe, &mut cmd.buf, len, to_host)? {
+            match self.send_command(sqe, &mut cmd.buf, len, to_host, c)? {
                 Ok(p) => p,
                 Err(e) => return Ok(Err(e)),
             }

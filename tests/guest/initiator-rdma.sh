@@ -10,10 +10,12 @@
 # written from and read back into memory registered once with the controller's protection
 # domain, the counters showing that no command of it used a slot buffer, and a read into it
 # dropped in flight keeping it busy until its commands end; GPU request rings driven by the
-# CPU stand-in, each ring read landing in its registered slot by RDMA WRITE), and a CLI write + read
+# CPU stand-in, each ring read landing in its registered slot by RDMA WRITE; a run-to-completion
+# queue pair whose command buffers are registered once, not per command), and a CLI write + read
 # of a random file compared with cmp. Against the kernel target, the port's subsystem link is
 # then removed and restored while the verify example keeps reads going: the initiator must
-# notice, reconnect and complete the reads. nvmeof-targetd is stopped (SIGSTOP) with a read in
+# notice, reconnect and complete the reads (a queue pair opened before the break too, on its
+# own new connection). nvmeof-targetd is stopped (SIGSTOP) with a read in
 # flight: the read must time out, and the initiator reconnect once it continues. Run by tests/tests/initiator_rdma.rs; by hand:
 #   cargo build -p nvmeof-initiator --bins --example verify && cargo build -p nvmeof-target --bins
 #   tests/interop/guest.sh run --with-rdma --add-bin target/debug/nvmeof:/usr/bin/nvmeof \
@@ -114,6 +116,8 @@ check_target() {
     expect_contains "$out" "VERIFY REGISTERED transport=rdma registered=yes" "$name registered memory"
     expect_contains "$out" "slot_commands=0" "$name registered memory"
     expect_contains "$out" "VERIFY REGISTERED-CANCELLED" "$name registered memory, dropped read"
+    # A run-to-completion queue pair: its command buffers are registered once, not per command.
+    expect_contains "$out" "VERIFY QUEUE-PAIR transport=rdma" "$name queue pair"
     # GPU request rings (CPU stand-in): every ring read named its registered slot.
     expect_contains "$out" "VERIFY RINGS transport=rdma" "$name GPU request rings"
 
@@ -183,6 +187,7 @@ cat /tmp/verify.log
 [ "$rc" -eq 0 ] || fail "verify across the reconnect failed ($rc)"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY RECONNECTED reconnects=" "verify across the reconnect"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY REGISTERED-ACROSS-RECONNECT" "registered memory across the reconnect"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY QUEUE-PAIR-ACROSS-RECONNECT" "queue pair across the reconnect"
 nvmet_clear
 log "PASS: initiator over NVMe/RDMA against the kernel nvmet-rdma target"
 
@@ -261,6 +266,7 @@ cat /tmp/verify.log
 [ "$rc" -eq 0 ] || fail "verify across the stall failed ($rc)"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY STALL-RECOVERED" "verify across the stall"
 expect_contains "$(cat /tmp/verify.log)" "VERIFY REGISTERED-TIMEOUT-RELEASED" "registered read across the stall"
+expect_contains "$(cat /tmp/verify.log)" "VERIFY QUEUE-PAIR-ACROSS-RECONNECT" "queue pair across the stall"
 if [ -x "$BENCH" ]; then
     # The load generator's rdma mode beside its tcp mode, same target and namespace, reads
     # verified after --prefill (a target at an address is not written without it).

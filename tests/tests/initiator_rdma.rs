@@ -4,7 +4,9 @@
 //! writes on three I/O queues, a transfer above MDTS, in-capsule writes, read back and
 //! compared; a transfer above MDTS written from and read back into registered memory with no
 //! slot copy; GPU request rings driven by the CPU stand-in, each ring read written by the
-//! target straight into its registered slot), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
+//! target straight into its registered slot; a run-to-completion queue pair whose buffers are
+//! registered once, not per command, and which reconnects with its controller after the
+//! kernel target's port comes back and after our target's stall), a CLI write and read of a 3 MiB file, an `nvmeof-initd` attachment read back, and (against our target) the load
 //! generator's rdma mode beside its tcp mode, and a read that times out while the daemon is
 //! stopped (SIGSTOP), then a reconnect once it continues; against the kernel target also a
 //! reconnect: its port drops the subsystem and takes it back while reads go on; against our
@@ -78,6 +80,7 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
             "VERIFY STALL-RECOVERED",
             "VERIFY REGISTERED-TIMEOUT-RELEASED",
             "VERIFY RINGS transport=rdma",
+            "VERIFY QUEUE-PAIR transport=rdma",
             "PASS: nvmeof-bench rdma mode",
             "NVMe/RDMA queue pair accepted",
             "qid=3",
@@ -91,6 +94,15 @@ fn initiator_over_rdma_against_kernel_and_own_target() {
         .filter(|l| l.contains("host authenticated") && l.contains("bidirectional=true"))
         .count();
     assert_eq!(authenticated, 3, "{console}");
+    // Queue pairs reconnected with their controller, after the kernel target's port came
+    // back and after our target's stall.
+    assert_eq!(
+        console
+            .matches("VERIFY QUEUE-PAIR-ACROSS-RECONNECT")
+            .count(),
+        2,
+        "{console}"
+    );
     assert_eq!(
         console
             .matches("VERIFY PASS transport=rdma queues=3")
