@@ -5,7 +5,7 @@
 //! the I/O path reads immutable fields and bumps its thread's stripe of the controller's
 //! counters ([`IoCounters`]), so reactors serving one controller share no written cache line.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,11 +15,13 @@ use blockdev::Backend;
 use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
-    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_KEYED,
-    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list,
+    CMIC_ANA, CMIC_MULTI_CONTROLLER, IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_KEYED,
+    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, anacap, cntrltype, encode_ns_descriptors, encode_ns_list,
     nidt, put_ascii_padded, put_nul_padded,
 };
-use nvme_spec::log::{ErrorLogEntry, SmartLog, u128_le};
+use nvme_spec::log::{
+    ANA_LSP_GROUPS_ONLY, AnaGroup, ErrorLogEntry, SmartLog, encode_ana_log, u128_le,
+};
 use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, IntoBytes, Sqe, Status, features};
 use parking_lot::Mutex;
@@ -69,6 +71,8 @@ struct AdminState {
     ns_notice_outstanding: bool,
     /// Likewise for the Discovery Log Page Change notice.
     discovery_notice_outstanding: bool,
+    /// Likewise for the Asymmetric Namespace Access Change notice.
+    ana_notice_outstanding: bool,
     errors: Vec<ErrorLogEntry>,
     error_count: u64,
 }
@@ -79,6 +83,8 @@ pub const CHANGED_NS_LIST_ENTRIES: usize = 1024;
 const MAX_PENDING_EVENTS: usize = 16;
 /// OAES bit: Namespace Attribute Notices are supported.
 pub const OAES_NS_ATTRIBUTE: u32 = 1 << 8;
+/// OAES bit: Asymmetric Namespace Access Change Notices are supported.
+pub const OAES_ANA_CHANGE: u32 = 1 << 11;
 /// OAES bit: Discovery Log Page Change Notices are supported.
 pub const OAES_DISCOVERY_LOG_CHANGE: u32 = 1 << 31;
 
@@ -178,6 +184,9 @@ pub struct Controller {
     pub hostid: [u8; 16],
     /// The host's address on the admin queue.
     pub peer: SocketAddr,
+    /// The target's address the admin queue connected to: the listener (port) whose ANA
+    /// states the controller reports.
+    pub local: SocketAddr,
     /// Submission queue size of the admin queue.
     pub admin_sqsize: u32,
     state: Mutex<AdminState>,
@@ -258,7 +267,7 @@ impl Controller {
         kind: ControllerKind,
         hostnqn: String,
         hostid: [u8; 16],
-        peer: SocketAddr,
+        origin: QueueOrigin,
         admin_sqsize: u32,
         kato_ms: u32,
     ) -> (Arc<Self>, EventReceiver) {
@@ -269,7 +278,8 @@ impl Controller {
             kind,
             hostnqn,
             hostid,
-            peer,
+            peer: origin.peer,
+            local: origin.local,
             admin_sqsize,
             state: Mutex::new(AdminState {
                 cc: 0,
@@ -284,6 +294,7 @@ impl Controller {
                 changed_ns: Vec::new(),
                 ns_notice_outstanding: false,
                 discovery_notice_outstanding: false,
+                ana_notice_outstanding: false,
                 errors: Vec::new(),
                 error_count: 0,
             }),
@@ -486,6 +497,62 @@ impl Controller {
         self.post_event(&mut st, dw0);
     }
 
+    /// The ANA state of a group with namespaces of this I/O controller changed: raises an
+    /// Asymmetric Namespace Access Change notice, unless one is outstanding (not yet followed
+    /// by a read of the ANA log page) or the host did not enable it.
+    pub fn notify_ana_changed(&self) {
+        let mut st = self.state.lock();
+        if st.aec & features::AEC_ANA_CHANGE == 0 || st.ana_notice_outstanding {
+            return;
+        }
+        st.ana_notice_outstanding = true;
+        let dw0 = features::aer_dw0(
+            features::aer_type::NOTICE,
+            features::aer_notice::ANA_CHANGE,
+            log_id::ANA,
+        );
+        self.post_event(&mut st, dw0);
+    }
+
+    /// The ANA groups of the namespaces this I/O controller's host sees.
+    pub fn ana_groups(&self) -> BTreeSet<u32> {
+        self.subsystem().map_or_else(BTreeSet::new, |s| {
+            s.namespaces()
+                .values()
+                .filter(|ns| ns.visible_to(&self.hostnqn))
+                .map(|ns| ns.ana_group)
+                .collect()
+        })
+    }
+
+    /// The ANA log page of this I/O controller: every group of the namespaces its host sees,
+    /// in the state of the listener its admin queue connected to, with their NSIDs unless
+    /// `groups_only` (RGO).
+    fn ana_log(&self, target: &Target, groups_only: bool) -> Vec<u8> {
+        let mut groups: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        if let Some(s) = self.subsystem() {
+            for ns in s.namespaces().values() {
+                if ns.visible_to(&self.hostnqn) {
+                    groups.entry(ns.ana_group).or_default().push(ns.nsid);
+                }
+            }
+        }
+        // A controller always reports the default group, as Linux nvmet does.
+        groups.entry(crate::ana::DEFAULT_ANA_GROUP).or_default();
+        let table = target.ana.table();
+        let chgcnt = target.ana.generation();
+        let groups: Vec<AnaGroup> = groups
+            .into_iter()
+            .map(|(grpid, nsids)| AnaGroup {
+                grpid,
+                state: table.state(self.local, grpid),
+                chgcnt,
+                nsids,
+            })
+            .collect();
+        encode_ana_log(chgcnt, &groups, groups_only)
+    }
+
     /// The discovery log changed: raises a Discovery Log Page Change notice on this discovery
     /// controller, unless one is outstanding or the host did not enable it.
     pub fn notify_discovery_changed(&self) {
@@ -633,7 +700,11 @@ impl Controller {
                     return invalid_ns;
                 }
                 let namespaces = s.namespaces();
-                let Some(ns) = namespaces.get(&id.nsid) else {
+                // A namespace masked from this host is inactive on its controllers.
+                let visible = namespaces
+                    .get(&id.nsid)
+                    .filter(|ns| ns.visible_to(&self.hostnqn));
+                let Some(ns) = visible else {
                     // An allocated but inactive NSID: a zero-filled structure.
                     if id.cns == cns::NS_DESCRIPTORS || id.nsid == u32::MAX {
                         return invalid_ns;
@@ -654,6 +725,7 @@ impl Controller {
                         } else {
                             0
                         };
+                        n.anagrpid.set(ns.ana_group);
                         n.nguid = ns.nguid;
                         n.eui64 = ns.eui64;
                         n.lbaf[0].lbads = ns.block_shift as u8;
@@ -687,7 +759,12 @@ impl Controller {
                 if id.nsid >= 0xFFFF_FFFE {
                     return invalid_ns;
                 }
-                AdminReply::data(encode_ns_list(s.namespaces().keys().copied(), id.nsid).to_vec())
+                let namespaces = s.namespaces();
+                let active = namespaces
+                    .values()
+                    .filter(|ns| ns.visible_to(&self.hostnqn))
+                    .map(|ns| ns.nsid);
+                AdminReply::data(encode_ns_list(active, id.nsid).to_vec())
             }
             cns::CSI_CONTROLLER => {
                 if id.csi != 0 {
@@ -709,7 +786,17 @@ impl Controller {
                 put_ascii_padded(&mut c.mn, &s.model);
                 put_nul_padded(&mut c.subnqn, &s.nqn);
                 c.cntrltype = cntrltype::IO;
-                c.cmic = 0b10; // more than one controller may attach (multipath capable)
+                // More than one controller may attach; ANA reporting.
+                c.cmic = CMIC_MULTI_CONTROLLER | CMIC_ANA;
+                c.anatt = crate::ana::ANATT_SECONDS;
+                c.anacap = anacap::OPTIMIZED
+                    | anacap::NON_OPTIMIZED
+                    | anacap::INACCESSIBLE
+                    | anacap::PERSISTENT_LOSS
+                    | anacap::CHANGE
+                    | anacap::GRPID_STATIC;
+                c.anagrpmax.set(crate::ana::MAX_ANA_GROUPS);
+                c.nanagrpid.set(crate::ana::MAX_ANA_GROUPS);
                 c.nn.set(s.max_nsid());
                 c.mnan.set(s.max_nsid());
                 c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
@@ -717,7 +804,7 @@ impl Controller {
                 // namespace's backend has one (files and devices: the page cache or the
                 // device's cache), so hosts send Flush and FUA only where they matter.
                 c.vwc = 0b110 | u8::from(self.volatile_write_cache());
-                c.oaes.set(OAES_NS_ATTRIBUTE);
+                c.oaes.set(OAES_NS_ATTRIBUTE | OAES_ANA_CHANGE);
             }
             ControllerKind::Discovery => {
                 put_ascii_padded(&mut c.sn, &target.discovery_serial);
@@ -779,6 +866,13 @@ impl Controller {
                     st.ns_notice_outstanding = false;
                 }
                 page.into()
+            }
+            (log_id::ANA, ControllerKind::Io(_)) => {
+                if !glp.rae {
+                    self.state.lock().ana_notice_outstanding = false;
+                }
+                self.ana_log(target, glp.lsp & ANA_LSP_GROUPS_ONLY != 0)
+                    .into()
             }
             (log_id::ERROR_INFO, _) => {
                 let st = self.state.lock();
@@ -924,13 +1018,12 @@ mod tests {
     fn io_controller() -> (Arc<Target>, Arc<Controller>) {
         let t = crate::testing::target(&["mem:1M"]);
         let s = Arc::clone(t.subsystems().values().next().unwrap());
-        let peer = crate::testing::origin().peer;
         let (c, _events) = Controller::new(
             1,
             ControllerKind::Io(s),
             "nqn.h".into(),
             [0; 16],
-            peer,
+            crate::testing::origin(),
             32,
             0,
         );
