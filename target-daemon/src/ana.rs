@@ -156,7 +156,10 @@ mod tests {
         assert_eq!(t.state(at("10.0.0.9:4421"), 2), AnaState::PersistentLoss);
         assert_eq!(t.state(at("10.0.0.1:4421"), 2), AnaState::Change);
         assert_eq!(t.state(at("10.0.0.1:4421"), 1), AnaState::Optimized);
-        assert_eq!(AnaTable::default().state(at("10.0.0.1:4420"), 7), AnaState::Optimized);
+        assert_eq!(
+            AnaTable::default().state(at("10.0.0.1:4420"), 7),
+            AnaState::Optimized
+        );
     }
 
     #[test]

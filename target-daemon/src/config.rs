@@ -48,8 +48,8 @@ use std::time::Duration;
 use blockdev::BackendSpec;
 use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
-use serde::{Deserialize, Serialize};
 use nvme_spec::log::AnaState;
+use serde::{Deserialize, Serialize};
 
 /// NQN of the subsystem served when no configuration is given.
 pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -858,7 +858,10 @@ impl Config {
                     }
                 }
             }
-            let (lo, hi) = (s.cntlid_min.unwrap_or(1), s.cntlid_max.unwrap_or(MAX_CNTLID));
+            let (lo, hi) = (
+                s.cntlid_min.unwrap_or(1),
+                s.cntlid_max.unwrap_or(MAX_CNTLID),
+            );
             if lo == 0 || hi > MAX_CNTLID || lo > hi {
                 return bad(format!(
                     "subsystem {}: cntlid_min = {lo}, cntlid_max = {hi}: need \

@@ -634,7 +634,11 @@ fn set_ana_state(
         ));
     }
     let Some(l) = cfg.listeners.iter_mut().find(|l| l.address == a) else {
-        let known: Vec<String> = cfg.listeners.iter().map(|l| l.address.to_string()).collect();
+        let known: Vec<String> = cfg
+            .listeners
+            .iter()
+            .map(|l| l.address.to_string())
+            .collect();
         return refused(format!(
             "no I/O listener on {a} (listeners: {})",
             known.join(", ")

@@ -15,9 +15,9 @@ use blockdev::Backend;
 use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
-    CMIC_ANA, CMIC_MULTI_CONTROLLER, IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_KEYED,
-    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, anacap, cntrltype, encode_ns_descriptors, encode_ns_list,
-    nidt, put_ascii_padded, put_nul_padded,
+    CMIC_ANA, CMIC_MULTI_CONTROLLER, IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM,
+    ONCS_WRITE_ZEROES, SGLS_KEYED, SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, anacap, cntrltype,
+    encode_ns_descriptors, encode_ns_list, nidt, put_ascii_padded, put_nul_padded,
 };
 use nvme_spec::log::{
     ANA_LSP_GROUPS_ONLY, AnaGroup, ErrorLogEntry, SmartLog, encode_ana_log, u128_le,
@@ -1115,5 +1115,335 @@ mod tests {
             .count();
         assert!(used > 1, "{used} stripe(s) used");
         assert_eq!(std::mem::align_of::<Stripe>(), 64);
+    }
+}
+
+/// Namespace masking and ANA as hosts see them, changed live through the control requests.
+#[cfg(test)]
+mod access_tests {
+    use nvme_spec::command::{build, cns, log_id};
+    use nvme_spec::features::{self, aer_dw0, aer_notice, aer_type};
+    use nvme_spec::identify::{CMIC_ANA, IdentifyController, IdentifyNamespace};
+    use nvme_spec::log::{AnaState, decode_ana_log};
+    use nvme_spec::queue::SglDescriptor;
+    use nvme_spec::status::{generic, path, sct};
+    use nvme_spec::{Cqe, FromBytes, Sqe, Status};
+
+    use crate::control::{Request, encode, handle};
+    use crate::queue::{HostSgl, QueueState, Submit};
+    use crate::reconfigure::Registry;
+    use crate::testing::{HOST, NQN, connected_as, origin, registry};
+
+    use super::QueueOrigin;
+
+    const OTHER: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb";
+
+    fn answer(q: &mut QueueState, sqe: &Sqe) -> Cqe {
+        match q.submit(sqe, &[]) {
+            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => c,
+            Submit::Io(_) => Cqe::new(sqe.cid(), Status::SUCCESS, 0),
+            Submit::Held => panic!("held"),
+        }
+    }
+
+    fn data(q: &mut QueueState, sqe: &Sqe) -> Result<Vec<u8>, Status> {
+        let mut sqe = *sqe;
+        sqe.dptr = SglDescriptor::tcp_transport(4096);
+        match q.submit(&sqe, &[]) {
+            Submit::CompleteWithData(d, c) if c.status().is_success() => Ok(d),
+            Submit::Complete(c) => Err(c.status()),
+            _ => panic!("no answer"),
+        }
+    }
+
+    fn read(cid: u16, nsid: u32) -> Sqe {
+        let mut sqe = build::read_write(false, cid, nsid, 0, 1);
+        sqe.dptr = SglDescriptor::tcp_transport(4096);
+        sqe
+    }
+
+    fn active(admin: &mut QueueState) -> Vec<u32> {
+        let list = data(admin, &build::identify(1, cns::ACTIVE_NS_LIST, 0)).unwrap();
+        list.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .take_while(|&n| n != 0)
+            .collect()
+    }
+
+    fn ctl(r: &Registry, req: Request) -> Result<Vec<String>, String> {
+        let resp = handle(r, &encode(&req));
+        match resp.error {
+            Some(e) => Err(e),
+            None => Ok(resp.changes.unwrap_or_default()),
+        }
+    }
+
+    /// Enables the notices of `aec` and holds an Asynchronous Event Request.
+    fn hold_aer(admin: &mut QueueState, aec: u32) {
+        let set = build::set_features(2, features::ASYNC_EVENT_CONFIG, aec);
+        assert!(answer(admin, &set).status().is_success());
+        assert!(matches!(
+            admin.submit(&build::async_event_request(3), &[]),
+            Submit::Held
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_masked_namespace_is_inactive_for_other_hosts_until_shown_to_them() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        r.edit(|c| {
+            c.subsystems[0].namespaces[1].hosts = vec![OTHER.into()];
+            Ok(())
+        })
+        .unwrap();
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, origin(), HOST);
+        let (mut other_admin, mut other_io) =
+            connected_as(r.target(), HostSgl::Transport, origin(), OTHER);
+        let mut events = admin.events.take().unwrap();
+        let mut other_events = other_admin.events.take().unwrap();
+
+        assert_eq!(active(&mut admin), vec![1]);
+        assert_eq!(active(&mut other_admin), vec![1, 2]);
+        // As an inactive NSID: a zeroed Identify Namespace, no descriptors, no I/O.
+        let id = data(&mut admin, &build::identify(4, cns::NAMESPACE, 2)).unwrap();
+        assert!(id.iter().all(|&b| b == 0));
+        let invalid_ns = Status::generic(generic::INVALID_NAMESPACE).with_dnr();
+        assert_eq!(
+            data(&mut admin, &build::identify(5, cns::NS_DESCRIPTORS, 2)),
+            Err(invalid_ns)
+        );
+        assert_eq!(answer(&mut io, &read(6, 2)).status(), invalid_ns);
+        assert!(answer(&mut other_io, &read(6, 2)).status().is_success());
+        let id = data(&mut other_admin, &build::identify(4, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&id).unwrap().nsze.get(),
+            256
+        );
+
+        // Shown to the host: its controller is told, the other host's is not.
+        hold_aer(&mut admin, features::AEC_NS_ATTRIBUTE_NOTICES);
+        hold_aer(&mut other_admin, features::AEC_NS_ATTRIBUTE_NOTICES);
+        let add = |host: &str| Request::NsAddHost {
+            subsystem: NQN.into(),
+            nsid: 2,
+            host: host.into(),
+        };
+        let lines = ctl(&r, add(HOST)).unwrap();
+        assert!(lines[0].contains("seen by"), "{lines:?}");
+        let notice = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
+        assert_eq!(events.try_recv().unwrap().dw0.get(), notice);
+        assert!(other_events.try_recv().is_err(), "nothing changed for it");
+        assert_eq!(active(&mut admin), vec![1, 2]);
+        assert!(answer(&mut io, &read(7, 2)).status().is_success());
+        assert!(ctl(&r, add(HOST)).unwrap_err().contains("already shown"));
+
+        // Hidden from the other host: its I/O fails at once.
+        let remove = |host: &str| Request::NsRemoveHost {
+            subsystem: NQN.into(),
+            nsid: 2,
+            host: host.into(),
+        };
+        ctl(&r, remove(OTHER)).unwrap();
+        assert_eq!(other_events.try_recv().unwrap().dw0.get(), notice);
+        assert_eq!(answer(&mut other_io, &read(8, 2)).status(), invalid_ns);
+        assert_eq!(active(&mut other_admin), vec![1]);
+        // The last host stays: removing it would show the namespace to every host.
+        assert!(ctl(&r, remove(HOST)).unwrap_err().contains("last host"));
+        assert!(ctl(&r, remove(OTHER)).unwrap_err().contains("not shown"));
+        assert_eq!(r.config().subsystems[0].namespaces[1].hosts, vec![HOST]);
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ana_states_follow_the_listener_and_refuse_io_with_path_statuses() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let listener = r.config().listeners[0].address.clone();
+        let here = QueueOrigin {
+            local: listener.addr,
+            peer: origin().peer,
+        };
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, here, HOST);
+        // A controller connected elsewhere (another listener) keeps its states.
+        let (mut elsewhere_admin, mut elsewhere_io) =
+            connected_as(r.target(), HostSgl::Transport, origin(), HOST);
+        let mut events = admin.events.take().unwrap();
+        let mut elsewhere_events = elsewhere_admin.events.take().unwrap();
+
+        let id = data(&mut admin, &build::identify(1, cns::CONTROLLER, 0)).unwrap();
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(id.cmic & CMIC_ANA, 0);
+        assert_eq!(id.anacap & 0x1F, 0x1F, "every state reported");
+        assert_eq!(id.anagrpmax.get(), crate::ana::MAX_ANA_GROUPS);
+        assert_eq!(id.nanagrpid.get(), crate::ana::MAX_ANA_GROUPS);
+        assert_ne!(id.anatt, 0);
+        assert_ne!(id.oaes.get() & (1 << 11), 0, "OAES: ANA change notices");
+        let ns = data(&mut admin, &build::identify(2, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&ns)
+                .unwrap()
+                .anagrpid
+                .get(),
+            1
+        );
+
+        let log = |q: &mut QueueState, rgo: bool| {
+            let mut sqe = build::get_log_page(4, log_id::ANA, 0, 4096, 0);
+            if rgo {
+                sqe.cdw10.set(sqe.cdw10.get() | (1 << 8));
+            }
+            decode_ana_log(&data(q, &sqe).unwrap()).unwrap()
+        };
+        let (chgcnt, groups) = log(&mut admin, false);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(
+            (groups[0].grpid, groups[0].state, groups[0].nsids.clone()),
+            (1, AnaState::Optimized, vec![1, 2])
+        );
+
+        hold_aer(&mut admin, features::AEC_ANA_CHANGE);
+        hold_aer(&mut elsewhere_admin, features::AEC_ANA_CHANGE);
+        let set = |state: &str| Request::SetAnaState {
+            listener: listener.to_string(),
+            group: 1,
+            state: state.into(),
+        };
+        let lines = ctl(&r, set("inaccessible")).unwrap();
+        assert_eq!(
+            lines,
+            vec![format!(
+                "listener {listener}: ANA group 1 is now inaccessible (was optimized)"
+            )]
+        );
+        let notice = aer_dw0(aer_type::NOTICE, aer_notice::ANA_CHANGE, log_id::ANA);
+        assert_eq!(events.try_recv().unwrap().dw0.get(), notice);
+        assert!(
+            elsewhere_events.try_recv().is_err(),
+            "its path did not change"
+        );
+        let refused = |sc| Status {
+            sct: sct::PATH,
+            sc,
+            ..Default::default()
+        };
+        let st = answer(&mut io, &read(5, 1)).status();
+        assert_eq!(st, refused(path::ANA_INACCESSIBLE));
+        assert!(!st.dnr, "the host retries on another path");
+        assert!(answer(&mut elsewhere_io, &read(5, 1)).status().is_success());
+        let (later, groups) = log(&mut admin, true);
+        assert!(later > chgcnt, "the change count moves");
+        assert_eq!(groups[0].state, AnaState::Inaccessible);
+        assert!(groups[0].nsids.is_empty(), "RGO: groups only");
+
+        // A second notice waits for the log page to be read without RAE (done above).
+        ctl(&r, set("persistent-loss")).unwrap();
+        assert_eq!(
+            answer(&mut admin, &build::async_event_request(6)).dw0.get(),
+            notice
+        );
+        assert_eq!(
+            answer(&mut io, &read(7, 1)).status(),
+            refused(path::ANA_PERSISTENT_LOSS)
+        );
+        ctl(&r, set("change")).unwrap();
+        assert_eq!(
+            answer(&mut io, &read(8, 1)).status(),
+            refused(path::ANA_TRANSITION)
+        );
+        ctl(&r, set("non-optimized")).unwrap();
+        assert!(answer(&mut io, &read(9, 1)).status().is_success());
+        ctl(&r, set("optimized")).unwrap();
+        assert!(
+            r.config().listeners[0].ana.is_empty(),
+            "optimized is the default"
+        );
+
+        // Refusals name what is wrong.
+        let e = ctl(&r, set("sleepy")).unwrap_err();
+        assert!(e.contains("unknown ANA state"), "{e}");
+        let e = ctl(
+            &r,
+            Request::SetAnaState {
+                listener: "tcp://127.0.0.1:1".into(),
+                group: 1,
+                state: "optimized".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("no I/O listener"), "{e}");
+        let e = ctl(
+            &r,
+            Request::SetAnaState {
+                listener: listener.to_string(),
+                group: 0,
+                state: "optimized".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("ANA group 0"), "{e}");
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn namespaces_in_other_groups_keep_their_state() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let e = r.edit(|c| {
+            c.subsystems[0].namespaces[1].ana_group = Some(2);
+            Ok(())
+        });
+        assert!(e.unwrap_err().to_string().contains("only at a restart"));
+        let r = {
+            r.running().shutdown().await;
+            let mut cfg = crate::testing::config(&["mem:1M", "mem:1M"]);
+            cfg.target.reactors = 1;
+            cfg.subsystems[0].namespaces[1].ana_group = Some(2);
+            let (t, l) = crate::Target::build(&cfg).unwrap();
+            Registry::new(crate::RunningTarget::start(t, l).unwrap(), cfg)
+        };
+        let listener = r.config().listeners[0].address.clone();
+        let here = QueueOrigin {
+            local: listener.addr,
+            peer: origin().peer,
+        };
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, here, HOST);
+        ctl(
+            &r,
+            Request::SetAnaState {
+                listener: listener.to_string(),
+                group: 2,
+                state: "inaccessible".into(),
+            },
+        )
+        .unwrap();
+        assert!(answer(&mut io, &read(1, 1)).status().is_success());
+        assert_eq!(
+            answer(&mut io, &read(2, 2)).status().sc,
+            path::ANA_INACCESSIBLE
+        );
+        let ns = data(&mut admin, &build::identify(2, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&ns)
+                .unwrap()
+                .anagrpid
+                .get(),
+            2
+        );
+        let page = data(&mut admin, &build::get_log_page(4, log_id::ANA, 0, 4096, 0)).unwrap();
+        let (_, groups) = decode_ana_log(&page).unwrap();
+        let summary: Vec<_> = groups
+            .iter()
+            .map(|g| (g.grpid, g.state, g.nsids.clone()))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (1, AnaState::Optimized, vec![1]),
+                (2, AnaState::Inaccessible, vec![2])
+            ]
+        );
+        r.running().shutdown().await;
     }
 }

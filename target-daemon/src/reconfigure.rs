@@ -535,14 +535,22 @@ impl Registry {
                 let before = p.sub.namespaces();
                 p.sub.set_namespaces(namespaces.clone());
                 for c in p.sub.controllers() {
-                    // A host is told of the namespaces it saw or sees now.
+                    // A host is told of the namespaces it saw or sees now; of a change of
+                    // who sees a namespace, only if it is one of them.
                     let seen = |m: &NamespaceMap, id: &u32| {
                         m.get(id).is_some_and(|ns| ns.visible_to(&c.hostnqn))
                     };
                     let nsids: Vec<u32> = p
                         .changed_nsids
                         .iter()
-                        .filter(|id| seen(&before, id) || seen(namespaces, id))
+                        .filter(|id| {
+                            let (was, is) = (seen(&before, id), seen(namespaces, id));
+                            if p.masked.contains(id) {
+                                was != is
+                            } else {
+                                was || is
+                            }
+                        })
                         .copied()
                         .collect();
                     if !nsids.is_empty() {
@@ -742,11 +750,11 @@ fn apply_ana(target: &Target, old: &[ListenerConfig], new: &[ListenerConfig]) ->
     let mut changes = Vec::new();
     for l in new {
         let before = old.iter().find(|o| o.address == l.address);
-        let groups = l
-            .ana
-            .iter()
-            .map(|a| a.group)
-            .chain(before.into_iter().flat_map(|o| o.ana.iter().map(|a| a.group)));
+        let groups = l.ana.iter().map(|a| a.group).chain(
+            before
+                .into_iter()
+                .flat_map(|o| o.ana.iter().map(|a| a.group)),
+        );
         let mut groups: Vec<u32> = groups.collect();
         groups.sort_unstable();
         groups.dedup();

@@ -228,7 +228,10 @@ impl Subsystem {
             })
             .collect();
         let lo = cfg.cntlid_min.unwrap_or(1).max(1);
-        let cntlids = (lo, cfg.cntlid_max.unwrap_or(MAX_CNTLID).clamp(lo, MAX_CNTLID));
+        let cntlids = (
+            lo,
+            cfg.cntlid_max.unwrap_or(MAX_CNTLID).clamp(lo, MAX_CNTLID),
+        );
         Subsystem {
             nqn: cfg.nqn.clone(),
             serial,
@@ -409,5 +412,49 @@ mod tests {
             stable_id128("nqn.2026-11.io.nvmeof-direct:default/ns/1")[..4],
             stable_id128("nqn.2026-11.io.nvmeof-direct:default/ns/1")[..4]
         );
+    }
+
+    #[test]
+    fn controller_ids_come_from_the_configured_range() {
+        let mut cfg = crate::testing::config(&[]).subsystems.remove(0);
+        cfg.cntlid_min = Some(10);
+        cfg.cntlid_max = Some(11);
+        let s = Subsystem::new(&cfg, Vec::new());
+        assert_eq!(s.cntlid_range(), (10, 11));
+        let t = crate::testing::target(&[]);
+        let sub = Arc::new(s);
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let id = sub.alloc_cntlid().unwrap();
+            let (c, _) = Controller::new(
+                id,
+                crate::controller::ControllerKind::Io(Arc::clone(&sub)),
+                "nqn.h".into(),
+                [0; 16],
+                crate::testing::origin(),
+                32,
+                0,
+            );
+            sub.add_controller(c);
+            ids.push(id);
+        }
+        assert_eq!(ids, vec![10, 11]);
+        assert_eq!(sub.alloc_cntlid(), None, "the range is used up");
+        sub.remove_controller(10);
+        assert_eq!(sub.alloc_cntlid(), Some(10));
+        drop(t);
+    }
+
+    #[test]
+    fn a_namespace_with_hosts_is_seen_by_them_only() {
+        let backend = Arc::new(AnyBackend::Memory(
+            blockdev::MemoryBackend::new(1 << 20, 512).unwrap(),
+        ));
+        let ns = Namespace::new("nqn.x", 1, backend, None, "mem".into());
+        assert!(ns.visible_to("nqn.a"));
+        let masked = ns.with_hosts(vec!["nqn.a".into()]);
+        assert!(masked.visible_to("nqn.a") && !masked.visible_to("nqn.b"));
+        assert_eq!((masked.nguid, masked.uuid), (ns.nguid, ns.uuid));
+        assert!(Arc::ptr_eq(&masked.backend, &ns.backend));
     }
 }
