@@ -19,6 +19,7 @@
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4421"
 //! tls = "required"                  # TLS 1.3 with a PSK (hosts with a tls_psk); plain TCP refused
+//! ana = [{ group = 1, state = "non-optimized" }]  # ANA states here (default: optimized)
 //!
 //! [discovery]
 //! listen = ["tcp://0.0.0.0:8009"]   # dedicated discovery listeners (also served on every I/O listener)
@@ -27,6 +28,8 @@
 //! nqn = "nqn.2026-11.io.nvmeof-direct:ssd0"
 //! allow_any_host = false
 //! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
+//! cntlid_min = 1                    # controller IDs handed out (two targets of one subsystem:
+//! cntlid_max = 999                  # disjoint ranges)
 //!
 //! [[subsystem.host]]                # a host that must authenticate (DH-HMAC-CHAP and/or TLS)
 //! nqn = "nqn.2014-08.org.nvmexpress:uuid:..."
@@ -38,6 +41,8 @@
 //!
 //! [[subsystem.namespace]]
 //! backend = "file:/var/lib/nvmeof/ns1.img,size=10G"
+//! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # seen by these hosts only (default: all)
+//! ana_group = 1                     # ANA group (default 1)
 //! ```
 
 use std::net::SocketAddr;

@@ -797,8 +797,12 @@ impl Controller {
                     | anacap::GRPID_STATIC;
                 c.anagrpmax.set(crate::ana::MAX_ANA_GROUPS);
                 c.nanagrpid.set(crate::ana::MAX_ANA_GROUPS);
-                c.nn.set(s.max_nsid());
-                c.mnan.set(s.max_nsid());
+                // MNAN sizes the host's ANA log buffer and must be non-zero and at most NN
+                // (Linux refuses an ANA controller otherwise), so both are at least 1 even
+                // while the subsystem has no namespace.
+                let nn = s.max_nsid().max(1);
+                c.nn.set(nn);
+                c.mnan.set(nn);
                 c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
                 // Flush with NSID FFFFFFFFh supported; a volatile write cache is present when a
                 // namespace's backend has one (files and devices: the page cache or the
