@@ -190,6 +190,57 @@ mod tests {
     }
 
     #[test]
+    fn configuration_keys_round_trip_and_bad_ones_are_named() {
+        let doc = |listener: &str, subsystem: &str, namespace: &str| {
+            format!(
+                "[[listener]]\naddress = \"tcp://127.0.0.1:4420\"\n{listener}\n\n[[subsystem]]\n\
+                 nqn = \"nqn.2026-11.io.x:a\"\nallow_any_host = true\n{subsystem}\n\n\
+                 [[subsystem.namespace]]\nbackend = \"mem:1M\"\n{namespace}\n"
+            )
+        };
+        let host = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000001";
+        let good = doc(
+            "ana = [{ group = 2, state = \"persistent-loss\" }]",
+            "cntlid_min = 10\ncntlid_max = 20",
+            &format!("hosts = [\"{host}\"]\nana_group = 2"),
+        );
+        let cfg = crate::Config::from_toml(&good).unwrap();
+        assert_eq!(cfg.listeners[0].ana[0].state, AnaState::PersistentLoss);
+        assert_eq!(cfg.subsystems[0].namespaces[0].hosts, vec![host]);
+        let again = crate::Config::from_toml(&cfg.to_toml().unwrap()).unwrap();
+        assert_eq!(again.listeners, cfg.listeners);
+        assert_eq!(again.subsystems, cfg.subsystems);
+        for (listener, subsystem, namespace, why) in [
+            (
+                "ana = [{ group = 0, state = \"optimized\" }]",
+                "",
+                "",
+                "ANA group 0",
+            ),
+            (
+                "ana = [{ group = 1, state = \"asleep\" }]",
+                "",
+                "",
+                "unknown ANA state",
+            ),
+            (
+                "ana = [{ group = 1, state = \"change\" }, { group = 1, state = \"change\" }]",
+                "",
+                "",
+                "listed twice",
+            ),
+            ("", "cntlid_min = 0", "", "cntlid_min"),
+            ("", "cntlid_min = 30\ncntlid_max = 20", "", "cntlid_min"),
+            ("", "cntlid_max = 65520", "", "cntlid_max"),
+            ("", "", "ana_group = 129", "ana_group 129"),
+            ("", "", "hosts = [\"not an nqn\"]", "host NQN"),
+        ] {
+            let e = crate::Config::from_toml(&doc(listener, subsystem, namespace)).unwrap_err();
+            assert!(e.to_string().contains(why), "{why}: {e}");
+        }
+    }
+
+    #[test]
     fn groups_are_one_to_the_maximum() {
         assert!(!valid_group(0));
         assert!(valid_group(1));
