@@ -3,6 +3,10 @@
 # namespace from one shared file: path A (PORT_A) optimized, path B (PORT_B) non-optimized. fio
 # with verify runs on the multipath device throughout, while the test
 # (tests/tests/kernel_host_ana.rs) acts each time this script prints "STEP <name>":
+#   STEP unmask        (before fio) namespace 2 of path A's target, masked from this host, is
+#                      not in the active namespace list, is inactive (Identify) and has no
+#                      block device; the test shows it to this host with `ctl ns-add-host`
+#                      and its block device appears;
 #   STEP inaccessible  `ctl set-ana-state` makes path A inaccessible: the host reads the new
 #                      state (ANA change notice) and I/O goes through B;
 #   STEP optimized     path A is optimized again;
@@ -80,6 +84,22 @@ echo "$out"
 expect_contains "$out" "live optimized" "nvme list-subsys"
 expect_contains "$out" "live non-optimized" "nvme list-subsys"
 log "PASS: one multipath device over two target processes, paths optimized and non-optimized"
+
+# Namespace 2 (path A's target only) is masked from this host.
+out=$(nvme list 2>&1)
+echo "$out"
+! nvme_wait_ns "$TARGET_NQN" 2 2 >/dev/null || fail "masked namespace 2 is visible"
+out=$(nvme list-ns "/dev/$ca") || fail "nvme list-ns failed"
+echo "$out"
+case "$out" in *":0x2"*) fail "masked namespace 2 is in the active namespace list" ;; esac
+out=$(nvme id-ns "/dev/$ca" --namespace-id=2) || fail "nvme id-ns --namespace-id=2 failed"
+echo "$out" | grep -E '^(nsze|ncap|anagrpid) '
+echo "$out" | grep -qE '^nsze +: 0$' || fail "masked namespace 2 is not inactive"
+log "PASS: namespace 2 masked from this host: not listed, inactive, no block device"
+echo "STEP unmask"
+dev2=$(nvme_wait_ns "$TARGET_NQN" 2 60) || fail "namespace 2 did not appear once shown to this host"
+step dd if="$dev2" of=/dev/null bs=64k count=4 iflag=direct
+log "PASS: namespace 2 appeared at $dev2 once shown to this host"
 
 (
     n=0

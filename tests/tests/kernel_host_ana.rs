@@ -3,8 +3,10 @@
 //! shared file, disjoint controller ID ranges), path A optimized and path B non-optimized. fio
 //! with verify runs on the multipath device while path A is made inaccessible with
 //! `ctl set-ana-state` and optimized again, and while the process behind path A is killed and
-//! restarted; `nvme list-subsys` shows the states. One guest boot; the guest script
-//! (tests/guest/kernel-host-ana.sh) prints a marker before each change.
+//! restarted; `nvme list-subsys` shows the states. Before that, a second namespace of path A's
+//! target, masked from the guest's host, is not listed and has no block device until `ctl
+//! ns-add-host` shows it (raw hosts check its reads are refused: `multipath.rs`). One guest boot; the guest script (tests/guest/kernel-host-ana.sh)
+//! prints a marker before each change.
 //!
 //! Needs the guest prepared by `tests/interop/setup.sh --with-k612` and `NVMEOF_INTEROP=1`.
 
@@ -20,6 +22,7 @@ use nvmeof_tests::{
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:ha";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-0000000a7a01";
 const HOSTID: &str = "6b1c2d4e-0000-4000-8000-0000000a7a01";
+const OTHER_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-0000000a7a02";
 
 /// Waits until the guest's console shows `marker`; false if the guest ended first or time ran
 /// out.
@@ -56,7 +59,14 @@ fn ctl(socket: &Path, args: &[&str]) -> String {
 }
 
 /// Writes the configuration of one target of the pair into `dir` and returns its path.
-fn config(dir: &Path, port: u16, file: &Path, cntlids: (u16, u16), ana: &str) -> String {
+fn config(
+    dir: &Path,
+    port: u16,
+    file: &Path,
+    cntlids: (u16, u16),
+    ana: &str,
+    extra: &str,
+) -> String {
     let path = dir.join("target.toml");
     std::fs::write(
         &path,
@@ -64,7 +74,7 @@ fn config(dir: &Path, port: u16, file: &Path, cntlids: (u16, u16), ana: &str) ->
             "[target]\ncontrol_socket = \"{}\"\n\n[[listener]]\naddress = \
              \"tcp://127.0.0.1:{port}\"\n{ana}\n\n[[subsystem]]\nnqn = \"{NQN}\"\nhosts = \
              [\"{HOST}\"]\ncntlid_min = {}\ncntlid_max = {}\n\n[[subsystem.namespace]]\nbackend \
-             = \"file:{},size=64M,shared=on\"\n",
+             = \"file:{},size=64M,shared=on\"\n{extra}",
             dir.join("ctl.sock").display(),
             cntlids.0,
             cntlids.1,
@@ -87,13 +97,16 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
     std::fs::create_dir_all(&dir_a).unwrap();
     std::fs::create_dir_all(&dir_b).unwrap();
     let (port_a, port_b) = (free_port(), free_port());
-    let config_a = config(&dir_a, port_a, &file, (1, 999), "");
+    let masked =
+        format!("\n[[subsystem.namespace]]\nbackend = \"mem:16M\"\nhosts = [\"{OTHER_HOST}\"]\n");
+    let config_a = config(&dir_a, port_a, &file, (1, 999), "", &masked);
     let config_b = config(
         &dir_b,
         port_b,
         &file,
         (1000, 1999),
         "ana = [{ group = 1, state = \"non-optimized\" }]",
+        "",
     );
     let mut a = Some(TargetProcess::spawn(&["--config", &config_a], port_a));
     let mut b = TargetProcess::spawn(&["--config", &config_b], port_b);
@@ -106,7 +119,7 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
             .args([
                 "--with-fio",
                 "--ready-marker",
-                "STEP inaccessible",
+                "STEP unmask",
                 "--timeout",
                 "900",
             ])
@@ -120,6 +133,7 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
     let mut a_log = String::new();
     let mut ok = true;
     for marker in [
+        "STEP unmask",
         "STEP inaccessible",
         "STEP optimized",
         "STEP kill",
@@ -130,6 +144,21 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
             break;
         }
         match marker {
+            "STEP unmask" => {
+                let out = ctl(
+                    &socket_a,
+                    &[
+                        "ns-add-host",
+                        "--subsystem",
+                        NQN,
+                        "--nsid",
+                        "2",
+                        "--host",
+                        HOST,
+                    ],
+                );
+                eprintln!("{marker}: {out}");
+            }
             "STEP inaccessible" | "STEP optimized" => {
                 let state = marker.trim_start_matches("STEP ");
                 let out = ctl(
@@ -156,6 +185,8 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
     );
     for pass in [
         "PASS: one multipath device over two target processes",
+        "PASS: namespace 2 masked from this host: not listed, inactive, no block device",
+        "PASS: namespace 2 appeared",
         "PASS: path A inaccessible by ctl set-ana-state",
         "PASS: path A optimized again",
         "PASS: fio with verify went on through path B while the target of path A was down",
