@@ -1259,6 +1259,25 @@ mod access_tests {
         assert!(ctl(&r, remove(HOST)).unwrap_err().contains("last host"));
         assert!(ctl(&r, remove(OTHER)).unwrap_err().contains("not shown"));
         assert_eq!(r.config().subsystems[0].namespaces[1].hosts, vec![HOST]);
+
+        // A namespace added for the other host only: that host is told, this one is not.
+        let changed_log = build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0);
+        data(&mut admin, &changed_log).unwrap();
+        data(&mut other_admin, &changed_log).unwrap();
+        let added = Request::AddNamespace {
+            subsystem: NQN.into(),
+            backend: "mem:1M".into(),
+            nsid: Some(3),
+            uuid: None,
+            hosts: vec![OTHER.into()],
+            ana_group: None,
+        };
+        ctl(&r, added).unwrap();
+        let aer = build::async_event_request(11);
+        assert_eq!(answer(&mut other_admin, &aer).dw0.get(), notice);
+        assert!(matches!(admin.submit(&aer, &[]), Submit::Held), "no notice");
+        assert_eq!(active(&mut admin), vec![1, 2]);
+        assert_eq!(active(&mut other_admin), vec![1, 3]);
         r.running().shutdown().await;
     }
 
