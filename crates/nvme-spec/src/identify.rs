@@ -77,7 +77,7 @@ pub struct IdentifyController {
     pub rsvd270: [u8; 50],
     /// Keep alive support (granularity in 100 ms units; 0 = not supported).
     pub kas: U16,
-    /// Fields 322..342 (HCTMA through MAXCMD-area reserved bytes) this target leaves zero.
+    /// Fields 322..342 (HCTMA through ENDGIDMAX) this target leaves zero.
     pub rsvd322: [u8; 20],
     /// ANA transition time: the most seconds a group stays in the ANA Change state.
     pub anatt: u8,
