@@ -411,6 +411,8 @@ async fn live_namespace_changes_on_the_target_refresh_the_namespace_list() {
                 nsid: Some(2),
                 backend: "mem:2M".parse().unwrap(),
                 uuid: None,
+                hosts: Vec::new(),
+                ana_group: None,
             });
             Ok(())
         })

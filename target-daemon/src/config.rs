@@ -19,6 +19,7 @@
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4421"
 //! tls = "required"                  # TLS 1.3 with a PSK (hosts with a tls_psk); plain TCP refused
+//! ana = [{ group = 1, state = "non-optimized" }]  # ANA states here (default: optimized)
 //!
 //! [discovery]
 //! listen = ["tcp://0.0.0.0:8009"]   # dedicated discovery listeners (also served on every I/O listener)
@@ -27,6 +28,8 @@
 //! nqn = "nqn.2026-11.io.nvmeof-direct:ssd0"
 //! allow_any_host = false
 //! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]
+//! cntlid_min = 1                    # controller IDs handed out (two targets of one subsystem:
+//! cntlid_max = 999                  # disjoint ranges)
 //!
 //! [[subsystem.host]]                # a host that must authenticate (DH-HMAC-CHAP and/or TLS)
 //! nqn = "nqn.2014-08.org.nvmexpress:uuid:..."
@@ -38,6 +41,8 @@
 //!
 //! [[subsystem.namespace]]
 //! backend = "file:/var/lib/nvmeof/ns1.img,size=10G"
+//! hosts = ["nqn.2014-08.org.nvmexpress:uuid:..."]  # seen by these hosts only (default: all)
+//! ana_group = 1                     # ANA group (default 1)
 //! ```
 
 use std::net::SocketAddr;
@@ -48,6 +53,7 @@ use std::time::Duration;
 use blockdev::BackendSpec;
 use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
+use nvme_spec::log::AnaState;
 use serde::{Deserialize, Serialize};
 
 /// NQN of the subsystem served when no configuration is given.
@@ -310,6 +316,34 @@ pub struct ListenerConfig {
     /// a `[[subsystem.host]]` that has a `tls_psk` (NVMe/TCP only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<TlsRequirement>,
+    /// The Asymmetric Namespace Access state of ANA groups on this listener
+    /// (`ana = [{ group = 1, state = "inaccessible" }]`); groups not listed are optimized.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ana: Vec<AnaGroupState>,
+}
+
+/// The ANA state of one ANA group on a listener.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AnaGroupState {
+    /// ANA group ID (1..=[`crate::ana::MAX_ANA_GROUPS`]).
+    pub group: u32,
+    /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or `change`.
+    #[serde(
+        serialize_with = "serialize_ana_state",
+        deserialize_with = "deserialize_ana_state"
+    )]
+    pub state: AnaState,
+}
+
+fn serialize_ana_state<S: serde::Serializer>(a: &AnaState, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(a.name())
+}
+
+fn deserialize_ana_state<'de, D: serde::Deserializer<'de>>(d: D) -> Result<AnaState, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(serde::de::Error::custom)
 }
 
 /// The TLS requirement of a listener.
@@ -354,6 +388,13 @@ pub struct SubsystemConfig {
     /// Namespaces, NSIDs assigned in order from 1 unless given.
     #[serde(default, rename = "namespace")]
     pub namespaces: Vec<NamespaceConfig>,
+    /// Lowest controller ID handed out (default 1). Two targets serving one subsystem (an
+    /// active/standby or active/active pair) give their controllers disjoint ranges.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cntlid_min: Option<u16>,
+    /// Highest controller ID handed out (default FFEFh).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cntlid_max: Option<u16>,
 }
 
 /// A host that authenticates with DH-HMAC-CHAP, or with a TLS PSK on TLS listeners, before
@@ -502,6 +543,9 @@ fn serialize_text<T: ConfigText, S: serde::Serializer>(
     }
 }
 
+/// Highest controller ID a subsystem hands out (FFF0h and above are reserved).
+pub const MAX_CNTLID: u16 = 0xFFEF;
+
 /// The model number of a subsystem that names none.
 pub const DEFAULT_MODEL: &str = "nvmeof-direct";
 
@@ -522,6 +566,14 @@ pub struct NamespaceConfig {
     /// Namespace UUID override (default: derived from subsystem NQN and NSID).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uuid: Option<String>,
+    /// The only hosts (NQNs) that see the namespace; empty: every host the subsystem admits.
+    /// Other hosts find it inactive: not in the active namespace list, a zeroed Identify
+    /// Namespace, and Invalid Namespace for I/O.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<String>,
+    /// ANA group (default 1); changes only at a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ana_group: Option<u32>,
 }
 
 impl SubsystemConfig {
@@ -566,6 +618,7 @@ impl Config {
                 .map(|a| ListenerConfig {
                     address: a.clone(),
                     tls: None,
+                    ana: Vec::new(),
                 })
                 .collect(),
             discovery: DiscoveryConfig::default(),
@@ -582,8 +635,12 @@ impl Config {
                         nsid: None,
                         backend: b.clone(),
                         uuid: None,
+                        hosts: Vec::new(),
+                        ana_group: None,
                     })
                     .collect(),
+                cntlid_min: None,
+                cntlid_max: None,
             }],
         };
         cfg.validate()?;
@@ -686,6 +743,23 @@ impl Config {
                     l.address
                 ));
             }
+            let mut groups = std::collections::HashSet::new();
+            for a in &l.ana {
+                if !crate::ana::valid_group(a.group) {
+                    return bad(format!(
+                        "listener {}: ANA group {}: must be 1..={}",
+                        l.address,
+                        a.group,
+                        crate::ana::MAX_ANA_GROUPS
+                    ));
+                }
+                if !groups.insert(a.group) {
+                    return bad(format!(
+                        "listener {}: ANA group {} is listed twice",
+                        l.address, a.group
+                    ));
+                }
+            }
         }
         for d in &self.discovery.listen {
             if d.addr.port() == 0 {
@@ -766,6 +840,39 @@ impl Config {
                         return bad(format!("subsystem {}: invalid uuid {u:?}", s.nqn));
                     }
                 }
+                if let Some(g) = ns.ana_group.filter(|g| !crate::ana::valid_group(*g)) {
+                    return bad(format!(
+                        "subsystem {} namespace {id}: ana_group {g}: must be 1..={}",
+                        s.nqn,
+                        crate::ana::MAX_ANA_GROUPS
+                    ));
+                }
+                let mut seen = std::collections::HashSet::new();
+                for h in &ns.hosts {
+                    if let Some(why) = nqn_problem(h) {
+                        return bad(format!(
+                            "subsystem {} namespace {id}: host NQN {h:?}: {why}",
+                            s.nqn
+                        ));
+                    }
+                    if !seen.insert(h) {
+                        return bad(format!(
+                            "subsystem {} namespace {id}: host {h} is listed twice",
+                            s.nqn
+                        ));
+                    }
+                }
+            }
+            let (lo, hi) = (
+                s.cntlid_min.unwrap_or(1),
+                s.cntlid_max.unwrap_or(MAX_CNTLID),
+            );
+            if lo == 0 || hi > MAX_CNTLID || lo > hi {
+                return bad(format!(
+                    "subsystem {}: cntlid_min = {lo}, cntlid_max = {hi}: need \
+                     1 <= cntlid_min <= cntlid_max <= {MAX_CNTLID}",
+                    s.nqn
+                ));
             }
         }
         Ok(())

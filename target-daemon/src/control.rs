@@ -103,6 +103,55 @@ pub enum Request {
         #[serde(default)]
         #[arg(long, value_name = "UUID")]
         uuid: Option<String>,
+        /// The only hosts that see the namespace (repeat; default: every host).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        #[arg(long = "host", value_name = "NQN")]
+        hosts: Vec<String>,
+        /// ANA group (default 1).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[arg(long, value_name = "GROUP")]
+        ana_group: Option<u32>,
+    },
+    /// Shows a namespace to one more host (a namespace seen by listed hosts only). Hosts
+    /// that now see it get a Namespace Attribute Notice.
+    NsAddHost {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// NSID.
+        #[arg(long, value_name = "NSID")]
+        nsid: u32,
+        /// Host NQN.
+        #[arg(long, value_name = "NQN")]
+        host: String,
+    },
+    /// Hides a namespace from a host it was shown to; the host's controllers get a Namespace
+    /// Attribute Notice and its I/O to the namespace fails with Invalid Namespace.
+    NsRemoveHost {
+        /// Subsystem NQN.
+        #[arg(long, value_name = "NQN")]
+        subsystem: String,
+        /// NSID.
+        #[arg(long, value_name = "NSID")]
+        nsid: u32,
+        /// Host NQN.
+        #[arg(long, value_name = "NQN")]
+        host: String,
+    },
+    /// Sets the ANA state of an ANA group on an I/O listener; hosts connected through it get
+    /// an ANA Change notice, and I/O to the group's namespaces there is refused while it is
+    /// inaccessible, in persistent loss or changing.
+    SetAnaState {
+        /// The listener, `tcp://ADDR:PORT` as `list` shows it.
+        #[arg(long, value_name = "tcp://ADDR:PORT")]
+        listener: String,
+        /// ANA group ID.
+        #[arg(long, value_name = "GROUP", default_value_t = 1)]
+        #[serde(default = "default_ana_group")]
+        group: u32,
+        /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or `change`.
+        #[arg(long, value_name = "STATE")]
+        state: String,
     },
     /// Removes a namespace.
     RemoveNamespace {
@@ -216,6 +265,10 @@ pub enum Request {
         #[arg(value_name = "FILE")]
         path: PathBuf,
     },
+}
+
+fn default_ana_group() -> u32 {
+    crate::ana::DEFAULT_ANA_GROUP
 }
 
 /// An answer.
@@ -350,6 +403,8 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 hosts: hosts.clone(),
                 auth_hosts: Vec::new(),
                 namespaces: Vec::new(),
+                cntlid_min: None,
+                cntlid_max: None,
             });
         }
         Request::RemoveSubsystem { nqn } => {
@@ -361,6 +416,8 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             backend,
             nsid,
             uuid,
+            hosts,
+            ana_group,
         } => {
             let backend: BackendSpec = parse("backend", backend)?;
             let s = subsystem(cfg, nqn)?;
@@ -375,6 +432,8 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 nsid: Some(nsid),
                 backend,
                 uuid: uuid.clone(),
+                hosts: hosts.clone(),
+                ana_group: *ana_group,
             });
         }
         Request::RemoveNamespace {
@@ -468,6 +527,7 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 cfg.listeners.push(ListenerConfig {
                     address: a,
                     tls: None,
+                    ana: Vec::new(),
                 });
             }
         }
@@ -486,10 +546,108 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 ));
             }
         }
+        Request::NsAddHost {
+            subsystem: nqn,
+            nsid,
+            host,
+        } => namespace_hosts(cfg, nqn, *nsid, host, true)?,
+        Request::NsRemoveHost {
+            subsystem: nqn,
+            nsid,
+            host,
+        } => namespace_hosts(cfg, nqn, *nsid, host, false)?,
+        Request::SetAnaState {
+            listener,
+            group,
+            state,
+        } => set_ana_state(cfg, listener, *group, state)?,
         Request::List {}
         | Request::Status {}
         | Request::Disconnect { .. }
         | Request::Save { .. } => {}
+    }
+    Ok(())
+}
+
+/// `ns-add-host` (`add`) and `ns-remove-host`: changes which hosts see a namespace. A
+/// namespace seen by every host gets a list of one; the last host of a list is not removed
+/// (that would show the namespace to every host).
+fn namespace_hosts(
+    cfg: &mut Config,
+    nqn: &str,
+    nsid: u32,
+    host: &str,
+    add: bool,
+) -> Result<(), ChangeError> {
+    let s = subsystem(cfg, nqn)?;
+    let Some(i) = s.nsids().position(|id| id == nsid) else {
+        return refused(format!("subsystem {nqn} has no namespace {nsid}"));
+    };
+    let hosts = &mut s.namespaces[i].hosts;
+    let listed = hosts.iter().any(|h| h == host);
+    if add {
+        if let Some(why) = crate::config::nqn_problem(host) {
+            return refused(format!("host NQN {host:?}: {why}"));
+        }
+        if listed {
+            return refused(format!(
+                "namespace {nsid} of {nqn} is already shown to {host}"
+            ));
+        }
+        hosts.push(host.to_string());
+    } else {
+        if !listed {
+            return refused(format!(
+                "namespace {nsid} of {nqn} is not shown to {host} by name (its hosts: {})",
+                if hosts.is_empty() {
+                    "every host".to_string()
+                } else {
+                    hosts.join(", ")
+                }
+            ));
+        }
+        if hosts.len() == 1 {
+            return refused(format!(
+                "{host} is the last host namespace {nsid} of {nqn} is shown to: removing it \
+                 would show the namespace to every host (show it to another host first, or \
+                 remove the namespace)"
+            ));
+        }
+        hosts.retain(|h| h != host);
+    }
+    Ok(())
+}
+
+/// `set-ana-state`: the state of ANA group `group` on the I/O listener `listener`.
+fn set_ana_state(
+    cfg: &mut Config,
+    listener: &str,
+    group: u32,
+    state: &str,
+) -> Result<(), ChangeError> {
+    let a: ListenAddr = parse("listener", listener)?;
+    let state: nvme_spec::log::AnaState = state.parse().or_else(refused)?;
+    if !crate::ana::valid_group(group) {
+        return refused(format!(
+            "ANA group {group}: must be 1..={}",
+            crate::ana::MAX_ANA_GROUPS
+        ));
+    }
+    let Some(l) = cfg.listeners.iter_mut().find(|l| l.address == a) else {
+        let known: Vec<String> = cfg
+            .listeners
+            .iter()
+            .map(|l| l.address.to_string())
+            .collect();
+        return refused(format!(
+            "no I/O listener on {a} (listeners: {})",
+            known.join(", ")
+        ));
+    };
+    l.ana.retain(|g| g.group != group);
+    if state != nvme_spec::log::AnaState::Optimized {
+        l.ana.push(crate::config::AnaGroupState { group, state });
+        l.ana.sort_by_key(|g| g.group);
     }
     Ok(())
 }
@@ -813,6 +971,8 @@ mod tests {
             backend: "null:1G".into(),
             nsid: Some(2),
             uuid: None,
+            hosts: vec!["nqn.2014-08.org.nvmexpress:uuid:1".into()],
+            ana_group: Some(2),
         };
         let line = encode(&req);
         assert!(line.contains("\"op\":\"add-namespace\""), "{line}");

@@ -5,7 +5,7 @@
 //! the I/O path reads immutable fields and bumps its thread's stripe of the controller's
 //! counters ([`IoCounters`]), so reactors serving one controller share no written cache line.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,11 +15,13 @@ use blockdev::Backend;
 use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
-    IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM, ONCS_WRITE_ZEROES, SGLS_KEYED,
-    SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, cntrltype, encode_ns_descriptors, encode_ns_list,
-    nidt, put_ascii_padded, put_nul_padded,
+    CMIC_ANA, CMIC_MULTI_CONTROLLER, IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM,
+    ONCS_WRITE_ZEROES, SGLS_KEYED, SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, anacap, cntrltype,
+    encode_ns_descriptors, encode_ns_list, nidt, put_ascii_padded, put_nul_padded,
 };
-use nvme_spec::log::{ErrorLogEntry, SmartLog, u128_le};
+use nvme_spec::log::{
+    ANA_LSP_GROUPS_ONLY, AnaGroup, ErrorLogEntry, SmartLog, encode_ana_log, u128_le,
+};
 use nvme_spec::status::{generic, specific};
 use nvme_spec::{Cqe, IntoBytes, Sqe, Status, features};
 use parking_lot::Mutex;
@@ -69,6 +71,8 @@ struct AdminState {
     ns_notice_outstanding: bool,
     /// Likewise for the Discovery Log Page Change notice.
     discovery_notice_outstanding: bool,
+    /// Likewise for the Asymmetric Namespace Access Change notice.
+    ana_notice_outstanding: bool,
     errors: Vec<ErrorLogEntry>,
     error_count: u64,
 }
@@ -79,6 +83,8 @@ pub const CHANGED_NS_LIST_ENTRIES: usize = 1024;
 const MAX_PENDING_EVENTS: usize = 16;
 /// OAES bit: Namespace Attribute Notices are supported.
 pub const OAES_NS_ATTRIBUTE: u32 = 1 << 8;
+/// OAES bit: Asymmetric Namespace Access Change Notices are supported.
+pub const OAES_ANA_CHANGE: u32 = 1 << 11;
 /// OAES bit: Discovery Log Page Change Notices are supported.
 pub const OAES_DISCOVERY_LOG_CHANGE: u32 = 1 << 31;
 
@@ -178,6 +184,9 @@ pub struct Controller {
     pub hostid: [u8; 16],
     /// The host's address on the admin queue.
     pub peer: SocketAddr,
+    /// The target's address the admin queue connected to: the listener (port) whose ANA
+    /// states the controller reports.
+    pub local: SocketAddr,
     /// Submission queue size of the admin queue.
     pub admin_sqsize: u32,
     state: Mutex<AdminState>,
@@ -258,7 +267,7 @@ impl Controller {
         kind: ControllerKind,
         hostnqn: String,
         hostid: [u8; 16],
-        peer: SocketAddr,
+        origin: QueueOrigin,
         admin_sqsize: u32,
         kato_ms: u32,
     ) -> (Arc<Self>, EventReceiver) {
@@ -269,7 +278,8 @@ impl Controller {
             kind,
             hostnqn,
             hostid,
-            peer,
+            peer: origin.peer,
+            local: origin.local,
             admin_sqsize,
             state: Mutex::new(AdminState {
                 cc: 0,
@@ -284,6 +294,7 @@ impl Controller {
                 changed_ns: Vec::new(),
                 ns_notice_outstanding: false,
                 discovery_notice_outstanding: false,
+                ana_notice_outstanding: false,
                 errors: Vec::new(),
                 error_count: 0,
             }),
@@ -486,6 +497,62 @@ impl Controller {
         self.post_event(&mut st, dw0);
     }
 
+    /// The ANA state of a group with namespaces of this I/O controller changed: raises an
+    /// Asymmetric Namespace Access Change notice, unless one is outstanding (not yet followed
+    /// by a read of the ANA log page) or the host did not enable it.
+    pub fn notify_ana_changed(&self) {
+        let mut st = self.state.lock();
+        if st.aec & features::AEC_ANA_CHANGE == 0 || st.ana_notice_outstanding {
+            return;
+        }
+        st.ana_notice_outstanding = true;
+        let dw0 = features::aer_dw0(
+            features::aer_type::NOTICE,
+            features::aer_notice::ANA_CHANGE,
+            log_id::ANA,
+        );
+        self.post_event(&mut st, dw0);
+    }
+
+    /// The ANA groups of the namespaces this I/O controller's host sees.
+    pub fn ana_groups(&self) -> BTreeSet<u32> {
+        self.subsystem().map_or_else(BTreeSet::new, |s| {
+            s.namespaces()
+                .values()
+                .filter(|ns| ns.visible_to(&self.hostnqn))
+                .map(|ns| ns.ana_group)
+                .collect()
+        })
+    }
+
+    /// The ANA log page of this I/O controller: every group of the namespaces its host sees,
+    /// in the state of the listener its admin queue connected to, with their NSIDs unless
+    /// `groups_only` (RGO).
+    fn ana_log(&self, target: &Target, groups_only: bool) -> Vec<u8> {
+        let mut groups: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        if let Some(s) = self.subsystem() {
+            for ns in s.namespaces().values() {
+                if ns.visible_to(&self.hostnqn) {
+                    groups.entry(ns.ana_group).or_default().push(ns.nsid);
+                }
+            }
+        }
+        // A controller always reports the default group, as Linux nvmet does.
+        groups.entry(crate::ana::DEFAULT_ANA_GROUP).or_default();
+        let table = target.ana.table();
+        let chgcnt = target.ana.generation();
+        let groups: Vec<AnaGroup> = groups
+            .into_iter()
+            .map(|(grpid, nsids)| AnaGroup {
+                grpid,
+                state: table.state(self.local, grpid),
+                chgcnt,
+                nsids,
+            })
+            .collect();
+        encode_ana_log(chgcnt, &groups, groups_only)
+    }
+
     /// The discovery log changed: raises a Discovery Log Page Change notice on this discovery
     /// controller, unless one is outstanding or the host did not enable it.
     pub fn notify_discovery_changed(&self) {
@@ -633,7 +700,11 @@ impl Controller {
                     return invalid_ns;
                 }
                 let namespaces = s.namespaces();
-                let Some(ns) = namespaces.get(&id.nsid) else {
+                // A namespace masked from this host is inactive on its controllers.
+                let visible = namespaces
+                    .get(&id.nsid)
+                    .filter(|ns| ns.visible_to(&self.hostnqn));
+                let Some(ns) = visible else {
                     // An allocated but inactive NSID: a zero-filled structure.
                     if id.cns == cns::NS_DESCRIPTORS || id.nsid == u32::MAX {
                         return invalid_ns;
@@ -654,6 +725,7 @@ impl Controller {
                         } else {
                             0
                         };
+                        n.anagrpid.set(ns.ana_group);
                         n.nguid = ns.nguid;
                         n.eui64 = ns.eui64;
                         n.lbaf[0].lbads = ns.block_shift as u8;
@@ -687,7 +759,12 @@ impl Controller {
                 if id.nsid >= 0xFFFF_FFFE {
                     return invalid_ns;
                 }
-                AdminReply::data(encode_ns_list(s.namespaces().keys().copied(), id.nsid).to_vec())
+                let namespaces = s.namespaces();
+                let active = namespaces
+                    .values()
+                    .filter(|ns| ns.visible_to(&self.hostnqn))
+                    .map(|ns| ns.nsid);
+                AdminReply::data(encode_ns_list(active, id.nsid).to_vec())
             }
             cns::CSI_CONTROLLER => {
                 if id.csi != 0 {
@@ -709,15 +786,29 @@ impl Controller {
                 put_ascii_padded(&mut c.mn, &s.model);
                 put_nul_padded(&mut c.subnqn, &s.nqn);
                 c.cntrltype = cntrltype::IO;
-                c.cmic = 0b10; // more than one controller may attach (multipath capable)
-                c.nn.set(s.max_nsid());
-                c.mnan.set(s.max_nsid());
+                // More than one controller may attach; ANA reporting.
+                c.cmic = CMIC_MULTI_CONTROLLER | CMIC_ANA;
+                c.anatt = crate::ana::ANATT_SECONDS;
+                c.anacap = anacap::OPTIMIZED
+                    | anacap::NON_OPTIMIZED
+                    | anacap::INACCESSIBLE
+                    | anacap::PERSISTENT_LOSS
+                    | anacap::CHANGE
+                    | anacap::GRPID_STATIC;
+                c.anagrpmax.set(crate::ana::MAX_ANA_GROUPS);
+                c.nanagrpid.set(crate::ana::MAX_ANA_GROUPS);
+                // MNAN sizes the host's ANA log buffer and must be non-zero and at most NN
+                // (Linux refuses an ANA controller otherwise), so both are at least 1 even
+                // while the subsystem has no namespace.
+                let nn = s.max_nsid().max(1);
+                c.nn.set(nn);
+                c.mnan.set(nn);
                 c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
                 // Flush with NSID FFFFFFFFh supported; a volatile write cache is present when a
                 // namespace's backend has one (files and devices: the page cache or the
                 // device's cache), so hosts send Flush and FUA only where they matter.
                 c.vwc = 0b110 | u8::from(self.volatile_write_cache());
-                c.oaes.set(OAES_NS_ATTRIBUTE);
+                c.oaes.set(OAES_NS_ATTRIBUTE | OAES_ANA_CHANGE);
             }
             ControllerKind::Discovery => {
                 put_ascii_padded(&mut c.sn, &target.discovery_serial);
@@ -779,6 +870,13 @@ impl Controller {
                     st.ns_notice_outstanding = false;
                 }
                 page.into()
+            }
+            (log_id::ANA, ControllerKind::Io(_)) => {
+                if !glp.rae {
+                    self.state.lock().ana_notice_outstanding = false;
+                }
+                self.ana_log(target, glp.lsp & ANA_LSP_GROUPS_ONLY != 0)
+                    .into()
             }
             (log_id::ERROR_INFO, _) => {
                 let st = self.state.lock();
@@ -924,13 +1022,12 @@ mod tests {
     fn io_controller() -> (Arc<Target>, Arc<Controller>) {
         let t = crate::testing::target(&["mem:1M"]);
         let s = Arc::clone(t.subsystems().values().next().unwrap());
-        let peer = crate::testing::origin().peer;
         let (c, _events) = Controller::new(
             1,
             ControllerKind::Io(s),
             "nqn.h".into(),
             [0; 16],
-            peer,
+            crate::testing::origin(),
             32,
             0,
         );
@@ -1022,5 +1119,354 @@ mod tests {
             .count();
         assert!(used > 1, "{used} stripe(s) used");
         assert_eq!(std::mem::align_of::<Stripe>(), 64);
+    }
+}
+
+/// Namespace masking and ANA as hosts see them, changed live through the control requests.
+#[cfg(test)]
+mod access_tests {
+    use nvme_spec::command::{build, cns, log_id};
+    use nvme_spec::features::{self, aer_dw0, aer_notice, aer_type};
+    use nvme_spec::identify::{CMIC_ANA, IdentifyController, IdentifyNamespace};
+    use nvme_spec::log::{AnaState, decode_ana_log};
+    use nvme_spec::queue::SglDescriptor;
+    use nvme_spec::status::{generic, path, sct};
+    use nvme_spec::{Cqe, FromBytes, Sqe, Status};
+
+    use crate::control::{Request, encode, handle};
+    use crate::queue::{HostSgl, QueueState, Submit};
+    use crate::reconfigure::Registry;
+    use crate::testing::{HOST, NQN, connected_as, origin, registry};
+
+    use super::QueueOrigin;
+
+    const OTHER: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000bb";
+
+    fn answer(q: &mut QueueState, sqe: &Sqe) -> Cqe {
+        match q.submit(sqe, &[]) {
+            Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => c,
+            Submit::Io(_) => Cqe::new(sqe.cid(), Status::SUCCESS, 0),
+            Submit::Held => panic!("held"),
+        }
+    }
+
+    fn data(q: &mut QueueState, sqe: &Sqe) -> Result<Vec<u8>, Status> {
+        let mut sqe = *sqe;
+        sqe.dptr = SglDescriptor::tcp_transport(4096);
+        match q.submit(&sqe, &[]) {
+            Submit::CompleteWithData(d, c) if c.status().is_success() => Ok(d),
+            Submit::Complete(c) => Err(c.status()),
+            _ => panic!("no answer"),
+        }
+    }
+
+    fn read(cid: u16, nsid: u32) -> Sqe {
+        let mut sqe = build::read_write(false, cid, nsid, 0, 1);
+        sqe.dptr = SglDescriptor::tcp_transport(4096);
+        sqe
+    }
+
+    fn active(admin: &mut QueueState) -> Vec<u32> {
+        let list = data(admin, &build::identify(1, cns::ACTIVE_NS_LIST, 0)).unwrap();
+        list.chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .take_while(|&n| n != 0)
+            .collect()
+    }
+
+    fn ctl(r: &Registry, req: Request) -> Result<Vec<String>, String> {
+        let resp = handle(r, &encode(&req));
+        match resp.error {
+            Some(e) => Err(e),
+            None => Ok(resp.changes.unwrap_or_default()),
+        }
+    }
+
+    /// Enables the notices of `aec` and holds an Asynchronous Event Request.
+    fn hold_aer(admin: &mut QueueState, aec: u32) {
+        let set = build::set_features(2, features::ASYNC_EVENT_CONFIG, aec);
+        assert!(answer(admin, &set).status().is_success());
+        assert!(matches!(
+            admin.submit(&build::async_event_request(3), &[]),
+            Submit::Held
+        ));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_masked_namespace_is_inactive_for_other_hosts_until_shown_to_them() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        r.edit(|c| {
+            c.subsystems[0].namespaces[1].hosts = vec![OTHER.into()];
+            Ok(())
+        })
+        .unwrap();
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, origin(), HOST);
+        let (mut other_admin, mut other_io) =
+            connected_as(r.target(), HostSgl::Transport, origin(), OTHER);
+        let mut events = admin.events.take().unwrap();
+        let mut other_events = other_admin.events.take().unwrap();
+
+        assert_eq!(active(&mut admin), vec![1]);
+        assert_eq!(active(&mut other_admin), vec![1, 2]);
+        // As an inactive NSID: a zeroed Identify Namespace, no descriptors, no I/O.
+        let id = data(&mut admin, &build::identify(4, cns::NAMESPACE, 2)).unwrap();
+        assert!(id.iter().all(|&b| b == 0));
+        let invalid_ns = Status::generic(generic::INVALID_NAMESPACE).with_dnr();
+        assert_eq!(
+            data(&mut admin, &build::identify(5, cns::NS_DESCRIPTORS, 2)),
+            Err(invalid_ns)
+        );
+        assert_eq!(answer(&mut io, &read(6, 2)).status(), invalid_ns);
+        assert!(answer(&mut other_io, &read(6, 2)).status().is_success());
+        let id = data(&mut other_admin, &build::identify(4, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&id).unwrap().nsze.get(),
+            256
+        );
+
+        // Shown to the host: its controller is told, the other host's is not.
+        hold_aer(&mut admin, features::AEC_NS_ATTRIBUTE_NOTICES);
+        hold_aer(&mut other_admin, features::AEC_NS_ATTRIBUTE_NOTICES);
+        let add = |host: &str| Request::NsAddHost {
+            subsystem: NQN.into(),
+            nsid: 2,
+            host: host.into(),
+        };
+        let lines = ctl(&r, add(HOST)).unwrap();
+        assert!(lines[0].contains("seen by"), "{lines:?}");
+        let notice = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
+        assert_eq!(events.try_recv().unwrap().dw0.get(), notice);
+        assert!(other_events.try_recv().is_err(), "nothing changed for it");
+        assert_eq!(active(&mut admin), vec![1, 2]);
+        assert!(answer(&mut io, &read(7, 2)).status().is_success());
+        assert!(ctl(&r, add(HOST)).unwrap_err().contains("already shown"));
+
+        // Hidden from the other host: its I/O fails at once.
+        let remove = |host: &str| Request::NsRemoveHost {
+            subsystem: NQN.into(),
+            nsid: 2,
+            host: host.into(),
+        };
+        ctl(&r, remove(OTHER)).unwrap();
+        assert_eq!(other_events.try_recv().unwrap().dw0.get(), notice);
+        assert_eq!(answer(&mut other_io, &read(8, 2)).status(), invalid_ns);
+        assert_eq!(active(&mut other_admin), vec![1]);
+        // The last host stays: removing it would show the namespace to every host.
+        assert!(ctl(&r, remove(HOST)).unwrap_err().contains("last host"));
+        assert!(ctl(&r, remove(OTHER)).unwrap_err().contains("not shown"));
+        assert_eq!(r.config().subsystems[0].namespaces[1].hosts, vec![HOST]);
+
+        // A namespace added for the other host only: that host is told, this one is not.
+        let changed_log = build::get_log_page(9, log_id::CHANGED_NS_LIST, 0, 4096, 0);
+        data(&mut admin, &changed_log).unwrap();
+        data(&mut other_admin, &changed_log).unwrap();
+        let added = Request::AddNamespace {
+            subsystem: NQN.into(),
+            backend: "mem:1M".into(),
+            nsid: Some(3),
+            uuid: None,
+            hosts: vec![OTHER.into()],
+            ana_group: None,
+        };
+        ctl(&r, added).unwrap();
+        let aer = build::async_event_request(11);
+        assert_eq!(answer(&mut other_admin, &aer).dw0.get(), notice);
+        assert!(matches!(admin.submit(&aer, &[]), Submit::Held), "no notice");
+        assert_eq!(active(&mut admin), vec![1, 2]);
+        assert_eq!(active(&mut other_admin), vec![1, 3]);
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ana_states_follow_the_listener_and_refuse_io_with_path_statuses() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let listener = r.config().listeners[0].address.clone();
+        let here = QueueOrigin {
+            local: listener.addr,
+            peer: origin().peer,
+        };
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, here, HOST);
+        // A controller connected elsewhere (another listener) keeps its states.
+        let (mut elsewhere_admin, mut elsewhere_io) =
+            connected_as(r.target(), HostSgl::Transport, origin(), HOST);
+        let mut events = admin.events.take().unwrap();
+        let mut elsewhere_events = elsewhere_admin.events.take().unwrap();
+
+        let id = data(&mut admin, &build::identify(1, cns::CONTROLLER, 0)).unwrap();
+        let id = IdentifyController::read_from_bytes(&id).unwrap();
+        assert_ne!(id.cmic & CMIC_ANA, 0);
+        assert_eq!(id.anacap & 0x1F, 0x1F, "every state reported");
+        assert_eq!(id.anagrpmax.get(), crate::ana::MAX_ANA_GROUPS);
+        assert_eq!(id.nanagrpid.get(), crate::ana::MAX_ANA_GROUPS);
+        assert_ne!(id.anatt, 0);
+        assert_ne!(id.oaes.get() & (1 << 11), 0, "OAES: ANA change notices");
+        let ns = data(&mut admin, &build::identify(2, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&ns)
+                .unwrap()
+                .anagrpid
+                .get(),
+            1
+        );
+
+        let log = |q: &mut QueueState, rgo: bool| {
+            let mut sqe = build::get_log_page(4, log_id::ANA, 0, 4096, 0);
+            if rgo {
+                sqe.cdw10.set(sqe.cdw10.get() | (1 << 8));
+            }
+            decode_ana_log(&data(q, &sqe).unwrap()).unwrap()
+        };
+        let (chgcnt, groups) = log(&mut admin, false);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(
+            (groups[0].grpid, groups[0].state, groups[0].nsids.clone()),
+            (1, AnaState::Optimized, vec![1, 2])
+        );
+
+        hold_aer(&mut admin, features::AEC_ANA_CHANGE);
+        hold_aer(&mut elsewhere_admin, features::AEC_ANA_CHANGE);
+        let set = |state: &str| Request::SetAnaState {
+            listener: listener.to_string(),
+            group: 1,
+            state: state.into(),
+        };
+        let lines = ctl(&r, set("inaccessible")).unwrap();
+        assert_eq!(
+            lines,
+            vec![format!(
+                "listener {listener}: ANA group 1 is now inaccessible (was optimized)"
+            )]
+        );
+        let notice = aer_dw0(aer_type::NOTICE, aer_notice::ANA_CHANGE, log_id::ANA);
+        assert_eq!(events.try_recv().unwrap().dw0.get(), notice);
+        assert!(
+            elsewhere_events.try_recv().is_err(),
+            "its path did not change"
+        );
+        let refused = |sc| Status {
+            sct: sct::PATH,
+            sc,
+            ..Default::default()
+        };
+        let st = answer(&mut io, &read(5, 1)).status();
+        assert_eq!(st, refused(path::ANA_INACCESSIBLE));
+        assert!(!st.dnr, "the host retries on another path");
+        assert!(answer(&mut elsewhere_io, &read(5, 1)).status().is_success());
+        let (later, groups) = log(&mut admin, true);
+        assert!(later > chgcnt, "the change count moves");
+        assert_eq!(groups[0].state, AnaState::Inaccessible);
+        assert!(groups[0].nsids.is_empty(), "RGO: groups only");
+
+        // A second notice waits for the log page to be read without RAE (done above).
+        ctl(&r, set("persistent-loss")).unwrap();
+        assert_eq!(
+            answer(&mut admin, &build::async_event_request(6)).dw0.get(),
+            notice
+        );
+        assert_eq!(
+            answer(&mut io, &read(7, 1)).status(),
+            refused(path::ANA_PERSISTENT_LOSS)
+        );
+        ctl(&r, set("change")).unwrap();
+        assert_eq!(
+            answer(&mut io, &read(8, 1)).status(),
+            refused(path::ANA_TRANSITION)
+        );
+        ctl(&r, set("non-optimized")).unwrap();
+        assert!(answer(&mut io, &read(9, 1)).status().is_success());
+        ctl(&r, set("optimized")).unwrap();
+        assert!(
+            r.config().listeners[0].ana.is_empty(),
+            "optimized is the default"
+        );
+
+        // Refusals name what is wrong.
+        let e = ctl(&r, set("sleepy")).unwrap_err();
+        assert!(e.contains("unknown ANA state"), "{e}");
+        let e = ctl(
+            &r,
+            Request::SetAnaState {
+                listener: "tcp://127.0.0.1:1".into(),
+                group: 1,
+                state: "optimized".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("no I/O listener"), "{e}");
+        let e = ctl(
+            &r,
+            Request::SetAnaState {
+                listener: listener.to_string(),
+                group: 0,
+                state: "optimized".into(),
+            },
+        )
+        .unwrap_err();
+        assert!(e.contains("ANA group 0"), "{e}");
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn namespaces_in_other_groups_keep_their_state() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let e = r.edit(|c| {
+            c.subsystems[0].namespaces[1].ana_group = Some(2);
+            Ok(())
+        });
+        assert!(e.unwrap_err().to_string().contains("only at a restart"));
+        let r = {
+            r.running().shutdown().await;
+            let mut cfg = crate::testing::config(&["mem:1M", "mem:1M"]);
+            cfg.target.reactors = 1;
+            cfg.subsystems[0].namespaces[1].ana_group = Some(2);
+            let (t, l) = crate::Target::build(&cfg).unwrap();
+            Registry::new(crate::RunningTarget::start(t, l).unwrap(), cfg)
+        };
+        let listener = r.config().listeners[0].address.clone();
+        let here = QueueOrigin {
+            local: listener.addr,
+            peer: origin().peer,
+        };
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, here, HOST);
+        ctl(
+            &r,
+            Request::SetAnaState {
+                listener: listener.to_string(),
+                group: 2,
+                state: "inaccessible".into(),
+            },
+        )
+        .unwrap();
+        assert!(answer(&mut io, &read(1, 1)).status().is_success());
+        assert_eq!(
+            answer(&mut io, &read(2, 2)).status().sc,
+            path::ANA_INACCESSIBLE
+        );
+        let ns = data(&mut admin, &build::identify(2, cns::NAMESPACE, 2)).unwrap();
+        assert_eq!(
+            IdentifyNamespace::read_from_bytes(&ns)
+                .unwrap()
+                .anagrpid
+                .get(),
+            2
+        );
+        let page = data(&mut admin, &build::get_log_page(4, log_id::ANA, 0, 4096, 0)).unwrap();
+        let (_, groups) = decode_ana_log(&page).unwrap();
+        let summary: Vec<_> = groups
+            .iter()
+            .map(|g| (g.grpid, g.state, g.nsids.clone()))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (1, AnaState::Optimized, vec![1]),
+                (2, AnaState::Inaccessible, vec![2])
+            ]
+        );
+        r.running().shutdown().await;
     }
 }

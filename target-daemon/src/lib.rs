@@ -20,7 +20,7 @@
 //! - [`auth`]: in-band authentication (DH-HMAC-CHAP) of each queue (the queue's side, and
 //!   the refusal of other commands until it succeeds, are in [`queue`]).
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
-//!   discovery log page.
+//!   discovery log page; [`ana`]: the ANA state of each group on each listener.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
 //! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
 //! - [`reconfigure`]: changes to the running target, validated as a whole before any is
@@ -40,6 +40,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod ana;
 pub mod auth;
 pub mod config;
 pub mod control;

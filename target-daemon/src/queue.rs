@@ -135,9 +135,11 @@ pub struct QueueState {
     discovery_only: bool,
     sqhd: u32,
     mdts_bytes: usize,
-    /// The controller's namespaces as of a subsystem namespace generation: refreshed when the
-    /// generation moves, so looking a namespace up per command takes no lock.
-    namespaces: Option<(u64, BTreeMap<u32, QueueNs>)>,
+    /// The namespaces the controller's host sees, each with the status its I/O is refused
+    /// with on this queue's listener (ANA), as of a subsystem namespace generation and an
+    /// ANA generation: refreshed when either moves, so looking a namespace up per command
+    /// takes no lock.
+    namespaces: Option<NamespaceSnapshot>,
 }
 
 impl Drop for QueueState {
@@ -149,6 +151,10 @@ impl Drop for QueueState {
         }
     }
 }
+
+/// A queue's view of its namespaces: the generations it was taken at and, by NSID, each
+/// namespace its host sees and the ANA status that refuses its I/O here, if any.
+type NamespaceSnapshot = ((u64, u64), BTreeMap<u32, (QueueNs, Option<Status>)>);
 
 fn status_cqe(cid: u16, status: Status) -> Submit {
     Submit::Complete(Cqe::new(cid, status, 0))
@@ -519,7 +525,7 @@ impl QueueState {
                 ControllerKind::Discovery,
                 hostnqn.clone(),
                 data.hostid,
-                peer,
+                self.origin,
                 c.sqsize,
                 kato,
             );
@@ -596,7 +602,7 @@ impl QueueState {
                 ControllerKind::Io(Arc::clone(&subsys)),
                 hostnqn.clone(),
                 data.hostid,
-                peer,
+                self.origin,
                 c.sqsize,
                 kato,
             );
@@ -677,17 +683,22 @@ impl QueueState {
     /// nothing changed.
     fn refresh_namespaces(&mut self, ctrl: &Controller) {
         let Some(s) = ctrl.subsystem() else { return };
-        let generation = s.namespace_generation();
+        let generation = (s.namespace_generation(), self.target.ana.generation());
         if self
             .namespaces
             .as_ref()
             .is_none_or(|(g, _)| *g != generation)
         {
-            // Read the generation before the map: a change in between is seen next time.
+            // Read the generations before the maps: a change in between is seen next time.
+            let ana = self.target.ana.table();
             let map = s
                 .namespaces()
                 .iter()
-                .map(|(&nsid, ns)| (nsid, QueueNs::new(ns)))
+                .filter(|(_, ns)| ns.visible_to(&ctrl.hostnqn))
+                .map(|(&nsid, ns)| {
+                    let refused = ana.state(self.origin.local, ns.ana_group).io_status();
+                    (nsid, (QueueNs::new(ns), refused))
+                })
                 .collect();
             self.namespaces = Some((generation, map));
         }
@@ -699,11 +710,14 @@ impl QueueState {
         self.namespaces = None;
     }
 
+    /// The namespace `nsid` for an I/O command: Invalid Namespace when the host does not see
+    /// it, the ANA status when its group is not accessible through this queue's listener.
     fn namespace(&self, nsid: u32) -> Result<QueueNs, Status> {
-        self.namespaces
-            .as_ref()
-            .and_then(|(_, m)| m.get(&nsid).cloned())
-            .ok_or(Status::generic(generic::INVALID_NAMESPACE).with_dnr())
+        match self.namespaces.as_ref().and_then(|(_, m)| m.get(&nsid)) {
+            None => Err(Status::generic(generic::INVALID_NAMESPACE).with_dnr()),
+            Some((_, Some(refused))) => Err(*refused),
+            Some((ns, None)) => Ok(ns.clone()),
+        }
     }
 
     fn range(&self, ns: &Namespace, rw: &ReadWrite) -> Result<(), Status> {

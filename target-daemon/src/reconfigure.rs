@@ -28,8 +28,10 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
+use crate::ana::AnaTable;
 use crate::config::{
-    Config, ConfigError, ListenAddr, SubsystemConfig, TargetSettings, parse_uuid, write_private,
+    Config, ConfigError, ListenAddr, ListenerConfig, NamespaceConfig, SubsystemConfig,
+    TargetSettings, parse_uuid, write_private,
 };
 use crate::launcher::RunningTarget;
 use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
@@ -82,6 +84,9 @@ struct SubsystemPlan {
     access: Option<HostAccess>,
     namespaces: Option<NamespaceMap>,
     changed_nsids: Vec<u32>,
+    /// Of `changed_nsids`, those whose hosts alone changed (the same backend, shown to
+    /// other hosts).
+    masked: Vec<u32>,
     removed: Vec<Arc<Namespace>>,
 }
 
@@ -265,11 +270,18 @@ impl Registry {
                     s.nqn
                 ));
             }
+            if (o.cntlid_min, o.cntlid_max) != (s.cntlid_min, s.cntlid_max) {
+                return refused(format!(
+                    "subsystem {}: cntlid_min and cntlid_max change only at a restart",
+                    s.nqn
+                ));
+            }
             let mut plan = SubsystemPlan {
                 sub: Arc::clone(sub),
                 access: None,
                 namespaces: None,
                 changed_nsids: Vec::new(),
+                masked: Vec::new(),
                 removed: Vec::new(),
             };
             if (o.allow_any_host, &o.hosts, &o.auth_hosts)
@@ -328,8 +340,28 @@ impl Registry {
                                 s.nqn
                             ));
                         }
+                        if on.ana_group != n.ana_group {
+                            return refused(format!(
+                                "subsystem {} namespace {id}: ANA groups change only at a \
+                                 restart",
+                                s.nqn
+                            ));
+                        }
+                        if let Some(m) = masking_change(on, n) {
+                            let Some(ns) = current.get(&id) else {
+                                return refused(format!(
+                                    "subsystem {} namespace {id} is not running",
+                                    s.nqn
+                                ));
+                            };
+                            map.insert(id, Arc::new(ns.with_hosts(n.hosts.clone())));
+                            plan.changed_nsids.push(id);
+                            plan.masked.push(id);
+                            changes.push(format!("subsystem {}: namespace {id} {m}", s.nqn));
+                            continue;
+                        }
                         if let Some(size) = resized_to(&on.backend, &n.backend) {
-                            resizes.push((plans.len(), id, size, n.backend.to_string()));
+                            resizes.push((plans.len(), id, size, n.clone()));
                             plan.changed_nsids.push(id);
                             continue;
                         }
@@ -350,7 +382,8 @@ impl Registry {
                         }
                         let backend = open_backend(&s.nqn, id, &n.backend)?;
                         let uuid = n.uuid.as_deref().and_then(parse_uuid);
-                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
+                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string())
+                            .configured(n);
                         map.insert(id, Arc::new(ns));
                         plan.changed_nsids.push(id);
                         plan.removed.extend(current.get(&id).cloned());
@@ -362,7 +395,8 @@ impl Registry {
                     None => {
                         let backend = open_backend(&s.nqn, id, &n.backend)?;
                         let uuid = n.uuid.as_deref().and_then(parse_uuid);
-                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string());
+                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string())
+                            .configured(n);
                         map.insert(id, Arc::new(ns));
                         plan.changed_nsids.push(id);
                         changes.push(format!(
@@ -401,7 +435,7 @@ impl Registry {
         for a in &added {
             bound.push(bind_listener(a)?);
         }
-        for (plan, id, size, desc) in resizes {
+        for (plan, id, size, n) in resizes {
             let p: &mut SubsystemPlan = &mut plans[plan];
             let old = p.sub.namespaces().get(&id).cloned();
             let Some(old) = old else {
@@ -419,7 +453,8 @@ impl Registry {
                     source,
                 })?;
             let uuid = Some(old.uuid);
-            let ns = Namespace::new(&p.sub.nqn, id, Arc::new(backend), uuid, desc);
+            let desc = n.backend.to_string();
+            let ns = Namespace::new(&p.sub.nqn, id, Arc::new(backend), uuid, desc).configured(&n);
             changes.push(format!(
                 "subsystem {}: resized namespace {id} from {} to {} blocks",
                 p.sub.nqn, old.blocks, ns.blocks
@@ -493,13 +528,34 @@ impl Registry {
             }
             if let Some(namespaces) = &p.namespaces {
                 for ns in namespaces.values() {
-                    if p.changed_nsids.contains(&ns.nsid) {
+                    if p.changed_nsids.contains(&ns.nsid) && !p.masked.contains(&ns.nsid) {
                         log_namespace_ready(&p.sub.nqn, ns);
                     }
                 }
+                let before = p.sub.namespaces();
                 p.sub.set_namespaces(namespaces.clone());
                 for c in p.sub.controllers() {
-                    c.notify_namespaces_changed(&p.changed_nsids);
+                    // A host is told of the namespaces it saw or sees now; of a change of
+                    // who sees a namespace, only if it is one of them.
+                    let seen = |m: &NamespaceMap, id: &u32| {
+                        m.get(id).is_some_and(|ns| ns.visible_to(&c.hostnqn))
+                    };
+                    let nsids: Vec<u32> = p
+                        .changed_nsids
+                        .iter()
+                        .filter(|id| {
+                            let (was, is) = (seen(&before, id), seen(namespaces, id));
+                            if p.masked.contains(id) {
+                                was != is
+                            } else {
+                                was || is
+                            }
+                        })
+                        .copied()
+                        .collect();
+                    if !nsids.is_empty() {
+                        c.notify_namespaces_changed(&nsids);
+                    }
                 }
                 flush_removed(p.removed.clone());
             }
@@ -510,6 +566,7 @@ impl Registry {
             }
             flush_removed(s.namespaces().values().cloned().collect());
         }
+        changes.extend(apply_ana(target, &cur.listeners, &new.listeners));
         if discovery_changed {
             target.discovery_changed();
         }
@@ -592,7 +649,7 @@ impl Registry {
     }
 
     /// What runs, as a JSON object: subsystems (namespaces, allowed hosts and, with
-    /// `controllers`, the connected controllers) and listeners.
+    /// `controllers`, the connected controllers), listeners and their ANA states.
     pub fn describe(&self, controllers: bool) -> Value {
         let target = self.target();
         let subsystems: Vec<Value> = target
@@ -610,6 +667,8 @@ impl Registry {
                             "block_size": ns.block_size,
                             "blocks": ns.blocks,
                             "size": ns.backend.capacity_bytes(),
+                            "hosts": ns.hosts,
+                            "ana_group": ns.ana_group,
                         })
                     })
                     .collect();
@@ -621,6 +680,7 @@ impl Registry {
                     "hosts": access.hosts,
                     "dhchap_hosts": access.auth_hosts.keys().collect::<Vec<_>>(),
                     "tls_hosts": access.tls_psks.keys().collect::<Vec<_>>(),
+                    "cntlid_range": [s.cntlid_range().0, s.cntlid_range().1],
                     "namespaces": namespaces,
                 });
                 if controllers {
@@ -630,7 +690,23 @@ impl Registry {
             })
             .collect();
         let listeners = target.listeners();
+        let ana: Vec<Value> = self
+            .config
+            .lock()
+            .listeners
+            .iter()
+            .flat_map(|l| {
+                l.ana.iter().map(|a| {
+                    json!({
+                        "listener": l.address.to_string(),
+                        "group": a.group,
+                        "state": a.state.name(),
+                    })
+                })
+            })
+            .collect();
         let mut v = json!({
+            "ana": ana,
             "subsystems": subsystems,
             "listeners": listeners.io.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "discovery_listeners": listeners.discovery.iter().map(ToString::to_string).collect::<Vec<_>>(),
@@ -646,6 +722,70 @@ impl Registry {
         }
         v
     }
+}
+
+/// What a namespace's change is, when only the hosts that see it change: the line that
+/// says so.
+fn masking_change(old: &NamespaceConfig, new: &NamespaceConfig) -> Option<String> {
+    let mut same = old.clone();
+    same.hosts = new.hosts.clone();
+    if same != *new {
+        return None;
+    }
+    Some(if new.hosts.is_empty() {
+        "is now seen by every host".into()
+    } else {
+        format!("is now seen by {} only", new.hosts.join(", "))
+    })
+}
+
+/// Makes the target run the ANA states of the listeners `new` (see [`crate::ana`]): the
+/// controllers connected through a listener where a group of their namespaces changes state
+/// get an ANA Change notice. Returns what changed, one line each.
+fn apply_ana(target: &Target, old: &[ListenerConfig], new: &[ListenerConfig]) -> Vec<String> {
+    let table = AnaTable::from_listeners(new);
+    if *target.ana.table() == table {
+        return Vec::new();
+    }
+    let mut changes = Vec::new();
+    for l in new {
+        let before = old.iter().find(|o| o.address == l.address);
+        let groups = l.ana.iter().map(|a| a.group).chain(
+            before
+                .into_iter()
+                .flat_map(|o| o.ana.iter().map(|a| a.group)),
+        );
+        let mut groups: Vec<u32> = groups.collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let state = |ls: &ListenerConfig, g: u32| {
+            ls.ana
+                .iter()
+                .find(|a| a.group == g)
+                .map(|a| a.state)
+                .unwrap_or_default()
+        };
+        for g in groups {
+            let was = before.map(|o| state(o, g)).unwrap_or_default();
+            let now = state(l, g);
+            if was != now {
+                changes.push(format!(
+                    "listener {}: ANA group {g} is now {now} (was {was})",
+                    l.address
+                ));
+            }
+        }
+    }
+    let old = target.ana.replace(table);
+    let table = target.ana.table();
+    for s in target.subsystems().values() {
+        for c in s.controllers() {
+            if old.differs_at(&table, c.local, c.ana_groups().into_iter()) {
+                c.notify_ana_changed();
+            }
+        }
+    }
+    changes
 }
 
 /// The names of the `[target]` settings that differ between `a` and `b`.
@@ -712,6 +852,8 @@ mod tests {
                 nsid,
                 backend: spec.parse().unwrap(),
                 uuid: None,
+                hosts: Vec::new(),
+                ana_group: None,
             });
             Ok(())
         })
@@ -777,11 +919,14 @@ mod tests {
                 c.listeners.push(ListenerConfig {
                     address: "tcp://127.0.0.1:0".parse().unwrap(),
                     tls: None,
+                    ana: Vec::new(),
                 });
                 c.subsystems[0].namespaces.push(NamespaceConfig {
                     nsid: Some(2),
                     backend: "file:/nonexistent-dir/ns.img,size=1M".parse().unwrap(),
                     uuid: None,
+                    hosts: Vec::new(),
+                    ana_group: None,
                 });
                 Ok(())
             })
@@ -849,6 +994,7 @@ mod tests {
             c.listeners.push(ListenerConfig {
                 address: rdma.clone(),
                 tls: None,
+                ana: Vec::new(),
             });
             Ok(())
         });

@@ -9,7 +9,7 @@ use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use parking_lot::{Mutex, RwLock};
 
-use crate::config::{SubsystemConfig, parse_uuid};
+use crate::config::{MAX_CNTLID, NamespaceConfig, SubsystemConfig, parse_uuid};
 use crate::controller::Controller;
 
 /// Firmware revision reported in Identify Controller (8 ASCII bytes at most).
@@ -35,6 +35,10 @@ pub struct Namespace {
     pub blocks: u64,
     /// Human description of the backend, for logs.
     pub description: String,
+    /// The only hosts that see the namespace; empty: every host the subsystem admits.
+    pub hosts: Vec<String>,
+    /// ANA group ID.
+    pub ana_group: u32,
 }
 
 impl Namespace {
@@ -70,7 +74,39 @@ impl Namespace {
             block_shift: block_size.trailing_zeros(),
             blocks,
             description,
+            hosts: Vec::new(),
+            ana_group: crate::ana::DEFAULT_ANA_GROUP,
         }
+    }
+
+    /// The namespace with the visibility and ANA group its configuration gives.
+    pub fn configured(mut self, cfg: &NamespaceConfig) -> Self {
+        self.hosts = cfg.hosts.clone();
+        self.ana_group = cfg.ana_group.unwrap_or(crate::ana::DEFAULT_ANA_GROUP);
+        self
+    }
+
+    /// The same namespace (backend, identifiers, group) seen by `hosts` only (empty: by
+    /// every host).
+    pub fn with_hosts(&self, hosts: Vec<String>) -> Self {
+        Namespace {
+            nsid: self.nsid,
+            backend: Arc::clone(&self.backend),
+            nguid: self.nguid,
+            uuid: self.uuid,
+            eui64: self.eui64,
+            block_size: self.block_size,
+            block_shift: self.block_shift,
+            blocks: self.blocks,
+            description: self.description.clone(),
+            hosts,
+            ana_group: self.ana_group,
+        }
+    }
+
+    /// Whether `hostnqn` sees this namespace (it is active on the host's controllers).
+    pub fn visible_to(&self, hostnqn: &str) -> bool {
+        self.hosts.is_empty() || self.hosts.iter().any(|h| h == hostnqn)
     }
 }
 
@@ -159,6 +195,8 @@ pub struct Subsystem {
     namespaces: RwLock<Arc<NamespaceMap>>,
     /// Live controllers by controller ID.
     controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
+    /// The controller IDs handed out, lowest and highest.
+    cntlids: (u16, u16),
     next_cntlid: Mutex<u16>,
     /// Incremented on every namespace change, after the new map is in place.
     generation: AtomicU64,
@@ -167,9 +205,6 @@ pub struct Subsystem {
     /// Live queues' counters and the totals of closed ones.
     pub metrics: crate::metrics::SubsystemMetrics,
 }
-
-/// Highest controller ID handed out (0xFFF0.. are reserved).
-const MAX_CNTLID: u16 = 0xFFEF;
 
 impl Subsystem {
     /// Builds a subsystem from its configuration and opened backends (in namespace order).
@@ -188,10 +223,15 @@ impl Subsystem {
                 let uuid = ns.uuid.as_deref().and_then(parse_uuid);
                 (
                     nsid,
-                    Arc::new(Namespace::new(&cfg.nqn, nsid, backend, uuid, desc)),
+                    Arc::new(Namespace::new(&cfg.nqn, nsid, backend, uuid, desc).configured(ns)),
                 )
             })
             .collect();
+        let lo = cfg.cntlid_min.unwrap_or(1).max(1);
+        let cntlids = (
+            lo,
+            cfg.cntlid_max.unwrap_or(MAX_CNTLID).clamp(lo, MAX_CNTLID),
+        );
         Subsystem {
             nqn: cfg.nqn.clone(),
             serial,
@@ -199,7 +239,8 @@ impl Subsystem {
             access: RwLock::new(HostAccess::from_config(cfg)),
             namespaces: RwLock::new(Arc::new(namespaces)),
             controllers: Mutex::new(BTreeMap::new()),
-            next_cntlid: Mutex::new(1),
+            cntlids,
+            next_cntlid: Mutex::new(cntlids.0),
             generation: AtomicU64::new(0),
             ns_changed: tokio::sync::watch::channel(()).0,
             metrics: Default::default(),
@@ -273,13 +314,20 @@ impl Subsystem {
             .unwrap_or(0)
     }
 
-    /// Reserves a free controller ID.
+    /// The controller IDs this subsystem hands out, lowest and highest (`cntlid_min`,
+    /// `cntlid_max`).
+    pub fn cntlid_range(&self) -> (u16, u16) {
+        self.cntlids
+    }
+
+    /// Reserves a free controller ID in the subsystem's range.
     pub fn alloc_cntlid(&self) -> Option<u16> {
+        let (lo, hi) = self.cntlids;
         let ctrls = self.controllers.lock();
         let mut next = self.next_cntlid.lock();
-        for _ in 0..MAX_CNTLID {
+        for _ in lo..=hi {
             let id = *next;
-            *next = if id >= MAX_CNTLID { 1 } else { id + 1 };
+            *next = if id >= hi { lo } else { id + 1 };
             if !ctrls.contains_key(&id) {
                 return Some(id);
             }
@@ -364,5 +412,49 @@ mod tests {
             stable_id128("nqn.2026-11.io.nvmeof-direct:default/ns/1")[..4],
             stable_id128("nqn.2026-11.io.nvmeof-direct:default/ns/1")[..4]
         );
+    }
+
+    #[test]
+    fn controller_ids_come_from_the_configured_range() {
+        let mut cfg = crate::testing::config(&[]).subsystems.remove(0);
+        cfg.cntlid_min = Some(10);
+        cfg.cntlid_max = Some(11);
+        let s = Subsystem::new(&cfg, Vec::new());
+        assert_eq!(s.cntlid_range(), (10, 11));
+        let t = crate::testing::target(&[]);
+        let sub = Arc::new(s);
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let id = sub.alloc_cntlid().unwrap();
+            let (c, _) = Controller::new(
+                id,
+                crate::controller::ControllerKind::Io(Arc::clone(&sub)),
+                "nqn.h".into(),
+                [0; 16],
+                crate::testing::origin(),
+                32,
+                0,
+            );
+            sub.add_controller(c);
+            ids.push(id);
+        }
+        assert_eq!(ids, vec![10, 11]);
+        assert_eq!(sub.alloc_cntlid(), None, "the range is used up");
+        sub.remove_controller(10);
+        assert_eq!(sub.alloc_cntlid(), Some(10));
+        drop(t);
+    }
+
+    #[test]
+    fn a_namespace_with_hosts_is_seen_by_them_only() {
+        let backend = Arc::new(AnyBackend::Memory(
+            blockdev::MemoryBackend::new(1 << 20, 512).unwrap(),
+        ));
+        let ns = Namespace::new("nqn.x", 1, backend, None, "mem".into());
+        assert!(ns.visible_to("nqn.a"));
+        let masked = ns.with_hosts(vec!["nqn.a".into()]);
+        assert!(masked.visible_to("nqn.a") && !masked.visible_to("nqn.b"));
+        assert_eq!((masked.nguid, masked.uuid), (ns.nguid, ns.uuid));
+        assert!(Arc::ptr_eq(&masked.backend, &ns.backend));
     }
 }

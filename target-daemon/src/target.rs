@@ -105,6 +105,8 @@ pub struct Target {
     pub auth: crate::ratelimit::AuthWork,
     /// The memory all connections share ([`crate::memory`]).
     pub memory: Arc<crate::memory::MemoryBudget>,
+    /// The ANA state of each group on each listener ([`crate::ana`]).
+    pub ana: crate::ana::AnaStates,
 }
 
 /// The subsystems of a target by NQN: an immutable snapshot, replaced whole on a change.
@@ -291,6 +293,12 @@ impl Target {
             }
             bound.push(l);
         }
+        // The I/O listeners were bound in order: their ANA states go to the bound addresses.
+        let mut as_bound = cfg.listeners.clone();
+        for (l, a) in as_bound.iter_mut().zip(&listeners.io) {
+            l.address = a.clone();
+        }
+        let ana = crate::ana::AnaTable::from_listeners(&as_bound);
         let subsystems = Arc::new(RwLock::new(Arc::new(subsystems)));
         let tls = tls_context(Arc::clone(&subsystems)).map_err(StartError::Tls)?;
         let (shutdown_tx, _) = watch::channel(false);
@@ -312,6 +320,7 @@ impl Target {
             metrics: Default::default(),
             auth: crate::ratelimit::AuthWork::new(&cfg.target),
             memory: crate::memory::MemoryBudget::new(cfg.target.memory_budget),
+            ana: crate::ana::AnaStates::new(ana),
         };
         Ok((Arc::new(target), bound))
     }

@@ -84,9 +84,19 @@ pub fn status(s: Submit) -> Status {
 /// Linux host sends it over RDMA), enables the controller, grants queues, and connects I/O
 /// queue 1 with in-capsule Connect data.
 pub fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState) {
-    let mut admin = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
+    connected_as(t, host_sgl, origin(), HOST)
+}
+
+/// [`connected`] for host `hostnqn` on a connection to `origin`.
+pub fn connected_as(
+    t: &Arc<Target>,
+    host_sgl: HostSgl,
+    origin: QueueOrigin,
+    hostnqn: &str,
+) -> (QueueState, QueueState) {
+    let mut admin = QueueState::new(Arc::clone(t), origin).with_host_sgl(host_sgl);
     let sqe = connect_sqe(0, host_sgl == HostSgl::Keyed);
-    let data = ConnectData::new([7; 16], 0xFFFF, NQN, HOST);
+    let data = ConnectData::new([7; 16], 0xFFFF, NQN, hostnqn);
     assert!(
         admin.wants_data_at_submit(&sqe),
         "Connect data is read at submit"
@@ -103,8 +113,8 @@ pub fn connected(t: &Arc<Target>, host_sgl: HostSgl) -> (QueueState, QueueState)
     assert_eq!(status(admin.submit(&cc, &[])), Status::SUCCESS);
     let sf = build::set_features(2, 7, 0x0001_0001);
     assert_eq!(status(admin.submit(&sf, &[])), Status::SUCCESS);
-    let mut io = QueueState::new(Arc::clone(t), origin()).with_host_sgl(host_sgl);
-    let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, HOST);
+    let mut io = QueueState::new(Arc::clone(t), origin).with_host_sgl(host_sgl);
+    let data = ConnectData::new([7; 16], ctrl.cntlid, NQN, hostnqn);
     let sqe = connect_sqe(1, false);
     assert!(io.wants_data_at_submit(&sqe));
     assert_eq!(status(io.submit(&sqe, data.as_bytes())), Status::SUCCESS);

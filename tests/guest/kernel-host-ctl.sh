@@ -25,7 +25,7 @@ cntlid=$(cat "/sys/class/nvme/$ctrl/cntlid")
 log "controller $ctrl (cntlid $cntlid), namespace 1 at $dev1"
 out=$(nvme id-ctrl "/dev/$ctrl") || fail "nvme id-ctrl failed"
 echo "$out" | grep -E '^oaes '
-echo "$out" | grep -qE '^oaes +: 0x100$' || fail "id-ctrl: OAES does not advertise namespace attribute notices"
+echo "$out" | grep -qE '^oaes +: 0x900$' || fail "id-ctrl: OAES does not advertise namespace attribute and ANA change notices"
 
 # fio with verify on namespace 1, round after round, through all the namespace changes.
 (

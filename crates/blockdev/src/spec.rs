@@ -17,7 +17,9 @@
 //! Sizes are bytes with an optional `K`, `M`, `G`, `T` or `P` suffix (powers of 1024; `KiB`,
 //! `KB` and lowercase are accepted too). File and block device specs also take
 //! `bs=N` (files only), `direct=on|off` (default on: `O_DIRECT`) and
-//! `engine=auto|uring|blocking` (default auto) and `volatile_cache=SIZE`: a testing feature
+//! `engine=auto|uring|blocking` (default auto), `shared=on|off` (default off: the file or
+//! device is claimed with an exclusive `flock`; on: not claimed, for two target processes
+//! serving it at once as an ANA pair) and `volatile_cache=SIZE`: a testing feature
 //! that keeps up to SIZE bytes of written blocks in process memory until a Flush or a Force Unit
 //! Access write (see [`VolatileCache`](crate::VolatileCache)), so killing the process loses
 //! them as a power cut would. A path ends at the first comma.
@@ -97,8 +99,11 @@ pub struct FileSpec {
     /// How I/O is submitted.
     pub engine: IoEngine,
     /// Claim the file or device for this backend alone (an exclusive `flock` while open, and
-    /// the target refuses it for a second namespace). Set by programs that deliberately open
-    /// one file several times, such as a benchmark comparing access paths; not a spec option.
+    /// the target refuses it for a second namespace). The spec option `shared=on` turns it
+    /// off, for a file or device that two target processes serve at once (an ANA
+    /// active/standby or active/active pair exporting one namespace); programs that
+    /// deliberately open one file several times, such as a benchmark comparing access paths,
+    /// turn it off too.
     pub exclusive: bool,
     /// Bytes of volatile write cache in front of it (a testing feature; `None`: no cache).
     pub volatile_cache: Option<u64>,
@@ -401,6 +406,7 @@ impl FromStr for BackendSpec {
                         ("direct", v) => f.direct = parse_bool("direct", v)?,
                         ("engine", v) => f.engine = v.parse()?,
                         ("volatile_cache", v) => f.volatile_cache = Some(parse_size(v)?),
+                        ("shared", v) => f.exclusive = !parse_bool("shared", v)?,
                         (k, _) => return Err(SpecError::UnknownOption(k.to_string())),
                     }
                 }
@@ -453,6 +459,9 @@ impl fmt::Display for BackendSpec {
             }
             if let Some(size) = spec.volatile_cache {
                 write!(f, ",volatile_cache={}", format_size(size))?;
+            }
+            if !spec.exclusive {
+                f.write_str(",shared=on")?;
             }
             Ok(())
         }
@@ -525,12 +534,14 @@ enum TableSpec {
         direct: Option<bool>,
         engine: Option<IoEngine>,
         volatile_cache: Option<SizeRepr>,
+        shared: Option<bool>,
     },
     Bdev {
         path: PathBuf,
         direct: Option<bool>,
         engine: Option<IoEngine>,
         volatile_cache: Option<SizeRepr>,
+        shared: Option<bool>,
     },
     Pcie {
         address: String,
@@ -566,13 +577,14 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 direct,
                 engine,
                 volatile_cache,
+                shared,
             }) => BackendSpec::File(FileSpec {
                 path,
                 create_size: size.map(|s| s.bytes()).transpose()?,
                 block_size,
                 direct: direct.unwrap_or(true),
                 engine: engine.unwrap_or_default(),
-                exclusive: true,
+                exclusive: !shared.unwrap_or(false),
                 volatile_cache: volatile_cache.map(|s| s.bytes()).transpose()?,
             }),
             SpecRepr::Table(TableSpec::Bdev {
@@ -580,7 +592,9 @@ impl TryFrom<SpecRepr> for BackendSpec {
                 direct,
                 engine,
                 volatile_cache,
+                shared,
             }) => BackendSpec::Bdev(FileSpec {
+                exclusive: !shared.unwrap_or(false),
                 direct: direct.unwrap_or(true),
                 engine: engine.unwrap_or_default(),
                 volatile_cache: volatile_cache.map(|s| s.bytes()).transpose()?,
@@ -729,6 +743,8 @@ mod tests {
             "file:/a/b.img,size=10G,bs=512,direct=off,engine=uring",
             "bdev:/dev/nvme0n1,engine=blocking",
             "file:/a/b.img,size=1G,volatile_cache=64M",
+            "file:/a/b.img,shared=on",
+            "bdev:/dev/sdb,shared=on",
         ] {
             let spec: BackendSpec = s.parse().unwrap();
             assert_eq!(spec.to_string(), s);

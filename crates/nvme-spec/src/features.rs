@@ -19,6 +19,8 @@ pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
 
 /// Asynchronous Event Configuration bit: Namespace Attribute Notices.
 pub const AEC_NS_ATTRIBUTE_NOTICES: u32 = 1 << 8;
+/// Asynchronous Event Configuration bit: Asymmetric Namespace Access Change Notices.
+pub const AEC_ANA_CHANGE: u32 = 1 << 11;
 /// Asynchronous Event Configuration bit: Discovery Log Page Change Notices.
 pub const AEC_DISCOVERY_LOG_CHANGE: u32 = 1 << 31;
 
@@ -36,6 +38,8 @@ pub mod aer_type {
 pub mod aer_notice {
     /// Namespace attribute changed (log page 0x04).
     pub const NS_ATTRIBUTE_CHANGED: u8 = 0x00;
+    /// Asymmetric namespace access change (log page 0x0C).
+    pub const ANA_CHANGE: u8 = 0x03;
     /// Discovery log page change (log page 0x70).
     pub const DISCOVERY_LOG_CHANGE: u8 = 0xF0;
 }

@@ -77,8 +77,18 @@ pub struct IdentifyController {
     pub rsvd270: [u8; 50],
     /// Keep alive support (granularity in 100 ms units; 0 = not supported).
     pub kas: U16,
-    /// Fields 322..512 this target leaves zero.
-    pub rsvd322: [u8; 190],
+    /// Fields 322..342 (HCTMA through ENDGIDMAX) this target leaves zero.
+    pub rsvd322: [u8; 20],
+    /// ANA transition time: the most seconds a group stays in the ANA Change state.
+    pub anatt: u8,
+    /// Asymmetric namespace access capabilities (the `ANACAP_*` bits).
+    pub anacap: u8,
+    /// ANA group identifier maximum.
+    pub anagrpmax: U32,
+    /// Number of ANA group identifiers.
+    pub nanagrpid: U32,
+    /// Fields 352..512 (PELS through the reserved area) this target leaves zero.
+    pub rsvd352: [u8; 160],
     /// Submission queue entry size (max << 4 | required).
     pub sqes: u8,
     /// Completion queue entry size (max << 4 | required).
@@ -138,6 +148,34 @@ pub struct IdentifyController {
 }
 const _: () = assert!(size_of::<IdentifyController>() == 4096);
 const _: () = assert!(std::mem::offset_of!(IdentifyController, cntrltype) == 111);
+const _: () = assert!(std::mem::offset_of!(IdentifyController, anatt) == 342);
+const _: () = assert!(std::mem::offset_of!(IdentifyController, anacap) == 343);
+const _: () = assert!(std::mem::offset_of!(IdentifyController, anagrpmax) == 344);
+const _: () = assert!(std::mem::offset_of!(IdentifyController, nanagrpid) == 348);
+const _: () = assert!(std::mem::offset_of!(IdentifyController, sqes) == 512);
+
+/// CMIC bit: the subsystem may have more than one controller.
+pub const CMIC_MULTI_CONTROLLER: u8 = 1 << 1;
+/// CMIC bit: Asymmetric Namespace Access Reporting.
+pub const CMIC_ANA: u8 = 1 << 3;
+
+/// ANACAP bits (NVMe Base 2.0, Figure 275, byte 343).
+pub mod anacap {
+    /// Reports the ANA Optimized state.
+    pub const OPTIMIZED: u8 = 1 << 0;
+    /// Reports the ANA Non-Optimized state.
+    pub const NON_OPTIMIZED: u8 = 1 << 1;
+    /// Reports the ANA Inaccessible state.
+    pub const INACCESSIBLE: u8 = 1 << 2;
+    /// Reports the ANA Persistent Loss state.
+    pub const PERSISTENT_LOSS: u8 = 1 << 3;
+    /// Reports the ANA Change state.
+    pub const CHANGE: u8 = 1 << 4;
+    /// A namespace's ANAGRPID does not change while it is attached.
+    pub const GRPID_STATIC: u8 = 1 << 6;
+    /// A non-zero ANAGRPID is supported in Namespace Management.
+    pub const GRPID_NONZERO: u8 = 1 << 7;
+}
 const _: () = assert!(std::mem::offset_of!(IdentifyController, oacs) == 256);
 const _: () = assert!(std::mem::offset_of!(IdentifyController, kas) == 320);
 const _: () = assert!(std::mem::offset_of!(IdentifyController, sqes) == 512);
@@ -245,8 +283,12 @@ pub struct IdentifyNamespace {
     pub fpi: u8,
     /// Deallocate logical block features (bits 2:0 = 001b: deallocated blocks read as zeros).
     pub dlfeat: u8,
-    /// Fields 34..104 (NAWUN through NVMSETID/ENDGID) this target leaves zero.
-    pub rsvd34: [u8; 70],
+    /// Fields 34..92 (NAWUN through NPDA and reserved) this target leaves zero.
+    pub rsvd34: [u8; 58],
+    /// ANA group identifier.
+    pub anagrpid: U32,
+    /// Fields 96..104 (reserved, NSATTR, NVMSETID, ENDGID) this target leaves zero.
+    pub rsvd96: [u8; 8],
     /// Namespace globally unique identifier.
     pub nguid: [u8; 16],
     /// IEEE extended unique identifier.
@@ -257,6 +299,7 @@ pub struct IdentifyNamespace {
     pub rsvd384: [u8; 3712],
 }
 const _: () = assert!(size_of::<IdentifyNamespace>() == 4096);
+const _: () = assert!(std::mem::offset_of!(IdentifyNamespace, anagrpid) == 92);
 const _: () = assert!(std::mem::offset_of!(IdentifyNamespace, nguid) == 104);
 const _: () = assert!(std::mem::offset_of!(IdentifyNamespace, lbaf) == 128);
 

@@ -1,5 +1,5 @@
-//! Log pages: discovery (NVMe-oF 1.1 section 5.3), error information and SMART / health
-//! (NVMe Base 2.0 sections 5.16.1.2 and 5.16.1.3).
+//! Log pages: discovery (NVMe-oF 1.1 section 5.3), error information, SMART / health and
+//! Asymmetric Namespace Access (NVMe Base 2.0 sections 5.16.1.2, 5.16.1.3 and 5.16.1.13).
 
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -211,6 +211,192 @@ pub fn u128_le(v: u128) -> [U64; 2] {
     [U64::new(v as u64), U64::new((v >> 64) as u64)]
 }
 
+/// An Asymmetric Namespace Access state (NVMe Base 2.0, section 8.1.3 and Figure 222).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AnaState {
+    /// ANA Optimized: the best path to the group's namespaces.
+    #[default]
+    Optimized,
+    /// ANA Non-Optimized: usable, at lower performance.
+    NonOptimized,
+    /// ANA Inaccessible: I/O is refused for now.
+    Inaccessible,
+    /// ANA Persistent Loss: I/O is refused and will stay refused.
+    PersistentLoss,
+    /// ANA Change: the group is changing state (at most ANATT seconds).
+    Change,
+}
+
+impl AnaState {
+    /// Every state, in the order of their codes.
+    pub const ALL: [AnaState; 5] = [
+        AnaState::Optimized,
+        AnaState::NonOptimized,
+        AnaState::Inaccessible,
+        AnaState::PersistentLoss,
+        AnaState::Change,
+    ];
+
+    /// The state's code in the ANA log page.
+    pub const fn code(self) -> u8 {
+        match self {
+            AnaState::Optimized => 0x01,
+            AnaState::NonOptimized => 0x02,
+            AnaState::Inaccessible => 0x03,
+            AnaState::PersistentLoss => 0x04,
+            AnaState::Change => 0x0F,
+        }
+    }
+
+    /// The state with log page code `code`.
+    pub fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.code() == code)
+    }
+
+    /// The name used in configuration and on command lines (`optimized`, `non-optimized`,
+    /// `inaccessible`, `persistent-loss`, `change`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            AnaState::Optimized => "optimized",
+            AnaState::NonOptimized => "non-optimized",
+            AnaState::Inaccessible => "inaccessible",
+            AnaState::PersistentLoss => "persistent-loss",
+            AnaState::Change => "change",
+        }
+    }
+
+    /// The path-related status (SCT 3) that I/O in this state completes with, if it is
+    /// refused: Inaccessible, Persistent Loss and Transition.
+    pub fn io_status(self) -> Option<crate::Status> {
+        use crate::status::{path, sct};
+        let sc = match self {
+            AnaState::Optimized | AnaState::NonOptimized => return None,
+            AnaState::Inaccessible => path::ANA_INACCESSIBLE,
+            AnaState::PersistentLoss => path::ANA_PERSISTENT_LOSS,
+            AnaState::Change => path::ANA_TRANSITION,
+        };
+        Some(crate::Status {
+            sct: sct::PATH,
+            sc,
+            ..Default::default()
+        })
+    }
+}
+
+impl core::fmt::Display for AnaState {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl core::str::FromStr for AnaState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown ANA state {s:?} (expected optimized, non-optimized, inaccessible, \
+                     persistent-loss or change)"
+                )
+            })
+    }
+}
+
+/// Get Log Page LSP bit of the ANA log page: Return Groups Only (no NSID lists).
+pub const ANA_LSP_GROUPS_ONLY: u8 = 1;
+
+/// ANA log page header, 16 bytes (NVMe Base 2.0, Figure 220).
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct AnaLogHeader {
+    /// Change count: moves whenever the page's contents change.
+    pub chgcnt: U64,
+    /// Number of ANA group descriptors that follow.
+    pub ngrps: U16,
+    /// Reserved.
+    pub rsvd10: [u8; 6],
+}
+const _: () = assert!(size_of::<AnaLogHeader>() == 16);
+
+/// ANA group descriptor, 32 bytes followed by `nnsids` NSIDs (NVMe Base 2.0, Figure 221).
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct AnaGroupDescriptor {
+    /// ANA group ID.
+    pub grpid: U32,
+    /// Number of NSIDs listed after the descriptor.
+    pub nnsids: U32,
+    /// Change count of this group.
+    pub chgcnt: U64,
+    /// ANA state ([`AnaState::code`]) in bits 3:0.
+    pub state: u8,
+    /// Reserved.
+    pub rsvd17: [u8; 15],
+}
+const _: () = assert!(size_of::<AnaGroupDescriptor>() == 32);
+const _: () = assert!(std::mem::offset_of!(AnaGroupDescriptor, state) == 16);
+
+/// One group of an ANA log page.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnaGroup {
+    /// ANA group ID (non-zero).
+    pub grpid: u32,
+    /// Its state.
+    pub state: AnaState,
+    /// Its change count.
+    pub chgcnt: u64,
+    /// The NSIDs in it (empty for a Return Groups Only page).
+    pub nsids: Vec<u32>,
+}
+
+/// Encodes an ANA log page; with `groups_only` (RGO) no NSIDs are listed.
+pub fn encode_ana_log(chgcnt: u64, groups: &[AnaGroup], groups_only: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut h = AnaLogHeader::default();
+    h.chgcnt.set(chgcnt);
+    h.ngrps.set(groups.len() as u16);
+    out.extend_from_slice(h.as_bytes());
+    for g in groups {
+        let nsids: &[u32] = if groups_only { &[] } else { &g.nsids };
+        let mut d = AnaGroupDescriptor::default();
+        d.grpid.set(g.grpid);
+        d.nnsids.set(nsids.len() as u32);
+        d.chgcnt.set(g.chgcnt);
+        d.state = g.state.code();
+        out.extend_from_slice(d.as_bytes());
+        for n in nsids {
+            out.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// Decodes an ANA log page: its change count and groups. None when it is truncated or
+/// names an unknown state.
+pub fn decode_ana_log(page: &[u8]) -> Option<(u64, Vec<AnaGroup>)> {
+    let (h, mut rest) = AnaLogHeader::read_from_prefix(page).ok()?;
+    let mut groups = Vec::new();
+    for _ in 0..h.ngrps.get() {
+        let (d, tail) = AnaGroupDescriptor::read_from_prefix(rest).ok()?;
+        let n = d.nnsids.get() as usize;
+        let bytes = tail.get(..n.checked_mul(4)?)?;
+        groups.push(AnaGroup {
+            grpid: d.grpid.get(),
+            state: AnaState::from_code(d.state & 0xF)?,
+            chgcnt: d.chgcnt.get(),
+            nsids: bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        });
+        rest = &tail[n * 4..];
+    }
+    Some((h.chgcnt.get(), groups))
+}
+
 /// Reads a SMART 128-bit counter.
 pub fn u128_from(v: [U64; 2]) -> u128 {
     u128::from(v[0].get()) | (u128::from(v[1].get()) << 64)
@@ -240,6 +426,40 @@ mod tests {
         let back = DiscoveryLogEntry::read_from_bytes(raw).unwrap();
         assert_eq!(get_trimmed(&back.traddr), "127.0.0.1");
         assert_eq!(get_trimmed(&back.subnqn), "nqn.test");
+    }
+
+    #[test]
+    fn ana_log_round_trips_with_and_without_nsids() {
+        let groups = vec![
+            AnaGroup {
+                grpid: 1,
+                state: AnaState::Optimized,
+                chgcnt: 3,
+                nsids: vec![1, 2],
+            },
+            AnaGroup {
+                grpid: 7,
+                state: AnaState::PersistentLoss,
+                chgcnt: 3,
+                nsids: vec![9],
+            },
+        ];
+        let page = encode_ana_log(3, &groups, false);
+        assert_eq!(page.len(), 16 + 32 + 8 + 32 + 4);
+        assert_eq!(page[8], 2, "NGRPS");
+        assert_eq!(page[16 + 16], 0x01, "state of group 1");
+        assert_eq!(decode_ana_log(&page), Some((3, groups.clone())));
+        let rgo = encode_ana_log(3, &groups, true);
+        assert_eq!(rgo.len(), 16 + 2 * 32);
+        let (_, g) = decode_ana_log(&rgo).unwrap();
+        assert!(g.iter().all(|g| g.nsids.is_empty()));
+        assert_eq!(decode_ana_log(&page[..40]), None, "truncated");
+        for s in AnaState::ALL {
+            assert_eq!(AnaState::from_code(s.code()), Some(s));
+            assert_eq!(s.name().parse::<AnaState>(), Ok(s));
+        }
+        assert_eq!(AnaState::Inaccessible.io_status().unwrap().sc, 0x02);
+        assert!(AnaState::NonOptimized.io_status().is_none());
     }
 
     #[test]

@@ -124,6 +124,14 @@ pub mod media {
 pub mod path {
     /// Internal path error.
     pub const INTERNAL_PATH_ERROR: u8 = 0x00;
+    /// Asymmetric Access Persistent Loss: the namespace is not reachable through this
+    /// controller, and will not be again.
+    pub const ANA_PERSISTENT_LOSS: u8 = 0x01;
+    /// Asymmetric Access Inaccessible: the namespace is not reachable through this
+    /// controller now.
+    pub const ANA_INACCESSIBLE: u8 = 0x02;
+    /// Asymmetric Access Transition: the namespace's group is changing state.
+    pub const ANA_TRANSITION: u8 = 0x03;
     /// Command aborted by host (the host gave up on the command).
     pub const ABORTED_BY_HOST: u8 = 0x71;
 }
@@ -256,6 +264,9 @@ impl Status {
             (2, 0x81) => "Unrecovered Read Error",
             (2, 0x86) => "Access Denied",
             (3, 0x00) => "Internal Path Error",
+            (3, 0x01) => "Asymmetric Access Persistent Loss",
+            (3, 0x02) => "Asymmetric Access Inaccessible",
+            (3, 0x03) => "Asymmetric Access Transition",
             (3, 0x71) => "Command Aborted By Host",
             (0, _) => "Generic Command Status",
             (1, _) => "Command Specific Status",

@@ -504,6 +504,14 @@ fn print_normal(resp: &Response) {
         "discovery listeners: {}",
         list(&status["discovery_listeners"])
     );
+    for a in status["ana"].as_array().into_iter().flatten() {
+        println!(
+            "ANA group {} on {}: {}",
+            a["group"],
+            a["listener"].as_str().unwrap_or("?"),
+            a["state"].as_str().unwrap_or("?")
+        );
+    }
     for s in status["subsystems"].as_array().into_iter().flatten() {
         println!(
             "subsystem {} (serial {}, model {})",
@@ -544,13 +552,18 @@ fn print_normal(resp: &Response) {
         }
         println!("  hosts: {}", hosts.join(", "));
         for ns in s["namespaces"].as_array().into_iter().flatten() {
+            let seen_by = match list(&ns["hosts"]).as_str() {
+                "none" => String::new(),
+                hosts => format!(", seen by {hosts} only"),
+            };
             println!(
-                "  namespace {}: {} ({} blocks of {} bytes, {})",
+                "  namespace {}: {} ({} blocks of {} bytes, {}, ANA group {}{seen_by})",
                 ns["nsid"],
                 ns["backend"].as_str().unwrap_or("?"),
                 ns["blocks"],
                 ns["block_size"],
-                blockdev::format_size(ns["size"].as_u64().unwrap_or(0))
+                blockdev::format_size(ns["size"].as_u64().unwrap_or(0)),
+                ns["ana_group"]
             );
         }
         for c in s["controllers"].as_array().into_iter().flatten() {
