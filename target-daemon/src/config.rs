@@ -12,6 +12,7 @@
 //! control_socket = "/run/nvmeof/targetd.sock"  # nvmeof-targetd ctl (default shown)
 //! control_group = "nvmeof"          # may use the control socket besides root
 //! save_dir = "/etc/nvmeof"          # where `ctl save` may write (default: the --config file's directory)
+//! state_dir = "/var/lib/nvmeof"     # where reservations persist through power loss (PTPL)
 //!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
@@ -259,6 +260,10 @@ pub struct TargetSettings {
     /// `--config` file; without one, saves are refused).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save_dir: Option<PathBuf>,
+    /// The directory where namespaces keep their reservations when a host turns Persist
+    /// Through Power Loss on (without it, hosts cannot).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<PathBuf>,
     /// DH-HMAC-CHAP transactions with a Diffie-Hellman exchange allowed per second to each
     /// host NQN and to each source address, after a burst of `auth_burst`; 0 = no limit.
     pub auth_rate: u32,
@@ -299,6 +304,7 @@ impl Default for TargetSettings {
             control_socket: None,
             control_group: None,
             save_dir: None,
+            state_dir: None,
             auth_rate: 8,
             auth_burst: 64,
             memory_budget: DEFAULT_MEMORY_BUDGET,

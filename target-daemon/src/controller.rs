@@ -16,8 +16,9 @@ use nvme_spec::command::{AdminCommand, GetLogPage, Identify, cns, log_id};
 use nvme_spec::fabrics::{Cap, Cc, VERSION_1_4, csts, property};
 use nvme_spec::identify::{
     CMIC_ANA, CMIC_MULTI_CONTROLLER, IdentifyController, IdentifyNamespace, LPA_EXTENDED, ONCS_DSM,
-    ONCS_WRITE_ZEROES, SGLS_KEYED, SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT, anacap, cntrltype,
-    encode_ns_descriptors, encode_ns_list, nidt, put_ascii_padded, put_nul_padded,
+    ONCS_RESERVATIONS, ONCS_WRITE_ZEROES, SGLS_KEYED, SGLS_OFFSET, SGLS_SUPPORTED, SGLS_TRANSPORT,
+    anacap, cntrltype, encode_ns_descriptors, encode_ns_list, nidt, put_ascii_padded,
+    put_nul_padded,
 };
 use nvme_spec::log::{
     ANA_LSP_GROUPS_ONLY, AnaGroup, ErrorLogEntry, SmartLog, encode_ana_log, u128_le,
@@ -75,7 +76,19 @@ struct AdminState {
     ana_notice_outstanding: bool,
     errors: Vec<ErrorLogEntry>,
     error_count: u64,
+    /// Reservation notifications not read yet (type, NSID), oldest first.
+    resv_notices: VecDeque<(u8, u32)>,
+    /// Reservation Notification log pages made so far (the page's Log Page Count).
+    resv_count: u64,
+    /// A reservation event was raised and the log page not read yet.
+    resv_notice_outstanding: bool,
+    /// Reservation Notification Mask by NSID (bits 1..3 mask the notice types).
+    resv_masks: std::collections::BTreeMap<u32, u32>,
 }
+
+/// Reservation notifications kept for the host (the log page's Number of Available Log Pages
+/// counts to 255).
+const MAX_RESERVATION_NOTICES: usize = 255;
 
 /// Entries of the Changed Namespace List log page; one more change reports FFFFFFFFh alone.
 pub const CHANGED_NS_LIST_ENTRIES: usize = 1024;
@@ -297,6 +310,10 @@ impl Controller {
                 ana_notice_outstanding: false,
                 errors: Vec::new(),
                 error_count: 0,
+                resv_notices: VecDeque::new(),
+                resv_count: 0,
+                resv_notice_outstanding: false,
+                resv_masks: std::collections::BTreeMap::new(),
             }),
             started: Instant::now(),
             last_keep_alive_ms: AtomicU64::new(0),
@@ -514,6 +531,51 @@ impl Controller {
         self.post_event(&mut st, dw0);
     }
 
+    /// A reservation notice for namespace `nsid`: kept for the Reservation Notification log
+    /// page, with an event unless one is outstanding, unless the host masked the type.
+    pub fn notify_reservation(&self, nsid: u32, notice: crate::reservation::Notice) {
+        let mut st = self.state.lock();
+        let kind = notice as u8;
+        if st
+            .resv_masks
+            .get(&nsid)
+            .is_some_and(|m| m & (1 << kind) != 0)
+        {
+            return;
+        }
+        if st.resv_notices.len() == MAX_RESERVATION_NOTICES {
+            st.resv_notices.pop_front();
+        }
+        st.resv_notices.push_back((kind, nsid));
+        if st.resv_notice_outstanding {
+            return;
+        }
+        st.resv_notice_outstanding = true;
+        let dw0 = features::aer_dw0(
+            features::AER_TYPE_IO_COMMAND_SPECIFIC,
+            features::AER_RESERVATION_LOG_AVAILABLE,
+            log_id::RESERVATION_NOTIFICATION,
+        );
+        self.post_event(&mut st, dw0);
+    }
+
+    /// The next Reservation Notification log page (NVMe Base 2.0, Figure 294): the oldest
+    /// notice, taken off the list, or an empty page.
+    fn reservation_log(&self, st: &mut AdminState) -> Vec<u8> {
+        let mut page = vec![0u8; 64];
+        if let Some((kind, nsid)) = st.resv_notices.pop_front() {
+            st.resv_count = match st.resv_count.wrapping_add(1) {
+                0 => 1,
+                c => c,
+            };
+            page[0..8].copy_from_slice(&st.resv_count.to_le_bytes());
+            page[8] = kind;
+            page[9] = st.resv_notices.len() as u8;
+            page[12..16].copy_from_slice(&nsid.to_le_bytes());
+        }
+        page
+    }
+
     /// The ANA groups of the namespaces this I/O controller's host sees.
     pub fn ana_groups(&self) -> BTreeSet<u32> {
         self.subsystem().map_or_else(BTreeSet::new, |s| {
@@ -635,6 +697,12 @@ impl Controller {
                         Status::specific(specific::FEATURE_NOT_SAVEABLE).with_dnr(),
                     );
                 }
+                if matches!(
+                    fid,
+                    features::RESERVATION_NOTIFICATION_MASK | features::RESERVATION_PERSISTENCE
+                ) {
+                    return self.reservation_feature(target, sqe.nsid.get(), fid, Some(cdw11));
+                }
                 self.set_features(target, fid, cdw11)
             }
             AdminCommand::GetFeatures { fid, sel, .. } => {
@@ -651,7 +719,23 @@ impl Controller {
                             | features::KEEP_ALIVE_TIMER
                             | features::ASYNC_EVENT_CONFIG
                     );
-                    return AdminReply::ok(if changeable { 0b100 } else { 0 });
+                    let per_ns = matches!(
+                        fid,
+                        features::RESERVATION_NOTIFICATION_MASK | features::RESERVATION_PERSISTENCE
+                    );
+                    return AdminReply::ok(if per_ns {
+                        0b110
+                    } else if changeable {
+                        0b100
+                    } else {
+                        0
+                    });
+                }
+                if matches!(
+                    fid,
+                    features::RESERVATION_NOTIFICATION_MASK | features::RESERVATION_PERSISTENCE
+                ) {
+                    return self.reservation_feature(target, sqe.nsid.get(), fid, None);
                 }
                 self.get_features(fid)
             }
@@ -726,6 +810,14 @@ impl Controller {
                             0
                         };
                         n.anagrpid.set(ns.ana_group);
+                        ns.reservations
+                            .bind(target.settings.state_dir.as_deref(), &ns.nguid);
+                        n.rescap = crate::reservation::RESCAP
+                            & if ns.reservations.can_persist() {
+                                0xFF
+                            } else {
+                                !1
+                            };
                         n.nguid = ns.nguid;
                         n.eui64 = ns.eui64;
                         n.lbaf[0].lbads = ns.block_shift as u8;
@@ -803,7 +895,7 @@ impl Controller {
                 let nn = s.max_nsid().max(1);
                 c.nn.set(nn);
                 c.mnan.set(nn);
-                c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM);
+                c.oncs.set(ONCS_WRITE_ZEROES | ONCS_DSM | ONCS_RESERVATIONS);
                 // Flush with NSID FFFFFFFFh supported; a volatile write cache is present when a
                 // namespace's backend has one (files and devices: the page cache or the
                 // device's cache), so hosts send Flush and FUA only where they matter.
@@ -877,6 +969,13 @@ impl Controller {
                 }
                 self.ana_log(target, glp.lsp & ANA_LSP_GROUPS_ONLY != 0)
                     .into()
+            }
+            (log_id::RESERVATION_NOTIFICATION, ControllerKind::Io(_)) => {
+                let mut st = self.state.lock();
+                if !glp.rae {
+                    st.resv_notice_outstanding = false;
+                }
+                self.reservation_log(&mut st).into()
             }
             (log_id::ERROR_INFO, _) => {
                 let st = self.state.lock();
@@ -987,6 +1086,45 @@ impl Controller {
                 AdminReply::ok(0)
             }
             _ => invalid_field,
+        }
+    }
+
+    /// Get (`set` None) or Set Features Reservation Notification Mask or Reservation
+    /// Persistence of namespace `nsid`.
+    fn reservation_feature(
+        &self,
+        target: &Target,
+        nsid: u32,
+        fid: u8,
+        set: Option<u32>,
+    ) -> AdminReply {
+        let Some(ns) = self
+            .subsystem()
+            .and_then(|s| s.namespaces().get(&nsid).cloned())
+            .filter(|ns| ns.visible_to(&self.hostnqn))
+        else {
+            return AdminReply::err(Status::generic(generic::INVALID_NAMESPACE).with_dnr());
+        };
+        ns.reservations
+            .bind(target.settings.state_dir.as_deref(), &ns.nguid);
+        match (fid, set) {
+            (features::RESERVATION_NOTIFICATION_MASK, None) => AdminReply::ok(
+                self.state
+                    .lock()
+                    .resv_masks
+                    .get(&nsid)
+                    .copied()
+                    .unwrap_or(0),
+            ),
+            (features::RESERVATION_NOTIFICATION_MASK, Some(v)) => {
+                self.state.lock().resv_masks.insert(nsid, v & 0b1110);
+                AdminReply::ok(0)
+            }
+            (_, None) => AdminReply::ok(u32::from(ns.reservations.snapshot().ptpl())),
+            (_, Some(v)) => match ns.reservations.set_ptpl(v & 1 != 0) {
+                Ok(()) => AdminReply::ok(0),
+                Err(s) => AdminReply::err(s),
+            },
         }
     }
 

@@ -350,6 +350,9 @@ fn from_capsule(op: &IoOp) -> bool {
         } | IoOp::Dsm {
             src: DataSource::InCapsule,
             ..
+        } | IoOp::Reservation {
+            src: DataSource::InCapsule,
+            ..
         }
     )
 }
@@ -531,6 +534,7 @@ impl<T: 'static> Engine<T> {
                 Ok(()) => return Step::Answered,
                 Err(tag) => (tag, len),
             },
+            IoOp::ReservationReport { len, .. } => (tag, len),
             _ if capsule => {
                 let len = w.capsule(&tag).len();
                 (tag, len)
@@ -666,7 +670,9 @@ impl<T: 'static> Engine<T> {
             buf,
         } = done;
         let cqe = self.io_completion(w.sqe(&tag), &req, status);
-        if status.is_success() && matches!(req.op, IoOp::Read { .. }) {
+        if status.is_success()
+            && matches!(req.op, IoOp::Read { .. } | IoOp::ReservationReport { .. })
+        {
             if let Err((tag, fault)) = w.send_read(tag, buf, &cqe, self.q.sq_flow_disabled) {
                 self.fail(w, tag, fault);
             }

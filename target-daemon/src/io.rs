@@ -145,6 +145,32 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
             }
             (Status::SUCCESS, buf)
         }
+        IoOp::Reservation {
+            opcode, cdw10, len, ..
+        } => {
+            let data = buf.get(..len).unwrap_or(&[]);
+            let status = match ns.reservations.apply(&ctrl.hostid, opcode, cdw10, data) {
+                Ok(out) => {
+                    if let Some(s) = ctrl.subsystem() {
+                        s.reservation_notices(ns.nsid, &out);
+                    }
+                    Status::SUCCESS
+                }
+                Err(s) => s,
+            };
+            (status, buf)
+        }
+        IoOp::ReservationReport { len, eds } => {
+            let mut buf = buf;
+            match ns.reservations.report(eds, len) {
+                Ok(report) => {
+                    buf.fill(0);
+                    buf[..report.len()].copy_from_slice(&report);
+                    (Status::SUCCESS, buf)
+                }
+                Err(s) => (s, buf),
+            }
+        }
     }
 }
 

@@ -58,6 +58,7 @@ pub mod ratelimit;
 pub mod rdma;
 pub mod reactor;
 pub mod reconfigure;
+pub mod reservation;
 pub mod subsystem;
 pub mod target;
 pub mod tcp;

@@ -120,6 +120,7 @@ fn op_index(op: &IoOp) -> usize {
         IoOp::Flush => 2,
         IoOp::WriteZeroes { .. } => 3,
         IoOp::Dsm { .. } => 4,
+        IoOp::Reservation { .. } | IoOp::ReservationReport { .. } => 6,
     }
 }
 

@@ -55,6 +55,24 @@ pub enum IoOp {
         /// Deallocate the ranges (otherwise only hints, nothing to do).
         deallocate: bool,
     },
+    /// Reservation Register, Acquire or Release: `len` bytes of keys in the command data.
+    Reservation {
+        /// The opcode.
+        opcode: u8,
+        /// Command dword 10.
+        cdw10: u32,
+        /// Bytes of command data.
+        len: usize,
+        /// Where the data is.
+        src: DataSource,
+    },
+    /// Reservation Report: the reservation status, `len` bytes returned to the host.
+    ReservationReport {
+        /// Bytes the host's buffer holds.
+        len: usize,
+        /// Extended data structure.
+        eds: bool,
+    },
 }
 
 impl IoOp {
@@ -67,6 +85,11 @@ impl IoOp {
                 ..
             } => len,
             IoOp::Dsm {
+                len,
+                src: DataSource::Host,
+                ..
+            }
+            | IoOp::Reservation {
                 len,
                 src: DataSource::Host,
                 ..

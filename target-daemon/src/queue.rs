@@ -30,6 +30,7 @@ use crate::log_limited;
 use crate::metrics::QueueMetrics;
 pub use crate::op::{DataSource, IoOp};
 use crate::ratelimit::LogKind;
+use crate::reservation::Access;
 use crate::subsystem::{Namespace, Subsystem};
 use crate::target::Target;
 
@@ -696,6 +697,8 @@ impl QueueState {
                 .iter()
                 .filter(|(_, ns)| ns.visible_to(&ctrl.hostnqn))
                 .map(|(&nsid, ns)| {
+                    ns.reservations
+                        .bind(self.target.settings.state_dir.as_deref(), &ns.nguid);
                     let refused = ana.state(self.origin.local, ns.ana_group).io_status();
                     (nsid, (QueueNs::new(ns), refused))
                 })
@@ -792,6 +795,8 @@ impl QueueState {
             IoCommand::Read(rw) | IoCommand::Write(rw) => {
                 let write = matches!(cmd, IoCommand::Write(_));
                 let ns = self.namespace(rw.nsid)?;
+                let access = if write { Access::Write } else { Access::Read };
+                ns.reservations.check(&ctrl.hostid, access)?;
                 self.range(&ns, &rw)?;
                 let len = (rw.nlb as usize) << ns.block_shift;
                 if len > self.mdts_bytes {
@@ -815,10 +820,12 @@ impl QueueState {
                     return Ok(req(None, IoOp::Flush));
                 }
                 let ns = self.namespace(sqe.nsid.get())?;
+                ns.reservations.check(&ctrl.hostid, Access::Write)?;
                 Ok(req(Some(ns), IoOp::Flush))
             }
             IoCommand::WriteZeroes { range, deallocate } => {
                 let ns = self.namespace(range.nsid)?;
+                ns.reservations.check(&ctrl.hostid, Access::Write)?;
                 self.range(&ns, &range)?;
                 Ok(req(
                     Some(ns),
@@ -832,6 +839,7 @@ impl QueueState {
             }
             IoCommand::DatasetManagement { ranges, deallocate } => {
                 let ns = self.namespace(sqe.nsid.get())?;
+                ns.reservations.check(&ctrl.hostid, Access::Write)?;
                 // Hosts may transfer more than the ranges (Linux always sends 4 KiB).
                 let len = sqe.dptr.data_length() as usize;
                 if len < usize::from(ranges) * 16 || len > 4096 {
@@ -847,6 +855,34 @@ impl QueueState {
                         deallocate,
                     },
                 ))
+            }
+            IoCommand::Reservation { opcode, cdw10 } => {
+                let ns = self.namespace(sqe.nsid.get())?;
+                // Register and Acquire carry two keys, Release one.
+                let len = if opcode == nvme_spec::opcode::io::RESERVATION_RELEASE {
+                    8
+                } else {
+                    16
+                };
+                let src = self.data_source(sqe, len, icd, false)?;
+                Ok(req(
+                    Some(ns),
+                    IoOp::Reservation {
+                        opcode,
+                        cdw10,
+                        len,
+                        src,
+                    },
+                ))
+            }
+            IoCommand::ReservationReport { len, eds } => {
+                let ns = self.namespace(sqe.nsid.get())?;
+                let len = usize::try_from(len).unwrap_or(usize::MAX);
+                if len > self.mdts_bytes {
+                    return Err(Status::generic(generic::INVALID_FIELD).with_dnr());
+                }
+                self.data_source(sqe, len, icd, true)?;
+                Ok(req(Some(ns), IoOp::ReservationReport { len, eds }))
             }
             IoCommand::Unknown(_) | IoCommand::Fabrics(_) => {
                 Err(Status::generic(generic::INVALID_OPCODE).with_dnr())

@@ -39,6 +39,8 @@ pub struct Namespace {
     pub hosts: Vec<String>,
     /// ANA group ID.
     pub ana_group: u32,
+    /// Reservations, shared by every copy of the namespace ([`Namespace::with_hosts`]).
+    pub reservations: Arc<crate::reservation::Shared>,
 }
 
 impl Namespace {
@@ -76,6 +78,7 @@ impl Namespace {
             description,
             hosts: Vec::new(),
             ana_group: crate::ana::DEFAULT_ANA_GROUP,
+            reservations: Arc::default(),
         }
     }
 
@@ -101,6 +104,7 @@ impl Namespace {
             description: self.description.clone(),
             hosts,
             ana_group: self.ana_group,
+            reservations: Arc::clone(&self.reservations),
         }
     }
 
@@ -350,7 +354,20 @@ impl Subsystem {
         self.controllers.lock().get(&cntlid).cloned()
     }
 
-    /// The live controllers, by controller ID.
+    /// Hands the notices of a reservation command on namespace `nsid` to the controllers of
+    /// the hosts they are for.
+    pub fn reservation_notices(&self, nsid: u32, out: &crate::reservation::Outcome) {
+        if out.notices.is_empty() {
+            return;
+        }
+        for c in self.controllers.lock().values() {
+            for (_, n) in out.notices.iter().filter(|(h, _)| *h == c.hostid) {
+                c.notify_reservation(nsid, *n);
+            }
+        }
+    }
+
+    /// The live controllers.
     pub fn controllers(&self) -> Vec<Arc<Controller>> {
         self.controllers.lock().values().cloned().collect()
     }

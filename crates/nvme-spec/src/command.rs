@@ -113,6 +113,8 @@ pub mod log_id {
     pub const ANA: u8 = 0x0C;
     /// Discovery.
     pub const DISCOVERY: u8 = 0x70;
+    /// Reservation Notification.
+    pub const RESERVATION_NOTIFICATION: u8 = 0x80;
 }
 
 /// A fabrics command (NVMe-oF 1.1, section 3.3).
@@ -190,6 +192,21 @@ pub enum IoCommand {
         ranges: u16,
         /// Attribute: deallocate.
         deallocate: bool,
+    },
+    /// Reservation Register, Acquire or Release (the opcode says which): CDW10 and 16 bytes
+    /// of data (8 for Release), decoded by the target's reservation module.
+    Reservation {
+        /// The opcode.
+        opcode: u8,
+        /// Command dword 10 (action, IEKEY, RTYPE, CPTPL).
+        cdw10: u32,
+    },
+    /// Reservation Report.
+    ReservationReport {
+        /// Bytes the host's buffer holds (from the 0's based NUMD, in dwords).
+        len: u64,
+        /// Extended data structure (128-bit host identifiers).
+        eds: bool,
     },
     /// A fabrics command (opcode 0x7F) on an I/O queue.
     Fabrics(FabricsCommand),
@@ -358,6 +375,16 @@ impl IoCommand {
                 ranges: (sqe.cdw10.get() & 0xFF) as u16 + 1,
                 deallocate: sqe.cdw11.get() & (1 << 2) != 0,
             },
+            io::RESERVATION_REGISTER | io::RESERVATION_ACQUIRE | io::RESERVATION_RELEASE => {
+                IoCommand::Reservation {
+                    opcode: sqe.opcode,
+                    cdw10: sqe.cdw10.get(),
+                }
+            }
+            io::RESERVATION_REPORT => IoCommand::ReservationReport {
+                len: (u64::from(sqe.cdw10.get()) + 1) * 4,
+                eds: sqe.cdw11.get() & 1 != 0,
+            },
             other => IoCommand::Unknown(other),
         }
     }
@@ -385,6 +412,23 @@ pub mod build {
         sqe.cdw10 = U32::new(slba as u32);
         sqe.cdw11 = U32::new((slba >> 32) as u32);
         sqe.cdw12 = U32::new(nlb.saturating_sub(1) & 0xFFFF);
+        sqe
+    }
+
+    /// Reservation Register (`opcode` RESERVATION_REGISTER), Acquire or Release with
+    /// command dword 10 `cdw10`; the data (the keys) goes with it.
+    pub fn reservation(opcode: u8, cid: u16, nsid: u32, cdw10: u32) -> Sqe {
+        let mut sqe = base(opcode, cid, nsid);
+        sqe.cdw10 = U32::new(cdw10);
+        sqe
+    }
+
+    /// Reservation Report into a buffer of `len` bytes (a multiple of 4, at least 4), with
+    /// the extended data structure when `eds`.
+    pub fn reservation_report(cid: u16, nsid: u32, len: u32, eds: bool) -> Sqe {
+        let mut sqe = base(io::RESERVATION_REPORT, cid, nsid);
+        sqe.cdw10 = U32::new((len / 4).saturating_sub(1));
+        sqe.cdw11 = U32::new(u32::from(eds));
         sqe
     }
 
@@ -619,6 +663,21 @@ mod tests {
         };
         assert_eq!(AdminCommand::parse(&sqe), AdminCommand::Unknown(0x99));
         assert_eq!(IoCommand::parse(&sqe), IoCommand::Unknown(0x99));
+        let r = build::reservation(io::RESERVATION_ACQUIRE, 1, 1, 0x0201);
+        assert_eq!(
+            IoCommand::parse(&r),
+            IoCommand::Reservation {
+                opcode: io::RESERVATION_ACQUIRE,
+                cdw10: 0x0201
+            }
+        );
+        assert_eq!(
+            IoCommand::parse(&build::reservation_report(1, 1, 4096, true)),
+            IoCommand::ReservationReport {
+                len: 4096,
+                eds: true
+            }
+        );
         sqe.opcode = 0x7F;
         sqe.nsid = zerocopy::little_endian::U32::new(0x42);
         assert_eq!(

@@ -16,6 +16,10 @@ pub const INTERRUPT_COALESCING: u8 = 0x08;
 pub const ASYNC_EVENT_CONFIG: u8 = 0x0B;
 /// Keep Alive Timer (CDW11 = KATO in milliseconds).
 pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
+/// Reservation Notification Mask (namespace specific).
+pub const RESERVATION_NOTIFICATION_MASK: u8 = 0x82;
+/// Reservation Persistence (namespace specific).
+pub const RESERVATION_PERSISTENCE: u8 = 0x83;
 
 /// Asynchronous Event Configuration bit: Namespace Attribute Notices.
 pub const AEC_NS_ATTRIBUTE_NOTICES: u32 = 1 << 8;
@@ -33,6 +37,11 @@ pub mod aer_type {
     /// Notice.
     pub const NOTICE: u8 = 2;
 }
+
+/// Event type of completion DW0 bits 2:0: I/O command specific status.
+pub const AER_TYPE_IO_COMMAND_SPECIFIC: u8 = 6;
+/// I/O command specific event information: a Reservation Notification log page is available.
+pub const AER_RESERVATION_LOG_AVAILABLE: u8 = 0;
 
 /// Notice event information values (completion DW0 bits 15:8 with type NOTICE).
 pub mod aer_notice {

@@ -195,6 +195,8 @@ pub mod cntrltype {
 
 /// ONCS bit: Write Zeroes supported.
 pub const ONCS_WRITE_ZEROES: u16 = 1 << 3;
+/// ONCS bit: reservations supported.
+pub const ONCS_RESERVATIONS: u16 = 1 << 5;
 /// ONCS bit: Dataset Management supported.
 pub const ONCS_DSM: u16 = 1 << 2;
 /// SGLS bits 1:0 = 01b: SGLs supported with no alignment requirement.
