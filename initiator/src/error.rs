@@ -358,6 +358,10 @@ pub(crate) fn command_name(admin: bool, opcode: u8, fctype: u8) -> &'static str 
             io::FLUSH => "Flush",
             io::WRITE_ZEROES => "Write Zeroes",
             io::DATASET_MANAGEMENT => "Dataset Management",
+            io::RESERVATION_REGISTER => "Reservation Register",
+            io::RESERVATION_REPORT => "Reservation Report",
+            io::RESERVATION_ACQUIRE => "Reservation Acquire",
+            io::RESERVATION_RELEASE => "Reservation Release",
             io::COMPARE => "Compare",
             _ => "I/O command",
         }

@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use nvme_spec::command::build;
+use nvme_spec::opcode::io;
 use nvme_spec::{Cqe, Sqe};
 
 use crate::buffer::{ReadDest, WriteSource, buffer_error};
@@ -452,6 +453,92 @@ impl Namespace {
         Ok(())
     }
 
+    /// Runs a reservation command carrying `keys` (little-endian, one after the other).
+    async fn reservation(&self, opcode: u8, cdw10: u32, keys: &[u64]) -> Result<(), Error> {
+        let q = self.queue()?;
+        let req = Request {
+            sqe: build::reservation(opcode, 0, self.info.nsid, cdw10),
+            dir: DataDir::FromHost,
+            len: (keys.len() * 8) as u32,
+            retry: Retry::Never,
+            timeout: Some(self.ctrl.shared().opts.timeouts.io),
+        };
+        let fill = |b: &mut [u8]| {
+            for (slot, k) in b.chunks_exact_mut(8).zip(keys) {
+                slot.copy_from_slice(&k.to_le_bytes());
+            }
+            Ok(())
+        };
+        q.execute(req, fill, |_| ()).await.map(|_| ())
+    }
+
+    /// Reservation Register: registers `nrkey` ([`ResvRegister::Register`]), unregisters, or
+    /// replaces the key with `nrkey`; `crkey` is the current key, unchecked when `iekey`.
+    /// `cptpl` changes Persist Through Power Loss (0 no change, 2 off, 3 on).
+    pub async fn resv_register(
+        &self,
+        action: ResvRegister,
+        crkey: u64,
+        nrkey: u64,
+        iekey: bool,
+        cptpl: u8,
+    ) -> Result<(), Error> {
+        if cptpl > 3 {
+            return Err(Error::InvalidArgument(format!("cptpl {cptpl} is not 0..3")));
+        }
+        let cdw10 = action as u32 | u32::from(iekey) << 3 | u32::from(cptpl) << 30;
+        self.reservation(io::RESERVATION_REGISTER, cdw10, &[crkey, nrkey])
+            .await
+    }
+
+    /// Reservation Acquire of type `rtype` (1..6) with the current key `crkey`: acquires,
+    /// or preempts (and aborts) the registrants with key `prkey`.
+    pub async fn resv_acquire(
+        &self,
+        action: ResvAcquire,
+        rtype: u8,
+        crkey: u64,
+        prkey: u64,
+        iekey: bool,
+    ) -> Result<(), Error> {
+        let cdw10 = action as u32 | u32::from(iekey) << 3 | u32::from(rtype) << 8;
+        self.reservation(io::RESERVATION_ACQUIRE, cdw10, &[crkey, prkey])
+            .await
+    }
+
+    /// Reservation Release of the reservation of type `rtype` held with key `crkey`, or
+    /// Clear of every registration and the reservation.
+    pub async fn resv_release(
+        &self,
+        action: ResvRelease,
+        rtype: u8,
+        crkey: u64,
+        iekey: bool,
+    ) -> Result<(), Error> {
+        let cdw10 = action as u32 | u32::from(iekey) << 3 | u32::from(rtype) << 8;
+        self.reservation(io::RESERVATION_RELEASE, cdw10, &[crkey])
+            .await
+    }
+
+    /// Reservation Report: the namespace's registrants and reservation. `eds` asks for the
+    /// extended data structure (128-bit host identifiers), which NVMe over Fabrics
+    /// controllers require; without it they answer Host Identifier Inconsistent Format.
+    pub async fn resv_report(&self, eds: bool) -> Result<ReservationStatus, Error> {
+        let q = self.queue()?;
+        let len = 4096u32;
+        let req = Request {
+            sqe: build::reservation_report(0, self.info.nsid, len, eds),
+            dir: DataDir::ToHost,
+            len,
+            retry: Retry::Always,
+            timeout: Some(self.ctrl.shared().opts.timeouts.io),
+        };
+        let (_, status) = q
+            .execute(req, |_| Ok(()), |d: &[u8]| ReservationStatus::parse(d, eds))
+            .await?;
+        Ok(status)
+    }
+
     /// Sends one command per `per`-block piece of a range, several in flight.
     async fn per_range<F>(&self, lba: u64, blocks: u64, per: u64, sqe: F) -> Result<(), Error>
     where
@@ -549,5 +636,100 @@ impl Controller {
                 uuid: None,
             },
         ))
+    }
+}
+
+/// Reservation Register actions (RREGA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResvRegister {
+    /// Register a key.
+    Register = 0,
+    /// Unregister.
+    Unregister = 1,
+    /// Replace the key.
+    Replace = 2,
+}
+
+/// Reservation Acquire actions (RACQA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResvAcquire {
+    /// Acquire the reservation.
+    Acquire = 0,
+    /// Preempt the registrants with a key.
+    Preempt = 1,
+    /// Preempt and abort their commands.
+    PreemptAndAbort = 2,
+}
+
+/// Reservation Release actions (RRELA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResvRelease {
+    /// Release the reservation.
+    Release = 0,
+    /// Clear every registration and the reservation.
+    Clear = 1,
+}
+
+/// One registrant of a [`ReservationStatus`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registrant {
+    /// Controller ID (FFFFh: any of the host's controllers).
+    pub cntlid: u16,
+    /// Whether the registrant holds the reservation.
+    pub holds: bool,
+    /// Its reservation key.
+    pub rkey: u64,
+    /// Its host identifier (8 bytes in the non-extended structure).
+    pub hostid: Vec<u8>,
+}
+
+/// The Reservation Status data structure (NVMe Base 2.0, Figures 568-571).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReservationStatus {
+    /// Generation.
+    pub generation: u32,
+    /// Reservation type (0: none).
+    pub rtype: u8,
+    /// Persist Through Power Loss State.
+    pub ptpl: bool,
+    /// Registrants.
+    pub registrants: Vec<Registrant>,
+}
+
+impl ReservationStatus {
+    /// Parses the structure (extended when `eds`); registrants beyond the data are left out.
+    pub fn parse(d: &[u8], eds: bool) -> Self {
+        let u16_at = |o: usize| {
+            d.get(o..o + 2)
+                .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]))
+        };
+        let u64_at = |o: usize| {
+            d.get(o..o + 8)
+                .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        };
+        let regctl = usize::from(u16_at(5));
+        let (head, size) = if eds { (64, 64) } else { (24, 24) };
+        let registrants = (0..regctl)
+            .map(|i| head + i * size)
+            .take_while(|&o| o + size <= d.len())
+            .map(|o| Registrant {
+                cntlid: u16_at(o),
+                holds: d[o + 2] & 1 != 0,
+                rkey: if eds { u64_at(o + 8) } else { u64_at(o + 16) },
+                hostid: if eds {
+                    d[o + 16..o + 32].to_vec()
+                } else {
+                    d[o + 8..o + 16].to_vec()
+                },
+            })
+            .collect();
+        ReservationStatus {
+            generation: d
+                .get(0..4)
+                .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            rtype: d.get(4).copied().unwrap_or(0),
+            ptpl: d.get(9).is_some_and(|b| b & 1 != 0),
+            registrants,
+        }
     }
 }
