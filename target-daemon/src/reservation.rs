@@ -19,10 +19,11 @@ pub type HostId = [u8; 16];
 
 pub use nvme_spec::status::generic::RESERVATION_CONFLICT;
 
-/// Reservation capabilities (RESCAP) of Identify Namespace: Persist Through Power Loss and
-/// the six reservation types (bits 0..6); no Ignore Existing Key change (bit 7 clear: IEKEY is
-/// honoured by every command, as NVMe 1.3 and later say).
-pub const RESCAP: u8 = 0x7F;
+/// Reservation capabilities (RESCAP) of Identify Namespace: Persist Through Power Loss (bit 0,
+/// left out without a state directory), the six reservation types (bits 1..6) and Ignore
+/// Existing Key as NVMe 1.3 defines it (bit 7: IEKEY applies to Register; Acquire and Release
+/// with it are refused with Invalid Field).
+pub const RESCAP: u8 = 0xFF;
 
 /// Reservation types (NVMe Base 2.0, Figure 562).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -449,7 +450,11 @@ impl Reservations {
         crkey: u64,
         prkey: u64,
     ) -> Result<Outcome, Status> {
-        self.registered_with(host, iekey, crkey)?;
+        // Ignore Existing Key is for Register only (as Linux nvmet answers).
+        if iekey {
+            return Err(invalid_field());
+        }
+        self.registered_with(host, false, crkey)?;
         let mut out = Outcome::default();
         if action == AcquireAction::Acquire {
             return match self.reservation {
@@ -469,6 +474,7 @@ impl Reservations {
                 .map(|&(h, _)| h)
                 .collect()
         };
+        let mut released = false;
         let mut victims = match self.reservation {
             // An All Registrants reservation with PRKEY zero: every other registrant goes and
             // this host takes a reservation of the new type.
@@ -482,15 +488,17 @@ impl Reservations {
                 self.reservation = Some((rtype, *host));
                 others
             }
+            // The holder preempting itself changes the type only.
+            Some((t, holder)) if !t.all_registrants() && holder == *host => {
+                self.reservation = Some((rtype, *host));
+                released = t != rtype;
+                Vec::new()
+            }
             // The holder's key: its registrants go and this host holds the new reservation.
             Some((t, holder)) if !t.all_registrants() && self.key_of(&holder) == Some(prkey) => {
                 let victims = preempted(self);
-                if holder != *host || t != rtype {
-                    self.reservation = Some((rtype, *host));
-                    if holder != *host {
-                        out.notices.push((holder, Notice::ReservationPreempted));
-                    }
-                }
+                self.reservation = Some((rtype, *host));
+                released = t != rtype;
                 victims
             }
             Some(_) if prkey == 0 => return Err(invalid_field()),
@@ -511,6 +519,9 @@ impl Reservations {
         }
         out.notices
             .extend(victims.iter().map(|&v| (v, Notice::RegistrationPreempted)));
+        if released {
+            self.notify_others(host, Notice::ReservationReleased, &mut out);
+        }
         if action == AcquireAction::PreemptAndAbort {
             out.aborted = victims;
         }
@@ -527,7 +538,10 @@ impl Reservations {
         rtype: u8,
         crkey: u64,
     ) -> Result<Outcome, Status> {
-        self.registered_with(host, iekey, crkey)?;
+        if iekey {
+            return Err(invalid_field());
+        }
+        self.registered_with(host, false, crkey)?;
         let mut out = Outcome::default();
         match action {
             ReleaseAction::Release => {
@@ -564,6 +578,9 @@ impl Reservations {
     pub fn report(&self, eds: bool, room: usize) -> Result<Vec<u8>, Status> {
         if !eds {
             return Err(Status::generic(generic::HOST_ID_INCONSISTENT).with_dnr());
+        }
+        if room < 64 {
+            return Err(invalid_field());
         }
         let mut out = vec![0u8; 64 + 64 * self.registrants.len()];
         out[0..4].copy_from_slice(&self.generation.to_le_bytes());
@@ -902,7 +919,20 @@ mod tests {
         assert!(is_conflict(r.apply(&B, unreg(true, 0))), "not registered");
         r.apply(&A, unreg(true, 0)).unwrap();
         assert_eq!(r.key_of(&A), None);
-        assert_eq!(r.generation(), 2);
+        // Acquire and Release refuse IEKEY.
+        reg(&mut r, &A, 7).unwrap();
+        let iekey_acquire = ResvCommand::Acquire {
+            action: AcquireAction::Acquire,
+            iekey: true,
+            rtype: ResvType::WriteExclusive,
+            crkey: 7,
+            prkey: 0,
+        };
+        assert_eq!(
+            r.apply(&A, iekey_acquire).unwrap_err().sc,
+            generic::INVALID_FIELD
+        );
+        assert_eq!(r.generation(), 3);
     }
 
     #[test]
@@ -954,7 +984,8 @@ mod tests {
         assert_eq!((d[4], d[5], d[64 + 2]), (1, 1, 1));
         assert_eq!(&d[64 + 8..64 + 16], &0x1122u64.to_le_bytes());
         assert_eq!(&d[64 + 16..64 + 32], &A);
-        assert_eq!(r.report(true, 10).unwrap().len(), 10);
+        assert_eq!(r.report(true, 64).unwrap().len(), 64, "the header alone");
+        assert_eq!(r.report(true, 60).unwrap_err().sc, generic::INVALID_FIELD);
     }
 
     #[test]
@@ -1060,6 +1091,7 @@ mod tests {
                     };
                     let (victims, take) = match self.resv {
                         Some((rt, _)) if rt >= 5 && prkey == 0 => (others(self, true), true),
+                        Some((rt, a)) if rt < 5 && a == h => (Vec::new(), true),
                         Some((rt, a)) if rt < 5 && self.keys.get(&a) == Some(&prkey) => {
                             (others(self, false), true)
                         }

@@ -14,6 +14,25 @@
 [ -n "$TARGET_PORT" ] && [ -n "$TARGET_NQN" ] && [ -n "$HOST_A" ] && [ -n "$HOSTID_A" ] &&
     [ -n "$HOST_B" ] && [ -n "$HOSTID_B" ] ||
     fail "TARGET_PORT, TARGET_NQN, HOST_A, HOSTID_A, HOST_B and HOSTID_B are required"
+# Native multipath off (each controller its own block device): the boot modules were loaded
+# without parameters, so nvme_core and the host modules above it are loaded again.
+if [ "$(cat /sys/module/nvme_core/parameters/multipath)" != N ]; then
+    i=0
+    while grep -q '^nvme_core ' /proc/modules; do
+        for m in $(awk '$1 ~ /^nvme/ && $1 !~ /^nvmet/ && $3 == 0 {print $1}' /proc/modules); do
+            rmmod "$m" 2>/dev/null
+        done
+        i=$((i + 1)); [ $i -lt 20 ] || fail "cannot unload nvme_core: $(grep nvme /proc/modules)"
+    done
+    while read -r mod; do
+        name=$(basename "$mod" .ko | tr - _)
+        case "$name" in
+        nvmet*) continue ;;
+        nvme_core) step insmod "/lib/modules/$(uname -r)/$mod" multipath=N ;;
+        nvme*) grep -q "^$name " /proc/modules || step insmod "/lib/modules/$(uname -r)/$mod" ;;
+        esac
+    done </etc/interop/modules.boot
+fi
 [ "$(cat /sys/module/nvme_core/parameters/multipath)" = N ] || fail "native NVMe multipath is on"
 
 for h in A B; do
@@ -52,7 +71,7 @@ oncs=$(echo "$out" | sed -n 's/^oncs *: *//p')
 [ $((oncs & 0x20)) -ne 0 ] || fail "id-ctrl: ONCS does not advertise reservations"
 out=$(nvme id-ns "$da") || fail "nvme id-ns failed"
 echo "$out" | grep -E '^rescap '
-echo "$out" | grep -qE '^rescap +: 0x7f$' || fail "id-ns: RESCAP is not 0x7f"
+echo "$out" | grep -qE '^rescap +: 0xff$' || fail "id-ns: RESCAP is not 0xff"
 
 # nvme-cli before 2.5 has no --eds: the extended structure is CDW11 bit 0.
 eds=--eds

@@ -67,7 +67,6 @@ fn kernel_hosts_reserve_conflict_preempt_and_keep_reservations_across_a_kill() {
                 "--timeout",
                 "900",
             ])
-            .args(["--append", "nvme_core.multipath=N"])
             .args(["--env", &format!("TARGET_PORT={port}")])
             .args(["--env", &format!("TARGET_NQN={NQN}")])
             .args(["--env", &format!("HOST_A={HOST_A}")])

@@ -89,7 +89,10 @@ fn two_hosts_register_acquire_conflict_preempt_and_release() {
         let (cc, c) = connect(&t, HOST_C, ID_C).await;
 
         let id = ca.identify_namespace(1).await.unwrap();
-        assert_eq!(id.rescap, 0x7F, "PTPL and the six types");
+        assert_eq!(
+            id.rescap, 0xFF,
+            "PTPL, the six types and IEKEY as NVMe 1.3 defines it"
+        );
         let ctrl = ca.identify_controller().await.unwrap();
         assert_ne!(ctrl.oncs.get() & (1 << 5), 0, "ONCS reservations");
 
