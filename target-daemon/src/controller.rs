@@ -1173,6 +1173,41 @@ mod tests {
     }
 
     #[test]
+    fn reservation_notices_fill_the_log_page_once_each_and_respect_the_mask() {
+        use crate::reservation::Notice;
+        use nvme_spec::command::build;
+        let (t, c) = io_controller();
+        let origin = crate::testing::origin();
+        let page = |c: &Controller| {
+            let sqe = build::get_log_page(1, log_id::RESERVATION_NOTIFICATION, 0, 64, 0);
+            match c.admin(&t, origin, &sqe, AdminCommand::parse(&sqe)) {
+                AdminReply::Complete {
+                    data: Some(d),
+                    status,
+                    ..
+                } if status.is_success() => d,
+                _ => panic!("no log page"),
+            }
+        };
+        c.notify_reservation(1, Notice::RegistrationPreempted);
+        c.notify_reservation(1, Notice::ReservationReleased);
+        let first = page(&c);
+        assert_eq!(u64::from_le_bytes(first[0..8].try_into().unwrap()), 1);
+        assert_eq!((first[8], first[9]), (1, 1), "type, one more available");
+        assert_eq!(u32::from_le_bytes(first[12..16].try_into().unwrap()), 1);
+        let second = page(&c);
+        assert_eq!((second[0], second[8], second[9]), (2, 2, 0));
+        assert!(page(&c).iter().all(|&b| b == 0), "empty once read");
+        // Set Features 82h masks Reservation Released (bit 2) on namespace 1.
+        let mut set = build::set_features(2, features::RESERVATION_NOTIFICATION_MASK, 1 << 2);
+        set.nsid.set(1);
+        let reply = c.admin(&t, origin, &set, AdminCommand::parse(&set));
+        assert!(matches!(reply, AdminReply::Complete { status, .. } if status.is_success()));
+        c.notify_reservation(1, Notice::ReservationReleased);
+        assert!(page(&c).iter().all(|&b| b == 0), "masked");
+    }
+
+    #[test]
     fn cc_and_csts_follow_enable_reset_and_shutdown() {
         let (t, c) = io_controller();
         let csts = |c: &Controller| c.property_get(&t, property::CSTS, false).unwrap() as u32;

@@ -377,36 +377,28 @@ impl Reservations {
             RegisterAction::Register => match self.key_of(host) {
                 Some(k) if k == nrkey => {}
                 Some(_) => return Err(conflict()),
-                None => {
-                    self.registrants.push((*host, nrkey));
-                    self.generation = self.generation.wrapping_add(1);
-                    out.changed = true;
-                }
+                None => self.registrants.push((*host, nrkey)),
             },
             RegisterAction::Unregister => {
                 self.registered_with(host, iekey, crkey)?;
                 self.unregister(host, &mut out);
-                self.generation = self.generation.wrapping_add(1);
-                out.changed = true;
             }
             RegisterAction::Replace => {
                 self.registered_with(host, iekey, crkey)?;
                 if let Some(r) = self.registrants.iter_mut().find(|(h, _)| h == host) {
                     r.1 = nrkey;
                 }
-                self.generation = self.generation.wrapping_add(1);
-                out.changed = true;
             }
         }
+        // Every successful Register counts, even one that changes nothing (as Linux nvmet).
+        self.generation = self.generation.wrapping_add(1);
+        out.changed = true;
         let ptpl = match cptpl {
             Cptpl::Keep => self.ptpl,
             Cptpl::Clear => false,
             Cptpl::Set => true,
         };
-        if ptpl != self.ptpl {
-            self.ptpl = ptpl;
-            out.changed = true;
-        }
+        self.ptpl = ptpl;
         Ok(out)
     }
 
@@ -932,7 +924,7 @@ mod tests {
             r.apply(&A, iekey_acquire).unwrap_err().sc,
             generic::INVALID_FIELD
         );
-        assert_eq!(r.generation(), 3);
+        assert_eq!(r.generation(), 4);
     }
 
     #[test]

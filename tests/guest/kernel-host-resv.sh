@@ -7,13 +7,14 @@
 # Persist Through Power Loss on, B's reservation survives the test killing and restarting the
 # target (it acts when this script prints "STEP kill"), then B clears everything.
 #
-# Environment: TARGET_PORT, TARGET_NQN, HOST_A, HOSTID_A, HOST_B, HOSTID_B (required).
+# Environment: PORT_A, PORT_B (the target's two listeners), TARGET_NQN, HOST_A, HOSTID_A,
+# HOST_B, HOSTID_B (required).
 . /usr/lib/interop/interop.sh
 
 : "${TARGET_ADDR:=10.0.2.2}" "${FIO_SIZE:=4M}"
-[ -n "$TARGET_PORT" ] && [ -n "$TARGET_NQN" ] && [ -n "$HOST_A" ] && [ -n "$HOSTID_A" ] &&
+[ -n "$PORT_A" ] && [ -n "$PORT_B" ] && [ -n "$TARGET_NQN" ] && [ -n "$HOST_A" ] && [ -n "$HOSTID_A" ] &&
     [ -n "$HOST_B" ] && [ -n "$HOSTID_B" ] ||
-    fail "TARGET_PORT, TARGET_NQN, HOST_A, HOSTID_A, HOST_B and HOSTID_B are required"
+    fail "PORT_A, PORT_B, TARGET_NQN, HOST_A, HOSTID_A, HOST_B and HOSTID_B are required"
 # Native multipath off (each controller its own block device): the boot modules were loaded
 # without parameters, so nvme_core and the host modules above it are loaded again.
 if [ "$(cat /sys/module/nvme_core/parameters/multipath)" != N ]; then
@@ -35,9 +36,10 @@ if [ "$(cat /sys/module/nvme_core/parameters/multipath)" != N ]; then
 fi
 [ "$(cat /sys/module/nvme_core/parameters/multipath)" = N ] || fail "native NVMe multipath is on"
 
+# Each host through its own listener (nvme-cli refuses a second connection to one address).
 for h in A B; do
-    eval "nqn=\$HOST_$h id=\$HOSTID_$h"
-    step nvme connect -t tcp -a "$TARGET_ADDR" -s "$TARGET_PORT" -n "$TARGET_NQN" \
+    eval "nqn=\$HOST_$h id=\$HOSTID_$h port=\$PORT_$h"
+    step nvme connect -t tcp -a "$TARGET_ADDR" -s "$port" -n "$TARGET_NQN" \
         --hostnqn="$nqn" --hostid="$id" --reconnect-delay=1 --ctrl-loss-tmo=120
 done
 # ctrl_of HOSTNQN: the controller that host NQN opened.
@@ -126,9 +128,15 @@ step nvme resv-register "$db" --crkey=0xb2 --nrkey=0xb2 --rrega=0 --cptpl=3
 step nvme resv-acquire "$db" --crkey=0xb2 --rtype=1 --racqa=0
 report "$da" 1 1
 echo "STEP kill"
-# The test kills the target and starts it again: both controllers reconnect.
+# The test kills the target (the host's controller leaves the live state) and starts it
+# again: both controllers reconnect.
 i=0
-sleep 2
+while [ "$(cat /sys/class/nvme/"$cb"/state)" = live ]; do
+    i=$((i + 1)); [ $i -lt 600 ] || fail "the controller stayed live: the target was not killed"
+    sleep 0.05
+done
+log "controller $cb: $(cat /sys/class/nvme/"$cb"/state)"
+i=0
 while [ "$(cat /sys/class/nvme/"$ca"/state)" != live ] || [ "$(cat /sys/class/nvme/"$cb"/state)" != live ]; do
     i=$((i + 1)); [ $i -lt 1200 ] || fail "the controllers did not reconnect"
     sleep 0.1

@@ -35,10 +35,11 @@ fn wait_marker(guest: &BackgroundGuest, marker: &str) -> bool {
     false
 }
 
-fn start(dir: &Path, port: u16, file: &Path, state: &Path) -> TargetProcess {
+fn start(dir: &Path, (port, port_b): (u16, u16), file: &Path, state: &Path) -> TargetProcess {
     std::fs::create_dir_all(dir).unwrap();
     let toml = format!(
         "[target]\nstate_dir = \"{}\"\n\n[[listener]]\naddress = \"tcp://127.0.0.1:{port}\"\n\n\
+         [[listener]]\naddress = \"tcp://127.0.0.1:{port_b}\"\n\n\
          [[subsystem]]\nnqn = \"{NQN}\"\nhosts = [\"{HOST_A}\", \"{HOST_B}\"]\n\n\
          [[subsystem.namespace]]\nbackend = \"file:{},size=32M\"\n",
         state.display(),
@@ -55,8 +56,8 @@ fn kernel_hosts_reserve_conflict_preempt_and_keep_reservations_across_a_kill() {
     let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let (file, state) = (root.path().join("ns.img"), root.path().join("state"));
     std::fs::create_dir_all(&state).unwrap();
-    let port = free_port();
-    let mut t = Some(start(&root.path().join("t1"), port, &file, &state));
+    let ports = (free_port(), free_port());
+    let mut t = Some(start(&root.path().join("t1"), ports, &file, &state));
     let mut guest = BackgroundGuest::start(
         GuestKernel::Linux61
             .guest_sh("start")
@@ -67,7 +68,8 @@ fn kernel_hosts_reserve_conflict_preempt_and_keep_reservations_across_a_kill() {
                 "--timeout",
                 "900",
             ])
-            .args(["--env", &format!("TARGET_PORT={port}")])
+            .args(["--env", &format!("PORT_A={}", ports.0)])
+            .args(["--env", &format!("PORT_B={}", ports.1)])
             .args(["--env", &format!("TARGET_NQN={NQN}")])
             .args(["--env", &format!("HOST_A={HOST_A}")])
             .args(["--env", &format!("HOSTID_A={HOSTID_A}")])
@@ -80,7 +82,7 @@ fn kernel_hosts_reserve_conflict_preempt_and_keep_reservations_across_a_kill() {
         let mut old = t.take().expect("target runs");
         first_log = old.log();
         old.crash();
-        t = Some(start(&root.path().join("t2"), port, &file, &state));
+        t = Some(start(&root.path().join("t2"), ports, &file, &state));
     }
     let finished = wait_marker(&guest, "GUEST-EXIT");
     let code = guest.stop();
