@@ -151,6 +151,11 @@ pub async fn execute(ctrl: &Controller, req: &IoRequest, buf: IoBuf) -> (Status,
             let data = buf.get(..len).unwrap_or(&[]);
             let status = match ns.reservations.apply(&ctrl.hostid, opcode, cdw10, data) {
                 Ok(out) => {
+                    if !out.aborted.is_empty() {
+                        let hosts: Vec<String> =
+                            out.aborted.iter().map(crate::reservation::hex).collect();
+                        tracing::info!(cntlid = ctrl.cntlid, hostnqn = %ctrl.hostnqn, nsid = ns.nsid, preempted = ?hosts, "reservation preempted and aborted");
+                    }
                     if let Some(s) = ctrl.subsystem() {
                         s.reservation_notices(ns.nsid, &out);
                     }

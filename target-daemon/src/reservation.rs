@@ -197,10 +197,17 @@ pub enum Notice {
 pub struct Outcome {
     /// Notices owed to other hosts.
     pub notices: Vec<(HostId, Notice)>,
-    /// Hosts whose commands in flight must be aborted (Preempt and Abort).
+    /// The hosts a Preempt and Abort preempted. Their commands admitted before it run to
+    /// completion (commands on this target complete promptly); every later one is checked
+    /// against the new state.
     pub aborted: Vec<HostId>,
     /// Whether the state changed.
     pub changed: bool,
+}
+
+/// A host identifier in hexadecimal, as logs and the state file write it.
+pub fn hex(h: &HostId) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn conflict() -> Status {
@@ -595,7 +602,6 @@ impl Reservations {
     /// The state as text to persist (one line per fact).
     pub fn encode(&self) -> String {
         let mut s = format!("nvmeof-reservations 1\ngeneration {}\n", self.generation);
-        let hex = |h: &HostId| h.iter().map(|b| format!("{b:02x}")).collect::<String>();
         for (h, k) in &self.registrants {
             let _ = writeln!(s, "registrant {} {k:016x}", hex(h));
         }
@@ -669,8 +675,7 @@ impl Shared {
     pub fn bind(&self, dir: Option<&std::path::Path>, nguid: &[u8; 16]) {
         self.file.get_or_init(|| {
             let dir = dir?;
-            let name: String = nguid.iter().map(|b| format!("{b:02x}")).collect();
-            let path = dir.join(format!("reservations-{name}"));
+            let path = dir.join(format!("reservations-{}", hex(nguid)));
             match std::fs::read_to_string(&path) {
                 Ok(text) => match Reservations::decode(&text) {
                     Ok(r) => {
