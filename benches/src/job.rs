@@ -9,7 +9,7 @@
 //!
 //! ```toml
 //! [global]
-//! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma
+//! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma | iscsi[=HOST:PORT]
 //! backend = "mem:1G"         # the namespace kind, for DAS and for the target the load
 //!                            # generator starts (tcp, tcp-bin); pcie:DOMAIN:BUS:DEV.FN drives
 //!                            # a drive bound to vfio-pci (das and tcp share its controller)
@@ -64,7 +64,12 @@
 //! targets need a `mem` or `null` backend, and the das mode reads its `K` namespaces whatever
 //! `targets` says.
 //!
-//! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`,
+//! The `iscsi` mode starts Debian's tgt on this machine with a LUN per namespace of the
+//! `backend`'s size (see [`crate::iscsi`]); `iscsi=HOST:PORT` reads the target `iqn` there,
+//! LUNs from `lun` on. `queue_pairs` is the number of iSCSI sessions (one connection each),
+//! `api`, `dest = "gpu"` and `issue = "gpu"` do not apply, and `targets` stays 1.
+//!
+//! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`, `iqn`, `lun`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
@@ -1850,6 +1855,35 @@ mod tests {
         assert_eq!(p.modes[1].label(), "tcp@127.0.0.1:4420");
         assert_eq!(p.points[0].runtime, Some(Duration::from_millis(300)));
         assert!(!p.points[0].verify);
+    }
+
+    #[test]
+    fn iscsi_modes_and_keys() {
+        assert_eq!(
+            "iscsi".parse::<Mode>().unwrap(),
+            Mode::Iscsi { addr: None }
+        );
+        let at = "iscsi=192.0.2.1:3260".parse::<Mode>().unwrap();
+        assert_eq!(at.label(), "iscsi@192.0.2.1:3260");
+        assert!(!at.owns_target());
+        assert!(Mode::Iscsi { addr: None }.owns_target());
+        assert!("iscsi=nohost".parse::<Mode>().is_err());
+        let p = plan(
+            "[global]\nmodes = [\"das\", \"iscsi\"]\niqn = \"iqn.2026-11.io.example:disk\"\nlun = 3\n[[job]]",
+        )
+        .unwrap();
+        assert_eq!((p.iqn.as_str(), p.lun), ("iqn.2026-11.io.example:disk", Some(3)));
+        let p = plan("[[job]]").unwrap();
+        assert_eq!((p.iqn.as_str(), p.lun), (DEFAULT_IQN, None));
+        for (text, needle) in [
+            ("[global]\niqn = \"disk\"\n[[job]]", "iSCSI name"),
+            ("[global]\nlun = 16384\n[[job]]", "LUNs end"),
+            ("[[job]]\nlun = 1", "only be set in [global]"),
+            ("[global]\nmodes = [\"iscsi\"]\n[[job]]\ntargets = 2", "runs one target"),
+        ] {
+            let e = plan(text).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
     }
 
     #[test]
