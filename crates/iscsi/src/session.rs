@@ -752,7 +752,7 @@ async fn read_segment(rd: &mut BufReader<OwnedReadHalf>, len: usize) -> std::io:
     Ok(v)
 }
 
-async fn read_loop(inner: &Inner, rd: &mut BufReader<OwnedReadHalf>) -> Stop {
+async fn read_loop(inner: &Arc<Inner>, rd: &mut BufReader<OwnedReadHalf>) -> Stop {
     match read_pdus(inner, rd).await {
         Ok(never) => match never {},
         Err(s) => s,
@@ -761,7 +761,7 @@ async fn read_loop(inner: &Inner, rd: &mut BufReader<OwnedReadHalf>) -> Stop {
 
 /// Receives and handles PDUs until the connection fails.
 async fn read_pdus(
-    inner: &Inner,
+    inner: &Arc<Inner>,
     rd: &mut BufReader<OwnedReadHalf>,
 ) -> Result<std::convert::Infallible, Stop> {
     let max = inner.neg.max_recv_segment as usize;
@@ -861,9 +861,6 @@ async fn read_pdus(
             } => {
                 inner.saw(&seq, false);
                 skip(rd, padded(len)).await?;
-                // The writer first, then the data: the sender holds the writer while the
-                // command's own unsolicited data goes out.
-                let mut w = inner.writer.lock().await;
                 let found = inner.pending.lock().get(&itt).and_then(|p| match &p.data {
                     Data::Out(a) => Some((Arc::clone(a), p.lun)),
                     _ => None,
@@ -880,29 +877,55 @@ async fn read_pdus(
                         data.len()
                     )));
                 }
-                let seg = inner.neg.max_send_segment as usize;
-                let exp = inner.exp_stat_sn.load(Ordering::Acquire);
-                let mut at = off;
-                let mut data_sn = 0;
-                while at < off + n {
-                    let k = seg.min(off + n - at);
-                    let d =
-                        Bhs::data_out(lun, itt, ttt, exp, data_sn, at as u32, k, at + k == off + n);
-                    w.pdu(&d, &data[at..at + k]).await?;
-                    at += k;
-                    data_sn += 1;
-                }
-                w.stream.flush().await?;
+                // Sent by a task of its own: the reader never waits for the sending half,
+                // so a target that stops reading while its sends to us are blocked cannot
+                // stall both directions.
+                let inner = Arc::clone(inner);
+                tokio::spawn(async move {
+                    let mut w = inner.writer.lock().await;
+                    let seg = inner.neg.max_send_segment as usize;
+                    let exp = inner.exp_stat_sn.load(Ordering::Acquire);
+                    let r = async {
+                        let mut at = off;
+                        let mut data_sn = 0;
+                        while at < off + n {
+                            let k = seg.min(off + n - at);
+                            let last = at + k == off + n;
+                            let d = Bhs::data_out(lun, itt, ttt, exp, data_sn, at as u32, k, last);
+                            w.pdu(&d, &data[at..at + k]).await?;
+                            at += k;
+                            data_sn += 1;
+                        }
+                        w.stream.flush().await
+                    }
+                    .await;
+                    drop(w);
+                    drop(data);
+                    if let Err(e) = r {
+                        inner.io_error(e);
+                    }
+                });
             }
             TargetPdu::NopIn { itt, ttt, seq } => {
                 inner.saw(&seq, itt != RESERVED_TAG);
                 let ping = read_segment(rd, len).await?;
                 if ttt != RESERVED_TAG {
-                    let mut w = inner.writer.lock().await;
-                    let exp = inner.exp_stat_sn.load(Ordering::Acquire);
-                    let h = Bhs::nop_out(RESERVED_TAG, ttt, w.cmd_sn, exp, ping.len());
-                    w.pdu(&h, &ping).await?;
-                    w.stream.flush().await?;
+                    // Answered from a task of its own, as Data-Out is (see R2T).
+                    let inner = Arc::clone(inner);
+                    tokio::spawn(async move {
+                        let mut w = inner.writer.lock().await;
+                        let exp = inner.exp_stat_sn.load(Ordering::Acquire);
+                        let h = Bhs::nop_out(RESERVED_TAG, ttt, w.cmd_sn, exp, ping.len());
+                        let r = async {
+                            w.pdu(&h, &ping).await?;
+                            w.stream.flush().await
+                        }
+                        .await;
+                        drop(w);
+                        if let Err(e) = r {
+                            inner.io_error(e);
+                        }
+                    });
                 }
             }
             TargetPdu::Reject { reason, seq } => {
