@@ -1859,10 +1859,7 @@ mod tests {
 
     #[test]
     fn iscsi_modes_and_keys() {
-        assert_eq!(
-            "iscsi".parse::<Mode>().unwrap(),
-            Mode::Iscsi { addr: None }
-        );
+        assert_eq!("iscsi".parse::<Mode>().unwrap(), Mode::Iscsi { addr: None });
         let at = "iscsi=192.0.2.1:3260".parse::<Mode>().unwrap();
         assert_eq!(at.label(), "iscsi@192.0.2.1:3260");
         assert!(!at.owns_target());
@@ -1872,14 +1869,20 @@ mod tests {
             "[global]\nmodes = [\"das\", \"iscsi\"]\niqn = \"iqn.2026-11.io.example:disk\"\nlun = 3\n[[job]]",
         )
         .unwrap();
-        assert_eq!((p.iqn.as_str(), p.lun), ("iqn.2026-11.io.example:disk", Some(3)));
+        assert_eq!(
+            (p.iqn.as_str(), p.lun),
+            ("iqn.2026-11.io.example:disk", Some(3))
+        );
         let p = plan("[[job]]").unwrap();
         assert_eq!((p.iqn.as_str(), p.lun), (DEFAULT_IQN, None));
         for (text, needle) in [
             ("[global]\niqn = \"disk\"\n[[job]]", "iSCSI name"),
             ("[global]\nlun = 16384\n[[job]]", "LUNs end"),
             ("[[job]]\nlun = 1", "only be set in [global]"),
-            ("[global]\nmodes = [\"iscsi\"]\n[[job]]\ntargets = 2", "runs one target"),
+            (
+                "[global]\nmodes = [\"iscsi\"]\n[[job]]\ntargets = 2",
+                "runs one target",
+            ),
         ] {
             let e = plan(text).unwrap_err().to_string();
             assert!(e.contains(needle), "{text:?}: {e}");

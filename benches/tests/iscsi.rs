@@ -122,9 +122,11 @@ fn bad_names_luns_and_ports_get_one_line() {
     })
     .unwrap();
     let job = "[[job]]\nrw = \"randread\"\nruntime = \"200ms\"\nsize = \"1M\"\n";
-    let at = |addr: &str| vec![Mode::Iscsi {
-        addr: Some(addr.to_string()),
-    }];
+    let at = |addr: &str| {
+        vec![Mode::Iscsi {
+            addr: Some(addr.to_string()),
+        }]
+    };
     let closed = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
