@@ -599,7 +599,8 @@ fn measure_in_mode(
                 luns: point.namespaces,
             };
             match rt.block_on(IscsiPath::connect(&settings)) {
-                Err(e) => failed(repeat, format!("connect to {}: {e}", settings.addr)),
+                // The initiator's errors name the address where it helps.
+                Err(e) => failed(repeat, e.to_string()),
                 Ok(path) => {
                     let sessions = path.sessions();
                     let path = Arc::new(path);
