@@ -57,7 +57,6 @@ pub struct TgtSpec {
 pub struct Tgt {
     child: Child,
     addr: SocketAddr,
-    _files: Vec<tempfile::TempPath>,
     _log: tempfile::NamedTempFile,
 }
 
@@ -170,14 +169,15 @@ impl Tgt {
             let mut tgt = Tgt {
                 child,
                 addr,
-                _files: Vec::new(),
                 _log: log,
             };
             if let Err(e) = configure(&tgtadm, ctl, spec, &luns) {
                 tgt.kill();
                 return Err(e);
             }
-            tgt._files = files;
+            // tgtd holds its backing files open: their names go now, so their memory is
+            // freed when tgtd ends, however the load generator ends.
+            drop(files);
             return Ok(tgt);
         }
         Err(tgt_err(format!(
@@ -202,7 +202,7 @@ impl Tgt {
         let _ = self.child.wait();
     }
 
-    /// Stops tgtd (its backing files are removed).
+    /// Stops tgtd (the memory of its backing files goes with it).
     pub fn stop(mut self) {
         self.kill();
     }
