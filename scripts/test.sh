@@ -89,6 +89,17 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
     fi
 fi
 
+stage "tgt"
+# Debian's tgt (tgtd, tgtadm): the load generator's iscsi mode and its tests start it.
+if ! command -v tgtd >/dev/null && [[ ! -x /usr/sbin/tgtd ]]; then
+    if [[ $quick == 1 && $(id -u) != 0 ]] && ! command -v sudo >/dev/null; then
+        echo "tgt not installed and no root to install it: the iscsi tests skip"
+    else
+        sudo_ apt-get update -qq
+        sudo_ apt-get install -y -qq --no-install-recommends tgt
+    fi
+fi
+
 stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

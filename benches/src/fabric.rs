@@ -379,7 +379,8 @@ pub fn default_target_bin() -> Option<PathBuf> {
     .find(|p| p.is_file())
 }
 
-fn free_port() -> std::io::Result<u16> {
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub(crate) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }
