@@ -5,8 +5,8 @@
 //! with its fields ([`Request`]); unknown fields are refused. The answer ([`Response`]) has
 //! `ok`, and either `error` (one line; nothing changed) or what the request produced:
 //! `changes` (one line per change applied) or `status` (a JSON object, see
-//! [`Registry::describe`]). Changes go through [`Registry::edit`]: validated as a whole,
-//! applied atomically per request.
+//! [`Registry::describe`]). A changing request is one [`Change`] ([`change_for`]), carried
+//! out by [`Registry::change`]: validated as a whole, applied atomically.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,10 +20,10 @@ use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, warn};
 
 use crate::config::{
-    Config, DEFAULT_MODEL, HostAuthConfig, ListenAddr, ListenerConfig, NamespaceConfig,
-    SubsystemConfig,
+    Config, DEFAULT_MODEL, HostAuthConfig, ListenerConfig, NamespaceConfig, SubsystemConfig,
 };
-use crate::reconfigure::{ChangeError, Registry, refused};
+use crate::plan::{Change, ChangeError, Host, refused};
+use crate::reconfigure::Registry;
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -309,13 +309,6 @@ fn host_keys(
     })
 }
 
-fn subsystem<'a>(cfg: &'a mut Config, nqn: &str) -> Result<&'a mut SubsystemConfig, ChangeError> {
-    match cfg.subsystems.iter_mut().find(|s| s.nqn == nqn) {
-        Some(s) => Ok(s),
-        None => refused(format!("no subsystem {nqn}")),
-    }
-}
-
 fn parse<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, ChangeError>
 where
     T::Err: std::fmt::Display,
@@ -324,9 +317,18 @@ where
         .map_err(|e| ChangeError::Refused(format!("{what} {s:?}: {e}")))
 }
 
-/// Applies a changing request to a copy of the running configuration.
-fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
-    match req {
+fn subsystem<'a>(cfg: &'a Config, nqn: &str) -> Result<&'a SubsystemConfig, ChangeError> {
+    match cfg.subsystems.iter().find(|s| s.nqn == nqn) {
+        Some(s) => Ok(s),
+        None => refused(format!("no subsystem {nqn}")),
+    }
+}
+
+/// The one change a changing request asks of a target running `cfg` (`None`: the request
+/// changes nothing, as `list`). What the request leaves to the target (the NSID of a new
+/// namespace) is decided here; what the change names is checked again when it is applied.
+pub fn change_for(req: &Request, cfg: &Config) -> Result<Option<Change>, ChangeError> {
+    let change = match req {
         Request::AddSubsystem {
             nqn,
             allow_any_host,
@@ -334,15 +336,12 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             serial,
             model,
         } => {
-            if cfg.subsystems.iter().any(|s| &s.nqn == nqn) {
-                return refused(format!("subsystem {nqn} exists already"));
-            }
             if *allow_any_host && !hosts.is_empty() {
                 return refused(
                     "--allow-any-host admits every host: drop --host, or drop --allow-any-host to admit only the listed hosts",
                 );
             }
-            cfg.subsystems.push(SubsystemConfig {
+            Change::AddSubsystem(SubsystemConfig {
                 nqn: nqn.clone(),
                 serial: serial.clone(),
                 model: model.clone().unwrap_or_else(|| DEFAULT_MODEL.into()),
@@ -350,12 +349,9 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 hosts: hosts.clone(),
                 auth_hosts: Vec::new(),
                 namespaces: Vec::new(),
-            });
+            })
         }
-        Request::RemoveSubsystem { nqn } => {
-            subsystem(cfg, nqn)?;
-            cfg.subsystems.retain(|s| &s.nqn != nqn);
-        }
+        Request::RemoveSubsystem { nqn } => Change::RemoveSubsystem { nqn: nqn.clone() },
         Request::AddNamespace {
             subsystem: nqn,
             backend,
@@ -365,49 +361,34 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             let backend: BackendSpec = parse("backend", backend)?;
             let s = subsystem(cfg, nqn)?;
             let nsid = match nsid {
-                Some(n) if s.nsids().any(|id| id == *n) => {
-                    return refused(format!("subsystem {nqn} already has namespace {n}"));
-                }
                 Some(n) => *n,
                 None => s.nsids().max().unwrap_or(0).saturating_add(1),
             };
-            s.namespaces.push(NamespaceConfig {
-                nsid: Some(nsid),
-                backend,
-                uuid: uuid.clone(),
-            });
+            Change::AddNamespace {
+                subsystem: nqn.clone(),
+                namespace: NamespaceConfig {
+                    nsid: Some(nsid),
+                    backend,
+                    uuid: uuid.clone(),
+                },
+            }
         }
         Request::RemoveNamespace {
             subsystem: nqn,
             nsid,
-        } => {
-            let s = subsystem(cfg, nqn)?;
-            let Some(i) = s.nsids().position(|id| id == *nsid) else {
-                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
-            };
-            s.namespaces.remove(i);
-        }
+        } => Change::RemoveNamespace {
+            subsystem: nqn.clone(),
+            nsid: *nsid,
+        },
         Request::ResizeNamespace {
             subsystem: nqn,
             nsid,
             size,
-        } => {
-            let bytes =
-                blockdev::parse_size(size).map_err(|e| ChangeError::Refused(e.to_string()))?;
-            let s = subsystem(cfg, nqn)?;
-            let Some(i) = s.nsids().position(|id| id == *nsid) else {
-                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
-            };
-            match &mut s.namespaces[i].backend {
-                BackendSpec::Null { size, .. } | BackendSpec::Memory { size, .. } => *size = bytes,
-                BackendSpec::File(f) => f.create_size = Some(bytes),
-                other => {
-                    return refused(format!(
-                        "{other}: only null and file namespaces can be resized"
-                    ));
-                }
-            }
-        }
+        } => Change::ResizeNamespace {
+            subsystem: nqn.clone(),
+            nsid: *nsid,
+            size: blockdev::parse_size(size).map_err(|e| ChangeError::Refused(e.to_string()))?,
+        },
         Request::AddHost {
             subsystem: nqn,
             host,
@@ -418,80 +399,57 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             ..
         } => {
             let s = subsystem(cfg, nqn)?;
-            let known = s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host);
-            if known && !*replace {
-                return refused(format!(
-                    "host {host} is already allowed on {nqn} (--replace changes its keys)"
-                ));
-            }
-            if *replace && !known {
-                return refused(format!("host {host} is not on the allowed list of {nqn}"));
-            }
             if let Some(why) = crate::config::nqn_problem(host) {
                 return refused(format!("host NQN {host:?}: {why}"));
             }
-            if s.allow_any_host && dhchap_key.is_none() && tls_psk.is_none() {
+            let keyless = dhchap_key.is_none() && tls_psk.is_none();
+            if s.allow_any_host && keyless {
                 return refused(format!(
                     "subsystem {nqn} admits any host: allowing {host} without keys would change nothing"
                 ));
             }
-            s.hosts.retain(|h| h != host);
-            s.auth_hosts.retain(|h| h.nqn != *host);
-            if dhchap_key.is_none() && tls_psk.is_none() {
-                s.hosts.push(host.clone());
+            let entry = if keyless {
+                Host::Plain(host.clone())
             } else {
-                s.auth_hosts
-                    .push(host_keys(host, dhchap_key, dhchap_ctrl_key, tls_psk)?);
+                Host::Keyed(host_keys(host, dhchap_key, dhchap_ctrl_key, tls_psk)?)
+            };
+            let subsystem = nqn.clone();
+            if *replace {
+                Change::SetHostKeys {
+                    subsystem,
+                    host: entry,
+                }
+            } else {
+                Change::AddHost {
+                    subsystem,
+                    host: entry,
+                }
             }
         }
         Request::RemoveHost {
             subsystem: nqn,
             host,
-        } => {
-            let s = subsystem(cfg, nqn)?;
-            let before = s.hosts.len() + s.auth_hosts.len();
-            s.hosts.retain(|h| h != host);
-            s.auth_hosts.retain(|h| h.nqn != *host);
-            if s.hosts.len() + s.auth_hosts.len() == before {
-                return refused(format!("host {host} is not on the allowed list of {nqn}"));
-            }
-        }
-        Request::AddListener { address, discovery } => {
-            let a: ListenAddr = parse("address", address)?;
-            let io = cfg.listeners.iter().map(|l| &l.address);
-            if io.chain(&cfg.discovery.listen).any(|l| *l == a) {
-                return refused(format!("already listening on {a}"));
-            }
-            if *discovery {
-                cfg.discovery.listen.push(a);
-            } else {
-                cfg.listeners.push(ListenerConfig {
-                    address: a,
-                    tls: None,
-                });
-            }
-        }
-        Request::RemoveListener { address, discovery } => {
-            let a: ListenAddr = parse("address", address)?;
-            let before = cfg.listeners.len() + cfg.discovery.listen.len();
-            if *discovery {
-                cfg.discovery.listen.retain(|l| *l != a);
-            } else {
-                cfg.listeners.retain(|l| l.address != a);
-            }
-            if cfg.listeners.len() + cfg.discovery.listen.len() == before {
-                return refused(format!(
-                    "no {}listener on {a}",
-                    if *discovery { "discovery " } else { "" }
-                ));
-            }
-        }
+        } => Change::RemoveHost {
+            subsystem: nqn.clone(),
+            host: host.clone(),
+        },
+        Request::AddListener { address, discovery } => Change::AddListener {
+            listener: ListenerConfig {
+                address: parse("address", address)?,
+                tls: None,
+            },
+            discovery: *discovery,
+        },
+        Request::RemoveListener { address, discovery } => Change::RemoveListener {
+            address: parse("address", address)?,
+            discovery: *discovery,
+        },
         Request::List {}
         | Request::Status {}
         | Request::Disconnect { .. }
-        | Request::Save { .. } => {}
-    }
-    Ok(())
+        | Request::Save { .. } => return Ok(None),
+    };
+    Ok(Some(change))
 }
 
 /// The `op` of a request, as the protocol spells it.
@@ -526,7 +484,7 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
             cntlid,
             host,
         } => registry.disconnect(subsystem, *cntlid, host.as_deref()),
-        _ => registry.edit(|cfg| edit(&req, cfg)),
+        _ => change_for(&req, &registry.config()).and_then(|c| registry.change(&Vec::from_iter(c))),
     };
     match result {
         Ok(changes) => Response {
@@ -754,7 +712,7 @@ mod tests {
 
     #[test]
     fn hosts_that_would_change_nothing_are_refused() {
-        let mut cfg = Config::from_toml(
+        let cfg = Config::from_toml(
             "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.2026-11.test:any\"\nallow_any_host = true",
         )
         .unwrap();
@@ -769,7 +727,7 @@ mod tests {
             tls_psk_file: None,
             replace: false,
         };
-        let e = edit(&add("nqn.2026-11.test:h", None), &mut cfg).unwrap_err();
+        let e = change_for(&add("nqn.2026-11.test:h", None), &cfg).unwrap_err();
         assert!(e.to_string().contains("admits any host"), "{e}");
         let both = Request::AddSubsystem {
             nqn: "nqn.2026-11.test:both".into(),
@@ -778,10 +736,8 @@ mod tests {
             serial: None,
             model: None,
         };
-        let e = edit(&both, &mut cfg).unwrap_err();
+        let e = change_for(&both, &cfg).unwrap_err();
         assert!(e.to_string().contains("drop --host"), "{e}");
-        assert_eq!(cfg.subsystems.len(), 1);
-        assert!(cfg.subsystems[0].hosts.is_empty());
     }
 
     #[test]

@@ -25,6 +25,25 @@ pub struct RunningTarget {
     acceptors: Mutex<Vec<Acceptor>>,
 }
 
+/// A bound listener with what it needs to accept ([`RunningTarget::ready`]).
+pub struct ReadyListener {
+    addr: ListenAddr,
+    pool: Arc<Pool>,
+    socket: ReadySocket,
+}
+
+enum ReadySocket {
+    Tcp(tokio::net::TcpListener),
+    Rdma(nvmf_rdma::Listener),
+}
+
+impl ReadyListener {
+    /// The address as bound.
+    pub fn addr(&self) -> &ListenAddr {
+        &self.addr
+    }
+}
+
 /// The accept loop of one listener.
 struct Acceptor {
     addr: ListenAddr,
@@ -45,7 +64,8 @@ impl RunningTarget {
             acceptors: Mutex::new(Vec::new()),
         };
         for l in listeners {
-            running.start_listener(l)?;
+            let l = running.ready(l)?;
+            running.start_listener(l);
         }
         // The summaries of suppressed per-connection log lines, every interval.
         let mut shutdown = running.target.subscribe_shutdown();
@@ -58,18 +78,38 @@ impl RunningTarget {
         Ok(running)
     }
 
-    /// Starts accepting on a bound listener, NVMe/TCP or NVMe/RDMA, at start or while the
-    /// target runs: the one place listeners are started.
-    pub fn start_listener(&self, l: BoundListener) -> Result<(), StartError> {
-        match l.socket {
-            ListenerSocket::Tcp(s) => self.accept_tcp(l.addr, s),
-            ListenerSocket::Rdma(r) => {
-                let pool = self.pool(&l.addr)?;
-                let task = crate::rdma::accept(&self.target, l.addr.clone(), r, pool);
-                self.acceptors.lock().push(Acceptor { addr: l.addr, task });
-                Ok(())
+    /// Makes a bound listener ready to accept on this target's reactors: everything that can
+    /// fail in starting a listener happens here, so that [`RunningTarget::start_listener`]
+    /// cannot fail. Dropping the result closes the listener.
+    pub fn ready(&self, l: BoundListener) -> Result<ReadyListener, StartError> {
+        let pool = self.pool(&l.addr)?;
+        let socket = match l.socket {
+            ListenerSocket::Tcp(s) => {
+                ReadySocket::Tcp(tokio::net::TcpListener::from_std(s).map_err(|source| {
+                    StartError::Bind {
+                        addr: l.addr.to_string(),
+                        source,
+                    }
+                })?)
             }
-        }
+            ListenerSocket::Rdma(r) => ReadySocket::Rdma(r),
+        };
+        Ok(ReadyListener {
+            addr: l.addr,
+            pool,
+            socket,
+        })
+    }
+
+    /// Starts accepting on a ready listener, NVMe/TCP or NVMe/RDMA, at start or while the
+    /// target runs: the one place listeners are started.
+    pub fn start_listener(&self, l: ReadyListener) {
+        let addr = l.addr.clone();
+        let task = match l.socket {
+            ReadySocket::Tcp(s) => self.accept_tcp(l.addr, s, l.pool),
+            ReadySocket::Rdma(r) => crate::rdma::accept(&self.target, l.addr, r, l.pool),
+        };
+        self.acceptors.lock().push(Acceptor { addr, task });
     }
 
     /// The reactor pool, while the target is not shutting down.
@@ -99,19 +139,14 @@ impl RunningTarget {
     fn accept_tcp(
         &self,
         addr: ListenAddr,
-        socket: std::net::TcpListener,
-    ) -> Result<(), StartError> {
-        let listener =
-            tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
-                addr: addr.to_string(),
-                source,
-            })?;
-        let pool = self.pool(&addr)?;
+        listener: tokio::net::TcpListener,
+        pool: Arc<Pool>,
+    ) -> tokio::task::JoinHandle<()> {
         info!(listener = %addr, "listening");
         let mut shutdown = self.target.subscribe_shutdown();
         let gate = self.target.listener_gate(addr.clone());
-        let l = addr.clone();
-        let task = tokio::spawn(async move {
+        let l = addr;
+        tokio::spawn(async move {
             let report = gate.report_drops();
             tokio::pin!(report);
             loop {
@@ -141,9 +176,7 @@ impl RunningTarget {
                 }
             }
             gate.flush_drops();
-        });
-        self.acceptors.lock().push(Acceptor { addr, task });
-        Ok(())
+        })
     }
 
     /// Stops accepting, lets connections finish their in-flight commands and close, then

@@ -52,6 +52,7 @@ pub mod launcher;
 pub mod memory;
 pub mod metrics;
 pub mod op;
+pub mod plan;
 pub mod queue;
 pub mod ratelimit;
 pub mod rdma;
