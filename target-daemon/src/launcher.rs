@@ -1,19 +1,20 @@
-//! The launcher: starts the reactor pool and the listeners' accept loops for a built
-//! [`Target`], NVMe/TCP and NVMe/RDMA side by side, at start and live
-//! ([`RunningTarget::start_listener`], [`RunningTarget::stop_listener`]), and shuts them down
-//! in order. The target itself ([`crate::target`]) is the
+//! The launcher: binds the listeners ([`bind`], [`bind_listener`]), starts the reactor pool
+//! and the listeners' accept loops for a built [`Target`], NVMe/TCP and NVMe/RDMA side by
+//! side, at start and live ([`RunningTarget::ready`], [`RunningTarget::start_listener`],
+//! [`RunningTarget::stop_listener`]), and shuts them down in order: the one listener seam. The target itself ([`crate::target`]) is the
 //! registry of subsystems, listeners and limits; transports serve connections
 //! ([`crate::tcp`], [`crate::rdma`]) on the reactors of [`crate::reactor`].
 
+use std::net::TcpListener as StdTcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
-use crate::config::ListenAddr;
+use crate::config::{Config, ListenAddr, Transport};
 use crate::reactor::Pool;
-use crate::target::{BoundListener, ListenerSocket, StartError, Target};
+use crate::target::{Listeners, StartError, Target};
 
 /// A handle to a running target.
 pub struct RunningTarget {
@@ -23,6 +24,100 @@ pub struct RunningTarget {
     pool: Mutex<Option<Arc<Pool>>>,
     reactors: Mutex<Vec<std::thread::JoinHandle<()>>>,
     acceptors: Mutex<Vec<Acceptor>>,
+}
+
+/// A bound listener ready to accept.
+pub struct BoundListener {
+    /// The address as bound (port resolved).
+    pub addr: ListenAddr,
+    /// The socket.
+    pub socket: ListenerSocket,
+    /// A dedicated discovery listener (else an I/O listener).
+    pub discovery: bool,
+    /// An I/O listener that requires TLS.
+    pub tls: bool,
+}
+
+/// The endpoint of a bound listener.
+pub enum ListenerSocket {
+    /// An NVMe/TCP listening socket.
+    Tcp(StdTcpListener),
+    /// An NVMe/RDMA RDMA-CM listener.
+    Rdma(nvmf_rdma::Listener),
+}
+
+/// Binds every listener of `cfg`: the I/O listeners, then the dedicated discovery
+/// listeners.
+pub fn bind(cfg: &Config) -> Result<Vec<BoundListener>, StartError> {
+    let io = cfg
+        .listeners
+        .iter()
+        .map(|l| (&l.address, false, l.tls.is_some()));
+    let discovery = cfg.discovery.listen.iter().map(|a| (a, true, false));
+    io.chain(discovery)
+        .map(|(addr, discovery, tls)| {
+            Ok(BoundListener {
+                discovery,
+                tls,
+                ..bind_listener(addr)?
+            })
+        })
+        .collect()
+}
+
+/// Connection requests an RDMA-CM listener queues.
+const RDMA_BACKLOG: i32 = 1024;
+
+/// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
+pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
+    let (socket, local) = if addr.transport == Transport::Rdma {
+        // Loads the RDMA libraries; `addr` is an address of an RDMA interface.
+        let l = nvmf_rdma::Listener::bind(addr.addr, RDMA_BACKLOG).map_err(|e| {
+            StartError::Transport {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        let local = l.local_addr();
+        (ListenerSocket::Rdma(l), local)
+    } else {
+        let socket = bind_tcp(addr)?;
+        let local = socket.local_addr().map_err(|source| StartError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        (ListenerSocket::Tcp(socket), local)
+    };
+    Ok(BoundListener {
+        addr: ListenAddr {
+            transport: addr.transport,
+            addr: local,
+        },
+        socket,
+        discovery: false,
+        tls: false,
+    })
+}
+
+fn bind_tcp(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
+    let err = |source| StartError::Bind {
+        addr: addr.to_string(),
+        source,
+    };
+    let domain = if addr.addr.is_ipv4() {
+        socket2::Domain::IPV4
+    } else {
+        socket2::Domain::IPV6
+    };
+    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None).map_err(err)?;
+    s.set_reuse_address(true).map_err(err)?;
+    if addr.addr.is_ipv6() {
+        s.set_only_v6(true).map_err(err)?;
+    }
+    s.bind(&addr.addr.into()).map_err(err)?;
+    s.listen(1024).map_err(err)?;
+    s.set_nonblocking(true).map_err(err)?;
+    Ok(s.into())
 }
 
 /// A bound listener with what it needs to accept ([`RunningTarget::ready`]).
@@ -51,11 +146,23 @@ struct Acceptor {
 }
 
 impl RunningTarget {
-    /// Starts reactors and accept loops on the current tokio runtime.
+    /// Starts reactors and accept loops on the current tokio runtime, and records the
+    /// listeners in the target's table.
     pub fn start(
         target: Arc<Target>,
         listeners: Vec<BoundListener>,
     ) -> Result<RunningTarget, StartError> {
+        let mut table = Listeners::default();
+        for l in &listeners {
+            match l.discovery {
+                true => table.discovery.push(l.addr.clone()),
+                false => table.io.push(l.addr.clone()),
+            }
+            if l.tls {
+                table.tls.push(l.addr.addr);
+            }
+        }
+        target.set_listeners(table);
         let (pool, reactors) = Pool::start(&target)?;
         let running = RunningTarget {
             target,

@@ -31,13 +31,11 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use crate::config::{Config, ListenAddr, TargetSettings, parse_uuid, write_private};
-use crate::launcher::{ReadyListener, RunningTarget};
+use crate::launcher::{ReadyListener, RunningTarget, bind_listener};
 use crate::plan::{Change, Host, plan};
 pub use crate::plan::{ChangeError, refused};
 use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
-use crate::target::{
-    Listeners, StartError, Target, bind_listener, log_namespace_ready, open_backend,
-};
+use crate::target::{Listeners, StartError, Target, log_namespace_ready, open_backend};
 
 /// A running target and the configuration it runs, changed together.
 pub struct Registry {

@@ -262,7 +262,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let mut signals = Signals::new().context("cannot install signal handlers")?;
     let (cfg, file_settings) = load_config(&args)?;
     if args.check {
-        let (target, listeners, report) = Target::check(&cfg)?;
+        let (target, report) = Target::check(&cfg)?;
+        let listeners = nvmeof_target::launcher::bind(&cfg)?;
         if let Some(addr) = cfg.target.metrics {
             // Bound as starting would, then let go.
             std::net::TcpListener::bind(addr)
@@ -280,7 +281,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     raise_open_files_limit(cfg.target.max_connections);
-    let (target, listeners) = Target::build(&cfg)?;
+    let target = Target::build(&cfg)?;
+    let listeners = nvmeof_target::launcher::bind(&cfg)?;
     let metrics = match cfg.target.metrics {
         Some(addr) => Some(
             nvmeof_target::exporter::bind(addr)
