@@ -237,7 +237,8 @@ pub struct Response {
 }
 
 impl Response {
-    fn error(msg: impl Into<String>) -> Self {
+    /// A refusal: `ok` false, `error` the one line saying why.
+    pub fn error(msg: impl Into<String>) -> Self {
         Response {
             version: PROTOCOL_VERSION,
             error: Some(msg.into()),
@@ -462,14 +463,25 @@ fn op_name(req: &Request) -> String {
 
 /// Answers one request line.
 pub fn handle(registry: &Registry, line: &str) -> Response {
-    let req = match decode(line) {
-        Ok(r) => r,
-        Err(e) => return Response::error(e),
-    };
-    let result = match &req {
+    match decode(line) {
+        Ok(req) => answer(registry, &req, false),
+        Err(e) => Response::error(e),
+    }
+}
+
+/// Whether a request only reads (`list`, `status`).
+pub fn is_read_only(req: &Request) -> bool {
+    matches!(req, Request::List {} | Request::Status {})
+}
+
+/// Answers a decoded request. With `idempotent`, a change already in effect (an object
+/// added before, as the request describes it, or one removed before) is answered with no
+/// change instead of an error, so that a retried request does not fail or change twice.
+pub fn answer(registry: &Registry, req: &Request, idempotent: bool) -> Response {
+    let result = match req {
         Request::List {} | Request::Status {} => {
             return Response {
-                status: Some(registry.describe(req == Request::Status {})),
+                status: Some(registry.describe(*req == Request::Status {})),
                 ..Response::ok()
             };
         }
@@ -484,7 +496,13 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
             cntlid,
             host,
         } => registry.disconnect(subsystem, *cntlid, host.as_deref()),
-        _ => change_for(&req, &registry.config()).and_then(|c| registry.change(&Vec::from_iter(c))),
+        _ => {
+            let cfg = registry.config();
+            change_for(req, &cfg).and_then(|c| match c {
+                Some(c) if idempotent && c.in_effect(&cfg) => Ok(Vec::new()),
+                c => registry.change(&Vec::from_iter(c)),
+            })
+        }
     };
     match result {
         Ok(changes) => Response {
@@ -494,7 +512,7 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
         Err(e) => {
             let e = nvmeof_daemon::error_line(&e);
             // Not the request line itself: it may carry keys.
-            warn!(op = %op_name(&req), error = %e, "control request refused");
+            warn!(op = %op_name(req), error = %e, "control request refused");
             Response::error(e)
         }
     }
@@ -738,6 +756,46 @@ mod tests {
         };
         let e = change_for(&both, &cfg).unwrap_err();
         assert!(e.to_string().contains("drop --host"), "{e}");
+    }
+
+    /// What the `control` fuzz target does with each input, on lines of every kind.
+    #[test]
+    fn request_lines_go_through_the_plan_and_back() {
+        let cfg = Config::from_toml(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.2026-11.test:a\"\nallow_any_host = true\n[[subsystem.namespace]]\nbackend = \"mem:1M\"",
+        )
+        .unwrap()
+        .with_explicit_nsids();
+        let mut planned = 0;
+        for line in [
+            r#"{"version":1,"op":"add-namespace","subsystem":"nqn.2026-11.test:a","backend":"null:1M"}"#,
+            r#"{"version":1,"op":"remove-namespace","subsystem":"nqn.2026-11.test:a","nsid":1}"#,
+            r#"{"version":1,"op":"resize-namespace","subsystem":"nqn.2026-11.test:a","nsid":1,"size":"2M"}"#,
+            r#"{"version":1,"op":"add-subsystem","nqn":"nqn.2026-11.test:b","allow_any_host":true}"#,
+            r#"{"version":1,"op":"remove-subsystem","nqn":"nqn.2026-11.test:a"}"#,
+            r#"{"version":1,"op":"add-listener","address":"tcp://127.0.0.1:2","discovery":true}"#,
+            r#"{"version":1,"op":"remove-listener","address":"tcp://127.0.0.1:1"}"#,
+            r#"{"version":1,"op":"list"}"#,
+        ] {
+            let req = decode(line).unwrap();
+            let Some(change) = change_for(&req, &cfg).unwrap() else {
+                continue;
+            };
+            assert!(!change.in_effect(&cfg), "{line}");
+            let mut new = cfg.clone();
+            if change.apply(&mut new).is_err() || new.validate().is_err() {
+                continue;
+            }
+            assert!(change.in_effect(&new), "{line}");
+            // The plan between the two is this very change.
+            assert_eq!(
+                crate::plan::plan(&cfg, &new).unwrap(),
+                vec![change],
+                "{line}"
+            );
+            planned += 1;
+        }
+        assert!(planned >= 5, "{planned}");
     }
 
     #[test]

@@ -26,7 +26,8 @@
 //!   signal. It binds nothing.
 //! - [`plan`]: the vocabulary of changes and `plan(old, new)`, pure; [`reconfigure`]: carries
 //!   changes out on the running target (prepare what can fail, then commit), with the hosts
-//!   notified; [`control`]: the control socket's protocol, one change per request.
+//!   notified; [`control`]: the control socket's protocol, one change per request;
+//!   [`remote`]: the same requests over TCP with mutual TLS.
 //! - [`launcher`] and [`reactor`]: the listener seam (binding, accept loops) and one pool of
 //!   thread-per-core reactors for every transport (with the busy-poll window), orderly
 //!   shutdown.
@@ -61,6 +62,7 @@ pub mod ratelimit;
 pub mod rdma;
 pub mod reactor;
 pub mod reconfigure;
+pub mod remote;
 pub mod subsystem;
 pub mod target;
 pub mod tcp;

@@ -321,6 +321,72 @@ impl Change {
         Ok(())
     }
 
+    /// Whether `cfg` is already what this change makes it: an added object present as the
+    /// change describes it, a removed one absent (its subsystem present), a size or keys
+    /// already set. A retried request is answered without changing anything again.
+    pub fn in_effect(&self, cfg: &Config) -> bool {
+        let sub = |nqn: &str| cfg.subsystems.iter().find(|s| s.nqn == nqn);
+        let ns = |nqn: &str, nsid: u32| {
+            sub(nqn).and_then(|s| s.nsids().zip(&s.namespaces).find(|(id, _)| *id == nsid))
+        };
+        match self {
+            Change::AddSubsystem(s) => sub(&s.nqn).is_some_and(|o| {
+                (&o.serial, &o.model, o.allow_any_host, &o.hosts)
+                    == (&s.serial, &s.model, s.allow_any_host, &s.hosts)
+            }),
+            Change::RemoveSubsystem { nqn } => sub(nqn).is_none(),
+            Change::AllowAnyHost { subsystem, allow } => {
+                sub(subsystem).is_some_and(|s| s.allow_any_host == *allow)
+            }
+            Change::AddHost { subsystem, host } | Change::SetHostKeys { subsystem, host } => {
+                sub(subsystem).is_some_and(|s| hosts(s).get(host.nqn()) == Some(host))
+            }
+            Change::RemoveHost { subsystem, host } => {
+                sub(subsystem).is_some_and(|s| !is_allowed(s, host))
+            }
+            Change::AddNamespace {
+                subsystem,
+                namespace,
+            } => ns(subsystem, namespace.nsid.unwrap_or(0)).is_some_and(|(_, n)| {
+                (&n.backend, &n.uuid) == (&namespace.backend, &namespace.uuid)
+            }),
+            Change::RemoveNamespace { subsystem, nsid } => {
+                sub(subsystem).is_some() && ns(subsystem, *nsid).is_none()
+            }
+            Change::ResizeNamespace {
+                subsystem,
+                nsid,
+                size,
+            } => ns(subsystem, *nsid).is_some_and(|(_, n)| match &n.backend {
+                BackendSpec::Null { size: s, .. } | BackendSpec::Memory { size: s, .. } => {
+                    s == size
+                }
+                BackendSpec::File(f) => f.create_size == Some(*size),
+                _ => false,
+            }),
+            Change::ReplaceBackend {
+                subsystem,
+                nsid,
+                backend,
+            } => ns(subsystem, *nsid).is_some_and(|(_, n)| n.backend == *backend),
+            Change::AddListener {
+                listener,
+                discovery,
+            } => match discovery {
+                true => cfg.discovery.listen.contains(&listener.address),
+                false => cfg.listeners.contains(listener),
+            },
+            Change::SetListenerTls { address, tls } => cfg
+                .listeners
+                .iter()
+                .any(|l| l.address == *address && l.tls == *tls),
+            Change::RemoveListener { address, discovery } => match discovery {
+                true => !cfg.discovery.listen.contains(address),
+                false => !cfg.listeners.iter().any(|l| l.address == *address),
+            },
+        }
+    }
+
     /// The subsystem this change is about, if any.
     pub fn subsystem(&self) -> Option<&str> {
         match self {
@@ -840,5 +906,34 @@ allow_any_host = true
             assert!(e.contains(why), "{c:?}: {e}");
         }
         assert_eq!(cfg.to_toml().unwrap(), before);
+    }
+
+    #[test]
+    fn a_change_carried_out_is_in_effect() {
+        let old = Config::from_toml(BASE).unwrap().with_explicit_nsids();
+        let text = BASE.replacen("null:1M", "null:2M", 1).replacen(
+            "hosts = [\"nqn.2026-11.io.test:h1\"]",
+            "hosts = [\"nqn.2026-11.io.test:h2\"]",
+            1,
+        ) + "\n[[subsystem.namespace]]\nnsid = 5\nbackend = \"null:4M\"\n";
+        let new = Config::from_toml(&text).unwrap();
+        let changes = plan(&old, &new).unwrap();
+        assert_eq!(changes.len(), 4, "{changes:?}");
+        let mut cfg = old.clone();
+        for c in &changes {
+            assert!(!c.in_effect(&cfg), "{c:?} before");
+            c.apply(&mut cfg).unwrap();
+            assert!(c.in_effect(&cfg), "{c:?} after");
+        }
+        // Another namespace under an NSID in use is not the one asked for.
+        let other = Change::AddNamespace {
+            subsystem: "nqn.2026-11.io.test:b".into(),
+            namespace: NamespaceConfig {
+                nsid: Some(5),
+                backend: "null:8M".parse().unwrap(),
+                uuid: None,
+            },
+        };
+        assert!(!other.in_effect(&cfg));
     }
 }
