@@ -30,7 +30,9 @@ use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
-use crate::config::{Config, ListenAddr, TargetSettings, parse_uuid, write_private};
+use crate::config::{
+    Config, ListenAddr, NamespaceConfig, TargetSettings, parse_uuid, write_private,
+};
 use crate::launcher::{ReadyListener, RunningTarget, bind_listener};
 use crate::plan::{Change, Host, plan};
 pub use crate::plan::{ChangeError, refused};
@@ -97,13 +99,8 @@ impl Prepared {
         };
         // Subsystems added by this change: built last, from `new`, with all their namespaces.
         let mut building = BTreeSet::new();
-        let old_spec = |nqn: &str, nsid: u32| {
-            cur.subsystems
-                .iter()
-                .find(|s| s.nqn == nqn)
-                .and_then(|s| s.nsids().zip(&s.namespaces).find(|(id, _)| *id == nsid))
-                .map(|(_, n)| n.backend.clone())
-        };
+        // Resizes change files: done last, once everything else is prepared.
+        let mut resizes = Vec::new();
         for c in changes {
             if let Some(nqn) = c.subsystem()
                 && building.contains(nqn)
@@ -190,50 +187,19 @@ impl Prepared {
                     subsystem,
                     nsid,
                     size,
-                } => {
-                    let s = p.namespaces(&live, subsystem)?;
-                    let old = s.take(*nsid)?;
-                    let backend =
-                        old.backend
-                            .resized(*size)
-                            .map_err(|source| StartError::Backend {
-                                nqn: subsystem.clone(),
-                                nsid: *nsid,
-                                source,
-                            })?;
-                    let desc = new
-                        .subsystems
-                        .iter()
-                        .find(|s| &s.nqn == subsystem)
-                        .and_then(|s| s.nsids().zip(&s.namespaces).find(|(id, _)| id == nsid))
-                        .map_or_else(|| old.description.clone(), |(_, n)| n.backend.to_string());
-                    let ns =
-                        Namespace::new(subsystem, *nsid, Arc::new(backend), Some(old.uuid), desc);
-                    let line = format!(
-                        "subsystem {subsystem}: resized namespace {nsid} from {} to {} blocks",
-                        old.blocks, ns.blocks
-                    );
-                    // Resized in place: the old namespace is not flushed as a removed one.
-                    s.removed.pop();
-                    s.put(ns);
-                    p.lines.push(line);
-                }
+                } => resizes.push((subsystem, *nsid, *size)),
                 Change::ReplaceBackend {
                     subsystem,
                     nsid,
                     backend,
                 } => {
-                    let uuid = new
-                        .subsystems
-                        .iter()
-                        .find(|s| &s.nqn == subsystem)
-                        .and_then(|s| s.nsids().zip(&s.namespaces).find(|(id, _)| id == nsid))
-                        .and_then(|(_, n)| n.uuid.as_deref().and_then(parse_uuid));
+                    let uuid = namespace_config(new, subsystem, *nsid)
+                        .and_then(|n| n.uuid.as_deref().and_then(parse_uuid));
                     let opened = open_backend(subsystem, *nsid, backend)?;
                     let s = p.namespaces(&live, subsystem)?;
                     let old = s.take(*nsid)?;
-                    let was = old_spec(subsystem, *nsid)
-                        .map_or_else(|| old.description.clone(), |b| b.to_string());
+                    let was = namespace_config(cur, subsystem, *nsid)
+                        .map_or_else(|| old.description.clone(), |n| n.backend.to_string());
                     let ns = Namespace::new(subsystem, *nsid, opened, uuid, backend.to_string());
                     s.put(ns);
                     p.lines.push(format!(
@@ -255,6 +221,29 @@ impl Prepared {
                 .collect::<Result<Vec<_>, StartError>>()?;
             p.added.push(Arc::new(Subsystem::new(s, backends)));
             p.lines.push(format!("added subsystem {}", s.nqn));
+        }
+        for (subsystem, nsid, size) in resizes {
+            let s = p.namespaces(&live, subsystem)?;
+            let old = s.take(nsid)?;
+            // Resized in place: the old namespace is not flushed as a removed one.
+            s.removed.pop();
+            let backend = old
+                .backend
+                .resized(size)
+                .map_err(|source| StartError::Backend {
+                    nqn: subsystem.clone(),
+                    nsid,
+                    source,
+                })?;
+            let desc = namespace_config(new, subsystem, nsid)
+                .map_or_else(|| old.description.clone(), |n| n.backend.to_string());
+            let ns = Namespace::new(subsystem, nsid, Arc::new(backend), Some(old.uuid), desc);
+            let line = format!(
+                "subsystem {subsystem}: resized namespace {nsid} from {} to {} blocks",
+                old.blocks, ns.blocks
+            );
+            s.put(ns);
+            p.lines.push(line);
         }
         Ok(p)
     }
@@ -405,6 +394,15 @@ impl Prepared {
         }
         lines
     }
+}
+
+/// Namespace `nsid` of subsystem `nqn` in `cfg`.
+fn namespace_config<'a>(cfg: &'a Config, nqn: &str, nsid: u32) -> Option<&'a NamespaceConfig> {
+    let s = cfg.subsystems.iter().find(|s| s.nqn == nqn)?;
+    s.nsids()
+        .zip(&s.namespaces)
+        .find(|(id, _)| *id == nsid)
+        .map(|(_, n)| n)
 }
 
 impl Staged {

@@ -176,6 +176,9 @@ impl Server {
         let admin = self.admins.contains(&id);
         if !admin && !self.readers.contains(&id) {
             warn!(%peer, identity = %id, "remote control: identity not allowed");
+            // Its request is read first: closing with it unread would reset the connection,
+            // and the client could lose the answer.
+            let _ = tokio::time::timeout(idle, read_line(&mut stream, &mut Vec::new())).await;
             let resp = Response::error(format!(
                 "client identity {id:?} is not allowed on this target"
             ));
@@ -308,21 +311,22 @@ pub async fn request_line(
                 source,
             })?;
         let mut stream = Stream::connect_to(&ctx, tcp, host).await.map_err(tls_err)?;
+        // In TLS 1.3 the target checks this client's certificate after the client's side of
+        // the handshake is done: a refusal arrives as an alert, or as a reset, on the first
+        // write or read.
+        let ended = |e: String| {
+            fail(format!(
+                "the target ended the TLS session ({e}); is this client's certificate one the \
+                 target accepts?"
+            ))
+        };
         write_all(&mut stream, format!("{line}\n").as_bytes())
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| ended(e.to_string()))?;
         match read_line(&mut stream, &mut Vec::new()).await {
             Ok(Some(answer)) => Ok(answer),
-            Ok(None) => Err(fail(
-                "closed the connection without answering (is this client's certificate accepted?)"
-                    .into(),
-            )),
-            // In TLS 1.3 the server checks the client's certificate after the client's
-            // side of the handshake is done: its refusal arrives as an alert on the first read.
-            Err(e) if e.contains(" alert ") => Err(fail(format!(
-                "the target refused this client's TLS session ({e})"
-            ))),
-            Err(e) => Err(fail(e)),
+            Ok(None) => Err(ended("closed without an answer".into())),
+            Err(e) => Err(ended(e)),
         }
     };
     let answer = tokio::time::timeout(CLIENT_TIMEOUT, exchange)

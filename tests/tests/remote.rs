@@ -250,7 +250,7 @@ fn clients_without_the_right_certificate_or_role_are_refused() {
     for who in ["", "forged"] {
         let e = r.refused(who, "ca.pem", ADD);
         assert!(
-            e.contains("refused this client's TLS session") || e.contains("TLS handshake failed"),
+            e.contains("the target ended the TLS session") || e.contains("TLS handshake failed"),
             "{who}: {e}"
         );
     }
