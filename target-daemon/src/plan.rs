@@ -592,6 +592,13 @@ pub fn plan(old: &Config, new: &Config) -> Result<Vec<Change>, ChangeError> {
                     "subsystem {nqn} namespace {nsid}: namespace UUIDs change only at a restart"
                 ));
             }
+            if on.backend == n.backend {
+                // Settings of a namespace other than its backend and UUID need a change kind
+                // of their own; none reopens the backend.
+                return refused(format!(
+                    "subsystem {nqn} namespace {nsid}: only its backend changes while it runs"
+                ));
+            }
             if let Some(size) = resized_to(&on.backend, &n.backend) {
                 changes.push(Change::ResizeNamespace {
                     subsystem: nqn.clone(),

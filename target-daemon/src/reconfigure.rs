@@ -854,6 +854,43 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_prepare_closes_what_it_bound() {
+        let r = registry(&["mem:1M"]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address: ListenAddr = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+        let changes = [
+            Change::AddListener {
+                listener: ListenerConfig {
+                    address: address.clone(),
+                    tls: None,
+                },
+                discovery: false,
+            },
+            Change::AddNamespace {
+                subsystem: NQN.into(),
+                namespace: NamespaceConfig {
+                    nsid: Some(2),
+                    backend: "file:/nonexistent-dir/ns.img,size=1M".parse().unwrap(),
+                    uuid: None,
+                },
+            },
+        ];
+        let e = r.change(&changes).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent-dir/ns.img"), "{e}");
+        // The listener bound for the change is closed again: its port binds.
+        drop(std::net::TcpListener::bind(address.addr).expect("the port is free again"));
+        assert!(!r.target().listeners().io.contains(&address));
+        // The same change without the failing part goes through, on that very port.
+        let lines = r.change(&changes[..1]).unwrap();
+        assert_eq!(lines, vec![format!("listening on {address}")]);
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn rdma_listeners_change_live_like_tcp_ones() {
         let r = registry(&["mem:1M"]);
         let listeners = r.target().listeners();
