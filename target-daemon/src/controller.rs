@@ -1423,8 +1423,11 @@ mod access_tests {
             let mut cfg = crate::testing::config(&["mem:1M", "mem:1M"]);
             cfg.target.reactors = 1;
             cfg.subsystems[0].namespaces[1].ana_group = Some(2);
-            let (t, l) = crate::Target::build(&cfg).unwrap();
-            Registry::new(crate::RunningTarget::start(t, l).unwrap(), cfg)
+            let (t, l) = (crate::Target::build(&cfg), crate::launcher::bind(&cfg));
+            Registry::new(
+                crate::RunningTarget::start(t.unwrap(), l.unwrap()).unwrap(),
+                cfg,
+            )
         };
         let listener = r.config().listeners[0].address.clone();
         let here = QueueOrigin {
