@@ -240,7 +240,7 @@ impl Prepared {
                         _ => "hidden from",
                     };
                     p.lines.push(format!(
-                        "subsystem {subsystem}: namespace {nsid} {how} {host}: now seen by {seen}"
+                        "subsystem {subsystem}: namespace {nsid} is now seen by {seen} ({how} {host})"
                     ));
                 }
                 Change::SetAnaState {
