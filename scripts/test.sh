@@ -134,6 +134,9 @@ if [[ $quick == 0 ]]; then
     crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
     (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run capsule -- \
         -max_total_time="${FUZZ_SECONDS:-20}" -max_len=8192 -print_final_stats=1)
+    stage "fuzzing: control request lines and the change plan"
+    (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run control -- \
+        -max_total_time="${FUZZ_SECONDS:-20}" -max_len=4096 -print_final_stats=1)
     stage "fuzzing: authentication messages and the DH-HMAC-CHAP state machines"
     NVME_AUTH_FUZZ_SEED_DIR="$PWD/crates/nvme-auth/fuzz/corpus" \
         cargo test --quiet --locked -p nvme-auth --test fuzz_inputs seeds_run

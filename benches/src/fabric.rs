@@ -137,8 +137,10 @@ impl FabricTarget {
                 };
                 let cfg =
                     target_config(spec, "tcp://127.0.0.1:0").map_err(FabricError::InProcess)?;
-                let (target, listeners) =
-                    Target::build(&cfg).map_err(|e| FabricError::InProcess(e.to_string()))?;
+                let fail =
+                    |e: nvmeof_target::target::StartError| FabricError::InProcess(e.to_string());
+                let target = Target::build(&cfg).map_err(fail)?;
+                let listeners = nvmeof_target::launcher::bind(&cfg).map_err(fail)?;
                 let addr = listeners
                     .first()
                     .map(|l| l.addr.addr)

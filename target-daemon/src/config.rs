@@ -13,6 +13,14 @@
 //! control_group = "nvmeof"          # may use the control socket besides root
 //! save_dir = "/etc/nvmeof"          # where `ctl save` may write (default: the --config file's directory)
 //!
+//! [target.remote_control]            # the control requests over TCP with mutual TLS (off unless set)
+//! listen = "0.0.0.0:4480"
+//! cert = "/etc/nvmeof/remote/target.pem"
+//! key = "/etc/nvmeof/remote/target.key"
+//! ca = "/etc/nvmeof/remote/ca.pem"  # client certificates must be signed by it
+//! admins = ["csi-controller"]       # client certificate CNs that may change the target
+//! readers = ["monitoring"]          # ... that may only list and status
+//!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
 //!
@@ -273,6 +281,30 @@ pub struct TargetSettings {
         serialize_with = "serialize_size"
     )]
     pub memory_budget: u64,
+    /// The remote control API (`[target.remote_control]`): the control requests over TCP
+    /// with mutual TLS. Off unless set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_control: Option<RemoteControl>,
+}
+
+/// The remote control API's settings ([`crate::remote`]).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteControl {
+    /// The TCP address to serve on, written like `"0.0.0.0:4480"`.
+    pub listen: SocketAddr,
+    /// The target's certificate (PEM; intermediate certificates may follow).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA certificates (PEM) a client's certificate must be signed by.
+    pub ca: PathBuf,
+    /// Client certificate common names (CN) that may make every request.
+    #[serde(default)]
+    pub admins: Vec<String>,
+    /// Client certificate common names that may only read (`list`, `status`).
+    #[serde(default)]
+    pub readers: Vec<String>,
 }
 
 /// The default daemon-wide memory budget (`memory_budget`): 1 GiB.
@@ -302,6 +334,7 @@ impl Default for TargetSettings {
             auth_rate: 8,
             auth_burst: 64,
             memory_budget: DEFAULT_MEMORY_BUDGET,
+            remote_control: None,
         }
     }
 }
@@ -689,6 +722,19 @@ impl Config {
             return bad("no listener configured".into());
         }
         let t = &self.target;
+        if let Some(r) = &t.remote_control {
+            if r.admins.is_empty() && r.readers.is_empty() {
+                return bad(
+                    "target.remote_control: no client may use it: list identities in admins or readers"
+                        .into(),
+                );
+            }
+            if let Some(both) = r.admins.iter().find(|a| r.readers.contains(a)) {
+                return bad(format!(
+                    "target.remote_control: {both:?} is in both admins and readers"
+                ));
+            }
+        }
         if t.mdts_kib < 4 || !t.mdts_kib.is_power_of_two() || t.mdts_kib > 32 * 1024 {
             return bad(format!(
                 "target.mdts_kib = {}: must be a power of two between 4 and 32768",
