@@ -64,6 +64,14 @@ use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use nvme_spec::log::AnaState;
 use serde::{Deserialize, Serialize};
 
+/// Highest ANA group ID (ANAGRPMAX) and number of groups (NANAGRPID), as Linux nvmet.
+pub const MAX_ANA_GROUPS: u32 = 128;
+
+/// Whether `group` is a valid ANA group ID here.
+pub fn valid_group(group: u32) -> bool {
+    (1..=MAX_ANA_GROUPS).contains(&group)
+}
+
 /// NQN of the subsystem served when no configuration is given.
 pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
 /// Listener used when no configuration is given.
@@ -359,7 +367,7 @@ pub struct ListenerConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AnaGroupState {
-    /// ANA group ID (1..=[`crate::ana::MAX_ANA_GROUPS`]).
+    /// ANA group ID (1..=[`MAX_ANA_GROUPS`]).
     pub group: u32,
     /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or `change`.
     #[serde(
@@ -791,12 +799,12 @@ impl Config {
             }
             let mut groups = std::collections::HashSet::new();
             for a in &l.ana {
-                if !crate::ana::valid_group(a.group) {
+                if !valid_group(a.group) {
                     return bad(format!(
                         "listener {}: ANA group {}: must be 1..={}",
                         l.address,
                         a.group,
-                        crate::ana::MAX_ANA_GROUPS
+                        MAX_ANA_GROUPS
                     ));
                 }
                 if !groups.insert(a.group) {
@@ -886,11 +894,11 @@ impl Config {
                         return bad(format!("subsystem {}: invalid uuid {u:?}", s.nqn));
                     }
                 }
-                if let Some(g) = ns.ana_group.filter(|g| !crate::ana::valid_group(*g)) {
+                if let Some(g) = ns.ana_group.filter(|g| !valid_group(*g)) {
                     return bad(format!(
                         "subsystem {} namespace {id}: ana_group {g}: must be 1..={}",
                         s.nqn,
-                        crate::ana::MAX_ANA_GROUPS
+                        MAX_ANA_GROUPS
                     ));
                 }
                 let mut seen = std::collections::HashSet::new();
