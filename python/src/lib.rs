@@ -680,13 +680,8 @@ impl Controller {
         });
         if let Some(live) = live {
             // No call uses a queue pair now (calls hold the read lock while they do).
-            let pairs = std::mem::take(
-                &mut *self
-                    .shared
-                    .pairs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()),
-            );
+            let pairs =
+                std::mem::take(&mut *self.shared.pairs.lock().unwrap_or_else(|p| p.into_inner()));
             let Live { rt, ctrl } = ManuallyDrop::into_inner(live);
             let r = py.allow_threads(move || {
                 drop(pairs);
@@ -1282,9 +1277,8 @@ impl Namespace {
                     .map(|_| ())
             });
         }
-        let is_cuda: Vec<bool> = dests.iter().map(|d| matches!(d, Dest::Cuda(_))).collect();
         let shared = &self.shared;
-                shared.run_py(py, |l| {
+        shared.run_py(py, |l| {
             let read = || -> Result<(), GpuIoError> {
                 let ordinal = device_of(cuda)?;
                 let mut devs = shared.gpu.lock().unwrap_or_else(|p| p.into_inner());
@@ -1327,10 +1321,7 @@ impl Namespace {
                     // this call returns, after the buffers drop; the driver checks the
                     // range; destinations do not overlap (the caller checked).
                     let mut buf = unsafe { ctx.borrow_device_memory(addr, len) }?;
-                    stream.copy_h2d_async(
-                        &pinned.slice(at..at + len)?,
-                        &mut buf.as_slice_mut(),
-                    )?;
+                    stream.copy_h2d_async(&pinned.slice(at..at + len)?, &mut buf.as_slice_mut())?;
                     bufs.push(buf);
                 }
                 stream.synchronize()?;
@@ -1639,9 +1630,11 @@ impl Namespace {
         let jobs = [(lba, v.as_mut_ptr() as u64, size)];
         let ns = &*self.ns;
         let shared = &self.shared;
-        shared.run(py, |l| match (size > 0).then(|| shared.pair_read(ns, &jobs)).flatten() {
-            Some(r) => r,
-            None => l.rt.block_on(ns.read_into(lba, &mut v)),
+        shared.run(py, |l| {
+            match (size > 0).then(|| shared.pair_read(ns, &jobs)).flatten() {
+                Some(r) => r,
+                None => l.rt.block_on(ns.read_into(lba, &mut v)),
+            }
         })?;
         Ok(PyBytes::new(py, &v))
     }
@@ -1746,7 +1739,9 @@ impl Namespace {
         for &off in &offsets {
             let lba = self.range(off, size)?;
             match jobs.last_mut() {
-                Some(last) if last.0 + (last.2 as u64) / bs == lba && last.1 + last.2 as u64 == addr => {
+                Some(last)
+                    if last.0 + (last.2 as u64) / bs == lba && last.1 + last.2 as u64 == addr =>
+                {
                     last.2 += size;
                 }
                 _ => jobs.push((lba, addr, size)),
