@@ -1078,10 +1078,15 @@ fn offsets_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     // SAFETY: obj is a live object (we hold the GIL through the Bound).
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 {
         return obj.extract::<Vec<u64>>().map_err(|e| {
+            let py = obj.py();
+            if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) {
+                // A negative or too large int, as for the other calls' offsets.
+                return e;
+            }
             let err = PyTypeError::new_err(
                 "offsets must be a buffer of 64-bit integers (a NumPy uint64 or int64 array) or a sequence of non-negative ints",
             );
-            err.set_cause(obj.py(), Some(e));
+            err.set_cause(py, Some(e));
             err
         });
     }
