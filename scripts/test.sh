@@ -89,6 +89,17 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
     fi
 fi
 
+stage "tgt"
+# Debian's tgt (tgtd, tgtadm): the load generator's iscsi mode and its tests start it.
+if ! command -v tgtd >/dev/null && [[ ! -x /usr/sbin/tgtd ]]; then
+    if [[ $quick == 1 && $(id -u) != 0 ]] && ! command -v sudo >/dev/null; then
+        echo "tgt not installed and no root to install it: the iscsi tests skip"
+    else
+        sudo_ apt-get update -qq
+        sudo_ apt-get install -y -qq --no-install-recommends tgt
+    fi
+fi
+
 stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -123,6 +134,9 @@ if [[ $quick == 0 ]]; then
     crates/nvmf-tcp/fuzz/run-brief.sh "${FUZZ_SECONDS:-20}"
     (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run capsule -- \
         -max_total_time="${FUZZ_SECONDS:-20}" -max_len=8192 -print_final_stats=1)
+    stage "fuzzing: control request lines and the change plan"
+    (cd target-daemon/fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run control -- \
+        -max_total_time="${FUZZ_SECONDS:-20}" -max_len=4096 -print_final_stats=1)
     stage "fuzzing: authentication messages and the DH-HMAC-CHAP state machines"
     NVME_AUTH_FUZZ_SEED_DIR="$PWD/crates/nvme-auth/fuzz/corpus" \
         cargo test --quiet --locked -p nvme-auth --test fuzz_inputs seeds_run

@@ -59,7 +59,7 @@ fn queues() -> (QueueState, QueueState) {
         &[],
     )
     .expect("valid config");
-    let target: Arc<Target> = Target::build(&cfg).expect("target builds").0;
+    let target: Arc<Target> = Target::build(&cfg).expect("target builds");
     let origin = QueueOrigin {
         local: SocketAddr::from(([127, 0, 0, 1], 4420)),
         peer: SocketAddr::from(([127, 0, 0, 1], 40000)),

@@ -137,8 +137,10 @@ impl FabricTarget {
                 };
                 let cfg =
                     target_config(spec, "tcp://127.0.0.1:0").map_err(FabricError::InProcess)?;
-                let (target, listeners) =
-                    Target::build(&cfg).map_err(|e| FabricError::InProcess(e.to_string()))?;
+                let fail =
+                    |e: nvmeof_target::target::StartError| FabricError::InProcess(e.to_string());
+                let target = Target::build(&cfg).map_err(fail)?;
+                let listeners = nvmeof_target::launcher::bind(&cfg).map_err(fail)?;
                 let addr = listeners
                     .first()
                     .map(|l| l.addr.addr)
@@ -379,7 +381,8 @@ pub fn default_target_bin() -> Option<PathBuf> {
     .find(|p| p.is_file())
 }
 
-fn free_port() -> std::io::Result<u16> {
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+pub(crate) fn free_port() -> std::io::Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
 }

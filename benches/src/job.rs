@@ -9,7 +9,7 @@
 //!
 //! ```toml
 //! [global]
-//! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma
+//! modes = ["das", "tcp"]     # das | tcp | tcp-bin | tcp=HOST:PORT | rdma | iscsi[=HOST:PORT]
 //! backend = "mem:1G"         # the namespace kind, for DAS and for the target the load
 //!                            # generator starts (tcp, tcp-bin); pcie:DOMAIN:BUS:DEV.FN drives
 //!                            # a drive bound to vfio-pci (das and tcp share its controller)
@@ -64,7 +64,12 @@
 //! targets need a `mem` or `null` backend, and the das mode reads its `K` namespaces whatever
 //! `targets` says.
 //!
-//! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`,
+//! The `iscsi` mode starts Debian's tgt on this machine with a LUN per namespace of the
+//! `backend`'s size (see [`crate::iscsi`]); `iscsi=HOST:PORT` reads the target `iqn` there,
+//! LUNs from `lun` on. `queue_pairs` is the number of iSCSI sessions (one connection each),
+//! `api`, `dest = "gpu"` and `issue = "gpu"` do not apply, and `targets` stays 1.
+//!
+//! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`, `iqn`, `lun`,
 //! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
@@ -94,6 +99,9 @@ pub const MAX_TARGETS: u32 = 16;
 /// an address for unless told otherwise: `nvmeof-targetd`'s own default, so a target started
 /// with no arguments needs no `--nqn`.
 pub const DEFAULT_NQN: &str = nvmeof_target::config::DEFAULT_NQN;
+/// The target IQN of the iscsi modes unless the job or `--iqn` names another: the name of
+/// the tgt target the load generator starts.
+pub const DEFAULT_IQN: &str = "iqn.2026-11.io.nvmeof-direct:bench";
 /// Seed of the verify pattern when a job names none.
 pub const DEFAULT_SEED: u64 = 0x6e76_6d65_6f66_0001;
 /// Measured duration when a job names neither `runtime` nor `io_size`.
@@ -355,6 +363,13 @@ pub enum Mode {
         /// `HOST:PORT`, when given.
         addr: Option<String>,
     },
+    /// iSCSI through the workspace's initiator (`iscsi-initiator`): to the target `iqn` at
+    /// `addr`, or, without an address, to Debian's `tgt` (`tgtd`) that the load generator
+    /// starts on this machine (see [`crate::iscsi`]).
+    Iscsi {
+        /// `HOST:PORT`, when given.
+        addr: Option<String>,
+    },
 }
 
 impl Mode {
@@ -367,6 +382,8 @@ impl Mode {
             Mode::Tcp(TcpTarget::Remote { addr }) => format!("tcp@{addr}"),
             Mode::Rdma { addr: None } => "rdma".into(),
             Mode::Rdma { addr: Some(a) } => format!("rdma@{a}"),
+            Mode::Iscsi { addr: None } => "iscsi".into(),
+            Mode::Iscsi { addr: Some(a) } => format!("iscsi@{a}"),
         }
     }
 
@@ -380,7 +397,9 @@ impl Mode {
     pub fn owns_target(&self) -> bool {
         matches!(
             self,
-            Mode::Das | Mode::Tcp(TcpTarget::InProcess | TcpTarget::Process(_))
+            Mode::Das
+                | Mode::Tcp(TcpTarget::InProcess | TcpTarget::Process(_))
+                | Mode::Iscsi { addr: None }
         )
     }
 }
@@ -394,7 +413,8 @@ impl fmt::Display for Mode {
 impl FromStr for Mode {
     type Err = String;
 
-    /// `das`, `tcp`, `tcp-bin`, `tcp-bin=PATH`, `tcp=HOST:PORT`, `rdma`, `rdma=HOST:PORT`.
+    /// `das`, `tcp`, `tcp-bin`, `tcp-bin=PATH`, `tcp=HOST:PORT`, `rdma`, `rdma=HOST:PORT`,
+    /// `iscsi`, `iscsi=HOST:PORT`.
     fn from_str(s: &str) -> Result<Self, String> {
         let (kind, arg) = match s.split_once('=') {
             Some((k, a)) => (k.trim(), Some(a.trim())),
@@ -420,8 +440,13 @@ impl FromStr for Mode {
             ("rdma", Some(a)) => Ok(Mode::Rdma {
                 addr: Some(need_addr(a)?),
             }),
+            ("iscsi", None) => Ok(Mode::Iscsi { addr: None }),
+            ("iscsi", Some(a)) => Ok(Mode::Iscsi {
+                addr: Some(need_addr(a)?),
+            }),
             _ => Err(format!(
-                "unknown mode {s:?} (das, tcp, tcp-bin[=PATH], tcp=HOST:PORT, rdma[=HOST:PORT])"
+                "unknown mode {s:?} (das, tcp, tcp-bin[=PATH], tcp=HOST:PORT, rdma[=HOST:PORT], \
+                 iscsi[=HOST:PORT])"
             )),
         }
     }
@@ -591,6 +616,11 @@ pub struct Section {
     pub nqn: Option<String>,
     /// Host NQN the load generator connects with (global only).
     pub hostnqn: Option<String>,
+    /// Target IQN of the iscsi modes (global only).
+    pub iqn: Option<String>,
+    /// First LUN the iscsi modes read (global only; the job's namespaces are this LUN and
+    /// the ones after it).
+    pub lun: Option<u16>,
     /// Reactor threads of the target the load generator starts (global only).
     pub target_reactors: Option<usize>,
     /// Busy-poll window of the started target's reactors, in microseconds (global only).
@@ -725,6 +755,10 @@ pub struct Overrides {
     pub client_cpus: Option<String>,
     /// Replaces `nqn`.
     pub nqn: Option<String>,
+    /// Replaces `iqn`.
+    pub iqn: Option<String>,
+    /// Replaces `lun`.
+    pub lun: Option<u16>,
     /// Makes plain `tcp` start this target binary as a process.
     pub target_bin: Option<PathBuf>,
     /// Makes plain `tcp` use the target at this `HOST:PORT`.
@@ -907,6 +941,12 @@ pub struct Plan {
     pub nqn: String,
     /// Host NQN given by `--hostnqn` or the job file, used in every fabric mode.
     pub hostnqn: Option<String>,
+    /// Target IQN of the iscsi modes ([`DEFAULT_IQN`] unless set; the tgt the load generator
+    /// starts takes this name).
+    pub iqn: String,
+    /// First LUN of the iscsi modes (`None`: 1 on the tgt the load generator starts, where
+    /// LUN 0 is tgt's controller, and 0 on a target at an address).
+    pub lun: Option<u16>,
     /// The host identity of the fabric modes: the given `hostnqn`, else what the binary sets
     /// for targets given by address (the `nvmeof` CLI's identity, see
     /// [`crate::path::HostChoice::system`]); `None`: [`crate::path::BENCH_HOSTNQN`]. Targets the
@@ -1103,6 +1143,27 @@ impl Plan {
         .map(|(h, source)| crate::path::HostChoice::given(h, source))
         .transpose()
         .map_err(|e| invalid("global", "hostnqn", e.to_string()))?;
+        let iqn = ov
+            .iqn
+            .clone()
+            .or_else(|| g.iqn.clone())
+            .unwrap_or_else(|| DEFAULT_IQN.to_string());
+        if !(iqn.starts_with("iqn.") || iqn.starts_with("eui.") || iqn.starts_with("naa."))
+            || iqn.len() > 223
+        {
+            return Err(invalid(
+                "global",
+                "iqn",
+                "expected an iSCSI name (iqn.YYYY-MM.reverse.domain:name, eui. or naa., at most \
+                 223 bytes)",
+            ));
+        }
+        let lun = ov.lun.or(g.lun);
+        if let Some(l) = lun
+            && (l > 16383 || u32::from(l) + namespaces > 16384)
+        {
+            return Err(invalid("global", "lun", "LUNs end at 16383"));
+        }
         let target_cpus = ov.target_cpus.clone().or_else(|| g.target_cpus.clone());
         let client_cpus = ov.client_cpus.clone().or_else(|| g.client_cpus.clone());
         let load_cpus = g.load_cpus.clone();
@@ -1123,6 +1184,8 @@ impl Plan {
                 ("backend", j.backend.is_some()),
                 ("nqn", j.nqn.is_some()),
                 ("hostnqn", j.hostnqn.is_some()),
+                ("iqn", j.iqn.is_some()),
+                ("lun", j.lun.is_some()),
                 ("target_reactors", j.target_reactors.is_some()),
                 ("target_poll_us", j.target_poll_us.is_some()),
                 ("client_poll_us", j.client_poll_us.is_some()),
@@ -1148,6 +1211,8 @@ impl Plan {
             namespaces,
             nqn,
             hostnqn,
+            iqn,
+            lun,
             host,
             skipped,
             target_reactors,
@@ -1178,6 +1243,13 @@ impl Plan {
 /// Whether `targets > 1` can run: every fabric mode starts its own targets, and the backend can
 /// back several of them.
 fn check_several_targets(job: &str, modes: &[Mode], backend: &BackendSpec) -> Result<(), JobError> {
+    if let Some(m) = modes.iter().find(|m| matches!(m, Mode::Iscsi { .. })) {
+        return Err(invalid(
+            job,
+            "targets",
+            format!("{m} runs one target: targets > 1 is for tcp and tcp-bin"),
+        ));
+    }
     if let Some(m) = modes.iter().find(|m| {
         matches!(
             m,
@@ -1783,6 +1855,38 @@ mod tests {
         assert_eq!(p.modes[1].label(), "tcp@127.0.0.1:4420");
         assert_eq!(p.points[0].runtime, Some(Duration::from_millis(300)));
         assert!(!p.points[0].verify);
+    }
+
+    #[test]
+    fn iscsi_modes_and_keys() {
+        assert_eq!("iscsi".parse::<Mode>().unwrap(), Mode::Iscsi { addr: None });
+        let at = "iscsi=192.0.2.1:3260".parse::<Mode>().unwrap();
+        assert_eq!(at.label(), "iscsi@192.0.2.1:3260");
+        assert!(!at.owns_target());
+        assert!(Mode::Iscsi { addr: None }.owns_target());
+        assert!("iscsi=nohost".parse::<Mode>().is_err());
+        let p = plan(
+            "[global]\nmodes = [\"das\", \"iscsi\"]\niqn = \"iqn.2026-11.io.example:disk\"\nlun = 3\n[[job]]",
+        )
+        .unwrap();
+        assert_eq!(
+            (p.iqn.as_str(), p.lun),
+            ("iqn.2026-11.io.example:disk", Some(3))
+        );
+        let p = plan("[[job]]").unwrap();
+        assert_eq!((p.iqn.as_str(), p.lun), (DEFAULT_IQN, None));
+        for (text, needle) in [
+            ("[global]\niqn = \"disk\"\n[[job]]", "iSCSI name"),
+            ("[global]\nlun = 16384\n[[job]]", "LUNs end"),
+            ("[[job]]\nlun = 1", "only be set in [global]"),
+            (
+                "[global]\nmodes = [\"iscsi\"]\n[[job]]\ntargets = 2",
+                "runs one target",
+            ),
+        ] {
+            let e = plan(text).unwrap_err().to_string();
+            assert!(e.contains(needle), "{text:?}: {e}");
+        }
     }
 
     #[test]

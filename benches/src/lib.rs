@@ -3,8 +3,10 @@
 //! The load generator runs one job in several modes side by side, in one run, on one
 //! machine: `das` (the `blockdev` backend directly, in-process, no network), `tcp` (NVMe/TCP
 //! through the `nvmeof-initiator` library to our target started in-process, to our target
-//! binary started as a process, or to any NVMe/TCP target by address), and `rdma=HOST:PORT`
-//! (NVMe/RDMA through the same initiator to a target by address). Knobs carry fio's names; every
+//! binary started as a process, or to any NVMe/TCP target by address), `rdma=HOST:PORT`
+//! (NVMe/RDMA through the same initiator to a target by address), and `iscsi` (iSCSI through
+//! the workspace's `iscsi-initiator` to Debian's `tgt` started on this machine, or
+//! `iscsi=HOST:PORT` to any iSCSI target). Knobs carry fio's names; every
 //! read is checked against a seeded pattern so no speed is bought with wrong data. Results are
 //! IOPS, bandwidth, latency percentiles from merged HdrHistograms, CPU-seconds of the target
 //! and of the client, IOPS per core and the spread over namespaces, as JSON
@@ -18,6 +20,7 @@
 //! | [`path`] | the I/O paths: DAS backends, NVMe/TCP through the initiator |
 //! | [`gpu`] | the `gpu` destination: reads into GPU memory through pinned staging |
 //! | [`fabric`] | starting or naming the target of the fabric modes |
+//! | [`iscsi`] | the iscsi modes: tgt started here, the path through `iscsi-initiator` |
 //! | [`worker`] | the workers that keep `iodepth` I/Os in flight |
 //! | [`run`] | the coordinator: phases, CPU accounting, measurements |
 //! | [`cpu`] | per-thread CPU time from /proc, pinning |
@@ -35,6 +38,7 @@ pub mod fabric;
 pub mod gpu;
 pub mod gpu_issue;
 pub mod hist;
+pub mod iscsi;
 pub mod job;
 pub mod load;
 pub mod path;

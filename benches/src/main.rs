@@ -20,10 +20,13 @@ use nvmeof_bench::{QUICK_JOB, svg};
 ///   tcp-bin[=PATH] NVMe/TCP to nvmeof-targetd started as a process
 ///   tcp=HOST:PORT  NVMe/TCP to any target (with --nqn)
 ///   rdma=HOST:PORT NVMe/RDMA to any target listening on rdma:// (with --nqn)
+///   iscsi          iSCSI to Debian's tgt (tgtd), started here on a RAM-backed LUN
+///   iscsi=HOST:PORT iSCSI to any target (with --iqn and --lun)
 /// Examples:
 ///   nvmeof-bench --quick
 ///   nvmeof-bench benches/jobs/study1-das-vs-of.toml --json out.json --svg plots/
 ///   nvmeof-bench job.toml --modes das,tcp --target 127.0.0.1:4420 --nqn nqn.2016-06.io.spdk:cnode1
+///   nvmeof-bench job.toml --modes das,tcp-bin,iscsi
 #[derive(Debug, Parser)]
 #[command(name = "nvmeof-bench", version, verbatim_doc_comment)]
 struct Args {
@@ -51,14 +54,25 @@ struct Args {
     #[arg(long, value_name = "HOST:PORT")]
     target: Option<String>,
 
-    /// Process ID, on this machine, of the target given by address (--target, tcp=HOST:PORT
-    /// or rdma=HOST:PORT): its CPU time is measured (and --target-cpus pins it).
+    /// Process ID, on this machine, of the target given by address (--target, tcp=HOST:PORT,
+    /// rdma=HOST:PORT or iscsi=HOST:PORT): its CPU time is measured (and --target-cpus pins
+    /// it).
     #[arg(long, value_name = "PID")]
     target_pid: Option<u32>,
 
     /// Subsystem NQN (for --target and tcp=HOST:PORT).
     #[arg(long)]
     nqn: Option<String>,
+
+    /// Target IQN of the iscsi modes (default: the name of the tgt target the load generator
+    /// starts).
+    #[arg(long)]
+    iqn: Option<String>,
+
+    /// First LUN of the iscsi modes (default: 1 on the tgt the load generator starts, 0 on
+    /// a target at an address).
+    #[arg(long)]
+    lun: Option<u16>,
 
     /// Measured duration of every point (e.g. 10s, 500ms).
     #[arg(long, value_parser = parse_duration)]
@@ -228,6 +242,8 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         target_cpus: args.target_cpus.clone(),
         client_cpus: args.client_cpus.clone(),
         nqn: args.nqn.clone(),
+        iqn: args.iqn.clone(),
+        lun: args.lun,
         target_bin: args.target_bin.clone(),
         target_addr: args.target.clone(),
         host_load: args.busy.then_some(HostLoad::Busy),
@@ -242,10 +258,15 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
     if plan.target_pid.is_some() && plan.modes.iter().all(Mode::owns_target) {
         bail!(
             "--target-pid names the process of a target given by address (--target, \
-             tcp=HOST:PORT or rdma=HOST:PORT); no mode of this run has one"
+             tcp=HOST:PORT, rdma=HOST:PORT or iscsi=HOST:PORT); no mode of this run has one"
         );
     }
-    if plan.hostnqn.is_none() && plan.modes.iter().any(|m| !m.owns_target()) {
+    if plan.hostnqn.is_none()
+        && plan
+            .modes
+            .iter()
+            .any(|m| !m.owns_target() && !matches!(m, Mode::Iscsi { .. }))
+    {
         let state_dir = args
             .state_dir
             .clone()

@@ -102,6 +102,9 @@ pub enum PathError {
     /// The namespaces are not what the job needs.
     #[error("{0}")]
     Setup(String),
+    /// The iSCSI initiator failed (iscsi modes).
+    #[error("iscsi: {0}")]
+    Iscsi(#[from] iscsi_initiator::Error),
     /// The GPU side of the `gpu` destination failed.
     #[error("gpu: {0}")]
     Gpu(String),

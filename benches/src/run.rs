@@ -27,6 +27,7 @@ use crate::cpu::{self, CpuSnapshot};
 use crate::fabric::{CpuSource, FabricTargets, TargetSpec};
 use crate::gpu::{GpuPath, GpuSource};
 use crate::hist::LatencyHist;
+use crate::iscsi::{IscsiPath, IscsiSettings, Tgt, TgtSpec};
 use crate::job::{Api, Dest, HostLoad, Issue, Mode, Plan, Point, TcpTarget};
 use crate::load::BusyLoad;
 use crate::path::{DasPath, HostChoice, IoPath, NsGeometry, TcpPath, TcpSettings};
@@ -95,7 +96,71 @@ enum ModeState {
         targets: Result<FabricTargets, (usize, String)>,
         prefilled: Prefilled,
     },
+    Iscsi {
+        /// The target, or why it could not be started.
+        target: Result<IscsiTarget, String>,
+        prefilled: Prefilled,
+    },
     Unavailable(String),
+}
+
+/// The target of an iscsi mode.
+enum IscsiTarget {
+    /// tgtd started by the load generator.
+    Tgt(Tgt),
+    /// A target at an address, and its process on this machine when known.
+    Remote { addr: String, pid: Option<u32> },
+}
+
+impl IscsiTarget {
+    fn start(addr: &Option<String>, plan: &Plan, queue_depth: u32) -> Result<Self, String> {
+        match addr {
+            None => Tgt::start(&TgtSpec {
+                iqn: plan.iqn.clone(),
+                backend: plan.backend.clone(),
+                namespaces: plan.namespaces,
+                first_lun: plan.lun.unwrap_or(1),
+                cpus: plan.target_cpus.clone(),
+                queue_depth,
+            })
+            .map(IscsiTarget::Tgt)
+            .map_err(|e| e.to_string()),
+            Some(a) => {
+                if let Some(pid) = plan.target_pid {
+                    CpuSnapshot::take(Some(pid)).map_err(|e| e.to_string())?;
+                    if let Some(cpus) = &plan.target_cpus {
+                        cpu::pin_named(Some(pid), "", cpus).map_err(|e| e.to_string())?;
+                    }
+                }
+                Ok(IscsiTarget::Remote {
+                    addr: a.clone(),
+                    pid: plan.target_pid,
+                })
+            }
+        }
+    }
+
+    fn addr(&self) -> String {
+        match self {
+            IscsiTarget::Tgt(t) => t.addr(),
+            IscsiTarget::Remote { addr, .. } => addr.clone(),
+        }
+    }
+
+    fn first_lun(&self, plan: &Plan) -> u16 {
+        plan.lun.unwrap_or(match self {
+            IscsiTarget::Tgt(_) => 1,
+            IscsiTarget::Remote { .. } => 0,
+        })
+    }
+
+    fn cpu_source(&self) -> CpuSource {
+        match self {
+            IscsiTarget::Tgt(t) => CpuSource::Processes(vec![t.pid()]),
+            IscsiTarget::Remote { pid: Some(p), .. } => CpuSource::Processes(vec![*p]),
+            IscsiTarget::Remote { pid: None, .. } => CpuSource::None,
+        }
+    }
 }
 
 /// Whether stderr may carry colours: a terminal, and `NO_COLOR` unset or empty
@@ -322,6 +387,10 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
                     Err(e) => ModeState::Unavailable(e.to_string()),
                 }
             }
+            Mode::Iscsi { addr } => ModeState::Iscsi {
+                target: IscsiTarget::start(addr, plan, u32::from(spec.max_queue_depth)),
+                prefilled: Prefilled::new(m),
+            },
         })
         .collect();
 
@@ -348,12 +417,16 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
         }
     }
     for st in states {
-        if let ModeState::Tcp {
-            targets: Ok(targets),
-            ..
-        } = st
-        {
-            ctl.block_on(targets.stop());
+        match st {
+            ModeState::Tcp {
+                targets: Ok(targets),
+                ..
+            } => ctl.block_on(targets.stop()),
+            ModeState::Iscsi {
+                target: Ok(IscsiTarget::Tgt(t)),
+                ..
+            } => t.stop(),
+            _ => {}
         }
     }
     ctl.shutdown_timeout(Duration::from_secs(2));
@@ -507,6 +580,50 @@ fn measure_in_mode(
             targets: Err((_, msg)),
             ..
         } => failed(repeat, msg.clone()),
+        ModeState::Iscsi {
+            target: Err(msg), ..
+        } => failed(repeat, msg.clone()),
+        ModeState::Iscsi { .. } if point.issue == Issue::Gpu || point.dest == Dest::Gpu => failed(
+            repeat,
+            "the iscsi modes read into host memory from CPU workers: use issue = cpu and dest = host",
+        ),
+        ModeState::Iscsi {
+            target: Ok(target),
+            prefilled,
+        } => {
+            let settings = IscsiSettings {
+                addr: target.addr(),
+                iqn: plan.iqn.clone(),
+                sessions: point.queue_pairs,
+                first_lun: target.first_lun(plan),
+                luns: point.namespaces,
+            };
+            match rt.block_on(IscsiPath::connect(&settings)) {
+                // The initiator's errors name the address where it helps.
+                Err(e) => failed(repeat, e.to_string()),
+                Ok(path) => {
+                    let sessions = path.sessions();
+                    let path = Arc::new(path);
+                    let mut m = measure(
+                        &rt,
+                        Arc::clone(&path),
+                        plan,
+                        point,
+                        prefilled,
+                        target.cpu_source(),
+                        repeat,
+                        progress,
+                        mode_label,
+                        label,
+                    );
+                    m.queues = Some(sessions);
+                    if let Ok(path) = Arc::try_unwrap(path) {
+                        rt.block_on(path.logout());
+                    }
+                    m
+                }
+            }
+        }
         ModeState::Tcp {
             targets: Ok(target),
             prefilled,

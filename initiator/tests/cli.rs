@@ -962,7 +962,8 @@ async fn daemon_follows_namespace_resize_and_removal_on_the_target() {
     let ns = ["mem:1M".parse().unwrap(), "null:2M".parse().unwrap()];
     let mut cfg = nvmeof_target::Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
     cfg.target.reactors = 1;
-    let (target, listeners) = Target::build(&cfg).unwrap();
+    let target = Target::build(&cfg).unwrap();
+    let listeners = nvmeof_target::launcher::bind(&cfg).unwrap();
     let port = listeners[0].addr.addr.port();
     let registry = Registry::new(RunningTarget::start(target, listeners).unwrap(), cfg);
     // What `nvmeof-targetd ctl` sends.

@@ -393,7 +393,8 @@ async fn live_namespace_changes_on_the_target_refresh_the_namespace_list() {
     let listen = "tcp://127.0.0.1:0".parse().unwrap();
     let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).unwrap();
     cfg.target.reactors = 1;
-    let (target, listeners) = Target::build(&cfg).unwrap();
+    let target = Target::build(&cfg).unwrap();
+    let listeners = nvmeof_target::launcher::bind(&cfg).unwrap();
     let addr = listeners[0].addr.addr;
     let registry = Registry::new(RunningTarget::start(target, listeners).unwrap(), cfg);
     let o = options(nvmeof_initiator::TargetAddr::new(

@@ -26,6 +26,14 @@ use pyo3::types::{PyBytes, PyCFunction, PyCapsule, PyDict, PyTuple};
 /// The subsystem `nvmeof-targetd` serves when started without arguments.
 const DEFAULT_SUBNQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
 
+/// Queue pairs kept per controller by default: one, for the thread that reads (a DataLoader
+/// worker process has one controller and one reading thread). A kept queue ID costs nothing
+/// until a read uses it, and the target grants the shared queues first.
+const DEFAULT_QUEUE_PAIRS: u16 = 1;
+
+/// Read buffers a queue pair keeps between calls, in bytes at most.
+const KEPT_BUFFER_BYTES: usize = 16 << 20;
+
 create_exception!(
     nvmeof,
     Error,
@@ -123,12 +131,17 @@ struct Spec {
     transport: String,
     /// NVMe/TCP TLS configured PSK (`NVMeTLSkey-1:01:...:`), or None for plain TCP.
     tls_key: Option<String>,
+    /// I/O queue IDs kept for run-to-completion queue pairs, which blocking reads into host
+    /// memory use (one per thread reading at once); 0: every read goes through the shared
+    /// queues.
+    #[pyo3(get)]
+    queue_pairs: u16,
 }
 
 #[pymethods]
 impl Spec {
     #[new]
-    #[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None))]
+    #[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None, queue_pairs=DEFAULT_QUEUE_PAIRS))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         traddr: String,
@@ -140,6 +153,7 @@ impl Spec {
         timeout: f64,
         transport: String,
         tls_key: Option<String>,
+        queue_pairs: u16,
     ) -> PyResult<Self> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(PyValueError::new_err(
@@ -159,6 +173,7 @@ impl Spec {
             timeout,
             transport,
             tls_key,
+            queue_pairs,
         })
     }
 
@@ -179,6 +194,7 @@ impl Spec {
             self.timeout,
             self.transport.clone(),
             self.tls_key.clone(),
+            self.queue_pairs,
         );
         (cls, args).into_pyobject(py)
     }
@@ -202,6 +218,7 @@ impl Spec {
         };
         let mut o = ini::ConnectOptions::new(addr, self.subnqn.clone(), host);
         o.io_queues = self.queues;
+        o.queue_pairs = self.queue_pairs;
         let t = Duration::from_secs_f64(self.timeout);
         o.timeouts.connect = t;
         o.timeouts.admin = t;
@@ -238,6 +255,107 @@ struct Shared {
     live: RwLock<Option<ManuallyDrop<Live>>>,
     /// CUDA state per device, made on the first CUDA destination of that device.
     gpu: Mutex<Vec<GpuDevice>>,
+    /// Idle run-to-completion queue pairs. A blocking read into host memory takes one of its
+    /// namespace (or opens one, while kept queue IDs are free), drives it on the calling
+    /// thread and puts it back; with none to be had it goes through the shared queues.
+    pairs: Mutex<Vec<Pair>>,
+}
+
+/// A run-to-completion queue pair of one namespace and the read buffers it reuses.
+struct Pair {
+    nsid: u32,
+    qp: ini::BlockingQueuePair,
+    bufs: Vec<Vec<u8>>,
+}
+
+impl Pair {
+    /// A buffer of `len` bytes, reused when one is kept.
+    fn buffer(&mut self, len: usize) -> Vec<u8> {
+        match self.bufs.pop() {
+            Some(mut b) => {
+                b.resize(len, 0);
+                b
+            }
+            None => vec![0u8; len],
+        }
+    }
+
+    /// Keeps `buf` for later commands, within `KEPT_BUFFER_BYTES`.
+    fn keep(&mut self, buf: Vec<u8>) {
+        if (self.bufs.len() + 1) * buf.len() <= KEPT_BUFFER_BYTES {
+            self.bufs.push(buf);
+        }
+    }
+
+    /// Reads `jobs` -- (first block, host address, length) -- through the queue pair, at most
+    /// `chunk` bytes per command, keeping the queue full; the data is copied to each address as
+    /// its command completes. After an error nothing more is submitted, the commands in
+    /// flight are waited for, and the first error is returned.
+    ///
+    /// The caller guarantees that each `[address, address + length)` is writable host memory
+    /// that nothing else references during the call, and that the ranges do not overlap.
+    fn read(
+        &mut self,
+        jobs: &[(u64, u64, usize)],
+        block_size: usize,
+        chunk: usize,
+    ) -> Result<(), ini::Error> {
+        let mut cmds: Vec<(u64, u64, usize)> = Vec::with_capacity(jobs.len());
+        for &(lba, addr, len) in jobs {
+            let mut at = 0;
+            while at < len {
+                let n = chunk.min(len - at);
+                cmds.push((lba + (at / block_size) as u64, addr + at as u64, n));
+                at += n;
+            }
+        }
+        let depth = self.qp.get().depth();
+        let mut next = 0;
+        let mut first_err: Option<ini::Error> = None;
+        let mut done: Vec<ini::Completion> = Vec::with_capacity(depth);
+        loop {
+            while first_err.is_none() && next < cmds.len() && self.qp.in_flight() < depth {
+                let (lba, _, len) = cmds[next];
+                let buf = self.buffer(len);
+                if let Err(r) = self.qp.read(lba, buf, next as u64) {
+                    self.keep(r.buf);
+                    first_err = Some(r.error);
+                    break;
+                }
+                next += 1;
+            }
+            if self.qp.in_flight() == 0 {
+                break;
+            }
+            self.qp.wait(&mut done, 1, None);
+            for c in done.drain(..) {
+                match c.result {
+                    Ok(()) => {
+                        let (_, addr, len) = cmds[c.user_data as usize];
+                        // SAFETY: the caller guarantees that `[addr, addr + len)` is writable
+                        // host memory referenced by nothing else during this call; `c.buf`
+                        // holds exactly `len` bytes (the read's length) and is a separate
+                        // allocation.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(c.buf.as_ptr(), addr as *mut u8, len)
+                        };
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                self.keep(c.buf);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+/// Whether a queue pair that ended a call with `e` can serve later calls (it sets its
+/// connection up again by itself after transport errors and timeouts; a failed or closed
+/// controller fails it for good).
+fn pair_reusable(e: &ini::Error) -> bool {
+    e.status().is_some() || e.is_transport() || e.is_timeout()
 }
 
 /// What reads into one device's memory use: its primary context, the initiator's pinned
@@ -319,6 +437,64 @@ impl Shared {
 }
 
 impl Shared {
+    /// Reads `jobs` -- (first block, host address, length) -- of `ns` on a queue pair driven by
+    /// this thread (the caller holds the live controller); `None` when no queue pair is to be
+    /// had (none kept, all in use, or the controller is reconnecting): then the caller reads
+    /// through the shared queues. The caller guarantees what [`Pair::read`] asks for.
+    fn pair_read(
+        &self,
+        ns: &ini::Namespace,
+        jobs: &[(u64, u64, usize)],
+    ) -> Option<Result<(), ini::Error>> {
+        if self.spec.as_ref().is_some_and(|s| s.queue_pairs == 0) {
+            return None;
+        }
+        let nsid = ns.nsid();
+        let taken = {
+            let mut idle = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+            idle.iter()
+                .position(|p| p.nsid == nsid)
+                .map(|i| idle.swap_remove(i))
+        };
+        let mut pair = match taken {
+            Some(p) => p,
+            None => {
+                let qp = match ini::BlockingQueuePair::open(ns) {
+                    Ok(qp) => qp,
+                    Err(ini::Error::InvalidArgument(_)) => {
+                        // No kept queue ID is free; idle queue pairs of other namespaces may
+                        // hold them: one is closed and its ID tried once more.
+                        let other = {
+                            let mut idle = self.pairs.lock().unwrap_or_else(|p| p.into_inner());
+                            idle.pop()
+                        };
+                        drop(other?);
+                        ini::BlockingQueuePair::open(ns).ok()?
+                    }
+                    // Not connected now (reconnecting): the shared queues wait for it.
+                    Err(_) => return None,
+                };
+                Pair {
+                    nsid,
+                    qp,
+                    bufs: Vec::new(),
+                }
+            }
+        };
+        let bs = ns.block_size() as usize;
+        let max = ns.controller().info().max_transfer_bytes as usize;
+        // Whole blocks, at most 65536 of them (the command's 16-bit block count).
+        let chunk = (max / bs).clamp(1, 1 << 16) * bs;
+        let r = pair.read(jobs, bs, chunk);
+        if r.as_ref().err().is_none_or(pair_reusable) {
+            self.pairs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(pair);
+        }
+        Some(r)
+    }
+
     /// Runs `f` on the live controller with the GIL released; `f` makes its own Python errors.
     fn run_py<T: Send>(
         &self,
@@ -341,6 +517,7 @@ impl Shared {
             spec,
             live: RwLock::new(Some(ManuallyDrop::new(Live { rt, ctrl }))),
             gpu: Mutex::new(Vec::new()),
+            pairs: Mutex::new(Vec::new()),
         })
     }
 }
@@ -366,6 +543,13 @@ impl Drop for Shared {
         } else {
             // CUDA contexts do not survive fork: the child leaves the parent's alone.
             std::mem::forget(gpu);
+        }
+        let pairs = std::mem::take(self.pairs.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if self.pid == std::process::id() {
+            drop(pairs);
+        } else {
+            // Their runtimes and connections belong to the parent.
+            std::mem::forget(pairs);
         }
         let live = self
             .live
@@ -495,8 +679,12 @@ impl Controller {
                 .take()
         });
         if let Some(live) = live {
+            // No call uses a queue pair now (calls hold the read lock while they do).
+            let pairs =
+                std::mem::take(&mut *self.shared.pairs.lock().unwrap_or_else(|p| p.into_inner()));
             let Live { rt, ctrl } = ManuallyDrop::into_inner(live);
             let r = py.allow_threads(move || {
+                drop(pairs);
                 let r = rt.block_on(ctrl.disconnect());
                 drop(rt);
                 r
@@ -848,6 +1036,12 @@ impl Dest {
     /// stream), else an older `__cuda_array_interface__` (PyTorch's is v2: no stream, so the
     /// legacy default stream is waited for), else a writable buffer.
     fn get(obj: &Bound<'_, PyAny>) -> PyResult<Dest> {
+        // SAFETY: obj is a live object (we hold the GIL through the Bound).
+        if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
+            // The buffer protocol lends host memory: no need to look for CUDA interfaces
+            // (which cost an attribute lookup and a call each).
+            return Lent::get(obj, true).map(Dest::Host);
+        }
         let cai = CudaDest::from_cai(obj)?;
         match cai {
             Some((d, version)) if version >= 3 => return Ok(Dest::Cuda(d)),
@@ -876,6 +1070,68 @@ impl Dest {
             Dest::Cuda(c) => c.ptr,
         }
     }
+}
+
+/// The integers of `obj`: a C-contiguous buffer of 64-bit integers (a NumPy uint64 or int64
+/// array), else a sequence of ints.
+fn offsets_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    // SAFETY: obj is a live object (we hold the GIL through the Bound).
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 {
+        return obj.extract::<Vec<u64>>().map_err(|e| {
+            let py = obj.py();
+            if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) {
+                // A negative or too large int, as for the other calls' offsets.
+                return e;
+            }
+            let err = PyTypeError::new_err(
+                "offsets must be a buffer of 64-bit integers (a NumPy uint64 or int64 array) or a sequence of non-negative ints",
+            );
+            err.set_cause(py, Some(e));
+            err
+        });
+    }
+    let lent = Lent::get(obj, false)?;
+    // SAFETY: the view was filled in by a successful PyObject_GetBuffer with PyBUF_FORMAT, so
+    // `format` is null (unsigned bytes) or a NUL-terminated string.
+    let format = unsafe {
+        let f = lent.view.format;
+        if f.is_null() {
+            "B".to_string()
+        } else {
+            std::ffi::CStr::from_ptr(f).to_string_lossy().into_owned()
+        }
+    };
+    // Native byte order: no prefix, '@' or '=' ('<' too on a little-endian host).
+    let native = !format.starts_with('<') || cfg!(target_endian = "little");
+    let code = format.trim_start_matches(['@', '=', '<']);
+    let signed = match (code, lent.view.itemsize) {
+        ("Q" | "L" | "N", 8) if native => false,
+        ("q" | "l" | "n", 8) if native => true,
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "offsets must be 64-bit integers (uint64 or int64), not items of format {format:?} ({} bytes)",
+                lent.view.itemsize
+            )));
+        }
+    };
+    let n = lent.len() / 8;
+    let mut out = Vec::with_capacity(n);
+    let base = lent.addr() as *const u8;
+    for i in 0..n {
+        let mut raw = [0u8; 8];
+        // SAFETY: the exported contiguous region holds `n * 8` bytes at `base`, pinned while
+        // `lent` lives; read as bytes, so its alignment does not matter.
+        unsafe { std::ptr::copy_nonoverlapping(base.add(i * 8), raw.as_mut_ptr(), 8) };
+        let v = u64::from_ne_bytes(raw);
+        if signed && (v as i64) < 0 {
+            return Err(PyValueError::new_err(format!(
+                "offset {} (index {i}) is negative",
+                v as i64
+            )));
+        }
+        out.push(v);
+    }
+    Ok(out)
 }
 
 /// Waits for the streams CUDA destinations named (each once).
@@ -990,6 +1246,96 @@ impl Namespace {
         )?;
         fut.call_method1("add_done_callback", (on_done,))?;
         Ok(fut)
+    }
+
+    /// Reads `jobs` -- (first block, address, length), `is_cuda[i]` telling whether job `i`
+    /// writes CUDA memory of `cuda` -- with the GIL released. Host-only reads run on a queue
+    /// pair driven by this thread when one is to be had, else through the shared queues; reads
+    /// with CUDA destinations are staged through pinned memory.
+    ///
+    /// The caller checked the ranges, keeps every destination's exporter alive until this
+    /// returns, and made sure that the destinations are writable, large enough and do not
+    /// overlap.
+    fn read_jobs(
+        &self,
+        py: Python<'_>,
+        jobs: &[(u64, u64, usize)],
+        is_cuda: &[bool],
+        cuda: &[&CudaDest],
+    ) -> PyResult<()> {
+        let ns = &*self.ns;
+        if cuda.is_empty() {
+            let shared = &self.shared;
+            return shared.run(py, |l| {
+                if let Some(r) = shared.pair_read(ns, jobs) {
+                    return r;
+                }
+                let ios = jobs.iter().map(|&(lba, addr, len)| {
+                    // SAFETY: each region is pinned by its exporter, held by the caller until
+                    // after this call, writable and at least `len` bytes long, and no two
+                    // overlap (the caller checked), so each slice is the only reference to
+                    // its bytes.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
+                    ns.read(lba, buf)
+                });
+                l.rt.block_on(futures_util::future::try_join_all(ios))
+                    .map(|_| ())
+            });
+        }
+        let shared = &self.shared;
+        shared.run_py(py, |l| {
+            let read = || -> Result<(), GpuIoError> {
+                let ordinal = device_of(cuda)?;
+                let mut devs = shared.gpu.lock().unwrap_or_else(|p| p.into_inner());
+                let dev = GpuDevice::of(&mut devs, ordinal)?;
+                sync_streams(dev, cuda)?;
+                // Reads into CUDA memory are received, all together with the host ones,
+                // into one pinned buffer, then copied to their destinations on one stream.
+                let staged: usize = jobs
+                    .iter()
+                    .zip(is_cuda)
+                    .filter(|(_, c)| **c)
+                    .map(|(j, _)| j.2)
+                    .sum();
+                let stream = dev.staging.stream().clone();
+                let ctx = dev.ctx.clone();
+                let pinned = dev.batch_buffer(staged.max(1))?;
+                let mut copies = Vec::new();
+                {
+                    let mut rest = &mut pinned.as_mut_slice()?[..staged];
+                    let mut at = 0usize;
+                    let mut ios = Vec::with_capacity(jobs.len());
+                    for (&(lba, addr, len), &c) in jobs.iter().zip(is_cuda) {
+                        let buf: &mut [u8] = if c {
+                            let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+                            rest = tail;
+                            copies.push((at, addr, len));
+                            at += len;
+                            head
+                        } else {
+                            // SAFETY: as for host-only reads above.
+                            unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+                        };
+                        ios.push(ns.read(lba, buf));
+                    }
+                    l.rt.block_on(futures_util::future::try_join_all(ios))?;
+                }
+                let mut bufs = Vec::with_capacity(copies.len());
+                for &(at, addr, len) in &copies {
+                    // SAFETY: each CUDA destination's exporter is held by the caller until
+                    // this call returns, after the buffers drop; the driver checks the
+                    // range; destinations do not overlap (the caller checked).
+                    let mut buf = unsafe { ctx.borrow_device_memory(addr, len) }?;
+                    stream.copy_h2d_async(&pinned.slice(at..at + len)?, &mut buf.as_slice_mut())?;
+                    bufs.push(buf);
+                }
+                stream.synchronize()?;
+                drop(bufs);
+                Ok(())
+            };
+            read().map_err(gpu_err)
+        })?;
+        Ok(())
     }
 
     /// A host buffer for an asynchronous call (CUDA memory is read with the blocking calls).
@@ -1240,9 +1586,17 @@ impl Namespace {
         let ns = &*self.ns;
         match dest {
             Dest::Host(dest) if dest.len() == 0 => Ok(0),
-            Dest::Host(dest) => self
-                .shared
-                .run(py, |l| l.rt.block_on(read_host(ns, lba, dest))),
+            Dest::Host(dest) => {
+                let len = dest.len();
+                let jobs = [(lba, dest.addr() as u64, len)];
+                let shared = &self.shared;
+                shared.run(py, |l| match shared.pair_read(ns, &jobs) {
+                    // `dest` keeps the memory exported until the closure returns.
+                    Some(r) => r.map(|()| drop(dest)),
+                    None => l.rt.block_on(read_host(ns, lba, dest)).map(drop),
+                })?;
+                Ok(len)
+            }
             Dest::Cuda(d) => {
                 if d.len > 0 {
                     let (ptr, len) = (d.ptr, d.len);
@@ -1278,9 +1632,15 @@ impl Namespace {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let lba = self.range(offset, size)?;
         let mut v = vec![0u8; size];
+        let jobs = [(lba, v.as_mut_ptr() as u64, size)];
         let ns = &*self.ns;
-        self.shared
-            .run(py, |l| l.rt.block_on(ns.read_into(lba, &mut v)))?;
+        let shared = &self.shared;
+        shared.run(py, |l| {
+            match (size > 0).then(|| shared.pair_read(ns, &jobs)).flatten() {
+                Some(r) => r,
+                None => l.rt.block_on(ns.read_into(lba, &mut v)),
+            }
+        })?;
         Ok(PyBytes::new(py, &v))
     }
 
@@ -1337,7 +1697,7 @@ impl Namespace {
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
             return Err(PyValueError::new_err("destinations of a batch overlap"));
         }
-        let ns = &*self.ns;
+        let is_cuda: Vec<bool> = dests.iter().map(|d| matches!(d, Dest::Cuda(_))).collect();
         let cuda: Vec<&CudaDest> = dests
             .iter()
             .filter_map(|d| match d {
@@ -1345,81 +1705,63 @@ impl Namespace {
                 Dest::Host(_) => None,
             })
             .collect();
-        if cuda.is_empty() {
-            self.shared.run(py, |l| {
-                let ios = jobs.iter().map(|&(lba, addr, len)| {
-                    // SAFETY: each region is pinned by its `Lent` in `dests` until after this
-                    // call, writable and at least `len` bytes long, and no two overlap
-                    // (checked above), so each slice is the only reference to its bytes.
-                    let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                    ns.read(lba, buf)
-                });
-                l.rt.block_on(futures_util::future::try_join_all(ios))
-                    .map(|_| ())
-            })?;
-        } else {
-            let is_cuda: Vec<bool> = dests.iter().map(|d| matches!(d, Dest::Cuda(_))).collect();
-            let shared = &self.shared;
-            let cuda = &cuda;
-            let jobs = &jobs;
-            shared.run_py(py, |l| {
-                let read = || -> Result<(), GpuIoError> {
-                    let ordinal = device_of(cuda)?;
-                    let mut devs = shared.gpu.lock().unwrap_or_else(|p| p.into_inner());
-                    let dev = GpuDevice::of(&mut devs, ordinal)?;
-                    sync_streams(dev, cuda)?;
-                    // Reads into CUDA memory are received, all together with the host ones,
-                    // into one pinned buffer, then copied to their destinations on one stream.
-                    let staged: usize = jobs
-                        .iter()
-                        .zip(&is_cuda)
-                        .filter(|(_, c)| **c)
-                        .map(|(j, _)| j.2)
-                        .sum();
-                    let stream = dev.staging.stream().clone();
-                    let ctx = dev.ctx.clone();
-                    let pinned = dev.batch_buffer(staged.max(1))?;
-                    let mut copies = Vec::new();
-                    {
-                        let mut rest = &mut pinned.as_mut_slice()?[..staged];
-                        let mut at = 0usize;
-                        let mut ios = Vec::with_capacity(jobs.len());
-                        for (&(lba, addr, len), &c) in jobs.iter().zip(&is_cuda) {
-                            let buf: &mut [u8] = if c {
-                                let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
-                                rest = tail;
-                                copies.push((at, addr, len));
-                                at += len;
-                                head
-                            } else {
-                                // SAFETY: as for host-only batches above.
-                                unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
-                            };
-                            ios.push(ns.read(lba, buf));
-                        }
-                        l.rt.block_on(futures_util::future::try_join_all(ios))?;
-                    }
-                    let mut bufs = Vec::with_capacity(copies.len());
-                    for &(at, addr, len) in &copies {
-                        // SAFETY: each CUDA destination's exporter is held in `dests` until
-                        // this call returns, after the buffers drop; the driver checks the
-                        // range; destinations do not overlap (checked above).
-                        let mut buf = unsafe { ctx.borrow_device_memory(addr, len) }?;
-                        stream.copy_h2d_async(
-                            &pinned.slice(at..at + len)?,
-                            &mut buf.as_slice_mut(),
-                        )?;
-                        bufs.push(buf);
-                    }
-                    stream.synchronize()?;
-                    drop(bufs);
-                    Ok(())
-                };
-                read().map_err(gpu_err)
-            })?;
-        }
+        self.read_jobs(py, &jobs, &is_cuda, &cuda)?;
         drop(dests);
         Ok(())
+    }
+
+    /// Reads records of `size` bytes: record `i` at byte `offsets[i]` into bytes
+    /// `i * size .. (i + 1) * size` of `dest`. `offsets` is a buffer of 64-bit integers (a
+    /// NumPy uint64 or int64 array) or a sequence of ints; `dest` a writable buffer or CUDA
+    /// array of at least `len(offsets) * size` bytes. Records that follow each other on the
+    /// namespace and in `dest` are read with one command. Returns the number of bytes read.
+    fn read_records(
+        &self,
+        py: Python<'_>,
+        offsets: &Bound<'_, PyAny>,
+        size: usize,
+        dest: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let offsets = offsets_of(offsets)?;
+        let d = Dest::get(dest)?;
+        let total = offsets
+            .len()
+            .checked_mul(size)
+            .ok_or_else(|| PyValueError::new_err("len(offsets) * size overflows"))?;
+        if d.len() < total {
+            return Err(PyValueError::new_err(format!(
+                "the destination holds {} bytes, fewer than {} records of {size}",
+                d.len(),
+                offsets.len()
+            )));
+        }
+        if total == 0 {
+            return Ok(0);
+        }
+        let bs = u64::from(self.ns.block_size());
+        let mut jobs: Vec<(u64, u64, usize)> = Vec::with_capacity(offsets.len());
+        let mut addr = d.addr();
+        for &off in &offsets {
+            let lba = self.range(off, size)?;
+            match jobs.last_mut() {
+                Some(last)
+                    if last.0 + (last.2 as u64) / bs == lba && last.1 + last.2 as u64 == addr =>
+                {
+                    last.2 += size;
+                }
+                _ => jobs.push((lba, addr, size)),
+            }
+            addr += size as u64;
+        }
+        let cuda = matches!(d, Dest::Cuda(_));
+        let is_cuda = vec![cuda; jobs.len()];
+        let cudas: Vec<&CudaDest> = match &d {
+            Dest::Cuda(c) => vec![c],
+            Dest::Host(_) => Vec::new(),
+        };
+        self.read_jobs(py, &jobs, &is_cuda, &cudas)?;
+        drop(d);
+        Ok(total)
     }
 
     /// The controller this namespace belongs to.
@@ -1442,7 +1784,7 @@ impl Namespace {
 
 /// Connects to an NVMe-oF subsystem and returns a Controller.
 #[pyfunction]
-#[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None))]
+#[pyo3(signature = (traddr, trsvcid=ini::DEFAULT_PORT, subnqn=DEFAULT_SUBNQN.to_string(), hostnqn=None, queues=None, dhchap_key=None, timeout=10.0, transport="tcp".to_string(), tls_key=None, queue_pairs=DEFAULT_QUEUE_PAIRS))]
 #[allow(clippy::too_many_arguments)]
 fn connect(
     py: Python<'_>,
@@ -1455,9 +1797,19 @@ fn connect(
     timeout: f64,
     transport: String,
     tls_key: Option<String>,
+    queue_pairs: u16,
 ) -> PyResult<Controller> {
     let spec = Spec::new(
-        traddr, trsvcid, subnqn, hostnqn, queues, dhchap_key, timeout, transport, tls_key,
+        traddr,
+        trsvcid,
+        subnqn,
+        hostnqn,
+        queues,
+        dhchap_key,
+        timeout,
+        transport,
+        tls_key,
+        queue_pairs,
     )?;
     Controller::open(py, spec)
 }

@@ -25,7 +25,7 @@ case "${1:-}" in
     if [[ ! -x $venv/bin/maturin ]]; then
         rm -rf "$venv"
         /usr/bin/python3 -m venv --system-site-packages "$venv"
-        "$venv/bin/pip" install -q 'maturin>=1.5,<2'
+        "$venv/bin/python" -m pip install -q 'maturin>=1.5,<2'
     fi
     rm -f "$dir"/nvmeof-*.whl
     (cd python && "../$venv/bin/maturin" build --release --locked -i /usr/bin/python3 --auditwheel skip -o "$dir")

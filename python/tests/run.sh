@@ -24,12 +24,12 @@ venv=target/python-venv
 if [[ ! -x $venv/bin/maturin ]]; then
     rm -rf "$venv"
     "$py" -m venv --system-site-packages "$venv"
-    "$venv/bin/pip" install -q 'maturin>=1.5,<2'
+    "$venv/bin/python" -m pip install -q 'maturin>=1.5,<2'
 fi
 
 rm -rf target/wheels
 (cd python && "../$venv/bin/maturin" build --locked -i "$py" --auditwheel skip -o ../target/wheels)
-"$venv/bin/pip" install -q --force-reinstall --no-deps target/wheels/nvmeof-*.whl
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps target/wheels/nvmeof-*.whl
 
 export NVMEOF_TARGETD="$PWD/target/debug/nvmeof-targetd"
 cd python/tests

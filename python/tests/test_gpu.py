@@ -61,6 +61,19 @@ def test_read_batch_into_cuda_and_host(ns):
         ns.read_batch([(0, bs, rows[0]), (bs, bs, rows[0])])
 
 
+def test_read_records_into_cuda(ns):
+    bs = 4096
+    data = put(ns, 8 * MiB, 64 * bs)
+    rows = torch.zeros((64, bs), dtype=torch.uint8, device="cuda")
+    order = np.random.default_rng(3).permutation(64)
+    assert ns.read_records(order.astype(np.uint64) * bs + 8 * MiB, bs, rows) == 64 * bs
+    got = host(rows)
+    assert all(got[k * bs:(k + 1) * bs] == data[i * bs:(i + 1) * bs]
+               for k, i in enumerate(order))
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_records([0, bs], bs, rows[0])
+
+
 def test_waits_for_the_producers_stream(ns):
     """Work queued on the caller's stream before the read (a slow kernel, then a fill) ends
     before the read writes: the read's data is what remains."""

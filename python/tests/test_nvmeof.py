@@ -368,7 +368,8 @@ backend = "mem:8M"
         proc.wait()
 
 
-def test_target_restart(tmp_path):
+@pytest.mark.parametrize("form", ["pread", "records", "batch"])
+def test_target_restart(tmp_path, form):
     import signal
     import subprocess
     import socket as so
@@ -401,12 +402,23 @@ def test_target_restart(tmp_path):
         bs = n.block_size
         outcome = []
 
+        offsets = np.arange(64, dtype=np.uint64) * bs
+        rows = np.empty((64, bs), dtype=np.uint8)
+
+        def read():
+            if form == "pread":
+                n.pread(bs, 0)
+            elif form == "records":
+                n.read_records(offsets, bs, rows)
+            else:
+                n.read_batch([(int(o), bs, rows[i]) for i, o in enumerate(offsets)])
+
         def reader():
             # Reads running while the target dies and comes back: each completes (after a
             # reconnect) or fails with a connection error; none hangs past the timeout.
             for _ in range(200):
                 try:
-                    n.pread(bs, 0)
+                    read()
                     outcome.append("ok")
                 except nvmeof.ConnectionError:
                     outcome.append("conn")
@@ -422,7 +434,7 @@ def test_target_restart(tmp_path):
         assert all(o in ("ok", "conn") for o in outcome), outcome
         # After the restart, reads work again (reconnected or not, they end).
         try:
-            assert len(n.pread(bs, 0)) == bs
+            read()
         except nvmeof.ConnectionError:
             pass
     finally:
@@ -614,3 +626,185 @@ def test_asyncio(ns, spec):
     asyncio.run(main())
     with pytest.raises(RuntimeError):  # no running event loop
         ns.pread_async(bs, 0)
+
+
+def _fill(ns, first, count):
+    """Writes `count` random blocks from block `first`; returns them."""
+    bs = ns.block_size
+    data = os.urandom(count * bs)
+    ns.write(data, first * bs)
+    return [data[i * bs:(i + 1) * bs] for i in range(count)]
+
+
+def test_read_records(ns):
+    bs = ns.block_size
+    blocks = _fill(ns, 200, 64)
+    rng = np.random.default_rng(7)
+    idx = rng.permutation(64)[:48]
+    for dtype in (np.uint64, np.int64):
+        out = np.zeros((48, bs), dtype=np.uint8)
+        offsets = (idx.astype(dtype) + 200) * bs
+        assert ns.read_records(offsets, bs, out) == 48 * bs
+        assert [out[i].tobytes() for i in range(48)] == [blocks[i] for i in idx]
+    # A sequence of ints; adjacent records (one command) and repeats; a flat bytearray.
+    offsets = [(200 + i) * bs for i in (0, 1, 2, 3, 10, 10, 11, 5)]
+    out = bytearray(len(offsets) * bs)
+    ns.read_records(offsets, bs, out)
+    assert [bytes(out[i * bs:(i + 1) * bs]) for i in range(len(offsets))] == [
+        blocks[o // bs - 200] for o in offsets]
+    # Records of several blocks; a destination larger than needed keeps its tail.
+    out = np.full(3 * 4 * bs + 1, 7, dtype=np.uint8)
+    ns.read_records(np.array([4, 0, 8], dtype=np.uint64) * bs + 200 * bs, 4 * bs, out)
+    assert out[:-1].tobytes() == b"".join(blocks[4:8] + blocks[0:4] + blocks[8:12])
+    assert out[-1] == 7
+    assert ns.read_records([], bs, bytearray(0)) == 0
+    assert ns.read_records(np.zeros(0, np.uint64), bs, bytearray(0)) == 0
+
+
+def test_read_records_bad_input(ns):
+    bs = ns.block_size
+    dest = np.zeros((4, bs), dtype=np.uint8)
+    good = np.arange(4, dtype=np.uint64) * bs
+    with pytest.raises(TypeError, match="64-bit integers"):
+        ns.read_records(np.arange(4, dtype=np.int32) * bs, bs, dest)
+    with pytest.raises(TypeError, match="64-bit integers"):
+        ns.read_records(np.arange(4, dtype=np.float64) * bs, bs, dest)
+    with pytest.raises(TypeError, match="offsets"):
+        ns.read_records(["0"], bs, dest)
+    with pytest.raises(TypeError, match="offsets"):
+        ns.read_records(None, bs, dest)
+    with pytest.raises(ValueError, match="negative"):
+        ns.read_records(np.array([0, -bs], dtype=np.int64), bs, dest)
+    with pytest.raises(OverflowError):
+        ns.read_records([0, -bs], bs, dest)
+    with pytest.raises(ValueError, match="contiguous"):
+        ns.read_records(np.zeros((4, 2), dtype=np.uint64)[:, 0], bs, dest)
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_records(good, bs + 1, np.zeros(8 * bs, np.uint8))
+    with pytest.raises(ValueError, match="multiples of the block size"):
+        ns.read_records(good + 1, bs, dest)
+    with pytest.raises(ValueError, match="fewer than"):
+        ns.read_records(good, bs, dest[:3])
+    ro = np.zeros((4, bs), dtype=np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="read-only"):
+        ns.read_records(good, bs, ro)
+    with pytest.raises(TypeError, match="buffer"):
+        ns.read_records(good, bs, "not a buffer")
+    # Checked before any I/O: a bad last record leaves the destination untouched.
+    ns.write(b"\xee" * bs, 0)
+    bad = good.copy()
+    bad[-1] = ns.size
+    with pytest.raises(ValueError, match="outside the namespace"):
+        ns.read_records(bad, bs, dest)
+    assert not dest.any()
+
+
+def test_queue_pairs_many_threads(spec):
+    """Threads reading at once, more of them than queue pairs (the others take the shared
+    queues), every blocking read form, large transfers split at the transfer limit: all
+    data lands where it should."""
+    import threading
+
+    with nvmeof.connect(spec.traddr, spec.trsvcid, spec.subnqn, hostnqn=spec.hostnqn,
+                        queues=2, queue_pairs=2) as c:
+        assert c.spec.queue_pairs == 2
+        ns = c.namespace(1)
+        bs = ns.block_size
+        nblk = (4 << 20) // bs
+        blocks = _fill(ns, 0, nblk)
+        big = b"".join(blocks)  # 4 MiB: larger than one command's transfer
+        errors = []
+
+        def reader(t):
+            rng = np.random.default_rng(t)
+            try:
+                for it in range(30):
+                    idx = rng.integers(0, nblk, 64)
+                    form = (t + it) % 4
+                    if form == 0:
+                        out = np.empty((64, bs), dtype=np.uint8)
+                        ns.read_records(idx.astype(np.uint64) * bs, bs, out)
+                        got = [out[i].tobytes() for i in range(64)]
+                    elif form == 1:
+                        out = [bytearray(bs) for _ in idx]
+                        ns.read_batch([(int(i) * bs, bs, o) for i, o in zip(idx, out)])
+                        got = [bytes(o) for o in out]
+                    elif form == 2:
+                        got = [ns.pread(bs, int(i) * bs) for i in idx[:8]]
+                        idx = idx[:8]
+                    else:
+                        out = np.empty(len(big), dtype=np.uint8)
+                        ns.read_into(out, 0)
+                        if out.tobytes() != big:
+                            errors.append((t, it, "big"))
+                        continue
+                    if got != [blocks[i] for i in idx]:
+                        errors.append((t, it, form))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+
+
+def test_without_queue_pairs(spec):
+    with nvmeof.connect(spec.traddr, spec.trsvcid, spec.subnqn, hostnqn=spec.hostnqn,
+                        queues=1, queue_pairs=0) as c:
+        ns = c.namespace(1)
+        bs = ns.block_size
+        blocks = _fill(ns, 300, 16)
+        out = np.empty((16, bs), dtype=np.uint8)
+        ns.read_records(np.arange(300, 316, dtype=np.uint64)[::-1].copy() * bs, bs, out)
+        assert [out[i].tobytes() for i in range(16)] == blocks[::-1]
+        assert ns.pread(bs, 300 * bs) == blocks[0]
+
+
+def test_queue_pair_spec_pickles():
+    s = nvmeof.Spec("127.0.0.1", 4420, queue_pairs=3)
+    assert pickle.loads(pickle.dumps(s)).queue_pairs == 3
+    assert nvmeof.Spec("127.0.0.1").queue_pairs == 1
+
+
+def test_queue_pairs_closed_and_fork(spec):
+    c = spec.connect()
+    ns = c.namespace(1)
+    bs = ns.block_size
+    blocks = _fill(ns, 400, 4)
+    out = np.empty((4, bs), dtype=np.uint8)
+    ns.read_records(np.arange(400, 404, dtype=np.uint64) * bs, bs, out)  # opens a queue pair
+    assert [out[i].tobytes() for i in range(4)] == blocks
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                ns.read_records([400 * bs], bs, bytearray(bs))
+            except nvmeof.Error as e:
+                if "fork" in str(e):
+                    del ns, c
+                    import gc
+                    gc.collect()  # neither hangs nor touches the parent's queue pair
+                    code = 0
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert got == b"\x00" and os.waitstatus_to_exitcode(status) == 0
+    # The parent's queue pair still works, then closes with its controller.
+    out[:] = 0
+    ns.read_records(np.arange(400, 404, dtype=np.uint64) * bs, bs, out)
+    assert [out[i].tobytes() for i in range(4)] == blocks
+    c.close()
+    with pytest.raises(nvmeof.Error, match="closed"):
+        ns.read_records([0], bs, bytearray(bs))
+    with pytest.raises(nvmeof.Error, match="closed"):
+        ns.read_into(bytearray(bs), 0)

@@ -18,18 +18,12 @@ use parking_lot::RwLock;
 
 use crate::config::ListenerConfig;
 
-/// Highest ANA group ID (ANAGRPMAX) and number of groups (NANAGRPID), as Linux nvmet.
-pub const MAX_ANA_GROUPS: u32 = 128;
+pub use crate::config::{MAX_ANA_GROUPS, valid_group};
 /// The group of a namespace that names none.
 pub const DEFAULT_ANA_GROUP: u32 = 1;
 /// ANA Transition Time reported in Identify Controller: a group stays in the Change state at
 /// most this many seconds before the host may consider it failed.
 pub const ANATT_SECONDS: u8 = 10;
-
-/// Whether `group` is a valid ANA group ID here.
-pub fn valid_group(group: u32) -> bool {
-    (1..=MAX_ANA_GROUPS).contains(&group)
-}
 
 /// The ANA states of each listener, by its bound address. Groups a listener does not name
 /// are optimized there.

@@ -200,7 +200,7 @@ mod tests {
             dhchap_dhgroup: None,
         });
         cfg.validate().unwrap();
-        Target::build(&cfg).unwrap().0
+        Target::build(&cfg).unwrap()
     }
 
     /// Connects queue `qid` (controller `cntlid` for an I/O queue); returns the queue and
@@ -428,7 +428,7 @@ mod tests {
             dhchap_hash: Some(HashId::Sha512),
             dhchap_dhgroup: Some(DhGroupId::Ffdhe4096),
         });
-        let t = Target::build(&cfg).unwrap().0;
+        let t = Target::build(&cfg).unwrap();
         let (mut admin, _) = connect(&t, 0, 0xFFFF);
         let want = nvme_auth::Outcome {
             hash: HashId::Sha512,
@@ -462,7 +462,7 @@ mod tests {
             dhchap_hash: None,
             dhchap_dhgroup: None,
         });
-        let t = Target::build(&cfg).unwrap().0;
+        let t = Target::build(&cfg).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -501,7 +501,7 @@ mod tests {
         });
         cfg.target.auth_rate = 1;
         cfg.target.auth_burst = 2;
-        let t = Target::build(&cfg).unwrap().0;
+        let t = Target::build(&cfg).unwrap();
         let (mut admin, _) = connect(&t, 0, 0xFFFF);
         for t_id in 1..=2 {
             let next = authenticate(&mut admin, host_cfg(key(1), None), t_id);
@@ -547,7 +547,7 @@ mod tests {
         // Only Diffie-Hellman exchanges are budgeted: the null group still works.
         let mut null = cfg.clone();
         null.subsystems[0].auth_hosts[0].dhchap_dhgroup = Some(DhGroupId::Null);
-        let t = Target::build(&null).unwrap().0;
+        let t = Target::build(&null).unwrap();
         let (mut admin, _) = connect(&t, 0, 0xFFFF);
         for t_id in 1..=5 {
             let next = authenticate(&mut admin, host_cfg(key(1), None), t_id);

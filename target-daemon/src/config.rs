@@ -14,6 +14,14 @@
 //! save_dir = "/etc/nvmeof"          # where `ctl save` may write (default: the --config file's directory)
 //! state_dir = "/var/lib/nvmeof"     # where reservations persist through power loss (PTPL)
 //!
+//! [target.remote_control]            # the control requests over TCP with mutual TLS (off unless set)
+//! listen = "0.0.0.0:4480"
+//! cert = "/etc/nvmeof/remote/target.pem"
+//! key = "/etc/nvmeof/remote/target.key"
+//! ca = "/etc/nvmeof/remote/ca.pem"  # client certificates must be signed by it
+//! admins = ["csi-controller"]       # client certificate CNs that may change the target
+//! readers = ["monitoring"]          # ... that may only list and status
+//!
 //! [[listener]]
 //! address = "tcp://0.0.0.0:4420"
 //!
@@ -56,6 +64,14 @@ use nvme_auth::tls::ConfiguredPsk;
 use nvme_auth::{DhGroupId, DhchapKey, HashId};
 use nvme_spec::log::AnaState;
 use serde::{Deserialize, Serialize};
+
+/// Highest ANA group ID (ANAGRPMAX) and number of groups (NANAGRPID), as Linux nvmet.
+pub const MAX_ANA_GROUPS: u32 = 128;
+
+/// Whether `group` is a valid ANA group ID here.
+pub fn valid_group(group: u32) -> bool {
+    (1..=MAX_ANA_GROUPS).contains(&group)
+}
 
 /// NQN of the subsystem served when no configuration is given.
 pub const DEFAULT_NQN: &str = "nqn.2026-11.io.nvmeof-direct:default";
@@ -278,6 +294,30 @@ pub struct TargetSettings {
         serialize_with = "serialize_size"
     )]
     pub memory_budget: u64,
+    /// The remote control API (`[target.remote_control]`): the control requests over TCP
+    /// with mutual TLS. Off unless set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote_control: Option<RemoteControl>,
+}
+
+/// The remote control API's settings ([`crate::remote`]).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RemoteControl {
+    /// The TCP address to serve on, written like `"0.0.0.0:4480"`.
+    pub listen: SocketAddr,
+    /// The target's certificate (PEM; intermediate certificates may follow).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
+    /// The CA certificates (PEM) a client's certificate must be signed by.
+    pub ca: PathBuf,
+    /// Client certificate common names (CN) that may make every request.
+    #[serde(default)]
+    pub admins: Vec<String>,
+    /// Client certificate common names that may only read (`list`, `status`).
+    #[serde(default)]
+    pub readers: Vec<String>,
 }
 
 /// The default daemon-wide memory budget (`memory_budget`): 1 GiB.
@@ -308,6 +348,7 @@ impl Default for TargetSettings {
             auth_rate: 8,
             auth_burst: 64,
             memory_budget: DEFAULT_MEMORY_BUDGET,
+            remote_control: None,
         }
     }
 }
@@ -332,7 +373,7 @@ pub struct ListenerConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AnaGroupState {
-    /// ANA group ID (1..=[`crate::ana::MAX_ANA_GROUPS`]).
+    /// ANA group ID (1..=[`MAX_ANA_GROUPS`]).
     pub group: u32,
     /// `optimized`, `non-optimized`, `inaccessible`, `persistent-loss` or `change`.
     #[serde(
@@ -695,6 +736,19 @@ impl Config {
             return bad("no listener configured".into());
         }
         let t = &self.target;
+        if let Some(r) = &t.remote_control {
+            if r.admins.is_empty() && r.readers.is_empty() {
+                return bad(
+                    "target.remote_control: no client may use it: list identities in admins or readers"
+                        .into(),
+                );
+            }
+            if let Some(both) = r.admins.iter().find(|a| r.readers.contains(a)) {
+                return bad(format!(
+                    "target.remote_control: {both:?} is in both admins and readers"
+                ));
+            }
+        }
         if t.mdts_kib < 4 || !t.mdts_kib.is_power_of_two() || t.mdts_kib > 32 * 1024 {
             return bad(format!(
                 "target.mdts_kib = {}: must be a power of two between 4 and 32768",
@@ -751,12 +805,12 @@ impl Config {
             }
             let mut groups = std::collections::HashSet::new();
             for a in &l.ana {
-                if !crate::ana::valid_group(a.group) {
+                if !valid_group(a.group) {
                     return bad(format!(
                         "listener {}: ANA group {}: must be 1..={}",
                         l.address,
                         a.group,
-                        crate::ana::MAX_ANA_GROUPS
+                        MAX_ANA_GROUPS
                     ));
                 }
                 if !groups.insert(a.group) {
@@ -846,11 +900,11 @@ impl Config {
                         return bad(format!("subsystem {}: invalid uuid {u:?}", s.nqn));
                     }
                 }
-                if let Some(g) = ns.ana_group.filter(|g| !crate::ana::valid_group(*g)) {
+                if let Some(g) = ns.ana_group.filter(|g| !valid_group(*g)) {
                     return bad(format!(
                         "subsystem {} namespace {id}: ana_group {g}: must be 1..={}",
                         s.nqn,
-                        crate::ana::MAX_ANA_GROUPS
+                        MAX_ANA_GROUPS
                     ));
                 }
                 let mut seen = std::collections::HashSet::new();

@@ -5,8 +5,8 @@
 //! with its fields ([`Request`]); unknown fields are refused. The answer ([`Response`]) has
 //! `ok`, and either `error` (one line; nothing changed) or what the request produced:
 //! `changes` (one line per change applied) or `status` (a JSON object, see
-//! [`Registry::describe`]). Changes go through [`Registry::edit`]: validated as a whole,
-//! applied atomically per request.
+//! [`Registry::describe`]). A changing request is one [`Change`] ([`change_for`]), carried
+//! out by [`Registry::change`]: validated as a whole, applied atomically.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,10 +20,10 @@ use tokio::net::{UnixListener, UnixStream};
 use tracing::{debug, warn};
 
 use crate::config::{
-    Config, DEFAULT_MODEL, HostAuthConfig, ListenAddr, ListenerConfig, NamespaceConfig,
-    SubsystemConfig,
+    Config, DEFAULT_MODEL, HostAuthConfig, ListenerConfig, NamespaceConfig, SubsystemConfig,
 };
-use crate::reconfigure::{ChangeError, Registry, refused};
+use crate::plan::{Change, ChangeError, Host, refused};
+use crate::reconfigure::Registry;
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -290,7 +290,8 @@ pub struct Response {
 }
 
 impl Response {
-    fn error(msg: impl Into<String>) -> Self {
+    /// A refusal: `ok` false, `error` the one line saying why.
+    pub fn error(msg: impl Into<String>) -> Self {
         Response {
             version: PROTOCOL_VERSION,
             error: Some(msg.into()),
@@ -362,13 +363,6 @@ fn host_keys(
     })
 }
 
-fn subsystem<'a>(cfg: &'a mut Config, nqn: &str) -> Result<&'a mut SubsystemConfig, ChangeError> {
-    match cfg.subsystems.iter_mut().find(|s| s.nqn == nqn) {
-        Some(s) => Ok(s),
-        None => refused(format!("no subsystem {nqn}")),
-    }
-}
-
 fn parse<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, ChangeError>
 where
     T::Err: std::fmt::Display,
@@ -377,9 +371,18 @@ where
         .map_err(|e| ChangeError::Refused(format!("{what} {s:?}: {e}")))
 }
 
-/// Applies a changing request to a copy of the running configuration.
-fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
-    match req {
+fn subsystem<'a>(cfg: &'a Config, nqn: &str) -> Result<&'a SubsystemConfig, ChangeError> {
+    match cfg.subsystems.iter().find(|s| s.nqn == nqn) {
+        Some(s) => Ok(s),
+        None => refused(format!("no subsystem {nqn}")),
+    }
+}
+
+/// The one change a changing request asks of a target running `cfg` (`None`: the request
+/// changes nothing, as `list`). What the request leaves to the target (the NSID of a new
+/// namespace) is decided here; what the change names is checked again when it is applied.
+pub fn change_for(req: &Request, cfg: &Config) -> Result<Option<Change>, ChangeError> {
+    let change = match req {
         Request::AddSubsystem {
             nqn,
             allow_any_host,
@@ -387,15 +390,12 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             serial,
             model,
         } => {
-            if cfg.subsystems.iter().any(|s| &s.nqn == nqn) {
-                return refused(format!("subsystem {nqn} exists already"));
-            }
             if *allow_any_host && !hosts.is_empty() {
                 return refused(
                     "--allow-any-host admits every host: drop --host, or drop --allow-any-host to admit only the listed hosts",
                 );
             }
-            cfg.subsystems.push(SubsystemConfig {
+            Change::AddSubsystem(SubsystemConfig {
                 nqn: nqn.clone(),
                 serial: serial.clone(),
                 model: model.clone().unwrap_or_else(|| DEFAULT_MODEL.into()),
@@ -405,12 +405,9 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
                 namespaces: Vec::new(),
                 cntlid_min: None,
                 cntlid_max: None,
-            });
+            })
         }
-        Request::RemoveSubsystem { nqn } => {
-            subsystem(cfg, nqn)?;
-            cfg.subsystems.retain(|s| &s.nqn != nqn);
-        }
+        Request::RemoveSubsystem { nqn } => Change::RemoveSubsystem { nqn: nqn.clone() },
         Request::AddNamespace {
             subsystem: nqn,
             backend,
@@ -422,51 +419,36 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             let backend: BackendSpec = parse("backend", backend)?;
             let s = subsystem(cfg, nqn)?;
             let nsid = match nsid {
-                Some(n) if s.nsids().any(|id| id == *n) => {
-                    return refused(format!("subsystem {nqn} already has namespace {n}"));
-                }
                 Some(n) => *n,
                 None => s.nsids().max().unwrap_or(0).saturating_add(1),
             };
-            s.namespaces.push(NamespaceConfig {
-                nsid: Some(nsid),
-                backend,
-                uuid: uuid.clone(),
-                hosts: hosts.clone(),
-                ana_group: *ana_group,
-            });
+            Change::AddNamespace {
+                subsystem: nqn.clone(),
+                namespace: NamespaceConfig {
+                    nsid: Some(nsid),
+                    backend,
+                    uuid: uuid.clone(),
+                    hosts: hosts.clone(),
+                    ana_group: *ana_group,
+                },
+            }
         }
         Request::RemoveNamespace {
             subsystem: nqn,
             nsid,
-        } => {
-            let s = subsystem(cfg, nqn)?;
-            let Some(i) = s.nsids().position(|id| id == *nsid) else {
-                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
-            };
-            s.namespaces.remove(i);
-        }
+        } => Change::RemoveNamespace {
+            subsystem: nqn.clone(),
+            nsid: *nsid,
+        },
         Request::ResizeNamespace {
             subsystem: nqn,
             nsid,
             size,
-        } => {
-            let bytes =
-                blockdev::parse_size(size).map_err(|e| ChangeError::Refused(e.to_string()))?;
-            let s = subsystem(cfg, nqn)?;
-            let Some(i) = s.nsids().position(|id| id == *nsid) else {
-                return refused(format!("subsystem {nqn} has no namespace {nsid}"));
-            };
-            match &mut s.namespaces[i].backend {
-                BackendSpec::Null { size, .. } | BackendSpec::Memory { size, .. } => *size = bytes,
-                BackendSpec::File(f) => f.create_size = Some(bytes),
-                other => {
-                    return refused(format!(
-                        "{other}: only null and file namespaces can be resized"
-                    ));
-                }
-            }
-        }
+        } => Change::ResizeNamespace {
+            subsystem: nqn.clone(),
+            nsid: *nsid,
+            size: blockdev::parse_size(size).map_err(|e| ChangeError::Refused(e.to_string()))?,
+        },
         Request::AddHost {
             subsystem: nqn,
             host,
@@ -477,179 +459,113 @@ fn edit(req: &Request, cfg: &mut Config) -> Result<(), ChangeError> {
             ..
         } => {
             let s = subsystem(cfg, nqn)?;
-            let known = s.hosts.contains(host) || s.auth_hosts.iter().any(|h| h.nqn == *host);
-            if known && !*replace {
-                return refused(format!(
-                    "host {host} is already allowed on {nqn} (--replace changes its keys)"
-                ));
-            }
-            if *replace && !known {
-                return refused(format!("host {host} is not on the allowed list of {nqn}"));
-            }
             if let Some(why) = crate::config::nqn_problem(host) {
                 return refused(format!("host NQN {host:?}: {why}"));
             }
-            if s.allow_any_host && dhchap_key.is_none() && tls_psk.is_none() {
+            let keyless = dhchap_key.is_none() && tls_psk.is_none();
+            if s.allow_any_host && keyless {
                 return refused(format!(
                     "subsystem {nqn} admits any host: allowing {host} without keys would change nothing"
                 ));
             }
-            s.hosts.retain(|h| h != host);
-            s.auth_hosts.retain(|h| h.nqn != *host);
-            if dhchap_key.is_none() && tls_psk.is_none() {
-                s.hosts.push(host.clone());
+            let entry = if keyless {
+                Host::Plain(host.clone())
             } else {
-                s.auth_hosts
-                    .push(host_keys(host, dhchap_key, dhchap_ctrl_key, tls_psk)?);
+                Host::Keyed(host_keys(host, dhchap_key, dhchap_ctrl_key, tls_psk)?)
+            };
+            let subsystem = nqn.clone();
+            if *replace {
+                Change::SetHostKeys {
+                    subsystem,
+                    host: entry,
+                }
+            } else {
+                Change::AddHost {
+                    subsystem,
+                    host: entry,
+                }
             }
         }
         Request::RemoveHost {
             subsystem: nqn,
             host,
-        } => {
-            let s = subsystem(cfg, nqn)?;
-            let before = s.hosts.len() + s.auth_hosts.len();
-            s.hosts.retain(|h| h != host);
-            s.auth_hosts.retain(|h| h.nqn != *host);
-            if s.hosts.len() + s.auth_hosts.len() == before {
-                return refused(format!("host {host} is not on the allowed list of {nqn}"));
-            }
-        }
-        Request::AddListener { address, discovery } => {
-            let a: ListenAddr = parse("address", address)?;
-            let io = cfg.listeners.iter().map(|l| &l.address);
-            if io.chain(&cfg.discovery.listen).any(|l| *l == a) {
-                return refused(format!("already listening on {a}"));
-            }
-            if *discovery {
-                cfg.discovery.listen.push(a);
-            } else {
-                cfg.listeners.push(ListenerConfig {
-                    address: a,
-                    tls: None,
-                    ana: Vec::new(),
-                });
-            }
-        }
-        Request::RemoveListener { address, discovery } => {
-            let a: ListenAddr = parse("address", address)?;
-            let before = cfg.listeners.len() + cfg.discovery.listen.len();
-            if *discovery {
-                cfg.discovery.listen.retain(|l| *l != a);
-            } else {
-                cfg.listeners.retain(|l| l.address != a);
-            }
-            if cfg.listeners.len() + cfg.discovery.listen.len() == before {
-                return refused(format!(
-                    "no {}listener on {a}",
-                    if *discovery { "discovery " } else { "" }
-                ));
-            }
-        }
+        } => Change::RemoveHost {
+            subsystem: nqn.clone(),
+            host: host.clone(),
+        },
+        Request::AddListener { address, discovery } => Change::AddListener {
+            listener: ListenerConfig {
+                address: parse("address", address)?,
+                tls: None,
+                ana: Vec::new(),
+            },
+            discovery: *discovery,
+        },
+        Request::RemoveListener { address, discovery } => Change::RemoveListener {
+            address: parse("address", address)?,
+            discovery: *discovery,
+        },
         Request::NsAddHost {
             subsystem: nqn,
             nsid,
             host,
-        } => namespace_hosts(cfg, nqn, *nsid, host, true)?,
+        } => {
+            if let Some(why) = crate::config::nqn_problem(host) {
+                return refused(format!("host NQN {host:?}: {why}"));
+            }
+            Change::AddNamespaceHost {
+                subsystem: nqn.clone(),
+                nsid: *nsid,
+                host: host.clone(),
+            }
+        }
         Request::NsRemoveHost {
             subsystem: nqn,
             nsid,
             host,
-        } => namespace_hosts(cfg, nqn, *nsid, host, false)?,
+        } => {
+            // The last host a namespace names stays: without it the namespace would be seen
+            // by every host. (A reload may do that; a request does not by accident.)
+            let s = subsystem(cfg, nqn)?;
+            let named = s.nsids().zip(&s.namespaces).find(|(id, _)| id == nsid);
+            if named.is_some_and(|(_, n)| n.hosts == [host.as_str()]) {
+                return refused(format!(
+                    "{host} is the last host namespace {nsid} of {nqn} is shown to: removing it \
+                     would show the namespace to every host (show it to another host first, or \
+                     remove the namespace)"
+                ));
+            }
+            Change::RemoveNamespaceHost {
+                subsystem: nqn.clone(),
+                nsid: *nsid,
+                host: host.clone(),
+            }
+        }
         Request::SetAnaState {
             listener,
             group,
             state,
-        } => set_ana_state(cfg, listener, *group, state)?,
+        } => {
+            let address = parse("listener", listener)?;
+            let state = state.parse().or_else(refused)?;
+            if !crate::ana::valid_group(*group) {
+                return refused(format!(
+                    "ANA group {group}: must be 1..={}",
+                    crate::ana::MAX_ANA_GROUPS
+                ));
+            }
+            Change::SetAnaState {
+                address,
+                group: *group,
+                state,
+            }
+        }
         Request::List {}
         | Request::Status {}
         | Request::Disconnect { .. }
-        | Request::Save { .. } => {}
-    }
-    Ok(())
-}
-
-/// `ns-add-host` (`add`) and `ns-remove-host`: changes which hosts see a namespace. A
-/// namespace seen by every host gets a list of one; the last host of a list is not removed
-/// (that would show the namespace to every host).
-fn namespace_hosts(
-    cfg: &mut Config,
-    nqn: &str,
-    nsid: u32,
-    host: &str,
-    add: bool,
-) -> Result<(), ChangeError> {
-    let s = subsystem(cfg, nqn)?;
-    let Some(i) = s.nsids().position(|id| id == nsid) else {
-        return refused(format!("subsystem {nqn} has no namespace {nsid}"));
+        | Request::Save { .. } => return Ok(None),
     };
-    let hosts = &mut s.namespaces[i].hosts;
-    let listed = hosts.iter().any(|h| h == host);
-    if add {
-        if let Some(why) = crate::config::nqn_problem(host) {
-            return refused(format!("host NQN {host:?}: {why}"));
-        }
-        if listed {
-            return refused(format!(
-                "namespace {nsid} of {nqn} is already shown to {host}"
-            ));
-        }
-        hosts.push(host.to_string());
-    } else {
-        if !listed {
-            return refused(format!(
-                "namespace {nsid} of {nqn} is not shown to {host} by name (its hosts: {})",
-                if hosts.is_empty() {
-                    "every host".to_string()
-                } else {
-                    hosts.join(", ")
-                }
-            ));
-        }
-        if hosts.len() == 1 {
-            return refused(format!(
-                "{host} is the last host namespace {nsid} of {nqn} is shown to: removing it \
-                 would show the namespace to every host (show it to another host first, or \
-                 remove the namespace)"
-            ));
-        }
-        hosts.retain(|h| h != host);
-    }
-    Ok(())
-}
-
-/// `set-ana-state`: the state of ANA group `group` on the I/O listener `listener`.
-fn set_ana_state(
-    cfg: &mut Config,
-    listener: &str,
-    group: u32,
-    state: &str,
-) -> Result<(), ChangeError> {
-    let a: ListenAddr = parse("listener", listener)?;
-    let state: nvme_spec::log::AnaState = state.parse().or_else(refused)?;
-    if !crate::ana::valid_group(group) {
-        return refused(format!(
-            "ANA group {group}: must be 1..={}",
-            crate::ana::MAX_ANA_GROUPS
-        ));
-    }
-    let Some(l) = cfg.listeners.iter_mut().find(|l| l.address == a) else {
-        let known: Vec<String> = cfg
-            .listeners
-            .iter()
-            .map(|l| l.address.to_string())
-            .collect();
-        return refused(format!(
-            "no I/O listener on {a} (listeners: {})",
-            known.join(", ")
-        ));
-    };
-    l.ana.retain(|g| g.group != group);
-    if state != nvme_spec::log::AnaState::Optimized {
-        l.ana.push(crate::config::AnaGroupState { group, state });
-        l.ana.sort_by_key(|g| g.group);
-    }
-    Ok(())
+    Ok(Some(change))
 }
 
 /// The `op` of a request, as the protocol spells it.
@@ -662,14 +578,25 @@ fn op_name(req: &Request) -> String {
 
 /// Answers one request line.
 pub fn handle(registry: &Registry, line: &str) -> Response {
-    let req = match decode(line) {
-        Ok(r) => r,
-        Err(e) => return Response::error(e),
-    };
-    let result = match &req {
+    match decode(line) {
+        Ok(req) => answer(registry, &req, false),
+        Err(e) => Response::error(e),
+    }
+}
+
+/// Whether a request only reads (`list`, `status`).
+pub fn is_read_only(req: &Request) -> bool {
+    matches!(req, Request::List {} | Request::Status {})
+}
+
+/// Answers a decoded request. With `idempotent`, a change already in effect (an object
+/// added before, as the request describes it, or one removed before) is answered with no
+/// change instead of an error, so that a retried request does not fail or change twice.
+pub fn answer(registry: &Registry, req: &Request, idempotent: bool) -> Response {
+    let result = match req {
         Request::List {} | Request::Status {} => {
             return Response {
-                status: Some(registry.describe(req == Request::Status {})),
+                status: Some(registry.describe(*req == Request::Status {})),
                 ..Response::ok()
             };
         }
@@ -684,7 +611,13 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
             cntlid,
             host,
         } => registry.disconnect(subsystem, *cntlid, host.as_deref()),
-        _ => registry.edit(|cfg| edit(&req, cfg)),
+        _ => {
+            let cfg = registry.config();
+            change_for(req, &cfg).and_then(|c| match c {
+                Some(c) if idempotent && c.in_effect(&cfg) => Ok(Vec::new()),
+                c => registry.change(&Vec::from_iter(c)),
+            })
+        }
     };
     match result {
         Ok(changes) => Response {
@@ -694,7 +627,7 @@ pub fn handle(registry: &Registry, line: &str) -> Response {
         Err(e) => {
             let e = nvmeof_daemon::error_line(&e);
             // Not the request line itself: it may carry keys.
-            warn!(op = %op_name(&req), error = %e, "control request refused");
+            warn!(op = %op_name(req), error = %e, "control request refused");
             Response::error(e)
         }
     }
@@ -912,7 +845,7 @@ mod tests {
 
     #[test]
     fn hosts_that_would_change_nothing_are_refused() {
-        let mut cfg = Config::from_toml(
+        let cfg = Config::from_toml(
             "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.2026-11.test:any\"\nallow_any_host = true",
         )
         .unwrap();
@@ -927,7 +860,7 @@ mod tests {
             tls_psk_file: None,
             replace: false,
         };
-        let e = edit(&add("nqn.2026-11.test:h", None), &mut cfg).unwrap_err();
+        let e = change_for(&add("nqn.2026-11.test:h", None), &cfg).unwrap_err();
         assert!(e.to_string().contains("admits any host"), "{e}");
         let both = Request::AddSubsystem {
             nqn: "nqn.2026-11.test:both".into(),
@@ -936,10 +869,48 @@ mod tests {
             serial: None,
             model: None,
         };
-        let e = edit(&both, &mut cfg).unwrap_err();
+        let e = change_for(&both, &cfg).unwrap_err();
         assert!(e.to_string().contains("drop --host"), "{e}");
-        assert_eq!(cfg.subsystems.len(), 1);
-        assert!(cfg.subsystems[0].hosts.is_empty());
+    }
+
+    /// What the `control` fuzz target does with each input, on lines of every kind.
+    #[test]
+    fn request_lines_go_through_the_plan_and_back() {
+        let cfg = Config::from_toml(
+            "[[listener]]\naddress = \"tcp://127.0.0.1:1\"\n[[subsystem]]\nnqn = \"nqn.2026-11.test:a\"\nallow_any_host = true\n[[subsystem.namespace]]\nbackend = \"mem:1M\"",
+        )
+        .unwrap()
+        .with_explicit_nsids();
+        let mut planned = 0;
+        for line in [
+            r#"{"version":1,"op":"add-namespace","subsystem":"nqn.2026-11.test:a","backend":"null:1M"}"#,
+            r#"{"version":1,"op":"remove-namespace","subsystem":"nqn.2026-11.test:a","nsid":1}"#,
+            r#"{"version":1,"op":"resize-namespace","subsystem":"nqn.2026-11.test:a","nsid":1,"size":"2M"}"#,
+            r#"{"version":1,"op":"add-subsystem","nqn":"nqn.2026-11.test:b","allow_any_host":true}"#,
+            r#"{"version":1,"op":"remove-subsystem","nqn":"nqn.2026-11.test:a"}"#,
+            r#"{"version":1,"op":"add-listener","address":"tcp://127.0.0.1:2","discovery":true}"#,
+            r#"{"version":1,"op":"remove-listener","address":"tcp://127.0.0.1:1"}"#,
+            r#"{"version":1,"op":"list"}"#,
+        ] {
+            let req = decode(line).unwrap();
+            let Some(change) = change_for(&req, &cfg).unwrap() else {
+                continue;
+            };
+            assert!(!change.in_effect(&cfg), "{line}");
+            let mut new = cfg.clone();
+            if change.apply(&mut new).is_err() || new.validate().is_err() {
+                continue;
+            }
+            assert!(change.in_effect(&new), "{line}");
+            // The plan between the two is this very change.
+            assert_eq!(
+                crate::plan::plan(&cfg, &new).unwrap(),
+                vec![change],
+                "{line}"
+            );
+            planned += 1;
+        }
+        assert!(planned >= 5, "{planned}");
     }
 
     #[test]

@@ -1584,6 +1584,108 @@ mod access_tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reload_changes_masking_and_ana_states_with_their_notices() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let listener = r.config().listeners[0].address.clone();
+        let here = QueueOrigin {
+            local: listener.addr,
+            peer: origin().peer,
+        };
+        let (mut admin, mut io) = connected_as(r.target(), HostSgl::Transport, here, HOST);
+        let (mut other_admin, _other_io) =
+            connected_as(r.target(), HostSgl::Transport, origin(), OTHER);
+        let mut events = admin.events.take().unwrap();
+        let mut other_events = other_admin.events.take().unwrap();
+        let aec = features::AEC_NS_ATTRIBUTE_NOTICES | features::AEC_ANA_CHANGE;
+        hold_aer(&mut admin, aec);
+        hold_aer(&mut other_admin, aec);
+
+        // The file now shows namespace 2 to the other host only and makes group 1
+        // inaccessible on the listener this host connected through.
+        let mut file = r.config();
+        file.subsystems[0].namespaces[1].hosts = vec![OTHER.into()];
+        file.listeners[0].ana = vec![crate::config::AnaGroupState {
+            group: 1,
+            state: AnaState::Inaccessible,
+        }];
+        let lines = r.apply(file).unwrap();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("namespace 2 is now seen by")),
+            "{lines:?}"
+        );
+        assert!(
+            lines.contains(&format!(
+                "listener {listener}: ANA group 1 is now inaccessible (was optimized)"
+            )),
+            "{lines:?}"
+        );
+        // This host lost namespace 2 and its path changed: both notices, one per AER.
+        let ns_notice = aer_dw0(
+            aer_type::NOTICE,
+            aer_notice::NS_ATTRIBUTE_CHANGED,
+            log_id::CHANGED_NS_LIST,
+        );
+        assert_eq!(events.try_recv().unwrap().dw0.get(), ns_notice);
+        let ana_notice = aer_dw0(aer_type::NOTICE, aer_notice::ANA_CHANGE, log_id::ANA);
+        assert_eq!(
+            answer(&mut admin, &build::async_event_request(6)).dw0.get(),
+            ana_notice
+        );
+        assert_eq!(active(&mut admin), vec![1]);
+        let st = answer(&mut io, &read(7, 1)).status();
+        assert_eq!((st.sct, st.sc), (sct::PATH, path::ANA_INACCESSIBLE));
+        // The other host saw namespace 2 before and after, through another listener.
+        assert!(other_events.try_recv().is_err(), "nothing changed for it");
+        assert_eq!(active(&mut other_admin), vec![1, 2]);
+
+        // The same file again changes nothing; an ANA group or controller ID range does not
+        // change while the target runs.
+        assert_eq!(r.apply(r.config()).unwrap(), Vec::<String>::new());
+        let mut file = r.config();
+        file.subsystems[0].cntlid_min = Some(100);
+        let e = r.apply(file).unwrap_err().to_string();
+        assert!(
+            e.contains("cntlid_min and cntlid_max change only at a restart"),
+            "{e}"
+        );
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn masking_and_ana_requests_retried_remotely_change_nothing_twice() {
+        let r = registry(&["mem:1M", "mem:1M"]);
+        let listener = r.config().listeners[0].address.to_string();
+        let retried = |req: Request| {
+            let first = crate::control::answer(&r, &req, true);
+            let again = crate::control::answer(&r, &req, true);
+            assert!(first.ok && again.ok, "{req:?}: {first:?} {again:?}");
+            assert!(!first.changes.unwrap_or_default().is_empty(), "{req:?}");
+            assert_eq!(again.changes.unwrap_or_default(), Vec::<String>::new());
+        };
+        for host in [HOST, OTHER] {
+            retried(Request::NsAddHost {
+                subsystem: NQN.into(),
+                nsid: 2,
+                host: host.into(),
+            });
+        }
+        retried(Request::NsRemoveHost {
+            subsystem: NQN.into(),
+            nsid: 2,
+            host: OTHER.into(),
+        });
+        retried(Request::SetAnaState {
+            listener,
+            group: 3,
+            state: "change".into(),
+        });
+        assert_eq!(r.config().subsystems[0].namespaces[1].hosts, vec![HOST]);
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn namespaces_in_other_groups_keep_their_state() {
         let r = registry(&["mem:1M", "mem:1M"]);
         let e = r.edit(|c| {
@@ -1596,8 +1698,11 @@ mod access_tests {
             let mut cfg = crate::testing::config(&["mem:1M", "mem:1M"]);
             cfg.target.reactors = 1;
             cfg.subsystems[0].namespaces[1].ana_group = Some(2);
-            let (t, l) = crate::Target::build(&cfg).unwrap();
-            Registry::new(crate::RunningTarget::start(t, l).unwrap(), cfg)
+            let (t, l) = (crate::Target::build(&cfg), crate::launcher::bind(&cfg));
+            Registry::new(
+                crate::RunningTarget::start(t.unwrap(), l.unwrap()).unwrap(),
+                cfg,
+            )
         };
         let listener = r.config().listeners[0].address.clone();
         let here = QueueOrigin {

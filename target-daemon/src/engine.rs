@@ -1172,7 +1172,7 @@ mod tests {
     fn a_queue_without_connect_expires_at_the_handshake_timeout() {
         let mut cfg = crate::testing::config(&["mem:1M"]);
         cfg.target.handshake_timeout = Duration::from_millis(50);
-        let t = Target::build(&cfg).unwrap().0;
+        let t = Target::build(&cfg).unwrap();
         let mut f = Fake::new(QueueState::new(Arc::clone(&t), origin()));
         f.drive(&rt(), |f| f.e.closing.is_some());
         assert!(matches!(f.e.closing, Some(Closed::HandshakeTimeout)));

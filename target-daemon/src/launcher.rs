@@ -1,19 +1,20 @@
-//! The launcher: starts the reactor pool and the listeners' accept loops for a built
-//! [`Target`], NVMe/TCP and NVMe/RDMA side by side, at start and live
-//! ([`RunningTarget::start_listener`], [`RunningTarget::stop_listener`]), and shuts them down
-//! in order. The target itself ([`crate::target`]) is the
+//! The launcher: binds the listeners ([`bind`], [`bind_listener`]), starts the reactor pool
+//! and the listeners' accept loops for a built [`Target`], NVMe/TCP and NVMe/RDMA side by
+//! side, at start and live ([`RunningTarget::ready`], [`RunningTarget::start_listener`],
+//! [`RunningTarget::stop_listener`]), and shuts them down in order: the one listener seam. The target itself ([`crate::target`]) is the
 //! registry of subsystems, listeners and limits; transports serve connections
 //! ([`crate::tcp`], [`crate::rdma`]) on the reactors of [`crate::reactor`].
 
+use std::net::TcpListener as StdTcpListener;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
-use crate::config::ListenAddr;
+use crate::config::{Config, ListenAddr, Transport};
 use crate::reactor::Pool;
-use crate::target::{BoundListener, ListenerSocket, StartError, Target};
+use crate::target::{Listeners, StartError, Target};
 
 /// A handle to a running target.
 pub struct RunningTarget {
@@ -25,6 +26,119 @@ pub struct RunningTarget {
     acceptors: Mutex<Vec<Acceptor>>,
 }
 
+/// A bound listener ready to accept.
+pub struct BoundListener {
+    /// The address as bound (port resolved).
+    pub addr: ListenAddr,
+    /// The socket.
+    pub socket: ListenerSocket,
+    /// A dedicated discovery listener (else an I/O listener).
+    pub discovery: bool,
+    /// An I/O listener that requires TLS.
+    pub tls: bool,
+}
+
+/// The endpoint of a bound listener.
+pub enum ListenerSocket {
+    /// An NVMe/TCP listening socket.
+    Tcp(StdTcpListener),
+    /// An NVMe/RDMA RDMA-CM listener.
+    Rdma(nvmf_rdma::Listener),
+}
+
+/// Binds every listener of `cfg`: the I/O listeners, then the dedicated discovery
+/// listeners.
+pub fn bind(cfg: &Config) -> Result<Vec<BoundListener>, StartError> {
+    let io = cfg
+        .listeners
+        .iter()
+        .map(|l| (&l.address, false, l.tls.is_some()));
+    let discovery = cfg.discovery.listen.iter().map(|a| (a, true, false));
+    io.chain(discovery)
+        .map(|(addr, discovery, tls)| {
+            Ok(BoundListener {
+                discovery,
+                tls,
+                ..bind_listener(addr)?
+            })
+        })
+        .collect()
+}
+
+/// Connection requests an RDMA-CM listener queues.
+const RDMA_BACKLOG: i32 = 1024;
+
+/// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
+pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
+    let (socket, local) = if addr.transport == Transport::Rdma {
+        // Loads the RDMA libraries; `addr` is an address of an RDMA interface.
+        let l = nvmf_rdma::Listener::bind(addr.addr, RDMA_BACKLOG).map_err(|e| {
+            StartError::Transport {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        let local = l.local_addr();
+        (ListenerSocket::Rdma(l), local)
+    } else {
+        let socket = bind_tcp(addr)?;
+        let local = socket.local_addr().map_err(|source| StartError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        (ListenerSocket::Tcp(socket), local)
+    };
+    Ok(BoundListener {
+        addr: ListenAddr {
+            transport: addr.transport,
+            addr: local,
+        },
+        socket,
+        discovery: false,
+        tls: false,
+    })
+}
+
+fn bind_tcp(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
+    let err = |source| StartError::Bind {
+        addr: addr.to_string(),
+        source,
+    };
+    let domain = if addr.addr.is_ipv4() {
+        socket2::Domain::IPV4
+    } else {
+        socket2::Domain::IPV6
+    };
+    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None).map_err(err)?;
+    s.set_reuse_address(true).map_err(err)?;
+    if addr.addr.is_ipv6() {
+        s.set_only_v6(true).map_err(err)?;
+    }
+    s.bind(&addr.addr.into()).map_err(err)?;
+    s.listen(1024).map_err(err)?;
+    s.set_nonblocking(true).map_err(err)?;
+    Ok(s.into())
+}
+
+/// A bound listener with what it needs to accept ([`RunningTarget::ready`]).
+pub struct ReadyListener {
+    addr: ListenAddr,
+    pool: Arc<Pool>,
+    socket: ReadySocket,
+}
+
+enum ReadySocket {
+    Tcp(tokio::net::TcpListener),
+    Rdma(nvmf_rdma::Listener),
+}
+
+impl ReadyListener {
+    /// The address as bound.
+    pub fn addr(&self) -> &ListenAddr {
+        &self.addr
+    }
+}
+
 /// The accept loop of one listener.
 struct Acceptor {
     addr: ListenAddr,
@@ -32,11 +146,23 @@ struct Acceptor {
 }
 
 impl RunningTarget {
-    /// Starts reactors and accept loops on the current tokio runtime.
+    /// Starts reactors and accept loops on the current tokio runtime, and records the
+    /// listeners in the target's table.
     pub fn start(
         target: Arc<Target>,
         listeners: Vec<BoundListener>,
     ) -> Result<RunningTarget, StartError> {
+        let mut table = Listeners::default();
+        for l in &listeners {
+            match l.discovery {
+                true => table.discovery.push(l.addr.clone()),
+                false => table.io.push(l.addr.clone()),
+            }
+            if l.tls {
+                table.tls.push(l.addr.addr);
+            }
+        }
+        target.set_listeners(table);
         let (pool, reactors) = Pool::start(&target)?;
         let running = RunningTarget {
             target,
@@ -45,7 +171,8 @@ impl RunningTarget {
             acceptors: Mutex::new(Vec::new()),
         };
         for l in listeners {
-            running.start_listener(l)?;
+            let l = running.ready(l)?;
+            running.start_listener(l);
         }
         // The summaries of suppressed per-connection log lines, every interval.
         let mut shutdown = running.target.subscribe_shutdown();
@@ -58,18 +185,38 @@ impl RunningTarget {
         Ok(running)
     }
 
-    /// Starts accepting on a bound listener, NVMe/TCP or NVMe/RDMA, at start or while the
-    /// target runs: the one place listeners are started.
-    pub fn start_listener(&self, l: BoundListener) -> Result<(), StartError> {
-        match l.socket {
-            ListenerSocket::Tcp(s) => self.accept_tcp(l.addr, s),
-            ListenerSocket::Rdma(r) => {
-                let pool = self.pool(&l.addr)?;
-                let task = crate::rdma::accept(&self.target, l.addr.clone(), r, pool);
-                self.acceptors.lock().push(Acceptor { addr: l.addr, task });
-                Ok(())
+    /// Makes a bound listener ready to accept on this target's reactors: everything that can
+    /// fail in starting a listener happens here, so that [`RunningTarget::start_listener`]
+    /// cannot fail. Dropping the result closes the listener.
+    pub fn ready(&self, l: BoundListener) -> Result<ReadyListener, StartError> {
+        let pool = self.pool(&l.addr)?;
+        let socket = match l.socket {
+            ListenerSocket::Tcp(s) => {
+                ReadySocket::Tcp(tokio::net::TcpListener::from_std(s).map_err(|source| {
+                    StartError::Bind {
+                        addr: l.addr.to_string(),
+                        source,
+                    }
+                })?)
             }
-        }
+            ListenerSocket::Rdma(r) => ReadySocket::Rdma(r),
+        };
+        Ok(ReadyListener {
+            addr: l.addr,
+            pool,
+            socket,
+        })
+    }
+
+    /// Starts accepting on a ready listener, NVMe/TCP or NVMe/RDMA, at start or while the
+    /// target runs: the one place listeners are started.
+    pub fn start_listener(&self, l: ReadyListener) {
+        let addr = l.addr.clone();
+        let task = match l.socket {
+            ReadySocket::Tcp(s) => self.accept_tcp(l.addr, s, l.pool),
+            ReadySocket::Rdma(r) => crate::rdma::accept(&self.target, l.addr, r, l.pool),
+        };
+        self.acceptors.lock().push(Acceptor { addr, task });
     }
 
     /// The reactor pool, while the target is not shutting down.
@@ -99,19 +246,14 @@ impl RunningTarget {
     fn accept_tcp(
         &self,
         addr: ListenAddr,
-        socket: std::net::TcpListener,
-    ) -> Result<(), StartError> {
-        let listener =
-            tokio::net::TcpListener::from_std(socket).map_err(|source| StartError::Bind {
-                addr: addr.to_string(),
-                source,
-            })?;
-        let pool = self.pool(&addr)?;
+        listener: tokio::net::TcpListener,
+        pool: Arc<Pool>,
+    ) -> tokio::task::JoinHandle<()> {
         info!(listener = %addr, "listening");
         let mut shutdown = self.target.subscribe_shutdown();
         let gate = self.target.listener_gate(addr.clone());
-        let l = addr.clone();
-        let task = tokio::spawn(async move {
+        let l = addr;
+        tokio::spawn(async move {
             let report = gate.report_drops();
             tokio::pin!(report);
             loop {
@@ -141,9 +283,7 @@ impl RunningTarget {
                 }
             }
             gate.flush_drops();
-        });
-        self.acceptors.lock().push(Acceptor { addr, task });
-        Ok(())
+        })
     }
 
     /// Stops accepting, lets connections finish their in-flight commands and close, then

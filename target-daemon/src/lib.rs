@@ -22,11 +22,15 @@
 //! - [`controller`]: per-host controllers and the admin command set; [`discovery`] builds the
 //!   discovery log page; [`ana`]: the ANA state of each group on each listener.
 //! - [`io`]: runs data-plane requests against `blockdev` backends.
-//! - [`target`]: the registry: subsystems, bound listeners, limits, the shutdown signal.
-//! - [`reconfigure`]: changes to the running target, validated as a whole before any is
-//!   applied, with the hosts notified; [`control`]: the control socket's protocol.
-//! - [`launcher`] and [`reactor`]: one pool of thread-per-core reactors for every transport
-//!   (with the busy-poll window), the accept loops, orderly shutdown.
+//! - [`target`]: the registry: subsystems, the table of listeners, limits, the shutdown
+//!   signal. It binds nothing.
+//! - [`plan`]: the vocabulary of changes and `plan(old, new)`, pure; [`reconfigure`]: carries
+//!   changes out on the running target (prepare what can fail, then commit), with the hosts
+//!   notified; [`control`]: the control socket's protocol, one change per request;
+//!   [`remote`]: the same requests over TCP with mutual TLS.
+//! - [`launcher`] and [`reactor`]: the listener seam (binding, accept loops) and one pool of
+//!   thread-per-core reactors for every transport (with the busy-poll window), orderly
+//!   shutdown.
 //! - [`metrics`]: per-queue counter cells and latency histograms (a leaf the hot path
 //!   writes) and the [`metrics::MetricsSnapshot`] they add up to at scrape time;
 //!   [`exporter`]: the Prometheus endpoint over a running target.
@@ -53,11 +57,13 @@ pub mod launcher;
 pub mod memory;
 pub mod metrics;
 pub mod op;
+pub mod plan;
 pub mod queue;
 pub mod ratelimit;
 pub mod rdma;
 pub mod reactor;
 pub mod reconfigure;
+pub mod remote;
 pub mod reservation;
 pub mod subsystem;
 pub mod target;

@@ -1,63 +1,46 @@
-//! Changes to a running target. Every change, from the control socket ([`crate::control`]) or
-//! from a reloaded configuration file (SIGHUP), is a whole new [`Config`] that
-//! [`Registry::apply`] compares with the running one and applies entirely or not at all:
+//! Changes to a running target. A change comes as a list of [`Change`]s: one from a control
+//! request ([`crate::control`]), the plan between the running configuration and the file
+//! from a reload (SIGHUP, [`crate::plan::plan`]). [`Registry`] carries it out entirely or not
+//! at all:
 //!
-//! 1. validate: the new configuration must pass [`Config::validate`]; the `[target]`
-//!    settings, a subsystem's serial and model and a namespace's UUID change only at a
-//!    restart; a namespace whose backend changes other than in size gets the new
-//!    backend under the same NSID (the old one goes as a removed namespace's does);
-//! 2. prepare, the steps that can fail: bind the new listeners, open the new namespaces'
-//!    backends, grow the resized files. A failure drops what was prepared and changes
-//!    nothing;
-//! 3. commit, which cannot fail: swap the listener, subsystem, host and namespace tables,
-//!    then tell the hosts: a Namespace Attribute Notice (and the Changed Namespace List) on
-//!    every controller of a subsystem whose namespaces changed, a disconnect for the
-//!    controllers of a host no longer allowed or of a removed subsystem, and a Discovery Log
-//!    Page Change notice on every discovery controller when the discovery log changed.
+//! 1. the changes are applied to a copy of the running configuration, which must pass
+//!    [`Config::validate`];
+//! 2. prepare ([`Prepared`]) does everything that can fail, change by change: bind the new
+//!    listeners and make them ready on the reactors, open the new namespaces' backends,
+//!    grow the resized ones, build the new subsystems. A failure drops what was prepared,
+//!    which closes the listeners bound and the backends opened, and changes nothing;
+//! 3. commit, which cannot fail: start and stop listeners, swap the listener, subsystem,
+//!    host, namespace and ANA tables, then tell the hosts: a Namespace Attribute Notice (and
+//!    the Changed Namespace List) on every controller whose host saw or sees a namespace that
+//!    changed (of a namespace shown to other hosts, only where the host's view changed), an
+//!    ANA Change notice on every controller connected through a listener where a group of
+//!    its namespaces changed state, a disconnect for the controllers of a host no longer
+//!    allowed or of a removed subsystem, and a Discovery Log Page Change notice on every
+//!    discovery controller when the discovery log changed.
 //!
 //! A command already running on a namespace that is removed holds the namespace's backend
 //! and completes normally; the commands that follow fail with Invalid Namespace. A removed
-//! namespace's backend is flushed, then closed when its last command completes.
+//! namespace's backend is flushed, then closed when its last command completes. A file grown
+//! by a resize stays grown when a later step of the same change fails.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use blockdev::{Backend, BackendSpec};
+use blockdev::Backend;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use crate::ana::AnaTable;
 use crate::config::{
-    Config, ConfigError, ListenAddr, ListenerConfig, NamespaceConfig, SubsystemConfig,
-    TargetSettings, parse_uuid, write_private,
+    Config, ListenAddr, NamespaceConfig, TargetSettings, parse_uuid, write_private,
 };
-use crate::launcher::RunningTarget;
+use crate::launcher::{ReadyListener, RunningTarget, bind_listener};
+use crate::plan::{Change, Host, ana_state, plan};
+pub use crate::plan::{ChangeError, refused};
 use crate::subsystem::{HostAccess, Namespace, NamespaceMap, Subsystem};
-use crate::target::{
-    Listeners, StartError, Target, bind_listener, log_namespace_ready, open_backend,
-};
-
-/// Why a change was refused. Nothing changed.
-#[derive(Debug, thiserror::Error)]
-pub enum ChangeError {
-    /// The resulting configuration is invalid.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// A backend could not be opened or a listener bound.
-    #[error(transparent)]
-    Start(#[from] StartError),
-    /// The change is not possible on a running target, or names something that does not
-    /// exist.
-    #[error("{0}")]
-    Refused(String),
-}
-
-/// A [`ChangeError::Refused`] with `msg`.
-pub fn refused<T>(msg: impl Into<String>) -> Result<T, ChangeError> {
-    Err(ChangeError::Refused(msg.into()))
-}
+use crate::target::{Listeners, StartError, Target, log_namespace_ready, open_backend};
 
 /// A running target and the configuration it runs, changed together.
 pub struct Registry {
@@ -70,56 +53,493 @@ pub struct Registry {
 #[derive(Clone, Debug, Default)]
 pub struct ConfigFiles {
     /// The file the target was started from and the `[target]` settings it holds (the
-    /// running ones may come from flags): every change applied through [`Registry::edit`] is
-    /// written back to it (see [`write_private`]), the previous version kept as `FILE.bak`,
-    /// so that a restart runs what ran.
+    /// running ones may come from flags): every change applied through [`Registry::change`]
+    /// or [`Registry::edit`] is written back to it (see [`write_private`]), the previous
+    /// version kept as `FILE.bak`, so that a restart runs what ran.
     pub persist: Option<(PathBuf, TargetSettings)>,
     /// The only directory [`Registry::save`] writes to; `None`: saving is off.
     pub save_dir: Option<PathBuf>,
 }
 
-/// What changes in one existing subsystem.
-struct SubsystemPlan {
+/// What changes in one running subsystem.
+struct Staged {
     sub: Arc<Subsystem>,
     access: Option<HostAccess>,
     namespaces: Option<NamespaceMap>,
     changed_nsids: Vec<u32>,
-    /// Of `changed_nsids`, those whose hosts alone changed (the same backend, shown to
-    /// other hosts).
+    /// Namespaces shown to other hosts (the same backend): a host is told of them only
+    /// where it sees them now and did not, or did and does not.
     masked: Vec<u32>,
     removed: Vec<Arc<Namespace>>,
 }
 
-/// The new capacity when `new` is `old` with another size, the only backend change a running
-/// namespace takes.
-fn resized_to(old: &BackendSpec, new: &BackendSpec) -> Option<u64> {
-    match (old, new) {
-        (
-            BackendSpec::Null { block_size: a, .. },
-            BackendSpec::Null {
-                size,
-                block_size: b,
-            },
-        )
-        | (
-            BackendSpec::Memory { block_size: a, .. },
-            BackendSpec::Memory {
-                size,
-                block_size: b,
-            },
-        ) if a == b => Some(*size),
-        (BackendSpec::File(o), BackendSpec::File(n)) => {
-            let mut same = o.clone();
-            same.create_size = n.create_size;
-            if same == *n { n.create_size } else { None }
+/// A change made ready: what can fail is done. Dropping it instead of committing rolls back:
+/// the listeners it bound and the backends it opened close.
+pub struct Prepared {
+    started: Vec<(ListenAddr, ReadyListener)>,
+    stopped: Vec<ListenAddr>,
+    added: Vec<Arc<Subsystem>>,
+    removed: Vec<Arc<Subsystem>>,
+    staged: BTreeMap<String, Staged>,
+    discovery_changed: bool,
+    lines: Vec<String>,
+}
+
+impl Prepared {
+    /// Prepares `changes`, which turn the running configuration `cur` into `new`.
+    fn new(
+        running: &RunningTarget,
+        cur: &Config,
+        new: &Config,
+        changes: &[Change],
+    ) -> Result<Prepared, ChangeError> {
+        let live = running.target.subsystems();
+        let mut p = Prepared {
+            started: Vec::new(),
+            stopped: Vec::new(),
+            added: Vec::new(),
+            removed: Vec::new(),
+            staged: BTreeMap::new(),
+            discovery_changed: false,
+            lines: Vec::new(),
+        };
+        // Subsystems added by this change: built last, from `new`, with all their namespaces.
+        let mut building = BTreeSet::new();
+        // Resizes change files: done last, once everything else is prepared.
+        let mut resizes = Vec::new();
+        for c in changes {
+            if let Some(nqn) = c.subsystem()
+                && building.contains(nqn)
+                && !matches!(c, Change::RemoveSubsystem { .. })
+            {
+                continue;
+            }
+            match c {
+                Change::AddListener { listener, .. } => {
+                    let l = running.ready(bind_listener(&listener.address)?)?;
+                    p.started.push((listener.address.clone(), l));
+                }
+                Change::RemoveListener { address, discovery } => {
+                    p.stopped.push(address.clone());
+                    p.discovery_changed |= !*discovery;
+                }
+                Change::SetListenerTls { .. } => p.discovery_changed = true,
+                Change::AddSubsystem(s) => {
+                    building.insert(s.nqn.clone());
+                }
+                Change::RemoveSubsystem { nqn } => {
+                    p.staged.remove(nqn);
+                    if !building.remove(nqn) {
+                        let sub = live.get(nqn).cloned();
+                        let Some(sub) = sub else {
+                            return refused(format!("subsystem {nqn} is not running"));
+                        };
+                        p.removed.push(sub);
+                    }
+                    p.lines.push(format!("removed subsystem {nqn}"));
+                }
+                Change::AllowAnyHost { subsystem, allow } => {
+                    p.access(&live, new, subsystem)?;
+                    p.lines
+                        .push(format!("subsystem {subsystem}: allow_any_host = {allow}"));
+                }
+                Change::AddHost { subsystem, host } => {
+                    p.access(&live, new, subsystem)?;
+                    let keys = if matches!(host, Host::Keyed(_)) {
+                        " (with keys)"
+                    } else {
+                        ""
+                    };
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: allowed host {}{keys}",
+                        host.nqn()
+                    ));
+                }
+                Change::SetHostKeys { subsystem, host } => {
+                    p.access(&live, new, subsystem)?;
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: new keys for host {}",
+                        host.nqn()
+                    ));
+                }
+                Change::RemoveHost { subsystem, host } => {
+                    p.access(&live, new, subsystem)?;
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: no longer allowed host {host}"
+                    ));
+                }
+                Change::AddNamespace {
+                    subsystem,
+                    namespace: n,
+                } => {
+                    let id = n.nsid.unwrap_or(0);
+                    let backend = open_backend(subsystem, id, &n.backend)?;
+                    let uuid = n.uuid.as_deref().and_then(parse_uuid);
+                    let ns = Namespace::new(subsystem, id, backend, uuid, n.backend.to_string())
+                        .configured(n);
+                    p.namespaces(&live, subsystem)?.put(ns);
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: added namespace {id} ({})",
+                        n.backend
+                    ));
+                }
+                Change::RemoveNamespace { subsystem, nsid } => {
+                    let old = p.namespaces(&live, subsystem)?.take(*nsid)?;
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: removed namespace {nsid} ({})",
+                        old.description
+                    ));
+                }
+                Change::ResizeNamespace {
+                    subsystem,
+                    nsid,
+                    size,
+                } => resizes.push((subsystem, *nsid, *size)),
+                Change::ReplaceBackend {
+                    subsystem,
+                    nsid,
+                    backend,
+                } => {
+                    let configured = namespace_config(new, subsystem, *nsid);
+                    let uuid = configured.and_then(|n| n.uuid.as_deref().and_then(parse_uuid));
+                    let opened = open_backend(subsystem, *nsid, backend)?;
+                    let s = p.namespaces(&live, subsystem)?;
+                    let old = s.take(*nsid)?;
+                    let was = namespace_config(cur, subsystem, *nsid)
+                        .map_or_else(|| old.description.clone(), |n| n.backend.to_string());
+                    let mut ns =
+                        Namespace::new(subsystem, *nsid, opened, uuid, backend.to_string());
+                    if let Some(n) = configured {
+                        ns = ns.configured(n);
+                    }
+                    s.put(ns);
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: namespace {nsid} is now {backend} (was {was})"
+                    ));
+                }
+                Change::AddNamespaceHost {
+                    subsystem,
+                    nsid,
+                    host,
+                }
+                | Change::RemoveNamespaceHost {
+                    subsystem,
+                    nsid,
+                    host,
+                } => {
+                    let hosts = namespace_config(new, subsystem, *nsid)
+                        .map(|n| n.hosts.clone())
+                        .unwrap_or_default();
+                    let seen = match hosts.is_empty() {
+                        true => "every host".to_string(),
+                        false => format!("{} only", hosts.join(", ")),
+                    };
+                    p.namespaces(&live, subsystem)?.mask(*nsid, hosts)?;
+                    let how = match c {
+                        Change::AddNamespaceHost { .. } => "shown to",
+                        _ => "hidden from",
+                    };
+                    p.lines.push(format!(
+                        "subsystem {subsystem}: namespace {nsid} is now seen by {seen} ({how} {host})"
+                    ));
+                }
+                Change::SetAnaState {
+                    address,
+                    group,
+                    state,
+                } => {
+                    let was = cur
+                        .listeners
+                        .iter()
+                        .find(|l| l.address == *address)
+                        .map(|l| ana_state(l, *group))
+                        .unwrap_or_default();
+                    if was != *state {
+                        p.lines.push(format!(
+                            "listener {address}: ANA group {group} is now {state} (was {was})"
+                        ));
+                    }
+                }
+            }
         }
-        _ => None,
+        for s in new.subsystems.iter().filter(|s| building.contains(&s.nqn)) {
+            let backends = s
+                .nsids()
+                .zip(&s.namespaces)
+                .map(|(id, ns)| {
+                    Ok((
+                        open_backend(&s.nqn, id, &ns.backend)?,
+                        ns.backend.to_string(),
+                    ))
+                })
+                .collect::<Result<Vec<_>, StartError>>()?;
+            p.added.push(Arc::new(Subsystem::new(s, backends)));
+            p.lines.push(format!("added subsystem {}", s.nqn));
+        }
+        for (subsystem, nsid, size) in resizes {
+            let s = p.namespaces(&live, subsystem)?;
+            let old = s.take(nsid)?;
+            // Resized in place: the old namespace is not flushed as a removed one.
+            s.removed.pop();
+            let backend = old
+                .backend
+                .resized(size)
+                .map_err(|source| StartError::Backend {
+                    nqn: subsystem.clone(),
+                    nsid,
+                    source,
+                })?;
+            let configured = namespace_config(new, subsystem, nsid);
+            let desc =
+                configured.map_or_else(|| old.description.clone(), |n| n.backend.to_string());
+            let mut ns = Namespace::new(subsystem, nsid, Arc::new(backend), Some(old.uuid), desc);
+            if let Some(n) = configured {
+                ns = ns.configured(n);
+            }
+            let line = format!(
+                "subsystem {subsystem}: resized namespace {nsid} from {} to {} blocks",
+                old.blocks, ns.blocks
+            );
+            s.put(ns);
+            p.lines.push(line);
+        }
+        Ok(p)
+    }
+
+    /// The staged state of running subsystem `nqn`.
+    fn staged(
+        &mut self,
+        live: &crate::target::SubsystemMap,
+        nqn: &str,
+    ) -> Result<&mut Staged, ChangeError> {
+        if !self.staged.contains_key(nqn) {
+            let Some(sub) = live.get(nqn) else {
+                return refused(format!("subsystem {nqn} is not running"));
+            };
+            let staged = Staged {
+                sub: Arc::clone(sub),
+                access: None,
+                namespaces: None,
+                changed_nsids: Vec::new(),
+                masked: Vec::new(),
+                removed: Vec::new(),
+            };
+            self.staged.insert(nqn.to_string(), staged);
+        }
+        Ok(self.staged.get_mut(nqn).expect("staged above"))
+    }
+
+    /// Stages the host access of subsystem `nqn` as `new` says.
+    fn access(
+        &mut self,
+        live: &crate::target::SubsystemMap,
+        new: &Config,
+        nqn: &str,
+    ) -> Result<(), ChangeError> {
+        let Some(cfg) = new.subsystems.iter().find(|s| s.nqn == nqn) else {
+            return refused(format!("no subsystem {nqn}"));
+        };
+        self.staged(live, nqn)?.access = Some(HostAccess::from_config(cfg));
+        self.discovery_changed = true;
+        Ok(())
+    }
+
+    /// The staged namespaces of subsystem `nqn`.
+    fn namespaces(
+        &mut self,
+        live: &crate::target::SubsystemMap,
+        nqn: &str,
+    ) -> Result<&mut Staged, ChangeError> {
+        let s = self.staged(live, nqn)?;
+        if s.namespaces.is_none() {
+            s.namespaces = Some((*s.sub.namespaces()).clone());
+        }
+        Ok(s)
+    }
+
+    /// Carries the change out and returns what changed, one line each. Cannot fail.
+    fn commit(self, running: &RunningTarget, new: &mut Config) -> Vec<String> {
+        let Prepared {
+            started,
+            stopped,
+            added,
+            removed,
+            staged,
+            mut discovery_changed,
+            mut lines,
+        } = self;
+        let target = &running.target;
+        for a in &stopped {
+            running.stop_listener(a);
+            lines.push(format!("stopped listening on {a}"));
+        }
+        for (requested, l) in started {
+            let bound = l.addr().clone();
+            running.start_listener(l);
+            lines.push(format!("listening on {bound}"));
+            for l in &mut new.listeners {
+                if l.address == requested {
+                    l.address = bound.clone();
+                    discovery_changed = true;
+                }
+            }
+            for a in &mut new.discovery.listen {
+                if *a == requested {
+                    *a = bound.clone();
+                }
+            }
+        }
+        target.set_listeners(Listeners {
+            io: new.listeners.iter().map(|l| l.address.clone()).collect(),
+            discovery: new.discovery.listen.clone(),
+            tls: new
+                .listeners
+                .iter()
+                .filter(|l| l.tls.is_some())
+                .map(|l| l.address.addr)
+                .collect(),
+        });
+
+        if !added.is_empty() || !removed.is_empty() {
+            let mut map = (*target.subsystems()).clone();
+            for s in &removed {
+                map.remove(&s.nqn);
+            }
+            for s in &added {
+                for ns in s.namespaces().values() {
+                    log_namespace_ready(&s.nqn, ns);
+                }
+                map.insert(s.nqn.clone(), Arc::clone(s));
+            }
+            target.set_subsystems(map);
+            discovery_changed = true;
+        }
+        for s in staged.values() {
+            if let Some(access) = &s.access {
+                s.sub.set_access(access.clone());
+                for c in s.sub.controllers() {
+                    if !access.allows(&c.hostnqn) && c.tear_down() {
+                        lines.push(format!(
+                            "subsystem {}: disconnected controller {} of {} ({}): host no longer allowed",
+                            s.sub.nqn, c.cntlid, c.hostnqn, c.peer
+                        ));
+                    }
+                }
+            }
+            if let Some(namespaces) = &s.namespaces {
+                for ns in namespaces.values() {
+                    if s.changed_nsids.contains(&ns.nsid) {
+                        log_namespace_ready(&s.sub.nqn, ns);
+                    }
+                }
+                let before = s.sub.namespaces();
+                s.sub.set_namespaces(namespaces.clone());
+                for c in s.sub.controllers() {
+                    // A host is told of the namespaces it saw or sees now; of one shown to
+                    // other hosts only, if its own view changed.
+                    let seen = |m: &NamespaceMap, id: u32| {
+                        m.get(&id).is_some_and(|ns| ns.visible_to(&c.hostnqn))
+                    };
+                    let changed = s
+                        .changed_nsids
+                        .iter()
+                        .copied()
+                        .filter(|&id| seen(&before, id) || seen(namespaces, id));
+                    let masked = s.masked.iter().copied().filter(|&id| {
+                        !s.changed_nsids.contains(&id) && seen(&before, id) != seen(namespaces, id)
+                    });
+                    let nsids: Vec<u32> = changed.chain(masked).collect();
+                    if !nsids.is_empty() {
+                        c.notify_namespaces_changed(&nsids);
+                    }
+                }
+                flush_removed(s.removed.clone());
+            }
+        }
+        for s in &removed {
+            for c in s.controllers() {
+                c.tear_down();
+            }
+            flush_removed(s.namespaces().values().cloned().collect());
+        }
+        // The ANA states of the listeners as bound: controllers connected where a group of
+        // their namespaces changes state are told.
+        let ana = AnaTable::from_listeners(&new.listeners);
+        if *target.ana.table() != ana {
+            let old = target.ana.replace(ana);
+            let now = target.ana.table();
+            for s in target.subsystems().values() {
+                for c in s.controllers() {
+                    if old.differs_at(&now, c.local, c.ana_groups().into_iter()) {
+                        c.notify_ana_changed();
+                    }
+                }
+            }
+        }
+        if discovery_changed {
+            target.discovery_changed();
+        }
+        for l in &lines {
+            info!("{l}");
+        }
+        lines
     }
 }
 
-/// The addresses in `a` that are not in `b`.
-fn missing(a: &[ListenAddr], b: &[ListenAddr]) -> Vec<ListenAddr> {
-    a.iter().filter(|x| !b.contains(x)).cloned().collect()
+/// Namespace `nsid` of subsystem `nqn` in `cfg`.
+fn namespace_config<'a>(cfg: &'a Config, nqn: &str, nsid: u32) -> Option<&'a NamespaceConfig> {
+    let s = cfg.subsystems.iter().find(|s| s.nqn == nqn)?;
+    s.nsids()
+        .zip(&s.namespaces)
+        .find(|(id, _)| *id == nsid)
+        .map(|(_, n)| n)
+}
+
+impl Staged {
+    /// Puts a new namespace in the staged map.
+    fn put(&mut self, ns: Namespace) {
+        let id = ns.nsid;
+        if let Some(m) = &mut self.namespaces {
+            m.insert(id, Arc::new(ns));
+        }
+        if !self.changed_nsids.contains(&id) {
+            self.changed_nsids.push(id);
+        }
+    }
+
+    /// Shows staged namespace `nsid` to `hosts` only (empty: to every host).
+    fn mask(&mut self, nsid: u32, hosts: Vec<String>) -> Result<(), ChangeError> {
+        let Some(m) = &mut self.namespaces else {
+            return refused(format!("subsystem {} is not staged", self.sub.nqn));
+        };
+        let Some(ns) = m.get(&nsid) else {
+            return refused(format!(
+                "subsystem {} namespace {nsid} is not running",
+                self.sub.nqn
+            ));
+        };
+        let ns = Arc::new(ns.with_hosts(hosts));
+        m.insert(nsid, ns);
+        if !self.masked.contains(&nsid) {
+            self.masked.push(nsid);
+        }
+        Ok(())
+    }
+
+    /// Takes namespace `nsid` out of the staged map; it goes as a removed namespace does.
+    fn take(&mut self, nsid: u32) -> Result<Arc<Namespace>, ChangeError> {
+        let Some(ns) = self.namespaces.as_mut().and_then(|m| m.remove(&nsid)) else {
+            return refused(format!(
+                "subsystem {} namespace {nsid} is not running",
+                self.sub.nqn
+            ));
+        };
+        if !self.changed_nsids.contains(&nsid) {
+            self.changed_nsids.push(nsid);
+        }
+        self.removed.push(Arc::clone(&ns));
+        Ok(ns)
+    }
 }
 
 impl Registry {
@@ -134,6 +554,11 @@ impl Registry {
         }
         for (l, a) in cfg.discovery.listen.iter_mut().zip(bound.discovery) {
             *l = a;
+        }
+        // The ANA states go to the listeners as bound (a port of 0 resolved).
+        let ana = AnaTable::from_listeners(&cfg.listeners);
+        if *running.target.ana.table() != ana {
+            running.target.ana.replace(ana);
         }
         Registry {
             running,
@@ -163,20 +588,19 @@ impl Registry {
         self.config.lock().clone()
     }
 
-    /// Applies the running configuration as changed by `edit`, then writes it to the
-    /// configuration file the target started from, if any ([`ConfigFiles::persist`]). Returns
-    /// what changed, one line each (and a warning line when the file could not be written:
-    /// the change runs all the same).
-    pub fn edit(
-        &self,
-        edit: impl FnOnce(&mut Config) -> Result<(), ChangeError>,
-    ) -> Result<Vec<String>, ChangeError> {
+    /// Carries out `changes` (see the module documentation), then writes the running
+    /// configuration to the file the target started from, if any ([`ConfigFiles::persist`]).
+    /// Returns what changed, one line each (and a warning line when the file could not be
+    /// written: the change runs all the same); on an error nothing changed.
+    pub fn change(&self, changes: &[Change]) -> Result<Vec<String>, ChangeError> {
         let mut cur = self.config.lock();
         let mut new = cur.clone();
-        edit(&mut new)?;
-        let mut changes = self.apply_to(&mut cur, new)?;
+        for c in changes {
+            c.apply(&mut new)?;
+        }
+        let mut lines = self.carry_out(&mut cur, new, changes)?;
         if let Some((path, settings)) = &self.files.persist
-            && !changes.is_empty()
+            && !lines.is_empty()
         {
             let mut file = cur.clone();
             file.target = settings.clone();
@@ -193,388 +617,50 @@ impl Registry {
                         path.display()
                     );
                     warn!("{line}");
-                    changes.push(line);
+                    lines.push(line);
                 }
             }
         }
-        Ok(changes)
+        Ok(lines)
     }
 
-    /// Makes the target run `new` (see the module documentation). Returns what changed, one
-    /// line each; on an error nothing changed.
+    /// Carries out the changes that `edit` makes to the running configuration, as
+    /// [`Registry::change`] does.
+    pub fn edit(
+        &self,
+        edit: impl FnOnce(&mut Config) -> Result<(), ChangeError>,
+    ) -> Result<Vec<String>, ChangeError> {
+        let cur = self.config();
+        let mut new = cur.clone();
+        edit(&mut new)?;
+        new.validate()?;
+        let changes = plan(&cur, &new)?;
+        self.change(&changes)
+    }
+
+    /// Makes the target run `new` (a reloaded file): carries out `plan(running, new)`.
+    /// Returns what changed, one line each; on an error nothing changed.
     pub fn apply(&self, new: Config) -> Result<Vec<String>, ChangeError> {
+        new.validate()?;
         let mut cur = self.config.lock();
-        self.apply_to(&mut cur, new)
+        let changes = plan(&cur, &new)?;
+        self.carry_out(&mut cur, new, &changes)
     }
 
-    fn apply_to(&self, cur: &mut Config, new: Config) -> Result<Vec<String>, ChangeError> {
+    /// Validates `new`, prepares `changes` and commits them; `cur` becomes `new` with the
+    /// addresses as bound.
+    fn carry_out(
+        &self,
+        cur: &mut Config,
+        new: Config,
+        changes: &[Change],
+    ) -> Result<Vec<String>, ChangeError> {
         let mut new = new.with_explicit_nsids();
         new.validate()?;
-        if new.target != cur.target {
-            return refused(format!(
-                "[target] settings change only at a restart: {} changed",
-                changed_settings(&cur.target, &new.target).join(", ")
-            ));
-        }
-        let mut changes = Vec::new();
-        let target = self.target();
-
-        // Listeners.
-        let old_io: Vec<ListenAddr> = cur.listeners.iter().map(|l| l.address.clone()).collect();
-        let new_io: Vec<ListenAddr> = new.listeners.iter().map(|l| l.address.clone()).collect();
-        let old_disc = cur.discovery.listen.clone();
-        let new_disc = new.discovery.listen.clone();
-        let gone: Vec<ListenAddr> = missing(&old_io, &new_io)
-            .into_iter()
-            .chain(missing(&old_disc, &new_disc))
-            .collect();
-        let added: Vec<ListenAddr> = missing(&new_io, &old_io)
-            .into_iter()
-            .chain(missing(&new_disc, &old_disc))
-            .collect();
-        if let Some(a) = added.iter().find(|a| gone.contains(a)) {
-            return refused(format!(
-                "{a} cannot be an I/O and a discovery listener at once"
-            ));
-        }
-
-        // Subsystems: what to build, change and remove.
-        let live = target.subsystems();
-        let old_subs: BTreeMap<&str, &SubsystemConfig> =
-            cur.subsystems.iter().map(|s| (s.nqn.as_str(), s)).collect();
-        let mut new_subs = Vec::new();
-        let mut plans = Vec::new();
-        let mut resizes = Vec::new();
-        for s in &new.subsystems {
-            let Some(o) = old_subs.get(s.nqn.as_str()) else {
-                let backends = s
-                    .nsids()
-                    .zip(&s.namespaces)
-                    .map(|(id, ns)| {
-                        Ok((
-                            open_backend(&s.nqn, id, &ns.backend)?,
-                            ns.backend.to_string(),
-                        ))
-                    })
-                    .collect::<Result<Vec<_>, StartError>>()?;
-                new_subs.push(Arc::new(Subsystem::new(s, backends)));
-                changes.push(format!("added subsystem {}", s.nqn));
-                continue;
-            };
-            let Some(sub) = live.get(&s.nqn) else {
-                return refused(format!("subsystem {} is not running", s.nqn));
-            };
-            if o.serial != s.serial || o.model != s.model {
-                return refused(format!(
-                    "subsystem {}: serial and model change only at a restart",
-                    s.nqn
-                ));
-            }
-            if (o.cntlid_min, o.cntlid_max) != (s.cntlid_min, s.cntlid_max) {
-                return refused(format!(
-                    "subsystem {}: cntlid_min and cntlid_max change only at a restart",
-                    s.nqn
-                ));
-            }
-            let mut plan = SubsystemPlan {
-                sub: Arc::clone(sub),
-                access: None,
-                namespaces: None,
-                changed_nsids: Vec::new(),
-                masked: Vec::new(),
-                removed: Vec::new(),
-            };
-            if (o.allow_any_host, &o.hosts, &o.auth_hosts)
-                != (s.allow_any_host, &s.hosts, &s.auth_hosts)
-            {
-                for h in s.hosts.iter().filter(|h| !o.hosts.contains(h)) {
-                    changes.push(format!("subsystem {}: allowed host {h}", s.nqn));
-                }
-                for h in o.hosts.iter().filter(|h| !s.hosts.contains(h)) {
-                    changes.push(format!("subsystem {}: no longer allowed host {h}", s.nqn));
-                }
-                if o.allow_any_host != s.allow_any_host {
-                    changes.push(format!(
-                        "subsystem {}: allow_any_host = {}",
-                        s.nqn, s.allow_any_host
-                    ));
-                }
-                for h in &s.auth_hosts {
-                    match o.auth_hosts.iter().find(|a| a.nqn == h.nqn) {
-                        None => changes.push(format!(
-                            "subsystem {}: allowed host {} (with keys)",
-                            s.nqn, h.nqn
-                        )),
-                        Some(a) if a != h => changes
-                            .push(format!("subsystem {}: new keys for host {}", s.nqn, h.nqn)),
-                        Some(_) => {}
-                    }
-                }
-                for a in o
-                    .auth_hosts
-                    .iter()
-                    .filter(|a| !s.auth_hosts.iter().any(|h| h.nqn == a.nqn))
-                {
-                    changes.push(format!(
-                        "subsystem {}: no longer allowed host {} (with keys)",
-                        s.nqn, a.nqn
-                    ));
-                }
-                plan.access = Some(HostAccess::from_config(s));
-            }
-            let old_ns: BTreeMap<u32, _> = o.nsids().zip(&o.namespaces).collect();
-            let current = sub.namespaces();
-            let mut map = NamespaceMap::new();
-            for (id, n) in s.nsids().zip(&s.namespaces) {
-                match old_ns.get(&id) {
-                    Some(on) if *on == n => {
-                        if let Some(ns) = current.get(&id) {
-                            map.insert(id, Arc::clone(ns));
-                        }
-                    }
-                    Some(on) => {
-                        if on.uuid != n.uuid {
-                            return refused(format!(
-                                "subsystem {} namespace {id}: namespace UUIDs change only at a \
-                                 restart",
-                                s.nqn
-                            ));
-                        }
-                        if on.ana_group != n.ana_group {
-                            return refused(format!(
-                                "subsystem {} namespace {id}: ANA groups change only at a \
-                                 restart",
-                                s.nqn
-                            ));
-                        }
-                        if let Some(m) = masking_change(on, n) {
-                            let Some(ns) = current.get(&id) else {
-                                return refused(format!(
-                                    "subsystem {} namespace {id} is not running",
-                                    s.nqn
-                                ));
-                            };
-                            map.insert(id, Arc::new(ns.with_hosts(n.hosts.clone())));
-                            plan.changed_nsids.push(id);
-                            plan.masked.push(id);
-                            changes.push(format!("subsystem {}: namespace {id} {m}", s.nqn));
-                            continue;
-                        }
-                        if let Some(size) = resized_to(&on.backend, &n.backend) {
-                            resizes.push((plans.len(), id, size, n.clone()));
-                            plan.changed_nsids.push(id);
-                            continue;
-                        }
-                        // Another backend under the same NSID: the old one goes as a removed
-                        // namespace does, the new one is opened first.
-                        if let (
-                            BackendSpec::File(a) | BackendSpec::Bdev(a),
-                            BackendSpec::File(b) | BackendSpec::Bdev(b),
-                        ) = (&on.backend, &n.backend)
-                            && a.path == b.path
-                        {
-                            return refused(format!(
-                                "subsystem {} namespace {id}: {} cannot become {} while it \
-                                 serves the same file; other options of a served file change \
-                                 only at a restart (or remove the namespace and add it again)",
-                                s.nqn, on.backend, n.backend
-                            ));
-                        }
-                        let backend = open_backend(&s.nqn, id, &n.backend)?;
-                        let uuid = n.uuid.as_deref().and_then(parse_uuid);
-                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string())
-                            .configured(n);
-                        map.insert(id, Arc::new(ns));
-                        plan.changed_nsids.push(id);
-                        plan.removed.extend(current.get(&id).cloned());
-                        changes.push(format!(
-                            "subsystem {}: namespace {id} is now {} (was {})",
-                            s.nqn, n.backend, on.backend
-                        ));
-                    }
-                    None => {
-                        let backend = open_backend(&s.nqn, id, &n.backend)?;
-                        let uuid = n.uuid.as_deref().and_then(parse_uuid);
-                        let ns = Namespace::new(&s.nqn, id, backend, uuid, n.backend.to_string())
-                            .configured(n);
-                        map.insert(id, Arc::new(ns));
-                        plan.changed_nsids.push(id);
-                        changes.push(format!(
-                            "subsystem {}: added namespace {id} ({})",
-                            s.nqn, n.backend
-                        ));
-                    }
-                }
-            }
-            for (id, on) in &old_ns {
-                if !s.nsids().any(|n| n == *id) {
-                    plan.changed_nsids.push(*id);
-                    plan.removed.extend(current.get(id).cloned());
-                    changes.push(format!(
-                        "subsystem {}: removed namespace {id} ({})",
-                        s.nqn, on.backend
-                    ));
-                }
-            }
-            if !plan.changed_nsids.is_empty() {
-                plan.namespaces = Some(map);
-            }
-            if plan.access.is_some() || plan.namespaces.is_some() {
-                plans.push(plan);
-            }
-        }
-        let removed_subs: Vec<Arc<Subsystem>> = cur
-            .subsystems
-            .iter()
-            .filter(|o| !new.subsystems.iter().any(|s| s.nqn == o.nqn))
-            .filter_map(|o| live.get(&o.nqn).cloned())
-            .collect();
-
-        // Prepare what can fail, last the resizes, which change files.
-        let mut bound = Vec::new();
-        for a in &added {
-            bound.push(bind_listener(a)?);
-        }
-        for (plan, id, size, n) in resizes {
-            let p: &mut SubsystemPlan = &mut plans[plan];
-            let old = p.sub.namespaces().get(&id).cloned();
-            let Some(old) = old else {
-                return refused(format!(
-                    "subsystem {} namespace {id} is not running",
-                    p.sub.nqn
-                ));
-            };
-            let backend = old
-                .backend
-                .resized(size)
-                .map_err(|source| StartError::Backend {
-                    nqn: p.sub.nqn.clone(),
-                    nsid: id,
-                    source,
-                })?;
-            let uuid = Some(old.uuid);
-            let desc = n.backend.to_string();
-            let ns = Namespace::new(&p.sub.nqn, id, Arc::new(backend), uuid, desc).configured(&n);
-            changes.push(format!(
-                "subsystem {}: resized namespace {id} from {} to {} blocks",
-                p.sub.nqn, old.blocks, ns.blocks
-            ));
-            if let Some(m) = &mut p.namespaces {
-                m.insert(id, Arc::new(ns));
-            }
-        }
-
-        // Commit.
-        for a in &gone {
-            self.running.stop_listener(a);
-            changes.push(format!("stopped listening on {a}"));
-        }
-        let mut bound_addr = BTreeMap::new();
-        for (requested, l) in added.iter().map(ToString::to_string).zip(bound) {
-            let addr = l.addr.clone();
-            if let Err(e) = self.running.start_listener(l) {
-                warn!(listener = %addr, error = %e, "cannot accept");
-            }
-            changes.push(format!("listening on {addr}"));
-            bound_addr.insert(requested, addr);
-        }
-        let as_bound = |a: &mut ListenAddr| {
-            if let Some(b) = bound_addr.get(&a.to_string()) {
-                *a = b.clone();
-            }
-        };
-        new.listeners
-            .iter_mut()
-            .for_each(|l| as_bound(&mut l.address));
-        new.discovery.listen.iter_mut().for_each(as_bound);
-        target.set_listeners(Listeners {
-            io: new.listeners.iter().map(|l| l.address.clone()).collect(),
-            discovery: new.discovery.listen.clone(),
-            tls: new
-                .listeners
-                .iter()
-                .filter(|l| l.tls.is_some())
-                .map(|l| l.address.addr)
-                .collect(),
-        });
-
-        let mut map = (*live).clone();
-        for s in &removed_subs {
-            map.remove(&s.nqn);
-            changes.push(format!("removed subsystem {}", s.nqn));
-        }
-        for s in &new_subs {
-            for ns in s.namespaces().values() {
-                log_namespace_ready(&s.nqn, ns);
-            }
-            map.insert(s.nqn.clone(), Arc::clone(s));
-        }
-        target.set_subsystems(map);
-        let mut discovery_changed = !new_subs.is_empty()
-            || !removed_subs.is_empty()
-            || missing(&old_io, &new_io).len() + missing(&new_io, &old_io).len() > 0;
-        for p in &plans {
-            if let Some(access) = &p.access {
-                p.sub.set_access(access.clone());
-                discovery_changed = true;
-                for c in p.sub.controllers() {
-                    if !access.allows(&c.hostnqn) && c.tear_down() {
-                        changes.push(format!(
-                            "subsystem {}: disconnected controller {} of {} ({}): host no longer allowed",
-                            p.sub.nqn, c.cntlid, c.hostnqn, c.peer
-                        ));
-                    }
-                }
-            }
-            if let Some(namespaces) = &p.namespaces {
-                for ns in namespaces.values() {
-                    if p.changed_nsids.contains(&ns.nsid) && !p.masked.contains(&ns.nsid) {
-                        log_namespace_ready(&p.sub.nqn, ns);
-                    }
-                }
-                let before = p.sub.namespaces();
-                p.sub.set_namespaces(namespaces.clone());
-                for c in p.sub.controllers() {
-                    // A host is told of the namespaces it saw or sees now; of a change of
-                    // who sees a namespace, only if it is one of them.
-                    let seen = |m: &NamespaceMap, id: &u32| {
-                        m.get(id).is_some_and(|ns| ns.visible_to(&c.hostnqn))
-                    };
-                    let nsids: Vec<u32> = p
-                        .changed_nsids
-                        .iter()
-                        .filter(|id| {
-                            let (was, is) = (seen(&before, id), seen(namespaces, id));
-                            if p.masked.contains(id) {
-                                was != is
-                            } else {
-                                was || is
-                            }
-                        })
-                        .copied()
-                        .collect();
-                    if !nsids.is_empty() {
-                        c.notify_namespaces_changed(&nsids);
-                    }
-                }
-                flush_removed(p.removed.clone());
-            }
-        }
-        for s in &removed_subs {
-            for c in s.controllers() {
-                c.tear_down();
-            }
-            flush_removed(s.namespaces().values().cloned().collect());
-        }
-        changes.extend(apply_ana(target, &cur.listeners, &new.listeners));
-        if discovery_changed {
-            target.discovery_changed();
-        }
+        let prepared = Prepared::new(&self.running, cur, &new, changes)?;
+        let lines = prepared.commit(&self.running, &mut new);
         *cur = new;
-        for c in &changes {
-            info!("{c}");
-        }
-        Ok(changes)
+        Ok(lines)
     }
 
     /// Disconnects the controllers of subsystem `nqn` with ID `cntlid` or of host `host`
@@ -722,86 +808,6 @@ impl Registry {
         }
         v
     }
-}
-
-/// What a namespace's change is, when only the hosts that see it change: the line that
-/// says so.
-fn masking_change(old: &NamespaceConfig, new: &NamespaceConfig) -> Option<String> {
-    let mut same = old.clone();
-    same.hosts = new.hosts.clone();
-    if same != *new {
-        return None;
-    }
-    Some(if new.hosts.is_empty() {
-        "is now seen by every host".into()
-    } else {
-        format!("is now seen by {} only", new.hosts.join(", "))
-    })
-}
-
-/// Makes the target run the ANA states of the listeners `new` (see [`crate::ana`]): the
-/// controllers connected through a listener where a group of their namespaces changes state
-/// get an ANA Change notice. Returns what changed, one line each.
-fn apply_ana(target: &Target, old: &[ListenerConfig], new: &[ListenerConfig]) -> Vec<String> {
-    let table = AnaTable::from_listeners(new);
-    if *target.ana.table() == table {
-        return Vec::new();
-    }
-    let mut changes = Vec::new();
-    for l in new {
-        let before = old.iter().find(|o| o.address == l.address);
-        let groups = l.ana.iter().map(|a| a.group).chain(
-            before
-                .into_iter()
-                .flat_map(|o| o.ana.iter().map(|a| a.group)),
-        );
-        let mut groups: Vec<u32> = groups.collect();
-        groups.sort_unstable();
-        groups.dedup();
-        let state = |ls: &ListenerConfig, g: u32| {
-            ls.ana
-                .iter()
-                .find(|a| a.group == g)
-                .map(|a| a.state)
-                .unwrap_or_default()
-        };
-        for g in groups {
-            let was = before.map(|o| state(o, g)).unwrap_or_default();
-            let now = state(l, g);
-            if was != now {
-                changes.push(format!(
-                    "listener {}: ANA group {g} is now {now} (was {was})",
-                    l.address
-                ));
-            }
-        }
-    }
-    let old = target.ana.replace(table);
-    let table = target.ana.table();
-    for s in target.subsystems().values() {
-        for c in s.controllers() {
-            if old.differs_at(&table, c.local, c.ana_groups().into_iter()) {
-                c.notify_ana_changed();
-            }
-        }
-    }
-    changes
-}
-
-/// The names of the `[target]` settings that differ between `a` and `b`.
-fn changed_settings(a: &TargetSettings, b: &TargetSettings) -> Vec<String> {
-    let (Ok(Value::Object(a)), Ok(Value::Object(b))) =
-        (serde_json::to_value(a), serde_json::to_value(b))
-    else {
-        return vec!["[target]".into()];
-    };
-    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    keys.into_iter()
-        .filter(|k| a.get(*k) != b.get(*k))
-        .cloned()
-        .collect()
 }
 
 fn controller_json(c: &crate::controller::Controller) -> Value {
@@ -982,6 +988,46 @@ mod tests {
             .to_string();
         assert!(e.contains("no host may connect"), "{e}");
         assert_eq!(r.config().to_toml().unwrap(), before.to_toml().unwrap());
+        r.running().shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_prepare_closes_what_it_bound() {
+        let r = registry(&["mem:1M"]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address: ListenAddr = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+        let changes = [
+            Change::AddListener {
+                listener: ListenerConfig {
+                    address: address.clone(),
+                    tls: None,
+                    ana: Vec::new(),
+                },
+                discovery: false,
+            },
+            Change::AddNamespace {
+                subsystem: NQN.into(),
+                namespace: NamespaceConfig {
+                    nsid: Some(2),
+                    backend: "file:/nonexistent-dir/ns.img,size=1M".parse().unwrap(),
+                    uuid: None,
+                    hosts: Vec::new(),
+                    ana_group: None,
+                },
+            },
+        ];
+        let e = r.change(&changes).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent-dir/ns.img"), "{e}");
+        // The listener bound for the change is closed again: its port binds.
+        drop(std::net::TcpListener::bind(address.addr).expect("the port is free again"));
+        assert!(!r.target().listeners().io.contains(&address));
+        // The same change without the failing part goes through, on that very port.
+        let lines = r.change(&changes[..1]).unwrap();
+        assert_eq!(lines, vec![format!("listening on {address}")]);
         r.running().shutdown().await;
     }
 

@@ -2,7 +2,7 @@
 //! [`crate::launcher`] starts and stops its reactors and accept loops.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener as StdTcpListener};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -123,23 +123,7 @@ pub struct Listeners {
     pub tls: Vec<SocketAddr>,
 }
 
-/// A bound listener ready to accept.
-pub struct BoundListener {
-    /// The address as bound (port resolved).
-    pub addr: ListenAddr,
-    /// The socket.
-    pub socket: ListenerSocket,
-}
-
-/// The endpoint of a bound listener.
-pub enum ListenerSocket {
-    /// An NVMe/TCP listening socket.
-    Tcp(StdTcpListener),
-    /// An NVMe/RDMA RDMA-CM listener.
-    Rdma(nvmf_rdma::Listener),
-}
-
-/// What [`Target::check`] found would happen at start, besides what it opened and bound.
+/// What [`Target::check`] found would happen at start, besides what it opened.
 #[derive(Debug, Default)]
 pub struct CheckReport {
     /// Files that starting would create (or extend from empty), with their size.
@@ -176,26 +160,25 @@ fn file_identity(path: &std::path::Path) -> Option<(u64, u64)> {
 }
 
 impl Target {
-    /// Opens every backend and binds every listener described by `cfg`.
-    pub fn build(cfg: &Config) -> Result<(Arc<Target>, Vec<BoundListener>), StartError> {
+    /// Opens every backend described by `cfg`. It listens nowhere yet: the launcher binds
+    /// the listeners ([`crate::launcher::bind`]) and records them as it starts them.
+    pub fn build(cfg: &Config) -> Result<Arc<Target>, StartError> {
         Self::build_with(cfg, None)
     }
 
-    /// Validates `cfg` as far as possible without changing anything: opens the backends that
-    /// exist (taking their locks while the returned target lives) and binds the listeners, but
-    /// creates no file; a file namespace that starting would create is reported instead.
-    pub fn check(
-        cfg: &Config,
-    ) -> Result<(Arc<Target>, Vec<BoundListener>, CheckReport), StartError> {
+    /// Validates `cfg`'s subsystems as far as possible without changing anything: opens the
+    /// backends that exist (taking their locks while the returned target lives), but creates
+    /// no file; a file namespace that starting would create is reported instead.
+    pub fn check(cfg: &Config) -> Result<(Arc<Target>, CheckReport), StartError> {
         let mut report = CheckReport::default();
-        let (t, l) = Self::build_with(cfg, Some(&mut report))?;
-        Ok((t, l, report))
+        let t = Self::build_with(cfg, Some(&mut report))?;
+        Ok((t, report))
     }
 
     fn build_with(
         cfg: &Config,
         mut check: Option<&mut CheckReport>,
-    ) -> Result<(Arc<Target>, Vec<BoundListener>), StartError> {
+    ) -> Result<Arc<Target>, StartError> {
         let mut subsystems = BTreeMap::new();
         // Files and devices in use, by device and inode, with the namespace using each.
         let mut claimed: BTreeMap<(u64, u64), String> = BTreeMap::new();
@@ -269,36 +252,9 @@ impl Target {
             }
             subsystems.insert(s.nqn.clone(), Arc::new(sub));
         }
-        let mut bound = Vec::new();
-        let mut listeners = Listeners::default();
-        let wanted = cfg
-            .listeners
-            .iter()
-            .map(|l| (l.address.clone(), false, l.tls.is_some()))
-            .chain(
-                cfg.discovery
-                    .listen
-                    .iter()
-                    .map(|a| (a.clone(), true, false)),
-            );
-        for (addr, discovery_only, tls) in wanted {
-            let l = bind_listener(&addr)?;
-            if discovery_only {
-                listeners.discovery.push(l.addr.clone());
-            } else {
-                listeners.io.push(l.addr.clone());
-            }
-            if tls {
-                listeners.tls.push(l.addr.addr);
-            }
-            bound.push(l);
-        }
-        // The I/O listeners were bound in order: their ANA states go to the bound addresses.
-        let mut as_bound = cfg.listeners.clone();
-        for (l, a) in as_bound.iter_mut().zip(&listeners.io) {
-            l.address = a.clone();
-        }
-        let ana = crate::ana::AnaTable::from_listeners(&as_bound);
+        // The ANA states as configured; a listener bound to port 0 gets its states when the
+        // registry records the bound address ([`crate::reconfigure::Registry::new`]).
+        let ana = crate::ana::AnaTable::from_listeners(&cfg.listeners);
         let subsystems = Arc::new(RwLock::new(Arc::new(subsystems)));
         let tls = tls_context(Arc::clone(&subsystems)).map_err(StartError::Tls)?;
         let (shutdown_tx, _) = watch::channel(false);
@@ -309,7 +265,7 @@ impl Target {
         let target = Target {
             settings: cfg.target.clone(),
             subsystems,
-            listeners: RwLock::new(listeners),
+            listeners: RwLock::new(Listeners::default()),
             tls,
             discovery_serial,
             genctr: AtomicU64::new(1),
@@ -322,7 +278,7 @@ impl Target {
             memory: crate::memory::MemoryBudget::new(cfg.target.memory_budget),
             ana: crate::ana::AnaStates::new(ana),
         };
-        Ok((Arc::new(target), bound))
+        Ok(Arc::new(target))
     }
 
     /// Whether the I/O listener bound to `addr` requires TLS.
@@ -372,7 +328,7 @@ impl Target {
         self.listeners.read().clone()
     }
 
-    /// Replaces the addresses listened on (see [`crate::reconfigure`]).
+    /// Replaces the addresses listened on (see [`crate::launcher`], [`crate::reconfigure`]).
     pub(crate) fn set_listeners(&self, listeners: Listeners) {
         *self.listeners.write() = listeners;
     }
@@ -489,59 +445,6 @@ pub fn log_namespace_ready(nqn: &str, ns: &Namespace) {
     if let Some(loss) = ns.backend.crash_warning() {
         warn!(subsystem = %nqn, nsid = ns.nsid, "{loss}");
     }
-}
-
-/// Connection requests an RDMA-CM listener queues.
-const RDMA_BACKLOG: i32 = 1024;
-
-/// Binds a listener on `addr` (an NVMe/TCP socket or an RDMA-CM listener).
-pub fn bind_listener(addr: &ListenAddr) -> Result<BoundListener, StartError> {
-    let (socket, local) = if addr.transport == Transport::Rdma {
-        // Loads the RDMA libraries; `addr` is an address of an RDMA interface.
-        let l = nvmf_rdma::Listener::bind(addr.addr, RDMA_BACKLOG).map_err(|e| {
-            StartError::Transport {
-                addr: addr.to_string(),
-                reason: e.to_string(),
-            }
-        })?;
-        let local = l.local_addr();
-        (ListenerSocket::Rdma(l), local)
-    } else {
-        let socket = bind(addr)?;
-        let local = socket.local_addr().map_err(|source| StartError::Bind {
-            addr: addr.to_string(),
-            source,
-        })?;
-        (ListenerSocket::Tcp(socket), local)
-    };
-    Ok(BoundListener {
-        addr: ListenAddr {
-            transport: addr.transport,
-            addr: local,
-        },
-        socket,
-    })
-}
-
-fn bind(addr: &ListenAddr) -> Result<StdTcpListener, StartError> {
-    let err = |source| StartError::Bind {
-        addr: addr.to_string(),
-        source,
-    };
-    let domain = if addr.addr.is_ipv4() {
-        socket2::Domain::IPV4
-    } else {
-        socket2::Domain::IPV6
-    };
-    let s = socket2::Socket::new(domain, socket2::Type::STREAM, None).map_err(err)?;
-    s.set_reuse_address(true).map_err(err)?;
-    if addr.addr.is_ipv6() {
-        s.set_only_v6(true).map_err(err)?;
-    }
-    s.bind(&addr.addr.into()).map_err(err)?;
-    s.listen(1024).map_err(err)?;
-    s.set_nonblocking(true).map_err(err)?;
-    Ok(s.into())
 }
 
 /// The TLS context of the TLS listeners: a host's identity (`NVMe0R01` or `NVMe1R01`, for a

@@ -32,14 +32,15 @@ pub fn config(namespaces: &[&str]) -> Config {
 
 /// A built target of [`config`].
 pub fn target(namespaces: &[&str]) -> Arc<Target> {
-    Target::build(&config(namespaces)).unwrap().0
+    Target::build(&config(namespaces)).unwrap()
 }
 
 /// A started target of [`config`] (one reactor) under a [`Registry`]. Needs a tokio runtime.
 pub fn registry(namespaces: &[&str]) -> Registry {
     let mut cfg = config(namespaces);
     cfg.target.reactors = 1;
-    let (t, l) = Target::build(&cfg).unwrap();
+    let t = Target::build(&cfg).unwrap();
+    let l = crate::launcher::bind(&cfg).unwrap();
     Registry::new(RunningTarget::start(t, l).unwrap(), cfg)
 }
 

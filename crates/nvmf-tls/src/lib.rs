@@ -12,6 +12,9 @@
 //! Keys come in as [`nvme_auth::Secret`]s and go straight to OpenSSL; identities are the
 //! strings [`nvme_auth::tls`] derives.
 //!
+//! The same stream also carries the target's remote control API, over mutual TLS with X.509
+//! certificates ([`ServerContext::mutual`], [`ClientContext::mutual`]).
+//!
 //! What this crate must not do: log or print key material, know anything about NVMe/TCP
 //! PDUs or commands, or cost a plain connection anything: [`Stream::Plain`] calls the socket
 //! directly.
@@ -24,9 +27,13 @@ use nvme_auth::tls::TlsPsk;
 use nvme_auth::{HashId, Secret};
 use openssl::error::ErrorStack;
 use openssl::ex_data::Index;
+use openssl::nid::Nid;
+use openssl::pkey::PKey;
 use openssl::ssl::{
-    ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslMode, SslStream, SslVersion,
+    ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslMode, SslStream, SslVerifyMode,
+    SslVersion,
 };
+use openssl::x509::X509;
 use tokio::io::{Interest, Ready};
 use tokio::net::TcpStream;
 
@@ -42,6 +49,9 @@ pub enum TlsError {
     /// The handshake failed (wrong or unknown PSK, a peer that does not speak TLS, ...).
     #[error("TLS handshake failed: {0}")]
     Handshake(String),
+    /// A certificate or key could not be used.
+    #[error("TLS certificate: {0}")]
+    Certificate(String),
     /// The PSK cannot be used with the cipher suites this side offers.
     #[error("TLS PSK of hash {0:?} is not supported (only SHA-256, hash 01, PSKs are)")]
     UnsupportedHash(HashId),
@@ -127,6 +137,75 @@ impl ClientContext {
             Ok(psk.key.len())
         });
         Ok(Self(b.build()))
+    }
+}
+
+/// The PEM files of one side of a mutual TLS connection with X.509 certificates (the
+/// target's remote control API, not NVMe/TCP): its certificate (chain) and key, and the CA
+/// certificates its peer's certificate must be signed by.
+pub struct CertFiles<'a> {
+    /// The certificate, then any intermediate certificates.
+    pub cert: &'a [u8],
+    /// Its private key.
+    pub key: &'a [u8],
+    /// The CA certificates the peer must present a certificate of.
+    pub ca: &'a [u8],
+}
+
+fn cert_builder(
+    own: Option<(&[u8], &[u8])>,
+    ca: &[u8],
+    verify: SslVerifyMode,
+) -> Result<SslContextBuilder, TlsError> {
+    let mut b = builder()?;
+    if let Some((cert, key)) = own {
+        let mut chain = X509::stack_from_pem(cert)?.into_iter();
+        let Some(first) = chain.next() else {
+            return Err(TlsError::Certificate(
+                "no certificate in the PEM data".into(),
+            ));
+        };
+        b.set_certificate(&first)?;
+        for c in chain {
+            b.add_extra_chain_cert(c)?;
+        }
+        let key = PKey::private_key_from_pem(key)?;
+        b.set_private_key(&key)?;
+        b.check_private_key()
+            .map_err(|_| TlsError::Certificate("the key does not match the certificate".into()))?;
+    }
+    let cas = X509::stack_from_pem(ca)?;
+    if cas.is_empty() {
+        return Err(TlsError::Certificate(
+            "no CA certificate in the PEM data".into(),
+        ));
+    }
+    for c in cas {
+        b.cert_store_mut().add_cert(c)?;
+    }
+    b.set_verify(verify);
+    Ok(b)
+}
+
+impl ServerContext {
+    /// A context for mutual TLS with certificates: it presents `files.cert`, and a handshake
+    /// succeeds only with a client certificate signed by a CA of `files.ca`.
+    pub fn mutual(files: &CertFiles<'_>) -> Result<Self, TlsError> {
+        let b = cert_builder(
+            Some((files.cert, files.key)),
+            files.ca,
+            SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
+        )?;
+        Ok(Self(b.build()))
+    }
+}
+
+impl ClientContext {
+    /// A context for mutual TLS with certificates: it presents `cert` and `key` when given,
+    /// and accepts only a server certificate signed by a CA of `ca`, for the name or
+    /// address connected to ([`Stream::connect_to`]).
+    pub fn mutual(own: Option<(&[u8], &[u8])>, ca: &[u8]) -> Result<Self, TlsError> {
+        Ok(Self(cert_builder(own, ca, SslVerifyMode::PEER)?.build()))
     }
 }
 
@@ -233,6 +312,35 @@ impl Stream {
             Stream::Plain(s) => s,
             Stream::Tls(s) => &s.get_ref().0,
         }
+    }
+
+    /// The client side of a certificate handshake ([`ClientContext::mutual`]) with a server
+    /// whose certificate must name `host` (a DNS name, or an IP address).
+    pub async fn connect_to(
+        ctx: &ClientContext,
+        tcp: TcpStream,
+        host: &str,
+    ) -> Result<Self, TlsError> {
+        let mut ssl = Ssl::new(&ctx.0)?;
+        match host.trim_matches(['[', ']']).parse::<std::net::IpAddr>() {
+            Ok(ip) => ssl.param_mut().set_ip(ip)?,
+            Err(_) => {
+                ssl.param_mut().set_host(host)?;
+                ssl.set_hostname(host)?;
+            }
+        }
+        let s = SslStream::new(ssl, TcpSock(tcp))?;
+        handshake(s, SslStream::connect).await
+    }
+
+    /// The common name (CN) of the peer's verified certificate, on a certificate connection.
+    pub fn peer_common_name(&self) -> Option<String> {
+        let Stream::Tls(s) = self else { return None };
+        let cert = s.ssl().peer_certificate()?;
+        let cn = cert.subject_name().entries_by_nid(Nid::COMMONNAME).next()?;
+        std::str::from_utf8(cn.data().as_slice())
+            .ok()
+            .map(str::to_string)
     }
 
     /// Whether the connection is TLS.

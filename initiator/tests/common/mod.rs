@@ -53,7 +53,8 @@ impl TestTarget {
 
     /// Starts a target with the configuration `cfg`.
     pub fn from_config(cfg: &Config) -> TestTarget {
-        let (target, listeners) = Target::build(cfg).expect("target build");
+        let target = Target::build(cfg).expect("target build");
+        let listeners = nvmeof_target::launcher::bind(cfg).expect("target bind");
         let addr = listeners[0].addr.addr;
         let running = RunningTarget::start(target, listeners).expect("target start");
         TestTarget {

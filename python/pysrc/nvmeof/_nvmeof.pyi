@@ -2,7 +2,9 @@
 from Python, through the nvmeof-direct initiator.
 
 Offsets and lengths are in bytes and must be multiples of the namespace's block size.
-Blocking calls release the GIL. A Controller belongs to the process that connected it: in a
+Blocking calls release the GIL. Blocking reads into host memory run on a run-to-completion
+queue pair that the calling thread drives (``queue_pairs`` of ``connect``), or through the
+controller's shared queues when no queue pair is free. A Controller belongs to the process that connected it: in a
 forked child, connect again (``Spec`` is picklable; ``spec.connect()`` in each worker).
 """
 
@@ -59,6 +61,8 @@ class Spec:
     queues: Optional[int]
     timeout: float
     transport: str
+    queue_pairs: int
+    """I/O queue IDs kept for run-to-completion queue pairs (see ``connect``)."""
     def __init__(
         self,
         traddr: str,
@@ -70,6 +74,7 @@ class Spec:
         timeout: float = 10.0,
         transport: str = "tcp",
         tls_key: Optional[str] = None,
+        queue_pairs: int = 1,
     ) -> None: ...
     def connect(self) -> Controller: ...
 
@@ -99,7 +104,17 @@ class Namespace:
     def read_batch(self, reads: Sequence[Tuple[int, int, Destination]]) -> None:
         """Reads each (offset, length, dest): all submitted, then all awaited. Each dest is
         writable with at least length bytes; dests must not overlap. CUDA dests (all on one
-        device) are received into pinned memory and copied to the device."""
+        device) are received into pinned memory and copied to the device. Every read is
+        checked before any I/O; the first error raises once every read has ended."""
+    def read_records(
+        self, offsets: Union[Buffer, Sequence[int]], size: int, dest: Destination
+    ) -> int:
+        """Reads record i (``size`` bytes at byte ``offsets[i]``) into bytes
+        ``i * size .. (i + 1) * size`` of ``dest``, all at once, without a Python object per
+        record. ``offsets``: a C-contiguous buffer of 64-bit integers (NumPy uint64 or int64
+        array) or a sequence of ints; ``dest``: one writable buffer or CUDA array of at least
+        ``len(offsets) * size`` bytes. Records adjacent on the namespace are read with one
+        command. Returns ``len(offsets) * size``. Checked as read_batch is."""
 
     # asyncio: each call checks its arguments at once (raising as the blocking call does),
     # starts the I/O on the controller's runtime and returns a future of the running loop.
@@ -188,9 +203,19 @@ def connect(
     timeout: float = 10.0,
     transport: str = "tcp",
     tls_key: Optional[str] = None,
+    queue_pairs: int = 1,
 ) -> Controller:
     """Connects to an NVMe-oF subsystem (transport "tcp" or "rdma"). ``tls_key``: an
-    NVMe/TCP TLS configured PSK (``NVMeTLSkey-1:01:...:``) for TLS 1.3."""
+    NVMe/TCP TLS configured PSK (``NVMeTLSkey-1:01:...:``) for TLS 1.3.
+
+    ``queue_pairs``: I/O queue IDs kept (on top of ``queues``) for run-to-completion queue
+    pairs. A blocking read into host memory (``read_into``, ``pread``, ``read_batch``,
+    ``read_records``) takes a free queue pair of its namespace for the duration of the call
+    (opening its connection on first use) and drives it on the calling thread, with no hop
+    to the controller's I/O threads; when none is free it goes through the shared queues
+    (as every call does with ``queue_pairs=0``). The default, 1, serves one reading thread
+    per process (a DataLoader worker); give one per thread that reads at once. A kept queue
+    ID costs nothing until a read uses it, and the target grants the shared queues first."""
 
 def attach(name: str, socket: Optional[str] = None) -> Namespace:
     """Opens the namespace of nvmeof-initd attachment ``name`` (as the nvmeof CLI resolves a

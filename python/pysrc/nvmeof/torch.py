@@ -2,7 +2,7 @@
 
 - :class:`RecordDataset`: map-style, record ``i`` is the ``record_size`` bytes at
   ``offset + i * record_size``. ``__getitems__`` reads a whole DataLoader batch with one
-  ``Namespace.read_batch`` call (runs of consecutive records become one command each), and
+  ``Namespace.read_records`` call (runs of consecutive records become one command each), and
   :func:`collate` keeps that batch one tensor.
 - :class:`ShardIterable`: iterable, the records split into contiguous shards, one per
   DataLoader worker (``torch.utils.data.get_worker_info()``), read ``records_per_read`` at a
@@ -143,9 +143,9 @@ class _Records:
             ns.controller.close()
 
     def _read(self, ns: nvmeof.Namespace, shape: Sequence[int],
-              reads: List[tuple]) -> torch.Tensor:
-        """Reads ``reads`` -- (namespace offset, first row, rows) -- into a new uint8 tensor of
-        ``shape`` on the dataset's device, with one submission."""
+              offsets: List[int]) -> torch.Tensor:
+        """Reads the records at namespace byte ``offsets`` into the rows of a new uint8 tensor
+        of ``shape`` on the dataset's device, with one call."""
         rs = self.record_size
         if self.device.type == "cpu" or (self.device.type == "cuda" and _GPU_DESTINATIONS):
             # CUDA tensors lend their memory through __cuda_array_interface__.
@@ -157,11 +157,7 @@ class _Records:
         rows = out.view(-1, rs)
         if out.device.type == "cpu":
             rows = rows.numpy()  # CPU tensors lend their memory through NumPy's buffer
-        if len(reads) == 1:
-            off, row, n = reads[0]
-            ns.read_into(rows[row:row + n], off)
-        else:
-            ns.read_batch([(off, n * rs, rows[row:row + n]) for off, row, n in reads])
+        ns.read_records(offsets, rs, rows)
         if out.device != self.device:
             out = out.to(self.device, non_blocking=True)
         return out
@@ -193,7 +189,7 @@ class RecordDataset(_Records, Dataset):
     ``ds[i]`` is a ``torch.uint8`` tensor of ``record_size`` bytes on ``device``; negative
     indices count from the end; others outside ``range(len(ds))`` raise IndexError.
     ``ds.__getitems__(indices)`` (what DataLoader calls for a batch) reads every record of the
-    batch with one ``read_batch`` submission and returns a :class:`RecordBatch`; give the
+    batch with one ``read_records`` call and returns a :class:`RecordBatch`; give the
     DataLoader ``collate_fn=nvmeof.torch.collate`` to get it as one ``(n, record_size)``
     tensor without a copy.
 
@@ -231,24 +227,18 @@ class RecordDataset(_Records, Dataset):
         ns = self.namespace()
         i = self._index(index, len(self))
         rs = self.record_size
-        return self._read(ns, (rs,), [(self.offset + i * rs, 0, 1)])
+        return self._read(ns, (rs,), [self.offset + i * rs])
 
     def __getitems__(self, indices: Sequence[Any]) -> RecordBatch:
         ns = self.namespace()
         n = len(self)
         idx = [self._index(i, n) for i in indices]
         rs = self.record_size
-        # Runs of consecutive records become one read each.
         if not idx:
             return RecordBatch(torch.empty((0, rs), dtype=torch.uint8, device=self.device))
-        reads: List[tuple] = []
-        for row, i in enumerate(idx):
-            if reads and reads[-1][0] + reads[-1][2] * rs == self.offset + i * rs:
-                off, first, k = reads[-1]
-                reads[-1] = (off, first, k + 1)
-            else:
-                reads.append((self.offset + i * rs, row, 1))
-        return RecordBatch(self._read(ns, (len(idx), rs), reads))
+        # One call; runs of consecutive records become one command each.
+        offsets = [self.offset + i * rs for i in idx]
+        return RecordBatch(self._read(ns, (len(idx), rs), offsets))
 
 
 class ShardIterable(_Records, IterableDataset):
@@ -307,5 +297,5 @@ class ShardIterable(_Records, IterableDataset):
         r = self.shard(w, workers)
         for first in range(r.start, r.stop, self.records_per_read):
             k = min(self.records_per_read, r.stop - first)
-            chunk = self._read(ns, (k, rs), [(self.offset + first * rs, 0, k)])
+            chunk = self._read(ns, (k, rs), [self.offset + (first + j) * rs for j in range(k)])
             yield from chunk.unbind(0)

@@ -31,7 +31,7 @@ fn target() -> &'static Arc<Target> {
             &[],
         )
         .unwrap();
-        Target::build(&cfg).unwrap().0
+        Target::build(&cfg).unwrap()
     })
 }
 

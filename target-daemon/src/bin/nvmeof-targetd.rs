@@ -147,6 +147,39 @@ struct CtlArgs {
     /// The daemon's control socket.
     #[arg(long, env = "NVMEOF_TARGETD_SOCKET", value_name = "PATH", default_value = DEFAULT_CONTROL_SOCKET)]
     socket: PathBuf,
+    /// Use the target's remote control API at HOST:PORT (mutual TLS) instead of the socket.
+    #[arg(
+        long,
+        env = "NVMEOF_TARGETD_REMOTE",
+        value_name = "HOST:PORT",
+        requires = "ca"
+    )]
+    remote: Option<String>,
+    /// With --remote: this client's certificate (PEM).
+    #[arg(
+        long,
+        env = "NVMEOF_TARGETD_CERT",
+        value_name = "FILE",
+        requires = "remote",
+        requires = "key"
+    )]
+    cert: Option<PathBuf>,
+    /// With --remote: this client's private key (PEM).
+    #[arg(
+        long,
+        env = "NVMEOF_TARGETD_KEY",
+        value_name = "FILE",
+        requires = "cert"
+    )]
+    key: Option<PathBuf>,
+    /// With --remote: the CA certificates (PEM) the target's certificate must be signed by.
+    #[arg(
+        long,
+        env = "NVMEOF_TARGETD_CA",
+        value_name = "FILE",
+        requires = "remote"
+    )]
+    ca: Option<PathBuf>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "normal")]
     output: Output,
@@ -262,13 +295,17 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let mut signals = Signals::new().context("cannot install signal handlers")?;
     let (cfg, file_settings) = load_config(&args)?;
     if args.check {
-        let (target, listeners, report) = Target::check(&cfg)?;
+        let (target, report) = Target::check(&cfg)?;
+        let listeners = nvmeof_target::launcher::bind(&cfg)?;
         if let Some(addr) = cfg.target.metrics {
             // Bound as starting would, then let go.
             std::net::TcpListener::bind(addr)
                 .with_context(|| format!("cannot bind the metrics endpoint {addr}"))?;
         }
         check_control_socket(&args, &cfg)?;
+        if let Some(remote) = &cfg.target.remote_control {
+            nvmeof_target::remote::server_context(remote)?;
+        }
         for (path, size) in &report.would_create {
             println!("would create {path} ({})", blockdev::format_size(*size));
         }
@@ -280,7 +317,8 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     raise_open_files_limit(cfg.target.max_connections);
-    let (target, listeners) = Target::build(&cfg)?;
+    let target = Target::build(&cfg)?;
+    let listeners = nvmeof_target::launcher::bind(&cfg)?;
     let metrics = match cfg.target.metrics {
         Some(addr) => Some(
             nvmeof_target::exporter::bind(addr)
@@ -302,6 +340,16 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
     let files = config_files(&args, &cfg, file_settings);
     let registry = Arc::new(Registry::new(running, cfg.clone()).with_files(files));
     let socket = control_socket(&args, &cfg, &registry)?;
+    if let Some(remote) = &cfg.target.remote_control {
+        let server = nvmeof_target::remote::Server::bind(remote).await?;
+        if let Some(addr) = server.local_addr() {
+            info!(%addr, "remote control API ready (mutual TLS)");
+        }
+        tokio::spawn(server.serve(
+            Arc::clone(&registry),
+            nvmeof_target::control::ClientLimits::default(),
+        ));
+    }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
 
@@ -446,7 +494,16 @@ async fn run_ctl(ctl: CtlArgs) -> anyhow::Result<()> {
         }
         _ => {}
     }
-    let resp = nvmeof_target::control::request(&ctl.socket, &request).await?;
+    let resp = match (&ctl.remote, &ctl.ca) {
+        (Some(addr), Some(ca)) => {
+            let files = nvmeof_target::remote::ClientFiles {
+                cert_key: ctl.cert.clone().zip(ctl.key.clone()),
+                ca: ca.clone(),
+            };
+            nvmeof_target::remote::request(addr, &files, &request).await?
+        }
+        _ => nvmeof_target::control::request(&ctl.socket, &request).await?,
+    };
     match ctl.output {
         Output::Json => println!("{}", serde_json::to_string_pretty(&resp)?),
         Output::Normal => print_normal(&resp),
