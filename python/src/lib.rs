@@ -1039,8 +1039,17 @@ impl Dest {
         // SAFETY: obj is a live object (we hold the GIL through the Bound).
         if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
             // The buffer protocol lends host memory: no need to look for CUDA interfaces
-            // (which cost an attribute lookup and a call each).
-            return Lent::get(obj, true).map(Dest::Host);
+            // (which cost an attribute lookup and a call each). CuPy arrays offer the
+            // protocol only to refuse it: an object that refuses and has a CUDA interface is
+            // taken as CUDA memory.
+            match Lent::get(obj, true) {
+                Ok(l) => return Ok(Dest::Host(l)),
+                Err(e) => {
+                    if !(obj.hasattr("__cuda_array_interface__")? || obj.hasattr("__dlpack__")?) {
+                        return Err(e);
+                    }
+                }
+            }
         }
         let cai = CudaDest::from_cai(obj)?;
         match cai {

@@ -808,9 +808,7 @@ impl Config {
                 if !valid_group(a.group) {
                     return bad(format!(
                         "listener {}: ANA group {}: must be 1..={}",
-                        l.address,
-                        a.group,
-                        MAX_ANA_GROUPS
+                        l.address, a.group, MAX_ANA_GROUPS
                     ));
                 }
                 if !groups.insert(a.group) {
@@ -903,8 +901,7 @@ impl Config {
                 if let Some(g) = ns.ana_group.filter(|g| !valid_group(*g)) {
                     return bad(format!(
                         "subsystem {} namespace {id}: ana_group {g}: must be 1..={}",
-                        s.nqn,
-                        MAX_ANA_GROUPS
+                        s.nqn, MAX_ANA_GROUPS
                     ));
                 }
                 let mut seen = std::collections::HashSet::new();
