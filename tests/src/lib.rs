@@ -591,6 +591,42 @@ pub fn run_guest(cmd: &mut Command) -> String {
     console
 }
 
+/// Waits until the guest console log `log` shows `marker`; false if the guest ended first
+/// (`GUEST-EXIT`) or `timeout` passed.
+pub fn wait_console_marker(log: &Path, marker: &str, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(marker) {
+            return true;
+        }
+        if text.contains("GUEST-EXIT") {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+/// Runs `nvmeof-targetd ctl --socket SOCKET ARGS...`; panics with its output unless it
+/// succeeded; returns its standard output.
+pub fn ctl_ok(socket: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin_path("nvmeof-targetd"))
+        .arg("ctl")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("nvmeof-targetd ctl");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "ctl {args:?} failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// A guest started in the background by `guest.sh start`, stopped (and its script's exit
 /// code collected) by [`BackgroundGuest::stop`] or when dropped.
 pub struct BackgroundGuest {
@@ -619,6 +655,12 @@ impl BackgroundGuest {
     /// The guest's console so far.
     pub fn console(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (up to 10 minutes) until the console shows `marker`; false if the guest ended
+    /// first.
+    pub fn wait_marker(&self, marker: &str) -> bool {
+        wait_console_marker(&self.log, marker, Duration::from_secs(600))
     }
 
     /// Asks the guest script to finish; returns its exit code.

@@ -11,11 +11,9 @@
 //! Needs the guest prepared by `tests/interop/setup.sh --with-k612` and `NVMEOF_INTEROP=1`.
 
 use std::path::Path;
-use std::process::Command;
-use std::time::{Duration, Instant};
 
 use nvmeof_tests::{
-    BackgroundGuest, GuestKernel, TargetProcess, bin_path, free_port, skip_without_interop,
+    BackgroundGuest, GuestKernel, TargetProcess, ctl_ok, free_port, skip_without_interop,
     workspace_root,
 };
 
@@ -23,40 +21,6 @@ const NQN: &str = "nqn.2026-11.io.nvmeof-direct:ha";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-0000000a7a01";
 const HOSTID: &str = "6b1c2d4e-0000-4000-8000-0000000a7a01";
 const OTHER_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-0000000a7a02";
-
-/// Waits until the guest's console shows `marker`; false if the guest ended first or time ran
-/// out.
-fn wait_marker(guest: &BackgroundGuest, marker: &str) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while Instant::now() < deadline {
-        let text = guest.console();
-        if text.contains(marker) {
-            return true;
-        }
-        if text.contains("GUEST-EXIT") {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
-}
-
-fn ctl(socket: &Path, args: &[&str]) -> String {
-    let out = Command::new(bin_path("nvmeof-targetd"))
-        .arg("ctl")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("nvmeof-targetd ctl");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "ctl {args:?} failed: {stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
 
 /// Writes the configuration of one target of the pair into `dir` and returns its path.
 fn config(
@@ -139,13 +103,13 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
         "STEP kill",
         "STEP restart",
     ] {
-        if !wait_marker(&guest, marker) {
+        if !guest.wait_marker(marker) {
             ok = false;
             break;
         }
         match marker {
             "STEP unmask" => {
-                let out = ctl(
+                let out = ctl_ok(
                     &socket_a,
                     &[
                         "ns-add-host",
@@ -161,7 +125,7 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
             }
             "STEP inaccessible" | "STEP optimized" => {
                 let state = marker.trim_start_matches("STEP ");
-                let out = ctl(
+                let out = ctl_ok(
                     &socket_a,
                     &["set-ana-state", "--listener", &listener_a, "--state", state],
                 );
@@ -175,7 +139,7 @@ fn kernel_multipath_rides_ana_changes_and_a_target_restart() {
             _ => a = Some(TargetProcess::spawn(&["--config", &config_a], port_a)),
         }
     }
-    let finished = ok && wait_marker(&guest, "GUEST-EXIT");
+    let finished = ok && guest.wait_marker("GUEST-EXIT");
     let code = guest.stop();
     let console = guest.console();
     assert!(

@@ -6,50 +6,18 @@
 //!
 //! Needs the guest prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1`.
 
-use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use nvmeof_tests::{TargetProcess, bin_path, free_port, guest_sh, skip_without_interop};
+use nvmeof_tests::{
+    TargetProcess, ctl_ok, free_port, guest_sh, skip_without_interop, wait_console_marker,
+};
 
 const NQN: &str = "nqn.2026-11.io.nvmeof-direct:live";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-00000000c7a1";
 const OTHER_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:6b1c2d4e-0000-4000-8000-00000000c7a2";
 const NS2_BYTES: u64 = 32 << 20;
 const NS2_RESIZED_BYTES: u64 = 64 << 20;
-
-/// Waits until the console log shows `marker`; false if the guest ended first or time ran out.
-fn wait_marker(log: &Path, marker: &str) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while Instant::now() < deadline {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if text.contains(marker) {
-            return true;
-        }
-        if text.contains("GUEST-EXIT") {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
-}
-
-fn ctl(socket: &Path, args: &[&str]) -> String {
-    let out = Command::new(bin_path("nvmeof-targetd"))
-        .arg("ctl")
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("nvmeof-targetd ctl");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "ctl {args:?} failed: {stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
 
 #[test]
 fn kernel_host_sees_namespaces_come_grow_and_go_and_a_removed_host_leave() {
@@ -150,15 +118,15 @@ fn kernel_host_sees_namespaces_come_grow_and_go_and_a_removed_host_leave() {
     ];
     let mut ok = true;
     for (marker, args) in &steps {
-        if !wait_marker(&log, marker) {
+        if !wait_console_marker(&log, marker, Duration::from_secs(300)) {
             ok = false;
             break;
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let out = ctl(&socket, &args);
+        let out = ctl_ok(&socket, &args);
         eprintln!("{marker}: {out}");
     }
-    let finished = ok && wait_marker(&log, "GUEST-EXIT");
+    let finished = ok && wait_console_marker(&log, "GUEST-EXIT", Duration::from_secs(300));
     let stop = Command::new(guest_sh())
         .args(["stop", "--grace", "30", &pidfile])
         .output()
@@ -178,7 +146,7 @@ fn kernel_host_sees_namespaces_come_grow_and_go_and_a_removed_host_leave() {
     ] {
         assert!(console.contains(pass), "{pass} missing:\n{console}");
     }
-    let status = ctl(&socket, &["status"]);
+    let status = ctl_ok(&socket, &["status"]);
     assert!(
         !status.contains(HOST),
         "the removed host is still listed:\n{status}"

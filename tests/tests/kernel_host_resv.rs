@@ -8,7 +8,6 @@
 //! Needs the guest prepared by `tests/interop/setup.sh` and `NVMEOF_INTEROP=1`.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
 
 use nvmeof_tests::{
     BackgroundGuest, GuestKernel, TargetProcess, free_port, skip_without_interop, workspace_root,
@@ -19,21 +18,6 @@ const HOST_A: &str = "nqn.2014-08.org.nvmexpress:uuid:7e5e0000-0000-4000-8000-00
 const HOSTID_A: &str = "7e5e0000-0000-4000-8000-00000000000a";
 const HOST_B: &str = "nqn.2014-08.org.nvmexpress:uuid:7e5e0000-0000-4000-8000-00000000000b";
 const HOSTID_B: &str = "7e5e0000-0000-4000-8000-00000000000b";
-
-fn wait_marker(guest: &BackgroundGuest, marker: &str) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    while Instant::now() < deadline {
-        let text = guest.console();
-        if text.contains(marker) {
-            return true;
-        }
-        if text.contains("GUEST-EXIT") {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
-}
 
 fn start(dir: &Path, (port, port_b): (u16, u16), file: &Path, state: &Path) -> TargetProcess {
     std::fs::create_dir_all(dir).unwrap();
@@ -78,13 +62,13 @@ fn kernel_hosts_reserve_conflict_preempt_and_keep_reservations_across_a_kill() {
             .arg(workspace_root().join("tests/guest/kernel-host-resv.sh")),
     );
     let mut first_log = String::new();
-    if wait_marker(&guest, "STEP kill") {
+    if guest.wait_marker("STEP kill") {
         let mut old = t.take().expect("target runs");
         first_log = old.log();
         old.crash();
         t = Some(start(&root.path().join("t2"), ports, &file, &state));
     }
-    let finished = wait_marker(&guest, "GUEST-EXIT");
+    let finished = guest.wait_marker("GUEST-EXIT");
     let code = guest.stop();
     let console = guest.console();
     let mut t = t.expect("target runs");
