@@ -9,7 +9,8 @@
 #       Boots the guest, runs SCRIPT as /test.sh (busybox sh), streams the console to stdout and
 #       to the log file, and exits with the script's exit code (from the "GUEST-EXIT <code>"
 #       console marker). Exit 124: timeout; 125: kernel panic; 126: the guest ended without the
-#       marker; 2: usage or setup error.
+#       marker; 2: usage or setup error. A kernel panic before /test.sh started is booted
+#       again (three boots in all; see retry_boot), in start mode too.
 #   guest.sh start --ready-marker STRING [OPTIONS] SCRIPT
 #       Boots the guest in the background and returns once STRING appeared on its console.
 #       Prints the pid file path on stdout (the file holds QEMU's pid). The console goes to the
@@ -273,18 +274,25 @@ cmd_boot() {
     )
 
     if [[ $mode == run ]]; then
-        say "booting $kver (TCG) with $(basename "$script"); console log: $log"
-        qemu+=(-chardev "stdio,id=con0,signal=on,logfile=$log" -serial chardev:con0)
-        local rc=0 qpid
-        timeout --kill-after=10 "$timeout" "${qemu[@]}" "${qemu_extra[@]}" </dev/null &
-        qpid=$!
-        # If this script is interrupted, take the guest down with it.
-        # shellcheck disable=SC2064
-        trap "kill -TERM $qpid 2>/dev/null; wait $qpid 2>/dev/null || true; rm -rf '$rundir'; exit 130" INT TERM HUP
-        wait "$qpid" || rc=$?
-        trap - INT TERM HUP
+        local attempt=1 rc qpid runlog=$log
+        while :; do
+            say "booting $kver (TCG) with $(basename "$script"); console log: $runlog"
+            rc=0
+            timeout --kill-after=10 "$timeout" "${qemu[@]}" \
+                -chardev "stdio,id=con0,signal=on,logfile=$runlog" -serial chardev:con0 \
+                "${qemu_extra[@]}" </dev/null &
+            qpid=$!
+            # If this script is interrupted, take the guest down with it.
+            # shellcheck disable=SC2064
+            trap "kill -TERM $qpid 2>/dev/null; wait $qpid 2>/dev/null || true; rm -rf '$rundir'; exit 130" INT TERM HUP
+            wait "$qpid" || rc=$?
+            trap - INT TERM HUP
+            retry_boot "$runlog" "$attempt" || break
+            attempt=$((attempt + 1))
+            runlog=${log%.log}-boot$attempt.log
+        done
         rm -rf "$rundir"
-        finish_run "$log" "$rc" "$timeout" "$fail_on_trace"
+        finish_run "$runlog" "$rc" "$timeout" "$fail_on_trace"
         return $?
     fi
 
@@ -292,72 +300,96 @@ cmd_boot() {
     [[ -n $pidfile ]] || pidfile=${log%.log}.pid
     mkdir -p "$(dirname "$pidfile")"
     pidfile=$(cd "$(dirname "$pidfile")" && pwd)/$(basename "$pidfile")
-    rm -f "$pidfile"
     mkfifo "$rundir/ctl.in" "$rundir/ctl.out"
-    qemu+=(
-        -chardev "file,id=con0,path=$log" -serial chardev:con0
-        -chardev "pipe,id=ctl0,path=$rundir/ctl" -serial chardev:ctl0
-        -daemonize -pidfile "$pidfile"
-    )
-    cat >"$pidfile.state" <<EOF
+    local attempt=1 pid why tail_pid deadline started=$SECONDS firstlog=$log
+    while :; do
+        rm -f "$pidfile"
+        cat >"$pidfile.state" <<EOF
 LOG=$log
 RUNDIR=$rundir
 EOF
-    say "starting $kver (TCG) with $(basename "$script") in the background; console log: $log"
-    if ! "${qemu[@]}" "${qemu_extra[@]}" </dev/null >"$rundir/qemu.out" 2>&1; then
-        cat "$rundir/qemu.out" >&2
-        rm -rf "$rundir" "$pidfile.state"
-        die "QEMU did not start"
-    fi
-    local pid
-    pid=$(cat "$pidfile")
-    echo "PID=$pid" >>"$pidfile.state"
+        say "starting $kver (TCG) with $(basename "$script") in the background; console log: $log"
+        if ! "${qemu[@]}" -chardev "file,id=con0,path=$log" -serial chardev:con0 \
+            -chardev "pipe,id=ctl0,path=$rundir/ctl" -serial chardev:ctl0 \
+            -daemonize -pidfile "$pidfile" "${qemu_extra[@]}" </dev/null >"$rundir/qemu.out" 2>&1; then
+            cat "$rundir/qemu.out" >&2
+            rm -rf "$rundir" "$pidfile.state"
+            die "QEMU did not start"
+        fi
+        pid=$(cat "$pidfile")
+        echo "PID=$pid" >>"$pidfile.state"
+
+        tail_pid=""
+        if [[ $verbose == 1 ]]; then
+            tail -n +1 -f "$log" >&2 &
+            tail_pid=$!
+        fi
+        deadline=$((SECONDS + timeout)) why=""
+        while :; do
+            if grep -a -q -F -- "$marker" "$log"; then
+                break
+            fi
+            if grep -a -q 'Kernel panic - not syncing' "$log"; then
+                why="kernel panic"
+                break
+            fi
+            if ! is_qemu_pid "$pid"; then
+                why="the guest ended before the ready marker (exit code $(guest_exit_code "$log"))"
+                break
+            fi
+            if [[ -n $(guest_exit_code "$log") ]]; then
+                why="guest script exited with $(guest_exit_code "$log") before the ready marker"
+                break
+            fi
+            if ((SECONDS >= deadline)); then
+                why="ready marker '$marker' not seen within $timeout s"
+                break
+            fi
+            sleep 0.2
+        done
+        [[ -z $tail_pid ]] || kill "$tail_pid" 2>/dev/null || true
+        [[ -n $why ]] || break
+        if is_qemu_pid "$pid"; then
+            kill "$pid" 2>/dev/null || true
+            local n=0
+            while is_qemu_pid "$pid" && ((n < 50)); do
+                sleep 0.1
+                n=$((n + 1))
+            done
+        fi
+        if retry_boot "$log" "$attempt"; then
+            attempt=$((attempt + 1))
+            log=${firstlog%.log}-boot$attempt.log
+            continue
+        fi
+        say "start failed: $why; last console lines:"
+        tail -n 40 "$log" >&2 || true
+        rm -rf "$rundir"
+        rm -f "$pidfile" "$pidfile.state"
+        return 1
+    done
     # QEMU has loaded the initramfs into guest memory; the file is no longer needed. The rest
     # of the run directory (control FIFOs) belongs to the guest until `stop`.
     rm -f "$initrd"
     CLEANUP_DIR=""
-
-    local tail_pid=""
-    if [[ $verbose == 1 ]]; then
-        tail -n +1 -f "$log" >&2 &
-        tail_pid=$!
-    fi
-    local deadline=$((SECONDS + timeout)) why=""
-    while :; do
-        if grep -a -q -F -- "$marker" "$log"; then
-            break
-        fi
-        if ! is_qemu_pid "$pid"; then
-            why="the guest ended before the ready marker (exit code $(guest_exit_code "$log"))"
-            break
-        fi
-        if grep -a -q 'Kernel panic - not syncing' "$log"; then
-            why="kernel panic"
-            break
-        fi
-        if [[ -n $(guest_exit_code "$log") ]]; then
-            why="guest script exited with $(guest_exit_code "$log") before the ready marker"
-            break
-        fi
-        if ((SECONDS >= deadline)); then
-            why="ready marker '$marker' not seen within $timeout s"
-            break
-        fi
-        sleep 0.2
-    done
-    [[ -z $tail_pid ]] || kill "$tail_pid" 2>/dev/null || true
-    if [[ -n $why ]]; then
-        say "start failed: $why; last console lines:"
-        tail -n 40 "$log" >&2 || true
-        if is_qemu_pid "$pid"; then
-            kill "$pid" 2>/dev/null || true
-        fi
-        rm -rf "$rundir"
-        rm -f "$pidfile" "$pidfile.state"
-        return 1
-    fi
-    say "guest ready (QEMU pid $pid, $((SECONDS - deadline + timeout)) s)"
+    say "guest ready (QEMU pid $pid, $((SECONDS - started)) s)"
     echo "$pidfile"
+}
+
+# Guest boots that may be tried again: QEMU TCG with several vCPUs can hand a vCPU stale code
+# while the kernel patches its own text (jump labels, static calls), which ends in an "int3"
+# oops and a panic. A panic before /test.sh started touched nothing outside the guest, so such
+# a boot is tried again (three boots in all). Returns 0 if the boot in LOG is to be tried again.
+BOOT_ATTEMPTS=3
+retry_boot() {
+    local log=$1 attempt=$2
+    grep -a -q 'Kernel panic - not syncing' "$log" || return 1
+    ! grep -a -q 'init: running /test.sh' "$log" || return 1
+    ((attempt < BOOT_ATTEMPTS)) || return 1
+    say "the guest kernel panicked while booting, before /test.sh started (log: $log);" \
+        "booting again ($((attempt + 1)) of $BOOT_ATTEMPTS)"
+    grep -a -B 2 -A 2 'Oops\|Kernel panic - not syncing' "$log" | head -n 12 >&2 || true
+    return 0
 }
 
 # Decides the exit code of a foreground run from the console log and the QEMU status.
