@@ -194,9 +194,11 @@ class RecordDataset(_Records, Dataset):
     tensor without a copy.
 
     ``device="cuda"``: records are read into CUDA tensors directly (``nvmeof.GPU_DESTINATIONS``);
-    other devices get pinned CPU memory copied with ``.to(device, non_blocking=True)``. CUDA cannot be used in forked DataLoader workers:
-    with ``num_workers > 0`` keep ``device="cpu"`` and pass ``pin_memory=True`` to the
-    DataLoader, or use ``multiprocessing_context="spawn"``.
+    other devices get pinned CPU memory copied with ``.to(device, non_blocking=True)``. CUDA
+    cannot be used in forked DataLoader workers: for throughput use
+    ``multiprocessing_context="spawn"`` with ``device="cuda"`` (each worker delivers CUDA
+    tensors); forked workers need ``device="cpu"`` and ``pin_memory=True``, whose single
+    pin-memory thread then copies every batch.
     """
 
     def __init__(
