@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use nvme_spec::command::{build, cns};
 use nvme_spec::fabrics::{Cc, property};
-use nvme_spec::identify::{IdentifyController, OAES_ANA_CHANGE, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype};
+use nvme_spec::identify::{
+    IdentifyController, OAES_ANA_CHANGE, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
+};
 use nvme_spec::{FromBytes, features};
 use tokio::task::JoinSet;
 use tracing::debug;

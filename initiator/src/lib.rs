@@ -136,6 +136,9 @@ pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
+pub use multipath::{
+    AnaGroupState, Multipath, MultipathNamespace, MultipathOptions, PathInfo, paths_from_discovery,
+};
 pub use namespace::{
     Namespace, Registrant, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease,
 };
@@ -143,10 +146,6 @@ pub use options::{
     ConnectOptions, DEFAULT_BUSY_POLL, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DEFAULT_RING_POLL,
     DhchapSecrets, DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts,
     TlsOptions, Transport,
-};
-pub use multipath::{
-    AnaGroupState, Multipath, MultipathNamespace, MultipathOptions, PathInfo,
-    paths_from_discovery,
 };
 pub use paths::PathPolicy;
 pub use queue::QueueStats;

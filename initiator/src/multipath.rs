@@ -90,7 +90,7 @@ pub struct AnaGroupState {
 /// One path of a [`Multipath`], as the CLI and `nvmeof-initd` show it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PathInfo {
-    /// The path's address (`tcp://host:port`).
+    /// The path's address, as [`TargetAddr`] displays it.
     pub addr: String,
     /// Its controller's state; `None` while it has none (not connected yet).
     pub state: Option<ControllerState>,
@@ -102,7 +102,7 @@ pub struct PathInfo {
     pub ana: Vec<AnaGroupState>,
     /// Why the last attempt to connect it failed, while it has no controller.
     pub error: Option<String>,
-    /// Whether the next command to the namespace of the head's first group would take it.
+    /// Whether the next command would take this path (see [`Multipath::paths_for_group`]).
     pub current: bool,
 }
 
@@ -233,19 +233,29 @@ impl Multipath {
             .collect()
     }
 
-    /// Every path: its address, controller state and ANA states.
+    /// Every path: its address, controller state and ANA states; `current` for a namespace
+    /// of the lowest ANA group any path lists.
     pub fn paths(&self) -> Vec<PathInfo> {
-        let set = self.head.set.lock().clone();
-        let current = {
-            let mut probe = set.clone();
-            let grp = set.paths().iter().find_map(|p| match &p.ana {
+        let grp = self
+            .head
+            .set
+            .lock()
+            .paths()
+            .iter()
+            .find_map(|p| match &p.ana {
                 AnaView::Groups(g) => g.keys().next().copied(),
                 _ => None,
             });
-            match probe.select(grp.unwrap_or(0)) {
-                Selection::Path(i) => Some(i),
-                _ => None,
-            }
+        self.paths_for_group(grp.unwrap_or(0))
+    }
+
+    /// Every path, `current` telling which one the next command to a namespace of ANA group
+    /// `grpid` would take (with [`PathPolicy::Failover`]).
+    pub fn paths_for_group(&self, grpid: u32) -> Vec<PathInfo> {
+        let set = self.head.set.lock().clone();
+        let current = match PathSet::clone(&set).select(grpid) {
+            Selection::Path(i) => Some(i),
+            _ => None,
         };
         self.head
             .slots
@@ -570,7 +580,8 @@ impl MultipathNamespace {
                     let ctrl = h.slots[i].ctrl.read().clone();
                     match ctrl {
                         Some(c) if c.state() == ControllerState::Connected => {
-                            let ns = c.namespace_unchecked(self.nsid, self.block_size, self.blocks)?;
+                            let ns =
+                                c.namespace_unchecked(self.nsid, self.block_size, self.blocks)?;
                             return Ok((i, ns));
                         }
                         // Lost before its monitor told the set.
@@ -592,7 +603,10 @@ impl MultipathNamespace {
             // without a notice where the target sends none.
             let wake = Instant::now() + Duration::from_secs(1);
             if wake >= deadline {
-                if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                if tokio::time::timeout_at(deadline, rx.changed())
+                    .await
+                    .is_err()
+                {
                     return Err(Error::NoPath(format!(
                         "no path to namespace {} of {} became usable within {} ms",
                         self.nsid,
@@ -657,9 +671,7 @@ impl MultipathNamespace {
             .as_ref()
             .map(Controller::watch_state);
         if let Some(mut rx) = rx {
-            let _ = rx
-                .wait_for(|s| s.state != ControllerState::Connected)
-                .await;
+            let _ = rx.wait_for(|s| s.state != ControllerState::Connected).await;
         }
     }
 

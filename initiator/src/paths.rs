@@ -225,7 +225,11 @@ impl PathSet {
             Some(_) => return None,
             None => 2,
         };
-        Some(if i < 64 && avoid & (1 << i) != 0 { t + 3 } else { t })
+        Some(if i < 64 && avoid & (1 << i) != 0 {
+            t + 3
+        } else {
+            t
+        })
     }
 
     /// The path for the next command to a namespace of ANA group `grpid` (0: a namespace
@@ -420,8 +424,20 @@ mod tests {
     #[test]
     fn controllers_without_ana_count_as_optimized() {
         let mut s = PathSet::new(2, PathPolicy::RoundRobin);
-        assert_eq!(s.on(PathEvent::Connected { path: 0, ana: false }), None);
-        assert_eq!(s.on(PathEvent::Connected { path: 1, ana: false }), None);
+        assert_eq!(
+            s.on(PathEvent::Connected {
+                path: 0,
+                ana: false
+            }),
+            None
+        );
+        assert_eq!(
+            s.on(PathEvent::Connected {
+                path: 1,
+                ana: false
+            }),
+            None
+        );
         assert_eq!(s.select(0), Selection::Path(0));
         assert_eq!(s.select(0), Selection::Path(1));
         assert_eq!(s.select(0), Selection::Path(0));
@@ -447,7 +463,10 @@ mod tests {
         );
         // Another group is listed only on path 1: only it knows it; the others are
         // unknown (tier 2) and path 1 reports non-optimized (tier 1).
-        s.on(log(1, &[(1, AnaState::NonOptimized), (2, AnaState::NonOptimized)]));
+        s.on(log(
+            1,
+            &[(1, AnaState::NonOptimized), (2, AnaState::NonOptimized)],
+        ));
         assert_eq!(s.select(2), Selection::Path(1));
     }
 

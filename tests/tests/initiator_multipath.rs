@@ -8,8 +8,8 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nvmeof_initiator::{
@@ -175,7 +175,10 @@ async fn progress(mp: &Multipath, s: &Shared, more: u64, what: &str) {
 }
 
 fn ana_of(p: &PathInfo) -> Option<&str> {
-    p.ana.iter().find(|g| g.group == 1).map(|g| g.state.as_str())
+    p.ana
+        .iter()
+        .find(|g| g.group == 1)
+        .map(|g| g.state.as_str())
 }
 
 #[test]
@@ -305,4 +308,89 @@ fn multipath_io_rides_ana_changes_and_a_target_restart() {
     assert_eq!(code, Some(0), "{log_a}");
     let (code, log_b) = tb.terminate();
     assert_eq!(code, Some(0), "{log_b}");
+}
+
+/// `nvmeof list-paths -o json` over the pair.
+fn list_paths(state_dir: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(bin_path("nvmeof"))
+        .args([
+            "-o",
+            "json",
+            "list-paths",
+            "-n",
+            NQN,
+            "--hostnqn",
+            TEST_HOSTNQN,
+        ])
+        .args(args)
+        .arg("--state-dir")
+        .arg(state_dir)
+        .output()
+        .expect("run nvmeof");
+    assert!(
+        out.status.success(),
+        "nvmeof list-paths {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+/// The ANA state of group 1 and whether it is current, per path of a `list-paths` answer.
+fn states(v: &serde_json::Value) -> Vec<(String, bool)> {
+    v["paths"]
+        .as_array()
+        .expect("paths")
+        .iter()
+        .map(|p| {
+            let st = p["ana"]
+                .as_array()
+                .and_then(|g| g.iter().find(|g| g["group"] == 1))
+                .map_or("?", |g| g["state"].as_str().unwrap());
+            (st.to_string(), p["current"].as_bool().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn list_paths_shows_each_path_and_its_ana_state() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let file = root.path().join("ns.img");
+    let a = Node::new(root.path(), "a", &file, (1, 999), "");
+    let b = Node::new(
+        root.path(),
+        "b",
+        &file,
+        (1000, 1999),
+        "ana = [{ group = 1, state = \"non-optimized\" }]",
+    );
+    let (ta, tb) = (a.start(), b.start());
+    let (pa, pb) = (a.port.to_string(), b.port.to_string());
+    let path_b = format!("127.0.0.1:{}", b.port);
+    let args = ["-a", "127.0.0.1", "-s", &pa, "--path", &path_b];
+    let v = list_paths(root.path(), &args);
+    assert_eq!(v["ana_group"], 1, "{v}");
+    assert_eq!(v["paths"][0]["addr"], format!("127.0.0.1:{pa}"), "{v}");
+    assert_eq!(v["paths"][1]["state"]["state"], "connected", "{v}");
+    assert_eq!(
+        states(&v),
+        [("optimized".into(), true), ("non-optimized".into(), false)],
+        "{v}"
+    );
+    a.set_ana("inaccessible");
+    let v = list_paths(root.path(), &args);
+    assert_eq!(
+        states(&v),
+        [
+            ("inaccessible".into(), false),
+            ("non-optimized".into(), true)
+        ],
+        "{v}"
+    );
+    // The discovery log of B's process lists B's listener only.
+    let v = list_paths(root.path(), &["--discover", "-a", "127.0.0.1", "-s", &pb]);
+    assert_eq!(states(&v), [("non-optimized".into(), true)], "{v}");
+    for t in [ta, tb] {
+        let (code, log) = t.terminate();
+        assert_eq!(code, Some(0), "{log}");
+    }
 }

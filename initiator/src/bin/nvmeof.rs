@@ -13,10 +13,11 @@ use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClien
 use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
-    ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
-    DiscoveryOptions, HostIdentity, Namespace, ReconnectPolicy, ReservationStatus, ResvAcquire,
-    ResvRegister, ResvRelease, TargetAddr, TlsOptions, Transport, default_state_dir, discover,
-    hex_id, version_string,
+    ConnectOptions, Controller, ControllerState, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT,
+    DhchapSecrets, DiscoveryOptions, HostIdentity, Multipath, MultipathOptions, Namespace,
+    ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease, TargetAddr,
+    TlsOptions, Transport, default_state_dir, discover, hex_id, paths_from_discovery,
+    version_string,
 };
 use serde_json::{Value, json};
 
@@ -212,6 +213,35 @@ subsystem, -d NAME (or NAME alone) the attachment NAME.",
     DisconnectAll,
     /// List the attachments held by nvmeof-initd and their health.
     List,
+    /// Connect to a subsystem over several paths, print each path and its ANA states,
+    /// disconnect.
+    #[command(
+        long_about = "A one-off look at the paths to a subsystem, as the multipath layer of \
+the library sees them: connects to the subsystem at -a/-s and at every --path (or, with \
+--discover, at every address the discovery controller at -a lists for -n), reads each \
+path's ANA log page, and prints each path: its address, controller ID and state, the ANA \
+state of each group, and which path I/O to namespace --namespace-id would take now \
+(optimized, else non-optimized; never inaccessible, persistent loss or change). Then \
+disconnects.",
+        override_usage = "nvmeof list-paths -a ADDRESS -n NQN [-s PORT] [--path ADDRESS[:PORT]]... [OPTIONS]\n       nvmeof list-paths --discover -a DISCOVERY-ADDRESS -n NQN [-s PORT] [OPTIONS]"
+    )]
+    ListPaths {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[command(flatten)]
+        queues: QueueArgs,
+        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
+        /// [IPv6]:PORT (default port: -s, else 4420).
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
+        /// Take the paths from the discovery log at -a (port -s, else 8009): every entry of
+        /// subsystem -n.
+        #[arg(long = "discover")]
+        discover: bool,
+        /// The namespace whose ANA group decides the current path.
+        #[arg(long = "namespace-id", default_value_t = 1, value_name = "NSID")]
+        namespace_id: u32,
+    },
     /// List the subsystems nvmeof-initd is attached to, with their attachments (nvme-cli's
     /// list-subsys).
     ListSubsys,
@@ -683,6 +713,13 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Disconnect { name, nqn, device } => cmd_disconnect(&ctx, name, nqn, device).await,
         Cmd::DisconnectAll => cmd_disconnect_all(&ctx).await,
         Cmd::ListSubsys => cmd_list_subsys(&ctx).await,
+        Cmd::ListPaths {
+            fabric,
+            queues,
+            paths,
+            discover,
+            namespace_id,
+        } => cmd_list_paths(&ctx, &fabric, &queues, &paths, discover, namespace_id).await,
         Cmd::Attach {
             name,
             fabric,
@@ -1191,6 +1228,151 @@ async fn connect_direct(opts: ConnectOptions) -> Result<Controller> {
         };
         e.context(format!("cannot connect to {addr}"))
     })
+}
+
+/// `ADDRESS`, `ADDRESS:PORT` or `[IPv6]:PORT` as a path of transport `t`.
+fn parse_path(s: &str, default_port: u16, t: Transport) -> Result<TargetAddr> {
+    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+        let Some((h, p)) = rest.split_once(']') else {
+            usage!("path {s:?}: an IPv6 address in brackets needs its closing ']'");
+        };
+        match p.strip_prefix(':') {
+            Some(p) => (h, Some(p)),
+            None if p.is_empty() => (h, None),
+            None => usage!("path {s:?}: expected [IPv6]:PORT"),
+        }
+    } else {
+        match s.split_once(':') {
+            Some((h, p)) if !p.contains(':') => (h, Some(p)),
+            _ => (s, None),
+        }
+    };
+    if host.is_empty() {
+        usage!("path {s:?} has no address");
+    }
+    let port = match port {
+        None => default_port,
+        Some(p) => match p.parse::<u16>() {
+            Ok(p) if p != 0 => p,
+            _ => usage!("path {s:?}: {p:?} is not a port (1-65535)"),
+        },
+    };
+    Ok(TargetAddr::new(host, port).with_transport(t))
+}
+
+/// The paths of `list-paths`: -a/-s and every --path, or those the discovery log at -a
+/// lists for -n.
+async fn multipath_addrs(
+    ctx: &Ctx,
+    f: &Fabric,
+    extra: &[String],
+    from_discovery: bool,
+) -> Result<Vec<TargetAddr>> {
+    let t = check_transport(f)?;
+    let Some(nqn) = f.nqn.as_deref() else {
+        usage!("the subsystem NQN is missing (-n NQN)");
+    };
+    if !from_discovery {
+        let mut addrs = vec![target_addr(f, DEFAULT_PORT)?];
+        for p in extra {
+            addrs.push(parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?);
+        }
+        return Ok(addrs);
+    }
+    if !extra.is_empty() {
+        usage!("--discover takes the paths from the discovery log; leave out --path");
+    }
+    let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
+    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let to = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = to;
+    opts.timeouts.admin = to;
+    let log = discover(&opts)
+        .await
+        .with_context(|| format!("discovery at {addr} failed"))?;
+    let addrs = paths_from_discovery(&log, nqn);
+    if addrs.is_empty() {
+        anyhow::bail!(nvmeof_initiator::Error::NoPath(format!(
+            "the discovery log at {addr} lists no path to {nqn}"
+        )));
+    }
+    Ok(addrs)
+}
+
+async fn cmd_list_paths(
+    ctx: &Ctx,
+    f: &Fabric,
+    q: &QueueArgs,
+    extra: &[String],
+    from_discovery: bool,
+    nsid: u32,
+) -> Result<()> {
+    let addrs = multipath_addrs(ctx, f, extra, from_discovery).await?;
+    let mut template = f.clone();
+    template.traddr = Some(addrs[0].host.clone());
+    template.trsvcid = Some(addrs[0].port);
+    let opts = direct_options(ctx, &template, q)?;
+    let mp = Multipath::connect(opts, addrs, MultipathOptions::default())
+        .await
+        .context("no path connected")?;
+    // The namespace's ANA group decides the current path.
+    let group = match mp.namespace(nsid).await {
+        Ok(ns) => Some(ns.ana_group()),
+        Err(e) => {
+            let _ = mp.clone().disconnect().await;
+            return Err(e).with_context(|| format!("namespace {nsid}"));
+        }
+    };
+    let paths = mp.paths_for_group(group.unwrap_or(0));
+    let subnqn = mp.subnqn().to_string();
+    let disconnect = mp.disconnect().await;
+    match ctx.output {
+        Output::Json => print_json(&json!({
+            "subnqn": subnqn,
+            "nsid": nsid,
+            "ana_group": group,
+            "paths": paths,
+        })),
+        Output::Normal => {
+            println!(
+                "{subnqn} namespace {nsid} (ANA group {})",
+                group.unwrap_or(0)
+            );
+            for p in &paths {
+                let state = match &p.state {
+                    None => format!(
+                        "not connected ({})",
+                        p.error.as_deref().unwrap_or("connecting")
+                    ),
+                    Some(ControllerState::Connected) => "live".to_string(),
+                    Some(ControllerState::Reconnecting { attempt, .. }) => {
+                        format!("reconnecting (attempt {attempt})")
+                    }
+                    Some(ControllerState::Failed { error }) => format!("failed ({error})"),
+                    Some(ControllerState::Closed) => "closed".to_string(),
+                };
+                let ana = if !p.ana_reporting {
+                    "no ANA (counts as optimized)".to_string()
+                } else {
+                    p.ana
+                        .iter()
+                        .map(|g| format!("group {} {}", g.group, g.state))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                println!(
+                    "{} {} cntlid {} {state}, {ana}",
+                    if p.current { "*" } else { " " },
+                    p.addr,
+                    p.cntlid.map_or_else(|| "-".to_string(), |c| c.to_string()),
+                );
+            }
+        }
+    }
+    disconnect?;
+    Ok(())
 }
 
 async fn cmd_probe(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
