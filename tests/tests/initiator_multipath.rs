@@ -394,3 +394,145 @@ fn list_paths_shows_each_path_and_its_ana_state() {
         assert_eq!(code, Some(0), "{log}");
     }
 }
+
+/// `nvmeof --socket SOCKET ARGS`: its standard output (the command must succeed).
+fn cli(socket: &Path, args: &[&str]) -> String {
+    let out = Command::new(bin_path("nvmeof"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("run nvmeof");
+    assert!(
+        out.status.success(),
+        "nvmeof {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A multipath attachment of `nvmeof-initd`: `list` shows its paths and follows an ANA
+/// change notice (no I/O passes through the daemon), and a process opens it over every path.
+#[test]
+fn initd_multipath_attachment_shows_paths_and_follows_ana_changes() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let file = root.path().join("ns.img");
+    let a = Node::new(root.path(), "a", &file, (1, 999), "");
+    let b = Node::new(
+        root.path(),
+        "b",
+        &file,
+        (1000, 1999),
+        "ana = [{ group = 1, state = \"non-optimized\" }]",
+    );
+    let (ta, tb) = (a.start(), b.start());
+    let socket = root.path().join("initd.sock");
+    let log_path = root.path().join("initd.log");
+    let mut initd = Command::new(bin_path("nvmeof-initd"))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--state-dir")
+        .arg(root.path().join("state"))
+        .env_remove("NVMEOF_INITD_SOCKET")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .expect("spawn nvmeof-initd");
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    for _ in 0..400 {
+        if log().contains("nvmeof-initd ready") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(log().contains("nvmeof-initd ready"), "{}", log());
+    let pa = a.port.to_string();
+    let path_b = format!("127.0.0.1:{}", b.port);
+    let out = cli(
+        &socket,
+        &[
+            "attach",
+            "mp0",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            &pa,
+            "--path",
+            &path_b,
+            "-n",
+            NQN,
+        ],
+    );
+    assert!(out.contains("mp0"), "{out}");
+    let list = || -> serde_json::Value {
+        serde_json::from_str(&cli(&socket, &["-o", "json", "list"])).expect("JSON")
+    };
+    let v = list();
+    let dev = &v["devices"][0];
+    assert_eq!(dev["state"], "connected", "{v}");
+    assert_eq!(
+        states(dev),
+        [("optimized".into(), true), ("non-optimized".into(), false)],
+        "{v}"
+    );
+    let text = cli(&socket, &["list"]);
+    assert!(
+        text.contains(&format!(
+            "path * 127.0.0.1:{pa} cntlid 1 live, group 1 optimized"
+        )),
+        "{text}"
+    );
+
+    // The daemon's paths carry no I/O: only the change notice tells it.
+    a.set_ana("inaccessible");
+    let mut seen = list();
+    for _ in 0..400 {
+        if states(&seen["devices"][0])
+            == [
+                ("inaccessible".into(), false),
+                ("non-optimized".into(), true),
+            ]
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        seen = list();
+    }
+    assert_eq!(
+        states(&seen["devices"][0]),
+        [
+            ("inaccessible".into(), false),
+            ("non-optimized".into(), true)
+        ],
+        "{seen}\n{}",
+        log()
+    );
+
+    // A process opens the attachment over both paths and does its I/O through B.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let ns = nvmeof_initiator::daemon::open_attached_multipath(&socket, "mp0")
+            .await
+            .expect("open the multipath attachment");
+        let bs = ns.block_size() as usize;
+        let data = pattern(7, 99, bs);
+        ns.write(7, &data).await.expect("write");
+        let mut back = vec![0u8; bs];
+        ns.read(7, &mut back).await.expect("read");
+        assert!(back == data);
+        let paths = ns.multipath().paths();
+        assert!(paths[1].current, "{paths:#?}");
+        ns.multipath().disconnect().await.expect("disconnect");
+    });
+    cli(&socket, &["detach", "mp0"]);
+    let _ = Command::new("kill")
+        .args(["-TERM", &initd.id().to_string()])
+        .status();
+    let status = initd.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{}", log());
+    for t in [ta, tb] {
+        let (code, log) = t.terminate();
+        assert_eq!(code, Some(0), "{log}");
+    }
+}

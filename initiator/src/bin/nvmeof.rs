@@ -9,14 +9,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClient, KeyText};
+use nvmeof_initiator::daemon::{
+    self, AttachParams, AttachmentStatus, DaemonClient, KeyText, PathAddr,
+};
 use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
     ConnectOptions, Controller, ControllerState, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT,
     DhchapSecrets, DiscoveryOptions, HostIdentity, Multipath, MultipathOptions, Namespace,
-    ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease, TargetAddr,
-    TlsOptions, Transport, default_state_dir, discover, hex_id, paths_from_discovery,
+    PathInfo, ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease,
+    TargetAddr, TlsOptions, Transport, default_state_dir, discover, hex_id, paths_from_discovery,
     version_string,
 };
 use serde_json::{Value, json};
@@ -187,6 +189,11 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         /// Namespace to attach.
         #[arg(long = "namespace-id", default_value_t = 1, value_name = "NSID")]
         namespace_id: u32,
+        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
+        /// [IPv6]:PORT (default port: -s, else 4420). The attachment is then a multipath one:
+        /// `list` shows each path and its ANA states.
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
     },
     /// Remove an attachment from nvmeof-initd and disconnect it.
     Detach {
@@ -725,7 +732,8 @@ async fn run(cli: Cli) -> Result<()> {
             fabric,
             queues,
             namespace_id,
-        } => cmd_attach(&ctx, &name, &fabric, &queues, namespace_id).await,
+            paths,
+        } => cmd_attach(&ctx, &name, &fabric, &queues, namespace_id, &paths).await,
         Cmd::Detach { name } => {
             let mut c = ctx.daemon().await?;
             c.detach(&name).await?;
@@ -1340,34 +1348,8 @@ async fn cmd_list_paths(
                 "{subnqn} namespace {nsid} (ANA group {})",
                 group.unwrap_or(0)
             );
-            for p in &paths {
-                let state = match &p.state {
-                    None => format!(
-                        "not connected ({})",
-                        p.error.as_deref().unwrap_or("connecting")
-                    ),
-                    Some(ControllerState::Connected) => "live".to_string(),
-                    Some(ControllerState::Reconnecting { attempt, .. }) => {
-                        format!("reconnecting (attempt {attempt})")
-                    }
-                    Some(ControllerState::Failed { error }) => format!("failed ({error})"),
-                    Some(ControllerState::Closed) => "closed".to_string(),
-                };
-                let ana = if !p.ana_reporting {
-                    "no ANA (counts as optimized)".to_string()
-                } else {
-                    p.ana
-                        .iter()
-                        .map(|g| format!("group {} {}", g.group, g.state))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                println!(
-                    "{} {} cntlid {} {state}, {ana}",
-                    if p.current { "*" } else { " " },
-                    p.addr,
-                    p.cntlid.map_or_else(|| "-".to_string(), |c| c.to_string()),
-                );
+            for line in path_lines(&paths) {
+                println!("{line}");
             }
         }
     }
@@ -1495,6 +1477,7 @@ fn attach_params(f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<AttachParams> {
         dhchap_secret: f.dhchap_secret.clone().map(KeyText),
         dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
         tls_key: f.tls_key.clone().map(KeyText),
+        paths: Vec::new(),
     })
 }
 
@@ -1511,11 +1494,26 @@ fn attached_line(a: &AttachmentStatus) -> String {
     )
 }
 
-async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
+async fn cmd_attach(
+    ctx: &Ctx,
+    name: &str,
+    f: &Fabric,
+    q: &QueueArgs,
+    nsid: u32,
+    paths: &[String],
+) -> Result<()> {
     if !valid_name(name) {
         usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
     }
-    let params = attach_params(f, q, nsid)?;
+    let mut params = attach_params(f, q, nsid)?;
+    let t = check_transport(f)?;
+    for p in paths {
+        let a = parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?;
+        params.paths.push(PathAddr {
+            traddr: a.host,
+            trsvcid: a.port,
+        });
+    }
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
@@ -1816,7 +1814,45 @@ fn attachment_json(a: &AttachmentStatus) -> Value {
         "state": a.state,
         "last_error": a.last_error,
         "hostnqn": a.params.hostnqn,
+        "paths": a.paths,
     })
+}
+
+/// The lines `list` and `list-paths` print for the paths of a multipath attachment: one
+/// per path, `*` marking the one I/O takes now.
+fn path_lines(paths: &[PathInfo]) -> Vec<String> {
+    paths
+        .iter()
+        .map(|p| {
+            let state = match &p.state {
+                None => format!(
+                    "not connected ({})",
+                    p.error.as_deref().unwrap_or("connecting")
+                ),
+                Some(ControllerState::Connected) => "live".to_string(),
+                Some(ControllerState::Reconnecting { attempt, .. }) => {
+                    format!("reconnecting (attempt {attempt})")
+                }
+                Some(ControllerState::Failed { error }) => format!("failed ({error})"),
+                Some(ControllerState::Closed) => "closed".to_string(),
+            };
+            let ana = if !p.ana_reporting {
+                "no ANA (counts as optimized)".to_string()
+            } else {
+                p.ana
+                    .iter()
+                    .map(|g| format!("group {} {}", g.group, g.state))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            format!(
+                "{} {} cntlid {} {state}, {ana}",
+                if p.current { "*" } else { " " },
+                p.addr,
+                p.cntlid.map_or_else(|| "-".to_string(), |c| c.to_string()),
+            )
+        })
+        .collect()
 }
 
 async fn cmd_list(ctx: &Ctx) -> Result<()> {
@@ -1854,6 +1890,9 @@ async fn cmd_list(ctx: &Ctx) -> Result<()> {
                     "{:<16} {:<44} {:>5} {:>12} {:>9} {:<24} {}",
                     a.name, a.params.subnqn, a.params.nsid, size, bs, model, state
                 );
+                for line in path_lines(&a.paths) {
+                    println!("    path {line}");
+                }
             }
         }
     }
