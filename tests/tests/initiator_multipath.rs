@@ -449,6 +449,19 @@ fn initd_multipath_attachment_shows_paths_and_follows_ana_changes() {
     assert!(log().contains("nvmeof-initd ready"), "{}", log());
     let pa = a.port.to_string();
     let path_b = format!("127.0.0.1:{}", b.port);
+    // A path given twice, or not a port, is a usage error (exit status 2) in one line.
+    for bad in [format!("127.0.0.1:{pa}"), "127.0.0.1:http".to_string()] {
+        let out = Command::new(bin_path("nvmeof"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["attach", "bad", "-a", "127.0.0.1", "-s", &pa, "-n", NQN])
+            .args(["--path", &bad])
+            .output()
+            .expect("run nvmeof");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
     let out = cli(
         &socket,
         &[

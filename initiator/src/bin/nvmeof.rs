@@ -156,6 +156,11 @@ name of your own.",
         /// Base of the attachment names (default: nvmeofK, the first K not in use).
         #[arg(long = "name", value_name = "BASE")]
         name: Option<String>,
+        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
+        /// [IPv6]:PORT (default port: -s, else 4420). The attachments are then multipath
+        /// ones: `list` shows each path and its ANA states.
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
     },
     /// Attach every subsystem a discovery controller lists (nvme-cli's connect-all).
     #[command(
@@ -715,7 +720,18 @@ async fn run(cli: Cli) -> Result<()> {
             queues,
             namespace_id,
             name,
-        } => cmd_connect(&ctx, &fabric, &queues, namespace_id, name.as_deref()).await,
+            paths,
+        } => {
+            cmd_connect(
+                &ctx,
+                &fabric,
+                &queues,
+                namespace_id,
+                name.as_deref(),
+                &paths,
+            )
+            .await
+        }
         Cmd::ConnectAll { fabric, queues } => cmd_connect_all(&ctx, &fabric, &queues).await,
         Cmd::Disconnect { name, nqn, device } => cmd_disconnect(&ctx, name, nqn, device).await,
         Cmd::DisconnectAll => cmd_disconnect_all(&ctx).await,
@@ -1494,6 +1510,27 @@ fn attached_line(a: &AttachmentStatus) -> String {
     )
 }
 
+/// Adds the `--path` arguments to an attachment's parameters.
+fn add_paths(params: &mut AttachParams, f: &Fabric, paths: &[String]) -> Result<()> {
+    let t = check_transport(f)?;
+    for p in paths {
+        let a = parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?;
+        if a.host == params.traddr && a.port == params.trsvcid
+            || params
+                .paths
+                .iter()
+                .any(|q| q.traddr == a.host && q.trsvcid == a.port)
+        {
+            usage!("path {p} is given twice");
+        }
+        params.paths.push(PathAddr {
+            traddr: a.host,
+            trsvcid: a.port,
+        });
+    }
+    Ok(())
+}
+
 async fn cmd_attach(
     ctx: &Ctx,
     name: &str,
@@ -1506,14 +1543,7 @@ async fn cmd_attach(
         usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
     }
     let mut params = attach_params(f, q, nsid)?;
-    let t = check_transport(f)?;
-    for p in paths {
-        let a = parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?;
-        params.paths.push(PathAddr {
-            traddr: a.host,
-            trsvcid: a.port,
-        });
-    }
+    add_paths(&mut params, f, paths)?;
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
@@ -1625,8 +1655,10 @@ async fn cmd_connect(
     q: &QueueArgs,
     nsid: Option<u32>,
     base: Option<&str>,
+    paths: &[String],
 ) -> Result<()> {
-    let params = attach_params(f, q, nsid.unwrap_or(1))?;
+    let mut params = attach_params(f, q, nsid.unwrap_or(1))?;
+    add_paths(&mut params, f, paths)?;
     let mut c = ctx.daemon().await.context(
         "connect keeps the connection in nvmeof-initd (`nvmeof probe` looks at a subsystem \
          without it)",
