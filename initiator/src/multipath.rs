@@ -455,14 +455,24 @@ async fn monitor(
     mut events: broadcast::Receiver<ControllerEvent>,
 ) {
     let mut connected = true;
+    let mut generation = states.borrow().generation;
     loop {
         let ev = tokio::select! {
             r = states.changed() => {
                 if r.is_err() {
                     None
                 } else {
-                    let st = states.borrow_and_update().state.clone();
+                    let (st, gen_now) = {
+                        let s = states.borrow_and_update();
+                        (s.state.clone(), s.generation)
+                    };
                     let now = st == ControllerState::Connected;
+                    // A loss and reconnect seen as one change (the watch keeps the latest
+                    // value only) still counts as both: the generation moved.
+                    if now && gen_now != generation {
+                        connected = false;
+                    }
+                    generation = gen_now;
                     if matches!(st, ControllerState::Failed { .. }) {
                         let Some(h) = head.upgrade() else { return };
                         h.event(PathEvent::Lost { path: i });
