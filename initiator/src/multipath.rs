@@ -4,9 +4,17 @@
 //! Each path is a [`Controller`] of its own (its connection, Keep Alive and reconnect
 //! supervisor). The head ([`Multipath`]) reads each path's Asymmetric Namespace Access log
 //! page when the path connects, after each reconnect, on each ANA change notice, and when an
-//! I/O command completes with an ANA status; which path a command takes is decided by the pure
-//! [`PathSet`](crate::paths::PathSet) (see [`crate::paths`] for the rules: optimized, else
-//! non-optimized; never inaccessible, persistent loss or change).
+//! I/O command completes with an ANA status. Which path a command takes is decided by a pure
+//! state machine (unit-tested with synthetic events) by these rules:
+//! - a path is usable when its controller is connected and the namespace's ANA group is
+//!   optimized or non-optimized there (a controller that does not report ANA counts as
+//!   optimized); inaccessible, persistent loss and change are never used;
+//! - the best tier wins: an optimized path, else a non-optimized one, else a connected path
+//!   whose ANA log page has not been read again since it reconnected;
+//! - within the tier, [`PathPolicy::Failover`] (the default) takes the first path in the
+//!   order the paths were given, [`PathPolicy::RoundRobin`] takes them in turn;
+//! - so fail-back is immediate: once a better path is connected and reports a better
+//!   state, the next command goes there.
 //!
 //! # Failover rule
 //!

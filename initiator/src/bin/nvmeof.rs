@@ -156,8 +156,8 @@ name of your own.",
         /// Base of the attachment names (default: nvmeofK, the first K not in use).
         #[arg(long = "name", value_name = "BASE")]
         name: Option<String>,
-        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
-        /// [IPv6]:PORT (default port: -s, else 4420). The attachments are then multipath
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420). The attachments are then multipath
         /// ones: `list` shows each path and its ANA states.
         #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
         paths: Vec<String>,
@@ -194,8 +194,8 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         /// Namespace to attach.
         #[arg(long = "namespace-id", default_value_t = 1, value_name = "NSID")]
         namespace_id: u32,
-        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
-        /// [IPv6]:PORT (default port: -s, else 4420). The attachment is then a multipath one:
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420). The attachment is then a multipath one:
         /// `list` shows each path and its ANA states.
         #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
         paths: Vec<String>,
@@ -242,8 +242,8 @@ disconnects.",
         fabric: Fabric,
         #[command(flatten)]
         queues: QueueArgs,
-        /// Another path to the subsystem (repeat for more): ADDRESS, ADDRESS:PORT or
-        /// [IPv6]:PORT (default port: -s, else 4420).
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420).
         #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
         paths: Vec<String>,
         /// Take the paths from the discovery log at -a (port -s, else 8009): every entry of
@@ -1254,7 +1254,8 @@ async fn connect_direct(opts: ConnectOptions) -> Result<Controller> {
     })
 }
 
-/// `ADDRESS`, `ADDRESS:PORT` or `[IPv6]:PORT` as a path of transport `t`.
+/// `ADDRESS`, `ADDRESS:PORT` or an IPv6 address in brackets with its port, as a path of
+/// transport `t`.
 fn parse_path(s: &str, default_port: u16, t: Transport) -> Result<TargetAddr> {
     let (host, port) = if let Some(rest) = s.strip_prefix('[') {
         let Some((h, p)) = rest.split_once(']') else {
