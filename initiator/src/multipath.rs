@@ -752,3 +752,50 @@ impl MultipathNamespace {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DiscoveryEntry;
+
+    fn entry(trtype: u8, traddr: &str, trsvcid: &str, subnqn: &str) -> DiscoveryEntry {
+        DiscoveryEntry {
+            trtype,
+            adrfam: 1,
+            subtype: 2,
+            treq: 0,
+            portid: 1,
+            cntlid: 0xFFFF,
+            asqsz: 32,
+            eflags: 0,
+            trsvcid: trsvcid.into(),
+            traddr: traddr.into(),
+            subnqn: subnqn.into(),
+            rdma: None,
+            tcp_sectype: None,
+        }
+    }
+
+    #[test]
+    fn discovery_entries_of_one_subsystem_become_its_paths() {
+        let log = DiscoveryLog {
+            genctr: 1,
+            entries: vec![
+                entry(3, "10.0.0.1", "4420", "nqn.x:a"),
+                entry(3, "10.0.0.2", "4420", "nqn.x:b"),
+                entry(3, "10.0.0.2", "4421", "nqn.x:a"),
+                entry(3, "10.0.0.1", "4420", "nqn.x:a"),
+                entry(3, "10.0.0.3", "not-a-port", "nqn.x:a"),
+                entry(2, "10.0.0.4", "4420", "nqn.x:a"),
+            ],
+        };
+        assert_eq!(
+            paths_from_discovery(&log, "nqn.x:a"),
+            [
+                TargetAddr::new("10.0.0.1", 4420),
+                TargetAddr::new("10.0.0.2", 4421)
+            ]
+        );
+        assert!(paths_from_discovery(&log, "nqn.x:none").is_empty());
+    }
+}
