@@ -24,7 +24,8 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use crate::identity::{is_root, parse_hostid};
 use crate::{
     ConnectOptions, Controller, ControllerInfo, DhchapSecrets, Error, ErrorClass, HostIdentity,
-    Namespace, NamespaceInfo, TargetAddr, TlsOptions, Transport,
+    Multipath, MultipathNamespace, MultipathOptions, Namespace, NamespaceInfo, PathInfo,
+    TargetAddr, TlsOptions, Transport,
 };
 
 /// The daemon's socket path when running as root.
@@ -108,6 +109,19 @@ pub struct AttachParams {
     /// it. Stored in the daemon's root-only state file; never listed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_key: Option<KeyText>,
+    /// More paths to the subsystem (same transport), after `traddr`/`trsvcid`: a multipath
+    /// attachment (see [`crate::multipath`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<PathAddr>,
+}
+
+/// Another path of a multipath attachment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathAddr {
+    /// Target address.
+    pub traddr: String,
+    /// Target port.
+    pub trsvcid: u16,
 }
 
 /// A secret in its text form. `Debug` shows no key material.
@@ -157,6 +171,15 @@ impl AttachParams {
             .map(|k| TlsOptions::parse(&k.0))
             .transpose()?;
         Ok(o)
+    }
+
+    /// Every path: `traddr`/`trsvcid` first, then [`paths`](Self::paths).
+    pub fn addrs(&self) -> Result<Vec<TargetAddr>, Error> {
+        let transport: Transport = self.transport.parse()?;
+        Ok(std::iter::once((self.traddr.as_str(), self.trsvcid))
+            .chain(self.paths.iter().map(|p| (p.traddr.as_str(), p.trsvcid)))
+            .map(|(a, p)| TargetAddr::new(a, p).with_transport(transport))
+            .collect())
     }
 
     /// The DH-HMAC-CHAP secrets, parsed (a controller secret needs a host secret).
@@ -230,6 +253,10 @@ pub struct AttachmentStatus {
     pub controller: Option<ControllerInfo>,
     /// The namespace, once connected.
     pub namespace: Option<NamespaceInfo>,
+    /// Each path of a multipath attachment, with its state and ANA states (empty for a
+    /// single-path one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<PathInfo>,
 }
 
 /// The daemon's answer.
@@ -475,6 +502,21 @@ pub async fn open_attached(name: &str) -> Result<Namespace, Error> {
     ctrl.namespace(nsid).await
 }
 
+/// Opens the namespace attached as `name` over every path of the attachment (a multipath
+/// attachment's, or its one path): this process connects a [`Multipath`] of its own, with
+/// the daemon's parameters and host identity. [`open_attached`] uses the first path only.
+pub async fn open_attached_multipath(
+    socket: &Path,
+    name: &str,
+) -> Result<MultipathNamespace, Error> {
+    let mut c = DaemonClient::connect(socket).await?;
+    let (opts, nsid) = c.attached_options(name).await?;
+    let a = c.get(name).await?;
+    drop(c);
+    let mp = Multipath::connect(opts, a.params.addrs()?, MultipathOptions::default()).await?;
+    mp.namespace(nsid).await
+}
+
 /// [`open_attached`] with an explicit daemon socket.
 pub async fn open_attached_at(socket: &Path, name: &str) -> Result<Namespace, Error> {
     let (opts, nsid) = attached_options(socket, name).await?;
@@ -504,7 +546,34 @@ mod tests {
             dhchap_secret: None,
             dhchap_ctrl_secret: None,
             tls_key: None,
+            paths: Vec::new(),
         }
+    }
+
+    #[test]
+    fn multipath_params_list_every_path() {
+        let p = AttachParams {
+            paths: vec![PathAddr {
+                traddr: "10.0.0.2".into(),
+                trsvcid: 4421,
+            }],
+            ..plain_params()
+        };
+        let text = serde_json::to_string(&p).unwrap();
+        assert!(text.contains(r#""paths":[{"traddr":"10.0.0.2","trsvcid":4421}]"#));
+        assert_eq!(
+            p.addrs().unwrap(),
+            [
+                TargetAddr::new("127.0.0.1", 4420),
+                TargetAddr::new("10.0.0.2", 4421)
+            ]
+        );
+        // Single-path parameters are written as before.
+        assert!(
+            !serde_json::to_string(&plain_params())
+                .unwrap()
+                .contains("paths")
+        );
     }
 
     #[test]

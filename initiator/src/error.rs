@@ -171,6 +171,10 @@ pub enum Error {
     /// NVMe/TCP controller, or on a host whose RDMA device refuses it).
     #[error("not supported: {0}")]
     Unsupported(String),
+    /// No path of a multipath attachment can carry the command (all lost, inaccessible or
+    /// changing for longer than the wait allows, or in persistent loss).
+    #[error("no usable path: {0}")]
+    NoPath(String),
     /// A GPU call failed (setting up the push path of GPU request rings).
     #[error("GPU: {0}")]
     Gpu(String),
@@ -205,7 +209,8 @@ impl Error {
             | Error::Refused(_)
             | Error::RdmaUnavailable(_)
             | Error::Auth { .. }
-            | Error::Tls { .. } => ErrorClass::Target,
+            | Error::Tls { .. }
+            | Error::NoPath(_) => ErrorClass::Target,
             e if e.is_transport() => ErrorClass::Target,
             _ => ErrorClass::Other,
         }

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use nvme_spec::command::{build, cns};
 use nvme_spec::fabrics::{Cc, property};
-use nvme_spec::identify::{IdentifyController, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype};
+use nvme_spec::identify::{
+    IdentifyController, OAES_ANA_CHANGE, OAES_NS_ATTRIBUTE, SGLS_KEYED, cntrltype,
+};
 use nvme_spec::{FromBytes, features};
 use tokio::task::JoinSet;
 use tracing::debug;
@@ -133,12 +135,13 @@ pub(crate) async fn establish(
         Ok((cqe, _)) => cqe.dw0.get(),
         Err(_) => kato_ms,
     };
-    if id.oaes.get() & OAES_NS_ATTRIBUTE != 0 {
+    let notices = id.oaes.get() & (OAES_NS_ATTRIBUTE | OAES_ANA_CHANGE);
+    if notices != 0 {
         if let Err(e) = admin
-            .set_features(features::ASYNC_EVENT_CONFIG, OAES_NS_ATTRIBUTE)
+            .set_features(features::ASYNC_EVENT_CONFIG, notices)
             .await
         {
-            debug!(error = %e, "cannot enable namespace attribute notices");
+            debug!(error = %e, "cannot enable namespace attribute and ANA change notices");
         }
     }
     // Queue IDs past the shared I/O queues are kept for queue pairs.

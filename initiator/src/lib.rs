@@ -38,6 +38,10 @@
 //!   rings of a [`gpu_ring::RingSet`] are served by the I/O queue tasks themselves (each
 //!   wake-up takes a batch of requests, checks them, sends them with one write, and writes
 //!   each completion word once the data is in the ring's slot); see [`AttachedRings`].
+//! - [`Multipath`] reaches one subsystem over several paths (addresses given, or the entries
+//!   of a discovery log with its NQN: [`paths_from_discovery`]): each path is a [`Controller`];
+//!   commands take an ANA optimized path, else a non-optimized one, and a command that fails
+//!   with a path error is sent again on another path ([`multipath`] says when a write is).
 //! - [`open_attached`] opens a namespace that `nvmeof-initd` holds under a name: the daemon
 //!   gives the connection parameters and the process makes its own queues, so data never
 //!   passes through the daemon.
@@ -109,8 +113,10 @@ pub mod gpu;
 pub mod identity;
 mod info;
 mod link;
+pub mod multipath;
 mod namespace;
 mod options;
+mod paths;
 mod queue;
 mod queue_core;
 mod queue_pair;
@@ -130,6 +136,9 @@ pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};
 pub use info::{ControllerInfo, NamespaceInfo, hex_id, version_string};
+pub use multipath::{
+    AnaGroupState, Multipath, MultipathNamespace, MultipathOptions, PathInfo, paths_from_discovery,
+};
 pub use namespace::{
     Namespace, Registrant, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease,
 };
@@ -138,6 +147,7 @@ pub use options::{
     DhchapSecrets, DiscoveryOptions, QueuePolicy, ReconnectPolicy, TargetAddr, Timeouts,
     TlsOptions, Transport,
 };
+pub use paths::PathPolicy;
 pub use queue::QueueStats;
 pub use queue_pair::{BlockingQueuePair, Completion, QueuePair, Rejected};
 pub use registered::RegisteredBuffer;
@@ -163,6 +173,16 @@ mod tests {
         send_sync::<Controller>();
         send_sync::<Namespace>();
         send_sync::<Error>();
+        send_sync::<Multipath>();
+        send_sync::<MultipathNamespace>();
+    }
+
+    /// Compiles only if the multipath I/O futures can move between threads.
+    #[allow(dead_code)]
+    fn multipath_futures_are_send(ns: &MultipathNamespace, buf: &mut [u8], src: &[u8]) {
+        send(&ns.read(0, buf));
+        send(&ns.write(0, src));
+        send(&ns.flush());
     }
 
     /// Compiles only if a queue pair can move to the thread or task that drives it.

@@ -209,6 +209,8 @@ pub const SGLS_OFFSET: u32 = 1 << 20;
 pub const SGLS_TRANSPORT: u32 = 1 << 21;
 /// OAES bit 8: namespace attribute notices.
 pub const OAES_NS_ATTRIBUTE: u32 = 1 << 8;
+/// OAES bit 11: Asymmetric Namespace Access change notices.
+pub const OAES_ANA_CHANGE: u32 = 1 << 11;
 /// OAES bit 31: discovery log page change notices.
 pub const OAES_DISCOVERY_LOG_CHANGE: u32 = 1 << 31;
 /// LPA bit 2: extended data for Get Log Page (offsets and large transfers).

@@ -14,7 +14,8 @@ use nvmeof_initiator::daemon::{
 };
 use nvmeof_initiator::identity::{format_hostid, is_root};
 use nvmeof_initiator::{
-    Controller, ControllerEvent, ControllerState, HostIdentity, ReconnectPolicy, default_state_dir,
+    Controller, ControllerEvent, ControllerState, HostIdentity, Multipath, MultipathOptions,
+    ReconnectPolicy, default_state_dir,
 };
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -88,19 +89,36 @@ struct Attachment {
     params: AttachParams,
     health: Mutex<Health>,
     ctrl: Mutex<Option<Controller>>,
+    /// A multipath attachment's paths, and its namespace's ANA group.
+    mp: Mutex<Option<(Multipath, u32)>>,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Attachment {
     fn status(&self) -> AttachmentStatus {
+        let paths = self
+            .mp
+            .lock()
+            .as_ref()
+            .map(|(mp, group)| mp.paths_for_group(*group))
+            .unwrap_or_default();
         let h = self.health.lock();
+        let mut state = h.state.clone();
+        if !paths.is_empty() {
+            // A multipath attachment is connected while one of its paths is.
+            let live = paths
+                .iter()
+                .any(|p| p.state == Some(ControllerState::Connected));
+            state = if live { "connected" } else { "reconnecting" }.into();
+        }
         AttachmentStatus {
             name: self.name.clone(),
             params: self.params.without_secrets(),
-            state: h.state.clone(),
+            state,
             last_error: h.last_error.clone(),
             controller: h.controller.clone(),
             namespace: h.namespace.clone(),
+            paths,
         }
     }
 
@@ -257,10 +275,15 @@ impl Daemon {
                     namespace: None,
                 }),
                 ctrl: Mutex::new(None),
+                mp: Mutex::new(None),
                 task: Mutex::new(None),
             });
             info!(name = %a.name, subnqn = %a.params.subnqn, "restoring attachment");
-            let task = tokio::spawn(monitor(Arc::clone(&a), None));
+            let task = if a.params.paths.is_empty() {
+                tokio::spawn(monitor(Arc::clone(&a), None))
+            } else {
+                tokio::spawn(keep_multipath(Arc::clone(&a)))
+            };
             *a.task.lock() = Some(task);
             map.insert(s.name, a);
         }
@@ -419,9 +442,29 @@ impl Daemon {
                 namespace: None,
             }),
             ctrl: Mutex::new(None),
+            mp: Mutex::new(None),
             task: Mutex::new(None),
         });
         // The first connection must work: the user learns about mistakes now.
+        if !a.params.paths.is_empty() {
+            connect_multipath(&a)
+                .await
+                .with_context(|| format!("cannot attach {name}"))?;
+            let mut map = self.attachments.lock().await;
+            if map.contains_key(&name) {
+                stop(&a).await;
+                bail!("an attachment named {name:?} exists already");
+            }
+            map.insert(name.clone(), Arc::clone(&a));
+            if let Err(e) = self.persist(&map) {
+                map.remove(&name);
+                drop(map);
+                stop(&a).await;
+                return Err(e);
+            }
+            info!(name = %name, subnqn = %a.params.subnqn, nsid = a.params.nsid, paths = a.params.paths.len() + 1, "attached over several paths");
+            return Ok(a.status());
+        }
         let ctrl = connect_once(&a)
             .await
             .with_context(|| format!("cannot attach {name}"))?;
@@ -478,6 +521,80 @@ async fn stop(a: &Attachment) {
     if let Some(c) = ctrl {
         if let Err(e) = c.disconnect().await {
             debug!(name = %a.name, error = %e, "disconnect incomplete");
+        }
+    }
+    let mp = a.mp.lock().take();
+    if let Some((mp, _)) = mp {
+        if let Err(e) = mp.disconnect().await {
+            debug!(name = %a.name, error = %e, "disconnect incomplete");
+        }
+    }
+}
+
+/// Connects a multipath attachment: one admin-only controller per path, each path's ANA
+/// states read and followed by the multipath head (which reconnects lost paths itself).
+async fn connect_multipath(a: &Attachment) -> Result<()> {
+    let host = HostIdentity::new(
+        a.params.hostnqn.as_deref().unwrap_or_default(),
+        a.params
+            .hostid
+            .as_deref()
+            .and_then(nvmeof_initiator::identity::parse_hostid)
+            .ok_or_else(|| anyhow!("attachment {} has no host ID", a.name))?,
+    )?;
+    let mut opts = a.params.connect_options(host)?;
+    opts.io_queues = Some(0);
+    opts.reconnect = ReconnectPolicy {
+        initial_delay: Duration::from_millis(500),
+        max_delay: Duration::from_secs(10),
+        ctrl_loss_timeout: Some(Duration::from_secs(60)),
+    };
+    let mp = Multipath::connect(opts, a.params.addrs()?, MultipathOptions::default())
+        .await
+        .map_err(|e| with_connect_hint(e, &a.params))?;
+    let nsid = a.params.nsid;
+    let found = async {
+        let ns = mp.namespace(nsid).await?;
+        let ctrl = mp
+            .controllers()
+            .into_iter()
+            .find(|c| c.state() == ControllerState::Connected)
+            .ok_or_else(|| anyhow!("no path is connected"))?;
+        let info = ctrl.namespace_info(nsid).await?;
+        Ok::<_, anyhow::Error>((ns.ana_group(), info, ctrl.info()))
+    }
+    .await;
+    match found {
+        Ok((group, ns, ctrl)) => {
+            let mut h = a.health.lock();
+            h.namespace = Some(ns);
+            h.controller = Some(ctrl);
+            h.state = "connected".into();
+            *a.mp.lock() = Some((mp, group));
+            Ok(())
+        }
+        Err(e) => {
+            let _ = mp.disconnect().await;
+            Err(e)
+        }
+    }
+}
+
+/// Connects a restored multipath attachment, retrying until one path answers; from then on
+/// its multipath head keeps the paths.
+async fn keep_multipath(a: Arc<Attachment>) {
+    let mut delay = Duration::from_secs(1);
+    loop {
+        match connect_multipath(&a).await {
+            Ok(()) => return,
+            Err(e) => {
+                let msg = format!("{e:#}");
+                warn!(name = %a.name, error = %msg, "connect failed");
+                a.set("failed", Some(msg));
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(30));
+                a.set("connecting", None);
+            }
         }
     }
 }

@@ -9,14 +9,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use nvmeof_initiator::daemon::{self, AttachParams, AttachmentStatus, DaemonClient, KeyText};
+use nvmeof_initiator::daemon::{
+    self, AttachParams, AttachmentStatus, DaemonClient, KeyText, PathAddr,
+};
 use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
-    ConnectOptions, Controller, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT, DhchapSecrets,
-    DiscoveryOptions, HostIdentity, Namespace, ReconnectPolicy, ReservationStatus, ResvAcquire,
-    ResvRegister, ResvRelease, TargetAddr, TlsOptions, Transport, default_state_dir, discover,
-    hex_id, version_string,
+    ConnectOptions, Controller, ControllerState, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT,
+    DhchapSecrets, DiscoveryOptions, HostIdentity, Multipath, MultipathOptions, Namespace,
+    PathInfo, ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease,
+    TargetAddr, TlsOptions, Transport, default_state_dir, discover, hex_id, paths_from_discovery,
+    version_string,
 };
 use serde_json::{Value, json};
 
@@ -153,6 +156,11 @@ name of your own.",
         /// Base of the attachment names (default: nvmeofK, the first K not in use).
         #[arg(long = "name", value_name = "BASE")]
         name: Option<String>,
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420). The attachments are then multipath
+        /// ones: `list` shows each path and its ANA states.
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
     },
     /// Attach every subsystem a discovery controller lists (nvme-cli's connect-all).
     #[command(
@@ -186,6 +194,11 @@ open it with nvmeof_initiator::open_attached(\"NAME\"); the CLI accepts NAME in 
         /// Namespace to attach.
         #[arg(long = "namespace-id", default_value_t = 1, value_name = "NSID")]
         namespace_id: u32,
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420). The attachment is then a multipath one:
+        /// `list` shows each path and its ANA states.
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
     },
     /// Remove an attachment from nvmeof-initd and disconnect it.
     Detach {
@@ -212,6 +225,35 @@ subsystem, -d NAME (or NAME alone) the attachment NAME.",
     DisconnectAll,
     /// List the attachments held by nvmeof-initd and their health.
     List,
+    /// Connect to a subsystem over several paths, print each path and its ANA states,
+    /// disconnect.
+    #[command(
+        long_about = "A one-off look at the paths to a subsystem, as the multipath layer of \
+the library sees them: connects to the subsystem at -a/-s and at every --path (or, with \
+--discover, at every address the discovery controller at -a lists for -n), reads each \
+path's ANA log page, and prints each path: its address, controller ID and state, the ANA \
+state of each group, and which path I/O to namespace --namespace-id would take now \
+(optimized, else non-optimized; never inaccessible, persistent loss or change). Then \
+disconnects.",
+        override_usage = "nvmeof list-paths -a ADDRESS -n NQN [-s PORT] [--path ADDRESS[:PORT]]... [OPTIONS]\n       nvmeof list-paths --discover -a DISCOVERY-ADDRESS -n NQN [-s PORT] [OPTIONS]"
+    )]
+    ListPaths {
+        #[command(flatten)]
+        fabric: Fabric,
+        #[command(flatten)]
+        queues: QueueArgs,
+        /// Another path to the subsystem (repeat for more): ADDRESS or ADDRESS:PORT, an IPv6
+        /// address in brackets (default port: -s, else 4420).
+        #[arg(long = "path", value_name = "ADDRESS[:PORT]")]
+        paths: Vec<String>,
+        /// Take the paths from the discovery log at -a (port -s, else 8009): every entry of
+        /// subsystem -n.
+        #[arg(long = "discover")]
+        discover: bool,
+        /// The namespace whose ANA group decides the current path.
+        #[arg(long = "namespace-id", default_value_t = 1, value_name = "NSID")]
+        namespace_id: u32,
+    },
     /// List the subsystems nvmeof-initd is attached to, with their attachments (nvme-cli's
     /// list-subsys).
     ListSubsys,
@@ -678,17 +720,36 @@ async fn run(cli: Cli) -> Result<()> {
             queues,
             namespace_id,
             name,
-        } => cmd_connect(&ctx, &fabric, &queues, namespace_id, name.as_deref()).await,
+            paths,
+        } => {
+            cmd_connect(
+                &ctx,
+                &fabric,
+                &queues,
+                namespace_id,
+                name.as_deref(),
+                &paths,
+            )
+            .await
+        }
         Cmd::ConnectAll { fabric, queues } => cmd_connect_all(&ctx, &fabric, &queues).await,
         Cmd::Disconnect { name, nqn, device } => cmd_disconnect(&ctx, name, nqn, device).await,
         Cmd::DisconnectAll => cmd_disconnect_all(&ctx).await,
         Cmd::ListSubsys => cmd_list_subsys(&ctx).await,
+        Cmd::ListPaths {
+            fabric,
+            queues,
+            paths,
+            discover,
+            namespace_id,
+        } => cmd_list_paths(&ctx, &fabric, &queues, &paths, discover, namespace_id).await,
         Cmd::Attach {
             name,
             fabric,
             queues,
             namespace_id,
-        } => cmd_attach(&ctx, &name, &fabric, &queues, namespace_id).await,
+            paths,
+        } => cmd_attach(&ctx, &name, &fabric, &queues, namespace_id, &paths).await,
         Cmd::Detach { name } => {
             let mut c = ctx.daemon().await?;
             c.detach(&name).await?;
@@ -1193,6 +1254,126 @@ async fn connect_direct(opts: ConnectOptions) -> Result<Controller> {
     })
 }
 
+/// `ADDRESS`, `ADDRESS:PORT` or an IPv6 address in brackets with its port, as a path of
+/// transport `t`.
+fn parse_path(s: &str, default_port: u16, t: Transport) -> Result<TargetAddr> {
+    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+        let Some((h, p)) = rest.split_once(']') else {
+            usage!("path {s:?}: an IPv6 address in brackets needs its closing ']'");
+        };
+        match p.strip_prefix(':') {
+            Some(p) => (h, Some(p)),
+            None if p.is_empty() => (h, None),
+            None => usage!("path {s:?}: expected [IPv6]:PORT"),
+        }
+    } else {
+        match s.split_once(':') {
+            Some((h, p)) if !p.contains(':') => (h, Some(p)),
+            _ => (s, None),
+        }
+    };
+    if host.is_empty() {
+        usage!("path {s:?} has no address");
+    }
+    let port = match port {
+        None => default_port,
+        Some(p) => match p.parse::<u16>() {
+            Ok(p) if p != 0 => p,
+            _ => usage!("path {s:?}: {p:?} is not a port (1-65535)"),
+        },
+    };
+    Ok(TargetAddr::new(host, port).with_transport(t))
+}
+
+/// The paths of `list-paths`: -a/-s and every --path, or those the discovery log at -a
+/// lists for -n.
+async fn multipath_addrs(
+    ctx: &Ctx,
+    f: &Fabric,
+    extra: &[String],
+    from_discovery: bool,
+) -> Result<Vec<TargetAddr>> {
+    let t = check_transport(f)?;
+    let Some(nqn) = f.nqn.as_deref() else {
+        usage!("the subsystem NQN is missing (-n NQN)");
+    };
+    if !from_discovery {
+        let mut addrs = vec![target_addr(f, DEFAULT_PORT)?];
+        for p in extra {
+            addrs.push(parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?);
+        }
+        return Ok(addrs);
+    }
+    if !extra.is_empty() {
+        usage!("--discover takes the paths from the discovery log; leave out --path");
+    }
+    let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
+    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let to = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = to;
+    opts.timeouts.admin = to;
+    let log = discover(&opts)
+        .await
+        .with_context(|| format!("discovery at {addr} failed"))?;
+    let addrs = paths_from_discovery(&log, nqn);
+    if addrs.is_empty() {
+        anyhow::bail!(nvmeof_initiator::Error::NoPath(format!(
+            "the discovery log at {addr} lists no path to {nqn}"
+        )));
+    }
+    Ok(addrs)
+}
+
+async fn cmd_list_paths(
+    ctx: &Ctx,
+    f: &Fabric,
+    q: &QueueArgs,
+    extra: &[String],
+    from_discovery: bool,
+    nsid: u32,
+) -> Result<()> {
+    let addrs = multipath_addrs(ctx, f, extra, from_discovery).await?;
+    let mut template = f.clone();
+    template.traddr = Some(addrs[0].host.clone());
+    template.trsvcid = Some(addrs[0].port);
+    let opts = direct_options(ctx, &template, q)?;
+    let mp = Multipath::connect(opts, addrs, MultipathOptions::default())
+        .await
+        .context("no path connected")?;
+    // The namespace's ANA group decides the current path.
+    let group = match mp.namespace(nsid).await {
+        Ok(ns) => Some(ns.ana_group()),
+        Err(e) => {
+            let _ = mp.clone().disconnect().await;
+            return Err(e).with_context(|| format!("namespace {nsid}"));
+        }
+    };
+    let paths = mp.paths_for_group(group.unwrap_or(0));
+    let subnqn = mp.subnqn().to_string();
+    let disconnect = mp.disconnect().await;
+    match ctx.output {
+        Output::Json => print_json(&json!({
+            "subnqn": subnqn,
+            "nsid": nsid,
+            "ana_group": group,
+            "paths": paths,
+        })),
+        Output::Normal => {
+            println!(
+                "{subnqn} namespace {nsid} (ANA group {})",
+                group.unwrap_or(0)
+            );
+            for line in path_lines(&paths) {
+                println!("{line}");
+            }
+        }
+    }
+    disconnect?;
+    Ok(())
+}
+
 async fn cmd_probe(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
     let opts = direct_options(ctx, f, q)?;
     let ctrl = connect_direct(opts).await?;
@@ -1313,6 +1494,7 @@ fn attach_params(f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<AttachParams> {
         dhchap_secret: f.dhchap_secret.clone().map(KeyText),
         dhchap_ctrl_secret: f.dhchap_ctrl_secret.clone().map(KeyText),
         tls_key: f.tls_key.clone().map(KeyText),
+        paths: Vec::new(),
     })
 }
 
@@ -1329,11 +1511,40 @@ fn attached_line(a: &AttachmentStatus) -> String {
     )
 }
 
-async fn cmd_attach(ctx: &Ctx, name: &str, f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<()> {
+/// Adds the `--path` arguments to an attachment's parameters.
+fn add_paths(params: &mut AttachParams, f: &Fabric, paths: &[String]) -> Result<()> {
+    let t = check_transport(f)?;
+    for p in paths {
+        let a = parse_path(p, f.trsvcid.unwrap_or(DEFAULT_PORT), t)?;
+        if a.host == params.traddr && a.port == params.trsvcid
+            || params
+                .paths
+                .iter()
+                .any(|q| q.traddr == a.host && q.trsvcid == a.port)
+        {
+            usage!("path {p} is given twice");
+        }
+        params.paths.push(PathAddr {
+            traddr: a.host,
+            trsvcid: a.port,
+        });
+    }
+    Ok(())
+}
+
+async fn cmd_attach(
+    ctx: &Ctx,
+    name: &str,
+    f: &Fabric,
+    q: &QueueArgs,
+    nsid: u32,
+    paths: &[String],
+) -> Result<()> {
     if !valid_name(name) {
         usage!("attachment name {name:?} must be 1-64 letters, digits, '.', '_' or '-'");
     }
-    let params = attach_params(f, q, nsid)?;
+    let mut params = attach_params(f, q, nsid)?;
+    add_paths(&mut params, f, paths)?;
     let mut c = ctx.daemon().await?;
     let a = c.attach(name, params).await?;
     match ctx.output {
@@ -1445,8 +1656,10 @@ async fn cmd_connect(
     q: &QueueArgs,
     nsid: Option<u32>,
     base: Option<&str>,
+    paths: &[String],
 ) -> Result<()> {
-    let params = attach_params(f, q, nsid.unwrap_or(1))?;
+    let mut params = attach_params(f, q, nsid.unwrap_or(1))?;
+    add_paths(&mut params, f, paths)?;
     let mut c = ctx.daemon().await.context(
         "connect keeps the connection in nvmeof-initd (`nvmeof probe` looks at a subsystem \
          without it)",
@@ -1634,7 +1847,45 @@ fn attachment_json(a: &AttachmentStatus) -> Value {
         "state": a.state,
         "last_error": a.last_error,
         "hostnqn": a.params.hostnqn,
+        "paths": a.paths,
     })
+}
+
+/// The lines `list` and `list-paths` print for the paths of a multipath attachment: one
+/// per path, `*` marking the one I/O takes now.
+fn path_lines(paths: &[PathInfo]) -> Vec<String> {
+    paths
+        .iter()
+        .map(|p| {
+            let state = match &p.state {
+                None => format!(
+                    "not connected ({})",
+                    p.error.as_deref().unwrap_or("connecting")
+                ),
+                Some(ControllerState::Connected) => "live".to_string(),
+                Some(ControllerState::Reconnecting { attempt, .. }) => {
+                    format!("reconnecting (attempt {attempt})")
+                }
+                Some(ControllerState::Failed { error }) => format!("failed ({error})"),
+                Some(ControllerState::Closed) => "closed".to_string(),
+            };
+            let ana = if !p.ana_reporting {
+                "no ANA (counts as optimized)".to_string()
+            } else {
+                p.ana
+                    .iter()
+                    .map(|g| format!("group {} {}", g.group, g.state))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            format!(
+                "{} {} cntlid {} {state}, {ana}",
+                if p.current { "*" } else { " " },
+                p.addr,
+                p.cntlid.map_or_else(|| "-".to_string(), |c| c.to_string()),
+            )
+        })
+        .collect()
 }
 
 async fn cmd_list(ctx: &Ctx) -> Result<()> {
@@ -1672,6 +1923,9 @@ async fn cmd_list(ctx: &Ctx) -> Result<()> {
                     "{:<16} {:<44} {:>5} {:>12} {:>9} {:<24} {}",
                     a.name, a.params.subnqn, a.params.nsid, size, bs, model, state
                 );
+                for line in path_lines(&a.paths) {
+                    println!("    path {line}");
+                }
             }
         }
     }
