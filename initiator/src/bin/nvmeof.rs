@@ -1584,7 +1584,7 @@ struct Connected {
 }
 
 /// nvme-cli's connect through nvmeof-initd: attaches namespace `nsid`, or every active one,
-/// as BASEn<NSID>; all or nothing.
+/// as `BASEn<NSID>`; all or nothing.
 async fn connect_through_daemon(
     c: &mut DaemonClient,
     params: AttachParams,
