@@ -28,6 +28,9 @@ pub const NQN_PREFIX: &str = "nqn.2026-11.io.nvmeof-direct:csi:";
 pub const DEFAULT_SIZE: u64 = 1 << 30;
 /// The model number of the subsystems this driver makes.
 const MODEL: &str = "nvmeof-csi";
+/// A host NQN every subsystem of this driver allows and no host uses: the target refuses a
+/// subsystem that no host may connect to, and an unpublished volume has no host.
+pub const NO_HOST: &str = "nqn.2026-11.io.nvmeof-direct:csi:unpublished";
 
 /// The controller's configuration file (TOML).
 #[derive(Clone, Debug, Deserialize)]
@@ -243,7 +246,7 @@ struct Params {
 
 fn params(map: &Map) -> Result<Params, Status> {
     let mut p = Params {
-        backend: "mem".into(),
+        backend: "file".into(),
         block_size: 4096,
         pool: None,
     };
@@ -460,9 +463,11 @@ impl Controller {
                             n.get("block_size").and_then(Value::as_u64).unwrap_or(0) as u32,
                         )
                     });
+                let mut hosts = strings(s.get("hosts"));
+                hosts.retain(|h| h != NO_HOST);
                 Some(Listed {
                     nqn: nqn.to_string(),
-                    hosts: strings(s.get("hosts")),
+                    hosts,
                     ns,
                 })
             })
@@ -589,7 +594,7 @@ impl Controller {
                     &Request::AddSubsystem {
                         nqn: nqn.clone(),
                         allow_any_host: false,
-                        hosts: vec![],
+                        hosts: vec![NO_HOST.into()],
                         serial: None,
                         model: Some(MODEL.into()),
                     },
@@ -1050,8 +1055,8 @@ mod tests {
     #[test]
     fn parameters_are_checked() {
         let m = |k: &str, v: &str| Map::from([(k.to_string(), v.to_string())]);
-        assert_eq!(params(&Map::new()).unwrap().backend, "mem");
-        assert_eq!(params(&m("backend", "file")).unwrap().backend, "file");
+        assert_eq!(params(&Map::new()).unwrap().backend, "file");
+        assert_eq!(params(&m("backend", "mem")).unwrap().backend, "mem");
         assert_eq!(params(&m("blockSize", "512")).unwrap().block_size, 512);
         assert!(params(&m("csi.storage.k8s.io/pvc/name", "x")).is_ok());
         for (k, v) in [
