@@ -670,3 +670,64 @@ fn csi_sanity_passes_the_identity_and_controller_specs() {
     );
     assert_eq!(s.volumes(), vec![], "csi-sanity deletes what it makes");
 }
+
+/// A program on `PATH`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+#[test]
+fn kubernetes_manifests_validate_and_name_this_driver() {
+    let dir = nvmeof_tests::workspace_root().join("deploy/kubernetes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 6, "{files:?}");
+    // The driver's name and the StorageClass parameters are the ones the driver knows.
+    let text = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    assert!(text("csidriver.yaml").contains(&format!("name: {}", nvmeof_csi::DRIVER_NAME)));
+    let sc = text("storageclass.yaml");
+    assert!(sc.contains(&format!("provisioner: {}", nvmeof_csi::DRIVER_NAME)));
+    for p in ["backend: file", "blockSize: \"4096\"", "pool: default"] {
+        assert!(sc.contains(p), "{p}");
+    }
+    assert!(text("node.yaml").contains(&format!("plugins/{}/csi.sock", nvmeof_csi::DRIVER_NAME)));
+    // The controller's configuration in the Secret example parses.
+    let secret = text("secret-example.yaml");
+    let start = secret.find("csi.toml: |\n").unwrap() + "csi.toml: |\n".len();
+    let toml: String = secret[start..]
+        .lines()
+        .take_while(|l| l.is_empty() || l.starts_with("    "))
+        .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+        .collect();
+    nvmeof_csi::controller::ControllerConfig::parse(&toml)
+        .unwrap_or_else(|e| panic!("{e}\n{toml}"));
+
+    let Some(validate) = on_path("kubernetes-validate") else {
+        eprintln!(
+            "kubernetes_manifests_validate_and_name_this_driver: schema check SKIPPED: kubernetes-validate is not installed (scripts/test.sh installs it with pip)"
+        );
+        return;
+    };
+    // Strict: the Kubernetes JSON schemas shipped in the package, unknown fields refused.
+    let out = Command::new(validate)
+        .arg("--strict")
+        .args(&files)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("ERROR"), "{text}");
+}
