@@ -79,6 +79,44 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// What a device holds, as far as staging cares.
+#[derive(Debug, PartialEq, Eq)]
+enum Contents {
+    /// An ext2/3/4 file system (its superblock magic).
+    Ext,
+    /// Zeros: never written, so a file system may be made.
+    Empty,
+    /// Something else: left alone.
+    Other,
+}
+
+/// Reads the first 64 KiB of `dev`: the ext superblock's magic (0xEF53 at byte 1080), or
+/// nothing but zeros.
+fn probe(dev: &Path) -> std::io::Result<Contents> {
+    use std::io::Read;
+    let mut head = vec![0u8; 64 << 10];
+    let mut f = std::fs::File::open(dev)?;
+    let mut n = 0;
+    while n < head.len() {
+        match f.read(&mut head[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    head.truncate(n);
+    Ok(classify(&head))
+}
+
+fn classify(head: &[u8]) -> Contents {
+    if head.get(1080..1082) == Some(&[0x53, 0xef][..]) {
+        Contents::Ext
+    } else if head.iter().all(|b| *b == 0) {
+        Contents::Empty
+    } else {
+        Contents::Other
+    }
+}
+
 fn is_mounted(path: &Path) -> bool {
     mounts().iter().any(|(_, p)| p == path)
 }
@@ -252,33 +290,22 @@ impl Node {
                 format!("file system {fs:?}: only ext4 is supported"),
             );
         }
-        // blkid exits 2 when it finds no file system.
-        let found = Command::new("blkid")
-            .args(["-p", "-s", "TYPE", "-o", "value", &devpath])
-            .output()
-            .await;
-        let have = match found {
-            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-            Ok(o) if o.status.code() == Some(2) => String::new(),
-            Ok(o) => {
+        match probe(Path::new(&devpath))
+            .map_err(|e| Status::new(Code::Internal, format!("{devpath}: {e}")))?
+        {
+            Contents::Ext => {}
+            Contents::Empty => {
+                run("mke2fs", &["-t", "ext4", "-F", "-q", &devpath]).await?;
+                info!(volume = %id, device = %dev, "ext4 made");
+            }
+            Contents::Other => {
                 return fail(
-                    Code::Internal,
+                    Code::FailedPrecondition,
                     format!(
-                        "blkid {devpath}: {}",
-                        String::from_utf8_lossy(&o.stderr).trim()
+                        "volume {id} holds data that is not an ext2/3/4 file system: not formatted"
                     ),
                 );
             }
-            Err(e) => return fail(Code::Internal, format!("blkid: {e}")),
-        };
-        if have.is_empty() {
-            run("mke2fs", &["-t", "ext4", "-F", "-q", &devpath]).await?;
-            info!(volume = %id, device = %dev, "ext4 made");
-        } else if have != fs {
-            return fail(
-                Code::FailedPrecondition,
-                format!("volume {id} holds {have}, not {fs}"),
-            );
         }
         std::fs::create_dir_all(&staging)
             .map_err(|e| Status::new(Code::Internal, format!("{}: {e}", staging.display())))?;
@@ -367,7 +394,7 @@ impl Node {
                 req.staging_target_path.clone()
             }
         };
-        run("mount", &["--bind", &source, &req.target_path]).await?;
+        run("mount", &["-o", "bind", &source, &req.target_path]).await?;
         if req.readonly {
             run("mount", &["-o", "remount,bind,ro", &req.target_path]).await?;
         }
@@ -526,6 +553,18 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_empty_devices_are_formatted() {
+        let mut head = vec![0u8; 4096];
+        assert_eq!(classify(&head), Contents::Empty);
+        head[1080] = 0x53;
+        head[1081] = 0xef;
+        assert_eq!(classify(&head), Contents::Ext);
+        head[1080] = 1;
+        assert_eq!(classify(&head), Contents::Other);
+        assert_eq!(classify(&[]), Contents::Empty);
+    }
 
     #[test]
     fn mountinfo_escapes_are_undone() {

@@ -731,3 +731,92 @@ fn kubernetes_manifests_validate_and_name_this_driver() {
     assert!(out.status.success(), "{text}");
     assert!(!text.contains("ERROR"), "{text}");
 }
+
+/// The Node service in the QEMU guest with the Linux kernel NVMe/TCP host, the storage node
+/// on the host: `tests/interop/guest-scripts/csi-node.sh` runs the driver's `csi_flow`
+/// example, which takes one ext4 volume through its life, checking the target's listing at
+/// every step.
+#[test]
+fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
+    if nvmeof_tests::skip_without_interop() {
+        return;
+    }
+    let flow = bin_path("nvmeof-targetd")
+        .with_file_name("examples")
+        .join("csi_flow");
+    assert!(
+        flow.exists(),
+        "{} is not built (cargo build -p nvmeof-csi --example csi_flow)",
+        flow.display()
+    );
+    let resize2fs = ["/usr/sbin/resize2fs", "/sbin/resize2fs"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("resize2fs (e2fsprogs) on the host");
+    let dir = pki();
+    let s = Store::start(dir.path(), "store");
+    // The guest reaches the host's loopback as 10.0.2.2.
+    let entry = s.entry("default", "256M").replace("127.0.0.1", "10.0.2.2");
+    let p = |f: &str| format!("{}:/csi/{f}", dir.path().join(f).display());
+    std::fs::write(
+        dir.path().join("csi.toml"),
+        format!("[tls]\nca = \"/csi/ca.pem\"\ncert = \"/csi/csi.pem\"\nkey = \"/csi/csi.key\"\n\n{entry}"),
+    )
+    .unwrap();
+    let console = nvmeof_tests::run_guest(
+        Command::new(nvmeof_tests::guest_sh())
+            .args([
+                "run",
+                "--with-ext4",
+                "--timeout",
+                "300",
+                "--fail-on-kernel-trace",
+            ])
+            .args(["--env", &format!("REMOTE=10.0.2.2:{}", s.remote)])
+            .args([
+                "--add",
+                &p("csi.toml"),
+                "--add",
+                &p("ca.pem"),
+                "--add",
+                &p("csi.pem"),
+                "--add",
+                &p("csi.key"),
+            ])
+            .arg("--add-bin")
+            .arg(format!(
+                "{}:/usr/bin/nvmeof-csi",
+                bin_path("nvmeof-csi").display()
+            ))
+            .arg("--add-bin")
+            .arg(format!("{}:/usr/bin/csi_flow", flow.display()))
+            .arg("--add-bin")
+            .arg(format!(
+                "{}:/usr/bin/nvmeof-targetd",
+                bin_path("nvmeof-targetd").display()
+            ))
+            .arg("--add-bin")
+            .arg(format!("{resize2fs}:/usr/sbin/resize2fs"))
+            .arg(nvmeof_tests::workspace_root().join("tests/interop/guest-scripts/csi-node.sh")),
+    );
+    nvmeof_tests::assert_console_has(
+        &console,
+        &[
+            "PASS: created: ctl list shows Some(([], [16777216]))",
+            "PASS: staged: the kernel host has a block device with the volume's UUID",
+            "PASS: staged: ext4 mounted at the staging path",
+            "PASS: published: bind mount at the target path",
+            "PASS: expanded: ctl list shows",
+            "PASS: node sees 33554432 bytes",
+            "PASS: unstaged: the kernel host disconnected",
+            "PASS: restaged: the data written before reads back the same",
+            "PASS: deleted: ctl list shows None",
+            "PASS: nvmeof-csi in the guest",
+        ],
+    );
+    assert_eq!(
+        s.volumes(),
+        vec![],
+        "the target's own listing agrees: nothing left"
+    );
+}
