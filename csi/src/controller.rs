@@ -813,7 +813,7 @@ impl Controller {
         })
     }
 
-    /// ListVolumes: every node's volumes, in volume ID order; the token is an index.
+    /// ListVolumes: every node's volumes, in volume ID order.
     pub async fn list_volumes(
         &self,
         req: ListVolumesRequest,
@@ -841,18 +841,24 @@ impl Controller {
             let id = |e: &ListVolumesEntry| e.volume.as_ref().map(|v| v.volume_id.clone());
             id(a).cmp(&id(b))
         });
+        // The token is the last volume ID returned: a volume deleted between pages shifts
+        // nothing.
         let start = if req.starting_token.is_empty() {
             0
         } else {
-            match req.starting_token.parse::<usize>() {
-                Ok(n) if n <= all.len() => n,
-                _ => {
-                    return fail(
-                        Code::Aborted,
-                        format!("invalid starting token {:?}", req.starting_token),
-                    );
-                }
+            if VolumeId::parse(&req.starting_token).is_none() {
+                return fail(
+                    Code::Aborted,
+                    format!("invalid starting token {:?}", req.starting_token),
+                );
             }
+            all.iter()
+                .position(|e| {
+                    e.volume
+                        .as_ref()
+                        .is_some_and(|v| v.volume_id > req.starting_token)
+                })
+                .unwrap_or(all.len())
         };
         let max = if req.max_entries == 0 {
             usize::MAX
@@ -861,7 +867,11 @@ impl Controller {
         };
         let end = start.saturating_add(max).min(all.len());
         let next_token = if end < all.len() {
-            end.to_string()
+            all[end - 1]
+                .volume
+                .as_ref()
+                .map(|v| v.volume_id.clone())
+                .unwrap_or_default()
         } else {
             String::new()
         };

@@ -525,6 +525,35 @@ fn controller_makes_publishes_grows_and_deletes_volumes_on_a_pool_of_storage_nod
         b.volumes()
             .contains(&(nqn1.clone(), vec![], vec![12 << 20]))
     );
+    // A volume deleted between pages skips none of the others.
+    let list = |max, token: &str| -> ListVolumesResponse {
+        csi.call(
+            "/csi.v1.Controller/ListVolumes",
+            &ListVolumesRequest {
+                max_entries: max,
+                starting_token: token.into(),
+            },
+        )
+        .unwrap()
+    };
+    let ids = |r: &ListVolumesResponse| -> Vec<String> {
+        r.entries
+            .iter()
+            .map(|e| e.volume.as_ref().unwrap().volume_id.clone())
+            .collect()
+    };
+    let page = list(2, "");
+    let gone = ids(&page)[1].clone();
+    let _: DeleteVolumeResponse = csi
+        .call(
+            "/csi.v1.Controller/DeleteVolume",
+            &DeleteVolumeRequest {
+                volume_id: gone.clone(),
+            },
+        )
+        .unwrap();
+    let rest = list(0, &page.next_token);
+    assert_eq!(ids(&rest), want[2..].to_vec(), "after deleting {gone}");
     for v in [&v1, &v2, &v3, &v4] {
         for _ in 0..2 {
             let _: DeleteVolumeResponse = csi
