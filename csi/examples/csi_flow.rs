@@ -177,6 +177,7 @@ fn main() {
             node_id: host.clone(),
             volume_capability: Some(cap.clone()),
             readonly: false,
+            secrets: Map::new(),
             volume_context: vol.volume_context.clone(),
         },
     );
@@ -191,6 +192,7 @@ fn main() {
         publish_context: published.publish_context.clone(),
         staging_target_path: STAGING.into(),
         volume_capability: Some(cap.clone()),
+        secrets: Map::new(),
         volume_context: vol.volume_context.clone(),
     };
     let publish = NodePublishVolumeRequest {

@@ -28,6 +28,12 @@ pub const NQN_PREFIX: &str = "nqn.2026-11.io.nvmeof-direct:csi:";
 pub const DEFAULT_SIZE: u64 = 1 << 30;
 /// The model number of the subsystems this driver makes.
 const MODEL: &str = "nvmeof-csi";
+/// The secret key holding a host's DH-HMAC-CHAP secret (`DHHC-1:...`, from
+/// `nvme gen-dhchap-key`): ControllerPublish allows the host with it, NodeStage connects with it.
+pub const SECRET_DHCHAP_KEY: &str = "dhchapKey";
+/// The secret key holding the controller's DH-HMAC-CHAP secret, for bidirectional
+/// authentication.
+pub const SECRET_DHCHAP_CTRL_KEY: &str = "dhchapCtrlKey";
 /// A host NQN every subsystem of this driver allows and no host uses: the target refuses a
 /// subsystem that no host may connect to, and an unpublished volume has no host.
 pub const NO_HOST: &str = "nqn.2026-11.io.nvmeof-direct:csi:unpublished";
@@ -464,6 +470,11 @@ impl Controller {
                         )
                     });
                 let mut hosts = strings(s.get("hosts"));
+                for h in strings(s.get("dhchap_hosts")) {
+                    if !hosts.contains(&h) {
+                        hosts.push(h);
+                    }
+                }
                 hosts.retain(|h| h != NO_HOST);
                 Some(Listed {
                     nqn: nqn.to_string(),
@@ -699,33 +710,44 @@ impl Controller {
             );
         }
         let id = VolumeId::parse(&req.volume_id).expect("looked up");
-        if !listed.hosts.contains(&req.node_id) {
-            if single_node(std::slice::from_ref(&cap)) && !listed.hosts.is_empty() {
-                return fail(
-                    Code::FailedPrecondition,
-                    format!(
-                        "volume {id} is published to {} already",
-                        listed.hosts.join(", ")
-                    ),
-                );
-            }
+        let key = req.secrets.get(SECRET_DHCHAP_KEY).cloned();
+        let ctrl_key = req.secrets.get(SECRET_DHCHAP_CTRL_KEY).cloned();
+        if ctrl_key.is_some() && key.is_none() {
+            return fail(
+                Code::InvalidArgument,
+                format!("secret {SECRET_DHCHAP_CTRL_KEY} needs {SECRET_DHCHAP_KEY}"),
+            );
+        }
+        let allowed = listed.hosts.contains(&req.node_id);
+        if !allowed && single_node(std::slice::from_ref(&cap)) && !listed.hosts.is_empty() {
+            return fail(
+                Code::FailedPrecondition,
+                format!(
+                    "volume {id} is published to {} already",
+                    listed.hosts.join(", ")
+                ),
+            );
+        }
+        // With keys, the host is allowed (again) with them: an allowed host's keys are
+        // replaced, the same keys change nothing.
+        if !allowed || key.is_some() {
             self.remote(
                 node,
                 &Request::AddHost {
                     subsystem: id.nqn(),
                     host: req.node_id.clone(),
-                    dhchap_key: None,
+                    dhchap_key: key.clone(),
                     dhchap_key_file: None,
-                    dhchap_ctrl_key: None,
+                    dhchap_ctrl_key: ctrl_key,
                     dhchap_ctrl_key_file: None,
                     tls_psk: None,
                     tls_psk_file: None,
-                    replace: false,
+                    replace: allowed,
                 },
             )
             .await?;
             self.save(node).await?;
-            info!(volume = %id, host = %req.node_id, "volume published");
+            info!(volume = %id, host = %req.node_id, dhchap = key.is_some(), "volume published");
         }
         Ok(ControllerPublishVolumeResponse {
             publish_context: context(node, &id),

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::process::Command;
 use tracing::info;
 
-use crate::controller::VolumeId;
+use crate::controller::{SECRET_DHCHAP_CTRL_KEY, SECRET_DHCHAP_KEY, VolumeId};
 use crate::grpc::{Code, Status, fail};
 use crate::proto::*;
 
@@ -37,9 +37,21 @@ async fn run(program: &str, args: &[&str]) -> Result<String, Status> {
         .map_err(|e| Status::new(Code::Internal, format!("{program}: {e}")))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
+        // Keys never reach a message or a log.
+        let shown: Vec<&str> = args
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                if i > 0 && args[i - 1].starts_with("--dhchap") {
+                    "(secret)"
+                } else {
+                    a
+                }
+            })
+            .collect();
         return fail(
             Code::Internal,
-            format!("{program} {}: {}", args.join(" "), err.trim()),
+            format!("{program} {}: {}", shown.join(" "), err.trim()),
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -242,23 +254,28 @@ impl Node {
                 required("trsvcid in the publish context", &trsvcid)?;
                 let nqn = id.nqn();
                 // "Already connected" is fine: the device check below decides.
-                let connected = run(
-                    "nvme",
-                    &[
-                        "connect",
-                        "-t",
-                        "tcp",
-                        "-a",
-                        &traddr,
-                        "-s",
-                        &trsvcid,
-                        "-n",
-                        &nqn,
-                        "--hostnqn",
-                        &self.host_nqn,
-                    ],
-                )
-                .await;
+                let mut args = vec![
+                    "connect",
+                    "-t",
+                    "tcp",
+                    "-a",
+                    traddr.as_str(),
+                    "-s",
+                    trsvcid.as_str(),
+                    "-n",
+                    nqn.as_str(),
+                    "--hostnqn",
+                    self.host_nqn.as_str(),
+                ];
+                // DH-HMAC-CHAP keys from the node-stage secret (the ones ControllerPublish
+                // allowed the host with).
+                if let Some(k) = req.secrets.get(SECRET_DHCHAP_KEY) {
+                    args.extend(["--dhchap-secret", k.as_str()]);
+                }
+                if let Some(k) = req.secrets.get(SECRET_DHCHAP_CTRL_KEY) {
+                    args.extend(["--dhchap-ctrl-secret", k.as_str()]);
+                }
+                let connected = run("nvme", &args).await;
                 match self.wait_device(&id).await {
                     Some(d) => d,
                     None => {

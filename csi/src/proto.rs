@@ -205,6 +205,8 @@ pub struct ControllerPublishVolumeRequest {
     pub volume_capability: Option<VolumeCapability>,
     #[prost(bool, tag = "4")]
     pub readonly: bool,
+    #[prost(map = "string, string", tag = "5")]
+    pub secrets: Map,
     #[prost(map = "string, string", tag = "6")]
     pub volume_context: Map,
 }
@@ -357,6 +359,8 @@ pub struct NodeStageVolumeRequest {
     pub staging_target_path: String,
     #[prost(message, optional, tag = "4")]
     pub volume_capability: Option<VolumeCapability>,
+    #[prost(map = "string, string", tag = "5")]
+    pub secrets: Map,
     #[prost(map = "string, string", tag = "6")]
     pub volume_context: Map,
 }

@@ -422,6 +422,47 @@ fn controller_makes_publishes_grows_and_deletes_volumes_on_a_pool_of_storage_nod
         Code::NotFound
     );
 
+    // With a DH-HMAC-CHAP key in the publish secret, the host is allowed with it.
+    const KEY: &str = "DHHC-1:00:ZXhhbXBsZS1rZXktZm9yLXVuaXQtdGVzdHMtMzJieXR38mKy:";
+    let mut with_key = publish(&v3.volume_id, HOST2);
+    with_key.secrets = [("dhchapKey".to_string(), KEY.to_string())].into();
+    for _ in 0..2 {
+        let _: ControllerPublishVolumeResponse = csi
+            .call("/csi.v1.Controller/ControllerPublishVolume", &with_key)
+            .unwrap();
+    }
+    let listed: Value = serde_json::from_str(&ctl_ok(&a.socket, &["-o", "json", "list"])).unwrap();
+    let nqn3 = &v3.volume_context["nqn"];
+    let sub = listed["status"]["subsystems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == nqn3.as_str())
+        .unwrap();
+    assert_eq!(sub["dhchap_hosts"], serde_json::json!([HOST2]), "{sub}");
+    let mut bad_key = with_key.clone();
+    bad_key.secrets = [("dhchapCtrlKey".to_string(), KEY.to_string())].into();
+    assert_eq!(
+        code(csi.call::<_, ControllerPublishVolumeResponse>(
+            "/csi.v1.Controller/ControllerPublishVolume",
+            &bad_key
+        )),
+        Code::InvalidArgument
+    );
+    let _: ControllerUnpublishVolumeResponse = csi
+        .call(
+            "/csi.v1.Controller/ControllerUnpublishVolume",
+            &ControllerUnpublishVolumeRequest {
+                volume_id: v3.volume_id.clone(),
+                node_id: HOST2.into(),
+            },
+        )
+        .unwrap();
+    assert_eq!(
+        a.volumes().iter().find(|v| &v.0 == nqn3).unwrap().1,
+        Vec::<String>::new()
+    );
+
     // ListVolumes pages through all four, with the published node.
     let mut seen = Vec::new();
     let mut token = String::new();
