@@ -315,7 +315,30 @@ fn main() {
         Some((vec![host.clone()], vec![32 << 20])),
         "still published while unstaged",
     );
+    // A NodeStage cut short after it connected (the driver restarted): the host is
+    // connected, nothing is mounted; the next NodeStage finishes the job.
+    let ctx = &published.publish_context;
+    let connect = Command::new("nvme")
+        .args([
+            "connect",
+            "-t",
+            "tcp",
+            "-a",
+            &ctx["traddr"],
+            "-s",
+            &ctx["trsvcid"],
+            "-n",
+            &nqn,
+            "--hostnqn",
+            &host,
+        ])
+        .status();
+    check(
+        connect.is_ok_and(|s| s.success()),
+        "connected by hand, as a NodeStage cut short would leave it",
+    );
     let _: NodeStageVolumeResponse = flow.call("/csi.v1.Node/NodeStageVolume", &stage);
+    check(mounted(STAGING), "restaged over the existing connection");
     let _: NodePublishVolumeResponse = flow.call("/csi.v1.Node/NodePublishVolume", &publish);
     let back = std::fs::read(&file).unwrap_or_else(|e| fail(&format!("read after restage: {e}")));
     check(

@@ -133,6 +133,18 @@ fn is_mounted(path: &Path) -> bool {
     mounts().iter().any(|(_, p)| p == path)
 }
 
+/// `nvmeXnY` (a namespace, or a multipath head), not `nvmeXcZnY` (one controller's path).
+fn is_namespace_head(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("nvme") else {
+        return false;
+    };
+    let Some((ctrl, ns)) = rest.split_once('n') else {
+        return false;
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    digits(ctrl) && digits(ns)
+}
+
 fn required(field: &str, value: &str) -> Result<(), Status> {
     if value.is_empty() {
         return fail(Code::InvalidArgument, format!("{field} missing"));
@@ -166,7 +178,9 @@ impl Node {
         let entries = std::fs::read_dir(self.sysfs.join("block")).ok()?;
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with("nvme") {
+            // With native multipath each controller's path (`nvme0c1n1`) is listed too, but
+            // only the namespace head (`nvme0n1`) has a device node.
+            if !is_namespace_head(&name) {
                 continue;
             }
             let read = |attr: &str| {
@@ -581,6 +595,15 @@ mod tests {
         head[1080] = 1;
         assert_eq!(classify(&head), Contents::Other);
         assert_eq!(classify(&[]), Contents::Empty);
+    }
+
+    #[test]
+    fn only_namespace_heads_are_devices() {
+        assert!(is_namespace_head("nvme0n1"));
+        assert!(is_namespace_head("nvme12n3"));
+        for name in ["nvme0c0n1", "nvme0", "nvme0n", "sda", "nvmen1", "nvme0n1p1"] {
+            assert!(!is_namespace_head(name), "{name}");
+        }
     }
 
     #[test]

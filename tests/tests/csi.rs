@@ -879,6 +879,7 @@ fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
             "PASS: expanded: ctl list shows",
             "PASS: node sees 33554432 bytes",
             "PASS: unstaged: the kernel host disconnected",
+            "PASS: restaged over the existing connection",
             "PASS: restaged: the data written before reads back the same",
             "PASS: deleted: ctl list shows None",
             "PASS: nvmeof-csi in the guest",
