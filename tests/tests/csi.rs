@@ -644,8 +644,16 @@ fn a_create_volume_survives_a_target_restart_and_completes_a_half_made_volume() 
             .await
         })
     });
-    // Give the driver time to find the node gone (not asserted: either order ends the same).
-    std::thread::sleep(Duration::from_millis(700));
+    // The node comes back once the driver has found it gone.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !csi.log().contains("unreachable; retrying") {
+        assert!(
+            Instant::now() < deadline,
+            "the driver never tried: {}",
+            csi.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     s.run();
     let made = volume(
         pending
@@ -664,7 +672,6 @@ fn a_create_volume_survives_a_target_restart_and_completes_a_half_made_volume() 
     );
     assert_eq!(again, made);
     assert_eq!(s.volumes().len(), 1);
-    assert!(csi.log().contains("unreachable; retrying"), "{}", csi.log());
 
     // A try that made the subsystem but not its namespace (the node went down between
     // the two requests): the next CreateVolume completes it.
