@@ -373,5 +373,135 @@ fn main() {
         },
     );
     flow.expect_listed(&nqn, None, "deleted");
+
+    // A raw block volume: the device itself is bind-mounted at the target path.
+    let block = VolumeCapability {
+        access_type: Some(AccessType::Block(BlockVolume {})),
+        access_mode: Some(AccessMode {
+            mode: MODE_SINGLE_NODE_WRITER,
+        }),
+    };
+    let created: CreateVolumeResponse = flow.call(
+        "/csi.v1.Controller/CreateVolume",
+        &CreateVolumeRequest {
+            name: "pvc-block".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 8 * M,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![block.clone()],
+            ..Default::default()
+        },
+    );
+    let bvol = created
+        .volume
+        .unwrap_or_else(|| fail("CreateVolume returned no volume"));
+    let bnqn = bvol.volume_context["nqn"].clone();
+    let published: ControllerPublishVolumeResponse = flow.call(
+        "/csi.v1.Controller/ControllerPublishVolume",
+        &ControllerPublishVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+            node_id: host.clone(),
+            volume_capability: Some(block.clone()),
+            readonly: false,
+            secrets: Map::new(),
+            volume_context: bvol.volume_context.clone(),
+        },
+    );
+    const BSTAGING: &str = "/var/lib/kubelet/plugins/csi/staging/pvc-block";
+    const BTARGET: &str = "/var/lib/kubelet/pods/pod-2/volumeDevices/pvc-block";
+    let _: NodeStageVolumeResponse = flow.call(
+        "/csi.v1.Node/NodeStageVolume",
+        &NodeStageVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+            publish_context: published.publish_context.clone(),
+            staging_target_path: BSTAGING.into(),
+            volume_capability: Some(block.clone()),
+            secrets: Map::new(),
+            volume_context: bvol.volume_context.clone(),
+        },
+    );
+    let bpublish = NodePublishVolumeRequest {
+        volume_id: bvol.volume_id.clone(),
+        publish_context: published.publish_context.clone(),
+        staging_target_path: BSTAGING.into(),
+        target_path: BTARGET.into(),
+        volume_capability: Some(block.clone()),
+        readonly: false,
+        volume_context: bvol.volume_context.clone(),
+    };
+    let _: NodePublishVolumeResponse = flow.call("/csi.v1.Node/NodePublishVolume", &bpublish);
+    check(
+        mounted(BTARGET),
+        "block volume published: the device is bound at the target path",
+    );
+    {
+        use std::io::{Read, Seek, Write};
+        let data = &pattern()[..64 << 10];
+        let mut dev = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(BTARGET)
+            .unwrap_or_else(|e| fail(&format!("open {BTARGET}: {e}")));
+        dev.write_all(data)
+            .and_then(|_| dev.sync_all())
+            .unwrap_or_else(|e| fail(&format!("write: {e}")));
+        let mut back = vec![0u8; data.len()];
+        dev.rewind()
+            .and_then(|_| dev.read_exact(&mut back))
+            .unwrap_or_else(|e| fail(&format!("read: {e}")));
+        check(
+            back == data,
+            "block volume: 64 KiB written and read back through the target path",
+        );
+    }
+    let s: NodeGetVolumeStatsResponse = flow.call(
+        "/csi.v1.Node/NodeGetVolumeStats",
+        &NodeGetVolumeStatsRequest {
+            volume_id: bvol.volume_id.clone(),
+            volume_path: BTARGET.into(),
+            staging_target_path: BSTAGING.into(),
+        },
+    );
+    check(
+        s.usage.first().is_some_and(|u| u.total == 8 * M),
+        "block volume stats: 8 MiB",
+    );
+    let _: NodeUnpublishVolumeResponse = flow.call(
+        "/csi.v1.Node/NodeUnpublishVolume",
+        &NodeUnpublishVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+            target_path: BTARGET.into(),
+        },
+    );
+    let _: NodeUnstageVolumeResponse = flow.call(
+        "/csi.v1.Node/NodeUnstageVolume",
+        &NodeUnstageVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+            staging_target_path: BSTAGING.into(),
+        },
+    );
+    check(
+        !mounted(BTARGET) && !Path::new(BTARGET).exists(),
+        "block volume unpublished: the target path is gone",
+    );
+    check(
+        !device_present(&bvol.volume_context["uuid"]),
+        "block volume unstaged: disconnected",
+    );
+    let _: ControllerUnpublishVolumeResponse = flow.call(
+        "/csi.v1.Controller/ControllerUnpublishVolume",
+        &ControllerUnpublishVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+            node_id: host.clone(),
+        },
+    );
+    let _: DeleteVolumeResponse = flow.call(
+        "/csi.v1.Controller/DeleteVolume",
+        &DeleteVolumeRequest {
+            volume_id: bvol.volume_id.clone(),
+        },
+    );
+    flow.expect_listed(&bnqn, None, "block volume deleted");
     println!("PASS: CSI volume lifecycle on the kernel NVMe/TCP host");
 }

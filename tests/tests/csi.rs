@@ -889,6 +889,8 @@ fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
             "PASS: restaged over the existing connection",
             "PASS: restaged: the data written before reads back the same",
             "PASS: deleted: ctl list shows None",
+            "PASS: block volume: 64 KiB written and read back through the target path",
+            "PASS: block volume deleted: ctl list shows None",
             "PASS: nvmeof-csi in the guest",
         ],
     );
