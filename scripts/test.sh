@@ -100,6 +100,29 @@ if ! command -v tgtd >/dev/null && [[ ! -x /usr/sbin/tgtd ]]; then
     fi
 fi
 
+stage "Kubernetes tools"
+# kubernetes-validate (PyPI; it ships the Kubernetes JSON schemas, so the manifests under
+# deploy/kubernetes/ are checked offline) and csi-sanity (the CSI conformance suite, a Go
+# module installed with `go install`). The csi test skips what is missing, saying so.
+if ! command -v kubernetes-validate >/dev/null; then
+    python3 -m pip install --quiet kubernetes-validate || echo "kubernetes-validate not installed: the manifest schema check skips"
+fi
+go_bin="$(go env GOPATH 2>/dev/null || echo "$HOME/go")/bin"
+if ! command -v csi-sanity >/dev/null && [[ ! -x $go_bin/csi-sanity ]]; then
+    if ! command -v go >/dev/null && { [[ $(id -u) == 0 ]] || command -v sudo >/dev/null; }; then
+        sudo_ apt-get update -qq
+        sudo_ apt-get install -y -qq --no-install-recommends golang-go
+    fi
+    if command -v go >/dev/null; then
+        go_bin="$(go env GOPATH)/bin"
+        GOFLAGS=-modcacherw go install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.0.0 ||
+            echo "csi-sanity could not be installed (is the Go module proxy reachable?): the csi-sanity test skips"
+    else
+        echo "no Go toolchain: the csi-sanity test skips"
+    fi
+fi
+[[ -x $go_bin/csi-sanity ]] && export CSI_SANITY="$go_bin/csi-sanity"
+
 stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -3,6 +3,7 @@
 //! and drive the QEMU guest that runs the Linux kernel's NVMe-oF host and target.
 #![forbid(unsafe_code)]
 
+pub mod pki;
 pub mod verified_io;
 
 use std::io::{BufRead, BufReader, Read, Write};
