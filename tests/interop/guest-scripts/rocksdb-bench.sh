@@ -82,7 +82,10 @@ iscsi_device() {
         sleep 1
     fi
     portal=$ISCSI_ADDR:$ISCSI_PORT
-    iscsiadm -m discovery -t sendtargets -p "$portal" >&2 || return 1
+    # SendTargets answers with the portal as tgt sees it (the host's 127.0.0.1): the node
+    # record is made for the address this guest reaches it at.
+    iscsiadm -m discovery -t sendtargets -p "$portal" -o nonpersistent >&2 || return 1
+    iscsiadm -m node -o new -T "$ISCSI_IQN" -p "$portal" >&2 || return 1
     # The initiator's side of the tuning the target has (tgt's ImmediateData, InitialR2T,
     # segment and burst sizes): the session takes the smaller of each pair.
     for kv in node.session.iscsi.ImmediateData=Yes node.session.iscsi.InitialR2T=No \
@@ -93,6 +96,7 @@ iscsi_device() {
             return 1
     done
     iscsiadm -m node -T "$ISCSI_IQN" -p "$portal" --login >&2 || return 1
+    iscsiadm -m session -P 2 2>&1 | grep -E 'ImmediateData|InitialR2T|MaxRecvDataSegmentLength|FirstBurstLength|MaxBurstLength|Digest' >&2
     # LUN 1 of the session: /sys/class/scsi_disk/H:C:T:1/device/block/sdX
     i=0
     while [ $i -lt 300 ]; do
