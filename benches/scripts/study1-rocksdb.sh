@@ -109,8 +109,9 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 free_port() { "$GUEST_SH" free-port; }
+# pinned CMD...: runs CMD in place of the (background) shell that calls it, so that $! is CMD.
 pinned() {
-    if [[ -n $TARGET_CPUS ]]; then taskset -c "$TARGET_CPUS" "$@"; else "$@"; fi
+    if [[ -n $TARGET_CPUS ]]; then exec taskset -c "$TARGET_CPUS" "$@"; else exec "$@"; fi
 }
 wait_listening() {
     local port=$1 pid=$2 what=$3 i
@@ -121,12 +122,11 @@ wait_listening() {
     done
     die "$what is not listening on 127.0.0.1:$port after 10 s"
 }
+# ram_file NAME: a sparse file of --disk-mb in /dev/shm, in $RAM_FILE (removed at exit).
 ram_file() {
-    local f
-    f=$(mktemp "/dev/shm/study1-rocksdb-$1.XXXXXX")
-    truncate -s "${DISK_MB}M" "$f"
-    FILES+=("$f")
-    echo "$f"
+    RAM_FILE=$(mktemp "/dev/shm/study1-rocksdb-$1.XXXXXX")
+    FILES+=("$RAM_FILE")
+    truncate -s "${DISK_MB}M" "$RAM_FILE"
 }
 
 GUEST_ARGS=(run --with-ext4 --with-rocksdb --accel "$ACCEL" --smp "$SMP" --mem "$MEM"
@@ -135,7 +135,8 @@ GUEST_ARGS=(run --with-ext4 --with-rocksdb --accel "$ACCEL" --smp "$SMP" --mem "
     --env "DB_NUM_LARGE=$NUM_LARGE" --env "DB_DURATION=$DURATION" --env "DB_THREADS=$THREADS")
 
 if [[ " $COLUMNS " == *" das "* ]]; then
-    das=$(ram_file das)
+    ram_file das
+    das=$RAM_FILE
     # virtio-blk on a RAM file through the host page cache (tmpfs has no O_DIRECT), threads for
     # the I/O as QEMU does by default.
     GUEST_ARGS+=(--qemu-arg -drive --qemu-arg "file=$das,if=none,id=das0,format=raw,cache=writeback,aio=threads"
@@ -159,7 +160,8 @@ if [[ " $COLUMNS " == *" iscsi "* ]]; then
     command -v tgtd >/dev/null || [[ -x /usr/sbin/tgtd ]] || die "tgtd not found: apt-get install tgt"
     PATH=$PATH:/usr/sbin
     iqn=iqn.2026-11.io.nvmeof-direct:study1-rocksdb
-    lun=$(ram_file iscsi)
+    ram_file iscsi
+    lun=$RAM_FILE
     port=$(free_port)
     # A control port of its own (another tgtd may hold the default one).
     ctl=$((20000 + $$ % 10000))
