@@ -39,7 +39,7 @@ fn db_bench_runs_on_a_local_disk_nvme_tcp_and_iscsi_in_one_guest() {
     let out = Command::new(workspace_root().join("benches/scripts/study1-rocksdb.sh"))
         .arg("--targetd")
         .arg(bin_path("nvmeof-targetd"))
-        .args(["--disk-mb", "128", "--num", "400", "--num-large", "60"])
+        .args(["--disk-mb", "128", "--num", "200", "--num-large", "30"])
         .args(["--duration", "2", "--threads", "2", "--timeout", "300"])
         .arg("--out")
         .arg(out_dir.path())

@@ -146,7 +146,7 @@ bench() {
         --histogram=1 --statistics=0 --seed=1 ${DB_EXTRA:-}
     log "$col value=$value: fillrandom of $num keys on $dev"
     db_bench "$@" --benchmarks=fillrandom --threads=1 >/tmp/fill.out 2>&1 || {
-        tail -n 20 /tmp/fill.out
+        grep -v '^(' /tmp/fill.out | tail -n 30
         umount "$MNT"
         return 1
     }
@@ -157,7 +157,7 @@ bench() {
     log "$col value=$value: readrandomwriterandom 80/20, $DB_THREADS threads, $DB_DURATION s"
     db_bench "$@" --use_existing_db=1 --benchmarks=readrandomwriterandom --readwritepercent=80 \
         --threads="$DB_THREADS" --duration="$DB_DURATION" >/tmp/mix.out 2>&1 || {
-        tail -n 20 /tmp/mix.out
+        grep -v '^(' /tmp/mix.out | tail -n 30
         umount "$MNT"
         return 1
     }
