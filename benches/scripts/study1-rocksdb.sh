@@ -187,7 +187,7 @@ fi
 say "guest: $ACCEL, $SMP CPUs, $MEM MB; columns: $COLUMNS; values: $VALUES; keys $NUM/$NUM_LARGE; ${DURATION}s mixed"
 rc=0
 "$GUEST_SH" "${GUEST_ARGS[@]}" "$ROOT/tests/interop/guest-scripts/rocksdb-bench.sh" >"$OUT/guest.out" 2>&1 || rc=$?
-grep -a '^ROCKSDB-RESULT' "$OUT/console.log" | tr -d '\r' >"$OUT/results.txt" || true
+grep -a '^ROCKSDB-RESULT\|^ROCKSDB-PROBE' "$OUT/console.log" | tr -d '\r' >"$OUT/results.txt" || true
 if [[ $rc != 0 ]]; then
     tail -n 40 "$OUT/guest.out" >&2
     die "the guest run failed ($rc); console: $OUT/console.log"
@@ -199,6 +199,12 @@ fi
     echo "# fillrandom: 1 thread; mix: readrandomwriterandom 80/20, $THREADS threads, $DURATION s;" \
         "keys: $NUM (800 B) / $NUM_LARGE (>= 4 KiB); O_DIRECT reads, 8 MiB block cache"
     awk -v cols="$COLUMNS" '
+        $1 == "ROCKSDB-PROBE" {
+            for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+            probe[f["column"]] = f["read_4k_qd1_us"]
+            delete f
+            next
+        }
         {
             for (i = 2; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
             k = f["value"] SUBSEP f["phase"] SUBSEP f["column"]
@@ -235,6 +241,13 @@ fi
                 }
                 print line
             }
+            line = "| - | 4 KiB O_DIRECT read QD1 us (dd) |"
+            for (j = 1; j <= n; j++) line = line " " cell(probe[c[j]]) " |"
+            if (index(" " cols " ", " das ")) {
+                if (index(" " cols " ", " of ")) line = line " " ratio(probe["of"], probe["das"]) " |"
+                if (index(" " cols " ", " iscsi ")) line = line " " ratio(probe["iscsi"], probe["das"]) " |"
+            }
+            print line
         }' "$OUT/results.txt"
 } | tee "$OUT/table.md"
 say "console, result lines and table in $OUT"

@@ -4,8 +4,9 @@
 //! Debian's tgt on this machine and boots one guest in which RocksDB's `db_bench` fills a
 //! database and runs its 80/20 `readrandomwriterandom` on ext4 over a virtio disk, over the
 //! kernel NVMe/TCP host connected to our target and over the kernel iSCSI initiator logged in to
-//! tgt, for 800 B and 10 KiB values. Every column and value size must report its two result
-//! lines with a rate, and the table must carry both ratios.
+//! tgt, for 800 B and 10 KiB values. Every column must report its QD1 read probe and, for each
+//! value size, its two result lines with a rate (and percentiles for the mix), and the table
+//! must carry both ratios.
 //!
 //! Needs `NVMEOF_INTEROP=1` and tgt (`tgtd`, `tgtadm`), both provided by the test command; the
 //! script builds the guest's rocksdb segment (`tests/interop/setup.sh --with-rocksdb`). Without
@@ -55,6 +56,11 @@ fn db_bench_runs_on_a_local_disk_nvme_tcp_and_iscsi_in_one_guest() {
     );
     let results = std::fs::read_to_string(out_dir.path().join("results.txt")).expect("results");
     for column in ["das", "of", "iscsi"] {
+        let probe = format!("ROCKSDB-PROBE column={column} read_4k_qd1_us=");
+        assert!(
+            results.lines().any(|l| l.starts_with(&probe)),
+            "no {probe:?} line:\n{results}\nconsole:\n{console}"
+        );
         for value in ["800", "10240"] {
             for phase in ["fill", "mix"] {
                 let head = format!("ROCKSDB-RESULT column={column} value={value} phase={phase} ");

@@ -18,8 +18,11 @@
 # One line per phase, for the host to collect:
 #   ROCKSDB-RESULT column=C value=V phase=fill ops=N
 #   ROCKSDB-RESULT column=C value=V phase=mix ops=N read_p50_us=.. read_p99_us=.. write_p50_us=.. write_p99_us=..
-# (ops: db_bench's ops/sec; the percentiles from its --histogram, in microseconds). The
-# script ends with "ROCKSDB-DONE" and exits 0 when every column ran.
+#   ROCKSDB-PROBE column=C read_4k_qd1_us=N
+# (ops: db_bench's ops/sec; the percentiles from its --histogram, in microseconds; the probe: the
+# mean time of 2000 sequential 4 KiB O_DIRECT reads one at a time with dd, before mke2fs, to
+# show each path's own latency). The script ends with "ROCKSDB-DONE" and exits 0 when every
+# column ran.
 #
 # Environment (defaults): COLUMNS ("das of iscsi"), VALUE_SIZES ("800 10240"), DB_NUM (20000),
 # DB_NUM_LARGE (DB_NUM / 8), DB_DURATION (30), DB_THREADS (4), DB_CACHE_MB (8), TARGET_ADDR
@@ -132,6 +135,14 @@ ops() {
     awk -v b="$2" '$1 == b && $2 == ":" { for (i = 3; i < NF; i++) if ($(i + 1) ~ /^ops\/sec/) { print $i; exit } }' "$1"
 }
 
+# probe COLUMN DEV: the path's QD1 read latency (/proc/uptime's 10 ms resolution over 2000 reads).
+probe() {
+    t0=$(uptime_s)
+    dd if="$2" of=/dev/null bs=4096 count=2000 iflag=direct 2>/dev/null || return 1
+    t1=$(uptime_s)
+    echo "ROCKSDB-PROBE column=$1 read_4k_qd1_us=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", (b - a) * 1e6 / 2000 }')"
+}
+
 # bench COLUMN DEV VALUE
 bench() {
     col=$1 dev=$2 value=$3
@@ -182,6 +193,7 @@ for col in $COLUMNS; do
         continue
     fi
     log "column $col: $dev ($(($(cat "/sys/class/block/${dev#/dev/}/size") / 2048)) MiB)"
+    probe "$col" "$dev" || log "dd on $dev failed"
     for value in $VALUE_SIZES; do
         bench "$col" "$dev" "$value" || {
             log "FAIL: db_bench on column $col, value $value"
