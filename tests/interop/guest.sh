@@ -33,6 +33,8 @@
 #   --with-fio                    include fio (large initramfs segment)
 #   --with-rdma                   include rdma (iproute2), libibverbs + rxe, verbs/rdmacm tools
 #   --with-ext4                   include mke2fs and e2fsck (the ext4 module is always packed)
+#   --with-rocksdb                include RocksDB's db_bench and open-iscsi's iscsid, iscsiadm
+#                                 (setup.sh --with-rocksdb)
 #   --no-nvme-cli                 leave nvme-cli out
 #   --timeout SECS                run: whole run (default 600); start: until the marker (300)
 #   --mem MB                      guest memory (default 1024)
@@ -107,7 +109,7 @@ cmd_boot() {
     local mode=$1
     shift
     local script="" marker="" log="" pidfile="" timeout="" mem=1024 smp=2 loglevel=4
-    local with_fio=0 with_rdma=0 with_ext4=0 with_nvme=1 fail_on_trace=0 verbose=0
+    local with_fio=0 with_rdma=0 with_ext4=0 with_rocksdb=0 with_nvme=1 fail_on_trace=0 verbose=0
     local accel=${INTEROP_ACCEL:-tcg} append="" kernel=${INTEROP_GUEST_KERNEL:-61}
     local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=() nvme_disks=()
 
@@ -121,6 +123,7 @@ cmd_boot() {
         --with-fio) with_fio=1 ;;
         --with-rdma) with_rdma=1 ;;
         --with-ext4) with_ext4=1 ;;
+        --with-rocksdb) with_rocksdb=1 ;;
         --no-nvme-cli) with_nvme=0 ;;
         --timeout) timeout=${2:?}; shift ;;
         --mem) mem=${2:?}; shift ;;
@@ -171,6 +174,8 @@ cmd_boot() {
         [[ ${seg#*:} == 0 || -f $INTEROP_INITRD_DIR/${seg%:*}.cpio.zst ]] ||
             die "missing ${seg%:*} initramfs segment: run tests/interop/setup.sh$setup_flag"
     done
+    [[ $with_rocksdb == 0 || -f $INTEROP_INITRD_DIR/rocksdb.cpio.zst ]] ||
+        die "missing rocksdb initramfs segment: run tests/interop/setup.sh --with-rocksdb"
 
     local name stamp rundir
     name=$(basename "$script" .sh)
@@ -232,6 +237,7 @@ cmd_boot() {
         [[ $with_fio == 0 ]] || cat "$INTEROP_INITRD_DIR/fio.cpio.zst"
         [[ $with_rdma == 0 ]] || cat "$INTEROP_INITRD_DIR/rdma.cpio.zst"
         [[ $with_ext4 == 0 ]] || cat "$INTEROP_INITRD_DIR/ext4.cpio.zst"
+        [[ $with_rocksdb == 0 ]] || cat "$INTEROP_INITRD_DIR/rocksdb.cpio.zst"
         # Last: on the 6.12 guest its trixie libraries (glibc included) replace the bookworm
         # copies that the segments above carry; bookworm's programs run on them as well.
         [[ $with_nvme == 0 ]] || cat "$INTEROP_INITRD_DIR/$nvme.cpio.zst"

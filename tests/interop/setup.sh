@@ -2,8 +2,10 @@
 # Prepares the QEMU guest used by the interop tests (Linux kernel NVMe-oF host/target and
 # Soft-RoCE as real peers). Idempotent: a second run only checks that everything is in place.
 #
-#   tests/interop/setup.sh [--with-k612] [--refresh-kernel] [--rebuild]
+#   tests/interop/setup.sh [--with-k612] [--with-rocksdb] [--refresh-kernel] [--rebuild]
 #
+#   --with-rocksdb    also build the rocksdb segment (guest.sh --with-rocksdb): RocksDB's
+#                     db_bench (rocksdb-tools) and open-iscsi's iscsid and iscsiadm
 #   --with-k612       also prepare the Linux 6.12 guest (guest.sh --kernel 612): Debian trixie's
 #                     linux-image-6.12.*+deb13-amd64, nvme-cli 2.13 and tlshd (ktls-utils) with
 #                     trixie's libraries, fetched through a private apt configuration
@@ -24,6 +26,8 @@
 #   initrd/fio.cpio.zst         fio and its shared libraries (large; only for --with-fio)
 #   initrd/rdma.cpio.zst        iproute2's rdma, libibverbs + rxe provider, verbs/rdmacm tools
 #   initrd/ext4.cpio.zst        mke2fs and e2fsck (e2fsprogs) and their shared libraries
+#   initrd/rocksdb.cpio.zst     with --with-rocksdb: db_bench, iscsid, iscsiadm, iscsistart,
+#                               /etc/iscsi/iscsid.conf and their shared libraries
 #   k612/kernel/<kver>/         with --with-k612: trixie's 6.12 kernel package, vmlinuz, config,
 #                               vmlinux; k612/debs/ the trixie userland packages, k612/apt/ the
 #                               private apt configuration and lists
@@ -36,10 +40,12 @@ CACHE=${INTEROP_CACHE:-$HERE/.cache}
 REFRESH_KERNEL=0
 REBUILD=0
 WITH_K612=0
+WITH_ROCKSDB=0
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --with-k612) WITH_K612=1 ;;
+    --with-rocksdb) WITH_ROCKSDB=1 ;;
     --refresh-kernel) REFRESH_KERNEL=1 ;;
     --rebuild) REBUILD=1 ;;
     -h | --help)
@@ -85,6 +91,9 @@ PACKAGES=(
     python3   # host-side NVMe/TCP probes
     e2fsprogs # guest: mke2fs, e2fsck
 )
+# The rocksdb segment: db_bench, and open-iscsi's libraries (open-iscsi itself is only
+# downloaded: installing it would bring udev and start iscsid on this machine).
+[[ $WITH_ROCKSDB == 0 ]] || PACKAGES+=(rocksdb-tools libopeniscsiusr libisns0)
 APT_UPDATED=0
 apt_update() {
     if [[ $APT_UPDATED == 0 ]]; then
@@ -497,6 +506,53 @@ build_tool_segment rdma "$(pkg_versions libgcc-s1 iproute2 libibverbs1 librdmacm
     "/etc/libibverbs.d/rxe.driver"
 build_tool_segment ext4 "$(pkg_versions e2fsprogs libext2fs2 libcom-err2 libblkid1 libuuid1 libc6)" \
     "/sbin/mke2fs /sbin/e2fsck" "/etc/mke2fs.conf"
+
+# rocksdb: db_bench (rocksdb-tools) and the kernel iSCSI initiator's user space from open-iscsi,
+# whose .deb is downloaded (apt checks its hash against the signed lists) and extracted, not
+# installed.
+if [[ $WITH_ROCKSDB == 1 ]]; then
+    oi_ver=$(apt-cache policy open-iscsi 2>/dev/null | awk '/Candidate:/ {print $2}')
+    [[ -n $oi_ver && $oi_ver != "(none)" ]] || {
+        apt_update
+        oi_ver=$(apt-cache policy open-iscsi 2>/dev/null | awk '/Candidate:/ {print $2}')
+    }
+    [[ -n $oi_ver && $oi_ver != "(none)" ]] || die "apt offers no open-iscsi package"
+    OI_DIR=$CACHE/open-iscsi
+    if [[ $(cat "$OI_DIR/VERSION" 2>/dev/null) != "$oi_ver" ]]; then
+        rm -rf "$OI_DIR"
+        mkdir -p "$OI_DIR.tmp"
+        (cd "$OI_DIR.tmp" && apt-get download -qq -o APT::Sandbox::User=root "open-iscsi=$oi_ver" >&2) ||
+            die "apt-get download open-iscsi failed"
+        mv "$OI_DIR.tmp"/open-iscsi_*.deb "$OI_DIR.tmp/open-iscsi.deb"
+        echo "$oi_ver" >"$OI_DIR.tmp/VERSION"
+        mv "$OI_DIR.tmp" "$OI_DIR"
+    fi
+    # The open-iscsi programs run on this machine's libraries (libopeniscsiusr, libisns0,
+    # installed above), like db_bench.
+    oi_root=$OI_DIR/root
+    rm -rf "$oi_root"
+    dpkg-deb -x "$OI_DIR/open-iscsi.deb" "$oi_root"
+    hash=$(
+        {
+            pkg_versions rocksdb-tools librocksdb7.8 libopeniscsiusr libisns0 libc6 libgcc-s1
+            echo "open-iscsi=$oi_ver"
+            sha256sum "${BASH_SOURCE[0]}" "$HERE/lib/initramfs.sh" | cut -d' ' -f1
+        } | sha256sum | cut -d' ' -f1
+    )
+    if up_to_date rocksdb "$hash"; then
+        log "rocksdb.cpio.zst is up to date"
+    else
+        st=$(new_staging)
+        add_with_libs "$st" /usr/bin/db_bench
+        add_with_libs "$st" "$LIBGCC_S"
+        for f in iscsid iscsiadm iscsistart iscsi-iname; do
+            add_with_libs "$st" "$oi_root/sbin/$f" "/usr/sbin/$f"
+        done
+        add_file "$st" "$oi_root/etc/iscsi/iscsid.conf" /etc/iscsi/iscsid.conf
+        pack "$st" rocksdb "$hash"
+    fi
+    rm -rf "$oi_root"
+fi
 
 # nvme-612: trixie's nvme-cli and tlshd with trixie's libraries, resolved inside the extracted
 # packages (SYSROOT) by trixie's own dynamic loader.
