@@ -561,6 +561,12 @@ fn print_normal(resp: &Response) {
         "discovery listeners: {}",
         list(&status["discovery_listeners"])
     );
+    if status["referrals"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty())
+    {
+        println!("referrals: {}", list(&status["referrals"]));
+    }
     for a in status["ana"].as_array().into_iter().flatten() {
         println!(
             "ANA group {} on {}: {}",
