@@ -125,7 +125,10 @@ mod tcp;
 pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
-pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
+pub use discovery::{
+    DEFAULT_REFERRAL_DEPTH, DiscoveryEntry, DiscoveryLog, MAX_REFERRALS, RdmaTsas, ReferralWalk,
+    ReferredLog, discover, discover_referrals,
+};
 pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};
