@@ -324,12 +324,19 @@ fn canonical(addr: &crate::TargetAddr) -> crate::TargetAddr {
 impl ReferralWalk {
     /// A walk that starts at `start` (level 0) and follows referrals down to `max_depth`.
     pub fn new(start: crate::TargetAddr, max_depth: u32) -> Self {
+        Self::from_many([start], max_depth)
+    }
+
+    /// A walk that starts at each of `starts` (all level 0; the same address once).
+    pub fn from_many(starts: impl IntoIterator<Item = crate::TargetAddr>, max_depth: u32) -> Self {
         let mut w = ReferralWalk {
             queue: Default::default(),
             seen: Default::default(),
             max_depth,
         };
-        w.push(start, 0);
+        for s in starts {
+            w.push(s, 0);
+        }
         w
     }
 
@@ -379,7 +386,22 @@ pub async fn discover_referrals(
     opts: &DiscoveryOptions,
     max_depth: u32,
 ) -> Result<Vec<ReferredLog>, Error> {
-    let mut walk = ReferralWalk::new(opts.addr.clone(), max_depth);
+    let mut logs = discover_all(opts, [opts.addr.clone()], max_depth).await;
+    if let Some(ReferredLog { log: Err(e), .. }) = logs.first_mut() {
+        return Err(e.clone());
+    }
+    Ok(logs)
+}
+
+/// Reads the discovery logs at each of `starts` (found over mDNS, say) and follows their
+/// referrals as [`discover_referrals`] does, each discovery controller once; one that cannot
+/// be read is reported in its [`ReferredLog`] and the walk goes on.
+pub async fn discover_all(
+    opts: &DiscoveryOptions,
+    starts: impl IntoIterator<Item = crate::TargetAddr>,
+    max_depth: u32,
+) -> Vec<ReferredLog> {
+    let mut walk = ReferralWalk::from_many(starts, max_depth);
     let mut out = Vec::new();
     while let Some((addr, depth)) = walk.next_controller() {
         let mut o = opts.clone();
@@ -387,12 +409,11 @@ pub async fn discover_referrals(
         let log = discover(&o).await;
         match &log {
             Ok(l) => walk.read(depth, l),
-            Err(e) if depth == 0 => return Err(e.clone()),
-            Err(e) => debug!(%addr, error = %e, "referred discovery controller unreadable"),
+            Err(e) => debug!(%addr, error = %e, "discovery controller unreadable"),
         }
         out.push(ReferredLog { addr, depth, log });
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]

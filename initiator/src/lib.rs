@@ -127,7 +127,7 @@ pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{
     DEFAULT_REFERRAL_DEPTH, DiscoveryEntry, DiscoveryLog, MAX_REFERRALS, RdmaTsas, ReferralWalk,
-    ReferredLog, discover, discover_referrals,
+    ReferredLog, discover, discover_all, discover_referrals,
 };
 pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};

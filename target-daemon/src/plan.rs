@@ -636,6 +636,9 @@ pub fn plan(old: &Config, new: &Config) -> Result<Vec<Change>, ChangeError> {
             changed_settings(&old.target, &new.target).join(", ")
         ));
     }
+    if new.discovery.mdns != old.discovery.mdns {
+        return refused("[discovery] mdns changes only at a restart");
+    }
     let mut changes = Vec::new();
 
     // Listeners.

@@ -178,10 +178,10 @@ fn mdns_socket(addrs: &[Ipv4Addr]) -> std::io::Result<UdpSocket> {
 }
 
 /// Answers mDNS queries for a changing set of services, announcing each when it comes and
-/// saying goodbye (TTL 0) when it goes. Dropping it without [`Responder::stop`] ends it
-/// without goodbyes.
+/// saying goodbye (TTL 0) when it goes or the responder stops.
 pub struct Responder {
     services: tokio::sync::watch::Sender<Vec<Service>>,
+    stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -197,24 +197,48 @@ impl Responder {
             .collect();
         let socket = Arc::new(mdns_socket(&v4)?);
         let (tx, rx) = tokio::sync::watch::channel(services);
-        let task = tokio::spawn(serve(socket, rx));
-        Ok(Responder { services: tx, task })
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(serve(socket, rx, stopped));
+        Ok(Responder {
+            services: tx,
+            stop,
+            task,
+        })
     }
 
     /// Replaces the advertised services: new ones are announced, removed ones get a goodbye.
     pub fn set_services(&self, services: Vec<Service>) {
-        self.services.send_if_modified(|cur| {
-            let changed = *cur != services;
-            *cur = services;
-            changed
-        });
+        set(&self.services, services);
+    }
+
+    /// A handle that changes the advertised services from elsewhere.
+    pub fn handle(&self) -> ResponderHandle {
+        ResponderHandle(self.services.clone())
     }
 
     /// Says goodbye for every service and stops answering.
     pub async fn stop(self) {
-        self.set_services(Vec::new());
-        drop(self.services);
+        let _ = self.stop.send(());
         let _ = self.task.await;
+    }
+}
+
+fn set(tx: &tokio::sync::watch::Sender<Vec<Service>>, services: Vec<Service>) {
+    tx.send_if_modified(|cur| {
+        let changed = *cur != services;
+        *cur = services;
+        changed
+    });
+}
+
+/// Changes the services of a [`Responder`] (see [`Responder::handle`]).
+#[derive(Clone)]
+pub struct ResponderHandle(tokio::sync::watch::Sender<Vec<Service>>);
+
+impl ResponderHandle {
+    /// As [`Responder::set_services`].
+    pub fn set_services(&self, services: Vec<Service>) {
+        set(&self.0, services);
     }
 }
 
@@ -224,7 +248,11 @@ async fn send(socket: &UdpSocket, m: &Message, to: SocketAddr) {
     }
 }
 
-async fn serve(socket: Arc<UdpSocket>, mut rx: tokio::sync::watch::Receiver<Vec<Service>>) {
+async fn serve(
+    socket: Arc<UdpSocket>,
+    mut rx: tokio::sync::watch::Receiver<Vec<Service>>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) {
     let group = SocketAddr::V4(SocketAddrV4::new(MDNS_GROUP, MDNS_PORT));
     let mut current: Vec<Service> = rx.borrow_and_update().clone();
     // Announced twice, a second apart (RFC 6762 section 8.3).
@@ -237,6 +265,12 @@ async fn serve(socket: Arc<UdpSocket>, mut rx: tokio::sync::watch::Receiver<Vec<
                 send(&socket, &announcement(&current, None), group).await;
                 announcements -= 1;
                 next = tokio::time::Instant::now() + Duration::from_secs(1);
+            }
+            _ = &mut stopped => {
+                if !current.is_empty() {
+                    send(&socket, &announcement(&current, Some(0)), group).await;
+                }
+                return;
             }
             changed = rx.changed() => {
                 let new = match changed {

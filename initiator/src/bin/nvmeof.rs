@@ -113,9 +113,13 @@ enum Cmd {
 given; the I/O port of most targets answers too), reads the whole discovery log and prints \
 every entry: which subsystems this host may connect to, and where. With --referrals, the \
 discovery controllers its referral entries name are read too, and theirs, down to --max-depth \
-levels, each once."
+levels, each once. With --mdns, no address is needed: the discovery controllers that \
+advertise themselves on the local link over mDNS (DNS-SD service _nvme-disc._tcp) are found \
+first, then each is read."
     )]
-    #[command(override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]")]
+    #[command(
+        override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]\n       nvmeof discover --mdns [OPTIONS]"
+    )]
     Discover {
         #[command(flatten)]
         fabric: Fabric,
@@ -125,6 +129,13 @@ levels, each once."
         /// Referral levels followed at most (with --referrals).
         #[arg(long = "max-depth", value_name = "N", default_value_t = nvmeof_initiator::DEFAULT_REFERRAL_DEPTH)]
         max_depth: u32,
+        /// Find the discovery controllers advertised over mDNS (`_nvme-disc._tcp`) and read
+        /// each (instead of -a).
+        #[arg(long)]
+        mdns: bool,
+        /// Seconds to wait for mDNS answers (with --mdns).
+        #[arg(long = "mdns-wait", value_name = "SECS", default_value_t = 2)]
+        mdns_wait: u64,
     },
     /// Connect to a subsystem, print its controller and namespaces, disconnect.
     #[command(
@@ -683,6 +694,14 @@ async fn run(cli: Cli) -> Result<()> {
             fabric,
             referrals,
             max_depth,
+            mdns: true,
+            mdns_wait,
+        } => cmd_discover_mdns(&ctx, &fabric, referrals.then_some(max_depth), mdns_wait).await,
+        Cmd::Discover {
+            fabric,
+            referrals,
+            max_depth,
+            ..
         } => cmd_discover(&ctx, &fabric, referrals.then_some(max_depth)).await,
         Cmd::Probe { fabric, queues } => cmd_probe(&ctx, &fabric, &queues).await,
         Cmd::Connect {
@@ -1123,6 +1142,48 @@ async fn cmd_discover(ctx: &Ctx, f: &Fabric, referrals: Option<u32>) -> Result<(
     let logs = discover_referrals(&opts, max_depth)
         .await
         .with_context(|| format!("discovery at {addr} failed"))?;
+    print_referred(ctx, &logs)
+}
+
+/// `discover --mdns`: browses for `_nvme-disc._tcp`, then reads each discovery controller found
+/// (and, with `referrals`, those they refer to).
+async fn cmd_discover_mdns(ctx: &Ctx, f: &Fabric, referrals: Option<u32>, wait: u64) -> Result<()> {
+    if f.traddr.is_some() {
+        usage!("--mdns finds the discovery controllers itself: -a is not taken");
+    }
+    let found = nvmeof_mdns::browse(Duration::from_secs(wait.clamp(1, 60)))
+        .await
+        .context("mDNS browse failed")?;
+    let mut starts = Vec::new();
+    for s in &found {
+        let transport = match s.transport() {
+            "tcp" => Transport::Tcp,
+            "rdma" | "roce" | "iwarp" => Transport::Rdma,
+            other => {
+                eprintln!(
+                    "nvmeof: {} (port {}): transport {other:?} not used by discover --mdns",
+                    s.instance, s.port
+                );
+                continue;
+            }
+        };
+        for a in &s.addrs {
+            starts.push(TargetAddr::new(a.to_string(), s.port).with_transport(transport));
+        }
+    }
+    if starts.is_empty() {
+        anyhow::bail!(
+            "no discovery controller answered over mDNS (_nvme-disc._tcp) within {wait} s"
+        );
+    }
+    let addr = TargetAddr::new("0.0.0.0", DEFAULT_DISCOVERY_PORT);
+    let mut opts = DiscoveryOptions::new(addr, identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let t = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = t;
+    opts.timeouts.admin = t;
+    let logs = nvmeof_initiator::discover_all(&opts, starts, referrals.unwrap_or(0)).await;
     print_referred(ctx, &logs)
 }
 
