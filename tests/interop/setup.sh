@@ -4,6 +4,8 @@
 #
 #   tests/interop/setup.sh [--with-k612] [--refresh-kernel] [--rebuild]
 #
+#   --with-avahi      also pack avahi-daemon, avahi-browse and dbus-daemon (guest.sh --with-avahi;
+#                     installs Debian's avahi-daemon and avahi-utils here)
 #   --with-k612       also prepare the Linux 6.12 guest (guest.sh --kernel 612): Debian trixie's
 #                     linux-image-6.12.*+deb13-amd64, nvme-cli 2.13 and tlshd (ktls-utils) with
 #                     trixie's libraries, fetched through a private apt configuration
@@ -22,6 +24,7 @@
 #   initrd/base.cpio.zst        busybox, /init, kernel modules (tests/interop/modules.list)
 #   initrd/nvme.cpio.zst        nvme-cli and its shared libraries
 #   initrd/fio.cpio.zst         fio and its shared libraries (large; only for --with-fio)
+#   initrd/avahi.cpio.zst       with --with-avahi: avahi-daemon, avahi-browse, dbus-daemon
 #   initrd/rdma.cpio.zst        iproute2's rdma, libibverbs + rxe provider, verbs/rdmacm tools
 #   initrd/ext4.cpio.zst        mke2fs and e2fsck (e2fsprogs) and their shared libraries
 #   k612/kernel/<kver>/         with --with-k612: trixie's 6.12 kernel package, vmlinuz, config,
@@ -36,10 +39,12 @@ CACHE=${INTEROP_CACHE:-$HERE/.cache}
 REFRESH_KERNEL=0
 REBUILD=0
 WITH_K612=0
+WITH_AVAHI=0
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --with-k612) WITH_K612=1 ;;
+    --with-avahi) WITH_AVAHI=1 ;;
     --refresh-kernel) REFRESH_KERNEL=1 ;;
     --rebuild) REBUILD=1 ;;
     -h | --help)
@@ -85,6 +90,7 @@ PACKAGES=(
     python3   # host-side NVMe/TCP probes
     e2fsprogs # guest: mke2fs, e2fsck
 )
+[[ $WITH_AVAHI == 0 ]] || PACKAGES+=(avahi-daemon avahi-utils dbus-daemon)
 APT_UPDATED=0
 apt_update() {
     if [[ $APT_UPDATED == 0 ]]; then
@@ -497,6 +503,13 @@ build_tool_segment rdma "$(pkg_versions libgcc-s1 iproute2 libibverbs1 librdmacm
     "/etc/libibverbs.d/rxe.driver"
 build_tool_segment ext4 "$(pkg_versions e2fsprogs libext2fs2 libcom-err2 libblkid1 libuuid1 libc6)" \
     "/sbin/mke2fs /sbin/e2fsck" "/etc/mke2fs.conf"
+
+# avahi: the mDNS responder and browser with the system bus they talk over. The guest script
+# writes their configuration (tests/guest/avahi-browse.sh): no users, no chroot.
+if [[ $WITH_AVAHI == 1 ]]; then
+    build_tool_segment avahi "$(pkg_versions avahi-daemon avahi-utils dbus-daemon libavahi-core7 libavahi-client3 libdbus-1-3 libc6)" \
+        "/usr/sbin/avahi-daemon /usr/bin/avahi-browse /usr/bin/dbus-daemon $LIBGCC_S"
+fi
 
 # nvme-612: trixie's nvme-cli and tlshd with trixie's libraries, resolved inside the extracted
 # packages (SYSROOT) by trixie's own dynamic loader.

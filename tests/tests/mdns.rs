@@ -102,3 +102,42 @@ fn the_discovery_listener_is_found_over_mdns_until_it_goes() {
     let (code, log) = t.terminate();
     assert_eq!(code, Some(0), "{log}");
 }
+
+/// Avahi in a QEMU guest (`guest.sh --with-avahi`) next to `nvmeof-targetd`: `avahi-browse`
+/// resolves the advertisement with its TXT keys, `nvmeof discover --mdns` reads it, and Avahi
+/// forgets it after the target's goodbye (tests/guest/mdns-avahi.sh). QEMU's user networking
+/// carries no multicast between this machine and the guest, so all three run in the guest.
+/// Needs `tests/interop/setup.sh --with-avahi` and `NVMEOF_INTEROP=1`.
+#[test]
+fn avahi_in_the_guest_sees_the_advertisement_and_its_goodbye() {
+    if nvmeof_tests::skip_without_interop() {
+        return;
+    }
+    let cache = std::env::var_os("INTEROP_CACHE").map_or_else(
+        || nvmeof_tests::workspace_root().join("tests/interop/.cache"),
+        std::path::PathBuf::from,
+    );
+    if !cache.join("initrd/avahi.cpio.zst").exists() {
+        eprintln!("skipped: no Avahi in the guest (run tests/interop/setup.sh --with-avahi)");
+        return;
+    }
+    let out = Command::new(nvmeof_tests::guest_sh())
+        .args(["run", "--with-avahi", "--timeout", "300"])
+        .arg("--add-bin")
+        .arg(format!(
+            "{}:/usr/bin/nvmeof-targetd",
+            bin_path("nvmeof-targetd").display()
+        ))
+        .arg("--add-bin")
+        .arg(format!("{}:/usr/bin/nvmeof", bin_path("nvmeof").display()))
+        .arg(nvmeof_tests::workspace_root().join("tests/guest/mdns-avahi.sh"))
+        .output()
+        .expect("guest.sh");
+    let console = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && console.contains("PASS: avahi sees the mDNS advertisement"),
+        "guest failed ({:?}):\n{console}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
