@@ -1069,6 +1069,13 @@ allow_any_host = true
         );
         let err = Config::from_toml(&twice).unwrap_err();
         assert!(err.to_string().contains("listed twice"), "{err}");
+        // mDNS advertisement starts and stops with the daemon.
+        let mdns = plan_to(
+            "listen = [\"tcp://127.0.0.1:8009\"]",
+            "listen = [\"tcp://127.0.0.1:8009\"]\nmdns = true",
+            "",
+        );
+        assert!(mdns.unwrap_err().contains("mdns changes only at a restart"));
     }
 
     #[test]

@@ -74,7 +74,7 @@ fn initiator_follows_the_kernel_targets_referrals_once_each() {
         assert!(has("nvme subsystem", &|r| r["subnqn"] == nqn), "{c}");
         assert!(
             has("discovery subsystem referral", &|r| {
-                r["traddr"] == "127.0.0.1" && r["trsvcid"] == refers.to_string()
+                r["traddr"] == "127.0.0.1" && r["trsvcid"].as_str() == Some(&refers.to_string())
             }),
             "{c}"
         );
