@@ -4,7 +4,9 @@
 //! benchmarks), plus two binaries built on it: the `nvmeof` command line tool and the
 //! `nvmeof-initd` daemon that holds named attachments.
 //!
-//! - [`discover`] asks a discovery controller which subsystems exist and where.
+//! - [`discover`] asks a discovery controller which subsystems exist and where;
+//!   [`discover_referrals`] and [`discover_all`] follow its referrals to other discovery
+//!   controllers ([`ReferralWalk`]: each once, to a depth limit).
 //! - [`Controller::connect`] sets up an association with an NVM subsystem: the admin queue
 //!   (Fabrics Connect, controller enable, Identify, Number of Queues), then N I/O queues, each
 //!   its own connection (TCP, or an RDMA-CM queue pair for [`Transport::Rdma`]) driven by its
