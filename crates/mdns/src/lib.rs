@@ -262,7 +262,9 @@ async fn serve(
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next), if announcements > 0 => {
-                send(&socket, &announcement(&current, None), group).await;
+                if !current.is_empty() {
+                    send(&socket, &announcement(&current, None), group).await;
+                }
                 announcements -= 1;
                 next = tokio::time::Instant::now() + Duration::from_secs(1);
             }
