@@ -124,7 +124,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 if [[ $quick == 0 ]]; then
     stage "QEMU guest with the Linux kernel NVMe-oF host and target"
-    sudo_ tests/interop/setup.sh --with-k612 --with-rocksdb
+    sudo_ tests/interop/setup.sh --with-k612 --with-rocksdb --with-avahi
     # rdma-core headers: nvmf-rdma's layout test checks its declarations against them.
     dpkg -s libibverbs-dev librdmacm-dev >/dev/null 2>&1 || sudo_ apt-get install -y --no-install-recommends libibverbs-dev librdmacm-dev
     export NVMEOF_INTEROP=1

@@ -295,9 +295,196 @@ async fn read_log(c: &mut SetupConn, chunk: u32, attempts: u32) -> Result<Discov
     )))
 }
 
+/// Referral levels followed at most by default: the discovery controller asked first is level
+/// 0, one it refers to level 1, and so on.
+pub const DEFAULT_REFERRAL_DEPTH: u32 = 4;
+/// Discovery controllers read at most in one walk, however many referrals they list.
+pub const MAX_REFERRALS: usize = 256;
+
+/// The walk through discovery referrals: which discovery controller to read next. Each
+/// address is read once (a referral back to one read already, or listed by two controllers,
+/// is not followed again), no deeper than the depth limit and no more than [`MAX_REFERRALS`]
+/// controllers, so a loop or a long chain of referrals ends.
+#[derive(Debug)]
+pub struct ReferralWalk {
+    queue: std::collections::VecDeque<(crate::TargetAddr, u32)>,
+    seen: std::collections::HashSet<crate::TargetAddr>,
+    max_depth: u32,
+}
+
+/// The same address however the IP address is spelled (`::1` and `0:0::1`).
+fn canonical(addr: &crate::TargetAddr) -> crate::TargetAddr {
+    let mut a = addr.clone();
+    if let Ok(ip) = a.host.parse::<std::net::IpAddr>() {
+        a.host = ip.to_string();
+    }
+    a
+}
+
+impl ReferralWalk {
+    /// A walk that starts at `start` (level 0) and follows referrals down to `max_depth`.
+    pub fn new(start: crate::TargetAddr, max_depth: u32) -> Self {
+        Self::from_many([start], max_depth)
+    }
+
+    /// A walk that starts at each of `starts` (all level 0; the same address once).
+    pub fn from_many(starts: impl IntoIterator<Item = crate::TargetAddr>, max_depth: u32) -> Self {
+        let mut w = ReferralWalk {
+            queue: Default::default(),
+            seen: Default::default(),
+            max_depth,
+        };
+        for s in starts {
+            w.push(s, 0);
+        }
+        w
+    }
+
+    fn push(&mut self, addr: crate::TargetAddr, depth: u32) {
+        if depth <= self.max_depth
+            && self.seen.len() < MAX_REFERRALS
+            && self.seen.insert(canonical(&addr))
+        {
+            self.queue.push_back((addr, depth));
+        }
+    }
+
+    /// The next discovery controller to read and its level, or `None` when the walk is over.
+    pub fn next_controller(&mut self) -> Option<(crate::TargetAddr, u32)> {
+        self.queue.pop_front()
+    }
+
+    /// Takes in the log read at level `depth`: its referrals (of a transport this initiator
+    /// speaks) are read next, those not read or queued already.
+    pub fn read(&mut self, depth: u32, log: &DiscoveryLog) {
+        for e in &log.entries {
+            if e.subtype == subtype::DISCOVERY_REFERRAL
+                && let Some(a) = e.target_addr()
+            {
+                self.push(a, depth + 1);
+            }
+        }
+    }
+}
+
+/// One discovery controller read (or not) while following referrals.
+#[derive(Debug)]
+pub struct ReferredLog {
+    /// Its address.
+    pub addr: crate::TargetAddr,
+    /// Its level: 0 for the one asked first, 1 for one it refers to, and so on.
+    pub depth: u32,
+    /// Its log, or why it could not be read (the walk goes on with the others).
+    pub log: Result<DiscoveryLog, Error>,
+}
+
+/// Reads the discovery log at `opts.addr` ([`discover`]) and, following its referral entries,
+/// those of the discovery controllers it refers to, down to `max_depth` levels (see
+/// [`ReferralWalk`]). The first controller that cannot be read ends the walk with its error;
+/// a referred one that cannot be read is reported in its [`ReferredLog`].
+pub async fn discover_referrals(
+    opts: &DiscoveryOptions,
+    max_depth: u32,
+) -> Result<Vec<ReferredLog>, Error> {
+    let mut logs = discover_all(opts, [opts.addr.clone()], max_depth).await;
+    if let Some(ReferredLog { log: Err(e), .. }) = logs.first_mut() {
+        return Err(e.clone());
+    }
+    Ok(logs)
+}
+
+/// Reads the discovery logs at each of `starts` (found over mDNS, say) and follows their
+/// referrals as [`discover_referrals`] does, each discovery controller once; one that cannot
+/// be read is reported in its [`ReferredLog`] and the walk goes on.
+pub async fn discover_all(
+    opts: &DiscoveryOptions,
+    starts: impl IntoIterator<Item = crate::TargetAddr>,
+    max_depth: u32,
+) -> Vec<ReferredLog> {
+    let mut walk = ReferralWalk::from_many(starts, max_depth);
+    let mut out = Vec::new();
+    while let Some((addr, depth)) = walk.next_controller() {
+        let mut o = opts.clone();
+        o.addr = addr.clone();
+        let log = discover(&o).await;
+        match &log {
+            Ok(l) => walk.read(depth, l),
+            Err(e) => debug!(%addr, error = %e, "discovery controller unreadable"),
+        }
+        out.push(ReferredLog { addr, depth, log });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn referral(host: &str, port: u16) -> DiscoveryEntry {
+        let mut raw = DiscoveryLogEntry::zeroed();
+        raw.trtype = trtype::TCP;
+        raw.adrfam = adrfam::IPV4;
+        raw.subtype = subtype::DISCOVERY_REFERRAL;
+        let port = port.to_string();
+        raw.trsvcid[..port.len()].copy_from_slice(port.as_bytes());
+        raw.traddr[..host.len()].copy_from_slice(host.as_bytes());
+        DiscoveryEntry::from_raw(&raw)
+    }
+
+    /// Walks a graph of discovery controllers (by port on 192.0.2.1, each listing referrals
+    /// to others) and returns the ports read, with their levels.
+    fn walk(graph: &[(u16, &[u16])], max_depth: u32) -> Vec<(u16, u32)> {
+        let mut w = ReferralWalk::new(crate::TargetAddr::new("192.0.2.1", graph[0].0), max_depth);
+        let mut read = Vec::new();
+        while let Some((a, depth)) = w.next_controller() {
+            read.push((a.port, depth));
+            let refs = graph
+                .iter()
+                .find(|(p, _)| *p == a.port)
+                .map_or(&[][..], |g| g.1);
+            let mut entries: Vec<DiscoveryEntry> =
+                refs.iter().map(|p| referral("192.0.2.1", *p)).collect();
+            // Not referrals: an NVM subsystem and the current discovery controller.
+            let mut nvm = referral("192.0.2.1", 4420);
+            nvm.subtype = subtype::NVME;
+            let mut current = referral("192.0.2.1", 9999);
+            current.subtype = subtype::CURRENT_DISCOVERY;
+            entries.extend([nvm, current]);
+            w.read(depth, &DiscoveryLog { genctr: 1, entries });
+        }
+        read
+    }
+
+    #[test]
+    fn referrals_are_followed_once_each_and_loops_end() {
+        // 1 -> 2 -> 3 -> 1 (a loop), 1 -> 3 too, 2 -> itself.
+        let graph: &[(u16, &[u16])] = &[(1, &[2, 3]), (2, &[2, 3]), (3, &[1])];
+        assert_eq!(walk(graph, 4), vec![(1, 0), (2, 1), (3, 1)]);
+        // The same address spelled otherwise is the same controller.
+        let mut w = ReferralWalk::new(crate::TargetAddr::new("::1", 1), 4);
+        w.next_controller();
+        let mut e = referral("0:0::1", 1);
+        e.adrfam = adrfam::IPV6;
+        w.read(
+            0,
+            &DiscoveryLog {
+                genctr: 1,
+                entries: vec![e],
+            },
+        );
+        assert!(w.next_controller().is_none());
+    }
+
+    #[test]
+    fn referrals_are_followed_down_to_the_depth_limit() {
+        let chain: &[(u16, &[u16])] = &[(1, &[2]), (2, &[3]), (3, &[4]), (4, &[5]), (5, &[])];
+        assert_eq!(walk(chain, 2), vec![(1, 0), (2, 1), (3, 2)]);
+        assert_eq!(walk(chain, 0), vec![(1, 0)]);
+        // A controller referring to very many others: the walk stops at MAX_REFERRALS.
+        let many: Vec<u16> = (2..2000).collect();
+        let fan: &[(u16, &[u16])] = &[(1, &many)];
+        assert_eq!(walk(fan, 4).len(), MAX_REFERRALS);
+    }
 
     #[test]
     fn rdma_entries_carry_their_transport_subtype() {

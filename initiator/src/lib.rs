@@ -4,7 +4,9 @@
 //! benchmarks), plus two binaries built on it: the `nvmeof` command line tool and the
 //! `nvmeof-initd` daemon that holds named attachments.
 //!
-//! - [`discover`] asks a discovery controller which subsystems exist and where.
+//! - [`discover`] asks a discovery controller which subsystems exist and where;
+//!   [`discover_referrals`] and [`discover_all`] follow its referrals to other discovery
+//!   controllers ([`ReferralWalk`]: each once, to a depth limit).
 //! - [`Controller::connect`] sets up an association with an NVM subsystem: the admin queue
 //!   (Fabrics Connect, controller enable, Identify, Number of Queues), then N I/O queues, each
 //!   its own connection (TCP, or an RDMA-CM queue pair for [`Transport::Rdma`]) driven by its
@@ -131,7 +133,10 @@ mod tcp;
 pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
-pub use discovery::{DiscoveryEntry, DiscoveryLog, RdmaTsas, discover};
+pub use discovery::{
+    DEFAULT_REFERRAL_DEPTH, DiscoveryEntry, DiscoveryLog, MAX_REFERRALS, RdmaTsas, ReferralWalk,
+    ReferredLog, discover, discover_all, discover_referrals,
+};
 pub use error::{Error, ErrorClass, connect_hint, fes_name, status_name};
 pub use error::{STATUS_INTERNAL, STATUS_PATH_ERROR, STATUS_TIMEOUT};
 pub use identity::{HostIdentity, default_state_dir};

@@ -32,6 +32,8 @@
 //!
 //! [discovery]
 //! listen = ["tcp://0.0.0.0:8009"]   # dedicated discovery listeners (also served on every I/O listener)
+//! referrals = ["tcp://192.0.2.20:8009"]  # other discovery controllers, listed in the discovery log
+//! mdns = true                       # advertise the discovery listeners over mDNS (_nvme-disc._tcp)
 //!
 //! [[subsystem]]
 //! nqn = "nqn.2026-11.io.nvmeof-direct:ssd0"
@@ -105,7 +107,7 @@ pub enum ConfigError {
 }
 
 /// A transport address such as `tcp://127.0.0.1:4420` or `rdma://192.168.1.2:4420`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ListenAddr {
     /// Transport.
     pub transport: Transport,
@@ -114,7 +116,7 @@ pub struct ListenAddr {
 }
 
 /// Transport kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Transport {
     /// NVMe/TCP.
     Tcp,
@@ -408,6 +410,14 @@ pub struct DiscoveryConfig {
     /// Dedicated discovery listeners (conventionally port 8009).
     #[serde(default)]
     pub listen: Vec<ListenAddr>,
+    /// Other discovery controllers, each listed in the discovery log as a referral entry
+    /// (hosts that follow referrals read their logs too).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub referrals: Vec<ListenAddr>,
+    /// Advertise every discovery listener over mDNS (DNS-SD service `_nvme-disc._tcp`,
+    /// NVMe TP 8009), so that hosts on the link find them without being told.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mdns: bool,
 }
 
 /// One subsystem.
@@ -829,6 +839,18 @@ impl Config {
                      discovery too: remove it from [discovery] listen",
                     l.address
                 ));
+            }
+        }
+        let mut referrals = std::collections::HashSet::new();
+        for r in &self.discovery.referrals {
+            if r.addr.port() == 0 || r.addr.ip().is_unspecified() {
+                return bad(format!(
+                    "discovery referral {r}: a referral names the address and port of another \
+                     discovery controller (e.g. tcp://192.0.2.20:8009)"
+                ));
+            }
+            if !referrals.insert(r) {
+                return bad(format!("discovery referral {r} is listed twice"));
             }
         }
         let mut nqns = std::collections::HashSet::new();

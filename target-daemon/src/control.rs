@@ -244,6 +244,19 @@ pub enum Request {
         #[arg(long)]
         discovery: bool,
     },
+    /// Lists another discovery controller in the discovery log (a referral entry); hosts
+    /// connected to the discovery controller are told the log changed.
+    AddReferral {
+        /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT` of the other discovery controller.
+        #[arg(value_name = "tcp://ADDR:PORT")]
+        address: String,
+    },
+    /// Takes a referral out of the discovery log.
+    RemoveReferral {
+        /// `tcp://ADDR:PORT` or `rdma://ADDR:PORT` of the other discovery controller.
+        #[arg(value_name = "tcp://ADDR:PORT")]
+        address: String,
+    },
     /// Disconnects controllers by ID or host NQN.
     Disconnect {
         /// Subsystem NQN.
@@ -504,6 +517,12 @@ pub fn change_for(req: &Request, cfg: &Config) -> Result<Option<Change>, ChangeE
         Request::RemoveListener { address, discovery } => Change::RemoveListener {
             address: parse("address", address)?,
             discovery: *discovery,
+        },
+        Request::AddReferral { address } => Change::AddReferral {
+            address: parse("address", address)?,
+        },
+        Request::RemoveReferral { address } => Change::RemoveReferral {
+            address: parse("address", address)?,
         },
         Request::NsAddHost {
             subsystem: nqn,

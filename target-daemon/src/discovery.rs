@@ -44,7 +44,10 @@ fn entry(
         e.tsas[0] = tcp_sectype::TLS13;
         treq::SECURE_CHANNEL_REQUIRED
     } else {
-        treq::SECURE_CHANNEL_NOT_REQUIRED
+        // As the Linux target says of a port without TLS: nvme-cli's connect-all (libnvme
+        // 1.3) asks the kernel for TLS on an entry that says "not required", which kernels
+        // without NVMe/TCP TLS refuse.
+        treq::SECURE_CHANNEL_NOT_SPECIFIED
     };
     e.treq = secure | treq::SQ_FLOW_CONTROL_DISABLE;
     e.portid.set(portid);
@@ -64,8 +67,9 @@ fn entry(
 /// Builds the whole discovery log page for `hostnqn`, as seen from the local address `local`:
 /// every subsystem the host may connect to on every I/O listener it may use (TLS listeners
 /// for hosts with a TLS PSK, plain ones for the others), then the discovery service
-/// itself on every listener. Entries of TLS listeners say that a secure channel is required
-/// and that it is TLS 1.3.
+/// itself on every listener, then a referral to each other discovery controller configured
+/// (`[discovery] referrals`). Entries of TLS listeners say that a secure channel is required
+/// and that it is TLS 1.3; others say nothing of a secure channel.
 pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
     let mut entries: Vec<DiscoveryLogEntry> = Vec::new();
     let listeners = target.listeners();
@@ -81,14 +85,27 @@ pub fn log_page(target: &Target, hostnqn: &str, local: SocketAddr) -> Vec<u8> {
         }
     }
     let all = listeners.io.iter().chain(&listeners.discovery);
+    let mut ports = 0;
     for (i, l) in all.enumerate() {
+        ports = i as u16 + 1;
         entries.push(entry(
             l,
-            i as u16 + 1,
+            ports,
             local,
             DISCOVERY_NQN,
             subtype::CURRENT_DISCOVERY,
             target.requires_tls(l),
+        ));
+    }
+    for (i, r) in target.referrals().iter().enumerate() {
+        let portid = ports.saturating_add(i as u16 + 1);
+        entries.push(entry(
+            r,
+            portid,
+            local,
+            DISCOVERY_NQN,
+            subtype::DISCOVERY_REFERRAL,
+            false,
         ));
     }
     let mut hdr = DiscoveryLogHeader::zeroed();

@@ -44,6 +44,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod advertise;
 pub mod ana;
 pub mod auth;
 pub mod config;

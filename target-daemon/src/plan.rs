@@ -179,6 +179,16 @@ pub enum Change {
         /// The new state (optimized: the group is no longer named on the listener).
         state: AnaState,
     },
+    /// The discovery log refers hosts to one more discovery controller.
+    AddReferral {
+        /// Its address.
+        address: ListenAddr,
+    },
+    /// The discovery log no longer refers hosts to a discovery controller.
+    RemoveReferral {
+        /// Its address.
+        address: ListenAddr,
+    },
 }
 
 fn subsystem<'a>(cfg: &'a mut Config, nqn: &str) -> Result<&'a mut SubsystemConfig, ChangeError> {
@@ -425,6 +435,18 @@ impl Change {
                     l.ana.sort_by_key(|a| a.group);
                 }
             }
+            Change::AddReferral { address } => {
+                if cfg.discovery.referrals.contains(address) {
+                    return refused(format!("a referral to {address} exists already"));
+                }
+                cfg.discovery.referrals.push(address.clone());
+            }
+            Change::RemoveReferral { address } => {
+                if !cfg.discovery.referrals.contains(address) {
+                    return refused(format!("no referral to {address}"));
+                }
+                cfg.discovery.referrals.retain(|r| r != address);
+            }
         }
         Ok(())
     }
@@ -516,6 +538,8 @@ impl Change {
                 .listeners
                 .iter()
                 .any(|l| l.address == *address && ana_state(l, *group) == *state),
+            Change::AddReferral { address } => cfg.discovery.referrals.contains(address),
+            Change::RemoveReferral { address } => !cfg.discovery.referrals.contains(address),
         }
     }
 
@@ -537,7 +561,9 @@ impl Change {
             Change::AddListener { .. }
             | Change::SetListenerTls { .. }
             | Change::RemoveListener { .. }
-            | Change::SetAnaState { .. } => None,
+            | Change::SetAnaState { .. }
+            | Change::AddReferral { .. }
+            | Change::RemoveReferral { .. } => None,
         }
     }
 }
@@ -610,6 +636,9 @@ pub fn plan(old: &Config, new: &Config) -> Result<Vec<Change>, ChangeError> {
             changed_settings(&old.target, &new.target).join(", ")
         ));
     }
+    if new.discovery.mdns != old.discovery.mdns {
+        return refused("[discovery] mdns changes only at a restart");
+    }
     let mut changes = Vec::new();
 
     // Listeners.
@@ -678,6 +707,18 @@ pub fn plan(old: &Config, new: &Config) -> Result<Vec<Change>, ChangeError> {
                 },
                 discovery: true,
             });
+        }
+    }
+
+    // Referrals.
+    for a in &old.discovery.referrals {
+        if !new.discovery.referrals.contains(a) {
+            changes.push(Change::RemoveReferral { address: a.clone() });
+        }
+    }
+    for a in &new.discovery.referrals {
+        if !old.discovery.referrals.contains(a) {
+            changes.push(Change::AddReferral { address: a.clone() });
         }
     }
 
@@ -967,6 +1008,74 @@ allow_any_host = true
                 allow: true
             }]
         );
+    }
+
+    #[test]
+    fn referrals_come_and_go_one_by_one() {
+        let a: ListenAddr = "tcp://192.0.2.1:8009".parse().unwrap();
+        let b: ListenAddr = "tcp://192.0.2.2:8009".parse().unwrap();
+        let changes = plan_to(
+            "listen = [\"tcp://127.0.0.1:8009\"]",
+            "listen = [\"tcp://127.0.0.1:8009\"]\nreferrals = [\"tcp://192.0.2.1:8009\"]",
+            "",
+        )
+        .unwrap();
+        assert_eq!(changes, vec![Change::AddReferral { address: a.clone() }]);
+        let with_a = BASE.replacen(
+            "listen = [\"tcp://127.0.0.1:8009\"]",
+            "listen = [\"tcp://127.0.0.1:8009\"]\nreferrals = [\"tcp://192.0.2.1:8009\"]",
+            1,
+        );
+        let to_b = with_a.replacen("192.0.2.1", "192.0.2.2", 1);
+        assert_eq!(
+            plan_between(&with_a, &to_b).unwrap(),
+            vec![
+                Change::RemoveReferral { address: a.clone() },
+                Change::AddReferral { address: b.clone() },
+            ]
+        );
+        // Twice, or removed while absent: refused; a retried change is already in effect.
+        let mut cfg = Config::from_toml(&with_a).unwrap();
+        let add = Change::AddReferral { address: a.clone() };
+        assert!(add.in_effect(&cfg));
+        assert!(
+            add.apply(&mut cfg)
+                .unwrap_err()
+                .to_string()
+                .contains("exists already")
+        );
+        let remove = Change::RemoveReferral { address: b };
+        assert!(
+            remove
+                .apply(&mut cfg)
+                .unwrap_err()
+                .to_string()
+                .contains("no referral")
+        );
+        // A referral must name a reachable address, once.
+        for bad in ["tcp://0.0.0.0:8009", "tcp://192.0.2.1:0"] {
+            let text = BASE.replacen(
+                "listen = [\"tcp://127.0.0.1:8009\"]",
+                &format!("listen = [\"tcp://127.0.0.1:8009\"]\nreferrals = [\"{bad}\"]"),
+                1,
+            );
+            let err = Config::from_toml(&text).unwrap_err();
+            assert!(err.to_string().contains("a referral names"), "{err}");
+        }
+        let twice = with_a.replacen(
+            "referrals = [\"tcp://192.0.2.1:8009\"]",
+            "referrals = [\"tcp://192.0.2.1:8009\", \"tcp://192.0.2.1:8009\"]",
+            1,
+        );
+        let err = Config::from_toml(&twice).unwrap_err();
+        assert!(err.to_string().contains("listed twice"), "{err}");
+        // mDNS advertisement starts and stops with the daemon.
+        let mdns = plan_to(
+            "listen = [\"tcp://127.0.0.1:8009\"]",
+            "listen = [\"tcp://127.0.0.1:8009\"]\nmdns = true",
+            "",
+        );
+        assert!(mdns.unwrap_err().contains("mdns changes only at a restart"));
     }
 
     #[test]

@@ -124,6 +124,13 @@ impl Prepared {
                     p.discovery_changed |= !*discovery;
                 }
                 Change::SetListenerTls { .. } => p.discovery_changed = true,
+                Change::AddReferral { address } => {
+                    p.lines.push(format!("discovery log refers to {address}"));
+                }
+                Change::RemoveReferral { address } => {
+                    p.lines
+                        .push(format!("discovery log no longer refers to {address}"));
+                }
                 Change::AddSubsystem(s) => {
                     building.insert(s.nqn.clone());
                 }
@@ -400,6 +407,7 @@ impl Prepared {
                 .collect(),
         });
 
+        discovery_changed |= target.set_referrals(&new.discovery.referrals);
         if !added.is_empty() || !removed.is_empty() {
             let mut map = (*target.subsystems()).clone();
             for s in &removed {
@@ -796,6 +804,7 @@ impl Registry {
             "subsystems": subsystems,
             "listeners": listeners.io.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "discovery_listeners": listeners.discovery.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "referrals": target.referrals().iter().map(ToString::to_string).collect::<Vec<_>>(),
         });
         if controllers {
             v["connections"] = json!(target.connection_count());

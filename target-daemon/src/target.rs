@@ -89,6 +89,7 @@ pub struct Target {
     pub settings: TargetSettings,
     subsystems: Arc<RwLock<Arc<SubsystemMap>>>,
     listeners: RwLock<Listeners>,
+    referrals: RwLock<Vec<ListenAddr>>,
     /// The TLS context of the listeners that require TLS: its PSK lookup reads the current
     /// subsystems, so PSKs added or removed while running take effect at the next handshake.
     pub tls: nvmf_tls::ServerContext,
@@ -266,6 +267,7 @@ impl Target {
             settings: cfg.target.clone(),
             subsystems,
             listeners: RwLock::new(Listeners::default()),
+            referrals: RwLock::new(cfg.discovery.referrals.clone()),
             tls,
             discovery_serial,
             genctr: AtomicU64::new(1),
@@ -331,6 +333,21 @@ impl Target {
     /// Replaces the addresses listened on (see [`crate::launcher`], [`crate::reconfigure`]).
     pub(crate) fn set_listeners(&self, listeners: Listeners) {
         *self.listeners.write() = listeners;
+    }
+
+    /// The other discovery controllers the discovery log refers hosts to.
+    pub fn referrals(&self) -> Vec<ListenAddr> {
+        self.referrals.read().clone()
+    }
+
+    /// Replaces the referrals; whether they changed (see [`crate::reconfigure`]).
+    pub(crate) fn set_referrals(&self, referrals: &[ListenAddr]) -> bool {
+        let mut r = self.referrals.write();
+        if *r == referrals {
+            return false;
+        }
+        *r = referrals.to_vec();
+        true
     }
 
     /// The discovery log generation counter.

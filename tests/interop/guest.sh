@@ -35,6 +35,7 @@
 #   --with-ext4                   include mke2fs and e2fsck (the ext4 module is always packed)
 #   --with-rocksdb                include RocksDB's db_bench and open-iscsi's iscsid, iscsiadm
 #                                 (setup.sh --with-rocksdb)
+#   --with-avahi                  include avahi-daemon, avahi-browse, dbus-daemon (setup.sh --with-avahi)
 #   --no-nvme-cli                 leave nvme-cli out
 #   --timeout SECS                run: whole run (default 600); start: until the marker (300)
 #   --mem MB                      guest memory (default 1024)
@@ -110,6 +111,7 @@ cmd_boot() {
     shift
     local script="" marker="" log="" pidfile="" timeout="" mem=1024 smp=2 loglevel=4
     local with_fio=0 with_rdma=0 with_ext4=0 with_rocksdb=0 with_nvme=1 fail_on_trace=0 verbose=0
+    local with_avahi=0
     local accel=${INTEROP_ACCEL:-tcg} append="" kernel=${INTEROP_GUEST_KERNEL:-61}
     local -a hostfwds=() envs=() adds=() addbins=() qemu_extra=() nvme_disks=()
 
@@ -124,6 +126,7 @@ cmd_boot() {
         --with-rdma) with_rdma=1 ;;
         --with-ext4) with_ext4=1 ;;
         --with-rocksdb) with_rocksdb=1 ;;
+        --with-avahi) with_avahi=1 ;;
         --no-nvme-cli) with_nvme=0 ;;
         --timeout) timeout=${2:?}; shift ;;
         --mem) mem=${2:?}; shift ;;
@@ -238,6 +241,8 @@ cmd_boot() {
         [[ $with_rdma == 0 ]] || cat "$INTEROP_INITRD_DIR/rdma.cpio.zst"
         [[ $with_ext4 == 0 ]] || cat "$INTEROP_INITRD_DIR/ext4.cpio.zst"
         [[ $with_rocksdb == 0 ]] || cat "$INTEROP_INITRD_DIR/rocksdb.cpio.zst"
+        [[ $with_avahi == 0 ]] || cat "$INTEROP_INITRD_DIR/avahi.cpio.zst" ||
+            die "--with-avahi: no avahi segment (run tests/interop/setup.sh --with-avahi)"
         # Last: on the 6.12 guest its trixie libraries (glibc included) replace the bookworm
         # copies that the segments above carry; bookworm's programs run on them as well.
         [[ $with_nvme == 0 ]] || cat "$INTEROP_INITRD_DIR/$nvme.cpio.zst"

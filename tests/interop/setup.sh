@@ -6,6 +6,8 @@
 #
 #   --with-rocksdb    also build the rocksdb segment (guest.sh --with-rocksdb): RocksDB's
 #                     db_bench (rocksdb-tools) and open-iscsi's iscsid and iscsiadm
+#   --with-avahi      also pack avahi-daemon, avahi-browse and dbus-daemon (guest.sh --with-avahi;
+#                     installs Debian's avahi-daemon and avahi-utils here)
 #   --with-k612       also prepare the Linux 6.12 guest (guest.sh --kernel 612): Debian trixie's
 #                     linux-image-6.12.*+deb13-amd64, nvme-cli 2.13 and tlshd (ktls-utils) with
 #                     trixie's libraries, fetched through a private apt configuration
@@ -24,6 +26,7 @@
 #   initrd/base.cpio.zst        busybox, /init, kernel modules (tests/interop/modules.list)
 #   initrd/nvme.cpio.zst        nvme-cli and its shared libraries
 #   initrd/fio.cpio.zst         fio and its shared libraries (large; only for --with-fio)
+#   initrd/avahi.cpio.zst       with --with-avahi: avahi-daemon, avahi-browse, dbus-daemon
 #   initrd/rdma.cpio.zst        iproute2's rdma, libibverbs + rxe provider, verbs/rdmacm tools
 #   initrd/ext4.cpio.zst        mke2fs and e2fsck (e2fsprogs) and their shared libraries
 #   initrd/rocksdb.cpio.zst     with --with-rocksdb: db_bench, iscsid, iscsiadm, iscsistart,
@@ -41,11 +44,13 @@ REFRESH_KERNEL=0
 REBUILD=0
 WITH_K612=0
 WITH_ROCKSDB=0
+WITH_AVAHI=0
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
     --with-k612) WITH_K612=1 ;;
     --with-rocksdb) WITH_ROCKSDB=1 ;;
+    --with-avahi) WITH_AVAHI=1 ;;
     --refresh-kernel) REFRESH_KERNEL=1 ;;
     --rebuild) REBUILD=1 ;;
     -h | --help)
@@ -94,6 +99,7 @@ PACKAGES=(
 # The rocksdb segment: db_bench, and open-iscsi's libraries (open-iscsi itself is only
 # downloaded: installing it would bring udev and start iscsid on this machine).
 [[ $WITH_ROCKSDB == 0 ]] || PACKAGES+=(rocksdb-tools libopeniscsiusr libisns0)
+[[ $WITH_AVAHI == 0 ]] || PACKAGES+=(avahi-daemon avahi-utils dbus-daemon)
 APT_UPDATED=0
 apt_update() {
     if [[ $APT_UPDATED == 0 ]]; then
@@ -552,6 +558,13 @@ if [[ $WITH_ROCKSDB == 1 ]]; then
         pack "$st" rocksdb "$hash"
     fi
     rm -rf "$oi_root"
+fi
+
+# avahi: the mDNS responder and browser with the system bus they talk over. The guest script
+# writes their configuration (tests/guest/avahi-browse.sh): no users, no chroot.
+if [[ $WITH_AVAHI == 1 ]]; then
+    build_tool_segment avahi "$(pkg_versions avahi-daemon avahi-utils dbus-daemon libavahi-core7 libavahi-client3 libdbus-1-3 libc6)" \
+        "/usr/sbin/avahi-daemon /usr/bin/avahi-browse /usr/bin/dbus-daemon $LIBGCC_S"
 fi
 
 # nvme-612: trixie's nvme-cli and tlshd with trixie's libraries, resolved inside the extracted

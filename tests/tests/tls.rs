@@ -135,7 +135,7 @@ fn tls_psk_connects_and_everything_else_is_refused() {
             (
                 TEST_HOSTNQN,
                 plain_port,
-                (treq::SECURE_CHANNEL_NOT_REQUIRED, tcp_sectype::NONE),
+                (treq::SECURE_CHANNEL_NOT_SPECIFIED, tcp_sectype::NONE),
             ),
         ] {
             let id = HostIdentity::new(host, [9; 16]).unwrap();

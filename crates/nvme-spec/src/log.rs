@@ -102,6 +102,8 @@ pub mod subtype {
 
 /// Transport requirements.
 pub mod treq {
+    /// Secure channel requirement not specified (bits 1:0 = 00b).
+    pub const SECURE_CHANNEL_NOT_SPECIFIED: u8 = 0b00;
     /// Secure channel required (bits 1:0 = 01b).
     pub const SECURE_CHANNEL_REQUIRED: u8 = 0b01;
     /// Secure channel not required (bits 1:0 = 10b).

@@ -16,10 +16,10 @@ use nvmeof_initiator::identity::{format_hostid, parse_hostid};
 use nvmeof_initiator::nvme_spec::identify::{IdentifyController, IdentifyNamespace, get_trimmed};
 use nvmeof_initiator::{
     ConnectOptions, Controller, ControllerState, DEFAULT_DISCOVERY_PORT, DEFAULT_PORT,
-    DhchapSecrets, DiscoveryOptions, HostIdentity, Multipath, MultipathOptions, Namespace,
-    PathInfo, ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister, ResvRelease,
-    TargetAddr, TlsOptions, Transport, default_state_dir, discover, hex_id, paths_from_discovery,
-    version_string,
+    DhchapSecrets, DiscoveryLog, DiscoveryOptions, HostIdentity, Multipath, MultipathOptions,
+    Namespace, PathInfo, ReconnectPolicy, ReservationStatus, ResvAcquire, ResvRegister,
+    ResvRelease, TargetAddr, TlsOptions, Transport, default_state_dir, discover,
+    discover_referrals, hex_id, paths_from_discovery, version_string,
 };
 use serde_json::{Value, json};
 
@@ -114,12 +114,31 @@ enum Cmd {
     #[command(
         long_about = "Connects to the discovery controller at ADDRESS (port 8009 unless -s is \
 given; the I/O port of most targets answers too), reads the whole discovery log and prints \
-every entry: which subsystems this host may connect to, and where."
+every entry: which subsystems this host may connect to, and where. With --referrals, the \
+discovery controllers its referral entries name are read too, and theirs, down to --max-depth \
+levels, each once. With --mdns, no address is needed: the discovery controllers that \
+advertise themselves on the local link over mDNS (DNS-SD service _nvme-disc._tcp) are found \
+first, then each is read."
     )]
-    #[command(override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]")]
+    #[command(
+        override_usage = "nvmeof discover -a ADDRESS [-s PORT] [OPTIONS]\n       nvmeof discover --mdns [OPTIONS]"
+    )]
     Discover {
         #[command(flatten)]
         fabric: Fabric,
+        /// Follow referral entries: read the logs of the discovery controllers they name.
+        #[arg(long)]
+        referrals: bool,
+        /// Referral levels followed at most (with --referrals).
+        #[arg(long = "max-depth", value_name = "N", default_value_t = nvmeof_initiator::DEFAULT_REFERRAL_DEPTH)]
+        max_depth: u32,
+        /// Find the discovery controllers advertised over mDNS (`_nvme-disc._tcp`) and read
+        /// each (instead of -a).
+        #[arg(long)]
+        mdns: bool,
+        /// Seconds to wait for mDNS answers (with --mdns).
+        #[arg(long = "mdns-wait", value_name = "SECS", default_value_t = 2)]
+        mdns_wait: u64,
     },
     /// Connect to a subsystem, print its controller and namespaces, disconnect.
     #[command(
@@ -713,7 +732,19 @@ async fn run(cli: Cli) -> Result<()> {
         state_dir: cli.state_dir.unwrap_or_else(default_state_dir),
     };
     match cli.cmd {
-        Cmd::Discover { fabric } => cmd_discover(&ctx, &fabric).await,
+        Cmd::Discover {
+            fabric,
+            referrals,
+            max_depth,
+            mdns: true,
+            mdns_wait,
+        } => cmd_discover_mdns(&ctx, &fabric, referrals.then_some(max_depth), mdns_wait).await,
+        Cmd::Discover {
+            fabric,
+            referrals,
+            max_depth,
+            ..
+        } => cmd_discover(&ctx, &fabric, referrals.then_some(max_depth)).await,
         Cmd::Probe { fabric, queues } => cmd_probe(&ctx, &fabric, &queues).await,
         Cmd::Connect {
             fabric,
@@ -1151,7 +1182,7 @@ async fn resolve(
     }
 }
 
-async fn cmd_discover(ctx: &Ctx, f: &Fabric) -> Result<()> {
+async fn cmd_discover(ctx: &Ctx, f: &Fabric, referrals: Option<u32>) -> Result<()> {
     let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
     let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
     opts.header_digest = f.hdr_digest;
@@ -1159,67 +1190,164 @@ async fn cmd_discover(ctx: &Ctx, f: &Fabric) -> Result<()> {
     let t = Duration::from_secs(f.timeout.max(1));
     opts.timeouts.connect = t;
     opts.timeouts.admin = t;
-    let log = discover(&opts)
+    let Some(max_depth) = referrals else {
+        let log = discover(&opts)
+            .await
+            .with_context(|| format!("discovery at {addr} failed"))?;
+        match ctx.output {
+            Output::Json => print_json(&log_json(&log)),
+            Output::Normal => print_log(&log),
+        }
+        return Ok(());
+    };
+    let logs = discover_referrals(&opts, max_depth)
         .await
         .with_context(|| format!("discovery at {addr} failed"))?;
-    match ctx.output {
-        Output::Json => {
-            let records: Vec<Value> = log
-                .entries
-                .iter()
-                .map(|e| {
-                    let mut r = json!({
-                        "trtype": e.trtype_name(),
-                        "adrfam": e.adrfam_name(),
-                        "subtype": e.subtype_name(),
-                        "treq": e.treq_name(),
-                        "portid": e.portid,
-                        "trsvcid": e.trsvcid,
-                        "subnqn": e.subnqn,
-                        "traddr": e.traddr,
-                        "cntlid": e.cntlid,
-                        "asqsz": e.asqsz,
-                        "eflags": e.eflags,
-                    });
-                    if let Some(t) = &e.rdma {
-                        r["tsas"] = json!({
-                            "prtype": t.prtype_name(),
-                            "qptype": t.qptype_name(),
-                            "cms": t.cms_name(),
-                            "pkey": format!("{:#06x}", t.pkey),
-                        });
-                    }
-                    r
-                })
-                .collect();
-            print_json(&json!({ "genctr": log.genctr, "records": records }));
-        }
-        Output::Normal => {
-            println!(
-                "Discovery Log Number of Records {}, Generation counter {}",
-                log.entries.len(),
-                log.genctr
-            );
-            for (i, e) in log.entries.iter().enumerate() {
-                println!("=====Discovery Log Entry {i}======");
-                println!("trtype:  {}", e.trtype_name());
-                println!("adrfam:  {}", e.adrfam_name());
-                println!("subtype: {}", e.subtype_name());
-                println!("treq:    {}", e.treq_name());
-                println!("portid:  {}", e.portid);
-                println!("trsvcid: {}", e.trsvcid);
-                println!("subnqn:  {}", e.subnqn);
-                println!("traddr:  {}", e.traddr);
-                if let Some(t) = &e.rdma {
-                    println!("rdma_prtype: {}", t.prtype_name());
-                    println!("rdma_qptype: {}", t.qptype_name());
-                    println!("rdma_cms:    {}", t.cms_name());
-                    println!("rdma_pkey: {:#06x}", t.pkey);
-                }
+    print_referred(ctx, &logs)
+}
+
+/// `discover --mdns`: browses for `_nvme-disc._tcp`, then reads each discovery controller found
+/// (and, with `referrals`, those they refer to).
+async fn cmd_discover_mdns(ctx: &Ctx, f: &Fabric, referrals: Option<u32>, wait: u64) -> Result<()> {
+    if f.traddr.is_some() {
+        usage!("--mdns finds the discovery controllers itself: -a is not taken");
+    }
+    let found = nvmeof_mdns::browse(Duration::from_secs(wait.clamp(1, 60)))
+        .await
+        .context("mDNS browse failed")?;
+    let mut starts = Vec::new();
+    for s in &found {
+        let transport = match s.transport() {
+            "tcp" => Transport::Tcp,
+            "rdma" | "roce" | "iwarp" => Transport::Rdma,
+            other => {
+                eprintln!(
+                    "nvmeof: {} (port {}): transport {other:?} not used by discover --mdns",
+                    s.instance, s.port
+                );
+                continue;
             }
+        };
+        for a in &s.addrs {
+            starts.push(TargetAddr::new(a.to_string(), s.port).with_transport(transport));
         }
     }
-    Ok(())
+    if starts.is_empty() {
+        anyhow::bail!(
+            "no discovery controller answered over mDNS (_nvme-disc._tcp) within {wait} s"
+        );
+    }
+    let addr = TargetAddr::new("0.0.0.0", DEFAULT_DISCOVERY_PORT);
+    let mut opts = DiscoveryOptions::new(addr, identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let t = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = t;
+    opts.timeouts.admin = t;
+    let logs = nvmeof_initiator::discover_all(&opts, starts, referrals.unwrap_or(0)).await;
+    print_referred(ctx, &logs)
+}
+
+/// Prints the logs read while following referrals; fails (after printing every log) when a
+/// referred discovery controller could not be read.
+fn print_referred(ctx: &Ctx, logs: &[nvmeof_initiator::ReferredLog]) -> Result<()> {
+    let mut failed = None;
+    let mut json = Vec::new();
+    for r in logs {
+        let a = &r.addr;
+        let mut v = json!({
+            "trtype": a.transport.to_string(),
+            "traddr": a.host,
+            "trsvcid": a.port.to_string(),
+            "depth": r.depth,
+        });
+        match &r.log {
+            Ok(log) => match ctx.output {
+                Output::Json => {
+                    let l = log_json(log);
+                    v["genctr"] = l["genctr"].clone();
+                    v["records"] = l["records"].clone();
+                }
+                Output::Normal => {
+                    println!("Discovery controller {a} (referral level {})", r.depth);
+                    print_log(log);
+                }
+            },
+            Err(e) => {
+                eprintln!(
+                    "nvmeof: discovery at {a} (referral level {}) failed: {e}",
+                    r.depth
+                );
+                v["error"] = json!(e.to_string());
+                failed = Some(anyhow::anyhow!("discovery at {a} failed: {e}"));
+            }
+        }
+        json.push(v);
+    }
+    if matches!(ctx.output, Output::Json) {
+        print_json(&json!({ "controllers": json }));
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn log_json(log: &DiscoveryLog) -> Value {
+    let records: Vec<Value> = log
+        .entries
+        .iter()
+        .map(|e| {
+            let mut r = json!({
+                "trtype": e.trtype_name(),
+                "adrfam": e.adrfam_name(),
+                "subtype": e.subtype_name(),
+                "treq": e.treq_name(),
+                "portid": e.portid,
+                "trsvcid": e.trsvcid,
+                "subnqn": e.subnqn,
+                "traddr": e.traddr,
+                "cntlid": e.cntlid,
+                "asqsz": e.asqsz,
+                "eflags": e.eflags,
+            });
+            if let Some(t) = &e.rdma {
+                r["tsas"] = json!({
+                    "prtype": t.prtype_name(),
+                    "qptype": t.qptype_name(),
+                    "cms": t.cms_name(),
+                    "pkey": format!("{:#06x}", t.pkey),
+                });
+            }
+            r
+        })
+        .collect();
+    json!({ "genctr": log.genctr, "records": records })
+}
+
+fn print_log(log: &DiscoveryLog) {
+    println!(
+        "Discovery Log Number of Records {}, Generation counter {}",
+        log.entries.len(),
+        log.genctr
+    );
+    for (i, e) in log.entries.iter().enumerate() {
+        println!("=====Discovery Log Entry {i}======");
+        println!("trtype:  {}", e.trtype_name());
+        println!("adrfam:  {}", e.adrfam_name());
+        println!("subtype: {}", e.subtype_name());
+        println!("treq:    {}", e.treq_name());
+        println!("portid:  {}", e.portid);
+        println!("trsvcid: {}", e.trsvcid);
+        println!("subnqn:  {}", e.subnqn);
+        println!("traddr:  {}", e.traddr);
+        if let Some(t) = &e.rdma {
+            println!("rdma_prtype: {}", t.prtype_name());
+            println!("rdma_qptype: {}", t.qptype_name());
+            println!("rdma_cms:    {}", t.cms_name());
+            println!("rdma_pkey: {:#06x}", t.pkey);
+        }
+    }
 }
 
 fn human_size(bytes: u64) -> String {

@@ -350,6 +350,10 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
             nvmeof_target::control::ClientLimits::default(),
         ));
     }
+    let mdns = match cfg.discovery.mdns {
+        true => nvmeof_target::advertise::Advertiser::start(Arc::clone(registry.target())).await,
+        false => None,
+    };
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     info!(version = env!("CARGO_PKG_VERSION"), "nvmeof-targetd ready");
 
@@ -366,6 +370,9 @@ async fn run(mut args: Args) -> anyhow::Result<()> {
         }
     }
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+    if let Some(m) = mdns {
+        m.stop().await;
+    }
     let failures = registry.running().shutdown().await;
     if let Some(path) = socket {
         let _ = std::fs::remove_file(path);
@@ -561,6 +568,12 @@ fn print_normal(resp: &Response) {
         "discovery listeners: {}",
         list(&status["discovery_listeners"])
     );
+    if status["referrals"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty())
+    {
+        println!("referrals: {}", list(&status["referrals"]));
+    }
     for a in status["ana"].as_array().into_iter().flatten() {
         println!(
             "ANA group {} on {}: {}",
