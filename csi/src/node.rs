@@ -246,11 +246,14 @@ impl Node {
         &self,
         req: NodeStageVolumeRequest,
     ) -> Result<NodeStageVolumeResponse, Status> {
-        let id = volume_id(&req.volume_id)?;
+        // Missing arguments first: an ID that is not this driver's is NotFound only when
+        // everything else was given.
+        required("volume ID", &req.volume_id)?;
         required("staging target path", &req.staging_target_path)?;
         let Some(cap) = req.volume_capability else {
             return fail(Code::InvalidArgument, "volume capability missing");
         };
+        let id = volume_id(&req.volume_id)?;
         let _guard = self.lock.lock().await;
         let staging = PathBuf::from(&req.staging_target_path);
         let dev = match self.device(&id) {
@@ -356,8 +359,9 @@ impl Node {
         &self,
         req: NodeUnstageVolumeRequest,
     ) -> Result<NodeUnstageVolumeResponse, Status> {
-        let id = volume_id(&req.volume_id)?;
+        required("volume ID", &req.volume_id)?;
         required("staging target path", &req.staging_target_path)?;
+        let id = volume_id(&req.volume_id)?;
         let _guard = self.lock.lock().await;
         let staging = PathBuf::from(&req.staging_target_path);
         if is_mounted(&staging) {
@@ -382,12 +386,13 @@ impl Node {
         &self,
         req: NodePublishVolumeRequest,
     ) -> Result<NodePublishVolumeResponse, Status> {
-        let id = volume_id(&req.volume_id)?;
+        required("volume ID", &req.volume_id)?;
         required("staging target path", &req.staging_target_path)?;
         required("target path", &req.target_path)?;
         let Some(cap) = req.volume_capability else {
             return fail(Code::InvalidArgument, "volume capability missing");
         };
+        let id = volume_id(&req.volume_id)?;
         let _guard = self.lock.lock().await;
         let target = PathBuf::from(&req.target_path);
         if is_mounted(&target) {
@@ -438,8 +443,9 @@ impl Node {
         &self,
         req: NodeUnpublishVolumeRequest,
     ) -> Result<NodeUnpublishVolumeResponse, Status> {
-        volume_id(&req.volume_id)?;
+        required("volume ID", &req.volume_id)?;
         required("target path", &req.target_path)?;
+        volume_id(&req.volume_id)?;
         let _guard = self.lock.lock().await;
         let target = PathBuf::from(&req.target_path);
         if is_mounted(&target) {
@@ -464,8 +470,9 @@ impl Node {
         &self,
         req: NodeGetVolumeStatsRequest,
     ) -> Result<NodeGetVolumeStatsResponse, Status> {
-        let id = volume_id(&req.volume_id)?;
+        required("volume ID", &req.volume_id)?;
         required("volume path", &req.volume_path)?;
+        let id = volume_id(&req.volume_id)?;
         let path = Path::new(&req.volume_path);
         if !path.exists() {
             return fail(
@@ -512,8 +519,9 @@ impl Node {
         &self,
         req: NodeExpandVolumeRequest,
     ) -> Result<NodeExpandVolumeResponse, Status> {
-        let id = volume_id(&req.volume_id)?;
+        required("volume ID", &req.volume_id)?;
         required("volume path", &req.volume_path)?;
+        let id = volume_id(&req.volume_id)?;
         if !Path::new(&req.volume_path).exists() {
             return fail(
                 Code::NotFound,

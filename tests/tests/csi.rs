@@ -843,6 +843,17 @@ fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
         format!("[tls]\nca = \"/csi/ca.pem\"\ncert = \"/csi/csi.pem\"\nkey = \"/csi/csi.key\"\n\n{entry}"),
     )
     .unwrap();
+    // csi-sanity's specs, the Node service's included, where a build of it is given.
+    let sanity = csi_sanity();
+    let extra: Vec<String> = sanity
+        .iter()
+        .flat_map(|p| {
+            [
+                "--add-bin".to_string(),
+                format!("{}:/usr/bin/csi-sanity", p.display()),
+            ]
+        })
+        .collect();
     let console = nvmeof_tests::run_guest(
         Command::new(nvmeof_tests::guest_sh())
             .args([
@@ -853,6 +864,7 @@ fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
                 "--fail-on-kernel-trace",
             ])
             .args(["--env", &format!("REMOTE=10.0.2.2:{}", s.remote)])
+            .args(&extra)
             .args([
                 "--add",
                 &p("csi.toml"),
@@ -897,6 +909,13 @@ fn node_service_in_the_guest_stages_grows_and_restages_a_real_ext4_volume() {
             "PASS: nvmeof-csi in the guest",
         ],
     );
+    if sanity.is_some() {
+        nvmeof_tests::assert_console_has(&console, &["PASS: csi-sanity in the guest"]);
+    } else {
+        eprintln!(
+            "node_service_in_the_guest: csi-sanity SKIPPED: csi-sanity is not installed (set $CSI_SANITY)"
+        );
+    }
     assert_eq!(
         s.volumes(),
         vec![],
