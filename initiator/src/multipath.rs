@@ -693,6 +693,23 @@ impl MultipathNamespace {
         }
     }
 
+    /// Runs `command` on path `i`, abandoning it (a lost-connection error) if the path is
+    /// lost first: only for commands that may be sent again at once (reads, flushes).
+    async fn unless_lost(
+        &self,
+        i: usize,
+        command: impl std::future::Future<Output = Result<(), Error>>,
+        what: &str,
+    ) -> Result<(), Error> {
+        tokio::select! {
+            r = command => r,
+            () = self.path_gone(i) => Err(Error::lost(
+                &self.head.slots[i].addr.to_string(),
+                format!("the path was lost while the {what} was in flight"),
+            )),
+        }
+    }
+
     /// Reads `buf.len()` bytes (a multiple of the block size) from block `lba`. A read on a
     /// path that is lost is abandoned and sent on another path at once.
     pub async fn read(&self, lba: u64, buf: &mut [u8]) -> Result<(), Error> {
@@ -701,13 +718,7 @@ impl MultipathNamespace {
         loop {
             let (i, ns) = self.pick(deadline, tried).await?;
             tried |= 1 << i;
-            let r = tokio::select! {
-                r = ns.read(lba, &mut *buf) => r,
-                () = self.path_gone(i) => Err(Error::lost(
-                    &self.head.slots[i].addr.to_string(),
-                    "the path was lost while the read was in flight",
-                )),
-            };
+            let r = self.unless_lost(i, ns.read(lba, &mut *buf), "read").await;
             match r {
                 Ok(()) => return Ok(()),
                 Err(e) => self.failed(i, e)?,
@@ -738,13 +749,7 @@ impl MultipathNamespace {
         loop {
             let (i, ns) = self.pick(deadline, tried).await?;
             tried |= 1 << i;
-            let r = tokio::select! {
-                r = ns.flush() => r,
-                () = self.path_gone(i) => Err(Error::lost(
-                    &self.head.slots[i].addr.to_string(),
-                    "the path was lost while the flush was in flight",
-                )),
-            };
+            let r = self.unless_lost(i, ns.flush(), "flush").await;
             match r {
                 Ok(()) => return Ok(()),
                 Err(e) => self.failed(i, e)?,

@@ -14,8 +14,8 @@ use nvmeof_initiator::daemon::{
 };
 use nvmeof_initiator::identity::{format_hostid, is_root};
 use nvmeof_initiator::{
-    Controller, ControllerEvent, ControllerState, HostIdentity, Multipath, MultipathOptions,
-    ReconnectPolicy, default_state_dir,
+    ConnectOptions, Controller, ControllerEvent, ControllerState, HostIdentity, Multipath,
+    MultipathOptions, ReconnectPolicy, default_state_dir,
 };
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -534,21 +534,7 @@ async fn stop(a: &Attachment) {
 /// Connects a multipath attachment: one admin-only controller per path, each path's ANA
 /// states read and followed by the multipath head (which reconnects lost paths itself).
 async fn connect_multipath(a: &Attachment) -> Result<()> {
-    let host = HostIdentity::new(
-        a.params.hostnqn.as_deref().unwrap_or_default(),
-        a.params
-            .hostid
-            .as_deref()
-            .and_then(nvmeof_initiator::identity::parse_hostid)
-            .ok_or_else(|| anyhow!("attachment {} has no host ID", a.name))?,
-    )?;
-    let mut opts = a.params.connect_options(host)?;
-    opts.io_queues = Some(0);
-    opts.reconnect = ReconnectPolicy {
-        initial_delay: Duration::from_millis(500),
-        max_delay: Duration::from_secs(10),
-        ctrl_loss_timeout: Some(Duration::from_secs(60)),
-    };
+    let opts = daemon_options(a)?;
     let mp = Multipath::connect(opts, a.params.addrs()?, MultipathOptions::default())
         .await
         .map_err(|e| with_connect_hint(e, &a.params))?;
@@ -609,8 +595,9 @@ fn with_connect_hint(e: nvmeof_initiator::Error, p: &AttachParams) -> anyhow::Er
     }
 }
 
-/// Connects the daemon's admin-only controller for an attachment and checks its namespace.
-async fn connect_once(a: &Attachment) -> Result<Controller> {
+/// The options of the daemon's own controllers for an attachment: its host identity, the
+/// admin queue only (programs make their own I/O queues), and the daemon's reconnect policy.
+fn daemon_options(a: &Attachment) -> Result<ConnectOptions> {
     let host = HostIdentity::new(
         a.params.hostnqn.as_deref().unwrap_or_default(),
         a.params
@@ -620,13 +607,18 @@ async fn connect_once(a: &Attachment) -> Result<Controller> {
             .ok_or_else(|| anyhow!("attachment {} has no host ID", a.name))?,
     )?;
     let mut opts = a.params.connect_options(host)?;
-    // The daemon keeps the admin queue only; programs make their own I/O queues.
     opts.io_queues = Some(0);
     opts.reconnect = ReconnectPolicy {
         initial_delay: Duration::from_millis(500),
         max_delay: Duration::from_secs(10),
         ctrl_loss_timeout: Some(Duration::from_secs(60)),
     };
+    Ok(opts)
+}
+
+/// Connects the daemon's admin-only controller for an attachment and checks its namespace.
+async fn connect_once(a: &Attachment) -> Result<Controller> {
+    let opts = daemon_options(a)?;
     let ctrl = Controller::connect(opts)
         .await
         .map_err(|e| with_connect_hint(e, &a.params))?;
