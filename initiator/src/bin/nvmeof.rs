@@ -1021,6 +1021,18 @@ fn check_transport(f: &Fabric) -> Result<Transport> {
     Ok(t)
 }
 
+/// Options for reading a discovery log at `addr` with the fabric flags (identity, digests,
+/// `--timeout` for connecting and for admin commands).
+fn discovery_options(ctx: &Ctx, f: &Fabric, addr: TargetAddr) -> Result<DiscoveryOptions> {
+    let mut opts = DiscoveryOptions::new(addr, identity(ctx, f)?);
+    opts.header_digest = f.hdr_digest;
+    opts.data_digest = f.data_digest;
+    let t = Duration::from_secs(f.timeout.max(1));
+    opts.timeouts.connect = t;
+    opts.timeouts.admin = t;
+    Ok(opts)
+}
+
 fn target_addr(f: &Fabric, default_port: u16) -> Result<TargetAddr> {
     let t = check_transport(f)?;
     let Some(a) = f.traddr.as_deref() else {
@@ -1184,12 +1196,7 @@ async fn resolve(
 
 async fn cmd_discover(ctx: &Ctx, f: &Fabric, referrals: Option<u32>) -> Result<()> {
     let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
-    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
-    opts.header_digest = f.hdr_digest;
-    opts.data_digest = f.data_digest;
-    let t = Duration::from_secs(f.timeout.max(1));
-    opts.timeouts.connect = t;
-    opts.timeouts.admin = t;
+    let opts = discovery_options(ctx, f, addr.clone())?;
     let Some(max_depth) = referrals else {
         let log = discover(&opts)
             .await
@@ -1238,12 +1245,7 @@ async fn cmd_discover_mdns(ctx: &Ctx, f: &Fabric, referrals: Option<u32>, wait: 
         );
     }
     let addr = TargetAddr::new("0.0.0.0", DEFAULT_DISCOVERY_PORT);
-    let mut opts = DiscoveryOptions::new(addr, identity(ctx, f)?);
-    opts.header_digest = f.hdr_digest;
-    opts.data_digest = f.data_digest;
-    let t = Duration::from_secs(f.timeout.max(1));
-    opts.timeouts.connect = t;
-    opts.timeouts.admin = t;
+    let opts = discovery_options(ctx, f, addr)?;
     let logs = nvmeof_initiator::discover_all(&opts, starts, referrals.unwrap_or(0)).await;
     print_referred(ctx, &logs)
 }
@@ -1436,12 +1438,7 @@ async fn multipath_addrs(
         usage!("--discover takes the paths from the discovery log; leave out --path");
     }
     let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
-    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
-    opts.header_digest = f.hdr_digest;
-    opts.data_digest = f.data_digest;
-    let to = Duration::from_secs(f.timeout.max(1));
-    opts.timeouts.connect = to;
-    opts.timeouts.admin = to;
+    let opts = discovery_options(ctx, f, addr.clone())?;
     let log = discover(&opts)
         .await
         .with_context(|| format!("discovery at {addr} failed"))?;
@@ -1802,12 +1799,7 @@ async fn cmd_connect_all(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
         usage!("connect-all connects to what the discovery log lists: -n is not taken");
     }
     let addr = target_addr(f, DEFAULT_DISCOVERY_PORT)?;
-    let mut opts = DiscoveryOptions::new(addr.clone(), identity(ctx, f)?);
-    opts.header_digest = f.hdr_digest;
-    opts.data_digest = f.data_digest;
-    let t = Duration::from_secs(f.timeout.max(1));
-    opts.timeouts.connect = t;
-    opts.timeouts.admin = t;
+    let opts = discovery_options(ctx, f, addr.clone())?;
     let mut c = ctx.daemon().await?;
     let log = discover(&opts)
         .await
