@@ -5,6 +5,7 @@
 //! boxing. The contract itself ([`Wire`], [`LinkLimits`]) lives with the queue core.
 
 use std::io;
+use std::task::Context;
 
 use tokio::io::Ready;
 
@@ -45,6 +46,31 @@ impl Link {
         match self {
             Link::Tcp(t) => t.icd_limit = icd_limit,
             Link::Rdma(r) => r.icd_limit = icd_limit,
+        }
+    }
+
+    /// Whether callers drive the link themselves (NVMe/TCP: a socket whose readiness any
+    /// thread can register for); NVMe/RDMA links are driven by their queue's task, which
+    /// waits on the completion channel.
+    pub fn callers_drive(&self) -> bool {
+        matches!(self, Link::Tcp(_))
+    }
+
+    /// Whether bytes wait to be sent.
+    pub fn has_unsent(&self) -> bool {
+        match self {
+            Link::Tcp(t) => !t.engine.pending_send().is_empty(),
+            Link::Rdma(_) => false,
+        }
+    }
+
+    /// Registers `cx` to be woken when the link has something to receive (or, with bytes
+    /// waiting to be sent, room for them). Returns whether it has already; `false` for a link
+    /// callers do not drive.
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> bool {
+        match self {
+            Link::Tcp(t) => t.poll_ready(cx),
+            Link::Rdma(_) => false,
         }
     }
 

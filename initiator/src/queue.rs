@@ -1,27 +1,37 @@
-//! Queues: one task per queue drives the queue core ([`crate::queue_core`]: the command
-//! table, deadlines, retries, reconnect hand-over) and owns the queue's link
-//! ([`crate::link`]: the NVMe/TCP socket and engine, or the NVMe/RDMA queue pair).
+//! Queues: a queue's core ([`crate::queue_core`]: the command table, deadlines, retries,
+//! reconnect hand-over) and its link ([`crate::link`]: the NVMe/TCP socket and engine, or the
+//! NVMe/RDMA queue pair) sit together in one [`Engine`], driven by whoever holds it: the
+//! callers of the queue themselves, or the queue's task.
 //!
-//! A caller takes a command slot (a tag, which is also the command identifier on the wire),
-//! fills the slot's staging buffer, and hands the command to the queue task through a
-//! channel. The task gives every command that is ready to the core, which sends it through
-//! the link (NVMe/TCP gathers the capsules in the engine's send buffer and writes them with
-//! one `write`); what the link receives goes to the core, which stores each completion in
-//! its slot and wakes that one caller. A caller may lend its own buffer for a read (pinned
-//! memory for a GPU copy, for example) so the data lands there directly (NVMe/TCP).
+//! How a command leaves and returns over NVMe/TCP (the callers drive):
+//! 1. A caller takes a command slot (a tag, which is also the command identifier on the wire)
+//!    and fills the slot's staging buffer, or lends its own buffer for the read data.
+//! 2. It hands the command to the core itself ([`QueueHandle::start`]): the capsule joins the
+//!    link's send buffer. No channel, no task wake-up. A command on an idle queue is written
+//!    at once; otherwise the first caller to wait after it yields once so that every caller
+//!    of the same round adds its capsule, then writes them all with one `write`.
+//! 3. A waiting caller ([`Pending::wait`]) drives the queue: it writes what waits to be sent,
+//!    reads what the socket has (the core stores each completion in its slot and wakes that
+//!    one caller), and when the socket is empty registers one waiting caller, the *leader*,
+//!    to be woken when it has more. Commands of one thread go to one queue
+//!    ([`crate::QueuePolicy::PerThread`]), so this is the thread's own socket and the locks
+//!    on the way are taken without contention.
+//!
+//! The queue's task drives the rest: control messages from the supervisor (attach a new
+//! connection, detach, fail, close), the deadline timer, GPU request rings
+//! ([`crate::ring_proxy`]), commands handed over while another thread held the engine
+//! (through a channel), and the socket when no caller waits on it. Over NVMe/RDMA the task
+//! drives alone: it waits on the completion channel, and callers hand every command over
+//! through the channel.
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
 //! allocate. Every command has a deadline (except Asynchronous Event Requests), checked by
 //! the task on a timer: a target that stops answering gives a timeout error, never a hang.
 //!
-//! A queue task may also serve GPU request rings ([`crate::ring_proxy`]): it takes the
-//! requests from its rings on each wake-up and starts them as reads with free tags, like
-//! commands from callers.
-//!
 //! When the link is lost the core keeps reads (and everything idempotent) to resend on the
-//! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried); the
-//! task reports the loss to the controller's supervisor, which reconnects and hands a new
-//! link over.
+//! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried);
+//! whoever saw the loss reports it to the controller's supervisor, which reconnects and hands
+//! a new link over.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,7 +41,7 @@ use std::time::Duration;
 use busy_poll::PollGate;
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
@@ -158,7 +168,13 @@ pub struct QueueStats {
     pub ring_rejected: u64,
 }
 
-/// State shared by a queue's task and its callers.
+/// Rounds of write-read-register one drive makes before it leaves the rest for a wake-up.
+const DRIVE_ROUNDS: usize = 4;
+
+/// No command (in [`QueueShared::flush_by`] and [`QueueShared::hint`]).
+const NO_TAG: u32 = u32::MAX;
+
+/// State shared by a queue's engine, its task and its callers.
 pub(crate) struct QueueShared {
     qid: u16,
     slots: Box<[Mutex<SlotState>]>,
@@ -166,6 +182,11 @@ pub(crate) struct QueueShared {
     permits: Semaphore,
     counters: QueueCounters,
     closed_error: Mutex<Option<Error>>,
+    /// The command whose caller writes the send buffer when next polled (see
+    /// [`Pending::wait`]), or [`NO_TAG`]. Changed with the engine held.
+    flush_by: std::sync::atomic::AtomicU32,
+    /// A command whose caller waited recently: the next leader when the leader's ends.
+    hint: std::sync::atomic::AtomicU32,
 }
 
 impl QueueShared {
@@ -230,6 +251,22 @@ impl QueueShared {
         }
     }
 
+    /// The waker of command `tag`'s caller, while the command waits for its completion.
+    fn waiter(&self, tag: u16) -> Option<Waker> {
+        let st = self.slots.get(usize::from(tag))?.lock();
+        match st.phase {
+            Phase::Waiting => st.waker.clone(),
+            _ => None,
+        }
+    }
+
+    /// Command slots taken.
+    fn busy(&self) -> usize {
+        self.slots
+            .len()
+            .saturating_sub(self.permits.available_permits())
+    }
+
     fn stats(&self) -> QueueStats {
         QueueStats::of(self.qid, &self.counters)
     }
@@ -271,9 +308,155 @@ impl Completions for Arc<QueueShared> {
     }
 }
 
+/// Where the socket's readiness goes: to the leader (a waiting caller), or to the queue's
+/// task when no caller waits. Registered with the socket as its waker.
+struct LinkWaker {
+    leader: Mutex<Option<Waker>>,
+    task: Notify,
+}
+
+impl std::task::Wake for LinkWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let leader = self.leader.lock().take();
+        match leader {
+            Some(w) => w.wake(),
+            None => self.task.notify_one(),
+        }
+    }
+}
+
+/// A queue's core and link, and who drives them (see the module documentation).
+pub(crate) struct Engine {
+    core: Core<Arc<QueueShared>>,
+    live: Option<Link>,
+    /// The association `live` belongs to (reported with its loss).
+    generation: u64,
+    report: mpsc::UnboundedSender<SupMsg>,
+    shared: Arc<QueueShared>,
+    /// Callers drive the link (NVMe/TCP); otherwise only the task does (NVMe/RDMA).
+    callers_drive: bool,
+    /// The waiting command whose caller the socket wakes.
+    leader: Option<u16>,
+    links: Arc<LinkWaker>,
+    /// `links` as a waker.
+    link_waker: Waker,
+}
+
+impl Engine {
+    /// Hands a command to the core: sent at once when the link is up and nothing waits before
+    /// it, kept for the next link otherwise.
+    fn submit(&mut self, cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>)) {
+        let (tag, req, buf, direct, origin) = cmd;
+        let sent = (self.core).submit(self.live.as_mut(), tag, req, buf, direct, origin);
+        if let Err(e) = sent {
+            self.lose(e);
+        }
+    }
+
+    /// Writes what waits to be sent, as far as the socket takes it.
+    fn flush(&mut self) {
+        self.shared.flush_by.store(NO_TAG, Ordering::Relaxed);
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        if let Err(e) = live.try_flush() {
+            let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
+            self.lose(err);
+        }
+    }
+
+    /// Takes what the link has and hands it to the core. Returns whether anything arrived.
+    fn receive(&mut self) -> bool {
+        let got = match self.live.as_mut() {
+            Some(live) => live.receive(&mut self.core),
+            None => Ok(false),
+        };
+        got.unwrap_or_else(|e| {
+            self.lose(e);
+            false
+        })
+    }
+
+    /// Drives a link that callers drive: writes, reads until the socket has nothing more,
+    /// picks the leader (`me` when its command still waits) and registers for the socket's
+    /// next readiness.
+    fn drive(&mut self, me: Option<u16>) {
+        self.core.now = Instant::now();
+        for _ in 0..DRIVE_ROUNDS {
+            self.flush();
+            self.receive();
+            if self.core.has_ring_done() {
+                // Ring reads ended: their completion words are the task's to write.
+                self.links.task.notify_one();
+            }
+            self.pick_leader(me);
+            let mut cx = Context::from_waker(&self.link_waker);
+            match self.live.as_ref() {
+                Some(live) if live.poll_ready(&mut cx) => {}
+                _ => return,
+            }
+        }
+        // Still more after several rounds: whoever leads comes back for it.
+        self.link_waker.wake_by_ref();
+    }
+
+    /// Makes the caller of `me` (when its command still waits), else the current leader,
+    /// else one that waited recently, else any waiting caller the one the socket wakes; with
+    /// none waiting, the task.
+    fn pick_leader(&mut self, me: Option<u16>) {
+        let shared = &self.shared;
+        let hint = u16::try_from(shared.hint.load(Ordering::Relaxed)).ok();
+        let mut pick = [me, self.leader, hint]
+            .into_iter()
+            .flatten()
+            .find_map(|t| shared.waiter(t).map(|w| (t, w)));
+        if pick.is_none() {
+            pick = (0..shared.slots.len() as u16).find_map(|t| shared.waiter(t).map(|w| (t, w)));
+        }
+        self.leader = pick.as_ref().map(|p| p.0);
+        *self.links.leader.lock() = pick.map(|p| p.1);
+    }
+
+    /// Event: the timer. Fails the commands past their deadline (see [`link::expire`]).
+    fn expire(&mut self) {
+        let had_link = self.live.is_some();
+        if let Some(err) = link::expire(&mut self.live, &mut self.core) {
+            if had_link {
+                self.report_loss(err);
+            }
+        }
+    }
+
+    /// Drops the connection after an error and tells the supervisor.
+    fn lose(&mut self, err: Error) {
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        // A protocol error leaves a TermReq to send; give it one try.
+        let _ = live.try_flush();
+        drop(live);
+        self.report_loss(err);
+    }
+
+    /// After the connection was dropped: keeps or fails its commands and tells the supervisor.
+    fn report_loss(&mut self, err: Error) {
+        self.core.link_lost(&err);
+        let _ = self.report.send(SupMsg::QueueFailed {
+            qid: self.shared.qid,
+            generation: self.generation,
+            error: err,
+        });
+    }
+}
+
 /// The caller side of a queue.
 pub(crate) struct QueueHandle {
     shared: Arc<QueueShared>,
+    engine: Arc<Mutex<Engine>>,
     sub_tx: mpsc::UnboundedSender<Submission>,
     ctl_tx: mpsc::UnboundedSender<QueueCtl>,
 }
@@ -287,7 +470,7 @@ pub(crate) struct QueueConfig {
     pub retry_writes: bool,
     /// How often deadlines are checked.
     pub scan_period: Duration,
-    /// Busy-poll window after activity (zero: never poll).
+    /// Busy-poll window after activity, for a link the task drives (zero: never poll).
     pub busy_poll: Duration,
     /// Poll window of the GPU request rings after activity.
     pub ring_poll: Duration,
@@ -316,23 +499,39 @@ impl QueueHandle {
             permits: Semaphore::new(usize::from(n)),
             counters: QueueCounters::default(),
             closed_error: Mutex::new(None),
+            flush_by: NO_TAG.into(),
+            hint: NO_TAG.into(),
         });
+        let links = Arc::new(LinkWaker {
+            leader: Mutex::new(None),
+            task: Notify::new(),
+        });
+        let core = Core::new(
+            Arc::clone(&shared),
+            cfg.addr,
+            n,
+            cfg.retry_writes,
+            cfg.qid == 0,
+        );
+        let engine = Arc::new(Mutex::new(Engine {
+            core,
+            live: None,
+            generation: 0,
+            report,
+            shared: Arc::clone(&shared),
+            callers_drive: true,
+            leader: None,
+            link_waker: Waker::from(Arc::clone(&links)),
+            links: Arc::clone(&links),
+        }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let task = Task {
-            live: None,
-            core: Core::new(
-                Arc::clone(&shared),
-                cfg.addr,
-                n,
-                cfg.retry_writes,
-                cfg.qid == 0,
-            ),
+            engine: Arc::clone(&engine),
             shared: Arc::clone(&shared),
+            links,
             sub_rx,
             ctl_rx,
-            report,
-            generation: 0,
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
             poll: PollGate::new(cfg.busy_poll),
@@ -346,6 +545,7 @@ impl QueueHandle {
         tokio::spawn(task.run());
         QueueHandle {
             shared,
+            engine,
             sub_tx,
             ctl_tx,
         }
@@ -375,7 +575,7 @@ impl QueueHandle {
     }
 
     /// Takes a slot (waiting for one if all are busy), fills its buffer with `fill` for
-    /// host-to-controller data, and hands the command to the task.
+    /// host-to-controller data, and hands the command to the queue.
     pub async fn start<F>(&self, req: Request, fill: F) -> Result<Pending<'_>, Error>
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
@@ -453,10 +653,7 @@ impl QueueHandle {
         if matches!(buf, SlotBuf::Lent(_)) {
             bump(&self.shared.counters.lent_commands, 1);
         }
-        let pending = Pending {
-            shared: &self.shared,
-            tag,
-        };
+        let pending = Pending { q: self, tag };
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
                 self.shared.finish_slot(tag, Err(e.clone()), buf);
@@ -469,12 +666,33 @@ impl QueueHandle {
             buf,
             direct,
         };
+        let Some(sub) = self.submit_here(sub) else {
+            return Ok(pending);
+        };
         if let Err(mpsc::error::SendError(s)) = self.sub_tx.send(sub) {
             let e = self.closed_error();
             self.shared.finish_slot(tag, Err(e.clone()), s.buf);
             return Err(e);
         }
         Ok(pending)
+    }
+
+    /// Hands a command to the core directly when callers drive the link and nobody holds the
+    /// engine; gives it back otherwise (for the channel to the task). On an idle queue the
+    /// capsule is written at once; on a busy one it waits for the round's write.
+    fn submit_here(&self, sub: Submission) -> Option<Submission> {
+        let Some(mut e) = self.engine.try_lock() else {
+            return Some(sub);
+        };
+        if !e.callers_drive {
+            return Some(sub);
+        }
+        e.core.now = Instant::now();
+        e.submit((sub.tag, sub.req, sub.buf, sub.direct, None));
+        if self.shared.busy() <= 1 {
+            e.flush();
+        }
+        None
     }
 
     /// Runs one command to completion. A completion with an error status is an
@@ -500,34 +718,72 @@ impl QueueHandle {
 
 /// A command handed to a queue. Await [`wait`](Self::wait); then read data with
 /// [`with_data`](Self::with_data). Dropping it releases the slot (or, if the command is still
-/// in flight, lets the queue task release it when the command ends).
+/// in flight, lets the queue release it when the command ends).
 pub(crate) struct Pending<'a> {
-    shared: &'a QueueShared,
+    q: &'a QueueHandle,
     tag: u16,
 }
 
 impl Pending<'_> {
+    /// The result when the command has ended; registers the caller's waker otherwise.
+    fn check(&self, cx: &mut Context<'_>) -> Option<Result<Cqe, Error>> {
+        let mut st = self.q.shared.slots[usize::from(self.tag)].lock();
+        if st.phase == Phase::Done {
+            return Some(st.result.take().unwrap_or(Err(Error::Closed)));
+        }
+        if !st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            st.waker = Some(cx.waker().clone());
+        }
+        None
+    }
+
     fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Result<Cqe, Error>> {
-        let mut st = self.shared.slots[usize::from(self.tag)].lock();
-        match st.phase {
-            Phase::Done => Poll::Ready(st.result.take().unwrap_or(Err(Error::Closed))),
-            _ => {
-                if !st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                    st.waker = Some(cx.waker().clone());
+        if let Some(r) = self.check(cx) {
+            self.ended();
+            return Poll::Ready(r);
+        }
+        let shared = &self.q.shared;
+        if let Some(mut e) = self.q.engine.try_lock() {
+            if e.callers_drive {
+                let flush_by = shared.flush_by.load(Ordering::Relaxed);
+                let unsent = e.live.as_ref().is_some_and(Link::has_unsent);
+                if unsent && flush_by == NO_TAG {
+                    // Let the other callers of this round add their capsules first: this
+                    // caller writes them all when polled again.
+                    shared
+                        .flush_by
+                        .store(u32::from(self.tag), Ordering::Relaxed);
+                    cx.waker().wake_by_ref();
+                } else if !unsent || flush_by == u32::from(self.tag) {
+                    e.drive(Some(self.tag));
+                    drop(e);
+                    if let Some(r) = self.check(cx) {
+                        return Poll::Ready(r);
+                    }
                 }
-                Poll::Pending
             }
+        }
+        shared.hint.store(u32::from(self.tag), Ordering::Relaxed);
+        Poll::Pending
+    }
+
+    /// The command ended before its caller wrote the round's capsules (its link was lost, or
+    /// the queue failed): write them now.
+    fn ended(&self) {
+        if self.q.shared.flush_by.load(Ordering::Relaxed) == u32::from(self.tag) {
+            self.q.engine.lock().flush();
         }
     }
 
-    /// Waits for the completion entry (any status) or a transport error.
+    /// Waits for the completion entry (any status) or a transport error. While it waits, the
+    /// caller drives its queue (see the module documentation).
     pub async fn wait(&mut self) -> Result<Cqe, Error> {
         std::future::poll_fn(|cx| self.poll_complete(cx)).await
     }
 
     /// Gives the first `len` bytes of the slot's buffer (the read data) to `f`.
     pub fn with_data<R>(&self, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
-        let st = self.shared.slots[usize::from(self.tag)].lock();
+        let st = self.q.shared.slots[usize::from(self.tag)].lock();
         let b = st.buf.as_slice();
         f(&b[..len.min(b.len())])
     }
@@ -535,7 +791,7 @@ impl Pending<'_> {
     /// The buffer lent with [`QueueHandle::start_lent`], once the command has ended (`None`
     /// while it is in flight, or for a command without one).
     pub fn take_lent(&self) -> Option<Box<dyn LentBuffer>> {
-        let mut st = self.shared.slots[usize::from(self.tag)].lock();
+        let mut st = self.q.shared.slots[usize::from(self.tag)].lock();
         if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
             return None;
         }
@@ -549,37 +805,44 @@ impl Pending<'_> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
-        let mut st = self.shared.slots[usize::from(self.tag)].lock();
+        let shared = &self.q.shared;
+        let mut st = shared.slots[usize::from(self.tag)].lock();
         match st.phase {
             Phase::Done => {
                 st.phase = Phase::Free;
                 st.waker = None;
                 st.result = None;
                 drop(st);
-                self.shared.release(self.tag);
+                shared.release(self.tag);
             }
             Phase::Waiting => {
                 st.phase = Phase::Abandoned;
                 st.waker = None;
+                drop(st);
+                // A caller that leads or writes the round's capsules hands its part on.
+                let mut e = self.q.engine.lock();
+                let writes = shared.flush_by.load(Ordering::Relaxed) == u32::from(self.tag);
+                if e.callers_drive && (writes || e.leader == Some(self.tag)) {
+                    e.drive(None);
+                }
             }
             Phase::Free | Phase::Abandoned => {}
         }
     }
 }
 
-/// A queue task: the core, its link and the channels that drive them.
+/// A queue's task: control messages, the timer, the rings, commands handed over through the
+/// channel, and the link when no caller drives it.
 struct Task {
-    live: Option<Link>,
-    core: Core<Arc<QueueShared>>,
+    engine: Arc<Mutex<Engine>>,
     shared: Arc<QueueShared>,
+    links: Arc<LinkWaker>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
-    report: mpsc::UnboundedSender<SupMsg>,
-    generation: u64,
     scan_period: Duration,
     batch: Vec<Submission>,
-    /// Whether to busy-poll rather than sleep (the window after activity, while traffic is
-    /// dense enough to pay for it).
+    /// Whether to busy-poll rather than sleep on a link the task drives (the window after
+    /// activity, while traffic is dense enough to pay for it).
     poll: PollGate,
     /// GPU request rings served by this queue.
     rings: RingTable,
@@ -612,7 +875,10 @@ impl TagSource for RingTags {
 enum Wake {
     Ctl(Option<QueueCtl>),
     Submit(usize),
+    /// The link the task waits on (NVMe/RDMA).
     Ready(LinkWake),
+    /// The socket has something and no caller waits on it.
+    Link,
     Tick,
     /// Inside the busy-poll window: check the connection without waiting.
     Poll,
@@ -625,33 +891,39 @@ impl Task {
         let mut tick = tokio::time::interval(self.scan_period);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut next_scan = Instant::now() + self.scan_period;
+        let engine = Arc::clone(&self.engine);
         loop {
-            self.core.now = Instant::now();
-            if self.core.now >= next_scan {
-                next_scan = self.core.now + self.scan_period;
-                let had_link = self.live.is_some();
-                if let Some(err) = link::expire(&mut self.live, &mut self.core) {
-                    if had_link {
-                        self.report_loss(err);
-                    }
+            let now = Instant::now();
+            let (waits_on, callers) = {
+                let mut e = engine.lock();
+                e.core.now = now;
+                if e.callers_drive {
+                    // Also takes what arrived for callers that have not polled since (before
+                    // any deadline is judged).
+                    e.drive(None);
                 }
-            }
-            if let Some(live) = self.live.as_mut() {
-                if let Err(e) = live.try_flush() {
-                    let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
-                    self.lose(err);
-                    continue;
+                if now >= next_scan {
+                    next_scan = now + self.scan_period;
+                    e.expire();
                 }
-            }
-            let ring_wait = self.rings.wait(self.core.now);
-            let polling = (self.live.is_some() && self.poll.polling(self.core.now.into_std()))
+                if e.callers_drive {
+                    (None, true)
+                } else {
+                    e.flush();
+                    // The task waits on the link: it takes it meanwhile (callers hand their
+                    // commands over through the channel).
+                    (e.live.take(), false)
+                }
+            };
+            let ring_wait = self.rings.wait(now);
+            let polling = (waits_on.is_some() && self.poll.polling(now.into_std()))
                 || ring_wait == RingWait::Poll;
             let ring_at = match ring_wait {
                 RingWait::At(at) => Some(at),
                 RingWait::Nothing | RingWait::Poll => None,
             };
             let wake = {
-                let live = self.live.as_ref();
+                let live = waits_on.as_ref();
                 tokio::select! {
                     biased;
                     c = self.ctl_rx.recv() => Wake::Ctl(c),
@@ -662,6 +934,7 @@ impl Task {
                             None => std::future::pending().await,
                         }
                     }, if live.is_some() => Wake::Ready(r),
+                    _ = self.links.task.notified(), if callers => Wake::Link,
                     _ = tick.tick() => Wake::Tick,
                     _ = tokio::task::yield_now(), if polling => Wake::Poll,
                     _ = async {
@@ -671,75 +944,66 @@ impl Task {
                     }, if ring_at.is_some() => Wake::RingCheck,
                 }
             };
-            self.core.now = Instant::now();
+            let mut guard = engine.lock();
+            let e = &mut *guard;
+            if let Some(live) = waits_on {
+                e.live = Some(live);
+            }
+            e.core.now = Instant::now();
             match wake {
-                Wake::Ctl(None) | Wake::Ctl(Some(QueueCtl::Close)) => {
+                Wake::Ctl(None) | Wake::Ctl(Some(QueueCtl::Close)) | Wake::Submit(0) => {
+                    // Closed, or every handle is gone.
+                    drop(guard);
                     self.shutdown(Error::Closed);
                     return;
                 }
-                Wake::Ctl(Some(msg)) => self.control(msg),
-                Wake::Submit(0) => {
-                    // Every handle is gone.
-                    self.shutdown(Error::Closed);
-                    return;
-                }
+                Wake::Ctl(Some(msg)) => self.control(e, msg),
                 Wake::Submit(_) => {
-                    self.poll.submitted(self.core.now.into_std());
-                    let mut batch = std::mem::take(&mut self.batch);
-                    let mut res = Ok(());
-                    for s in batch.drain(..) {
-                        submit_to(
-                            &mut self.core,
-                            self.live.as_mut(),
-                            &mut res,
-                            (s.tag, s.req, s.buf, s.direct, None),
-                        );
-                    }
-                    self.batch = batch;
-                    if let Err(e) = res {
-                        self.lose(e);
+                    self.poll.submitted(e.core.now.into_std());
+                    for s in self.batch.drain(..) {
+                        e.submit((s.tag, s.req, s.buf, s.direct, None));
                     }
                 }
                 Wake::Ready(wake) => {
-                    let err = (self.live.as_ref())
-                        .and_then(|live| live.wake_error(self.core.addr(), wake));
+                    let err =
+                        (e.live.as_ref()).and_then(|live| live.wake_error(e.core.addr(), wake));
                     match err {
-                        Some(err) => self.lose(err),
-                        None => self.poll_link(),
+                        Some(err) => e.lose(err),
+                        None => {
+                            if e.receive() {
+                                self.poll.arrived(e.core.now.into_std());
+                            }
+                        }
                     }
                 }
-                Wake::Poll => self.poll_link(),
-                Wake::Tick | Wake::RingCheck => {}
+                Wake::Poll => {
+                    if e.receive() {
+                        self.poll.arrived(e.core.now.into_std());
+                    }
+                }
+                Wake::Link | Wake::Tick | Wake::RingCheck => {}
             }
-            self.serve_rings();
+            self.serve_rings(e);
         }
     }
 
     /// Writes the completion words of the ring reads that ended (freeing their tags), lets
     /// detached rings go, and starts what the rings ask for.
-    fn serve_rings(&mut self) {
-        self.finish_ring_reads();
+    fn serve_rings(&mut self, e: &mut Engine) {
+        self.finish_ring_reads(e);
         if self.rings.is_empty() {
             return;
         }
         let now = Instant::now();
-        let failed = self.core.failed().cloned();
-        let mut res = Ok(());
+        let failed = e.core.failed().cloned();
         let mut started = 0u64;
-        let core = &mut self.core;
-        let mut live = self.live.as_mut();
         let taken = self.rings.poll(
             now,
             failed.as_ref(),
             &mut self.ring_tags,
             &mut |tag, req, data, direct, origin| {
                 started += 1;
-                submit_to(
-                    core,
-                    live.as_deref_mut(),
-                    &mut res,
-                    (tag, req, SlotBuf::Ring(data), direct, Some(origin)),
-                );
+                e.submit((tag, req, SlotBuf::Ring(data), direct, Some(origin)));
             },
         );
         let c = &self.shared.counters;
@@ -748,16 +1012,13 @@ impl Task {
         if started > 0 {
             self.poll.submitted(now.into_std());
         }
-        if let Err(e) = res {
-            self.lose(e);
-        }
         // Commands refused by the link at once (or failed by a failed queue) ended already.
-        self.finish_ring_reads();
+        self.finish_ring_reads(e);
     }
 
     /// Writes the completion words of the ring reads that ended and frees their tags.
-    fn finish_ring_reads(&mut self) {
-        self.core.take_ring_done(&mut self.ring_done);
+    fn finish_ring_reads(&mut self, e: &mut Engine) {
+        e.core.take_ring_done(&mut self.ring_done);
         if self.ring_done.is_empty() {
             return;
         }
@@ -772,82 +1033,51 @@ impl Task {
         self.rings.reap();
     }
 
-    /// Takes what the link has and handles it.
-    fn poll_link(&mut self) {
-        let got = match self.live.as_mut() {
-            Some(live) => live.receive(&mut self.core),
-            None => Ok(false),
-        };
-        match got {
-            Ok(true) => self.poll.arrived(self.core.now.into_std()),
-            Ok(false) => {}
-            Err(e) => self.lose(e),
-        }
-    }
-
-    fn control(&mut self, msg: QueueCtl) {
+    fn control(&mut self, e: &mut Engine, msg: QueueCtl) {
         match msg {
             QueueCtl::Attach(live, generation) => {
-                if self.core.failed().is_some() {
+                if e.core.failed().is_some() {
                     return;
                 }
-                if self.live.take().is_some() {
-                    let reason = Error::lost(self.core.addr(), "connection replaced");
-                    self.core.link_lost(&reason);
+                if e.live.take().is_some() {
+                    let reason = Error::lost(e.core.addr(), "connection replaced");
+                    e.core.link_lost(&reason);
                 }
                 let mut live = *live;
-                self.generation = generation;
+                e.generation = generation;
+                e.callers_drive = live.callers_drive();
                 bump(&self.shared.counters.connections, 1);
-                let res = self
-                    .core
+                let res = (e.core)
                     .link_restored(&mut live)
-                    .and_then(|()| live.process(&mut self.core));
-                self.live = Some(live);
-                if let Err(e) = res {
-                    self.lose(e);
+                    .and_then(|()| live.process(&mut e.core));
+                e.live = Some(live);
+                if let Err(err) = res {
+                    e.lose(err);
                 }
             }
             QueueCtl::Detach => {
-                if self.live.take().is_some() {
-                    let reason = Error::lost(self.core.addr(), "controller reset");
-                    self.core.link_lost(&reason);
+                if e.live.take().is_some() {
+                    let reason = Error::lost(e.core.addr(), "controller reset");
+                    e.core.link_lost(&reason);
                 }
             }
             QueueCtl::Fail(err) => {
-                self.live = None;
+                e.live = None;
                 *self.shared.closed_error.lock() = Some(err.clone());
                 self.shared.permits.close();
-                self.core.fail(err);
+                e.core.fail(err);
             }
-            QueueCtl::Close => self.shutdown(Error::Closed),
+            QueueCtl::Close => {}
             QueueCtl::AttachRings(grant) => self.rings.attach(grant),
             QueueCtl::DetachRings { id, done } => self.rings.detach(id, done),
         }
     }
 
-    /// Drops the connection after an error and tells the supervisor.
-    fn lose(&mut self, err: Error) {
-        let Some(mut live) = self.live.take() else {
-            return;
-        };
-        // A protocol error leaves a TermReq to send; give it one try.
-        let _ = live.try_flush();
-        drop(live);
-        self.report_loss(err);
-    }
-
-    /// After the connection was dropped: keeps or fails its commands and tells the supervisor.
-    fn report_loss(&mut self, err: Error) {
-        self.core.link_lost(&err);
-        let _ = self.report.send(SupMsg::QueueFailed {
-            qid: self.shared.qid,
-            generation: self.generation,
-            error: err,
-        });
-    }
-
     fn shutdown(&mut self, err: Error) {
-        self.live = None;
+        let engine = Arc::clone(&self.engine);
+        let mut guard = engine.lock();
+        let e = &mut *guard;
+        e.live = None;
         {
             let mut ce = self.shared.closed_error.lock();
             if ce.is_none() {
@@ -859,28 +1089,12 @@ impl Task {
         while let Ok(s) = self.sub_rx.try_recv() {
             self.shared.finish_slot(s.tag, Err(err.clone()), s.buf);
         }
-        if self.core.failed().is_none() {
-            self.core.fail(err);
+        if e.core.failed().is_none() {
+            e.core.fail(err);
         } else {
-            self.core.fail_all(&err);
+            e.core.fail_all(&err);
         }
-        self.finish_ring_reads();
-    }
-}
-
-/// Hands a command to the core: on `link` while `res` is fine, after the link broke (`res`
-/// holds why) to the waiting list, for the next link.
-fn submit_to(
-    core: &mut Core<Arc<QueueShared>>,
-    link: Option<&mut Link>,
-    res: &mut Result<(), Error>,
-    cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>),
-) {
-    let (tag, req, buf, direct, origin) = cmd;
-    let link = if res.is_ok() { link } else { None };
-    let r = core.submit(link, tag, req, buf, direct, origin);
-    if res.is_ok() {
-        *res = r;
+        self.finish_ring_reads(e);
     }
 }
 

@@ -298,6 +298,11 @@ impl<C: Completions> Core<C> {
         }
     }
 
+    /// Whether ring reads ended since [`take_ring_done`](Self::take_ring_done) was last called.
+    pub fn has_ring_done(&self) -> bool {
+        !self.ring_done.is_empty()
+    }
+
     /// Moves the ring reads that ended since the last call to `out` (emptied first).
     pub fn take_ring_done(&mut self, out: &mut Vec<RingDone>) {
         out.clear();

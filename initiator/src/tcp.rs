@@ -4,6 +4,7 @@
 //! receiving PDUs, read data into the command's buffer, completions into the queue core).
 
 use std::io;
+use std::task::Context;
 use std::time::Duration;
 
 use nvme_spec::{Cqe, SglDescriptor, Status};
@@ -147,6 +148,17 @@ impl TcpConn {
             Interest::READABLE | Interest::WRITABLE
         };
         self.stream.ready(interest).await
+    }
+
+    /// Registers `cx` for the socket's readability (and writability while bytes wait to be
+    /// sent). Returns whether the socket is ready already (an error counts: reading says it).
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> bool {
+        let tcp = self.stream.tcp();
+        let mut ready = tcp.poll_read_ready(cx).is_ready();
+        if !self.engine.pending_send().is_empty() {
+            ready |= tcp.poll_write_ready(cx).is_ready();
+        }
+        ready
     }
 
     /// Writes as much of the engine's send buffer as the socket takes without blocking.
