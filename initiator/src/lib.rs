@@ -128,6 +128,7 @@ mod ring_proxy;
 mod ring_serve;
 mod setup;
 mod supervisor;
+mod tags;
 mod tcp;
 
 pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};

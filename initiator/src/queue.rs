@@ -41,7 +41,7 @@ use std::time::Duration;
 use busy_poll::PollGate;
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
-use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
@@ -52,6 +52,7 @@ use crate::queue_core::{Completions, Core, QueueCounters, RingDone, RingSlot, bu
 pub(crate) use crate::queue_core::{DataDir, Request, Retry};
 use crate::registered::Direct;
 use crate::ring_serve::{RingGrant, RingTable, RingWait, TagSource};
+use crate::tags::TagPool;
 
 /// Submissions taken from the channel per wake-up.
 const SUBMIT_BATCH: usize = 256;
@@ -178,8 +179,7 @@ const NO_TAG: u32 = u32::MAX;
 pub(crate) struct QueueShared {
     qid: u16,
     slots: Box<[Mutex<SlotState>]>,
-    free: Mutex<Vec<u16>>,
-    permits: Semaphore,
+    tags: TagPool,
     counters: QueueCounters,
     closed_error: Mutex<Option<Error>>,
     /// The command whose caller writes the send buffer when next polled (see
@@ -187,41 +187,15 @@ pub(crate) struct QueueShared {
     flush_by: std::sync::atomic::AtomicU32,
     /// A command whose caller waited recently: the next leader when the leader's ends.
     hint: std::sync::atomic::AtomicU32,
+    /// The leader's command (see [`Engine::pick_leader`]), or [`NO_TAG`].
+    leader: std::sync::atomic::AtomicU32,
+    /// Where the socket's readiness goes.
+    links: Arc<LinkWaker>,
 }
 
 impl QueueShared {
     fn release(&self, tag: u16) {
-        self.free.lock().push(tag);
-        self.permits.add_permits(1);
-    }
-
-    /// Takes up to `max` free tags without waiting, appending them to `out` (one lock).
-    fn take_tags(&self, max: usize, out: &mut Vec<u16>) {
-        let n = self.permits.available_permits().min(max);
-        if n == 0 {
-            return;
-        }
-        match self.permits.try_acquire_many(n as u32) {
-            Ok(p) => p.forget(),
-            Err(_) => return,
-        }
-        let mut free = self.free.lock();
-        let k = n.min(free.len());
-        let at = free.len() - k;
-        out.extend(free.drain(at..));
-        drop(free);
-        if k < n {
-            self.permits.add_permits(n - k);
-        }
-    }
-
-    /// Releases several tags (one lock).
-    fn release_many(&self, tags: &[u16]) {
-        if tags.is_empty() {
-            return;
-        }
-        self.free.lock().extend_from_slice(tags);
-        self.permits.add_permits(tags.len());
+        self.tags.give(tag);
     }
 
     /// Stores a result in a slot and wakes its caller (or frees an abandoned slot).
@@ -251,20 +225,35 @@ impl QueueShared {
         }
     }
 
-    /// The waker of command `tag`'s caller, while the command waits for its completion.
-    fn waiter(&self, tag: u16) -> Option<Waker> {
-        let st = self.slots.get(usize::from(tag))?.lock();
-        match st.phase {
-            Phase::Waiting => st.waker.clone(),
-            _ => None,
-        }
+    /// Whether command `tag` waits for its completion and its caller has polled.
+    fn waits(&self, tag: u16) -> bool {
+        let Some(slot) = self.slots.get(usize::from(tag)) else {
+            return false;
+        };
+        let st = slot.lock();
+        st.phase == Phase::Waiting && st.waker.is_some()
+    }
+
+    /// Makes the caller of command `tag` the one the socket wakes, if the command waits and
+    /// its caller has polled. The slot's lock orders this with [`Pending::check`] replacing
+    /// the caller's waker.
+    fn lead(&self, tag: u16) -> bool {
+        let Some(slot) = self.slots.get(usize::from(tag)) else {
+            return false;
+        };
+        let st = slot.lock();
+        let waker = match (&st.phase, &st.waker) {
+            (Phase::Waiting, Some(w)) => w.clone(),
+            _ => return false,
+        };
+        self.leader.store(u32::from(tag), Ordering::Relaxed);
+        *self.links.leader.lock() = Some(waker);
+        true
     }
 
     /// Command slots taken.
     fn busy(&self) -> usize {
-        self.slots
-            .len()
-            .saturating_sub(self.permits.available_permits())
+        self.tags.in_use()
     }
 
     fn stats(&self) -> QueueStats {
@@ -321,7 +310,8 @@ impl std::task::Wake for LinkWaker {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        let leader = self.leader.lock().take();
+        // The leader stays until another is picked: the socket may wake it more than once.
+        let leader = self.leader.lock().clone();
         match leader {
             Some(w) => w.wake(),
             None => self.task.notify_one(),
@@ -341,8 +331,9 @@ pub(crate) struct Engine {
     callers_drive: bool,
     /// The waiting command whose caller the socket wakes.
     leader: Option<u16>,
-    links: Arc<LinkWaker>,
-    /// `links` as a waker.
+    /// The command submitted last (the likeliest to wait longest).
+    newest: Option<u16>,
+    /// [`QueueShared::links`] as a waker.
     link_waker: Waker,
 }
 
@@ -351,6 +342,7 @@ impl Engine {
     /// it, kept for the next link otherwise.
     fn submit(&mut self, cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>)) {
         let (tag, req, buf, direct, origin) = cmd;
+        self.newest = Some(tag);
         let sent = (self.core).submit(self.live.as_mut(), tag, req, buf, direct, origin);
         if let Err(e) = sent {
             self.lose(e);
@@ -391,7 +383,7 @@ impl Engine {
             self.receive();
             if self.core.has_ring_done() {
                 // Ring reads ended: their completion words are the task's to write.
-                self.links.task.notify_one();
+                self.shared.links.task.notify_one();
             }
             self.pick_leader(me);
             let mut cx = Context::from_waker(&self.link_waker);
@@ -404,21 +396,27 @@ impl Engine {
         self.link_waker.wake_by_ref();
     }
 
-    /// Makes the caller of `me` (when its command still waits), else the current leader,
-    /// else one that waited recently, else any waiting caller the one the socket wakes; with
-    /// none waiting, the task.
+    /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
+    /// one that waited recently, else that of the newest command, else any waiting caller
+    /// the one the socket wakes; with none waiting, the task.
     fn pick_leader(&mut self, me: Option<u16>) {
         let shared = &self.shared;
+        if self.leader.is_some_and(|t| shared.waits(t)) {
+            return;
+        }
         let hint = u16::try_from(shared.hint.load(Ordering::Relaxed)).ok();
-        let mut pick = [me, self.leader, hint]
+        let mut pick = [me, hint, self.newest]
             .into_iter()
             .flatten()
-            .find_map(|t| shared.waiter(t).map(|w| (t, w)));
-        if pick.is_none() {
-            pick = (0..shared.slots.len() as u16).find_map(|t| shared.waiter(t).map(|w| (t, w)));
+            .find(|&t| shared.lead(t));
+        if pick.is_none() && shared.busy() > 0 {
+            pick = (0..shared.slots.len() as u16).find(|&t| shared.lead(t));
         }
-        self.leader = pick.as_ref().map(|p| p.0);
-        *self.links.leader.lock() = pick.map(|p| p.1);
+        self.leader = pick;
+        if pick.is_none() {
+            shared.leader.store(NO_TAG, Ordering::Relaxed);
+            *shared.links.leader.lock() = None;
+        }
     }
 
     /// Event: the timer. Fails the commands past their deadline (see [`link::expire`]).
@@ -495,16 +493,16 @@ impl QueueHandle {
         let shared = Arc::new(QueueShared {
             qid: cfg.qid,
             slots: slots.into_boxed_slice(),
-            free: Mutex::new((0..n).rev().collect()),
-            permits: Semaphore::new(usize::from(n)),
+            tags: TagPool::new(n),
             counters: QueueCounters::default(),
             closed_error: Mutex::new(None),
             flush_by: NO_TAG.into(),
             hint: NO_TAG.into(),
-        });
-        let links = Arc::new(LinkWaker {
-            leader: Mutex::new(None),
-            task: Notify::new(),
+            leader: NO_TAG.into(),
+            links: Arc::new(LinkWaker {
+                leader: Mutex::new(None),
+                task: Notify::new(),
+            }),
         });
         let core = Core::new(
             Arc::clone(&shared),
@@ -521,15 +519,14 @@ impl QueueHandle {
             shared: Arc::clone(&shared),
             callers_drive: true,
             leader: None,
-            link_waker: Waker::from(Arc::clone(&links)),
-            links: Arc::clone(&links),
+            newest: None,
+            link_waker: Waker::from(Arc::clone(&shared.links)),
         }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
         let task = Task {
             engine: Arc::clone(&engine),
             shared: Arc::clone(&shared),
-            links,
             sub_rx,
             ctl_rx,
             scan_period: cfg.scan_period,
@@ -612,18 +609,9 @@ impl QueueHandle {
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
     {
-        let permit = self
-            .shared
-            .permits
-            .acquire()
-            .await
-            .map_err(|_| self.closed_error())?;
-        permit.forget();
-        let Some(tag) = self.shared.free.lock().pop() else {
-            self.shared.permits.add_permits(1);
-            return Err(Error::InvalidArgument(
-                "internal: no free command slot".into(),
-            ));
+        let tag = match self.shared.tags.try_take() {
+            Some(tag) => tag,
+            None => (self.shared.tags.take().await).ok_or_else(|| self.closed_error())?,
         };
         let slot = &self.shared.slots[usize::from(tag)];
         let len = req.len as usize;
@@ -727,12 +715,17 @@ pub(crate) struct Pending<'a> {
 impl Pending<'_> {
     /// The result when the command has ended; registers the caller's waker otherwise.
     fn check(&self, cx: &mut Context<'_>) -> Option<Result<Cqe, Error>> {
-        let mut st = self.q.shared.slots[usize::from(self.tag)].lock();
+        let shared = &self.q.shared;
+        let mut st = shared.slots[usize::from(self.tag)].lock();
         if st.phase == Phase::Done {
             return Some(st.result.take().unwrap_or(Err(Error::Closed)));
         }
         if !st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             st.waker = Some(cx.waker().clone());
+            if shared.leader.load(Ordering::Relaxed) == u32::from(self.tag) {
+                // The leader moved to another task: the socket wakes that one now.
+                *shared.links.leader.lock() = Some(cx.waker().clone());
+            }
         }
         None
     }
@@ -836,7 +829,6 @@ impl Drop for Pending<'_> {
 struct Task {
     engine: Arc<Mutex<Engine>>,
     shared: Arc<QueueShared>,
-    links: Arc<LinkWaker>,
     sub_rx: mpsc::UnboundedReceiver<Submission>,
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
     scan_period: Duration,
@@ -861,13 +853,12 @@ struct RingTags {
 impl TagSource for RingTags {
     fn take(&mut self, max: usize) -> &[u16] {
         self.tags.clear();
-        self.shared.take_tags(max, &mut self.tags);
+        self.shared.tags.take_many(max, &mut self.tags);
         &self.tags
     }
 
     fn give_back(&mut self, used: usize) {
-        self.shared
-            .release_many(&self.tags[used.min(self.tags.len())..]);
+        (self.shared.tags).give_many(&self.tags[used.min(self.tags.len())..]);
         self.tags.clear();
     }
 }
@@ -905,6 +896,7 @@ impl Task {
                 if now >= next_scan {
                     next_scan = now + self.scan_period;
                     e.expire();
+                    e.pick_leader(None);
                 }
                 if e.callers_drive {
                     (None, true)
@@ -934,7 +926,7 @@ impl Task {
                             None => std::future::pending().await,
                         }
                     }, if live.is_some() => Wake::Ready(r),
-                    _ = self.links.task.notified(), if callers => Wake::Link,
+                    _ = self.shared.links.task.notified(), if callers => Wake::Link,
                     _ = tick.tick() => Wake::Tick,
                     _ = tokio::task::yield_now(), if polling => Wake::Poll,
                     _ = async {
@@ -1027,7 +1019,7 @@ impl Task {
         self.rings.complete_all(&self.ring_done);
         tags.extend(self.ring_done.iter().map(|d| d.tag));
         self.rings.push_pending();
-        self.shared.release_many(tags);
+        self.shared.tags.give_many(tags);
         tags.clear();
         self.rings.completed(Instant::now());
         self.rings.reap();
@@ -1064,7 +1056,7 @@ impl Task {
             QueueCtl::Fail(err) => {
                 e.live = None;
                 *self.shared.closed_error.lock() = Some(err.clone());
-                self.shared.permits.close();
+                self.shared.tags.close();
                 e.core.fail(err);
             }
             QueueCtl::Close => {}
@@ -1084,7 +1076,7 @@ impl Task {
                 *ce = Some(err.clone());
             }
         }
-        self.shared.permits.close();
+        self.shared.tags.close();
         self.sub_rx.close();
         while let Ok(s) = self.sub_rx.try_recv() {
             self.shared.finish_slot(s.tag, Err(err.clone()), s.buf);
