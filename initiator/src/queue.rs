@@ -397,21 +397,19 @@ impl Engine {
     }
 
     /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
-    /// one that waited recently, else that of the newest command, else any waiting caller
-    /// the one the socket wakes; with none waiting, the task.
+    /// one that waited recently, else that of the newest command the one the socket wakes.
+    /// When none of them waits (the queue's commands ended, or nearly all), the socket wakes
+    /// the task, which drives for whoever still waits and picks again.
     fn pick_leader(&mut self, me: Option<u16>) {
         let shared = &self.shared;
         if self.leader.is_some_and(|t| shared.waits(t)) {
             return;
         }
         let hint = u16::try_from(shared.hint.load(Ordering::Relaxed)).ok();
-        let mut pick = [me, hint, self.newest]
+        let pick = [me, hint, self.newest]
             .into_iter()
             .flatten()
             .find(|&t| shared.lead(t));
-        if pick.is_none() && shared.busy() > 0 {
-            pick = (0..shared.slots.len() as u16).find(|&t| shared.lead(t));
-        }
         self.leader = pick;
         if pick.is_none() {
             shared.leader.store(NO_TAG, Ordering::Relaxed);
