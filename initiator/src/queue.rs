@@ -33,6 +33,7 @@
 //! whoever saw the loss reports it to the controller's supervisor, which reconnects and hands
 //! a new link over.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
@@ -333,6 +334,10 @@ pub(crate) struct Engine {
     leader: Option<u16>,
     /// The command submitted last (the likeliest to wait longest).
     newest: Option<u16>,
+    /// Whether whoever drives busy-polls rather than sleeps (the window after activity,
+    /// while traffic is dense enough to pay for it): a waiting caller that drove comes back
+    /// at once instead of waiting for the socket, the task yields instead of sleeping.
+    poll: PollGate,
     /// [`QueueShared::links`] as a waker.
     link_waker: Waker,
 }
@@ -343,6 +348,7 @@ impl Engine {
     fn submit(&mut self, cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>)) {
         let (tag, req, buf, direct, origin) = cmd;
         self.newest = Some(tag);
+        self.poll.submitted(self.core.now.into_std());
         let sent = (self.core).submit(self.live.as_mut(), tag, req, buf, direct, origin);
         if let Err(e) = sent {
             self.lose(e);
@@ -380,7 +386,9 @@ impl Engine {
         self.core.now = Instant::now();
         for _ in 0..DRIVE_ROUNDS {
             self.flush();
-            self.receive();
+            if self.receive() {
+                self.poll.arrived(self.core.now.into_std());
+            }
             if self.core.has_ring_done() {
                 // Ring reads ended: their completion words are the task's to write.
                 self.shared.links.task.notify_one();
@@ -518,6 +526,7 @@ impl QueueHandle {
             callers_drive: true,
             leader: None,
             newest: None,
+            poll: PollGate::new(cfg.busy_poll),
             link_waker: Waker::from(Arc::clone(&shared.links)),
         }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
@@ -529,7 +538,6 @@ impl QueueHandle {
             ctl_rx,
             scan_period: cfg.scan_period,
             batch: Vec::with_capacity(SUBMIT_BATCH),
-            poll: PollGate::new(cfg.busy_poll),
             rings: RingTable::new(cfg.ring_poll),
             ring_done: Vec::with_capacity(usize::from(n)),
             ring_tags: RingTags {
@@ -747,9 +755,17 @@ impl Pending<'_> {
                     cx.waker().wake_by_ref();
                 } else if !unsent || flush_by == u32::from(self.tag) {
                     e.drive(Some(self.tag));
+                    let spin = e.poll.polling(e.core.now.into_std());
                     drop(e);
                     if let Some(r) = self.check(cx) {
                         return Poll::Ready(r);
+                    }
+                    if spin {
+                        // Inside the busy-poll window: look again as soon as the runtime has
+                        // polled its sockets rather than sleep until the socket wakes the
+                        // leader (a yield polled once: tokio wakes the task after its I/O
+                        // driver ran, elsewhere at once).
+                        let _ = std::pin::pin!(tokio::task::yield_now()).poll(cx);
                     }
                 }
             }
@@ -831,9 +847,6 @@ struct Task {
     ctl_rx: mpsc::UnboundedReceiver<QueueCtl>,
     scan_period: Duration,
     batch: Vec<Submission>,
-    /// Whether to busy-poll rather than sleep on a link the task drives (the window after
-    /// activity, while traffic is dense enough to pay for it).
-    poll: PollGate,
     /// GPU request rings served by this queue.
     rings: RingTable,
     /// Scratch: ring reads that ended.
@@ -883,7 +896,7 @@ impl Task {
         let engine = Arc::clone(&self.engine);
         loop {
             let now = Instant::now();
-            let (waits_on, callers) = {
+            let (waits_on, callers, poll_link) = {
                 let mut e = engine.lock();
                 e.core.now = now;
                 if e.callers_drive {
@@ -896,18 +909,18 @@ impl Task {
                     e.expire();
                     e.pick_leader(None);
                 }
+                let poll_link = e.live.is_some() && e.poll.polling(now.into_std());
                 if e.callers_drive {
-                    (None, true)
+                    (None, true, false)
                 } else {
                     e.flush();
                     // The task waits on the link: it takes it meanwhile (callers hand their
                     // commands over through the channel).
-                    (e.live.take(), false)
+                    (e.live.take(), false, poll_link)
                 }
             };
             let ring_wait = self.rings.wait(now);
-            let polling = (waits_on.is_some() && self.poll.polling(now.into_std()))
-                || ring_wait == RingWait::Poll;
+            let polling = poll_link || ring_wait == RingWait::Poll;
             let ring_at = match ring_wait {
                 RingWait::At(at) => Some(at),
                 RingWait::Nothing | RingWait::Poll => None,
@@ -949,7 +962,6 @@ impl Task {
                 }
                 Wake::Ctl(Some(msg)) => self.control(e, msg),
                 Wake::Submit(_) => {
-                    self.poll.submitted(e.core.now.into_std());
                     for s in self.batch.drain(..) {
                         e.submit((s.tag, s.req, s.buf, s.direct, None));
                     }
@@ -961,14 +973,14 @@ impl Task {
                         Some(err) => e.lose(err),
                         None => {
                             if e.receive() {
-                                self.poll.arrived(e.core.now.into_std());
+                                e.poll.arrived(e.core.now.into_std());
                             }
                         }
                     }
                 }
                 Wake::Poll => {
                     if e.receive() {
-                        self.poll.arrived(e.core.now.into_std());
+                        e.poll.arrived(e.core.now.into_std());
                     }
                 }
                 Wake::Link | Wake::Tick | Wake::RingCheck => {}
@@ -999,9 +1011,6 @@ impl Task {
         let c = &self.shared.counters;
         bump(&c.ring_reads, started);
         bump(&c.ring_rejected, taken as u64 - started);
-        if started > 0 {
-            self.poll.submitted(now.into_std());
-        }
         // Commands refused by the link at once (or failed by a failed queue) ended already.
         self.finish_ring_reads(e);
     }
