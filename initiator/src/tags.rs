@@ -140,15 +140,19 @@ mod tests {
         assert_eq!(p.in_use(), 1);
     }
 
+    /// A task that takes a tag from `p`, started and given time to find none free.
+    async fn spawn_take(p: &Arc<TagPool>) -> tokio::task::JoinHandle<Option<u16>> {
+        let p = Arc::clone(p);
+        let waiter = tokio::spawn(async move { p.take().await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        waiter
+    }
+
     #[tokio::test]
     async fn a_waiting_caller_gets_the_tag_given_back() {
         let p = Arc::new(TagPool::new(1));
         let t = p.try_take().unwrap();
-        let waiter = tokio::spawn({
-            let p = Arc::clone(&p);
-            async move { p.take().await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let waiter = spawn_take(&p).await;
         assert!(!waiter.is_finished());
         p.give(t);
         assert_eq!(waiter.await.unwrap(), Some(t));
@@ -158,13 +162,7 @@ mod tests {
     async fn tags_given_back_together_wake_every_waiting_caller() {
         let p = Arc::new(TagPool::new(2));
         let taken = [p.try_take().unwrap(), p.try_take().unwrap()];
-        let waiters: Vec<_> = (0..2)
-            .map(|_| {
-                let p = Arc::clone(&p);
-                tokio::spawn(async move { p.take().await })
-            })
-            .collect();
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let waiters = [spawn_take(&p).await, spawn_take(&p).await];
         p.give_many(&taken);
         let mut got = Vec::new();
         for w in waiters {
@@ -178,11 +176,7 @@ mod tests {
     async fn closing_ends_the_wait_and_refuses_takes() {
         let p = Arc::new(TagPool::new(1));
         let _t = p.try_take().unwrap();
-        let waiter = tokio::spawn({
-            let p = Arc::clone(&p);
-            async move { p.take().await }
-        });
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let waiter = spawn_take(&p).await;
         p.close();
         assert_eq!(waiter.await.unwrap(), None);
         p.give(0);
