@@ -54,22 +54,28 @@
 //!
 //! # Which queue a command uses
 //!
-//! A [`Namespace`] future hands its command to an I/O queue's task through a channel; the task
-//! sends it, and wakes the future when its completion arrives. Which queue takes it depends on
-//! the thread the future is polled on ([`QueuePolicy::PerThread`], the default): each OS
-//! thread is given a queue the first time it submits (threads in the order they first submit,
-//! modulo the number of I/O queues) and keeps it, with no shared counter touched per command.
+//! A [`Namespace`] future hands its command to an I/O queue itself (over NVMe/TCP the capsule
+//! joins the queue's send buffer: no channel, no other task woken) and, while it waits, drives
+//! that queue: it writes the capsules of its round with one `write`, reads what arrived and
+//! wakes the futures whose commands ended; one waiting future is woken when the socket has
+//! more. The queue's own task handles timers, control, GPU rings, a queue another thread held
+//! at that instant, and NVMe/RDMA. Which queue takes a command depends on the thread the
+//! future is polled on ([`QueuePolicy::PerThread`], the default): each OS thread is given a
+//! queue the first time it submits (threads in the order they first submit, modulo the
+//! number of I/O queues) and keeps it, with no shared counter touched per command; a queue
+//! used by one thread only is driven without contention.
 //!
 //! - **tokio multi-thread runtime:** each worker thread uses its own queue, so tasks spread
 //!   over the queues as the scheduler spreads them over the workers; a task that moves to
-//!   another worker uses that worker's queue from then on. The queue tasks run on the runtime
-//!   that called [`Controller::connect`].
+//!   another worker uses that worker's queue from then on. Ask for as many I/O queues as
+//!   worker threads so that no two share one. The queue tasks run on the runtime that called
+//!   [`Controller::connect`].
 //! - **tokio current-thread runtime:** every task of the runtime runs on its one thread and so
 //!   uses one queue; pin handles with [`Namespace::on_queue`] (or choose
 //!   [`QueuePolicy::RoundRobin`]) to use several.
 //! - **plain OS thread:** drive the futures with a runtime handle (for example
 //!   `Handle::block_on` of the runtime that connected); the thread gets its own queue like any
-//!   other. A thread that wants to own its queue with no task in between uses a
+//!   other and drives it while it waits. A thread that wants to own its queue with no task in between uses a
 //!   [`BlockingQueuePair`].
 //!
 //! Read data lands in the command's buffer and is copied to the caller's; a [`ReadDest`] that
