@@ -330,8 +330,6 @@ pub(crate) struct Engine {
     shared: Arc<QueueShared>,
     /// Callers drive the link (NVMe/TCP); otherwise only the task does (NVMe/RDMA).
     callers_drive: bool,
-    /// The waiting command whose caller the socket wakes.
-    leader: Option<u16>,
     /// The command submitted last (the likeliest to wait longest).
     newest: Option<u16>,
     /// Whether whoever drives busy-polls rather than sleeps (the window after activity,
@@ -410,7 +408,8 @@ impl Engine {
     /// the task, which drives for whoever still waits and picks again.
     fn pick_leader(&mut self, me: Option<u16>) {
         let shared = &self.shared;
-        if self.leader.is_some_and(|t| shared.waits(t)) {
+        let leader = u16::try_from(shared.leader.load(Ordering::Relaxed)).ok();
+        if leader.is_some_and(|t| shared.waits(t)) {
             return;
         }
         let hint = u16::try_from(shared.hint.load(Ordering::Relaxed)).ok();
@@ -418,7 +417,6 @@ impl Engine {
             .into_iter()
             .flatten()
             .find(|&t| shared.lead(t));
-        self.leader = pick;
         if pick.is_none() {
             shared.leader.store(NO_TAG, Ordering::Relaxed);
             *shared.links.leader.lock() = None;
@@ -524,7 +522,6 @@ impl QueueHandle {
             report,
             shared: Arc::clone(&shared),
             callers_drive: true,
-            leader: None,
             newest: None,
             poll: PollGate::new(cfg.busy_poll),
             link_waker: Waker::from(Arc::clone(&shared.links)),
@@ -829,7 +826,8 @@ impl Drop for Pending<'_> {
                 // A caller that leads or writes the round's capsules hands its part on.
                 let mut e = self.q.engine.lock();
                 let writes = shared.flush_by.load(Ordering::Relaxed) == u32::from(self.tag);
-                if e.callers_drive && (writes || e.leader == Some(self.tag)) {
+                let leads = shared.leader.load(Ordering::Relaxed) == u32::from(self.tag);
+                if e.callers_drive && (writes || leads) {
                     e.drive(None);
                 }
             }
