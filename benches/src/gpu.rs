@@ -1,24 +1,29 @@
 //! The `gpu` destination: read data lands in GPU memory.
 //!
-//! [`GpuPath`] wraps a mode's path. Each buffer is a device buffer with its own
-//! [`GpuStaging`] (a CUDA stream and two pinned slots of the block size); a read goes through
-//! the staging into the device buffer and completes only once the data is in device memory.
-//! Over NVMe/TCP the initiator's queue receives the data straight into a pinned slot, which is
-//! then copied to the GPU. In DAS mode a memory backend copies the blocks straight into a
-//! pinned slot (one copy, then the host-to-device copy: the best local path, as
-//! `gpu_loader`'s RAM -> HBM); other backends read into host memory, which the staging copies
-//! through a pinned slot (the CPU bounce path of a direct-attached device). With
-//! verify on, every read's device data is copied back (asynchronously, on the buffer's stream,
-//! into pinned memory) and checked against the pattern. Writes (the prefill included) go
-//! through the wrapped path from host memory.
+//! [`GpuPath`] wraps a mode's path. Each buffer has pinned host memory a read lands in and
+//! device memory it is copied to; a read completes only once its data is in device memory.
+//! Over NVMe/TCP the initiator's queue receives the data straight into the pinned memory; in
+//! DAS mode the backend's data is copied into it. The buffers of one worker share a
+//! [`Gather`]: the copies of the reads that complete in the same round of the worker's task
+//! leave together, as one `cuMemcpyBatchAsync` on the worker's stream with one event, instead
+//! of a copy, an event and event polls per read. With verify on, every read's device data is
+//! copied back (asynchronously, on the worker's stream, into pinned memory) and checked
+//! against the pattern. Writes (the prefill included) go through the wrapped path from host
+//! memory.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
-use nvmeof_initiator::gpu::cuda::{DeviceBuffer, GpuContext, GpuError, GpuEvent, PinnedBuffer};
-use nvmeof_initiator::gpu::{BlockSource, GpuIoError, GpuStaging, StagingConfig};
-use nvmeof_initiator::{Namespace, ReadDest};
+use nvmeof_initiator::gpu::BlockSource;
+use nvmeof_initiator::gpu::cuda::{
+    DeviceBuffer, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned, PinnedBuffer,
+};
+use parking_lot::Mutex;
+use nvmeof_initiator::{BufferError, LentBuffer, Namespace, ReadDest};
 
 use crate::path::{DasPath, IoPath, NsGeometry, PathError, TcpPath};
 
@@ -117,34 +122,318 @@ impl<P: GpuSource> GpuPath<P> {
     }
 }
 
-/// A [`GpuPath`] buffer: host memory for writes and verify, a device buffer and its staging.
+/// A [`GpuPath`] buffer: host memory for writes and verify, and its GPU side.
 pub struct GpuBuf<B> {
     host: B,
     gpu: Result<GpuParts, String>,
 }
 
-/// The GPU side of a buffer.
+/// The GPU side of a buffer: its place in its worker's [`Gather`], the pinned memory a read
+/// lands in and the device memory it is copied to (both held by the gather while the copy
+/// runs), and the verify copy-back.
 struct GpuParts {
-    staging: GpuStaging,
-    dev: DeviceBuffer,
+    gather: Arc<Gather>,
+    id: usize,
+    idle: Option<(HostPinned, DeviceBuffer)>,
     /// Pinned memory the data is copied back into for verify, and the copy's event.
     back: Option<(PinnedBuffer, Arc<GpuEvent>)>,
 }
 
-fn gpu_parts(ctx: &GpuContext, len: usize, verify: bool) -> Result<GpuParts, GpuIoError> {
-    let cfg = StagingConfig {
-        slots: 2,
-        slot_bytes: len.clamp(4096, 1 << 30),
-        timing: false,
-    };
-    let staging = GpuStaging::new(ctx, cfg)?;
-    let dev = ctx.alloc(len)?;
+/// Where one read lands while its copy is queued or runs: pinned host memory, then device
+/// memory.
+struct Landing {
+    pinned: PinnedBuffer,
+    dev: DeviceBuffer,
+}
+
+/// The pinned memory of a buffer as a read's destination: lent to the command whole, so the
+/// queue receives the data from the socket straight into it (a DAS memory backend copies into
+/// it).
+struct LandingDest {
+    host: Option<HostPinned>,
+    len: usize,
+}
+
+/// Pinned memory lent to a command.
+struct Lent(HostPinned);
+
+impl LentBuffer for Lent {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl ReadDest for LandingDest {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        let host = self.host.as_mut().ok_or("the pinned memory is lent")?;
+        host.as_mut_slice()
+            .get_mut(offset..offset + data.len())
+            .ok_or("offset outside the buffer")?
+            .copy_from_slice(data);
+        Ok(())
+    }
+
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+        if offset != 0 || len != self.len {
+            return None;
+        }
+        let host = self.host.take()?;
+        Some(Box::new(Lent(host)))
+    }
+
+    fn take_back(
+        &mut self,
+        _offset: usize,
+        _len: usize,
+        buf: Box<dyn LentBuffer>,
+        _filled: bool,
+    ) -> Result<(), BufferError> {
+        let lent = buf
+            .into_any()
+            .downcast::<Lent>()
+            .map_err(|_| "a buffer this destination did not lend")?;
+        self.host = Some(lent.0);
+        Ok(())
+    }
+}
+
+/// The most copies one batch carries.
+const MAX_BATCH: usize = 64;
+
+/// Batches the host-to-device copies of one worker's reads. A read lands in its buffer's
+/// pinned memory, hands the buffer to the gather and waits: the first read of a round yields
+/// once, so that the reads completing in the same round join it, and then enqueues all their
+/// copies with one `cuMemcpyBatchAsync` and one event (a batch also leaves as soon as it holds
+/// [`MAX_BATCH`] copies). One waiting read polls the oldest batch's event, yielding between
+/// looks; when a batch is done its buffers go back to their reads and the other waiters are
+/// woken. All of a worker's reads run on its one task, so the lock is never contended.
+struct Gather {
+    stream: GpuStream,
+    ctx: GpuContext,
+    state: Mutex<GatherState>,
+}
+
+#[derive(Default)]
+struct GatherState {
+    /// Buffers whose copies are not enqueued yet, and their batch's number.
+    pending: Vec<(usize, Landing)>,
+    pending_batch: u64,
+    /// Enqueued batches, oldest first.
+    flights: VecDeque<Flight>,
+    /// Buffers back from finished batches (or the error their batch met), by buffer id.
+    returned: Vec<Option<Result<Landing, String>>>,
+    /// Events of finished batches, for reuse.
+    free_events: Vec<GpuEvent>,
+    /// Whether a waiting read is polling the oldest batch's event.
+    polling: bool,
+    waiters: Vec<Waker>,
+}
+
+struct Flight {
+    event: GpuEvent,
+    members: Vec<(usize, Landing)>,
+}
+
+impl Gather {
+    fn new(ctx: &GpuContext, buffers: usize) -> Result<Self, GpuError> {
+        let mut state = GatherState::default();
+        state.returned.resize_with(buffers, || None);
+        Ok(Gather {
+            stream: ctx.new_stream()?,
+            ctx: ctx.clone(),
+            state: Mutex::new(state),
+        })
+    }
+
+    /// Queues buffer `id`'s copy; returns its batch number and whether it opened that batch.
+    fn push(&self, id: usize, landing: Landing) -> (u64, bool) {
+        let mut st = self.state.lock();
+        st.pending.push((id, landing));
+        let first = st.pending.len() == 1;
+        let batch = st.pending_batch;
+        if st.pending.len() >= MAX_BATCH {
+            self.flush(&mut st);
+        }
+        (batch, first)
+    }
+
+    /// Enqueues the pending copies as one batch.
+    fn flush(&self, st: &mut GatherState) {
+        if st.pending.is_empty() {
+            return;
+        }
+        let mut members = std::mem::take(&mut st.pending);
+        st.pending_batch += 1;
+        let event = match st.free_events.pop() {
+            Some(e) => Ok(e),
+            None => self.ctx.new_event(false),
+        };
+        let r = event.and_then(|event| {
+            let mut copies = Vec::with_capacity(members.len());
+            for (_, l) in members.iter_mut() {
+                copies.push((l.pinned.slice(..)?, l.dev.as_slice_mut()));
+            }
+            self.stream.copy_h2d_batch_async(&mut copies)?;
+            self.stream.record(&event)?;
+            Ok(event)
+        });
+        match r {
+            Ok(event) => st.flights.push_back(Flight { event, members }),
+            Err(e) => {
+                for (id, l) in members {
+                    drop(l);
+                    st.returned[id] = Some(Err(e.to_string()));
+                }
+                wake_all(st);
+            }
+        }
+    }
+
+    /// Retires finished batches, oldest first; returns whether any finished.
+    fn retire(st: &mut GatherState) -> bool {
+        let mut any = false;
+        while let Some(f) = st.flights.front() {
+            let done = f.event.is_complete();
+            if done == Ok(false) {
+                break;
+            }
+            let Some(f) = st.flights.pop_front() else {
+                break;
+            };
+            for (id, l) in f.members {
+                st.returned[id] = Some(match &done {
+                    Ok(_) => Ok(l),
+                    Err(e) => Err(e.to_string()),
+                });
+            }
+            if done.is_ok() {
+                st.free_events.push(f.event);
+            }
+            any = true;
+        }
+        if any {
+            wake_all(st);
+        }
+        any
+    }
+
+    /// Waits until buffer `id`, queued in batch `batch`, is back with its copy done.
+    fn wait(self: &Arc<Self>, id: usize, batch: u64, opened: bool) -> GatherWait {
+        GatherWait {
+            gather: Arc::clone(self),
+            id,
+            batch,
+            opened,
+            yielded: false,
+            polling: false,
+        }
+    }
+}
+
+fn wake_all(st: &mut GatherState) {
+    st.polling = false;
+    for w in st.waiters.drain(..) {
+        w.wake();
+    }
+}
+
+/// The future of [`Gather::wait`].
+struct GatherWait {
+    gather: Arc<Gather>,
+    id: usize,
+    batch: u64,
+    opened: bool,
+    yielded: bool,
+    polling: bool,
+}
+
+impl Future for GatherWait {
+    type Output = Result<Landing, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let g = Arc::clone(&self.gather);
+        let mut st = g.state.lock();
+        if let Some(r) = st.returned[self.id].take() {
+            if self.polling {
+                wake_all(&mut st);
+            }
+            return Poll::Ready(r);
+        }
+        if st.pending_batch == self.batch && !st.pending.is_empty() {
+            if self.opened && !self.yielded {
+                // Let the reads of this round join the batch.
+                self.yielded = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            if self.opened {
+                g.flush(&mut st);
+            } else {
+                st.waiters.push(cx.waker().clone());
+                return Poll::Pending;
+            }
+        }
+        if st.polling && !self.polling {
+            st.waiters.push(cx.waker().clone());
+            return Poll::Pending;
+        }
+        Gather::retire(&mut st);
+        if let Some(r) = st.returned[self.id].take() {
+            self.polling = false;
+            return Poll::Ready(r);
+        }
+        // Poll the event again once the runtime had its turn.
+        st.polling = true;
+        self.polling = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
+impl Drop for GatherWait {
+    fn drop(&mut self) {
+        // Hand on what this read owed the others: its batch's flush, the polling.
+        let mut st = self.gather.state.lock();
+        if self.opened && st.pending_batch == self.batch {
+            self.gather.flush(&mut st);
+        }
+        if self.polling {
+            wake_all(&mut st);
+        }
+    }
+}
+
+fn gpu_parts(
+    ctx: &GpuContext,
+    gather: &Arc<Gather>,
+    id: usize,
+    len: usize,
+    verify: bool,
+) -> Result<GpuParts, GpuError> {
+    let idle = (ctx.alloc_pinned(len)?.into_host()?, ctx.alloc(len)?);
     let back = if verify {
         Some((ctx.alloc_pinned(len)?, Arc::new(ctx.new_event(false)?)))
     } else {
         None
     };
-    Ok(GpuParts { staging, dev, back })
+    Ok(GpuParts {
+        gather: Arc::clone(gather),
+        id,
+        idle: Some(idle),
+        back,
+    })
 }
 
 /// Waits for `event` without blocking the runtime thread for long: a few polls between
@@ -174,17 +463,48 @@ async fn read_to_gpu<S: BlockSource>(
     src: &S,
     lba: u64,
     host: &mut [u8],
-) -> Result<(), GpuIoError> {
-    g.staging.read(src, lba, g.dev.as_slice_mut()).await?;
-    if let Some((pinned, event)) = &mut g.back {
-        let len = g.dev.len();
-        let stream = g.staging.stream();
-        stream.copy_d2h_async(&g.dev.as_slice(), &mut pinned.slice_mut(..len)?)?;
-        stream.record(event)?;
-        wait(event).await?;
-        host[..len].copy_from_slice(&pinned.as_slice()?[..len]);
+) -> Result<(), String> {
+    let (pinned, dev) = g
+        .idle
+        .take()
+        .ok_or_else(|| String::from("the buffer was lost to an earlier error"))?;
+    let len = host.len();
+    let mut dest = LandingDest {
+        host: Some(pinned),
+        len,
+    };
+    let r = src.read_blocks(lba, &mut dest).await;
+    let Some(pinned) = dest.host else {
+        return Err(String::from("the read did not give its buffer back"));
+    };
+    if let Err(e) = r {
+        g.idle = Some((pinned, dev));
+        return Err(e.to_string());
     }
-    Ok(())
+    let landing = Landing {
+        pinned: pinned.into_pinned(),
+        dev,
+    };
+    let (batch, opened) = g.gather.push(g.id, landing);
+    let Landing { pinned, dev } = g.gather.wait(g.id, batch, opened).await?;
+    let back = match &mut g.back {
+        None => Ok(()),
+        Some((back, event)) => {
+            let stream = &g.gather.stream;
+            let r = dev.slice(..len).and_then(|d| {
+                stream.copy_d2h_async(&d, &mut back.slice_mut(..len)?)?;
+                stream.record(event)
+            });
+            match r {
+                Ok(()) => wait(event)
+                    .await
+                    .and_then(|()| back.as_slice().map(|p| host.copy_from_slice(&p[..len]))),
+                Err(e) => Err(e),
+            }
+        }
+    };
+    g.idle = Some((pinned.into_host().map_err(|e| e.to_string())?, dev));
+    back.map_err(|e| e.to_string())
 }
 
 impl<P: GpuSource> IoPath for GpuPath<P> {
@@ -195,10 +515,24 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
     }
 
     fn alloc(&self, len: usize) -> Self::Buf {
-        GpuBuf {
+        self.alloc_set(len, 1).pop().unwrap_or_else(|| GpuBuf {
             host: self.inner.alloc(len),
-            gpu: gpu_parts(&self.ctx, len, self.verify).map_err(|e| e.to_string()),
-        }
+            gpu: Err(String::from("no buffer")),
+        })
+    }
+
+    fn alloc_set(&self, len: usize, n: usize) -> Vec<Self::Buf> {
+        let gather = Gather::new(&self.ctx, n).map(Arc::new);
+        (0..n)
+            .map(|id| GpuBuf {
+                host: self.inner.alloc(len),
+                gpu: match &gather {
+                    Ok(g) => gpu_parts(&self.ctx, g, id, len, self.verify),
+                    Err(e) => Err(e.clone()),
+                }
+                .map_err(|e| e.to_string()),
+            })
+            .collect()
     }
 
     fn bytes(buf: &Self::Buf) -> &[u8] {
@@ -223,7 +557,7 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
                 Err(e) => Err(PathError::Setup(format!("destination gpu: {e}"))),
                 Ok(g) => read_to_gpu(g, src, lba, P::bytes_mut(&mut buf.host))
                     .await
-                    .map_err(|e| PathError::Gpu(e.to_string())),
+                    .map_err(PathError::Gpu),
             };
             (r, buf)
         }

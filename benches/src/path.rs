@@ -134,6 +134,12 @@ pub trait IoPath: Send + Sync + 'static {
     /// A buffer of `len` bytes.
     fn alloc(&self, len: usize) -> Self::Buf;
 
+    /// `n` buffers of `len` bytes for one worker, which uses them from its one task (a path
+    /// may let them share per-worker state).
+    fn alloc_set(&self, len: usize, n: usize) -> Vec<Self::Buf> {
+        (0..n).map(|_| self.alloc(len)).collect()
+    }
+
     /// The buffer's bytes.
     fn bytes(buf: &Self::Buf) -> &[u8];
 

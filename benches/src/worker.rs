@@ -267,7 +267,7 @@ pub async fn run<P: IoPath>(
     };
     let mut offsets = OffsetGen::new(&spec);
     let len = spec.bs as usize;
-    let mut free: Vec<P::Buf> = (0..spec.iodepth).map(|_| path.alloc(len)).collect();
+    let mut free: Vec<P::Buf> = path.alloc_set(len, spec.iodepth as usize);
     let mut inflight = FuturesUnordered::new();
     let mut issued_in_measure = 0u64;
     let p: &P = &path;
