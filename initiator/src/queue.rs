@@ -739,35 +739,44 @@ impl Pending<'_> {
             return Poll::Ready(r);
         }
         let shared = &self.q.shared;
-        if let Some(mut e) = self.q.engine.try_lock() {
-            if e.callers_drive {
-                let flush_by = shared.flush_by.load(Ordering::Relaxed);
-                let unsent = e.live.as_ref().is_some_and(Link::has_unsent);
-                if unsent && flush_by == NO_TAG {
-                    // Let the other callers of this round add their capsules first: this
-                    // caller writes them all when polled again.
-                    shared
-                        .flush_by
-                        .store(u32::from(self.tag), Ordering::Relaxed);
-                    cx.waker().wake_by_ref();
-                } else if !unsent || flush_by == u32::from(self.tag) {
-                    e.drive(Some(self.tag));
-                    let spin = e.poll.polling(e.core.now.into_std());
-                    drop(e);
-                    if let Some(r) = self.check(cx) {
-                        return Poll::Ready(r);
-                    }
-                    if spin {
-                        // Inside the busy-poll window: look again as soon as the runtime has
-                        // polled its sockets rather than sleep until the socket wakes the
-                        // leader (a yield polled once: tokio wakes the task after its I/O
-                        // driver ran, elsewhere at once).
-                        let _ = std::pin::pin!(tokio::task::yield_now()).poll(cx);
-                    }
+        let me = u32::from(self.tag);
+        let Some(mut e) = self.q.engine.try_lock() else {
+            // Another thread holds the engine and may not do this caller's part: write the
+            // round's capsules (which nobody else does), or read what woke the leader (the
+            // socket wakes it once). Look again once the runtime had its turn.
+            if shared.flush_by.load(Ordering::Relaxed) == me
+                || shared.leader.load(Ordering::Relaxed) == me
+            {
+                cx.waker().wake_by_ref();
+            }
+            shared.hint.store(me, Ordering::Relaxed);
+            return Poll::Pending;
+        };
+        if e.callers_drive {
+            let flush_by = shared.flush_by.load(Ordering::Relaxed);
+            let unsent = e.live.as_ref().is_some_and(Link::has_unsent);
+            if unsent && flush_by == NO_TAG {
+                // Let the other callers of this round add their capsules first: this
+                // caller writes them all when polled again.
+                shared.flush_by.store(me, Ordering::Relaxed);
+                cx.waker().wake_by_ref();
+            } else if !unsent || flush_by == me {
+                e.drive(Some(self.tag));
+                let spin = e.poll.polling(e.core.now.into_std());
+                drop(e);
+                if let Some(r) = self.check(cx) {
+                    return Poll::Ready(r);
+                }
+                if spin {
+                    // Inside the busy-poll window: look again as soon as the runtime has
+                    // polled its sockets rather than sleep until the socket wakes the
+                    // leader (a yield polled once: tokio wakes the task after its I/O
+                    // driver ran, elsewhere at once).
+                    let _ = std::pin::pin!(tokio::task::yield_now()).poll(cx);
                 }
             }
         }
-        shared.hint.store(u32::from(self.tag), Ordering::Relaxed);
+        shared.hint.store(me, Ordering::Relaxed);
         Poll::Pending
     }
 
@@ -1099,5 +1108,143 @@ impl Drop for Task {
     fn drop(&mut self) {
         // However the task ends (even when its runtime shuts down), no caller is left waiting.
         self.shutdown(Error::Closed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
+    use nvmeof_target::{Config, RunningTarget, Target};
+
+    use super::*;
+    use crate::{ConnectOptions, Controller, HostIdentity, TargetAddr};
+
+    const NQN: &str = "nqn.2026-11.io.nvmeof-direct:queue-unit";
+
+    /// A waker that counts its wake-ups.
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn target() -> (RunningTarget, TargetAddr) {
+        let listen = "tcp://127.0.0.1:0".parse().expect("listen address");
+        let ns = ["mem:4M".parse().expect("backend")];
+        let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).expect("config");
+        cfg.target.reactors = 1;
+        let target = Target::build(&cfg).expect("build");
+        let listeners = nvmeof_target::launcher::bind(&cfg).expect("bind");
+        let addr = listeners[0].addr.addr;
+        let running = RunningTarget::start(target, listeners).expect("start");
+        (running, TargetAddr::new(addr.ip().to_string(), addr.port()))
+    }
+
+    async fn connect(addr: TargetAddr) -> (Controller, crate::Namespace) {
+        let host =
+            HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
+        let mut o = ConnectOptions::new(addr, NQN, host);
+        o.io_queues = Some(1);
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        (ctrl, ns)
+    }
+
+    /// The leader (the caller the socket wakes), finding the engine held by another thread
+    /// when the socket woke it, is woken again: the socket wakes it only once.
+    #[tokio::test]
+    async fn the_leader_retries_when_the_engine_is_held() {
+        let (_target, addr) = target();
+        let (ctrl, ns) = connect(addr).await;
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        // Polled with the engine free, a read drives the queue and, while it waits, leads
+        // (unless its completion came back at once: then another read tries).
+        let mut checked = false;
+        for lba in 0..100 {
+            let mut p = q
+                .start(ns.request(false, lba * 8, 4096, false), |_| Ok(()))
+                .await
+                .expect("start");
+            let count = Arc::new(Count::default());
+            let waker = Waker::from(Arc::clone(&count));
+            let mut cx = Context::from_waker(&waker);
+            if p.poll_complete(&mut cx).is_pending() {
+                assert_eq!(q.shared.leader.load(Ordering::Relaxed), u32::from(p.tag));
+                let before = count.0.load(Ordering::SeqCst);
+                {
+                    let _held = q.engine.lock();
+                    assert!(p.poll_complete(&mut cx).is_pending());
+                }
+                assert!(
+                    count.0.load(Ordering::SeqCst) > before,
+                    "the leader comes back"
+                );
+                checked = true;
+            }
+            tokio::time::timeout(Duration::from_secs(5), p.wait())
+                .await
+                .expect("the read ends")
+                .expect("read");
+            drop(p);
+            if checked {
+                break;
+            }
+        }
+        assert!(checked, "no read waited");
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// The caller that is to write a round's capsules, finding the engine held by another
+    /// thread, is woken to try again: the holder does not write them for it, and nobody else
+    /// would (the command would wait for the queue's timer).
+    #[tokio::test]
+    async fn the_caller_that_writes_the_round_retries_when_the_engine_is_held() {
+        let (_target, addr) = target();
+        let (ctrl, ns) = connect(addr).await;
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        // The first read leaves at once (idle queue); the second waits for its round's write.
+        let mut first = q
+            .start(ns.request(false, 0, 4096, false), |_| Ok(()))
+            .await
+            .unwrap();
+        let mut second = q
+            .start(ns.request(false, 8, 4096, false), |_| Ok(()))
+            .await
+            .unwrap();
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(Arc::clone(&count));
+        let mut cx = Context::from_waker(&waker);
+        // Polled once: it takes the round's write and yields (wakes itself).
+        assert!(second.poll_complete(&mut cx).is_pending());
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            q.shared.flush_by.load(Ordering::Relaxed),
+            u32::from(second.tag)
+        );
+        // Polled again while another thread holds the engine: it must come back.
+        {
+            let _held = q.engine.lock();
+            assert!(second.poll_complete(&mut cx).is_pending());
+        }
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            2,
+            "woken to write the round"
+        );
+        // Polled again with the engine free: it writes, and both reads end.
+        let both = async {
+            first.wait().await.expect("first");
+            second.wait().await.expect("second");
+        };
+        tokio::time::timeout(Duration::from_secs(5), both)
+            .await
+            .expect("both reads end");
+        drop((first, second));
+        ctrl.disconnect().await.expect("disconnect");
     }
 }
