@@ -212,13 +212,20 @@ impl ReadDest for LandingDest {
 /// The most copies one batch carries.
 const MAX_BATCH: usize = 64;
 
+/// The most batches in flight on a worker's stream; more copies wait for one to finish.
+const MAX_FLIGHTS: usize = 2;
+
 /// Batches the host-to-device copies of one worker's reads. A read lands in its buffer's
-/// pinned memory, hands the buffer to the gather and waits: the first read of a round yields
+/// pinned memory, hands the buffer to the gather and waits. The first read of a round yields
 /// once, so that the reads completing in the same round join it, and then enqueues all their
-/// copies with one `cuMemcpyBatchAsync` and one event (a batch also leaves as soon as it holds
-/// [`MAX_BATCH`] copies). One waiting read polls the oldest batch's event, yielding between
-/// looks; when a batch is done its buffers go back to their reads and the other waiters are
-/// woken. All of a worker's reads run on its one task, so the lock is never contended.
+/// copies with one `cuMemcpyBatchAsync` and one event, unless [`MAX_FLIGHTS`] batches are
+/// already in flight: then the copies gather until one finishes (a group commit: the busier
+/// the stream, the larger the batches, since each batch costs the stream about the same time
+/// however few copies it carries). A batch also leaves as soon as it holds [`MAX_BATCH`]
+/// copies. One waiting read polls the oldest batch's event, yielding between looks; when a
+/// batch is done its buffers go back to their reads, the copies that gathered leave, and the
+/// other waiters are woken. All of a worker's reads run on its one task, so the lock is
+/// never contended.
 struct Gather {
     stream: GpuStream,
     ctx: GpuContext,
@@ -230,6 +237,8 @@ struct GatherState {
     /// Buffers whose copies are not enqueued yet, and their batch's number.
     pending: Vec<(usize, Landing)>,
     pending_batch: u64,
+    /// The pending batch's round has gathered (its first read came back after yielding).
+    pending_ready: bool,
     /// Enqueued batches, oldest first.
     flights: VecDeque<Flight>,
     /// Buffers back from finished batches (or the error their batch met), by buffer id.
@@ -276,6 +285,7 @@ impl Gather {
         }
         let mut members = std::mem::take(&mut st.pending);
         st.pending_batch += 1;
+        st.pending_ready = false;
         let event = match st.free_events.pop() {
             Some(e) => Ok(e),
             None => self.ctx.new_event(false),
@@ -301,8 +311,8 @@ impl Gather {
         }
     }
 
-    /// Retires finished batches, oldest first; returns whether any finished.
-    fn retire(st: &mut GatherState) -> bool {
+    /// Retires finished batches, oldest first, and sends the copies that gathered meanwhile.
+    fn retire(&self, st: &mut GatherState) {
         let mut any = false;
         while let Some(f) = st.flights.front() {
             let done = f.event.is_complete();
@@ -323,10 +333,12 @@ impl Gather {
             }
             any = true;
         }
+        if st.pending_ready && st.flights.len() < MAX_FLIGHTS {
+            self.flush(st);
+        }
         if any {
             wake_all(st);
         }
-        any
     }
 
     /// Waits until buffer `id`, queued in batch `batch`, is back with its copy done.
@@ -371,27 +383,30 @@ impl Future for GatherWait {
             }
             return Poll::Ready(r);
         }
-        if st.pending_batch == self.batch && !st.pending.is_empty() {
-            if self.opened && !self.yielded {
+        let mine_pending = st.pending_batch == self.batch && !st.pending.is_empty();
+        if mine_pending && self.opened {
+            if !self.yielded {
                 // Let the reads of this round join the batch.
                 self.yielded = true;
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            if self.opened {
+            st.pending_ready = true;
+            if st.flights.len() < MAX_FLIGHTS {
                 g.flush(&mut st);
-            } else {
-                st.waiters.push(cx.waker().clone());
-                return Poll::Pending;
             }
         }
         if st.polling && !self.polling {
             st.waiters.push(cx.waker().clone());
             return Poll::Pending;
         }
-        Gather::retire(&mut st);
+        g.retire(&mut st);
         if let Some(r) = st.returned[self.id].take() {
-            self.polling = false;
+            if self.polling {
+                // Someone else polls for the rest.
+                self.polling = false;
+                wake_all(&mut st);
+            }
             return Poll::Ready(r);
         }
         // Poll the event again once the runtime had its turn.
