@@ -1,29 +1,33 @@
 //! The `gpu` destination: read data lands in GPU memory.
 //!
-//! [`GpuPath`] wraps a mode's path. Each buffer has pinned host memory a read lands in and
-//! device memory it is copied to; a read completes only once its data is in device memory.
-//! Over NVMe/TCP the initiator's queue receives the data straight into the pinned memory; in
-//! DAS mode the backend's data is copied into it. The buffers of one worker share a
-//! [`Gather`]: the copies of the reads that complete in the same round of the worker's task
-//! leave together, as one `cuMemcpyBatchAsync` on the worker's stream with one event, instead
-//! of a copy, an event and event polls per read. With verify on, every read's device data is
-//! copied back (asynchronously, on the worker's stream, into pinned memory) and checked
-//! against the pattern. Writes (the prefill included) go through the wrapped path from host
-//! memory.
+//! [`GpuPath`] wraps a mode's path; a read completes only once its data is in device memory.
+//! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a [`Gather`] per worker: each read is
+//! received into host memory (over NVMe/TCP straight from the socket), copied into the
+//! worker's packed pinned staging, and the reads that complete together leave for the GPU as
+//! one batch: one host-to-device copy of the packed staging and one scatter kernel to each
+//! buffer's place in the worker's device memory, with one event, instead of a copy, an event
+//! and event polls per read (the copy engine takes microseconds per copy however small).
+//! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
+//! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
+//! its blocks into the receiving buffer (the best local path, as `gpu_loader`'s RAM -> HBM).
+//! With verify on, every read's device data is copied back (asynchronously, into pinned
+//! memory) and checked against the pattern. Writes (the prefill included) go through the
+//! wrapped path from host memory.
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
-use nvmeof_initiator::gpu::BlockSource;
 use nvmeof_initiator::gpu::cuda::{
     DeviceBuffer, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned, PinnedBuffer,
 };
+use nvmeof_initiator::gpu::kernels::{KernelWorkspace, NvmfKernels, ScatterCopy};
+use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig};
+use nvmeof_initiator::{Namespace, ReadDest};
 use parking_lot::Mutex;
-use nvmeof_initiator::{BufferError, LentBuffer, Namespace, ReadDest};
 
 use crate::path::{DasPath, IoPath, NsGeometry, PathError, TcpPath};
 
@@ -111,6 +115,8 @@ pub struct GpuPath<P> {
     inner: Arc<P>,
     ctx: GpuContext,
     verify: bool,
+    /// The scatter kernel, compiled when the first gather is made.
+    kernels: OnceLock<Result<Arc<NvmfKernels>, String>>,
 }
 
 impl<P: GpuSource> GpuPath<P> {
@@ -118,9 +124,27 @@ impl<P: GpuSource> GpuPath<P> {
     pub fn new(inner: Arc<P>, verify: bool) -> Result<Self, PathError> {
         let ctx =
             GpuContext::new(0).map_err(|e| PathError::Setup(format!("destination gpu: {e}")))?;
-        Ok(GpuPath { inner, ctx, verify })
+        Ok(GpuPath {
+            inner,
+            ctx,
+            verify,
+            kernels: OnceLock::new(),
+        })
+    }
+
+    fn kernels(&self) -> Result<Arc<NvmfKernels>, String> {
+        self.kernels
+            .get_or_init(|| {
+                NvmfKernels::load(&self.ctx)
+                    .map(Arc::new)
+                    .map_err(|e| format!("scatter kernel: {e}"))
+            })
+            .clone()
     }
 }
+
+/// The largest block a [`Gather`] takes; larger reads go one by one through a staging.
+pub const GATHER_MAX_BLOCK: usize = 64 << 10;
 
 /// A [`GpuPath`] buffer: host memory for writes and verify, and its GPU side.
 pub struct GpuBuf<B> {
@@ -128,190 +152,224 @@ pub struct GpuBuf<B> {
     gpu: Result<GpuParts, String>,
 }
 
-/// The GPU side of a buffer: its place in its worker's [`Gather`], the pinned memory a read
-/// lands in and the device memory it is copied to (both held by the gather while the copy
-/// runs), and the verify copy-back.
-struct GpuParts {
-    gather: Arc<Gather>,
-    id: usize,
-    idle: Option<(HostPinned, DeviceBuffer)>,
-    /// Pinned memory the data is copied back into for verify, and the copy's event.
-    back: Option<(PinnedBuffer, Arc<GpuEvent>)>,
+/// The GPU side of a buffer.
+enum GpuParts {
+    /// A small block: received into `landing`, then gathered into device slot `id` of its
+    /// worker's [`Gather`].
+    Gathered {
+        gather: Arc<Gather>,
+        id: usize,
+        landing: Vec<u8>,
+        back: Option<Back>,
+    },
+    /// A large block: received into the staging's pinned slot, then copied into `dev`.
+    Staged {
+        staging: Box<GpuStaging>,
+        dev: DeviceBuffer,
+        back: Option<Back>,
+    },
 }
 
-/// Where one read lands while its copy is queued or runs: pinned host memory, then device
-/// memory.
-struct Landing {
-    pinned: PinnedBuffer,
-    dev: DeviceBuffer,
+/// Pinned memory a read's device data is copied back into for verify, and the copy's event.
+type Back = (PinnedBuffer, Arc<GpuEvent>);
+
+fn back(ctx: &GpuContext, len: usize, verify: bool) -> Result<Option<Back>, GpuError> {
+    if !verify {
+        return Ok(None);
+    }
+    Ok(Some((
+        ctx.alloc_pinned(len)?,
+        Arc::new(ctx.new_event(false)?),
+    )))
 }
 
-/// The pinned memory of a buffer as a read's destination: lent to the command whole, so the
-/// queue receives the data from the socket straight into it (a DAS memory backend copies into
-/// it).
-struct LandingDest {
-    host: Option<HostPinned>,
-    len: usize,
-}
-
-/// Pinned memory lent to a command.
-struct Lent(HostPinned);
-
-impl LentBuffer for Lent {
-    fn bytes(&self) -> &[u8] {
-        self.0.as_slice()
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self.0.as_mut_slice()
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
-        self
-    }
-}
-
-impl ReadDest for LandingDest {
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
-        let host = self.host.as_mut().ok_or("the pinned memory is lent")?;
-        host.as_mut_slice()
-            .get_mut(offset..offset + data.len())
-            .ok_or("offset outside the buffer")?
-            .copy_from_slice(data);
-        Ok(())
-    }
-
-    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
-        if offset != 0 || len != self.len {
-            return None;
-        }
-        let host = self.host.take()?;
-        Some(Box::new(Lent(host)))
-    }
-
-    fn take_back(
-        &mut self,
-        _offset: usize,
-        _len: usize,
-        buf: Box<dyn LentBuffer>,
-        _filled: bool,
-    ) -> Result<(), BufferError> {
-        let lent = buf
-            .into_any()
-            .downcast::<Lent>()
-            .map_err(|_| "a buffer this destination did not lend")?;
-        self.host = Some(lent.0);
-        Ok(())
-    }
-}
-
-/// The most copies one batch carries.
-const MAX_BATCH: usize = 64;
-
-/// The most batches in flight on a worker's stream; more copies wait for one to finish.
+/// The most batches in flight on a worker's stream; more reads gather until one finishes.
 const MAX_FLIGHTS: usize = 2;
 
-/// Batches the host-to-device copies of one worker's reads. A read lands in its buffer's
-/// pinned memory, hands the buffer to the gather and waits. The first read of a round yields
-/// once, so that the reads completing in the same round join it, and then enqueues all their
-/// copies with one `cuMemcpyBatchAsync` and one event, unless [`MAX_FLIGHTS`] batches are
-/// already in flight: then the copies gather until one finishes (a group commit: the busier
-/// the stream, the larger the batches, since each batch costs the stream about the same time
-/// however few copies it carries). A batch also leaves as soon as it holds [`MAX_BATCH`]
-/// copies. One waiting read polls the oldest batch's event, yielding between looks; when a
-/// batch is done its buffers go back to their reads, the copies that gathered leave, and the
-/// other waiters are woken. All of a worker's reads run on its one task, so the lock is
-/// never contended.
+/// Batches the host-to-device copies of one worker's small reads (see the module docs). A
+/// read copies its block into the packed pinned staging of the open batch and waits. The
+/// first read of a batch yields once, so that the reads completing in the same round of the
+/// worker's task join it, and then sends the batch, unless [`MAX_FLIGHTS`] batches are
+/// already in flight: then reads gather until one finishes (a group commit: the busier the
+/// stream, the larger the batches). One waiting read polls the oldest batch's event, yielding
+/// between looks; when a batch is done, its reads end, the batch that gathered meanwhile
+/// leaves, and the other waiters are woken. A worker's reads all run on its one task, so the
+/// lock is not contended.
 struct Gather {
     stream: GpuStream,
-    ctx: GpuContext,
+    kernels: Arc<NvmfKernels>,
+    bs: usize,
     state: Mutex<GatherState>,
 }
 
-#[derive(Default)]
 struct GatherState {
-    /// Buffers whose copies are not enqueued yet, and their batch's number.
-    pending: Vec<(usize, Landing)>,
-    pending_batch: u64,
-    /// The pending batch's round has gathered (its first read came back after yielding).
-    pending_ready: bool,
-    /// Enqueued batches, oldest first.
+    ws: KernelWorkspace,
+    /// The worker's device memory: buffer `id` owns bytes `id * bs..(id + 1) * bs`.
+    dest: DeviceBuffer,
+    /// Packed staging areas (each holds every buffer's block): one open, the others in flight
+    /// or free.
+    areas: Vec<Area>,
+    free_areas: Vec<usize>,
+    /// The open batch: its area (host side), its reads in packing order, its number, and
+    /// whether its round has gathered (its first read came back after yielding).
+    open: Option<(usize, HostPinned)>,
+    members: Vec<usize>,
+    batch: u64,
+    ready: bool,
     flights: VecDeque<Flight>,
-    /// Buffers back from finished batches (or the error their batch met), by buffer id.
-    returned: Vec<Option<Result<Landing, String>>>,
-    /// Events of finished batches, for reuse.
+    /// Reads whose batch finished (or the error it met), by buffer id.
+    done: Vec<Option<Result<(), String>>>,
     free_events: Vec<GpuEvent>,
-    /// Whether a waiting read is polling the oldest batch's event.
+    /// Whether a waiting read polls the oldest batch's event.
     polling: bool,
     waiters: Vec<Waker>,
 }
 
+/// A packed staging area: pinned memory (`None` while the open batch holds it on the host)
+/// and its device twin.
+struct Area {
+    pinned: Option<PinnedBuffer>,
+    dev: DeviceBuffer,
+}
+
 struct Flight {
     event: GpuEvent,
-    members: Vec<(usize, Landing)>,
+    members: Vec<usize>,
+    area: usize,
 }
 
 impl Gather {
-    fn new(ctx: &GpuContext, buffers: usize) -> Result<Self, GpuError> {
-        let mut state = GatherState::default();
-        state.returned.resize_with(buffers, || None);
+    fn new(
+        ctx: &GpuContext,
+        kernels: Arc<NvmfKernels>,
+        bs: usize,
+        buffers: usize,
+    ) -> Result<Self, String> {
+        let e = |e: GpuError| e.to_string();
+        let stream = ctx.new_stream().map_err(e)?;
+        let bytes = bs * buffers;
+        let areas = (0..=MAX_FLIGHTS)
+            .map(|_| {
+                Ok(Area {
+                    pinned: Some(ctx.alloc_pinned(bytes).map_err(e)?),
+                    dev: ctx.alloc(bytes).map_err(e)?,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let state = GatherState {
+            ws: KernelWorkspace::new(&stream).map_err(|e| e.to_string())?,
+            dest: ctx.alloc(bytes).map_err(e)?,
+            free_areas: (0..areas.len()).collect(),
+            areas,
+            open: None,
+            members: Vec::with_capacity(buffers),
+            batch: 0,
+            ready: false,
+            flights: VecDeque::new(),
+            done: (0..buffers).map(|_| None).collect(),
+            free_events: Vec::new(),
+            polling: false,
+            waiters: Vec::new(),
+        };
         Ok(Gather {
-            stream: ctx.new_stream()?,
-            ctx: ctx.clone(),
+            stream,
+            kernels,
+            bs,
             state: Mutex::new(state),
         })
     }
 
-    /// Queues buffer `id`'s copy; returns its batch number and whether it opened that batch.
-    fn push(&self, id: usize, landing: Landing) -> (u64, bool) {
+    /// Packs buffer `id`'s block into the open batch; returns the batch's number and whether
+    /// this read opened it.
+    fn push(&self, id: usize, data: &[u8]) -> Result<(u64, bool), String> {
         let mut st = self.state.lock();
-        st.pending.push((id, landing));
-        let first = st.pending.len() == 1;
-        let batch = st.pending_batch;
-        if st.pending.len() >= MAX_BATCH {
-            self.flush(&mut st);
+        let first = st.open.is_none();
+        if first {
+            // At most MAX_FLIGHTS areas are in flight: one is free.
+            let area = st.free_areas.pop().ok_or("no free staging area")?;
+            let pinned = st.areas[area].pinned.take().ok_or("staging area lost")?;
+            match pinned.into_host() {
+                Ok(host) => st.open = Some((area, host)),
+                Err(e) => {
+                    st.free_areas.push(area);
+                    return Err(e.to_string());
+                }
+            }
         }
-        (batch, first)
+        let at = st.members.len() * self.bs;
+        let Some((_, host)) = st.open.as_mut() else {
+            return Err(String::from("no open batch"));
+        };
+        host.as_mut_slice()[at..at + data.len()].copy_from_slice(data);
+        st.members.push(id);
+        Ok((st.batch, first))
     }
 
-    /// Enqueues the pending copies as one batch.
+    /// Sends the open batch: one copy of its packed blocks and one scatter to their places.
     fn flush(&self, st: &mut GatherState) {
-        if st.pending.is_empty() {
+        let Some((area, host)) = st.open.take() else {
             return;
-        }
-        let mut members = std::mem::take(&mut st.pending);
-        st.pending_batch += 1;
-        st.pending_ready = false;
+        };
+        let members = std::mem::take(&mut st.members);
+        st.batch += 1;
+        st.ready = false;
+        st.areas[area].pinned = Some(host.into_pinned());
+        let bs = self.bs;
+        let copies: Vec<ScatterCopy> = members
+            .iter()
+            .enumerate()
+            .map(|(k, &id)| ScatterCopy {
+                src_offset: (k * bs) as u64,
+                dst_offset: (id * bs) as u64,
+                len: bs as u64,
+            })
+            .collect();
+        let n = members.len() * bs;
         let event = match st.free_events.pop() {
             Some(e) => Ok(e),
-            None => self.ctx.new_event(false),
+            None => self.stream.context().new_event(false),
         };
-        let r = event.and_then(|event| {
-            let mut copies = Vec::with_capacity(members.len());
-            for (_, l) in members.iter_mut() {
-                copies.push((l.pinned.slice(..)?, l.dev.as_slice_mut()));
-            }
-            self.stream.copy_h2d_batch_async(&mut copies)?;
-            self.stream.record(&event)?;
+        let GatherState {
+            ws, dest, areas, ..
+        } = st;
+        let r = event.map_err(|e| e.to_string()).and_then(|event| {
+            let a = &mut areas[area];
+            let pinned = a.pinned.as_ref().ok_or("staging area lost")?;
+            let e = |e: GpuError| e.to_string();
+            self.stream
+                .copy_h2d_async(
+                    &pinned.slice(..n).map_err(e)?,
+                    &mut a.dev.slice_mut(..n).map_err(e)?,
+                )
+                .map_err(e)?;
+            (self.kernels)
+                .scatter(
+                    ws,
+                    &a.dev.slice(..n).map_err(e)?,
+                    &mut dest.as_slice_mut(),
+                    &copies,
+                )
+                .map_err(|e| e.to_string())?;
+            self.stream.record(&event).map_err(e)?;
             Ok(event)
         });
         match r {
-            Ok(event) => st.flights.push_back(Flight { event, members }),
+            Ok(event) => st.flights.push_back(Flight {
+                event,
+                members,
+                area,
+            }),
             Err(e) => {
-                for (id, l) in members {
-                    drop(l);
-                    st.returned[id] = Some(Err(e.to_string()));
+                st.free_areas.push(area);
+                for id in members {
+                    st.done[id] = Some(Err(e.clone()));
                 }
                 wake_all(st);
             }
         }
     }
 
-    /// Retires finished batches, oldest first, and sends the copies that gathered meanwhile.
+    /// Ends the finished batches, oldest first, and sends the batch that gathered meanwhile.
     fn retire(&self, st: &mut GatherState) {
         let mut any = false;
         while let Some(f) = st.flights.front() {
@@ -322,34 +380,20 @@ impl Gather {
             let Some(f) = st.flights.pop_front() else {
                 break;
             };
-            for (id, l) in f.members {
-                st.returned[id] = Some(match &done {
-                    Ok(_) => Ok(l),
-                    Err(e) => Err(e.to_string()),
-                });
+            for &id in &f.members {
+                st.done[id] = Some(done.as_ref().map(|_| ()).map_err(|e| e.to_string()));
             }
+            st.free_areas.push(f.area);
             if done.is_ok() {
                 st.free_events.push(f.event);
             }
             any = true;
         }
-        if st.pending_ready && st.flights.len() < MAX_FLIGHTS {
+        if st.ready && st.flights.len() < MAX_FLIGHTS {
             self.flush(st);
         }
         if any {
             wake_all(st);
-        }
-    }
-
-    /// Waits until buffer `id`, queued in batch `batch`, is back with its copy done.
-    fn wait(self: &Arc<Self>, id: usize, batch: u64, opened: bool) -> GatherWait {
-        GatherWait {
-            gather: Arc::clone(self),
-            id,
-            batch,
-            opened,
-            yielded: false,
-            polling: false,
         }
     }
 }
@@ -361,7 +405,7 @@ fn wake_all(st: &mut GatherState) {
     }
 }
 
-/// The future of [`Gather::wait`].
+/// Waits until buffer `id`'s block, packed into batch `batch`, is in device memory.
 struct GatherWait {
     gather: Arc<Gather>,
     id: usize,
@@ -372,26 +416,25 @@ struct GatherWait {
 }
 
 impl Future for GatherWait {
-    type Output = Result<Landing, String>;
+    type Output = Result<(), String>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let g = Arc::clone(&self.gather);
         let mut st = g.state.lock();
-        if let Some(r) = st.returned[self.id].take() {
+        if let Some(r) = st.done[self.id].take() {
             if self.polling {
                 wake_all(&mut st);
             }
             return Poll::Ready(r);
         }
-        let mine_pending = st.pending_batch == self.batch && !st.pending.is_empty();
-        if mine_pending && self.opened {
+        if self.opened && st.batch == self.batch && st.open.is_some() {
             if !self.yielded {
                 // Let the reads of this round join the batch.
                 self.yielded = true;
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            st.pending_ready = true;
+            st.ready = true;
             if st.flights.len() < MAX_FLIGHTS {
                 g.flush(&mut st);
             }
@@ -401,7 +444,7 @@ impl Future for GatherWait {
             return Poll::Pending;
         }
         g.retire(&mut st);
-        if let Some(r) = st.returned[self.id].take() {
+        if let Some(r) = st.done[self.id].take() {
             if self.polling {
                 // Someone else polls for the rest.
                 self.polling = false;
@@ -419,10 +462,13 @@ impl Future for GatherWait {
 
 impl Drop for GatherWait {
     fn drop(&mut self) {
-        // Hand on what this read owed the others: its batch's flush, the polling.
+        // Hand on what this read owed the others: its batch's sending, the polling.
         let mut st = self.gather.state.lock();
-        if self.opened && st.pending_batch == self.batch {
-            self.gather.flush(&mut st);
+        if self.opened && st.batch == self.batch {
+            st.ready = true;
+            if st.flights.len() < MAX_FLIGHTS {
+                self.gather.flush(&mut st);
+            }
         }
         if self.polling {
             wake_all(&mut st);
@@ -430,24 +476,18 @@ impl Drop for GatherWait {
     }
 }
 
-fn gpu_parts(
-    ctx: &GpuContext,
-    gather: &Arc<Gather>,
-    id: usize,
-    len: usize,
-    verify: bool,
-) -> Result<GpuParts, GpuError> {
-    let idle = (ctx.alloc_pinned(len)?.into_host()?, ctx.alloc(len)?);
-    let back = if verify {
-        Some((ctx.alloc_pinned(len)?, Arc::new(ctx.new_event(false)?)))
-    } else {
-        None
+/// The GPU side of a large buffer: its own staging and device memory.
+fn staged(ctx: &GpuContext, len: usize, verify: bool) -> Result<GpuParts, String> {
+    let e = |e: GpuError| e.to_string();
+    let cfg = StagingConfig {
+        slots: 2,
+        slot_bytes: len.clamp(4096, 1 << 30),
+        timing: false,
     };
-    Ok(GpuParts {
-        gather: Arc::clone(gather),
-        id,
-        idle: Some(idle),
-        back,
+    Ok(GpuParts::Staged {
+        staging: Box::new(GpuStaging::new(ctx, cfg).map_err(|e| e.to_string())?),
+        dev: ctx.alloc(len).map_err(e)?,
+        back: back(ctx, len, verify).map_err(e)?,
     })
 }
 
@@ -473,53 +513,81 @@ async fn wait(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
         })
 }
 
+/// Copies `dev` back into `back` on `stream` and, once there, into `host` (verify).
+async fn copy_back(
+    stream: &GpuStream,
+    dev: &DeviceBuffer,
+    back: &mut Back,
+    host: &mut [u8],
+) -> Result<(), GpuError> {
+    let (pinned, event) = back;
+    let len = host.len();
+    stream.copy_d2h_async(&dev.slice(..len)?, &mut pinned.slice_mut(..len)?)?;
+    stream.record(event)?;
+    wait(event).await?;
+    host.copy_from_slice(&pinned.as_slice()?[..len]);
+    Ok(())
+}
+
 async fn read_to_gpu<S: BlockSource>(
     g: &mut GpuParts,
     src: &S,
     lba: u64,
     host: &mut [u8],
 ) -> Result<(), String> {
-    let (pinned, dev) = g
-        .idle
-        .take()
-        .ok_or_else(|| String::from("the buffer was lost to an earlier error"))?;
-    let len = host.len();
-    let mut dest = LandingDest {
-        host: Some(pinned),
-        len,
-    };
-    let r = src.read_blocks(lba, &mut dest).await;
-    let Some(pinned) = dest.host else {
-        return Err(String::from("the read did not give its buffer back"));
-    };
-    if let Err(e) = r {
-        g.idle = Some((pinned, dev));
-        return Err(e.to_string());
-    }
-    let landing = Landing {
-        pinned: pinned.into_pinned(),
-        dev,
-    };
-    let (batch, opened) = g.gather.push(g.id, landing);
-    let Landing { pinned, dev } = g.gather.wait(g.id, batch, opened).await?;
-    let back = match &mut g.back {
-        None => Ok(()),
-        Some((back, event)) => {
-            let stream = &g.gather.stream;
-            let r = dev.slice(..len).and_then(|d| {
-                stream.copy_d2h_async(&d, &mut back.slice_mut(..len)?)?;
-                stream.record(event)
-            });
-            match r {
-                Ok(()) => wait(event)
-                    .await
-                    .and_then(|()| back.as_slice().map(|p| host.copy_from_slice(&p[..len]))),
-                Err(e) => Err(e),
+    let e = |e: GpuError| e.to_string();
+    match g {
+        GpuParts::Staged { staging, dev, back } => {
+            staging
+                .read(src, lba, dev.as_slice_mut())
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Some(b) = back {
+                copy_back(staging.stream(), dev, b, host).await.map_err(e)?;
             }
+            Ok(())
         }
-    };
-    g.idle = Some((pinned.into_host().map_err(|e| e.to_string())?, dev));
-    back.map_err(|e| e.to_string())
+        GpuParts::Gathered {
+            gather,
+            id,
+            landing,
+            back,
+        } => {
+            src.read_blocks(lba, landing)
+                .await
+                .map_err(|e| e.to_string())?;
+            let (batch, opened) = gather.push(*id, landing)?;
+            GatherWait {
+                gather: Arc::clone(gather),
+                id: *id,
+                batch,
+                opened,
+                yielded: false,
+                polling: false,
+            }
+            .await?;
+            if let Some((pinned, event)) = back {
+                let at = *id * gather.bs;
+                let len = host.len();
+                {
+                    // Enqueued under the lock, in stream order after the scatter; the wait
+                    // happens without it.
+                    let st = gather.state.lock();
+                    let dev = st.dest.slice(at..at + len);
+                    dev.and_then(|d| {
+                        gather
+                            .stream
+                            .copy_d2h_async(&d, &mut pinned.slice_mut(..len)?)?;
+                        gather.stream.record(event)
+                    })
+                    .map_err(e)?;
+                }
+                wait(event).await.map_err(e)?;
+                host.copy_from_slice(&pinned.as_slice().map_err(e)?[..len]);
+            }
+            Ok(())
+        }
+    }
 }
 
 impl<P: GpuSource> IoPath for GpuPath<P> {
@@ -537,15 +605,29 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
     }
 
     fn alloc_set(&self, len: usize, n: usize) -> Vec<Self::Buf> {
-        let gather = Gather::new(&self.ctx, n).map(Arc::new);
+        let gather = (len <= GATHER_MAX_BLOCK).then(|| {
+            self.kernels()
+                .and_then(|k| Gather::new(&self.ctx, k, len, n))
+                .map(Arc::new)
+        });
         (0..n)
-            .map(|id| GpuBuf {
-                host: self.inner.alloc(len),
-                gpu: match &gather {
-                    Ok(g) => gpu_parts(&self.ctx, g, id, len, self.verify),
-                    Err(e) => Err(e.clone()),
+            .map(|id| {
+                let gpu = match &gather {
+                    Some(Ok(g)) => back(&self.ctx, len, self.verify)
+                        .map(|back| GpuParts::Gathered {
+                            gather: Arc::clone(g),
+                            id,
+                            landing: vec![0; len],
+                            back,
+                        })
+                        .map_err(|e| e.to_string()),
+                    Some(Err(e)) => Err(e.clone()),
+                    None => staged(&self.ctx, len, self.verify),
+                };
+                GpuBuf {
+                    host: self.inner.alloc(len),
+                    gpu,
                 }
-                .map_err(|e| e.to_string()),
             })
             .collect()
     }

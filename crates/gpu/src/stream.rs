@@ -9,7 +9,6 @@ use crate::context::{CtxInner, GpuContext};
 use crate::driver::check;
 use crate::error::{GpuError, GpuResult};
 use crate::memory::{DeviceSlice, DeviceSliceMut, PinnedSlice, PinnedSliceMut};
-use crate::tracker::TrackerEvent;
 
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -209,71 +208,6 @@ impl GpuStream {
         check(rc, "cuMemcpyHtoDAsync")?;
         src.buf.device_reads.record(handle)?;
         dst.alloc.tracker.record(handle)
-    }
-
-    /// Enqueues many host-to-device copies from pinned memory with one driver call
-    /// (`cuMemcpyBatchAsync`): the batch runs in stream order, its copies in no order among
-    /// themselves. One event, recorded after the batch and shared by every buffer it touched,
-    /// keeps the pinned sources from the host and every buffer alive until the batch finished
-    /// (two driver calls for the whole batch instead of three per copy). Empty copies are
-    /// skipped; a length mismatch or another context rejects the whole batch before anything
-    /// is enqueued.
-    pub fn copy_h2d_batch_async(
-        &self,
-        copies: &mut [(PinnedSlice<'_>, DeviceSliceMut<'_>)],
-    ) -> GpuResult<()> {
-        let mut dsts = Vec::with_capacity(copies.len());
-        let mut srcs = Vec::with_capacity(copies.len());
-        let mut sizes = Vec::with_capacity(copies.len());
-        for (src, dst) in copies.iter() {
-            if src.len as u64 != dst.len {
-                return Err(GpuError::LengthMismatch {
-                    dst: dst.len,
-                    src: src.len as u64,
-                });
-            }
-            self.bind_same(dst.ctx())?;
-            self.bind_same(&src.buf.ctx)?;
-            if src.len > 0 {
-                dsts.push(dst.device_ptr());
-                srcs.push(src.buf.addr_at(src.offset) as sys::CUdeviceptr);
-                sizes.push(src.len);
-            }
-        }
-        if sizes.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `CUmemcpyAttributes` is a plain C struct for which all-zero bytes are valid
-        // (invalid location hints, which the driver ignores for pinned and device memory; the
-        // access order is set below).
-        let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
-        attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-        let mut first = 0usize;
-        let handle = self.inner.handle;
-        // SAFETY: the three arrays hold `sizes.len()` entries; every host range lies inside a
-        // live pinned allocation and every device range inside a live device allocation, each
-        // kept alive and (for the pinned sources) unwritten by the host until the event
-        // recorded below completes; one attribute entry applies from copy 0 on; the stream is
-        // a created stream, not the legacy default stream.
-        let rc = unsafe {
-            sys::cuMemcpyBatchAsync_v2(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                sizes.len(),
-                &mut attrs,
-                &mut first,
-                1,
-                handle.raw,
-            )
-        };
-        check(rc, "cuMemcpyBatchAsync")?;
-        let event = Arc::new(TrackerEvent::recorded(handle)?);
-        for (src, dst) in copies.iter() {
-            src.buf.device_reads.record_shared(handle.id, &event);
-            dst.alloc.tracker.record_shared(handle.id, &event);
-        }
-        Ok(())
     }
 
     /// Enqueues a device-to-host copy into pinned memory. The host sees the data through

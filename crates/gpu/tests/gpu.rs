@@ -140,67 +140,6 @@ fn gpu_alloc_copy_roundtrip_and_unaligned_slices() {
 }
 
 #[test]
-fn gpu_batched_copies_land_and_keep_their_buffers() {
-    let ctx = ctx_or_skip!("gpu_batched_copies_land_and_keep_their_buffers");
-    const N: usize = 48;
-    const LEN: usize = 4096;
-    let stream = ctx.new_stream().unwrap();
-    // One pinned buffer per copy, as many reads landing in their own staging buffers.
-    let data: Vec<Vec<u8>> = (0..N).map(|i| bytes(100 + i as u64, LEN)).collect();
-    let mut srcs: Vec<_> = (0..N).map(|_| ctx.alloc_pinned(LEN).unwrap()).collect();
-    for (s, d) in srcs.iter_mut().zip(&data) {
-        s.as_mut_slice().unwrap().copy_from_slice(d);
-    }
-    // Destinations: pieces of one device buffer, filled in reverse order, and one buffer of
-    // its own.
-    let mut dev = ctx.alloc(N * LEN).unwrap();
-    let mut own = ctx.alloc(LEN).unwrap();
-    {
-        let mut rest = dev.as_slice_mut();
-        let mut pieces = Vec::new();
-        for _ in 0..N - 1 {
-            let (head, tail) = rest.split_at_mut(LEN).unwrap();
-            pieces.push(head);
-            rest = tail;
-        }
-        pieces.push(rest);
-        let mut copies: Vec<_> = srcs
-            .iter()
-            .zip(pieces.into_iter().rev())
-            .map(|(s, d)| (s.slice(..).unwrap(), d))
-            .collect();
-        // An empty copy is skipped.
-        copies.push((srcs[0].slice(..0).unwrap(), own.slice_mut(..0).unwrap()));
-        stream.copy_h2d_batch_async(&mut copies).unwrap();
-    }
-    stream
-        .copy_h2d_batch_async(&mut [(srcs[1].slice(..).unwrap(), own.as_slice_mut())])
-        .unwrap();
-    // The host may write a source only once the batch read it.
-    srcs[N - 1].as_mut_slice().unwrap().fill(0xEE);
-    stream.synchronize().unwrap();
-    let back = dev.to_vec().unwrap();
-    for (i, d) in data.iter().enumerate() {
-        let at = (N - 1 - i) * LEN;
-        assert_eq!(&back[at..at + LEN], &d[..], "copy {i}");
-    }
-    assert_eq!(own.to_vec().unwrap(), data[1]);
-    // Dropping every buffer right after a batch waits for it, whichever goes last.
-    let mut dev2 = ctx.alloc(LEN).unwrap();
-    stream
-        .copy_h2d_batch_async(&mut [(srcs[2].slice(..).unwrap(), dev2.as_slice_mut())])
-        .unwrap();
-    drop(srcs);
-    assert_eq!(dev2.to_vec().unwrap(), data[2]);
-    // A length mismatch rejects the batch.
-    let p = ctx.alloc_pinned(LEN).unwrap();
-    assert!(matches!(
-        stream.copy_h2d_batch_async(&mut [(p.slice(..10).unwrap(), own.slice_mut(..11).unwrap())]),
-        Err(GpuError::LengthMismatch { .. })
-    ));
-}
-
-#[test]
 fn gpu_pinned_and_async_copies_on_several_streams() {
     let ctx = ctx_or_skip!("gpu_pinned_and_async_copies_on_several_streams");
     const STREAMS: usize = 4;
