@@ -222,8 +222,7 @@ struct GatherState {
     free_events: Vec<GpuEvent>,
     /// Whether a waiting read polls the oldest batch's event.
     polling: bool,
-    /// Waiting reads' wakers, by buffer id.
-    wakers: Vec<Option<Waker>>,
+    waiters: Vec<Waker>,
 }
 
 /// A packed staging area: pinned memory (`None` while the open batch holds it on the host)
@@ -270,7 +269,7 @@ impl Gather {
             done: (0..buffers).map(|_| None).collect(),
             free_events: Vec::new(),
             polling: false,
-            wakers: (0..buffers).map(|_| None).collect(),
+            waiters: Vec::new(),
         };
         Ok(Gather {
             stream,
@@ -284,8 +283,6 @@ impl Gather {
     /// this read opened it.
     fn push(&self, id: usize, data: &[u8]) -> Result<(u64, bool), String> {
         let mut st = self.state.lock();
-        // While reads keep arriving, each looks at the batches in flight too.
-        self.retire(&mut st);
         let first = st.open.is_none();
         if first {
             // At most MAX_FLIGHTS areas are in flight: one is free.
@@ -366,15 +363,15 @@ impl Gather {
                 st.free_areas.push(area);
                 for id in members {
                     st.done[id] = Some(Err(e.clone()));
-                    wake(st, id);
                 }
+                wake_all(st);
             }
         }
     }
 
-    /// Ends the finished batches, oldest first (waking their reads), and sends the batch
-    /// that gathered meanwhile.
+    /// Ends the finished batches, oldest first, and sends the batch that gathered meanwhile.
     fn retire(&self, st: &mut GatherState) {
+        let mut any = false;
         while let Some(f) = st.flights.front() {
             let done = f.event.is_complete();
             if done == Ok(false) {
@@ -385,37 +382,26 @@ impl Gather {
             };
             for &id in &f.members {
                 st.done[id] = Some(done.as_ref().map(|_| ()).map_err(|e| e.to_string()));
-                wake(st, id);
             }
             st.free_areas.push(f.area);
             if done.is_ok() {
                 st.free_events.push(f.event);
             }
+            any = true;
         }
         if st.ready && st.flights.len() < MAX_FLIGHTS {
             self.flush(st);
         }
+        if any {
+            wake_all(st);
+        }
     }
 }
 
-fn wake(st: &mut GatherState, id: usize) {
-    if let Some(w) = st.wakers[id].take() {
-        w.wake();
-    }
-}
-
-/// The poller stops: one read still waiting (the oldest batch's first) takes over.
-fn hand_over_polling(st: &mut GatherState) {
+fn wake_all(st: &mut GatherState) {
     st.polling = false;
-    let next = st
-        .flights
-        .iter()
-        .flat_map(|f| f.members.iter())
-        .chain(st.members.iter())
-        .copied()
-        .find(|&id| st.wakers[id].is_some());
-    if let Some(id) = next {
-        wake(st, id);
+    for w in st.waiters.drain(..) {
+        w.wake();
     }
 }
 
@@ -435,6 +421,12 @@ impl Future for GatherWait {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let g = Arc::clone(&self.gather);
         let mut st = g.state.lock();
+        if let Some(r) = st.done[self.id].take() {
+            if self.polling {
+                wake_all(&mut st);
+            }
+            return Poll::Ready(r);
+        }
         if self.opened && st.batch == self.batch && st.open.is_some() {
             if !self.yielded {
                 // Let the reads of this round join the batch.
@@ -447,28 +439,23 @@ impl Future for GatherWait {
                 g.flush(&mut st);
             }
         }
-        if !st.polling || self.polling {
-            g.retire(&mut st);
+        if st.polling && !self.polling {
+            st.waiters.push(cx.waker().clone());
+            return Poll::Pending;
         }
+        g.retire(&mut st);
         if let Some(r) = st.done[self.id].take() {
-            st.wakers[self.id] = None;
             if self.polling {
+                // Someone else polls for the rest.
                 self.polling = false;
-                hand_over_polling(&mut st);
+                wake_all(&mut st);
             }
             return Poll::Ready(r);
         }
-        st.wakers[self.id] = Some(cx.waker().clone());
-        if st.polling && !self.polling {
-            return Poll::Pending;
-        }
-        // Poll the event again once the runtime has polled its sockets (a yield polled once:
-        // tokio wakes the task after its I/O driver ran), so the worker's network reads go
-        // on meanwhile.
+        // Poll the event again once the runtime had its turn.
         st.polling = true;
         self.polling = true;
-        drop(st);
-        let _ = std::pin::pin!(tokio::task::yield_now()).poll(cx);
+        cx.waker().wake_by_ref();
         Poll::Pending
     }
 }
@@ -477,7 +464,6 @@ impl Drop for GatherWait {
     fn drop(&mut self) {
         // Hand on what this read owed the others: its batch's sending, the polling.
         let mut st = self.gather.state.lock();
-        st.wakers[self.id] = None;
         if self.opened && st.batch == self.batch {
             st.ready = true;
             if st.flights.len() < MAX_FLIGHTS {
@@ -485,7 +471,7 @@ impl Drop for GatherWait {
             }
         }
         if self.polling {
-            hand_over_polling(&mut st);
+            wake_all(&mut st);
         }
     }
 }
