@@ -15,7 +15,10 @@
 //!    one caller), and when the socket is empty registers one waiting caller, the *leader*,
 //!    to be woken when it has more. Commands of one thread go to one queue
 //!    ([`crate::QueuePolicy::PerThread`]), so this is the thread's own socket and the locks
-//!    on the way are taken without contention.
+//!    on the way are taken without contention. A caller that finds the engine held by
+//!    another thread (tasks of several threads pinned to one queue) leaves the driving to the
+//!    holder, except the two parts nobody else does: the caller that is to write its round's
+//!    capsules, and the leader, come back once the runtime had its turn.
 //!
 //! The queue's task drives the rest: control messages from the supervisor (attach a new
 //! connection, detach, fail, close), the deadline timer, GPU request rings
