@@ -181,15 +181,18 @@ fn unavailable_modes_and_destinations_say_why() {
     assert!(err.contains("destination gpu measures reads"), "{err}");
 }
 
-/// `dest = "gpu"`: reads land in GPU memory in DAS and NVMe/TCP mode and every block is
-/// verified after copying it back; without a CUDA driver each point fails with one line that
-/// says so (what CI without a GPU checks).
+/// `dest = "gpu"`: reads land in GPU memory in DAS and NVMe/TCP mode, large blocks one by one
+/// and small ones gathered in batches, and every block is verified after copying it back;
+/// without a CUDA driver each point fails with one line that says so (what CI without a GPU
+/// checks).
 #[test]
 fn gpu_destination_reads_into_device_memory_or_says_why_not() {
-    let file = JobFile::parse(
-        "[[job]]\ndest = \"gpu\"\nrw = \"randread\"\nbs = \"128k\"\niodepth = 4\nnumjobs = 2\nruntime = \"300ms\"\nsize = \"8M\"",
-    )
-    .unwrap();
+    let job = |bs: &str, depth: u32| {
+        format!(
+            "[[job]]\ndest = \"gpu\"\nrw = \"randread\"\nbs = \"{bs}\"\niodepth = {depth}\nnumjobs = 2\nruntime = \"300ms\"\nsize = \"8M\"\n"
+        )
+    };
+    let file = JobFile::parse(&(job("128k", 4) + &job("4k", 32))).unwrap();
     let plan = Plan::resolve(
         &file,
         &Overrides {
@@ -201,7 +204,8 @@ fn gpu_destination_reads_into_device_memory_or_says_why_not() {
     .unwrap();
     let r = run(&plan, &RunOptions::default()).unwrap();
     let gpu = nvmeof_initiator::gpu::cuda::driver_available();
-    for res in &r.points[0].results {
+    assert_eq!(r.points.len(), 2);
+    for res in r.points.iter().flat_map(|p| &p.results) {
         let s = &res.summary;
         if gpu {
             assert!(s.error.is_none(), "{:?}", s.error);
