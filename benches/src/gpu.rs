@@ -22,7 +22,7 @@ use std::task::{Context, Poll, Waker};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
 use nvmeof_initiator::gpu::cuda::{
-    DeviceBuffer, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned, PinnedBuffer,
+    DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned, PinnedBuffer,
 };
 use nvmeof_initiator::gpu::kernels::{KernelWorkspace, NvmfKernels, ScatterCopy};
 use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig};
@@ -406,8 +406,8 @@ fn wake_all(st: &mut GatherState) {
 }
 
 /// Waits until buffer `id`'s block, packed into batch `batch`, is in device memory.
-struct GatherWait {
-    gather: Arc<Gather>,
+struct GatherWait<'a> {
+    gather: &'a Gather,
     id: usize,
     batch: u64,
     opened: bool,
@@ -415,11 +415,11 @@ struct GatherWait {
     polling: bool,
 }
 
-impl Future for GatherWait {
+impl Future for GatherWait<'_> {
     type Output = Result<(), String>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let g = Arc::clone(&self.gather);
+        let g = self.gather;
         let mut st = g.state.lock();
         if let Some(r) = st.done[self.id].take() {
             if self.polling {
@@ -460,7 +460,7 @@ impl Future for GatherWait {
     }
 }
 
-impl Drop for GatherWait {
+impl Drop for GatherWait<'_> {
     fn drop(&mut self) {
         // Hand on what this read owed the others: its batch's sending, the polling.
         let mut st = self.gather.state.lock();
@@ -513,19 +513,18 @@ async fn wait(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
         })
 }
 
-/// Copies `dev` back into `back` on `stream` and, once there, into `host` (verify).
-async fn copy_back(
-    stream: &GpuStream,
-    dev: &DeviceBuffer,
-    back: &mut Back,
-    host: &mut [u8],
-) -> Result<(), GpuError> {
+/// Enqueues the copy of `dev` back into `back`'s pinned memory on `stream` (verify).
+fn start_back(stream: &GpuStream, dev: DeviceSlice<'_>, back: &mut Back) -> Result<(), GpuError> {
     let (pinned, event) = back;
-    let len = host.len();
-    stream.copy_d2h_async(&dev.slice(..len)?, &mut pinned.slice_mut(..len)?)?;
-    stream.record(event)?;
+    stream.copy_d2h_async(&dev, &mut pinned.slice_mut(..dev.len())?)?;
+    stream.record(event)
+}
+
+/// Waits for [`start_back`]'s copy and hands its bytes to `host`.
+async fn finish_back(back: &Back, host: &mut [u8]) -> Result<(), GpuError> {
+    let (pinned, event) = back;
     wait(event).await?;
-    host.copy_from_slice(&pinned.as_slice()?[..len]);
+    host.copy_from_slice(&pinned.as_slice()?[..host.len()]);
     Ok(())
 }
 
@@ -543,7 +542,8 @@ async fn read_to_gpu<S: BlockSource>(
                 .await
                 .map_err(|e| e.to_string())?;
             if let Some(b) = back {
-                copy_back(staging.stream(), dev, b, host).await.map_err(e)?;
+                start_back(staging.stream(), dev.slice(..host.len()).map_err(e)?, b).map_err(e)?;
+                finish_back(b, host).await.map_err(e)?;
             }
             Ok(())
         }
@@ -558,7 +558,7 @@ async fn read_to_gpu<S: BlockSource>(
                 .map_err(|e| e.to_string())?;
             let (batch, opened) = gather.push(*id, landing)?;
             GatherWait {
-                gather: Arc::clone(gather),
+                gather,
                 id: *id,
                 batch,
                 opened,
@@ -566,24 +566,16 @@ async fn read_to_gpu<S: BlockSource>(
                 polling: false,
             }
             .await?;
-            if let Some((pinned, event)) = back {
+            if let Some(b) = back {
                 let at = *id * gather.bs;
-                let len = host.len();
                 {
                     // Enqueued under the lock, in stream order after the scatter; the wait
                     // happens without it.
                     let st = gather.state.lock();
-                    let dev = st.dest.slice(at..at + len);
-                    dev.and_then(|d| {
-                        gather
-                            .stream
-                            .copy_d2h_async(&d, &mut pinned.slice_mut(..len)?)?;
-                        gather.stream.record(event)
-                    })
-                    .map_err(e)?;
+                    let dev = st.dest.slice(at..at + host.len()).map_err(e)?;
+                    start_back(&gather.stream, dev, b).map_err(e)?;
                 }
-                wait(event).await.map_err(e)?;
-                host.copy_from_slice(&pinned.as_slice().map_err(e)?[..len]);
+                finish_back(b, host).await.map_err(e)?;
             }
             Ok(())
         }
