@@ -1,8 +1,9 @@
 //! Workers: each keeps `iodepth` I/Os in flight on one path and records what completes.
 //!
-//! A worker is one tokio task driving its in-flight I/Os through a `FuturesUnordered`, so its
-//! I/Os, buffers and histograms stay on one task and nothing is shared per I/O except a
-//! relaxed progress counter. The run goes through phases set by the coordinator: ramp
+//! A worker is one tokio task: `iodepth` slots, each a future that keeps one I/O in flight
+//! with its own buffer, so its I/Os, buffers and histograms stay on one task, nothing is
+//! allocated per I/O, and nothing is shared with other workers per I/O (progress counts are
+//! published in batches). The run goes through phases set by the coordinator: ramp
 //! (I/O runs, nothing is recorded), measure (completions are recorded), stop (no new I/O;
 //! in-flight I/O is drained).
 
@@ -10,9 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
 use nvmeof_initiator::QueuePair;
+use parking_lot::Mutex;
 
 use crate::hist::LatencyHist;
 use crate::path::IoPath;
@@ -25,14 +25,18 @@ pub const PHASE_MEASURE: u8 = 1;
 /// Phase: stopping.
 pub const PHASE_STOP: u8 = 2;
 
+/// I/Os a worker completes between two additions to [`Shared::ops`].
+pub const PROGRESS_BATCH: u64 = 256;
+
 /// State shared by the coordinator and the workers of one run.
 #[derive(Debug)]
 pub struct Shared {
     /// The current phase.
     pub phase: AtomicU8,
-    /// I/Os completed while measuring, all workers (progress display).
+    /// I/Os completed while measuring, all workers (progress display; each worker adds its
+    /// count every [`PROGRESS_BATCH`] I/Os, so workers do not share a cache line per I/O).
     pub ops: AtomicU64,
-    /// Bytes completed while measuring, all workers (progress display).
+    /// Bytes completed while measuring, all workers (progress display, as `ops`).
     pub bytes: AtomicU64,
 }
 
@@ -261,89 +265,108 @@ pub async fn run<P: IoPath>(
     if spec.rtc && path.queue_pair_namespace(0).is_some() {
         return run_rtc(path, spec, pattern, shared).await;
     }
-    let mut out = WorkerOutput {
+    let out = WorkerOutput {
         per_ns: vec![NsAcc::default(); spec.namespaces],
         ..Default::default()
     };
-    let mut offsets = OffsetGen::new(&spec);
-    let len = spec.bs as usize;
-    let mut free: Vec<P::Buf> = path.alloc_set(len, spec.iodepth as usize);
-    let mut inflight = FuturesUnordered::new();
-    let mut issued_in_measure = 0u64;
-    let p: &P = &path;
     let queues = if spec.queues.is_empty() {
         vec![0]
     } else {
         spec.queues.clone()
     };
-    let mut next_queue = 0usize;
-    // Pointer chase: the (namespace, offset) each finished read names for its successor.
-    let mut chased: Vec<(usize, u64)> = Vec::new();
-    loop {
-        let phase = shared.phase.load(Ordering::Relaxed);
-        if phase == PHASE_STOP || out.io_errors > 0 {
-            break;
-        }
-        while let Some(mut buf) = free.pop() {
-            if !take_budget(phase, &spec, &mut issued_in_measure) {
-                free.push(buf);
-                break;
-            }
-            let (read, ns, offset) = match chased.pop() {
-                Some((ns, offset)) => (true, ns, offset),
-                None => offsets.next_io(),
+    let state = Mutex::new(Issuer {
+        offsets: OffsetGen::new(&spec),
+        issued_in_measure: 0,
+        queues,
+        next_queue: 0,
+        out,
+    });
+    let w = Slots {
+        path: &*path,
+        spec: &spec,
+        pattern: &pattern,
+        shared: &shared,
+        state: &state,
+    };
+    let bufs = path.alloc_set(spec.bs as usize, spec.iodepth as usize);
+    futures_util::future::join_all(bufs.into_iter().map(|buf| w.slot(buf))).await;
+    state.into_inner().out
+}
+
+/// What the I/O slots of a worker share: where the next I/O goes, and what completed.
+struct Issuer {
+    offsets: OffsetGen,
+    issued_in_measure: u64,
+    queues: Vec<usize>,
+    next_queue: usize,
+    out: WorkerOutput,
+}
+
+/// A worker's I/O slots: each keeps one I/O in flight with its own buffer, issuing the next
+/// when one completes. The slots run as futures of the worker's task (nothing is allocated
+/// per I/O); the lock on [`Issuer`] is never contended (the task polls one slot at a time).
+struct Slots<'a, P> {
+    path: &'a P,
+    spec: &'a WorkerSpec,
+    pattern: &'a Pattern,
+    shared: &'a Shared,
+    state: &'a Mutex<Issuer>,
+}
+
+impl<P: IoPath> Slots<'_, P> {
+    async fn slot(&self, mut buf: P::Buf) {
+        let spec = self.spec;
+        // Pointer chase: the (namespace, offset) the previous read named for its successor.
+        let mut chased: Option<(usize, u64)> = None;
+        loop {
+            let phase = self.shared.phase.load(Ordering::Relaxed);
+            let (read, ns, offset, queue) = {
+                let mut s = self.state.lock();
+                let s = &mut *s;
+                if phase == PHASE_STOP
+                    || s.out.io_errors > 0
+                    || !take_budget(phase, spec, &mut s.issued_in_measure)
+                {
+                    return;
+                }
+                let (read, ns, offset) = match chased.take() {
+                    Some((ns, offset)) => (true, ns, offset),
+                    None => s.offsets.next_io(),
+                };
+                let queue = s.queues[s.next_queue];
+                s.next_queue = (s.next_queue + 1) % s.queues.len();
+                (read, ns, offset, queue)
             };
-            let queue = queues[next_queue];
-            next_queue = (next_queue + 1) % queues.len();
             if !read {
-                pattern.fill(offset, P::bytes_mut(&mut buf));
+                self.pattern.fill(offset, P::bytes_mut(&mut buf));
             }
             let measured = phase == PHASE_MEASURE;
-            inflight.push(async move {
-                let start = Instant::now();
-                let (r, buf) = if read {
-                    p.read(queue, ns, offset, buf).await
-                } else {
-                    p.write(queue, ns, offset, buf).await
-                };
-                ((read, ns, offset, measured), start.elapsed(), r, buf)
-            });
+            let start = Instant::now();
+            let (r, b) = if read {
+                self.path.read(queue, ns, offset, buf).await
+            } else {
+                self.path.write(queue, ns, offset, buf).await
+            };
+            buf = b;
+            let lat = start.elapsed().as_nanos() as u64;
+            if spec.chase && read && r.is_ok() {
+                chased = Some((ns, chase_offset(P::bytes(&buf), spec.region, spec.bs)));
+            }
+            complete(
+                &mut self.state.lock().out,
+                spec,
+                self.pattern,
+                self.shared,
+                (read, ns, offset, measured),
+                lat,
+                r,
+                P::bytes(&buf),
+            );
+            // A path whose I/O completes at once (a memory backend) never returns Pending:
+            // give the scheduler its turn now and then, so timers and other tasks keep running.
+            tokio::task::coop::consume_budget().await;
         }
-        let Some((what, lat, r, buf)) = inflight.next().await else {
-            // Nothing in flight and nothing issued: the budget is spent.
-            break;
-        };
-        if spec.chase && what.0 && r.is_ok() {
-            chased.push((what.1, chase_offset(P::bytes(&buf), spec.region, spec.bs)));
-        }
-        complete(
-            &mut out,
-            &spec,
-            &pattern,
-            &shared,
-            what,
-            lat.as_nanos() as u64,
-            r,
-            P::bytes(&buf),
-        );
-        free.push(buf);
-        // A path whose I/O completes at once (a memory backend) never returns Pending: give
-        // the scheduler its turn now and then, so timers and other tasks keep running.
-        tokio::task::coop::consume_budget().await;
     }
-    while let Some((what, lat, r, buf)) = inflight.next().await {
-        complete(
-            &mut out,
-            &spec,
-            &pattern,
-            &shared,
-            what,
-            lat.as_nanos() as u64,
-            r,
-            P::bytes(&buf),
-        );
-    }
-    out
 }
 
 /// Whether another I/O may be issued in `phase` (counting it against the budget).
@@ -530,8 +553,12 @@ fn complete(
     n.ops += 1;
     n.bytes += spec.bs;
     n.hist.record(lat_ns);
-    shared.ops.fetch_add(1, Ordering::Relaxed);
-    shared.bytes.fetch_add(spec.bs, Ordering::Relaxed);
+    if (out.read_ops + out.write_ops) % PROGRESS_BATCH == 0 {
+        shared.ops.fetch_add(PROGRESS_BATCH, Ordering::Relaxed);
+        shared
+            .bytes
+            .fetch_add(PROGRESS_BATCH * spec.bs, Ordering::Relaxed);
+    }
 }
 
 #[cfg(test)]
