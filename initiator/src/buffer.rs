@@ -37,7 +37,7 @@ pub trait ReadDest {
     /// lent buffer comes back through [`take_back`](Self::take_back), unless the read is
     /// abandoned (its future dropped, a connection error): then the buffer is dropped once its
     /// command ended. The default lends nothing.
-    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Lent> {
         let _ = (offset, len);
         None
     }
@@ -49,7 +49,7 @@ pub trait ReadDest {
         &mut self,
         offset: usize,
         len: usize,
-        buf: Box<dyn LentBuffer>,
+        buf: Lent,
         filled: bool,
     ) -> Result<(), BufferError> {
         let _ = (offset, len, buf, filled);
@@ -57,8 +57,35 @@ pub trait ReadDest {
     }
 }
 
-/// Memory a [`ReadDest`] lends to a read (for example pinned host memory that a GPU copy
-/// reads next), owned by the queue while the command is in flight.
+/// A buffer a [`ReadDest`] lends to one read.
+pub enum Lent {
+    /// A vector: lent and given back with no allocation of its own.
+    Vec(Vec<u8>),
+    /// Other memory (for example a pinned staging slot), boxed.
+    Other(Box<dyn LentBuffer>),
+}
+
+impl Lent {
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Lent::Vec(v) => v,
+            Lent::Other(b) => b.bytes(),
+        }
+    }
+
+    /// The bytes, writable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Lent::Vec(v) => v,
+            Lent::Other(b) => b.bytes_mut(),
+        }
+    }
+}
+
+/// Memory other than a vector that a [`ReadDest`] lends to a read ([`Lent::Other`]; for
+/// example pinned host memory that a GPU copy reads next), owned by the queue while the
+/// command is in flight.
 pub trait LentBuffer: Send + 'static {
     /// The bytes.
     fn bytes(&self) -> &[u8];
@@ -116,42 +143,28 @@ impl ReadDest for Vec<u8> {
         self.as_mut_slice().write_at(offset, data)
     }
 
-    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Lent> {
         if offset != 0 || len != Vec::len(self) {
             return None;
         }
-        Some(Box::new(std::mem::take(self)))
+        Some(Lent::Vec(std::mem::take(self)))
     }
 
     fn take_back(
         &mut self,
         offset: usize,
         len: usize,
-        buf: Box<dyn LentBuffer>,
+        buf: Lent,
         filled: bool,
     ) -> Result<(), BufferError> {
         let _ = (offset, len, filled);
-        match buf.into_any().downcast::<Vec<u8>>() {
-            Ok(v) => {
-                *self = *v;
+        match buf {
+            Lent::Vec(v) => {
+                *self = v;
                 Ok(())
             }
-            Err(_) => Err("a buffer this vector did not lend came back".into()),
+            Lent::Other(_) => Err("a buffer this vector did not lend came back".into()),
         }
-    }
-}
-
-impl LentBuffer for Vec<u8> {
-    fn bytes(&self) -> &[u8] {
-        self
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
-        self
     }
 }
 
@@ -198,7 +211,7 @@ pub(crate) enum SlotBuf {
     /// Memory registered (remote read and write) with an RDMA queue's protection domain.
     Registered(Registered<Box<[u8]>>),
     /// A buffer the caller lent for one NVMe/TCP read, received into directly.
-    Lent(Box<dyn LentBuffer>),
+    Lent(Lent),
     /// The data slot of a GPU request ring's request (one NVMe/TCP read), received into
     /// directly.
     Ring(gpu_ring::SlotData),

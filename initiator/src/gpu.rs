@@ -34,7 +34,7 @@ use ::gpu::{
 };
 use nvmeof_cuda_kernels::{KernelError, KernelWorkspace, NvmfKernels, ScatterCopy};
 
-use crate::buffer::{BufferError, LentBuffer, ReadDest};
+use crate::buffer::{BufferError, Lent, LentBuffer, ReadDest};
 use crate::{Error, Namespace};
 
 /// The CUDA layer (`nvmeof-gpu`): contexts, device buffers, streams.
@@ -924,7 +924,7 @@ impl ReadDest for GpuReadDest<'_, '_> {
         Ok(())
     }
 
-    fn lend(&mut self, offset: usize, len: usize) -> Option<Box<dyn LentBuffer>> {
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Lent> {
         let fits = offset
             .checked_add(len)
             .is_some_and(|end| end <= self.dst.len());
@@ -934,16 +934,19 @@ impl ReadDest for GpuReadDest<'_, '_> {
         // No free slot and none being copied (all lent): the command uses its own buffer.
         let slot = self.staging.lend_slot().ok()?;
         self.lent.push(slot.idx);
-        Some(Box::new(slot))
+        Some(Lent::Other(Box::new(slot)))
     }
 
     fn take_back(
         &mut self,
         offset: usize,
         len: usize,
-        buf: Box<dyn LentBuffer>,
+        buf: Lent,
         filled: bool,
     ) -> Result<(), BufferError> {
+        let Lent::Other(buf) = buf else {
+            return Err("a buffer this destination did not lend".into());
+        };
         let Ok(slot) = buf.into_any().downcast::<LentSlot>() else {
             return Err("a buffer this destination did not lend".into());
         };

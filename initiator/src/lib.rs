@@ -137,7 +137,7 @@ mod supervisor;
 mod tags;
 mod tcp;
 
-pub use buffer::{BufferError, LentBuffer, ReadDest, WriteSource};
+pub use buffer::{BufferError, Lent, LentBuffer, ReadDest, WriteSource};
 pub use controller::{Controller, ControllerEvent, ControllerState};
 pub use daemon::{open_attached, open_attached_at};
 pub use discovery::{

@@ -49,7 +49,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::Error;
-use crate::buffer::{LentBuffer, SlotBuf};
+use crate::buffer::{Lent, SlotBuf};
 use crate::error::command_name;
 use crate::link::{self, Link, LinkWake};
 use crate::queue_core::{Completions, Core, QueueCounters, RingDone, RingSlot, bump};
@@ -89,7 +89,7 @@ enum Data {
     /// Caller-registered memory the target reaches (NVMe/RDMA).
     Direct(Direct),
     /// A buffer the caller lent for a read.
-    Lent(Box<dyn LentBuffer>),
+    Lent(Lent),
 }
 
 /// Messages from the supervisor to a queue task.
@@ -597,11 +597,7 @@ impl QueueHandle {
     /// Takes a slot and hands over a read whose data is received into `lent` (at least
     /// `req.len` bytes) instead of the slot's buffer; [`Pending::take_lent`] gives it back.
     /// A lent buffer of a command that is abandoned is dropped when the slot is next used.
-    pub async fn start_lent(
-        &self,
-        req: Request,
-        lent: Box<dyn LentBuffer>,
-    ) -> Result<Pending<'_>, Error> {
+    pub async fn start_lent(&self, req: Request, lent: Lent) -> Result<Pending<'_>, Error> {
         self.start_with(req, |_| Ok(()), Some(Data::Lent(lent)))
             .await
     }
@@ -806,7 +802,7 @@ impl Pending<'_> {
 
     /// The buffer lent with [`QueueHandle::start_lent`], once the command has ended (`None`
     /// while it is in flight, or for a command without one).
-    pub fn take_lent(&self) -> Option<Box<dyn LentBuffer>> {
+    pub fn take_lent(&self) -> Option<Lent> {
         let mut st = self.q.shared.slots[usize::from(self.tag)].lock();
         if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
             return None;

@@ -564,23 +564,25 @@ impl nvmeof_initiator::ReadDest for Lender {
         self.copied += 1;
         Ok(())
     }
-    fn lend(
-        &mut self,
-        _offset: usize,
-        len: usize,
-    ) -> Option<Box<dyn nvmeof_initiator::LentBuffer>> {
+    fn lend(&mut self, _offset: usize, len: usize) -> Option<nvmeof_initiator::Lent> {
         self.lent += 1;
         // Garbage in the buffer: every byte read must be overwritten.
         let n = if self.short { len - 1 } else { len };
-        Some(Box::new(LentVec(vec![0xEE; n])))
+        Some(nvmeof_initiator::Lent::Other(Box::new(LentVec(vec![
+            0xEE;
+            n
+        ]))))
     }
     fn take_back(
         &mut self,
         offset: usize,
         len: usize,
-        buf: Box<dyn nvmeof_initiator::LentBuffer>,
+        buf: nvmeof_initiator::Lent,
         filled: bool,
     ) -> Result<(), nvmeof_initiator::BufferError> {
+        let nvmeof_initiator::Lent::Other(buf) = buf else {
+            return Err("not mine".into());
+        };
         let v = buf
             .into_any()
             .downcast::<LentVec>()
