@@ -5,7 +5,8 @@
 //! keeps slow drifts of a shared machine from favouring one mode.
 //!
 //! Each measurement gets a fresh client runtime (a multi-thread tokio runtime with `numjobs`
-//! threads named `bench-client`, pinned to `client_cpus` when given); a fabric mode connects
+//! threads named `bench-client`; with `client_cpus`, each worker thread pinned to one CPU of
+//! the list in turn, threads of its blocking pool to the whole list); a fabric mode connects
 //! inside it, so the initiator's queue tasks run on the client threads. Targets the load
 //! generator starts live on a small control runtime (`bench-ctl`), their data plane on their
 //! own reactor threads, from the first point to the end of the run, restarted (with fresh
@@ -530,13 +531,30 @@ fn client_runtime(plan: &Plan, point: &Point) -> std::io::Result<Runtime> {
         .thread_name("bench-client")
         .enable_all();
     if let Some(c) = plan.client_cpus.clone() {
+        // The runtime starts its worker threads first: each gets one CPU of the list (in
+        // turn), as a polling client keeps one thread per core; threads started later (the
+        // blocking pool) get the whole list.
+        let cores = cpu::parse_cpu_list(&c).unwrap_or_default();
+        let workers = point.numjobs as usize;
+        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         b.on_thread_start(move || {
-            if let Err(e) = cpu::pin_current(&c) {
+            let i = started.fetch_add(1, Ordering::Relaxed);
+            let cpus = client_thread_cpus(&c, &cores, workers, i);
+            if let Err(e) = cpu::pin_current(&cpus) {
                 tracing::warn!(error = %e, "client thread not pinned");
             }
         });
     }
     b.build()
+}
+
+/// The CPUs of the `i`-th thread the client runtime starts: one CPU of `cores` (the parsed
+/// `list`) in turn for each of the first `workers`, the whole list after them.
+fn client_thread_cpus(list: &str, cores: &[u32], workers: usize, i: usize) -> String {
+    match cores.get(i % cores.len().max(1)) {
+        Some(cpu) if i < workers => cpu.to_string(),
+        _ => list.to_string(),
+    }
 }
 
 fn measure_in_mode(
@@ -1246,5 +1264,19 @@ mod tests {
         );
         assert!(region_of(p, &[geo(1 << 30, 16384)]).is_err());
         assert!(region_of(p, &[geo(4096, 4096)]).is_err());
+    }
+
+    #[test]
+    fn client_workers_get_one_cpu_each_and_later_threads_the_list() {
+        let cores = [8, 9, 10];
+        let at = |i| client_thread_cpus("8-10", &cores, 4, i);
+        // Four workers on three CPUs: in turn, the fourth shares the first's.
+        assert_eq!(
+            (at(0), at(1), at(2), at(3)),
+            ("8".into(), "9".into(), "10".into(), "8".into())
+        );
+        // The blocking pool, started after the workers.
+        assert_eq!(at(4), "8-10");
+        assert_eq!(client_thread_cpus("", &[], 2, 0), "");
     }
 }
