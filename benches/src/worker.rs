@@ -318,11 +318,25 @@ impl<P: IoPath> Slots<'_, P> {
         let spec = self.spec;
         // Pointer chase: the (namespace, offset) the previous read named for its successor.
         let mut chased: Option<(usize, u64)> = None;
+        // The previous I/O, recorded under the same lock that picks the next one.
+        let mut done = None;
         loop {
             let phase = self.shared.phase.load(Ordering::Relaxed);
             let (read, ns, offset, queue) = {
                 let mut s = self.state.lock();
                 let s = &mut *s;
+                if let Some((what, lat, r)) = done.take() {
+                    complete(
+                        &mut s.out,
+                        spec,
+                        self.pattern,
+                        self.shared,
+                        what,
+                        lat,
+                        r,
+                        P::bytes(&buf),
+                    );
+                }
                 if phase == PHASE_STOP
                     || s.out.io_errors > 0
                     || !take_budget(phase, spec, &mut s.issued_in_measure)
@@ -352,16 +366,7 @@ impl<P: IoPath> Slots<'_, P> {
             if spec.chase && read && r.is_ok() {
                 chased = Some((ns, chase_offset(P::bytes(&buf), spec.region, spec.bs)));
             }
-            complete(
-                &mut self.state.lock().out,
-                spec,
-                self.pattern,
-                self.shared,
-                (read, ns, offset, measured),
-                lat,
-                r,
-                P::bytes(&buf),
-            );
+            done = Some(((read, ns, offset, measured), lat, r));
             // A path whose I/O completes at once (a memory backend) never returns Pending:
             // give the scheduler its turn now and then, so timers and other tasks keep running.
             tokio::task::coop::consume_budget().await;
