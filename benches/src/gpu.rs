@@ -3,10 +3,11 @@
 //! [`GpuPath`] wraps a mode's path; a read completes only once its data is in device memory.
 //! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a [`Gather`] per worker: each read is
 //! received into host memory (over NVMe/TCP straight from the socket), copied into the
-//! worker's packed pinned staging, and the reads that complete together leave for the GPU as
-//! one batch: one host-to-device copy of the packed staging and one scatter kernel to each
-//! buffer's place in the worker's device memory, with one event, instead of a copy, an event
-//! and event polls per read (the copy engine takes microseconds per copy however small).
+//! worker's packed stage of mapped pinned memory, and the reads that complete together leave
+//! for the GPU as one batch: one scatter kernel that reads the stage in place over the bus
+//! and writes each block to its buffer's place in the worker's device memory, with one event,
+//! instead of a copy, an event and event polls per read (the copy engine takes microseconds
+//! per copy however small, and every driver call costs the CPU a microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
 //! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
 //! its blocks into the receiving buffer (the best local path, as `gpu_loader`'s RAM -> HBM).
@@ -19,12 +20,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
 use nvmeof_initiator::gpu::cuda::{
-    DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned, PinnedBuffer,
+    DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, PinnedBuffer,
 };
-use nvmeof_initiator::gpu::kernels::{KernelWorkspace, NvmfKernels, ScatterCopy};
+use nvmeof_initiator::gpu::kernels::{MappedStage, NvmfKernels, ScatterCopy, StageFlight};
 use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig};
 use nvmeof_initiator::{Namespace, ReadDest};
 use parking_lot::Mutex;
@@ -185,16 +187,20 @@ fn back(ctx: &GpuContext, len: usize, verify: bool) -> Result<Option<Back>, GpuE
 
 /// The most batches in flight on a worker's stream; more reads gather until one finishes.
 const MAX_FLIGHTS: usize = 2;
+/// A batch leaves once it holds half of the worker's buffers, or this long after it opened.
+const GATHER_WAIT: Duration = Duration::from_micros(200);
 
-/// Batches the host-to-device copies of one worker's small reads (see the module docs). A
-/// read copies its block into the packed pinned staging of the open batch and waits. The
-/// first read of a batch yields once, so that the reads completing in the same round of the
-/// worker's task join it, and then sends the batch, unless [`MAX_FLIGHTS`] batches are
-/// already in flight: then reads gather until one finishes (a group commit: the busier the
-/// stream, the larger the batches). One waiting read polls the oldest batch's event, yielding
+/// Batches the transfers to the GPU of one worker's small reads (see the module docs). A read
+/// copies its block into the open batch's stage (mapped pinned memory) and waits. The batch
+/// leaves once it holds half of the worker's buffers or has waited [`GATHER_WAIT`], unless
+/// [`MAX_FLIGHTS`] batches are already in flight: then reads gather until one finishes (a
+/// group commit: the busier the stream, the larger the batches). A batch is one scatter
+/// kernel that reads the stage in place over the bus and one event: a launch and an event
+/// record per batch are what the driver costs, so full batches leave the CPU to the network.
+/// One waiting read polls the oldest batch's event (and the open batch's age), yielding
 /// between looks; when a batch is done, its reads end, the batch that gathered meanwhile
-/// leaves, and the other waiters are woken. A worker's reads all run on its one task, so the
-/// lock is not contended.
+/// leaves if it is due, and the other waiters are woken. A worker's reads all run on its one
+/// task, so the lock is not contended.
 struct Gather {
     stream: GpuStream,
     kernels: Arc<NvmfKernels>,
@@ -203,39 +209,30 @@ struct Gather {
 }
 
 struct GatherState {
-    ws: KernelWorkspace,
     /// The worker's device memory: buffer `id` owns bytes `id * bs..(id + 1) * bs`.
     dest: DeviceBuffer,
-    /// Packed staging areas (each holds every buffer's block): one open, the others in flight
-    /// or free.
-    areas: Vec<Area>,
-    free_areas: Vec<usize>,
-    /// The open batch: its area (host side), its reads in packing order, its number, and
-    /// whether its round has gathered (its first read came back after yielding).
-    open: Option<(usize, HostPinned)>,
+    /// Stages (mapped pinned memory the scatter kernel reads in place, each room for every
+    /// buffer's block) that are neither open nor in flight.
+    free: Vec<MappedStage>,
+    /// The open batch's stage and its reads in packing order.
+    open: Option<MappedStage>,
     members: Vec<usize>,
-    batch: u64,
-    ready: bool,
     flights: VecDeque<Flight>,
+    /// The scatter list of the batch being sent, and member lists to reuse.
+    copies: Vec<ScatterCopy>,
+    spare: Vec<Vec<usize>>,
     /// Reads whose batch finished (or the error it met), by buffer id.
     done: Vec<Option<Result<(), String>>>,
-    free_events: Vec<GpuEvent>,
-    /// Whether a waiting read polls the oldest batch's event.
+    /// Whether a waiting read polls the oldest batch.
     polling: bool,
     waiters: Vec<Waker>,
-}
-
-/// A packed staging area: pinned memory (`None` while the open batch holds it on the host)
-/// and its device twin.
-struct Area {
-    pinned: Option<PinnedBuffer>,
-    dev: DeviceBuffer,
+    /// When the open batch opened.
+    opened_at: Instant,
 }
 
 struct Flight {
-    event: GpuEvent,
+    stage: StageFlight,
     members: Vec<usize>,
-    area: usize,
 }
 
 impl Gather {
@@ -248,28 +245,21 @@ impl Gather {
         let e = |e: GpuError| e.to_string();
         let stream = ctx.new_stream().map_err(e)?;
         let bytes = bs * buffers;
-        let areas = (0..=MAX_FLIGHTS)
-            .map(|_| {
-                Ok(Area {
-                    pinned: Some(ctx.alloc_pinned(bytes).map_err(e)?),
-                    dev: ctx.alloc(bytes).map_err(e)?,
-                })
-            })
+        let free = (0..=MAX_FLIGHTS)
+            .map(|_| kernels.new_stage(bytes, buffers).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, String>>()?;
         let state = GatherState {
-            ws: KernelWorkspace::new(&stream).map_err(|e| e.to_string())?,
             dest: ctx.alloc(bytes).map_err(e)?,
-            free_areas: (0..areas.len()).collect(),
-            areas,
+            free,
             open: None,
             members: Vec::with_capacity(buffers),
-            batch: 0,
-            ready: false,
             flights: VecDeque::new(),
+            copies: Vec::with_capacity(buffers),
+            spare: Vec::new(),
             done: (0..buffers).map(|_| None).collect(),
-            free_events: Vec::new(),
             polling: false,
             waiters: Vec::new(),
+            opened_at: Instant::now(),
         };
         Ok(Gather {
             stream,
@@ -279,119 +269,95 @@ impl Gather {
         })
     }
 
-    /// Packs buffer `id`'s block into the open batch; returns the batch's number and whether
-    /// this read opened it.
-    fn push(&self, id: usize, data: &[u8]) -> Result<(u64, bool), String> {
+    /// Packs buffer `id`'s block into the open batch, and sends the batch if it is full
+    /// enough.
+    fn push(&self, id: usize, data: &[u8]) -> Result<(), String> {
         let mut st = self.state.lock();
-        let first = st.open.is_none();
-        if first {
-            // At most MAX_FLIGHTS areas are in flight: one is free.
-            let area = st.free_areas.pop().ok_or("no free staging area")?;
-            let pinned = st.areas[area].pinned.take().ok_or("staging area lost")?;
-            match pinned.into_host() {
-                Ok(host) => st.open = Some((area, host)),
-                Err(e) => {
-                    st.free_areas.push(area);
-                    return Err(e.to_string());
-                }
-            }
+        st.done[id] = None;
+        if st.open.is_none() {
+            // At most MAX_FLIGHTS stages are in flight: one is free.
+            let stage = st.free.pop().ok_or("no free staging area")?;
+            st.open = Some(stage);
+            st.opened_at = Instant::now();
         }
         let at = st.members.len() * self.bs;
-        let Some((_, host)) = st.open.as_mut() else {
+        let Some(stage) = st.open.as_mut() else {
             return Err(String::from("no open batch"));
         };
-        host.as_mut_slice()[at..at + data.len()].copy_from_slice(data);
+        stage.data_mut()[at..at + data.len()].copy_from_slice(data);
         st.members.push(id);
-        Ok((st.batch, first))
+        self.try_send(&mut st);
+        Ok(())
     }
 
-    /// Sends the open batch: one copy of its packed blocks and one scatter to their places.
+    /// Sends the open batch once it holds half of the worker's buffers or has waited
+    /// [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are in flight.
+    fn try_send(&self, st: &mut GatherState) {
+        if st.open.is_some()
+            && st.flights.len() < MAX_FLIGHTS
+            && (st.members.len() * 2 >= st.done.len() || st.opened_at.elapsed() >= GATHER_WAIT)
+        {
+            self.flush(st);
+        }
+    }
+
+    /// Sends the open batch: one scatter kernel that reads the packed blocks in place.
     fn flush(&self, st: &mut GatherState) {
-        let Some((area, host)) = st.open.take() else {
+        let Some(stage) = st.open.take() else {
             return;
         };
-        let members = std::mem::take(&mut st.members);
-        st.batch += 1;
-        st.ready = false;
-        st.areas[area].pinned = Some(host.into_pinned());
-        let bs = self.bs;
-        let copies: Vec<ScatterCopy> = members
-            .iter()
-            .enumerate()
-            .map(|(k, &id)| ScatterCopy {
-                src_offset: (k * bs) as u64,
-                dst_offset: (id * bs) as u64,
-                len: bs as u64,
-            })
-            .collect();
-        let n = members.len() * bs;
-        let event = match st.free_events.pop() {
-            Some(e) => Ok(e),
-            None => self.stream.context().new_event(false),
-        };
-        let GatherState {
-            ws, dest, areas, ..
-        } = st;
-        let r = event.map_err(|e| e.to_string()).and_then(|event| {
-            let a = &mut areas[area];
-            let pinned = a.pinned.as_ref().ok_or("staging area lost")?;
-            let e = |e: GpuError| e.to_string();
-            self.stream
-                .copy_h2d_async(
-                    &pinned.slice(..n).map_err(e)?,
-                    &mut a.dev.slice_mut(..n).map_err(e)?,
-                )
-                .map_err(e)?;
-            (self.kernels)
-                .scatter(
-                    ws,
-                    &a.dev.slice(..n).map_err(e)?,
-                    &mut dest.as_slice_mut(),
-                    &copies,
-                )
-                .map_err(|e| e.to_string())?;
-            self.stream.record(&event).map_err(e)?;
-            Ok(event)
-        });
+        let spare = st.spare.pop().unwrap_or_default();
+        let members = std::mem::replace(&mut st.members, spare);
+        let bs = self.bs as u64;
+        st.copies.clear();
+        st.copies
+            .extend(members.iter().enumerate().map(|(k, &id)| ScatterCopy {
+                src_offset: k as u64 * bs,
+                dst_offset: id as u64 * bs,
+                len: bs,
+            }));
+        let GatherState { dest, copies, .. } = st;
+        let r = self
+            .kernels
+            .scatter_staged(&self.stream, stage, &mut dest.as_slice_mut(), copies);
         match r {
-            Ok(event) => st.flights.push_back(Flight {
-                event,
-                members,
-                area,
-            }),
-            Err(e) => {
-                st.free_areas.push(area);
-                for id in members {
+            Ok(stage) => st.flights.push_back(Flight { stage, members }),
+            Err(refused) => {
+                let e = refused.error.to_string();
+                st.free.push(refused.stage);
+                for &id in &members {
                     st.done[id] = Some(Err(e.clone()));
                 }
+                st.spare.push(members);
                 wake_all(st);
             }
         }
     }
 
-    /// Ends the finished batches, oldest first, and sends the batch that gathered meanwhile.
+    /// Ends the finished batches, oldest first, and sends the open batch if it is due.
     fn retire(&self, st: &mut GatherState) {
         let mut any = false;
-        while let Some(f) = st.flights.front() {
-            let done = f.event.is_complete();
-            if done == Ok(false) {
+        while let Some(f) = st.flights.front_mut() {
+            let done = f.stage.is_done();
+            if matches!(done, Ok(false)) {
                 break;
             }
             let Some(f) = st.flights.pop_front() else {
                 break;
             };
-            for &id in &f.members {
-                st.done[id] = Some(done.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+            let r = done
+                .and_then(|_| f.stage.finish())
+                .map(|stage| st.free.push(stage));
+            let r = r.map_err(|e| e.to_string());
+            let mut members = f.members;
+            for &id in &members {
+                st.done[id] = Some(r.clone());
             }
-            st.free_areas.push(f.area);
-            if done.is_ok() {
-                st.free_events.push(f.event);
-            }
+            members.clear();
+            st.spare.push(members);
             any = true;
         }
-        if st.ready && st.flights.len() < MAX_FLIGHTS {
-            self.flush(st);
-        }
+        self.try_send(st);
         if any {
             wake_all(st);
         }
@@ -405,13 +371,12 @@ fn wake_all(st: &mut GatherState) {
     }
 }
 
-/// Waits until buffer `id`'s block, packed into batch `batch`, is in device memory.
+/// Waits until buffer `id`'s packed block is in device memory. One waiting read at a time
+/// is the poller: it looks at the oldest batch's event and the open batch's age between
+/// yields; the others wait to be woken.
 struct GatherWait<'a> {
     gather: &'a Gather,
     id: usize,
-    batch: u64,
-    opened: bool,
-    yielded: bool,
     polling: bool,
 }
 
@@ -427,18 +392,6 @@ impl Future for GatherWait<'_> {
             }
             return Poll::Ready(r);
         }
-        if self.opened && st.batch == self.batch && st.open.is_some() {
-            if !self.yielded {
-                // Let the reads of this round join the batch.
-                self.yielded = true;
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            st.ready = true;
-            if st.flights.len() < MAX_FLIGHTS {
-                g.flush(&mut st);
-            }
-        }
         if st.polling && !self.polling {
             st.waiters.push(cx.waker().clone());
             return Poll::Pending;
@@ -452,7 +405,7 @@ impl Future for GatherWait<'_> {
             }
             return Poll::Ready(r);
         }
-        // Poll the event again once the runtime had its turn.
+        // Look again once the runtime had its turn.
         st.polling = true;
         self.polling = true;
         cx.waker().wake_by_ref();
@@ -462,16 +415,9 @@ impl Future for GatherWait<'_> {
 
 impl Drop for GatherWait<'_> {
     fn drop(&mut self) {
-        // Hand on what this read owed the others: its batch's sending, the polling.
-        let mut st = self.gather.state.lock();
-        if self.opened && st.batch == self.batch {
-            st.ready = true;
-            if st.flights.len() < MAX_FLIGHTS {
-                self.gather.flush(&mut st);
-            }
-        }
+        // Hand on the polling.
         if self.polling {
-            wake_all(&mut st);
+            wake_all(&mut self.gather.state.lock());
         }
     }
 }
@@ -556,13 +502,10 @@ async fn read_to_gpu<S: BlockSource>(
             src.read_blocks(lba, landing)
                 .await
                 .map_err(|e| e.to_string())?;
-            let (batch, opened) = gather.push(*id, landing)?;
+            gather.push(*id, landing)?;
             GatherWait {
                 gather,
                 id: *id,
-                batch,
-                opened,
-                yielded: false,
                 polling: false,
             }
             .await?;

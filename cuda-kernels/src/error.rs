@@ -73,6 +73,17 @@ pub enum KernelError {
         /// The ring index.
         ring: u32,
     },
+    /// Pinned memory the kernels were to read in place has no device address.
+    #[error("pinned memory is not mapped into the device's address space")]
+    NotMapped,
+    /// A staged batch holds more copies than its stage has room for in the plan.
+    #[error("{copies} copies exceed the stage's room for {room}")]
+    StageFull {
+        /// Copies in the batch.
+        copies: usize,
+        /// Copies the stage's plan room holds.
+        room: usize,
+    },
     /// The number of chunks or the encoded work list does not fit in memory sizes.
     #[error("work list too large")]
     PlanTooLarge,

@@ -54,7 +54,7 @@ pub struct BuildInfo {
 pub struct NvmfKernels {
     ctx: GpuContext,
     info: BuildInfo,
-    scatter: Kernel,
+    pub(crate) scatter: Kernel,
     fill: Kernel,
     verify: Kernel,
     checksum: Kernel,
@@ -122,7 +122,7 @@ impl NvmfKernels {
         &self.ctx
     }
 
-    fn config(&self, total_chunks: u64) -> LaunchConfig {
+    pub(crate) fn config(&self, total_chunks: u64) -> LaunchConfig {
         let blocks = total_chunks
             .div_ceil(WARPS_PER_BLOCK)
             .clamp(1, u64::from(self.max_blocks)) as u32;

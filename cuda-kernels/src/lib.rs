@@ -27,6 +27,7 @@ mod kernels;
 pub mod pattern;
 pub mod plan;
 pub mod ring;
+mod staged;
 
 pub use error::KernelError;
 pub use kernels::{
@@ -35,6 +36,7 @@ pub use kernels::{
 };
 pub use pattern::VerifyReport;
 pub use plan::{ByteRange, CHUNK_SIZE, PatternRegion, ScatterCopy, WorkItem, WorkPlan};
+pub use staged::{MappedStage, StageFlight, StageRefused};
 
 #[cfg(test)]
 mod tests {
@@ -46,5 +48,7 @@ mod tests {
     fn handles_are_send_and_sync() {
         assert_send_sync::<NvmfKernels>();
         assert_send_sync::<KernelWorkspace>();
+        assert_send_sync::<MappedStage>();
+        assert_send_sync::<StageFlight>();
     }
 }

@@ -718,3 +718,117 @@ fn gpu_scatter_two_streams_one_destination() {
         .unwrap();
     assert!(report.is_ok(), "{report:?}");
 }
+
+#[test]
+fn gpu_scatter_staged_reads_mapped_memory_in_place() {
+    let Some(g) = setup("gpu_scatter_staged_reads_mapped_memory_in_place") else {
+        return;
+    };
+    let stream = g.ctx.new_stream().unwrap();
+    let bs = 4096u64 + 3;
+    let buffers = 64u64;
+    let mut dst = g.ctx.alloc((bs * buffers) as usize).unwrap();
+    dst.as_slice_mut().fill(0).unwrap();
+    // Two stages used in turn, three rounds each: a stage comes back only after its kernel,
+    // and what a later round packs never shows in an earlier round's destinations.
+    let mut free = vec![
+        g.kernels
+            .new_stage((bs * buffers) as usize, buffers as usize)
+            .unwrap(),
+        g.kernels
+            .new_stage((bs * buffers) as usize, buffers as usize)
+            .unwrap(),
+    ];
+    let mut expect = vec![None; buffers as usize];
+    let mut flights = Vec::new();
+    for round in 0..6u64 {
+        let mut stage = free.pop().unwrap_or_else(|| {
+            let f: nvmeof_cuda_kernels::StageFlight = flights.remove(0);
+            f.finish().unwrap()
+        });
+        // This round's buffers, packed in a shuffled order.
+        let ids: Vec<u64> = (0..buffers / 2)
+            .map(|k| (k * 37 + round * 5) % buffers)
+            .collect();
+        let mut copies = Vec::new();
+        for (k, &id) in ids.iter().enumerate() {
+            let ns = (round * 1000 + id) * bs;
+            let at = k * bs as usize;
+            stage.data_mut()[at..at + bs as usize].copy_from_slice(&pattern_vec(
+                5,
+                ns,
+                bs as usize,
+            ));
+            copies.push(ScatterCopy {
+                src_offset: at as u64,
+                dst_offset: id * bs,
+                len: bs,
+            });
+            expect[id as usize] = Some(ns);
+        }
+        let flight = g
+            .kernels
+            .scatter_staged(&stream, stage, &mut dst.as_slice_mut(), &copies)
+            .map_err(|r| r.error)
+            .unwrap();
+        flights.push(flight);
+    }
+    for mut f in flights {
+        while !f.is_done().unwrap() {
+            std::thread::yield_now();
+        }
+        let stage = f.finish().unwrap();
+        assert_eq!(stage.copies(), buffers as usize);
+    }
+    let regions: Vec<PatternRegion> = expect
+        .iter()
+        .enumerate()
+        .filter_map(|(id, ns)| {
+            ns.map(|ns| PatternRegion {
+                offset: id as u64 * bs,
+                ns_offset: ns,
+                len: bs,
+            })
+        })
+        .collect();
+    let host = dst.to_vec().unwrap();
+    for r in &regions {
+        let got = &host[r.offset as usize..][..r.len as usize];
+        assert!(
+            verify_pattern(5, r.ns_offset, got).is_ok(),
+            "buffer at {} holds the wrong round's block",
+            r.offset
+        );
+    }
+
+    // Bad batches come back with the stage and nothing enqueued.
+    let stage = g.kernels.new_stage(1024, 2).unwrap();
+    let too_many = vec![
+        ScatterCopy {
+            src_offset: 0,
+            dst_offset: 0,
+            len: 1,
+        };
+        3
+    ];
+    let r = g
+        .kernels
+        .scatter_staged(&stream, stage, &mut dst.as_slice_mut(), &too_many)
+        .unwrap_err();
+    let (e, stage) = (r.error, r.stage);
+    assert!(
+        matches!(e, KernelError::StageFull { copies: 3, room: 2 }),
+        "{e}"
+    );
+    let outside = [ScatterCopy {
+        src_offset: 1000,
+        dst_offset: 0,
+        len: 100,
+    }];
+    let e = g
+        .kernels
+        .scatter_staged(&stream, stage, &mut dst.as_slice_mut(), &outside)
+        .unwrap_err()
+        .error;
+    assert!(matches!(e, KernelError::SourceOutOfBounds { .. }), "{e}");
+}

@@ -10,9 +10,9 @@
 //!
 //! Workloads: `seq` (1 MiB sequential reads, `--span` of them per call, each task streaming
 //! steps of `--step` such calls into its device ring, one synchronize per step) and `rand`
-//! (4 KiB random reads, `--batch` per staging slot, `--slots-per-call` slots per call,
-//! scattered to their sample offsets by the kernel). The region is first written with the seeded pattern from GPU memory (the write
-//! path), unless `--no-fill`. `initiator/examples/gpu-loader-bench.sh` runs it against
+//! (4 KiB random reads, `--batch` per staging slot, `--slots-per-call` slots per call, `--lanes`
+//! calls in flight per task, scattered to their sample offsets by the kernel). The region is
+//! first written with the seeded pattern from GPU memory (the write path), unless `--no-fill`. `initiator/examples/gpu-loader-bench.sh` runs it against
 //! `nvmeof-targetd` on loopback.
 
 use std::sync::Arc;
@@ -81,6 +81,11 @@ struct Args {
     /// Staging slots per task.
     #[arg(long, default_value_t = 4)]
     slots: usize,
+    /// Independent call loops per rand task (each with its own staging and stream), joined
+    /// in the task: while one call's last reads drain and its data is copied, the others'
+    /// reads keep the queue busy (a loader prefetching its next batches).
+    #[arg(long, default_value_t = 1)]
+    lanes: usize,
     /// Workloads to run: seq, rand or both.
     #[arg(long, default_value = "seq,rand")]
     workloads: String,
@@ -132,6 +137,7 @@ enum Workload {
 }
 
 /// One measurement.
+#[derive(Default)]
 struct Sample {
     bytes: u64,
     ios: u64,
@@ -326,33 +332,50 @@ async fn measure<S: BlockSource + Send + 'static>(
         tasks.push(tokio::spawn(async move {
             match (w, host) {
                 (Workload::Seq, false) => seq_task(&shared, &*src, &stop, &cursor).await,
-                (Workload::Rand, false) => rand_task(&shared, &*src, t, &stop).await,
+                (Workload::Rand, false) => {
+                    lanes(&shared, t, |l| rand_task(&shared, &*src, l, &stop)).await
+                }
                 (Workload::Seq, true) => seq_host(&shared, &*src, &stop, &cursor).await,
-                (Workload::Rand, true) => rand_host(&shared, &*src, t, &stop).await,
+                (Workload::Rand, true) => {
+                    lanes(&shared, t, |l| rand_host(&shared, &*src, l, &stop)).await
+                }
             }
         }));
     }
     tokio::time::sleep(Duration::from_secs_f64(shared.args.seconds)).await;
     stop.store(true, Ordering::Relaxed);
-    let mut total = Sample {
-        bytes: 0,
-        ios: 0,
-        wall: Duration::ZERO,
-        stats: StagingStats::default(),
-        verify: VerifyReport::default(),
-        verified_bytes: 0,
-    };
-    let mut wall = Duration::ZERO;
+    let mut total = Sample::default();
     for t in tasks {
-        let s = t.await??;
-        total.bytes += s.bytes;
-        total.ios += s.ios;
-        total.stats.merge(&s.stats);
-        total.verify = total.verify.merge(s.verify);
-        total.verified_bytes += s.verified_bytes;
-        wall = wall.max(s.wall);
+        total.merge(t.await??);
     }
-    total.wall = wall;
+    Ok(total)
+}
+
+impl Sample {
+    /// Adds a sample of the same measurement run alongside (its wall time overlaps).
+    fn merge(&mut self, s: Sample) {
+        self.bytes += s.bytes;
+        self.ios += s.ios;
+        self.stats.merge(&s.stats);
+        self.verify = self.verify.merge(s.verify);
+        self.verified_bytes += s.verified_bytes;
+        self.wall = self.wall.max(s.wall);
+    }
+}
+
+/// Runs `--lanes` loops of a task side by side in the task; lane `l` of task `t` gets the
+/// index `t * lanes + l` (its random stream).
+async fn lanes<F, Fut>(shared: &Shared, task: usize, lane: F) -> Result<Sample, GpuIoError>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<Sample, GpuIoError>>,
+{
+    let n = shared.args.lanes.max(1);
+    let samples = futures_util::future::try_join_all((0..n).map(|l| lane(task * n + l))).await?;
+    let mut total = Sample::default();
+    for s in samples {
+        total.merge(s);
+    }
     Ok(total)
 }
 

@@ -1,0 +1,210 @@
+//! Scatters that read their source in place: packed blocks in mapped pinned host memory, read
+//! by the scatter kernel over the bus, with the plan beside them. A batch costs one launch and
+//! one event: no copy to the device, no plan upload, no per-buffer tracking.
+
+use gpu::{DeviceSliceMut, GpuEvent, GpuStream, HostPinned, LaunchArgs};
+
+use crate::error::KernelError;
+use crate::kernels::NvmfKernels;
+use crate::plan::{CHUNK_SIZE, ScatterCopy, WORK_ITEM_SIZE, WorkPlan, validate_scatter};
+
+/// Alignment of the plan inside a stage (the kernel reads 8-byte fields).
+const PLAN_ALIGN: usize = 64;
+
+/// Mapped pinned host memory that [`NvmfKernels::scatter_staged`] reads in place: a data area
+/// the host packs blocks into, room for the plan of up to [`copies`](Self::copies) copies,
+/// and the event that marks the end of the kernel that last read it.
+///
+/// The host reaches the bytes only while no kernel reads them: `scatter_staged` takes the
+/// stage by value and hands back a [`StageFlight`], which returns the stage once its kernel
+/// has finished.
+pub struct MappedStage {
+    host: HostPinned,
+    /// Device address of byte 0.
+    ptr: u64,
+    data: usize,
+    copies: usize,
+    event: GpuEvent,
+}
+
+impl std::fmt::Debug for MappedStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedStage")
+            .field("data", &self.data)
+            .field("copies", &self.copies)
+            .finish()
+    }
+}
+
+impl MappedStage {
+    fn plan_at(&self) -> usize {
+        self.data.next_multiple_of(PLAN_ALIGN)
+    }
+
+    /// Bytes of the data area.
+    pub fn len(&self) -> usize {
+        self.data
+    }
+
+    /// Always false: a stage has at least one data byte.
+    pub fn is_empty(&self) -> bool {
+        self.data == 0
+    }
+
+    /// Copies one batch may hold.
+    pub fn copies(&self) -> usize {
+        self.copies
+    }
+
+    /// The data area, for the host to pack blocks into.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        &mut self.host.as_mut_slice()[..self.data]
+    }
+
+    /// The data area.
+    pub fn data(&self) -> &[u8] {
+        &self.host.as_slice()[..self.data]
+    }
+}
+
+/// A batch [`NvmfKernels::scatter_staged`] did not enqueue: why, and the stage back (no
+/// kernel reads it).
+#[derive(Debug)]
+pub struct StageRefused {
+    /// Why.
+    pub error: KernelError,
+    /// The stage, the host's again.
+    pub stage: MappedStage,
+}
+
+/// A [`MappedStage`] whose scatter is enqueued: the stage comes back through
+/// [`finish`](Self::finish). Dropped unfinished, it waits for the kernel first.
+#[derive(Debug)]
+pub struct StageFlight {
+    stage: Option<MappedStage>,
+    done: bool,
+}
+
+impl StageFlight {
+    /// Whether the kernel reading the stage has finished (does not block).
+    pub fn is_done(&mut self) -> Result<bool, KernelError> {
+        if !self.done {
+            if let Some(s) = &self.stage {
+                self.done = s.event.is_complete()?;
+            }
+        }
+        Ok(self.done)
+    }
+
+    /// The stage again, once its kernel has finished (waits for it if need be).
+    pub fn finish(mut self) -> Result<MappedStage, KernelError> {
+        if !self.done {
+            if let Some(s) = &self.stage {
+                s.event.synchronize()?;
+            }
+            self.done = true;
+        }
+        self.stage.take().ok_or(KernelError::NotMapped)
+    }
+}
+
+impl Drop for StageFlight {
+    fn drop(&mut self) {
+        if let (false, Some(s)) = (self.done, &self.stage) {
+            // The memory is freed after this: the kernel must no longer read it.
+            let _ = s.event.synchronize();
+        }
+    }
+}
+
+impl NvmfKernels {
+    /// A stage of `data` bytes (mapped pinned memory) whose batches hold up to `copies`
+    /// copies.
+    pub fn new_stage(&self, data: usize, copies: usize) -> Result<MappedStage, KernelError> {
+        let copies = copies.max(1);
+        let room = copies
+            .checked_mul(WORK_ITEM_SIZE)
+            .and_then(|r| r.checked_add(data.next_multiple_of(PLAN_ALIGN)))
+            .ok_or(KernelError::PlanTooLarge)?;
+        let buf = self.context().alloc_pinned_mapped(room)?;
+        let ptr = buf.mapped_device_ptr().ok_or(KernelError::NotMapped)?;
+        Ok(MappedStage {
+            host: buf.into_host()?,
+            ptr,
+            data,
+            copies,
+            event: self.context().new_event(false)?,
+        })
+    }
+
+    /// Enqueues on `stream` the copies of bytes of `stage`'s data area (read in place over
+    /// the bus) to their offsets in `dst`, validated first like [`scatter`](Self::scatter).
+    /// The stage is in flight until the kernel has run; on an error it is handed back with
+    /// nothing reading it.
+    pub fn scatter_staged(
+        &self,
+        stream: &GpuStream,
+        mut stage: MappedStage,
+        dst: &mut DeviceSliceMut<'_>,
+        copies: &[ScatterCopy],
+    ) -> Result<StageFlight, Box<StageRefused>> {
+        let refused = |error, stage| Err(Box::new(StageRefused { error, stage }));
+        let plan = match self.encode_staged(stream, &mut stage, dst, copies) {
+            Ok(p) => p,
+            Err(e) => return refused(e, stage),
+        };
+        if !plan.is_empty() {
+            let plan_at = stage.plan_at() as u64;
+            let mut args = LaunchArgs::new();
+            args.u64(stage.ptr)
+                .u64(stage.data as u64)
+                .buffer_mut(dst)
+                .u64(stage.ptr + plan_at)
+                .u64(plan.encoded_len() as u64)
+                .u64(plan.total_chunks())
+                .u64(CHUNK_SIZE);
+            if let Err(e) = self
+                .scatter
+                .launch(stream, &self.config(plan.total_chunks()), &args)
+            {
+                return refused(e.into(), stage);
+            }
+        }
+        if let Err(e) = stream.record(&stage.event) {
+            // The kernel may be enqueued: let it finish before the host has the stage again.
+            let _ = stream.synchronize();
+            return refused(e.into(), stage);
+        }
+        Ok(StageFlight {
+            stage: Some(stage),
+            done: false,
+        })
+    }
+
+    /// Checks the batch and writes its plan into the stage.
+    fn encode_staged(
+        &self,
+        stream: &GpuStream,
+        stage: &mut MappedStage,
+        dst: &DeviceSliceMut<'_>,
+        copies: &[ScatterCopy],
+    ) -> Result<WorkPlan, KernelError> {
+        if !stream.context().same_as(self.context()) {
+            return Err(gpu::GpuError::ContextMismatch.into());
+        }
+        if copies.len() > stage.copies {
+            return Err(KernelError::StageFull {
+                copies: copies.len(),
+                room: stage.copies,
+            });
+        }
+        validate_scatter(stage.data as u64, dst.len() as u64, copies)?;
+        let plan = WorkPlan::new(
+            copies.iter().map(|c| (c.src_offset, c.dst_offset, c.len)),
+            CHUNK_SIZE,
+        )?;
+        let at = stage.plan_at();
+        plan.encode_into(&mut stage.host.as_mut_slice()[at..])?;
+        Ok(plan)
+    }
+}
