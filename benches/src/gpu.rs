@@ -27,7 +27,7 @@ use nvmeof_initiator::gpu::cuda::{
     DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, PinnedBuffer,
 };
 use nvmeof_initiator::gpu::kernels::{MappedStage, NvmfKernels, ScatterCopy, StageFlight};
-use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig};
+use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig, wait_event};
 use nvmeof_initiator::{Namespace, ReadDest};
 use parking_lot::Mutex;
 
@@ -437,28 +437,6 @@ fn staged(ctx: &GpuContext, len: usize, verify: bool) -> Result<GpuParts, String
     })
 }
 
-/// Waits for `event` without blocking the runtime thread for long: a few polls between
-/// yields, then on the blocking pool.
-async fn wait(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
-    for _ in 0..64 {
-        if event.is_complete()? {
-            return Ok(());
-        }
-        tokio::task::yield_now().await;
-    }
-    let e = Arc::clone(event);
-    tokio::task::spawn_blocking(move || e.synchronize())
-        .await
-        .unwrap_or_else(|j| {
-            Err(GpuError::Driver {
-                call: "cuEventSynchronize",
-                code: 0,
-                name: String::from("join"),
-                description: j.to_string(),
-            })
-        })
-}
-
 /// Enqueues the copy of `dev` back into `back`'s pinned memory on `stream` (verify).
 fn start_back(stream: &GpuStream, dev: DeviceSlice<'_>, back: &mut Back) -> Result<(), GpuError> {
     let (pinned, event) = back;
@@ -469,7 +447,7 @@ fn start_back(stream: &GpuStream, dev: DeviceSlice<'_>, back: &mut Back) -> Resu
 /// Waits for [`start_back`]'s copy and hands its bytes to `host`.
 async fn finish_back(back: &Back, host: &mut [u8]) -> Result<(), GpuError> {
     let (pinned, event) = back;
-    wait(event).await?;
+    wait_event(event).await?;
     host.copy_from_slice(&pinned.as_slice()?[..host.len()]);
     Ok(())
 }

@@ -399,10 +399,10 @@ impl std::fmt::Debug for GpuStaging {
     }
 }
 
-/// Polls `event` a few times, yielding to other tasks in between, then waits for it on the
-/// blocking pool: the runtime thread never blocks on the GPU. Outside a tokio runtime (no
-/// blocking pool) it waits on the calling thread.
-async fn wait_event(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
+/// Waits for `event` without blocking the runtime thread on the GPU: polls it a few times,
+/// yielding to other tasks in between, then waits for it on the blocking pool. Outside a
+/// tokio runtime (no blocking pool) it waits on the calling thread.
+pub async fn wait_event(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
     for _ in 0..32 {
         if event.is_complete()? {
             return Ok(());
