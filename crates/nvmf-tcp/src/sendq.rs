@@ -38,6 +38,10 @@ pub(crate) struct Mark {
 }
 
 /// Bytes waiting to be sent, in order.
+/// Sent bytes at the front of the own buffer beyond which [`SendQueue::consume`] drops them
+/// while unsent bytes remain (and the sent bytes are at least half of the buffer).
+pub(crate) const COMPACT_AT: usize = 1 << 20;
+
 #[derive(Debug, Default)]
 pub(crate) struct SendQueue {
     own: Vec<u8>,
@@ -160,6 +164,13 @@ impl SendQueue {
             self.own.clear();
             self.own_pos = 0;
             self.front_sent = 0;
+        } else if self.own_pos >= COMPACT_AT && self.own_pos * 2 >= self.own.len() {
+            // A connection whose peer keeps a little unread at every write never empties
+            // this queue, so the own buffer would keep the sent bytes and grow for as long as
+            // the connection is busy: drop the sent prefix (moving at most as many bytes as
+            // were sent since it was last dropped).
+            self.own.drain(..self.own_pos);
+            self.own_pos = 0;
         }
     }
 
@@ -192,6 +203,38 @@ mod tests {
 
     fn all(q: &SendQueue) -> Vec<u8> {
         q.slices().flatten().copied().collect()
+    }
+
+    #[test]
+    fn a_queue_that_never_drains_keeps_its_buffer_bounded() {
+        let shared: Arc<[u8]> = (0..=255u8).collect::<Vec<_>>().into();
+        let mut q = SendQueue::default();
+        let (mut want, mut sent) = (Vec::new(), Vec::new());
+        for round in 0..100_000usize {
+            // Each round queues a header, shared data and a trailer; the socket takes all but
+            // a few bytes: the queue never empties.
+            let b = (round % 251) as u8;
+            q.append(|v| v.extend_from_slice(&[b; 24]));
+            q.push_shared(Arc::clone(&shared), 0..100);
+            q.append(|v| v.extend_from_slice(&[b; 40]));
+            want.extend_from_slice(&[b; 24]);
+            want.extend(0..100u8);
+            want.extend_from_slice(&[b; 40]);
+            while q.len() > 7 {
+                let f = q.front();
+                let n = f.len().min(q.len() - 7);
+                sent.extend_from_slice(&f[..n]);
+                q.consume(n);
+            }
+            assert!(
+                q.own.len() <= 2 * COMPACT_AT + 64,
+                "round {round}: own buffer {} bytes for {} unsent",
+                q.own.len(),
+                q.len()
+            );
+        }
+        sent.extend(q.slices().flatten().copied());
+        assert_eq!(sent, want, "bytes leave in order across compactions");
     }
 
     #[test]
