@@ -628,6 +628,17 @@ pub fn ctl_ok(socket: &Path, args: &[&str]) -> String {
     stdout
 }
 
+/// The console log of the boot that came up, from `guest.sh start`'s pid file and its state
+/// file's text: guest.sh boots again after a kernel panic during boot, into another log, and
+/// names the current one in the state file (`LOG=`); `PIDFILE.log` without one.
+fn boot_log(pidfile: &str, state: &str) -> PathBuf {
+    state
+        .lines()
+        .find_map(|l| l.strip_prefix("LOG="))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(pidfile).with_extension("log"))
+}
+
 /// A guest started in the background by `guest.sh start`, stopped (and its script's exit
 /// code collected) by [`BackgroundGuest::stop`] or when dropped.
 pub struct BackgroundGuest {
@@ -647,8 +658,9 @@ impl BackgroundGuest {
             String::from_utf8_lossy(&out.stderr)
         );
         let pidfile = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let state = std::fs::read_to_string(format!("{pidfile}.state")).unwrap_or_default();
         BackgroundGuest {
-            log: Path::new(&pidfile).with_extension("log"),
+            log: boot_log(&pidfile, &state),
             pidfile: Some(pidfile),
         }
     }
@@ -740,4 +752,22 @@ pub fn promtool_accepts(scrape: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_console_is_the_boot_that_came_up() {
+        let state = "LOG=/tmp/g/guest-boot2.log\nRUNDIR=/tmp/g/run\nPID=42\n";
+        assert_eq!(
+            boot_log("/tmp/g/guest.pid", state),
+            PathBuf::from("/tmp/g/guest-boot2.log")
+        );
+        assert_eq!(
+            boot_log("/tmp/g/guest.pid", ""),
+            PathBuf::from("/tmp/g/guest.log")
+        );
+    }
 }
