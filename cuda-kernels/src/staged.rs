@@ -25,6 +25,8 @@ pub struct MappedStage {
     data: usize,
     copies: usize,
     event: GpuEvent,
+    /// Whether a kernel enqueued on it may still read it (its event not seen complete).
+    in_flight: bool,
 }
 
 impl std::fmt::Debug for MappedStage {
@@ -41,16 +43,6 @@ impl MappedStage {
         self.data.next_multiple_of(PLAN_ALIGN)
     }
 
-    /// Bytes of the data area.
-    pub fn len(&self) -> usize {
-        self.data
-    }
-
-    /// Always false: a stage has at least one data byte.
-    pub fn is_empty(&self) -> bool {
-        self.data == 0
-    }
-
     /// Copies one batch may hold.
     pub fn copies(&self) -> usize {
         self.copies
@@ -59,11 +51,6 @@ impl MappedStage {
     /// The data area, for the host to pack blocks into.
     pub fn data_mut(&mut self) -> &mut [u8] {
         &mut self.host.as_mut_slice()[..self.data]
-    }
-
-    /// The data area.
-    pub fn data(&self) -> &[u8] {
-        &self.host.as_slice()[..self.data]
     }
 }
 
@@ -77,43 +64,39 @@ pub struct StageRefused {
     pub stage: MappedStage,
 }
 
+impl Drop for MappedStage {
+    fn drop(&mut self) {
+        if self.in_flight {
+            // The memory is freed after this: the kernel must no longer read it.
+            let _ = self.event.synchronize();
+        }
+    }
+}
+
 /// A [`MappedStage`] whose scatter is enqueued: the stage comes back through
 /// [`finish`](Self::finish). Dropped unfinished, it waits for the kernel first.
 #[derive(Debug)]
 pub struct StageFlight {
-    stage: Option<MappedStage>,
-    done: bool,
+    stage: MappedStage,
 }
 
 impl StageFlight {
     /// Whether the kernel reading the stage has finished (does not block).
     pub fn is_done(&mut self) -> Result<bool, KernelError> {
-        if !self.done {
-            if let Some(s) = &self.stage {
-                self.done = s.event.is_complete()?;
-            }
+        let s = &mut self.stage;
+        if s.in_flight {
+            s.in_flight = !s.event.is_complete()?;
         }
-        Ok(self.done)
+        Ok(!s.in_flight)
     }
 
     /// The stage again, once its kernel has finished (waits for it if need be).
     pub fn finish(mut self) -> Result<MappedStage, KernelError> {
-        if !self.done {
-            if let Some(s) = &self.stage {
-                s.event.synchronize()?;
-            }
-            self.done = true;
+        if self.stage.in_flight {
+            self.stage.event.synchronize()?;
+            self.stage.in_flight = false;
         }
-        self.stage.take().ok_or(KernelError::NotMapped)
-    }
-}
-
-impl Drop for StageFlight {
-    fn drop(&mut self) {
-        if let (false, Some(s)) = (self.done, &self.stage) {
-            // The memory is freed after this: the kernel must no longer read it.
-            let _ = s.event.synchronize();
-        }
+        Ok(self.stage)
     }
 }
 
@@ -134,6 +117,7 @@ impl NvmfKernels {
             data,
             copies,
             event: self.context().new_event(false)?,
+            in_flight: false,
         })
     }
 
@@ -175,10 +159,8 @@ impl NvmfKernels {
             let _ = stream.synchronize();
             return refused(e.into(), stage);
         }
-        Ok(StageFlight {
-            stage: Some(stage),
-            done: false,
-        })
+        stage.in_flight = true;
+        Ok(StageFlight { stage })
     }
 
     /// Checks the batch and writes its plan into the stage.

@@ -12,8 +12,8 @@
 //! steps of `--step` such calls into its device ring, one synchronize per step) and `rand`
 //! (4 KiB random reads, `--batch` per staging slot, `--slots-per-call` slots per call, `--lanes`
 //! calls in flight per task, scattered to their sample offsets by the kernel). The region is
-//! first written with the seeded pattern from GPU memory (the write path), unless `--no-fill`. `initiator/examples/gpu-loader-bench.sh` runs it against
-//! `nvmeof-targetd` on loopback.
+//! first written with the seeded pattern from GPU memory (the write path), unless `--no-fill`.
+//! `initiator/examples/gpu-loader-bench.sh` runs it against `nvmeof-targetd` on loopback.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
