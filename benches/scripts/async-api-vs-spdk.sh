@@ -7,8 +7,9 @@
 # BIN_DIR holds nvmeof-targetd and nvmeof-bench (release builds); SPDK_DIR holds nvmf_tgt and
 # spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). Each round runs,
 # for SPDK's nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G):
+# benches/jobs/async-api-16core.toml (whose prefill writes the whole namespace first); then
 # spdk_nvme_perf at QD128 from one core (-c 0x100) and from eight (-c 0xFF00), QD1 with
-# latency tracking (-L), three times each; then benches/jobs/async-api-16core.toml. Logs and
+# latency tracking (-L), three times each. Logs and
 # the load generator's JSON go to OUT_DIR; a summary is printed.
 set -u
 out=$1 bin=$2 spdk=$3 rounds=${4:-1}
@@ -51,12 +52,15 @@ perf() { # NAME PORT NQN ARGS...
 
 side() { # TARGET PORT NQN ROUND
     local t=$1 port=$2 nqn=$3 r=$4
-    perf "$t-perf-qd128-x1-r$r" "$port" "$nqn" -c 0x100 -q 128
-    perf "$t-perf-qd128-x8-r$r" "$port" "$nqn" -c 0xFF00 -q 128
-    perf "$t-perf-qd1-r$r" "$port" "$nqn" -c 0x100 -q 1 -L
+    # The load generator first: its prefill writes the whole namespace, so that every client
+    # reads written data. A memory namespace reads blocks never written as zeros without
+    # touching namespace memory, which costs its target far less per read.
     "$bin/nvmeof-bench" "$job" --modes "tcp=127.0.0.1:$port" --nqn "$nqn" --client-cpus 8-15 \
         --json "$out/$t-bench-r$r.json" > "$out/$t-bench-r$r.log" 2>&1
     grep elapsed "$out/$t-bench-r$r.log" | sed "s/.*\] /$t bench r$r: /"
+    perf "$t-perf-qd128-x1-r$r" "$port" "$nqn" -c 0x100 -q 128
+    perf "$t-perf-qd128-x8-r$r" "$port" "$nqn" -c 0xFF00 -q 128
+    perf "$t-perf-qd1-r$r" "$port" "$nqn" -c 0x100 -q 1 -L
 }
 
 for r in $(seq "$rounds"); do

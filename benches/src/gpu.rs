@@ -187,12 +187,12 @@ fn back(ctx: &GpuContext, len: usize, verify: bool) -> Result<Option<Back>, GpuE
 
 /// The most batches in flight on a worker's stream; more reads gather until one finishes.
 const MAX_FLIGHTS: usize = 2;
-/// A batch leaves once it holds half of the worker's buffers, or this long after it opened.
+/// A batch leaves once it holds a quarter of the worker's buffers, or this long after it opened.
 const GATHER_WAIT: Duration = Duration::from_micros(200);
 
 /// Batches the transfers to the GPU of one worker's small reads (see the module docs). A read
 /// copies its block into the open batch's stage (mapped pinned memory) and waits. The batch
-/// leaves once it holds half of the worker's buffers or has waited [`GATHER_WAIT`], unless
+/// leaves once it holds a quarter of the worker's buffers or has waited [`GATHER_WAIT`], unless
 /// [`MAX_FLIGHTS`] batches are already in flight: then reads gather until one finishes (a
 /// group commit: the busier the stream, the larger the batches). A batch is one scatter
 /// kernel that reads the stage in place over the bus and one event: a launch and an event
@@ -290,12 +290,12 @@ impl Gather {
         Ok(())
     }
 
-    /// Sends the open batch once it holds half of the worker's buffers or has waited
+    /// Sends the open batch once it holds a quarter of the worker's buffers or has waited
     /// [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are in flight.
     fn try_send(&self, st: &mut GatherState) {
         if st.open.is_some()
             && st.flights.len() < MAX_FLIGHTS
-            && (st.members.len() * 2 >= st.done.len() || st.opened_at.elapsed() >= GATHER_WAIT)
+            && (st.members.len() * 4 >= st.done.len() || st.opened_at.elapsed() >= GATHER_WAIT)
         {
             self.flush(st);
         }

@@ -9,7 +9,8 @@
 # REACTORS:QUEUES:TASKS:THREADS (target reactors, I/O queues, loader tasks, loader runtime
 # threads; keep QUEUES = THREADS: each runtime thread sticks to one queue); the default set
 # suits a 16-core machine. Extra loader flags go in GPU_LOADER_ARGS, extra target flags (e.g.
-# --poll-us 50) in TARGETD_ARGS.
+# --poll-us 50) in TARGETD_ARGS. TARGET_CPUS and LOADER_CPUS (taskset lists, e.g. 0-7 and 8-15)
+# keep the target and the loader on CPUs of their own.
 set -u -o pipefail
 
 bin="${1:?usage: gpu-loader-bench.sh BIN_DIR [LOG_DIR] [CONFIG...]}"
@@ -44,7 +45,7 @@ rc=0
 for cfg in "${configs[@]}"; do
     IFS=: read -r reactors queues tasks threads <<< "$cfg"
     log="$logs/gpu-loader-r${reactors}-q${queues}-t${tasks}.log"
-    "$bin/nvmeof-targetd" --listen "tcp://127.0.0.1:$port" -n "$nqn" --namespace mem:4G --reactors "$reactors" \
+    ${TARGET_CPUS:+taskset -c "$TARGET_CPUS"} "$bin/nvmeof-targetd" --listen "tcp://127.0.0.1:$port" -n "$nqn" --namespace mem:4G --reactors "$reactors" \
         ${TARGETD_ARGS:-} >> "$logs/targetd.log" 2>&1 &
     tpid=$!
     for _ in $(seq 100); do
@@ -52,7 +53,7 @@ for cfg in "${configs[@]}"; do
         sleep 0.1
     done
     echo "=== target reactors $reactors ${TARGETD_ARGS:-}, $queues queues, $tasks tasks, $threads threads"
-    "$bin/gpu_loader" "127.0.0.1:$port" "$nqn" --queues "$queues" --tasks "$tasks" \
+    ${LOADER_CPUS:+taskset -c "$LOADER_CPUS"} "$bin/gpu_loader" "127.0.0.1:$port" "$nqn" --queues "$queues" --tasks "$tasks" \
         --threads "$threads" ${GPU_LOADER_ARGS:-} 2>&1 | tee "$log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
     kill "$tpid"
