@@ -251,7 +251,8 @@ pub enum Dest {
     Host,
     /// GPU memory (GPU 0): every read lands in a device buffer through pinned staging and
     /// completes once the data is there; blocks up to 64 KiB of one worker leave for the GPU
-    /// in batches (one copy and one scatter kernel each, so NVRTC must be present). Reads
+    /// in batches (one scatter kernel each, reading the packed blocks in place, so NVRTC must
+    /// be present). Reads
     /// only; without a CUDA driver each point fails with one line saying so.
     Gpu,
 }

@@ -12,9 +12,10 @@
 //!   one read API ([`Namespace::read_into`]); [`GpuStaging::synchronize`] then waits, without
 //!   blocking the runtime thread, until the data is in device memory. [`GpuStaging::read`]
 //!   does both.
-//! - [`GpuStaging::read_batch`] reads many small blocks into one staging slot (all in flight
-//!   together), copies the slot to the device once and lets the scatter kernel put each block
-//!   at its destination offset (any byte alignment).
+//! - [`GpuStaging::read_batch`] reads many small blocks into one slot's stage of mapped pinned
+//!   memory (all in flight together); one scatter kernel reads the stage in place over the bus
+//!   and puts each block at its destination offset (any byte alignment): one launch and one
+//!   event per slot, no copy to the device.
 //! - [`GpuStaging::write`] goes the other way: device -> pinned slot -> wire, the copy of the
 //!   next piece overlapping the write of the current one.
 //!
@@ -29,10 +30,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ::gpu::{
-    DeviceBuffer, DeviceSlice, DeviceSliceMut, GpuContext, GpuError, GpuEvent, GpuStream,
-    HostPinned, PinnedBuffer,
+    DeviceSlice, DeviceSliceMut, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned,
+    PinnedBuffer,
 };
-use nvmeof_cuda_kernels::{KernelError, KernelWorkspace, NvmfKernels, ScatterCopy};
+use nvmeof_cuda_kernels::{
+    KernelError, KernelWorkspace, MappedStage, NvmfKernels, ScatterCopy, StageFlight, StageRefused,
+};
 
 use crate::buffer::{BufferError, Lent, LentBuffer, ReadDest};
 use crate::{Error, Namespace};
@@ -109,11 +112,12 @@ impl StagingConfig {
 /// [`GpuStaging::take_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StagingStats {
-    /// Bytes copied host -> device through the slots.
+    /// Bytes moved host -> device through the slots: copied, or read in place by the scatter
+    /// kernel (batches).
     pub h2d_bytes: u64,
     /// Bytes copied device -> host through the slots (writes).
     pub d2h_bytes: u64,
-    /// Asynchronous copies enqueued (either direction).
+    /// Asynchronous copies enqueued (either direction; batches are scatters, not copies).
     pub copies: u64,
     /// Scatter kernel launches (batched reads).
     pub scatters: u64,
@@ -364,15 +368,23 @@ impl BlockSource for MemSource {
     }
 }
 
-/// One pinned slot, its device twin (for batches, allocated on first use) and the events that
+/// One pinned slot, its mapped stage (for batches, allocated on first use) and the events that
 /// bracket the stream work reading it.
 struct Slot {
     /// `None` while lent to a command, or after a lent buffer was not given back (allocated
     /// again on next use).
     host: Option<PinnedBuffer>,
-    dev: Option<DeviceBuffer>,
+    stage: Option<BatchStage>,
     start: GpuEvent,
     done: Arc<GpuEvent>,
+}
+
+/// The mapped pinned memory a slot receives a batch of reads into, which the scatter kernel
+/// reads in place: the host's, or read by the slot's last kernel (the stage is the host's
+/// again once the slot's `done` event has passed).
+enum BatchStage {
+    Idle(MappedStage),
+    Flight(StageFlight),
 }
 
 /// Pinned staging between the network and device memory: one stream, a bounded ring of pinned
@@ -433,7 +445,7 @@ impl GpuStaging {
             .map(|_| {
                 Ok(Slot {
                     host: Some(ctx.alloc_pinned(cfg.slot_bytes)?),
-                    dev: None,
+                    stage: None,
                     start: ctx.new_event(cfg.timing)?,
                     done: Arc::new(ctx.new_event(cfg.timing)?),
                 })
@@ -662,9 +674,9 @@ impl GpuStaging {
     }
 
     /// Reads many small blocks: each batch of reads (as many as fit in one slot) is in flight
-    /// together into one pinned slot, copied to the device in one copy and scattered to the
-    /// destination offsets by the scatter kernel; the next batch is received while the
-    /// previous one is copied. Reads larger than a slot go through [`read`](Self::read).
+    /// together into the slot's stage of mapped pinned memory, which the scatter kernel reads
+    /// in place to put each block at its destination offset; the next batch is received while
+    /// the previous one is scattered. Reads larger than a slot go through [`read`](Self::read).
     /// Destinations must not overlap. Returns when all data is in device memory.
     pub async fn read_batch<S: BlockSource>(
         &mut self,
@@ -734,45 +746,72 @@ impl GpuStaging {
         }
         // Reject bad destinations before anything is enqueued.
         nvmeof_cuda_kernels::plan::validate_scatter(total as u64, dst.len() as u64, &self.copies)?;
-        // Receive every read of the batch into its place in the slot, all in flight together.
+        let mut stage = self.take_stage(idx, reads.len(), bs)?;
+        // Receive every read of the batch into its place in the stage, all in flight together.
         let t = Instant::now();
-        {
-            let mut rest = &mut self.host_mut(idx)?.as_mut_slice()?[..total];
+        let received = {
+            let mut rest = &mut stage.data_mut()[..total];
             let mut pending = Vec::with_capacity(reads.len());
             for r in reads {
                 let (head, tail) = rest.split_at_mut(r.blocks as usize * bs);
                 rest = tail;
                 pending.push(src.read_blocks(r.lba, head));
             }
-            futures_util::future::try_join_all(pending).await?;
-        }
+            futures_util::future::try_join_all(pending).await
+        };
         self.stats.source += t.elapsed();
-        // One copy of the packed slot to its device twin, then the scatter.
         let slot = &mut self.slots[idx];
-        let Some(host) = slot.host.as_ref() else {
-            return Err(invalid("staging slot without memory"));
-        };
-        if slot.dev.is_none() {
-            slot.dev = Some(self.ctx.alloc(self.cfg.slot_bytes)?);
+        if let Err(e) = received {
+            slot.stage = Some(BatchStage::Idle(stage));
+            return Err(e.into());
         }
-        let Some(dev) = slot.dev.as_mut() else {
-            return Err(invalid("staging device buffer missing"));
-        };
-        let Some((kernels, ws)) = self.kernels.as_mut() else {
+        // One kernel scatters the stage in place to the destinations.
+        let Some((kernels, _)) = self.kernels.as_ref() else {
+            slot.stage = Some(BatchStage::Idle(stage));
             return Err(invalid("no kernels"));
         };
         if self.cfg.timing {
             self.stream.record(&slot.start)?;
         }
-        self.stream
-            .copy_h2d_async(&host.slice(..total)?, &mut dev.slice_mut(..total)?)?;
-        kernels.scatter(ws, &dev.slice(..total)?, dst, &self.copies)?;
+        match kernels.scatter_staged(&self.stream, stage, dst, &self.copies) {
+            Ok(flight) => slot.stage = Some(BatchStage::Flight(flight)),
+            Err(refused) => {
+                let StageRefused { error, stage } = *refused;
+                slot.stage = Some(BatchStage::Idle(stage));
+                return Err(error.into());
+            }
+        }
         self.stream.record(&slot.done)?;
         self.ring.submitted(idx);
         self.stats.h2d_bytes += total as u64;
-        self.stats.copies += 1;
         self.stats.scatters += 1;
         Ok(())
+    }
+
+    /// Slot `idx`'s stage for a batch of `reads` reads of blocks of `bs` bytes, the host's
+    /// (the slot is free: its last kernel has run), allocated on first use or when the batch
+    /// has more reads than the stage has room for.
+    fn take_stage(
+        &mut self,
+        idx: usize,
+        reads: usize,
+        bs: usize,
+    ) -> Result<MappedStage, GpuIoError> {
+        let stage = match self.slots[idx].stage.take() {
+            Some(BatchStage::Idle(s)) => Some(s),
+            Some(BatchStage::Flight(f)) => Some(f.finish()?),
+            None => None,
+        };
+        match stage {
+            Some(s) if s.copies() >= reads => Ok(s),
+            _ => {
+                let Some((kernels, _)) = self.kernels.as_ref() else {
+                    return Err(invalid("no kernels"));
+                };
+                let copies = (self.cfg.slot_bytes / bs.max(1)).max(reads);
+                Ok(kernels.new_stage(self.cfg.slot_bytes, copies)?)
+            }
+        }
     }
 
     /// Writes `src` (a whole number of blocks) to `ns` from block `lba`: each slot-sized piece
