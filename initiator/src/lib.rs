@@ -56,7 +56,8 @@
 //!
 //! A [`Namespace`] future hands its command to an I/O queue itself (over NVMe/TCP the capsule
 //! joins the queue's send buffer: no channel, no other task woken) and, while it waits, drives
-//! that queue: it writes the capsules of its round with one `write`, reads what arrived and
+//! that queue: it writes the capsules of its round with one `write` (a round past 16
+//! capsules is written as it grows), reads what arrived and
 //! wakes the futures whose commands ended; one waiting future is woken when the socket has
 //! more. The queue's own task handles timers, control, GPU rings, a queue another thread held
 //! at that instant, and NVMe/RDMA. Which queue takes a command depends on the thread the

@@ -176,6 +176,11 @@ pub struct QueueStats {
 /// Rounds of write-read-register one drive makes before it leaves the rest for a wake-up.
 const DRIVE_ROUNDS: usize = 4;
 
+/// Callers that submit while other commands are in flight leave their capsules for the next
+/// drive's single write, except that every this many the submitting caller writes them: a
+/// target that works while our callers gather (SPDK's polls its sockets) gets work sooner.
+const FLUSH_AFTER: usize = 16;
+
 /// No command (in [`QueueShared::flush_by`] and [`QueueShared::hint`]).
 const NO_TAG: u32 = u32::MAX;
 
@@ -341,6 +346,8 @@ pub(crate) struct Engine {
     poll: PollGate,
     /// [`QueueShared::links`] as a waker.
     link_waker: Waker,
+    /// Commands submitted since the last write ([`FLUSH_AFTER`]).
+    unflushed: usize,
 }
 
 impl Engine {
@@ -358,6 +365,7 @@ impl Engine {
 
     /// Writes what waits to be sent, as far as the socket takes it.
     fn flush(&mut self) {
+        self.unflushed = 0;
         self.shared.flush_by.store(NO_TAG, Ordering::Relaxed);
         let Some(live) = self.live.as_mut() else {
             return;
@@ -528,6 +536,7 @@ impl QueueHandle {
             newest: None,
             poll: PollGate::new(cfg.busy_poll),
             link_waker: Waker::from(Arc::clone(&shared.links)),
+            unflushed: 0,
         }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
@@ -679,7 +688,8 @@ impl QueueHandle {
         }
         e.core.now = Instant::now();
         e.submit((sub.tag, sub.req, sub.buf, sub.direct, None));
-        if self.shared.busy() <= 1 {
+        e.unflushed += 1;
+        if self.shared.busy() <= 1 || e.unflushed >= FLUSH_AFTER {
             e.flush();
         }
         None
