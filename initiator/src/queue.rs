@@ -1208,6 +1208,36 @@ mod tests {
         ctrl.disconnect().await.expect("disconnect");
     }
 
+    /// Capsules submitted while other commands are in flight wait for the next drive's write,
+    /// but never [`FLUSH_AFTER`] of them: the submitting caller writes them then.
+    #[tokio::test]
+    async fn gathered_capsules_are_written_every_flush_after() {
+        let (_target, addr) = target();
+        let (ctrl, ns) = connect(addr).await;
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        let mut pending = Vec::new();
+        for lba in 0..(3 * FLUSH_AFTER as u64) {
+            let p = q
+                .start(ns.request(false, lba * 8, 4096, false), |_| Ok(()))
+                .await
+                .expect("start");
+            pending.push(p);
+            let waiting = q.engine.lock().unflushed;
+            assert!(
+                waiting < FLUSH_AFTER,
+                "{waiting} capsules wait after {} submissions",
+                lba + 1
+            );
+        }
+        for mut p in pending {
+            tokio::time::timeout(Duration::from_secs(5), p.wait())
+                .await
+                .expect("the read ends")
+                .expect("read");
+        }
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
     /// The caller that is to write a round's capsules, finding the engine held by another
     /// thread, is woken to try again: the holder does not write them for it, and nobody else
     /// would (the command would wait for the queue's timer).
