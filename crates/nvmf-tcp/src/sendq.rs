@@ -37,11 +37,11 @@ pub(crate) struct Mark {
     queued: u64,
 }
 
-/// Bytes waiting to be sent, in order.
 /// Sent bytes at the front of the own buffer beyond which [`SendQueue::consume`] drops them
 /// while unsent bytes remain (and the sent bytes are at least half of the buffer).
 pub(crate) const COMPACT_AT: usize = 1 << 20;
 
+/// Bytes waiting to be sent, in order.
 #[derive(Debug, Default)]
 pub(crate) struct SendQueue {
     own: Vec<u8>,
