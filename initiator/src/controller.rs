@@ -178,6 +178,7 @@ impl PairQid {
             cntlid: info.cntlid,
             depth: slots.map_or(info.queue_depth, |n| n + 1),
             in_capsule: info.in_capsule_data_bytes as usize,
+            sq_flow_off: !info.sq_flow_control,
         })
     }
 

@@ -89,6 +89,9 @@ pub struct AttachParams {
     /// Data digests.
     #[serde(default)]
     pub data_digest: bool,
+    /// Keep SQ flow control on ([`ConnectOptions::disable_sq_flow_control`] off).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sq_flow_control: bool,
     /// I/O queues for processes that open the attachment (default: one per core).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nr_io_queues: Option<u16>,
@@ -157,6 +160,7 @@ impl AttachParams {
         );
         o.header_digest = self.hdr_digest;
         o.data_digest = self.data_digest;
+        o.disable_sq_flow_control = !self.sq_flow_control;
         o.io_queues = self.nr_io_queues;
         if let Some(q) = self.queue_size {
             o.queue_depth = q;
@@ -540,6 +544,7 @@ mod tests {
             hostid: None,
             hdr_digest: false,
             data_digest: false,
+            sq_flow_control: false,
             nr_io_queues: None,
             queue_size: None,
             kato_ms: None,
@@ -607,6 +612,8 @@ mod tests {
             .connect_options(HostIdentity::new("nqn.h:1", [1; 16]).unwrap())
             .unwrap();
         assert!(o.data_digest && !o.header_digest);
+        assert!(o.disable_sq_flow_control);
+        assert!(!s.contains("sq_flow_control"));
         assert_eq!(o.io_queues, Some(2));
         let host = HostIdentity::new("nqn.h:1", [1; 16]).unwrap();
         let rdma = AttachParams {

@@ -214,6 +214,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         cntlid: 0xFFFF,
         depth: 32,
         in_capsule: 0,
+        sq_flow_off: false,
     };
     let mut c = SetupConn::open(
         &opts.addr,
@@ -225,7 +226,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         None,
     )
     .await?;
-    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host, None)
+    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host, None, false)
         .await?;
     let cap = c.property_get(property::CAP, true).await?;
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;

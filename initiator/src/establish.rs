@@ -53,35 +53,50 @@ pub(crate) async fn establish(
 ) -> Result<Established, Error> {
     let t = &opts.timeouts;
     let digests = (opts.header_digest, opts.data_digest);
-    let admin_queue = QueueSpec {
-        qid: 0,
-        cntlid: 0xFFFF,
-        depth: ADMIN_QUEUE_ENTRIES,
-        in_capsule: 0,
-    };
     let tls = crate::tcp::tls_context(opts)?;
-    let mut admin = SetupConn::open(
-        &opts.addr,
-        admin_queue,
-        digests,
-        t.connect,
-        t.admin,
-        pd,
-        tls.as_ref(),
-    )
-    .await?;
     let kato_ms = opts.kato.as_millis().min(u128::from(u32::MAX)) as u32;
-    let cntlid = admin
-        .connect(
-            0,
-            u32::from(ADMIN_QUEUE_ENTRIES),
-            kato_ms,
-            0xFFFF,
-            &opts.subnqn,
-            &opts.host,
-            opts.dhchap.as_ref(),
+    let mut sq_flow_off = opts.disable_sq_flow_control;
+    let (mut admin, cntlid) = loop {
+        let admin_queue = QueueSpec {
+            qid: 0,
+            cntlid: 0xFFFF,
+            depth: ADMIN_QUEUE_ENTRIES,
+            in_capsule: 0,
+            sq_flow_off,
+        };
+        let mut admin = SetupConn::open(
+            &opts.addr,
+            admin_queue,
+            digests,
+            t.connect,
+            t.admin,
+            pd,
+            tls.as_ref(),
         )
         .await?;
+        let connected = admin
+            .connect(
+                0,
+                u32::from(ADMIN_QUEUE_ENTRIES),
+                kato_ms,
+                0xFFFF,
+                &opts.subnqn,
+                &opts.host,
+                opts.dhchap.as_ref(),
+                sq_flow_off,
+            )
+            .await;
+        match connected {
+            Ok(cntlid) => break (admin, cntlid),
+            // A controller that cannot disable SQ flow control refuses the attribute with a
+            // Connect status; a new connection asks without it.
+            Err(e @ Error::Status { .. }) if sq_flow_off => {
+                debug!(error = %e, "Connect asking to disable SQ flow control refused; connecting with it");
+                sq_flow_off = false;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     let cap = admin.property_get(property::CAP, true).await?;
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
     let cc = admin.property_get(property::CC, false).await? as u32;
@@ -209,6 +224,7 @@ pub(crate) async fn establish(
         kato_ms,
         header_digest: admin.params.digests.header,
         data_digest: admin.params.digests.data,
+        sq_flow_control: !sq_flow_off,
         nn: 0,
         write_zeroes: false,
         dataset_management: false,
@@ -226,6 +242,7 @@ pub(crate) async fn establish(
                 cntlid,
                 depth,
                 in_capsule: icd as usize,
+                sq_flow_off,
             };
             Ok((qid, open_io_queue(&opts, &pd, spec).await?))
         });
@@ -281,6 +298,7 @@ pub(crate) async fn open_io_queue(
         &opts.subnqn,
         &opts.host,
         dhchap,
+        spec.sq_flow_off,
     )
     .await?;
     Ok(q.into_link(icd))

@@ -47,6 +47,10 @@ pub struct ControllerInfo {
     pub header_digest: bool,
     /// Data digests in use.
     pub data_digest: bool,
+    /// SQ flow control in force on the queues (off when the controller took
+    /// [`ConnectOptions::disable_sq_flow_control`](crate::ConnectOptions::disable_sq_flow_control)).
+    #[serde(default = "sq_flow_control_default")]
+    pub sq_flow_control: bool,
     /// Number of namespaces (highest NSID).
     pub nn: u32,
     /// Write Zeroes supported.
@@ -55,6 +59,11 @@ pub struct ControllerInfo {
     pub dataset_management: bool,
     /// A volatile write cache is present (Flush makes writes durable).
     pub volatile_write_cache: bool,
+}
+
+/// What a [`ControllerInfo`] written before `sq_flow_control` existed meant: flow control on.
+fn sq_flow_control_default() -> bool {
+    true
 }
 
 /// A namespace, as Identify Namespace describes it.

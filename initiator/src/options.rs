@@ -265,6 +265,15 @@ pub struct ConnectOptions {
     pub header_digest: bool,
     /// Ask for NVMe/TCP data digests (not available over NVMe/RDMA).
     pub data_digest: bool,
+    /// Ask the controller at each queue's Fabrics Connect to disable SQ flow control
+    /// (Connect attribute bit 2, as the Linux host does when a discovery log entry allows
+    /// it): the controller then reports no submission queue head, and an NVMe/TCP controller
+    /// may end a successful read with its last data PDU (the SUCCESS flag) instead of a
+    /// response capsule, one PDU fewer per read at both ends. On by default; a controller that
+    /// refuses the admin queue's Connect with the attribute set is connected again without
+    /// it. [`ControllerInfo::sq_flow_control`](crate::ControllerInfo::sq_flow_control) tells
+    /// which is in force.
+    pub disable_sq_flow_control: bool,
     /// Timeouts.
     pub timeouts: Timeouts,
     /// Reconnect behaviour.
@@ -348,6 +357,7 @@ impl ConnectOptions {
             kato: Duration::from_secs(5),
             header_digest: false,
             data_digest: false,
+            disable_sq_flow_control: true,
             timeouts: Timeouts::default(),
             reconnect: ReconnectPolicy::default(),
             retry_writes: false,

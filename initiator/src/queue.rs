@@ -166,6 +166,9 @@ pub struct QueueStats {
     pub in_place_bytes: u64,
     /// Reads whose data went into a buffer lent by the caller (see `ReadDest::lend`).
     pub lent_commands: u64,
+    /// NVMe/TCP reads the controller completed with their last data PDU (its SUCCESS flag,
+    /// sent only with SQ flow control off): no response capsule came for them.
+    pub data_completions: u64,
     /// Reads started from GPU request rings (see `Controller::attach_gpu_rings`).
     pub ring_reads: u64,
     /// Requests taken from GPU request rings and completed at once with an error status
@@ -290,6 +293,7 @@ impl QueueStats {
             buffer_registrations: g(&c.buffer_registrations),
             in_place_bytes: g(&c.in_place_bytes),
             lent_commands: g(&c.lent_commands),
+            data_completions: g(&c.data_completions),
             ring_reads: g(&c.ring_reads),
             ring_rejected: g(&c.ring_rejected),
         }

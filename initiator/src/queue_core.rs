@@ -91,6 +91,7 @@ pub(crate) struct QueueCounters {
     pub(crate) buffer_registrations: AtomicU64,
     pub(crate) in_place_bytes: AtomicU64,
     pub(crate) lent_commands: AtomicU64,
+    pub(crate) data_completions: AtomicU64,
     pub(crate) ring_reads: AtomicU64,
     pub(crate) ring_rejected: AtomicU64,
 }

@@ -34,6 +34,8 @@ pub(crate) struct QueueSpec {
     pub depth: u16,
     /// In-capsule data the queue's capsules may carry (NVMe/RDMA send slots).
     pub in_capsule: usize,
+    /// Ask the controller to disable SQ flow control at Connect.
+    pub sq_flow_off: bool,
 }
 
 /// A freshly opened queue connection driven one command at a time.
@@ -206,8 +208,9 @@ impl SetupConn {
         }
     }
 
-    /// Fabrics Connect, then the DH-HMAC-CHAP transaction with `dhchap` when the controller
-    /// asks for authentication; returns the controller ID from the response.
+    /// Fabrics Connect (asking to disable SQ flow control when `sq_flow_off`), then the
+    /// DH-HMAC-CHAP transaction with `dhchap` when the controller asks for authentication;
+    /// returns the controller ID from the response.
     #[allow(clippy::too_many_arguments)]
     pub async fn connect(
         &mut self,
@@ -218,12 +221,17 @@ impl SetupConn {
         subnqn: &str,
         host: &HostIdentity,
         dhchap: Option<&DhchapSecrets>,
+        sq_flow_off: bool,
     ) -> Result<u16, Error> {
         let cmd = FabricsCommand::Connect(nvme_spec::command::Connect {
             recfmt: 0,
             qid,
             sqsize,
-            cattr: 0,
+            cattr: if sq_flow_off {
+                nvme_spec::command::CATTR_SQ_FLOW_CONTROL_DISABLE
+            } else {
+                0
+            },
             kato_ms,
         });
         let data = ConnectData::new(host.hostid, cntlid, subnqn, &host.hostnqn);

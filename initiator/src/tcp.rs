@@ -202,7 +202,7 @@ impl TcpConn {
                     success: true,
                 } = commit
                 {
-                    core.on_response(self, Cqe::new(p.cccid, Status::SUCCESS, 0))?;
+                    self.complete_by_data(core, p.cccid)?;
                 }
                 if n > in_place {
                     self.process(core)?;
@@ -241,6 +241,17 @@ impl TcpConn {
         Ok(got)
     }
 
+    /// Completes read `cccid`, whose last data PDU carried the SUCCESS flag (no response
+    /// capsule follows).
+    fn complete_by_data<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        cccid: u16,
+    ) -> Result<(), Error> {
+        bump(&core.counters().data_completions, 1);
+        core.on_response(self, Cqe::new(cccid, Status::SUCCESS, 0))
+    }
+
     /// Hands every PDU the engine has decoded so far to `core`: read data into the command's
     /// buffer, write data sent on R2T, completions.
     pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<(), Error> {
@@ -275,7 +286,7 @@ impl TcpConn {
                         bump(&core.counters().bytes_read, data.len() as u64);
                     }
                     if last && success {
-                        core.on_response(self, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                        self.complete_by_data(core, cccid)?;
                     }
                 }
                 HostEvent::C2HDataDigestError {
@@ -287,7 +298,7 @@ impl TcpConn {
                         cmd.digest_error = true;
                     }
                     if last && success {
-                        core.on_response(self, Cqe::new(cccid, Status::SUCCESS, 0))?;
+                        self.complete_by_data(core, cccid)?;
                     }
                 }
                 HostEvent::R2T {

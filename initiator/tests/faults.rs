@@ -172,3 +172,77 @@ async fn nothing_listening() {
         .expect_err("refused");
     assert!(matches!(e, Error::Connect { .. }), "{e:?}");
 }
+
+/// A target that answers every Fabrics Connect with Connect Invalid Parameters and records
+/// each Connect's attributes (CATTR).
+async fn connect_refusing_target() -> (TargetAddr, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = std::sync::Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let log = std::sync::Arc::clone(&log);
+            tokio::spawn(async move {
+                let mut icreq = [0u8; 128];
+                if s.read_exact(&mut icreq).await.is_err() {
+                    return;
+                }
+                let mut icresp = [0u8; 128];
+                icresp[0] = 0x01; // ICResp
+                icresp[2] = 128; // HLEN
+                icresp[4..8].copy_from_slice(&128u32.to_le_bytes());
+                icresp[12..16].copy_from_slice(&(128u32 * 1024).to_le_bytes()); // MAXH2CDATA
+                if s.write_all(&icresp).await.is_err() {
+                    return;
+                }
+                // The Connect capsule: an 8-byte PDU header, the 64-byte command, 1 KiB data.
+                let mut head = [0u8; 8];
+                if s.read_exact(&mut head).await.is_err() {
+                    return;
+                }
+                let plen = u32::from_le_bytes(head[4..8].try_into().unwrap()) as usize;
+                let mut rest = vec![0u8; plen.saturating_sub(8)];
+                if s.read_exact(&mut rest).await.is_err() {
+                    return;
+                }
+                let sqe = &rest[..64];
+                log.lock().unwrap().push(sqe[46]);
+                let mut resp = [0u8; 24];
+                resp[0] = 0x05; // CapsuleResp
+                resp[2] = 24;
+                resp[4..8].copy_from_slice(&24u32.to_le_bytes());
+                resp[20..22].copy_from_slice(&sqe[2..4]); // command identifier
+                // Status: SCT 1 (command specific), SC 0x82 (Connect Invalid Parameters).
+                resp[22..24].copy_from_slice(&((1u16 << 9) | (0x82 << 1)).to_le_bytes());
+                let _ = s.write_all(&resp).await;
+                let mut sink = [0u8; 4096];
+                while let Ok(n) = s.read(&mut sink).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    (TargetAddr::new("127.0.0.1", addr.port()), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_sq_flow_control_disable_is_asked_again_without_it() {
+    let (addr, seen) = connect_refusing_target().await;
+    let e = Controller::connect(quick(addr.clone()))
+        .await
+        .expect_err("refused");
+    let status = e.status().expect("a Connect status");
+    assert_eq!((status.sct, status.sc), (1, 0x82), "{e}");
+    // First with CATTR bit 2 (disable SQ flow control), then on a new connection without.
+    assert_eq!(*seen.lock().unwrap(), [0b100, 0]);
+
+    // Asked not to, the host never sets the attribute.
+    seen.lock().unwrap().clear();
+    let mut o = quick(addr);
+    o.disable_sq_flow_control = false;
+    Controller::connect(o).await.expect_err("refused");
+    assert_eq!(*seen.lock().unwrap(), [0]);
+}

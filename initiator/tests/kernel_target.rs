@@ -125,6 +125,10 @@ async fn verify_io(port: u16, hd: bool, dd: bool, max_transfer: Option<u32>, see
     );
     assert_eq!(info.subnqn, KNQN);
     assert_eq!((info.header_digest, info.data_digest), (hd, dd));
+    assert!(
+        !info.sq_flow_control,
+        "nvmet disables SQ flow control when asked"
+    );
     assert!(info.io_queues >= 1);
     let ns = ctrl.namespace(1).await.expect("namespace 1");
     let bs = ns.block_size() as usize;
@@ -153,7 +157,10 @@ async fn verify_io(port: u16, hd: bool, dd: bool, max_transfer: Option<u32>, see
     let stats = ctrl.queue_stats();
     let ic: u64 = stats.iter().map(|s| s.in_capsule_writes).sum();
     let r2t: u64 = stats.iter().map(|s| s.r2t_writes).sum();
-    eprintln!("  in-capsule writes {ic}, R2T writes {r2t}");
+    let by_data: u64 = stats.iter().map(|s| s.data_completions).sum();
+    eprintln!("  in-capsule writes {ic}, R2T writes {r2t}, reads ended by their data {by_data}");
+    // With SQ flow control off nvmet ends a successful read with its last data PDU.
+    assert!(by_data > 0, "{stats:?}");
     assert!(r2t > 0, "no write was large enough for R2T");
     assert!(ic > 0, "no write travelled in the capsule");
     // nvmet advertises Write Zeroes and Dataset Management, and answers "not supported"

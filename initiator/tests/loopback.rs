@@ -50,13 +50,18 @@ async fn discovery_with_digests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_read_back_with_and_without_digests() {
     let t = TestTarget::start(&["mem:32M"], |_| {});
-    for (hd, dd) in [(false, false), (true, false), (false, true), (true, true)] {
+    let combinations = [(false, false), (true, false), (false, true), (true, true)];
+    for (i, (hd, dd)) in combinations.into_iter().enumerate() {
         let mut o = options(t.target_addr());
         o.header_digest = hd;
         o.data_digest = dd;
+        // SQ flow control off (the default) but for one combination.
+        let sq_flow_control = i == 2;
+        o.disable_sq_flow_control = !sq_flow_control;
         let ctrl = Controller::connect(o).await.expect("connect");
         let info = ctrl.info();
         assert_eq!((info.header_digest, info.data_digest), (hd, dd));
+        assert_eq!(info.sq_flow_control, sq_flow_control);
         assert_eq!(info.subnqn, NQN);
         assert_eq!(info.io_queues, 2);
         assert_eq!(info.in_capsule_data_bytes, 8192);
@@ -82,6 +87,10 @@ async fn write_read_back_with_and_without_digests() {
         assert_eq!(in_capsule, 2, "{stats:?}");
         assert_eq!(r2t, 2, "{stats:?}");
         assert!(stats.iter().map(|s| s.r2ts).sum::<u64>() >= 2);
+        // With SQ flow control off every read ended with its last data PDU, no response
+        // capsule.
+        let by_data: u64 = stats.iter().map(|s| s.data_completions).sum();
+        assert_eq!(by_data, if sq_flow_control { 0 } else { 4 }, "{stats:?}");
         ctrl.disconnect().await.expect("disconnect");
     }
 }

@@ -148,6 +148,9 @@ pub enum FabricsCommand {
     Unknown(u8),
 }
 
+/// Connect attribute (CATTR) bit 2: the host asks to disable SQ flow control.
+pub const CATTR_SQ_FLOW_CONTROL_DISABLE: u8 = 0b100;
+
 /// Connect command fields (NVMe-oF 1.1, Figure 21).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Connect {
@@ -166,7 +169,7 @@ pub struct Connect {
 impl Connect {
     /// Whether the host asks to disable SQ flow control (CATTR bit 2).
     pub fn sq_flow_control_disabled(&self) -> bool {
-        self.cattr & 0b100 != 0
+        self.cattr & CATTR_SQ_FLOW_CONTROL_DISABLE != 0
     }
 }
 

@@ -508,6 +508,10 @@ struct Fabric {
     /// Use NVMe/TCP data digests.
     #[arg(short = 'G', long = "data-digest")]
     data_digest: bool,
+    /// Keep SQ flow control on (by default each queue asks the controller to disable it,
+    /// which spares a response PDU per read over NVMe/TCP).
+    #[arg(long = "sq-flow-control")]
+    sq_flow_control: bool,
     /// Seconds to wait for the connection and for each admin command.
     #[arg(long = "timeout", default_value_t = 10, value_name = "SECS")]
     timeout: u64,
@@ -1067,6 +1071,7 @@ fn direct_options(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<ConnectOptions
     let mut o = ConnectOptions::new(addr, nqn, identity(ctx, f)?);
     o.header_digest = f.hdr_digest;
     o.data_digest = f.data_digest;
+    o.disable_sq_flow_control = !f.sq_flow_control;
     o.dhchap = dhchap(f)?;
     o.tls = tls(f)?;
     apply_queue_args(&mut o, q, f.timeout);
@@ -1180,6 +1185,9 @@ async fn resolve(
             }
             if f.data_digest {
                 o.data_digest = true;
+            }
+            if f.sq_flow_control {
+                o.disable_sq_flow_control = false;
             }
             if let Some(d) = dhchap(f)? {
                 o.dhchap = Some(d);
@@ -1546,6 +1554,7 @@ async fn cmd_probe(ctx: &Ctx, f: &Fabric, q: &QueueArgs) -> Result<()> {
                 on_off(info.header_digest),
                 on_off(info.data_digest)
             );
+            println!("  SQ flow control: {}", on_off(info.sq_flow_control));
             println!("  host NQN:        {}", info.hostnqn);
             println!("Namespaces:");
             println!(
@@ -1613,6 +1622,7 @@ fn attach_params(f: &Fabric, q: &QueueArgs, nsid: u32) -> Result<AttachParams> {
             .map(|i| format_hostid(&i)),
         hdr_digest: f.hdr_digest,
         data_digest: f.data_digest,
+        sq_flow_control: f.sq_flow_control,
         nr_io_queues: q.nr_io_queues,
         queue_size: q.queue_size,
         kato_ms: q.keep_alive_tmo.map(|s| s.saturating_mul(1000)),
