@@ -43,6 +43,7 @@ fn loopback(c: &mut Criterion) {
         queue_depth: 32,
         namespaces: 1,
         busy_poll: std::time::Duration::ZERO,
+        sq_flow_control: false,
         rtc_pairs: 0,
     };
     let path = rt.block_on(TcpPath::connect(&settings)).expect("connects");

@@ -9,8 +9,7 @@
 # for SPDK's nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G):
 # benches/jobs/async-api-16core.toml (whose prefill writes the whole namespace first); then
 # spdk_nvme_perf at QD128 from one core (-c 0x100) and from eight (-c 0xFF00), QD1 with
-# latency tracking (-L), three times each, then the same three with --disable-sq-flow-control
-# (what our initiator asks for at Connect by default). Logs and
+# latency tracking (-L), three times each. Logs and
 # the load generator's JSON go to OUT_DIR; a summary is printed.
 set -u
 out=$1 bin=$2 spdk=$3 rounds=${4:-1}
@@ -62,10 +61,6 @@ side() { # TARGET PORT NQN ROUND
     perf "$t-perf-qd128-x1-r$r" "$port" "$nqn" -c 0x100 -q 128
     perf "$t-perf-qd128-x8-r$r" "$port" "$nqn" -c 0xFF00 -q 128
     perf "$t-perf-qd1-r$r" "$port" "$nqn" -c 0x100 -q 1 -L
-    # The same with SQ flow control disabled, as our initiator asks by default.
-    perf "$t-perf-nosqfc-qd128-x1-r$r" "$port" "$nqn" -c 0x100 -q 128 --disable-sq-flow-control
-    perf "$t-perf-nosqfc-qd128-x8-r$r" "$port" "$nqn" -c 0xFF00 -q 128 --disable-sq-flow-control
-    perf "$t-perf-nosqfc-qd1-r$r" "$port" "$nqn" -c 0x100 -q 1 -L --disable-sq-flow-control
 }
 
 for r in $(seq "$rounds"); do

@@ -70,7 +70,7 @@
 //! `api`, `dest = "gpu"` and `issue = "gpu"` do not apply, and `targets` stays 1.
 //!
 //! Keys that describe the run as a whole (`modes`, `backend`, `nqn`, `hostnqn`, `iqn`, `lun`,
-//! `target_reactors`, `target_poll_us`, `client_poll_us`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
+//! `target_reactors`, `target_poll_us`, `client_poll_us`, `sq_flow_control`, `repeat`, `target_cpus`, `client_cpus`, `load_cpus`, `description`)
 //! are accepted only in `[global]`.
 
 use std::fmt;
@@ -629,6 +629,9 @@ pub struct Section {
     pub target_poll_us: Option<u32>,
     /// Busy-poll window of the initiator's I/O queues, in microseconds (global only).
     pub client_poll_us: Option<u32>,
+    /// Keep SQ flow control on at Connect instead of asking controllers to disable it, the
+    /// initiator's default (global only).
+    pub sq_flow_control: Option<bool>,
     /// Repeats of the whole run, for medians and spread (global only).
     pub repeat: Option<u32>,
     /// CPU list for the target's reactor threads or process, `taskset` syntax (global only).
@@ -751,6 +754,8 @@ pub struct Overrides {
     pub target_poll_us: Option<u32>,
     /// Replaces `client_poll_us`.
     pub client_poll_us: Option<u32>,
+    /// Replaces `sq_flow_control`.
+    pub sq_flow_control: Option<bool>,
     /// Replaces `target_cpus`.
     pub target_cpus: Option<String>,
     /// Replaces `client_cpus`.
@@ -966,6 +971,8 @@ pub struct Plan {
     /// Busy-poll window of the initiator's I/O queues, in microseconds (0: event-driven;
     /// default: the initiator's default).
     pub client_poll_us: u32,
+    /// SQ flow control kept on at Connect (default: off, as the initiator asks).
+    pub sq_flow_control: bool,
     /// Repeats.
     pub repeat: u32,
     /// CPUs of the target.
@@ -1111,6 +1118,7 @@ impl Plan {
         if client_poll_us > 1_000_000 {
             return Err(invalid("global", "client_poll_us", "must be 0..=1000000"));
         }
+        let sq_flow_control = ov.sq_flow_control.or(g.sq_flow_control).unwrap_or(false);
         let repeat = ov.repeat.or(g.repeat).unwrap_or(1);
         if repeat == 0 || repeat > 100 {
             return Err(invalid("global", "repeat", "must be 1..=100"));
@@ -1191,6 +1199,7 @@ impl Plan {
                 ("target_reactors", j.target_reactors.is_some()),
                 ("target_poll_us", j.target_poll_us.is_some()),
                 ("client_poll_us", j.client_poll_us.is_some()),
+                ("sq_flow_control", j.sq_flow_control.is_some()),
                 ("repeat", j.repeat.is_some()),
                 ("target_cpus", j.target_cpus.is_some()),
                 ("client_cpus", j.client_cpus.is_some()),
@@ -1220,6 +1229,7 @@ impl Plan {
             target_reactors,
             target_poll_us,
             client_poll_us,
+            sq_flow_control,
             repeat,
             target_cpus,
             client_cpus,
@@ -1729,6 +1739,24 @@ mod tests {
         assert_eq!((b.rw, b.bs, b.iodepth), (Rw::Read, 128 * 1024, 32));
         assert_eq!(b.label(), "read 128k qd32 x1");
         assert!(b.sweep.is_empty());
+    }
+
+    #[test]
+    fn sq_flow_control_key() {
+        assert!(!plan("[[job]]\n").unwrap().sq_flow_control);
+        assert!(
+            plan("[global]\nsq_flow_control = true\n[[job]]\n")
+                .unwrap()
+                .sq_flow_control
+        );
+        let e = plan("[[job]]\nsq_flow_control = true\n").unwrap_err();
+        assert!(e.to_string().contains("may only be set in [global]"), "{e}");
+        let file = JobFile::parse("[global]\nsq_flow_control = true\n[[job]]\n").unwrap();
+        let ov = Overrides {
+            sq_flow_control: Some(false),
+            ..Overrides::default()
+        };
+        assert!(!Plan::resolve(&file, &ov).unwrap().sq_flow_control);
     }
 
     #[test]

@@ -134,6 +134,11 @@ struct Args {
     #[arg(long, value_name = "US")]
     client_poll_us: Option<u32>,
 
+    /// Keep SQ flow control on at Connect (`true`), or ask controllers to disable it
+    /// (`false`, the initiator's default).
+    #[arg(long, value_name = "BOOL")]
+    sq_flow_control: Option<bool>,
+
     /// Pin the target (reactor threads or process) to these CPUs, e.g. 0.
     #[arg(long, value_name = "LIST")]
     target_cpus: Option<String>,
@@ -239,6 +244,7 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         target_reactors: args.target_reactors,
         target_poll_us: args.target_poll_us,
         client_poll_us: args.client_poll_us,
+        sq_flow_control: args.sq_flow_control,
         target_cpus: args.target_cpus.clone(),
         client_cpus: args.client_cpus.clone(),
         nqn: args.nqn.clone(),

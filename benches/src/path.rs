@@ -290,6 +290,8 @@ pub struct TcpSettings {
     pub namespaces: u32,
     /// Busy-poll window of the initiator's I/O queues (zero: event-driven).
     pub busy_poll: Duration,
+    /// Keep SQ flow control on at Connect.
+    pub sq_flow_control: bool,
     /// Queue IDs to keep for run-to-completion queue pairs (`api = "rtc"`), per controller.
     pub rtc_pairs: u16,
 }
@@ -354,6 +356,7 @@ impl TcpPath {
         opts.io_queues = Some(s.queue_pairs);
         opts.queue_depth = s.queue_depth.max(2);
         opts.busy_poll = s.busy_poll;
+        opts.disable_sq_flow_control = !s.sq_flow_control;
         opts.queue_pairs = s.rtc_pairs;
         opts.reconnect = ReconnectPolicy::never();
         opts.timeouts.io = Duration::from_secs(30);

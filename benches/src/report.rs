@@ -85,6 +85,9 @@ pub struct PlanInfo {
     /// Busy-poll window of the initiator's queues in microseconds (0: event-driven).
     #[serde(default)]
     pub client_poll_us: u32,
+    /// SQ flow control kept on at Connect (off: the initiator asked controllers to disable it).
+    #[serde(default)]
+    pub sq_flow_control: bool,
     /// Target CPUs.
     pub target_cpus: Option<String>,
     /// Client CPUs.

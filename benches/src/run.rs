@@ -469,6 +469,7 @@ pub fn run(plan: &Plan, opts: &RunOptions) -> Result<Report, RunError> {
             target_reactors: plan.target_reactors,
             target_poll_us: plan.target_poll_us,
             client_poll_us: plan.client_poll_us,
+            sq_flow_control: plan.sq_flow_control,
             target_cpus: plan.target_cpus.clone(),
             client_cpus: plan.client_cpus.clone(),
             repeat: plan.repeat,
@@ -664,6 +665,7 @@ fn measure_in_mode(
                 .min(4096) as u16,
                 namespaces: point.namespaces,
                 busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
+                sq_flow_control: plan.sq_flow_control,
                 rtc_pairs: if point.api == Api::Rtc {
                     (point.numjobs * point.namespaces).min(u32::from(u16::MAX / 2)) as u16
                 } else {
