@@ -121,6 +121,8 @@ fi
 stage "format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# Every public item documented, every doc link resolving.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
 if [[ $quick == 0 ]]; then
     stage "QEMU guest with the Linux kernel NVMe-oF host and target"

@@ -1,7 +1,7 @@
 //! The `gpu` destination: read data lands in GPU memory.
 //!
 //! [`GpuPath`] wraps a mode's path; a read completes only once its data is in device memory.
-//! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a [`Gather`] per worker: each read is
+//! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a gather per worker: each read is
 //! received into host memory (over NVMe/TCP straight from the socket), copied into the
 //! worker's packed stage of mapped pinned memory, and the reads that complete together leave
 //! for the GPU as one batch: one scatter kernel that reads the stage in place over the bus
@@ -145,7 +145,7 @@ impl<P: GpuSource> GpuPath<P> {
     }
 }
 
-/// The largest block a [`Gather`] takes; larger reads go one by one through a staging.
+/// The largest block a worker's gather takes; larger reads go one by one through a staging.
 pub const GATHER_MAX_BLOCK: usize = 64 << 10;
 
 /// A [`GpuPath`] buffer: host memory for writes and verify, and its GPU side.

@@ -43,7 +43,7 @@ const LATENCY_SHIFT: u32 = 12;
 /// Distinct error statuses a cell keeps apart; further ones are counted together as
 /// [`OTHER_STATUS`].
 const ERROR_SLOTS: usize = 16;
-/// The key of the error slot that counts statuses beyond [`ERROR_SLOTS`].
+/// The key of the error slot that counts statuses beyond the 16 a cell keeps apart.
 pub const OTHER_STATUS: u16 = 0xffff;
 
 /// A counter written by one thread only: an increment is a relaxed load and store (no locked

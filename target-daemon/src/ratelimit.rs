@@ -53,7 +53,7 @@ pub enum LogKind {
 }
 
 impl LogKind {
-    /// Every kind, in the order of [`LogKind::index`].
+    /// Every kind, in the order of their index.
     pub const ALL: [LogKind; 7] = [
         LogKind::Connect,
         LogKind::ConnectRefused,

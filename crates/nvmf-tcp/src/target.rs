@@ -1060,7 +1060,7 @@ impl Responder<'_> {
     /// [`send_c2h_data`](Self::send_c2h_data) does with `datao` 0 and `last`), sent from
     /// `pieces` themselves: ranges of shared buffers, in order, holding the data. Only the PDU
     /// headers and data digests are copied into the send buffer; each piece is held until its
-    /// bytes have left through [`consume_sent`](Self::consume_sent), so its owner must not
+    /// bytes have left through [`consume_sent`](TargetConn::consume_sent), so its owner must not
     /// change those bytes meanwhile (copy on write). Nothing is queued on an error, and when
     /// the pieces do not add up to exactly `len` bytes ([`SendError::TooLarge`] then).
     pub fn send_c2h_data_shared(
