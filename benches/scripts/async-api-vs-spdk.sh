@@ -9,11 +9,13 @@
 # for SPDK's nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G):
 # benches/jobs/async-api-16core.toml (whose prefill writes the whole namespace first); then
 # spdk_nvme_perf at QD128 from one core (-c 0x100) and from eight (-c 0xFF00), QD1 with
-# latency tracking (-L), three times each. Logs and
+# latency tracking (-L), three times each. The CPU topology (lscpu -e), logs and
 # the load generator's JSON go to OUT_DIR; a summary is printed.
 set -u
 out=$1 bin=$2 spdk=$3 rounds=${4:-1}
 mkdir -p "$out"
+# Which CPUs share a physical core (SMT siblings), to read the one-core rows with.
+lscpu -e > "$out/lscpu.txt" 2>&1 || true
 nqn_spdk=nqn.2016-06.io.spdk:cnode1
 nqn_ours=nqn.2026-11.io.nvmeof-direct:bench
 cat > "$out/spdk.json" <<JSON
