@@ -26,6 +26,18 @@ enum Behaviour {
     TermReq,
 }
 
+/// Reads the host's ICReq; returns a valid ICResp to answer it with (`None`: the host left).
+async fn read_icreq(s: &mut tokio::net::TcpStream) -> Option<[u8; 128]> {
+    let mut icreq = [0u8; 128];
+    s.read_exact(&mut icreq).await.ok()?;
+    let mut icresp = [0u8; 128];
+    icresp[0] = 0x01; // ICResp
+    icresp[2] = 128; // HLEN
+    icresp[4..8].copy_from_slice(&128u32.to_le_bytes());
+    icresp[12..16].copy_from_slice(&(128u32 * 1024).to_le_bytes()); // MAXH2CDATA
+    Some(icresp)
+}
+
 async fn fake_target(b: Behaviour) -> TargetAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().unwrap();
@@ -35,15 +47,9 @@ async fn fake_target(b: Behaviour) -> TargetAddr {
                 return;
             };
             tokio::spawn(async move {
-                let mut icreq = [0u8; 128];
-                if s.read_exact(&mut icreq).await.is_err() {
+                let Some(icresp) = read_icreq(&mut s).await else {
                     return;
-                }
-                let mut icresp = [0u8; 128];
-                icresp[0] = 0x01; // ICResp
-                icresp[2] = 128; // HLEN
-                icresp[4..8].copy_from_slice(&128u32.to_le_bytes());
-                icresp[12..16].copy_from_slice(&(128u32 * 1024).to_le_bytes()); // MAXH2CDATA
+                };
                 match b {
                     Behaviour::Garbage => {
                         let _ = s.write_all(&[0xA5; 128]).await;
@@ -184,15 +190,9 @@ async fn connect_refusing_target() -> (TargetAddr, std::sync::Arc<std::sync::Mut
         while let Ok((mut s, _)) = l.accept().await {
             let log = std::sync::Arc::clone(&log);
             tokio::spawn(async move {
-                let mut icreq = [0u8; 128];
-                if s.read_exact(&mut icreq).await.is_err() {
+                let Some(icresp) = read_icreq(&mut s).await else {
                     return;
-                }
-                let mut icresp = [0u8; 128];
-                icresp[0] = 0x01; // ICResp
-                icresp[2] = 128; // HLEN
-                icresp[4..8].copy_from_slice(&128u32.to_le_bytes());
-                icresp[12..16].copy_from_slice(&(128u32 * 1024).to_le_bytes()); // MAXH2CDATA
+                };
                 if s.write_all(&icresp).await.is_err() {
                     return;
                 }
