@@ -226,8 +226,7 @@ pub async fn discover(opts: &DiscoveryOptions) -> Result<DiscoveryLog, Error> {
         None,
     )
     .await?;
-    c.connect(0, 32, 0, 0xFFFF, DISCOVERY_NQN, &opts.host, None, false)
-        .await?;
+    c.connect(0, DISCOVERY_NQN, &opts.host, None).await?;
     let cap = c.property_get(property::CAP, true).await?;
     let cap_to_ms = ((cap >> 24) & 0xFF) as u32 * 500;
     let cc = c.property_get(property::CC, false).await? as u32;

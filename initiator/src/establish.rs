@@ -75,16 +75,7 @@ pub(crate) async fn establish(
         )
         .await?;
         let connected = admin
-            .connect(
-                0,
-                u32::from(ADMIN_QUEUE_ENTRIES),
-                kato_ms,
-                0xFFFF,
-                &opts.subnqn,
-                &opts.host,
-                opts.dhchap.as_ref(),
-                sq_flow_off,
-            )
+            .connect(kato_ms, &opts.subnqn, &opts.host, opts.dhchap.as_ref())
             .await;
         match connected {
             Ok(cntlid) => break (admin, cntlid),
@@ -278,7 +269,6 @@ pub(crate) async fn open_io_queue(
     let t = &opts.timeouts;
     let tls = crate::tcp::tls_context(opts)?;
     let digests = (opts.header_digest, opts.data_digest);
-    let (qid, cntlid, depth, icd) = (spec.qid, spec.cntlid, spec.depth, spec.in_capsule);
     let mut q = SetupConn::open(
         &opts.addr,
         spec,
@@ -289,17 +279,7 @@ pub(crate) async fn open_io_queue(
         tls.as_ref(),
     )
     .await?;
-    let dhchap = opts.dhchap.as_ref();
-    q.connect(
-        qid,
-        u32::from(depth),
-        0,
-        cntlid,
-        &opts.subnqn,
-        &opts.host,
-        dhchap,
-        spec.sq_flow_off,
-    )
-    .await?;
-    Ok(q.into_link(icd))
+    q.connect(0, &opts.subnqn, &opts.host, opts.dhchap.as_ref())
+        .await?;
+    Ok(q.into_link(spec.in_capsule))
 }

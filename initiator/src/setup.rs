@@ -43,6 +43,8 @@ pub(crate) struct SetupConn {
     pub link: Link,
     pub params: HostParams,
     pub addr: String,
+    /// The queue this connection is for.
+    spec: QueueSpec,
     admin_timeout: Duration,
     /// The queue core the set-up commands go through, one at a time (command identifier 0).
     core: Core<Arc<SetupSlot>>,
@@ -68,13 +70,20 @@ impl Completions for Arc<SetupSlot> {
 
 impl SetupConn {
     /// A connection just opened, with its one-slot queue core.
-    fn new(link: Link, params: HostParams, addr: String, admin_timeout: Duration) -> Self {
+    fn new(
+        link: Link,
+        params: HostParams,
+        addr: String,
+        spec: QueueSpec,
+        admin_timeout: Duration,
+    ) -> Self {
         let slot = Arc::new(SetupSlot::default());
         let core = Core::new(Arc::clone(&slot), addr.clone(), 1, false, true);
         SetupConn {
             link,
             params,
             addr,
+            spec,
             admin_timeout,
             core,
             slot,
@@ -123,6 +132,7 @@ impl SetupConn {
             link,
             params,
             addr.to_string(),
+            q,
             admin_timeout,
         ))
     }
@@ -208,25 +218,28 @@ impl SetupConn {
         }
     }
 
-    /// Fabrics Connect (asking to disable SQ flow control when `sq_flow_off`), then the
-    /// DH-HMAC-CHAP transaction with `dhchap` when the controller asks for authentication;
-    /// returns the controller ID from the response.
-    #[allow(clippy::too_many_arguments)]
+    /// Fabrics Connect for the queue the connection was opened for (its ID, entries,
+    /// controller ID, and whether to ask to disable SQ flow control), then the DH-HMAC-CHAP
+    /// transaction with `dhchap` when the controller asks for authentication; returns the
+    /// controller ID from the response.
     pub async fn connect(
         &mut self,
-        qid: u16,
-        sqsize: u32,
         kato_ms: u32,
-        cntlid: u16,
         subnqn: &str,
         host: &HostIdentity,
         dhchap: Option<&DhchapSecrets>,
-        sq_flow_off: bool,
     ) -> Result<u16, Error> {
+        let QueueSpec {
+            qid,
+            cntlid,
+            depth,
+            sq_flow_off,
+            ..
+        } = self.spec;
         let cmd = FabricsCommand::Connect(nvme_spec::command::Connect {
             recfmt: 0,
             qid,
-            sqsize,
+            sqsize: u32::from(depth),
             cattr: if sq_flow_off {
                 nvme_spec::command::CATTR_SQ_FLOW_CONTROL_DISABLE
             } else {
