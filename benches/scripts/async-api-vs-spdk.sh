@@ -5,14 +5,17 @@
 #   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS]
 #
 # BIN_DIR holds nvmeof-targetd and nvmeof-bench (release builds); SPDK_DIR holds nvmf_tgt and
-# spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). Each round runs,
-# for SPDK's nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G):
-# benches/jobs/async-api-16core.toml (whose prefill writes the whole namespace first); then
-# spdk_nvme_perf at QD128 from one core (-c 0x100) and from eight (-c 0xFF00), QD1 with
-# latency tracking (-L), three times each. The CPU topology (lscpu -e), logs and
-# the load generator's JSON go to OUT_DIR; a summary is printed.
+# spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). For SPDK's
+# nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G): a prefill
+# writes the whole namespace, then ROUNDS (default 3) rounds run, each client in turn at each
+# point, so that the machine's drift reaches every client alike: QD128 from one core
+# (spdk_nvme_perf -c 0x100, the async API, the queue pairs), QD128 from eight (-c 0xFF00,
+# eight workers with a queue pair each), QD1 latency (-L, the async API). The jobs are those of
+# benches/jobs/async-api-16core.toml, one at a time (--jobs). The CPU topology (lscpu -e), logs,
+# the load generator's JSON and every point (points.txt) go to OUT_DIR; the medians per point
+# and client are printed at the end.
 set -u
-out=$1 bin=$2 spdk=$3 rounds=${4:-1}
+out=$1 bin=$2 spdk=$3 rounds=${4:-3}
 mkdir -p "$out"
 # Which CPUs share a physical core (SMT siblings), to read the one-core rows with.
 lscpu -e > "$out/lscpu.txt" 2>&1 || true
@@ -40,40 +43,76 @@ wait_port() {
     return 1
 }
 
-perf() { # NAME PORT NQN ARGS...
-    local name=$1 port=$2 nqn=$3
-    shift 3
-    for i in 1 2 3; do
+# One point: CLIENT is perf (spdk_nvme_perf with ARGS) or a job of the job file.
+point() { # TARGET POINT CLIENT ROUND PORT NQN ARGS...
+    local t=$1 pt=$2 client=$3 r=$4 port=$5 nqn=$6
+    shift 6
+    local log="$out/$t-$pt-$client-$r.log" iops p50 p99
+    if [ "$client" = perf ]; then
         "$spdk/spdk_nvme_perf" --no-huge -s 2048 -o 4096 -w randread -t 5 "$@" \
-            -r "trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:$port subnqn:$nqn" \
-            > "$out/$name-$i.log" 2>&1
-        echo "$name $i: $(grep -E '^Total' "$out/$name-$i.log" | tr -s ' ')" \
-            "$(grep -E '^ +(50|99)\.00000%' "$out/$name-$i.log" | head -2 | tr -s ' ' | tr '\n' ' ')"
+            -r "trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:$port subnqn:$nqn" > "$log" 2>&1
+        iops=$(awk '/^Total/ {print $3}' "$log")
+        p50=$(awk '/^ +50\.00000%/ {sub("us", "", $3); print $3; exit}' "$log")
+        p99=$(awk '/^ +99\.00000%/ {sub("us", "", $3); print $3; exit}' "$log")
+    else
+        "$bin/nvmeof-bench" "$job" --jobs "$1" --repeat 1 --no-prefill \
+            --modes "tcp=127.0.0.1:$port" --nqn "$nqn" --client-cpus 8-15 \
+            --json "$out/$t-$pt-$client-$r.json" > "$log" 2>&1
+        local line
+        line=$(grep elapsed "$log" | sed 's/.*\] //')
+        iops=$(echo "$line" | sed -E 's/.*: ([0-9.]+)([KM]) IOPS.*/\1 \2/' |
+            awk '{print $1 * ($2 == "M" ? 1000000 : 1000)}')
+        p50=$(echo "$line" | sed -E 's/.*p50 ([0-9.]+) us.*/\1/')
+        p99=$(echo "$line" | sed -E 's/.*p99 ([0-9.]+) us.*/\1/')
+    fi
+    echo "$t $pt $client $r ${iops:-0} ${p50:--} ${p99:--}" | tee -a "$out/points.txt"
+}
+
+side() { # TARGET PORT NQN
+    local t=$1 port=$2 nqn=$3
+    # The prefill first, so that every client reads written data: a memory namespace reads
+    # blocks never written as zeros without touching namespace memory, which costs its
+    # target far less per read.
+    "$bin/nvmeof-bench" "$job" --jobs 4k-randread-qd1-async --repeat 1 --runtime 1s \
+        --modes "tcp=127.0.0.1:$port" --nqn "$nqn" > "$out/$t-prefill.log" 2>&1
+    for r in $(seq "$rounds"); do
+        point "$t" x1 perf "$r" "$port" "$nqn" -c 0x100 -q 128
+        point "$t" x1 async "$r" "$port" "$nqn" 4k-randread-qd128-async
+        point "$t" x1 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc
+        point "$t" x8 perf "$r" "$port" "$nqn" -c 0xFF00 -q 128
+        point "$t" x8 async "$r" "$port" "$nqn" 4k-randread-qd128-async-8
+        point "$t" x8 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc-8
+        point "$t" qd1 perf "$r" "$port" "$nqn" -c 0x100 -q 1 -L
+        point "$t" qd1 async "$r" "$port" "$nqn" 4k-randread-qd1-async
     done
 }
 
-side() { # TARGET PORT NQN ROUND
-    local t=$1 port=$2 nqn=$3 r=$4
-    # The load generator first: its prefill writes the whole namespace, so that every client
-    # reads written data. A memory namespace reads blocks never written as zeros without
-    # touching namespace memory, which costs its target far less per read.
-    "$bin/nvmeof-bench" "$job" --modes "tcp=127.0.0.1:$port" --nqn "$nqn" --client-cpus 8-15 \
-        --json "$out/$t-bench-r$r.json" > "$out/$t-bench-r$r.log" 2>&1
-    grep elapsed "$out/$t-bench-r$r.log" | sed "s/.*\] /$t bench r$r: /"
-    perf "$t-perf-qd128-x1-r$r" "$port" "$nqn" -c 0x100 -q 128
-    perf "$t-perf-qd128-x8-r$r" "$port" "$nqn" -c 0xFF00 -q 128
-    perf "$t-perf-qd1-r$r" "$port" "$nqn" -c 0x100 -q 1 -L
-}
+taskset -c 0-7 "$spdk/nvmf_tgt" -m 0xFF --no-huge -s 4096 --json "$out/spdk.json" \
+    > "$out/nvmf_tgt.log" 2>&1 &
+tp=$!
+wait_port 4421 && side spdk 4421 "$nqn_spdk"
+kill -INT $tp; wait $tp
+taskset -c 0-7 "$bin/nvmeof-targetd" --listen tcp://127.0.0.1:4420 -n "$nqn_ours" \
+    --namespace mem:1G --allow-any-host --reactors 8 > "$out/targetd.log" 2>&1 &
+tp=$!
+wait_port 4420 && side ours 4420 "$nqn_ours"
+kill -INT $tp; wait $tp
 
-for r in $(seq "$rounds"); do
-    taskset -c 0-7 "$spdk/nvmf_tgt" -m 0xFF --no-huge -s 4096 --json "$out/spdk.json" \
-        > "$out/nvmf_tgt-r$r.log" 2>&1 &
-    tp=$!
-    wait_port 4421 && side spdk 4421 "$nqn_spdk" "$r"
-    kill -INT $tp; wait $tp
-    taskset -c 0-7 "$bin/nvmeof-targetd" --listen tcp://127.0.0.1:4420 -n "$nqn_ours" \
-        --namespace mem:1G --allow-any-host --reactors 8 > "$out/targetd-r$r.log" 2>&1 &
-    tp=$!
-    wait_port 4420 && side ours 4420 "$nqn_ours" "$r"
-    kill -INT $tp; wait $tp
-done
+# Medians (and range) per target, point and client.
+echo "target point client: IOPS median (min-max), p50 us, p99 us (medians)"
+sort -k1,1 -k2,2 -k3,3 -k5,5n "$out/points.txt" | awk '
+    function flush() {
+        if (n == 0) return
+        printf "%s: %.0f (%.0f-%.0f), p50 %s, p99 %s\n", key, v[int((n + 1) / 2)], v[1], v[n],
+            med(a50, n), med(a99, n)
+    }
+    function med(a, n,   i, j, t) {
+        for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] + 0 < a[i] + 0) {
+            t = a[i]; a[i] = a[j]; a[j] = t
+        }
+        return a[int((n + 1) / 2)]
+    }
+    { k = $1 " " $2 " " $3
+      if (k != key) { flush(); key = k; n = 0 }
+      n++; v[n] = $5; a50[n] = $6; a99[n] = $7 }
+    END { flush() }'

@@ -714,6 +714,28 @@ impl JobFile {
         })?;
         Self::parse(&text)
     }
+
+    /// Keeps only the jobs named in `names`, in the file's order (`--jobs`). A name that no
+    /// job has is an error, so that a typo does not run nothing.
+    pub fn keep_jobs(&mut self, names: &[String]) -> Result<(), JobError> {
+        if let Some(missing) = names
+            .iter()
+            .find(|n| !self.job.iter().any(|j| j.name.as_ref() == Some(*n)))
+        {
+            let have: Vec<&str> = self.job.iter().filter_map(|j| j.name.as_deref()).collect();
+            return Err(invalid(
+                "--jobs",
+                "name",
+                format!(
+                    "no job is named {missing:?} (the file has: {})",
+                    have.join(", ")
+                ),
+            ));
+        }
+        self.job
+            .retain(|j| j.name.as_ref().is_some_and(|n| names.contains(n)));
+        Ok(())
+    }
 }
 
 /// A TOML error on one line: the line of the bad value and its text, and the message.
@@ -1557,6 +1579,29 @@ mod tests {
 
     fn plan(text: &str) -> Result<Plan, JobError> {
         Plan::resolve(&JobFile::parse(text)?, &Overrides::default())
+    }
+
+    #[test]
+    fn keep_jobs_runs_the_named_jobs_in_file_order() {
+        let text = r#"
+            [[job]]
+            name = "a"
+            [[job]]
+            name = "b"
+            [[job]]
+            name = "c"
+            "#;
+        let mut f = JobFile::parse(text).unwrap();
+        f.keep_jobs(&["c".into(), "a".into()]).unwrap();
+        let names: Vec<_> = f.job.iter().filter_map(|j| j.name.as_deref()).collect();
+        assert_eq!(names, ["a", "c"]);
+        let mut f = JobFile::parse(text).unwrap();
+        let e = f
+            .keep_jobs(&["a".into(), "d".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"d\"") && e.contains("a, b, c"), "{e}");
+        assert_eq!(f.job.len(), 3, "nothing dropped on error");
     }
 
     #[test]

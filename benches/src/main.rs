@@ -42,6 +42,10 @@ struct Args {
     #[arg(long)]
     print_quick_job: bool,
 
+    /// Run only the jobs with these names, comma-separated, in the file's order.
+    #[arg(long, value_delimiter = ',', value_name = "NAME")]
+    jobs: Option<Vec<String>>,
+
     /// Modes, comma-separated (replaces the job file's).
     #[arg(long, value_delimiter = ',')]
     modes: Option<Vec<Mode>>,
@@ -219,7 +223,7 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         print!("{QUICK_JOB}");
         return Ok(true);
     }
-    let (file, job_file) = if args.quick {
+    let (mut file, job_file) = if args.quick {
         (
             JobFile::parse(QUICK_JOB)?,
             Some("(built-in --quick)".to_string()),
@@ -228,6 +232,9 @@ fn real_main(args: Args) -> anyhow::Result<bool> {
         let path = args.job.clone().context("a job file is required")?;
         (JobFile::load(&path)?, Some(path.display().to_string()))
     };
+    if let Some(names) = &args.jobs {
+        file.keep_jobs(names)?;
+    }
     let ov = Overrides {
         modes: args.modes.clone(),
         runtime: args.runtime,

@@ -14,6 +14,10 @@ use crate::queue_core::{Cmd, Completions, Core, LinkLimits, QueueCounters, Wire}
 use crate::rdma::{RdmaConn, RdmaWake};
 use crate::tcp::TcpConn;
 
+/// Receive budget of a poll that takes everything the connection has (queue tasks, set-up):
+/// eight reads of the TCP receive buffer.
+pub(crate) const RECEIVE_ALL: usize = 8 * crate::tcp::READ_CHUNK;
+
 /// A connected queue connection.
 // One value per queue, moved only while a connection is set up: no boxing on the data path.
 #[allow(clippy::large_enum_variant)]
@@ -107,10 +111,15 @@ impl Link {
         }
     }
 
-    /// Takes what arrived and hands it to `core`. Returns whether anything arrived.
-    pub fn receive<C: Completions>(&mut self, core: &mut Core<C>) -> Result<bool, Error> {
+    /// Takes what arrived (over NVMe/TCP, up to about `budget` bytes of PDUs read through
+    /// the receive buffer) and hands it to `core`. Returns whether anything arrived.
+    pub fn receive<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        budget: usize,
+    ) -> Result<bool, Error> {
         match self {
-            Link::Tcp(t) => t.receive(core),
+            Link::Tcp(t) => t.receive(core, budget),
             Link::Rdma(r) => r.process(core),
         }
     }

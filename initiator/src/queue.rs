@@ -383,7 +383,7 @@ impl Engine {
     /// Takes what the link has and hands it to the core. Returns whether anything arrived.
     fn receive(&mut self) -> bool {
         let got = match self.live.as_mut() {
-            Some(live) => live.receive(&mut self.core),
+            Some(live) => live.receive(&mut self.core, link::RECEIVE_ALL),
             None => Ok(false),
         };
         got.unwrap_or_else(|e| {

@@ -17,7 +17,7 @@ use tokio::time::{Instant, timeout_at};
 use crate::admin::{Admin, admin_request};
 use crate::buffer::SlotBuf;
 use crate::error::command_name;
-use crate::link::Link;
+use crate::link::{self, Link};
 use crate::queue_core::{Completions, Core, QueueCounters, Retry};
 use crate::rdma::{RdmaConn, SharedPd};
 use crate::tcp::TcpConn;
@@ -207,7 +207,7 @@ impl SetupConn {
                 Ok(w) => w,
             };
             let err = match self.link.wake_error(&self.addr, wake) {
-                None => self.link.receive(&mut self.core).err(),
+                None => self.link.receive(&mut self.core, link::RECEIVE_ALL).err(),
                 lost => lost,
             };
             if let Some(e) = err {

@@ -168,10 +168,19 @@ impl TcpConn {
         Ok(())
     }
 
-    /// Reads what the socket has and hands it to `core`. Returns whether bytes arrived.
-    pub fn receive<C: Completions>(&mut self, core: &mut Core<C>) -> Result<bool, Error> {
+    /// Reads what the socket has, up to about `budget` bytes through the receive buffer,
+    /// and hands it to `core`. Returns whether bytes arrived.
+    pub fn receive<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        budget: usize,
+    ) -> Result<bool, Error> {
         let mut got = false;
+        let mut left = budget.max(SMALL_READ);
         for _ in 0..8 {
+            if left == 0 {
+                break;
+            }
             let pending = self.engine.pending_data().filter(|p| p.len >= IN_PLACE_MIN);
             if let Some((p, dst)) = pending.and_then(|p| Some((p, data_buf(core, p)?))) {
                 // The rest of the PDU straight into the command's buffer, what follows it
@@ -215,7 +224,7 @@ impl TcpConn {
             let want = if self.engine.last_data_pdu_len() >= LARGE_PDU {
                 SMALL_READ
             } else {
-                READ_CHUNK
+                READ_CHUNK.min(left)
             };
             let buf = self.engine.recv_buf(want);
             let want = want.min(buf.len());
@@ -228,6 +237,7 @@ impl TcpConn {
                 }
                 Ok(n) => {
                     got = true;
+                    left = left.saturating_sub(n);
                     self.engine.commit_recv(n);
                     self.process(core)?;
                     if n < want {
