@@ -13,8 +13,8 @@ use crate::digest::{DataDigest, read_digest};
 use crate::encode::{Digests, PduHeader, pda_alignment};
 use crate::error::{ProtocolError, SendError, Violation};
 use crate::rx::{
-    Frame, RecvBuffer, Side, check_common_header, check_header_digest, offending_header_len,
-    parse_term_req,
+    FirstPdu, Frame, RecvBuffer, Side, check_common_header, check_first_pdu, check_header_digest,
+    offending_header_len, parse_term_req,
 };
 use crate::tagmap::{TagMap, tag_map};
 
@@ -478,37 +478,8 @@ impl HostConn {
             self.need = CH_LEN;
             return Ok(None);
         };
-        match ch.pdu_type() {
-            Ok(PduType::IcResp) => {}
-            Ok(PduType::C2hTermReq) => {
-                let frame = check_common_header(ch, Side::Host, false, false, 4)?;
-                return Ok(self.complete_term_req(&frame));
-            }
-            Ok(t) if !t.is_controller_to_host() => {
-                return Err(Violation::field(
-                    CommonHeader::OFFSET_PDU_TYPE,
-                    "PDU type belongs to the other direction",
-                ));
-            }
-            Ok(_) => return Err(Violation::sequence("the first PDU must be an ICResp")),
-            Err(_) => {
-                return Err(Violation::field(
-                    CommonHeader::OFFSET_PDU_TYPE,
-                    "reserved PDU type",
-                ));
-            }
-        }
-        if usize::from(ch.hlen()) != IC_PDU_LEN {
-            return Err(Violation::field(
-                CommonHeader::OFFSET_HLEN,
-                "ICResp HLEN is not 128",
-            ));
-        }
-        if ch.plen() as usize != IC_PDU_LEN {
-            return Err(Violation::field(
-                CommonHeader::OFFSET_PLEN,
-                "ICResp PLEN is not 128",
-            ));
+        if let FirstPdu::TermReq(frame) = check_first_pdu(ch, Side::Host)? {
+            return Ok(self.complete_term_req(&frame));
         }
         let Some(resp) = IcResp::from_prefix(self.rx.data()) else {
             self.need = IC_PDU_LEN;

@@ -1,8 +1,8 @@
 //! Receive buffer and common-header validation shared by both sides.
 
 use nvme_spec::tcp::{
-    CH_LEN, CommonHeader, DIGEST_LEN, PduType, TERM_REQ_HLEN, TERM_REQ_MAX_DATA, TERM_REQ_MAX_PLEN,
-    TermReqHeader, flags,
+    CH_LEN, CommonHeader, DIGEST_LEN, IC_PDU_LEN, PduType, TERM_REQ_HLEN, TERM_REQ_MAX_DATA,
+    TERM_REQ_MAX_PLEN, TermReqHeader, flags,
 };
 
 use crate::digest::{crc32c, read_digest};
@@ -148,6 +148,63 @@ pub(crate) struct Frame {
     pub ddgst: bool,
     /// PLEN.
     pub plen: usize,
+}
+
+/// The first PDU a side receives: its initialization PDU, or a TermReq ending the connection.
+#[derive(Debug)]
+pub(crate) enum FirstPdu {
+    /// An ICReq (at the controller) or ICResp (at the host) whose HLEN and PLEN are 128.
+    Ic,
+    /// A TermReq, to be read whole.
+    TermReq(Frame),
+}
+
+/// Checks the common header of the first PDU `side` receives: the initialization PDU of the
+/// other side (ICReq at the controller, ICResp at the host) with HLEN and PLEN of 128, or a
+/// TermReq; anything else is a violation.
+pub(crate) fn check_first_pdu(ch: &CommonHeader, side: Side) -> Result<FirstPdu, Violation> {
+    let (ic, term, first, bad_hlen, bad_plen) = match side {
+        Side::Controller => (
+            PduType::IcReq,
+            PduType::H2cTermReq,
+            "the first PDU must be an ICReq",
+            "ICReq HLEN is not 128",
+            "ICReq PLEN is not 128",
+        ),
+        Side::Host => (
+            PduType::IcResp,
+            PduType::C2hTermReq,
+            "the first PDU must be an ICResp",
+            "ICResp HLEN is not 128",
+            "ICResp PLEN is not 128",
+        ),
+    };
+    match ch.pdu_type() {
+        Ok(t) if t == term => {
+            return check_common_header(ch, side, false, false, 4).map(FirstPdu::TermReq);
+        }
+        Ok(t) if t.is_controller_to_host() != (side == Side::Host) => {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_PDU_TYPE,
+                "PDU type belongs to the other direction",
+            ));
+        }
+        Ok(t) if t != ic => return Err(Violation::sequence(first)),
+        Ok(_) => {}
+        Err(_) => {
+            return Err(Violation::field(
+                CommonHeader::OFFSET_PDU_TYPE,
+                "reserved PDU type",
+            ));
+        }
+    }
+    if usize::from(ch.hlen()) != IC_PDU_LEN {
+        return Err(Violation::field(CommonHeader::OFFSET_HLEN, bad_hlen));
+    }
+    if ch.plen() as usize != IC_PDU_LEN {
+        return Err(Violation::field(CommonHeader::OFFSET_PLEN, bad_plen));
+    }
+    Ok(FirstPdu::Ic)
 }
 
 /// Validates the common header of a PDU received on an established connection, checking
@@ -332,4 +389,79 @@ pub(crate) fn offending_header_len(data: &[u8]) -> usize {
 /// Raw FES and FEI of a received TermReq.
 pub(crate) fn parse_term_req(pdu: &[u8]) -> (u16, u32) {
     TermReqHeader::from_prefix(pdu).map_or((0, 0), |t| (t.fes_raw(), t.fei()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme_spec::tcp::FatalErrorStatus;
+
+    /// A common header of `ty` (the raw PDU-Type byte) with these HLEN and PLEN.
+    fn ch(ty: u8, hlen: u8, plen: u32) -> CommonHeader {
+        let mut b = [0u8; CH_LEN];
+        b[0] = ty;
+        b[2] = hlen;
+        b[4..8].copy_from_slice(&plen.to_le_bytes());
+        *CommonHeader::from_prefix(&b).unwrap()
+    }
+
+    fn reason(r: Result<FirstPdu, Violation>) -> &'static str {
+        r.unwrap_err().reason
+    }
+
+    #[test]
+    fn the_first_pdu_is_the_other_sides_initialization_pdu_or_a_term_req() {
+        let ic = IC_PDU_LEN as u8;
+        let ic_len = IC_PDU_LEN as u32;
+        let (ic_req, ic_resp) = (PduType::IcReq as u8, PduType::IcResp as u8);
+        let (h2c_term, c2h_term) = (PduType::H2cTermReq as u8, PduType::C2hTermReq as u8);
+        let cmd = PduType::CapsuleCmd as u8;
+        let resp = PduType::CapsuleResp as u8;
+        let c = Side::Controller;
+        let h = Side::Host;
+        assert!(matches!(
+            check_first_pdu(&ch(ic_req, ic, ic_len), c),
+            Ok(FirstPdu::Ic)
+        ));
+        assert!(matches!(
+            check_first_pdu(&ch(ic_resp, ic, ic_len), h),
+            Ok(FirstPdu::Ic)
+        ));
+        let term = |ty, side| check_first_pdu(&ch(ty, TERM_REQ_HLEN as u8, 28), side);
+        assert!(matches!(term(h2c_term, c), Ok(FirstPdu::TermReq(f)) if f.data_len == 4));
+        assert!(matches!(term(c2h_term, h), Ok(FirstPdu::TermReq(_))));
+        // A TermReq with a bad length closes without a reply.
+        let bad_term = check_first_pdu(&ch(c2h_term, 8, 28), h).unwrap_err();
+        assert!(!bad_term.reply);
+        let other = "PDU type belongs to the other direction";
+        assert_eq!(reason(check_first_pdu(&ch(ic_resp, ic, ic_len), c)), other);
+        assert_eq!(reason(check_first_pdu(&ch(ic_req, ic, ic_len), h)), other);
+        assert_eq!(reason(check_first_pdu(&ch(resp, 24, 24), c)), other);
+        let first = check_first_pdu(&ch(cmd, 72, 72), c).unwrap_err();
+        assert_eq!(
+            (first.fes, first.reason),
+            (
+                FatalErrorStatus::PduSequenceError,
+                "the first PDU must be an ICReq"
+            )
+        );
+        assert_eq!(
+            reason(check_first_pdu(&ch(resp, 24, 24), h)),
+            "the first PDU must be an ICResp"
+        );
+        assert_eq!(
+            reason(check_first_pdu(&ch(0x7f, ic, ic_len), c)),
+            "reserved PDU type"
+        );
+        let hlen = check_first_pdu(&ch(ic_req, 64, ic_len), c).unwrap_err();
+        assert_eq!(
+            (hlen.fei, hlen.reason),
+            (CommonHeader::OFFSET_HLEN, "ICReq HLEN is not 128")
+        );
+        let plen = check_first_pdu(&ch(ic_resp, ic, 129), h).unwrap_err();
+        assert_eq!(
+            (plen.fei, plen.reason),
+            (CommonHeader::OFFSET_PLEN, "ICResp PLEN is not 128")
+        );
+    }
 }

@@ -13,8 +13,8 @@ use crate::digest::{DataDigest, crc32c, read_digest};
 use crate::encode::{Digests, PduHeader, pda_alignment};
 use crate::error::{ConfigError, ProtocolError, SendError, Violation};
 use crate::rx::{
-    Frame, RecvBuffer, Side, check_common_header, check_header_digest, offending_header_len,
-    parse_term_req,
+    FirstPdu, Frame, RecvBuffer, Side, check_common_header, check_first_pdu, check_header_digest,
+    offending_header_len, parse_term_req,
 };
 use crate::sendq::SendQueue;
 use crate::tagmap::{TagMap, tag_map};
@@ -460,37 +460,8 @@ impl TargetConn {
             self.need = CH_LEN;
             return Ok(None);
         };
-        match ch.pdu_type() {
-            Ok(PduType::IcReq) => {}
-            Ok(PduType::H2cTermReq) => {
-                let frame = check_common_header(ch, Side::Controller, false, false, 4)?;
-                return Ok(self.complete_term_req(&frame));
-            }
-            Ok(t) if t.is_controller_to_host() => {
-                return Err(Violation::field(
-                    CommonHeader::OFFSET_PDU_TYPE,
-                    "PDU type belongs to the other direction",
-                ));
-            }
-            Ok(_) => return Err(Violation::sequence("the first PDU must be an ICReq")),
-            Err(_) => {
-                return Err(Violation::field(
-                    CommonHeader::OFFSET_PDU_TYPE,
-                    "reserved PDU type",
-                ));
-            }
-        }
-        if usize::from(ch.hlen()) != IC_PDU_LEN {
-            return Err(Violation::field(
-                CommonHeader::OFFSET_HLEN,
-                "ICReq HLEN is not 128",
-            ));
-        }
-        if ch.plen() as usize != IC_PDU_LEN {
-            return Err(Violation::field(
-                CommonHeader::OFFSET_PLEN,
-                "ICReq PLEN is not 128",
-            ));
+        if let FirstPdu::TermReq(frame) = check_first_pdu(ch, Side::Controller)? {
+            return Ok(self.complete_term_req(&frame));
         }
         let Some(req) = IcReq::from_prefix(self.rx.data()) else {
             self.need = IC_PDU_LEN;
