@@ -290,9 +290,11 @@ pub struct ConnectOptions {
     pub queue_policy: QueuePolicy,
     /// Busy-poll window of each I/O queue: after submitting or receiving, a queue keeps
     /// checking its connection for this long before it sleeps, so a completion is picked up
-    /// without a wake-up from idle (lower latency; costs CPU while I/O flows). The window opens
-    /// only while completions come back within it ([`busy_poll::PollGate`]), so sparse I/O and
-    /// an idle queue cost no CPU. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
+    /// without a wake-up from idle (lower latency; costs CPU while I/O flows). After a
+    /// submission it always polls the window for the answer; after an arrival only while
+    /// completions come back within the window ([`busy_poll::PollGate`]), so sparse I/O costs
+    /// at most one window per submission and an idle queue no CPU. Default
+    /// [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
     /// Poll window of the GPU request rings a queue serves (`Controller::attach_gpu_rings`):
     /// after the last request taken or completion written, the queue keeps checking its rings

@@ -318,9 +318,6 @@ pub struct QueuePair {
     staged: bool,
     depth: usize,
     poll: PollGate,
-    /// When the last command was submitted (its answer is due: `wait` polls for the busy-poll
-    /// window after it, whatever the gate says).
-    last_submit: Option<Instant>,
     scan_period: Duration,
     next_scan: Instant,
 }
@@ -372,7 +369,6 @@ impl QueuePair {
             rt: tokio::runtime::Handle::current(),
             depth: usize::from(slots),
             poll: PollGate::new(opts.busy_poll),
-            last_submit: None,
             scan_period,
             next_scan: Instant::now() + scan_period,
         })
@@ -478,7 +474,6 @@ impl QueuePair {
         let now = Instant::now();
         self.core.now = now;
         self.poll.submitted(now.into_std());
-        self.last_submit = Some(now);
         let r = self
             .core
             .submit(self.link.as_mut(), tag, req, buf, None, None);
@@ -520,11 +515,7 @@ impl QueuePair {
             if got >= min || self.in_flight() == 0 || deadline.is_some_and(|d| now >= d) {
                 return got;
             }
-            let window = self.poll.window();
-            let answer_due = self
-                .last_submit
-                .is_some_and(|t| now.saturating_duration_since(t) < window);
-            if answer_due || self.poll.polling(now.into_std()) {
+            if self.poll.polling(now.into_std()) {
                 tokio::task::yield_now().await;
                 continue;
             }

@@ -7,15 +7,24 @@
 //! sparse, though: if the next message comes long after the window, every window is spun for
 //! nothing.
 //!
-//! [`PollGate`] decides. Each arrival (data received) is scored as a *hit* when it came within
-//! the window of the previous activity (an arrival or a submission), so polling would have
-//! caught it without a sleep, and a *miss* otherwise. The gate polls after activity only while
-//! enough recent arrivals were hits (an exponentially weighted share of at least a quarter):
+//! [`PollGate`] decides. After a submission it polls for the window: the answer is due, and
+//! catching it without a wake-up is what the window is for. Each arrival (data received) is
+//! scored as a *hit* when it came within the window of the previous activity (an arrival or a
+//! submission), so polling would have caught it without a sleep, and a *miss* otherwise. After
+//! an arrival the gate polls only while enough recent arrivals were hits (an exponentially
+//! weighted share of at least a quarter):
 //!
 //! - dense traffic (a QD1 loop, a busy queue): arrivals are hits and the window stays open;
 //! - sparse traffic (a message every few milliseconds): arrivals are misses, the share decays
-//!   within a dozen arrivals and the queue goes back to sleeping between messages;
+//!   within a dozen arrivals and the queue goes back to sleeping between messages (a
+//!   submission still polls for its answer, at most one window);
 //! - idle: no activity, so no window, whatever the share.
+//!
+//! Polling after a submission whatever the share matters when the peer sleeps between
+//! messages too: each side's wake-up then makes every answer late, so arrivals score as misses
+//! and neither side would start polling (two sleeping sides on a small virtual machine: ~90 µs
+//! per QD1 read instead of ~11). Caught by polling, the answer comes back within the window,
+//! the next command follows it at once, and the peer's own gate opens.
 //!
 //! Sans-IO: the caller passes the time; no clock, thread or allocation inside.
 
@@ -35,6 +44,8 @@ const SHIFT: u16 = 3;
 pub struct PollGate {
     window: Duration,
     last: Option<Instant>,
+    /// The last submission.
+    submitted: Option<Instant>,
     share: u16,
 }
 
@@ -45,6 +56,7 @@ impl PollGate {
         PollGate {
             window,
             last: None,
+            submitted: None,
             share: 0,
         }
     }
@@ -67,29 +79,32 @@ impl PollGate {
         self.last = Some(now);
     }
 
-    /// Notes a submission at `now`: it opens the window (its answer is the next arrival) but
-    /// is not scored.
+    /// Notes a submission at `now`: the window opens for its answer (the next arrival), which
+    /// is scored against it, whatever the share.
     pub fn submitted(&mut self, now: Instant) {
         self.last = Some(now);
+        self.submitted = Some(now);
     }
 
-    /// Whether to poll at `now` rather than sleep: recent traffic is dense enough and the last
-    /// activity is within the window.
+    /// Whether to poll at `now` rather than sleep: within the window of the last submission,
+    /// or within the window of the last activity while recent traffic is dense enough.
     pub fn polling(&self, now: Instant) -> bool {
-        self.share >= THRESHOLD
-            && self
-                .last
-                .is_some_and(|last| now.saturating_duration_since(last) < self.window)
+        !self.remaining(now).is_zero()
     }
 
     /// How long from `now` the window stays open (zero when not polling).
     pub fn remaining(&self, now: Instant) -> Duration {
-        match self.last {
-            Some(last) if self.polling(now) => self
-                .window
-                .saturating_sub(now.saturating_duration_since(last)),
-            _ => Duration::ZERO,
-        }
+        let left = |t: Option<Instant>| {
+            t.map_or(Duration::ZERO, |t| {
+                self.window.saturating_sub(now.saturating_duration_since(t))
+            })
+        };
+        let dense = if self.share >= THRESHOLD {
+            left(self.last)
+        } else {
+            Duration::ZERO
+        };
+        left(self.submitted).max(dense)
     }
 }
 
@@ -207,6 +222,41 @@ mod tests {
             g.arrived(now);
         }
         assert!(!g.polling(now + us(1)));
+        // A submission still polls for its answer, one window and no longer.
+        g.submitted(now);
+        assert_eq!(g.remaining(now + us(20)), us(30));
+        assert!(!g.polling(now + us(50)));
+    }
+
+    #[test]
+    fn polling_for_answers_opens_the_gate_when_the_peer_answers_within_the_window() {
+        // Both sides slept: every answer came 90 µs after its submission, all misses.
+        let t = Instant::now();
+        let mut g = PollGate::new(W);
+        let mut now = t;
+        for _ in 0..20 {
+            g.submitted(now);
+            now += us(90);
+            g.arrived(now);
+            now += us(1);
+        }
+        assert!(!g.polling(now + us(10)), "closed after an arrival");
+        // Polled for, the answer comes in 45 µs (the peer's wake-up): hits, and the gate
+        // opens after arrivals too.
+        let mut opened_after = None;
+        for i in 1..=10 {
+            g.submitted(now);
+            assert!(g.polling(now + us(44)), "polls for the answer");
+            now += us(45);
+            g.arrived(now);
+            // 10 µs on, the submission's window has ended: only an open gate polls.
+            if g.polling(now + us(10)) && opened_after.is_none() {
+                opened_after = Some(i);
+            }
+            now += us(1);
+        }
+        let n = opened_after.expect("the gate opens");
+        assert!(n <= 4, "opened after {n} answers");
     }
 
     #[test]
