@@ -61,11 +61,6 @@ impl PollGate {
         }
     }
 
-    /// The window.
-    pub fn window(&self) -> Duration {
-        self.window
-    }
-
     /// Notes data received at `now`, scoring it against the previous activity.
     pub fn arrived(&mut self, now: Instant) {
         let hit = self
