@@ -74,8 +74,8 @@ impl PollGate {
         self.last = Some(now);
     }
 
-    /// Notes a submission at `now`: the window opens for its answer (the next arrival), which
-    /// is scored against it, whatever the share.
+    /// Notes a submission at `now`: the window opens for its answer (the next arrival)
+    /// whatever the share, and that answer is scored against the submission.
     pub fn submitted(&mut self, now: Instant) {
         self.last = Some(now);
         self.submitted = Some(now);
