@@ -5,8 +5,8 @@
 //! received into host memory (over NVMe/TCP straight from the socket), copied into the
 //! worker's packed stage of mapped pinned memory, and the reads that complete together leave
 //! for the GPU as one batch: one scatter kernel that reads the stage in place over the bus
-//! and writes each block to its buffer's place in the worker's device memory, with one event,
-//! instead of a copy, an event and event polls per read (the copy engine takes microseconds
+//! and writes each block to its buffer's place in the worker's device memory, with one stream
+//! mark the host polls with a load, instead of a copy, an event and event polls per read (the copy engine takes microseconds
 //! per copy however small, and every driver call costs the CPU a microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
 //! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
@@ -195,9 +195,9 @@ const GATHER_WAIT: Duration = Duration::from_micros(200);
 /// leaves once it holds a quarter of the worker's buffers or has waited [`GATHER_WAIT`], unless
 /// [`MAX_FLIGHTS`] batches are already in flight: then reads gather until one finishes (a
 /// group commit: the busier the stream, the larger the batches). A batch is one scatter
-/// kernel that reads the stage in place over the bus and one event: a launch and an event
-/// record per batch are what the driver costs, so full batches leave the CPU to the network.
-/// One waiting read polls the oldest batch's event (and the open batch's age), yielding
+/// kernel that reads the stage in place over the bus and one stream mark: a launch and the
+/// mark's write per batch are what the driver costs, so full batches leave the CPU to the
+/// network. One waiting read polls the oldest batch's mark (and the open batch's age), yielding
 /// between looks; when a batch is done, its reads end, the batch that gathered meanwhile
 /// leaves if it is due, and the other waiters are woken. A worker's reads all run on its one
 /// task, so the lock is not contended.
@@ -372,7 +372,7 @@ fn wake_all(st: &mut GatherState) {
 }
 
 /// Waits until buffer `id`'s packed block is in device memory. One waiting read at a time
-/// is the poller: it looks at the oldest batch's event and the open batch's age between
+/// is the poller: it looks at the oldest batch's mark and the open batch's age between
 /// yields; the others wait to be woken.
 struct GatherWait<'a> {
     gather: &'a Gather,

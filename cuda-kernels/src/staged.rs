@@ -1,8 +1,9 @@
 //! Scatters that read their source in place: packed blocks in mapped pinned host memory, read
 //! by the scatter kernel over the bus, with the plan beside them. A batch costs one launch and
-//! one event: no copy to the device, no plan upload, no per-buffer tracking.
+//! one stream mark: no copy to the device, no plan upload, no per-buffer tracking, and the host
+//! sees the batch done with a load, not a driver call.
 
-use gpu::{DeviceSliceMut, GpuEvent, GpuStream, HostPinned, LaunchArgs};
+use gpu::{DeviceSliceMut, GpuStream, HostPinned, LaunchArgs, StreamMark};
 
 use crate::error::KernelError;
 use crate::kernels::NvmfKernels;
@@ -13,7 +14,7 @@ const PLAN_ALIGN: usize = 64;
 
 /// Mapped pinned host memory that [`NvmfKernels::scatter_staged`] reads in place: a data area
 /// the host packs blocks into, room for the plan of up to [`copies`](Self::copies) copies,
-/// and the event that marks the end of the kernel that last read it.
+/// and the [`StreamMark`] its stream writes once the kernel that last read it has run.
 ///
 /// The host reaches the bytes only while no kernel reads them: `scatter_staged` takes the
 /// stage by value and hands back a [`StageFlight`], which returns the stage once its kernel
@@ -24,10 +25,18 @@ pub struct MappedStage {
     ptr: u64,
     data: usize,
     copies: usize,
-    event: GpuEvent,
-    /// Whether a kernel enqueued on it may still read it (its event not seen complete).
+    mark: StreamMark,
+    /// The ticket of the mark written after the last kernel.
+    ticket: u32,
+    /// Whether a kernel enqueued on it may still read it (its ticket not seen).
     in_flight: bool,
+    /// Looks at an unfinished flight since the stream was last checked for errors.
+    looks: u32,
 }
+
+/// Looks at an unfinished batch between checks of its stream for errors (a failed kernel
+/// never lets the mark pass).
+const LOOKS_PER_CHECK: u32 = 256;
 
 impl std::fmt::Debug for MappedStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -68,7 +77,7 @@ impl Drop for MappedStage {
     fn drop(&mut self) {
         if self.in_flight {
             // The memory is freed after this: the kernel must no longer read it.
-            let _ = self.event.synchronize();
+            let _ = self.mark.wait();
         }
     }
 }
@@ -81,11 +90,20 @@ pub struct StageFlight {
 }
 
 impl StageFlight {
-    /// Whether the kernel reading the stage has finished (does not block).
+    /// Whether the kernel reading the stage has finished (does not block; a load, and a look
+    /// at the stream for errors every [`LOOKS_PER_CHECK`] calls).
     pub fn is_done(&mut self) -> Result<bool, KernelError> {
         let s = &mut self.stage;
         if s.in_flight {
-            s.in_flight = !s.event.is_complete()?;
+            if s.mark.passed(s.ticket) {
+                s.in_flight = false;
+            } else {
+                s.looks += 1;
+                if s.looks >= LOOKS_PER_CHECK {
+                    s.looks = 0;
+                    s.in_flight = !s.mark.check()?;
+                }
+            }
         }
         Ok(!s.in_flight)
     }
@@ -93,7 +111,7 @@ impl StageFlight {
     /// The stage again, once its kernel has finished (waits for it if need be).
     pub fn finish(mut self) -> Result<MappedStage, KernelError> {
         if self.stage.in_flight {
-            self.stage.event.synchronize()?;
+            self.stage.mark.wait()?;
             self.stage.in_flight = false;
         }
         Ok(self.stage)
@@ -116,8 +134,10 @@ impl NvmfKernels {
             ptr,
             data,
             copies,
-            event: self.context().new_event(false)?,
+            mark: self.context().new_mark()?,
+            ticket: 0,
             in_flight: false,
+            looks: 0,
         })
     }
 
@@ -154,12 +174,16 @@ impl NvmfKernels {
                 return refused(e.into(), stage);
             }
         }
-        if let Err(e) = stream.record(&stage.event) {
-            // The kernel may be enqueued: let it finish before the host has the stage again.
-            let _ = stream.synchronize();
-            return refused(e.into(), stage);
+        match stage.mark.enqueue(stream) {
+            Ok(ticket) => stage.ticket = ticket,
+            Err(e) => {
+                // The kernel may be enqueued: let it finish before the host has the stage again.
+                let _ = stream.synchronize();
+                return refused(e.into(), stage);
+            }
         }
         stage.in_flight = true;
+        stage.looks = 0;
         Ok(StageFlight { stage })
     }
 

@@ -15,6 +15,8 @@
 //!   [`device_of_pointer`]);
 //! - [`PinnedBuffer`]: page-locked host staging memory;
 //! - [`GpuStream`] / [`GpuEvent`] and asynchronous copies (`copy_h2d_async`, ...);
+//!   [`StreamMark`], a word in mapped memory a stream writes as it passes, which the host
+//!   polls with a load instead of a driver call;
 //! - dma-buf export of device memory ([`DeviceSlice::export_dmabuf`] -> [`DmaBuf`]) for
 //!   `ibv_reg_dmabuf_mr`, and [`GpuContext::flush_gpudirect_rdma_writes`];
 //! - NVRTC compilation ([`compile`]), module loading and a checked, safe kernel launch
@@ -32,6 +34,7 @@ mod context;
 mod dmabuf;
 mod driver;
 mod error;
+mod mark;
 mod memory;
 pub mod module;
 mod stream;
@@ -42,6 +45,7 @@ pub use context::{DeviceInfo, FlushScope, GpuContext, device_count};
 pub use dmabuf::{DmaBuf, dmabuf_export_range, host_page_size};
 pub use driver::{DriverInfo, MIN_DRIVER_VERSION, driver_available, ensure_driver};
 pub use error::{GpuError, GpuResult};
+pub use mark::StreamMark;
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, HostPinned, PinnedBuffer,
     PinnedSlice, PinnedSliceMut, check_range, device_of_pointer, resolve_range,
@@ -67,6 +71,7 @@ mod tests {
         assert_send_sync::<PinnedBuffer>();
         assert_send_sync::<GpuStream>();
         assert_send_sync::<GpuEvent>();
+        assert_send_sync::<StreamMark>();
         assert_send_sync::<Module>();
         assert_send_sync::<Kernel>();
         assert_send_sync::<DmaBuf>();

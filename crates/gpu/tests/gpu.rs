@@ -236,6 +236,48 @@ fn gpu_pinned_and_async_copies_on_several_streams() {
 }
 
 #[test]
+fn gpu_stream_mark_passes_after_the_work_before_it() {
+    let ctx = ctx_or_skip!("gpu_stream_mark_passes_after_the_work_before_it");
+    let stream = ctx.new_stream().unwrap();
+    let mut mark = ctx.new_mark().unwrap();
+    // Nothing enqueued: nothing to wait for.
+    assert!(mark.check().unwrap());
+    mark.wait().unwrap();
+    // A ticket behind milliseconds of memsets is not passed at once (the write waits for the
+    // work in front of it), then is.
+    let mut big = ctx.alloc(1 << 30).unwrap();
+    for v in 1..=32u8 {
+        stream.memset_async(&mut big.as_slice_mut(), v).unwrap();
+    }
+    let first = mark.enqueue(&stream).unwrap();
+    assert!(
+        !mark.passed(first),
+        "the mark passed before the work in front of it"
+    );
+    let t = std::time::Instant::now();
+    while !mark.passed(first) {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "mark never passed"
+        );
+        std::hint::spin_loop();
+    }
+    assert!(mark.check().unwrap());
+    // Tickets increase; each later one passes; the earlier ones stay passed.
+    let second = mark.enqueue(&stream).unwrap();
+    assert_eq!(second, first.wrapping_add(1));
+    mark.wait().unwrap();
+    assert!(mark.passed(second) && mark.passed(first));
+    // Dropped with a write pending, the mark waits for its stream.
+    for v in 1..=8u8 {
+        stream.memset_async(&mut big.as_slice_mut(), v).unwrap();
+    }
+    mark.enqueue(&stream).unwrap();
+    drop(mark);
+    assert!(stream.is_idle().unwrap());
+}
+
+#[test]
 fn gpu_dmabuf_export() {
     let ctx = ctx_or_skip!("gpu_dmabuf_export");
     let page = gpu::host_page_size();
