@@ -91,7 +91,7 @@ pub struct StageFlight {
 
 impl StageFlight {
     /// Whether the kernel reading the stage has finished (does not block; a load, and a look
-    /// at the stream for errors every [`LOOKS_PER_CHECK`] calls).
+    /// at the stream for errors every 256 calls).
     pub fn is_done(&mut self) -> Result<bool, KernelError> {
         let s = &mut self.stage;
         if s.in_flight {
