@@ -25,9 +25,8 @@ pub struct MappedStage {
     ptr: u64,
     data: usize,
     copies: usize,
+    /// Written after each kernel: its last ticket passed, the last kernel has run.
     mark: StreamMark,
-    /// The ticket of the mark written after the last kernel.
-    ticket: u32,
     /// Whether a kernel enqueued on it may still read it (its ticket not seen).
     in_flight: bool,
     /// Looks at an unfinished flight since the stream was last checked for errors.
@@ -95,7 +94,7 @@ impl StageFlight {
     pub fn is_done(&mut self) -> Result<bool, KernelError> {
         let s = &mut self.stage;
         if s.in_flight {
-            if s.mark.passed(s.ticket) {
+            if s.mark.passed_last() {
                 s.in_flight = false;
             } else {
                 s.looks += 1;
@@ -135,7 +134,6 @@ impl NvmfKernels {
             data,
             copies,
             mark: self.context().new_mark()?,
-            ticket: 0,
             in_flight: false,
             looks: 0,
         })
@@ -174,13 +172,10 @@ impl NvmfKernels {
                 return refused(e.into(), stage);
             }
         }
-        match stage.mark.enqueue(stream) {
-            Ok(ticket) => stage.ticket = ticket,
-            Err(e) => {
-                // The kernel may be enqueued: let it finish before the host has the stage again.
-                let _ = stream.synchronize();
-                return refused(e.into(), stage);
-            }
+        if let Err(e) = stage.mark.enqueue(stream) {
+            // The kernel may be enqueued: let it finish before the host has the stage again.
+            let _ = stream.synchronize();
+            return refused(e.into(), stage);
         }
         stage.in_flight = true;
         stage.looks = 0;

@@ -94,10 +94,15 @@ impl StreamMark {
         reached(self.seen(), ticket)
     }
 
+    /// Whether the stream has written the last ticket handed out (true when none was).
+    pub fn passed_last(&self) -> bool {
+        self.passed(self.last)
+    }
+
     /// Checks the stream of the last ticket for an error without waiting: `Ok(true)` once it
     /// has passed, the stream's error if its work failed.
     pub fn check(&self) -> GpuResult<bool> {
-        if self.passed(self.last) {
+        if self.passed_last() {
             return Ok(true);
         }
         match &self.stream {
@@ -108,7 +113,7 @@ impl StreamMark {
 
     /// Blocks until the stream has written the last ticket (it waits for the whole stream).
     pub fn wait(&self) -> GpuResult<()> {
-        if self.passed(self.last) {
+        if self.passed_last() {
             return Ok(());
         }
         if let Some(s) = &self.stream {
