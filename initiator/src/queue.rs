@@ -13,7 +13,10 @@
 //! 3. A waiting caller ([`Pending::wait`]) drives the queue: it writes what waits to be sent,
 //!    reads what the socket has (the core stores each completion in its slot and wakes that
 //!    one caller), and when the socket is empty registers one waiting caller, the *leader*,
-//!    to be woken when it has more. Commands of one thread go to one queue
+//!    to be woken when it has more. A caller that reads its own completion is not woken for
+//!    it (it looks at its slot once it has read); if no other command is in flight then, it
+//!    returns at once, and the socket is read again by the next caller to wait (or by the queue's task
+//!    on its timer). Commands of one thread go to one queue
 //!    ([`crate::QueuePolicy::PerThread`]), so this is the thread's own socket and the locks
 //!    on the way are taken without contention. A caller that finds the engine held by
 //!    another thread (tasks of several threads pinned to one queue) leaves the driving to the
@@ -201,6 +204,11 @@ pub(crate) struct QueueShared {
     hint: std::sync::atomic::AtomicU32,
     /// The leader's command (see [`Engine::pick_leader`]), or [`NO_TAG`].
     leader: std::sync::atomic::AtomicU32,
+    /// The command whose caller drives the engine now ([`Engine::drive`]), or [`NO_TAG`]:
+    /// its completion is not woken, the caller looks at its slot right after.
+    driving: std::sync::atomic::AtomicU32,
+    /// Whether the driving caller's command ended while it drove.
+    driver_done: std::sync::atomic::AtomicBool,
     /// Where the socket's readiness goes.
     links: Arc<LinkWaker>,
 }
@@ -221,6 +229,11 @@ impl QueueShared {
             Phase::Waiting => {
                 st.result = Some(result);
                 st.phase = Phase::Done;
+                if self.driving.load(Ordering::Relaxed) == u32::from(tag) {
+                    // Its caller is the one reading: no wake-up, it looks once it has read.
+                    self.driver_done.store(true, Ordering::Relaxed);
+                    return;
+                }
                 let waker = st.waker.take();
                 drop(st);
                 if let Some(w) = waker {
@@ -397,6 +410,15 @@ impl Engine {
     /// next readiness.
     fn drive(&mut self, me: Option<u16>) {
         self.core.now = Instant::now();
+        let driving = me.map_or(NO_TAG, u32::from);
+        self.shared.driving.store(driving, Ordering::Relaxed);
+        self.shared.driver_done.store(false, Ordering::Relaxed);
+        self.drive_rounds(me);
+        self.shared.driving.store(NO_TAG, Ordering::Relaxed);
+    }
+
+    /// [`drive`](Self::drive)'s rounds of write, read, pick and register.
+    fn drive_rounds(&mut self, me: Option<u16>) {
         for _ in 0..DRIVE_ROUNDS {
             self.flush();
             if self.receive() {
@@ -407,6 +429,12 @@ impl Engine {
                 self.shared.links.task.notify_one();
             }
             self.pick_leader(me);
+            if self.shared.driver_done.load(Ordering::Relaxed) && self.shared.busy() <= 1 {
+                // This caller's command ended and no other command is in flight: its answer
+                // goes back now. The socket is read again (and registered) by the next caller
+                // to wait, or by the task on its timer.
+                return;
+            }
             let mut cx = Context::from_waker(&self.link_waker);
             match self.live.as_ref() {
                 Some(live) if live.poll_ready(&mut cx) => {}
@@ -518,6 +546,8 @@ impl QueueHandle {
             flush_by: NO_TAG.into(),
             hint: NO_TAG.into(),
             leader: NO_TAG.into(),
+            driving: NO_TAG.into(),
+            driver_done: false.into(),
             links: Arc::new(LinkWaker {
                 leader: Mutex::new(None),
                 task: Notify::new(),
@@ -1166,6 +1196,49 @@ mod tests {
         let ctrl = Controller::connect(o).await.expect("connect");
         let ns = ctrl.namespace(1).await.expect("namespace");
         (ctrl, ns)
+    }
+
+    /// A completion read by its own caller while it drives wakes nobody (the caller looks at
+    /// its slot once it has read) and says so; any other command's completion wakes its
+    /// caller.
+    #[tokio::test]
+    async fn a_completion_its_own_caller_reads_wakes_nobody() {
+        let (report, _reports) = mpsc::unbounded_channel();
+        let q = QueueHandle::spawn(
+            QueueConfig {
+                qid: 1,
+                slots: 4,
+                addr: "127.0.0.1:4420".into(),
+                retry_writes: false,
+                scan_period: Duration::from_secs(1),
+                busy_poll: Duration::ZERO,
+                ring_poll: Duration::ZERO,
+            },
+            report,
+        );
+        let shared = &q.shared;
+        let count = Arc::new(Count::default());
+        let waker = Waker::from(Arc::clone(&count));
+        let waiting = |tag: u16| {
+            let mut st = shared.slots[usize::from(tag)].lock();
+            st.phase = Phase::Waiting;
+            st.waker = Some(waker.clone());
+        };
+        let (mine, other) = (
+            shared.tags.try_take().unwrap(),
+            shared.tags.try_take().unwrap(),
+        );
+        waiting(mine);
+        waiting(other);
+        let ok = |tag| Ok(Cqe::new(tag, nvme_spec::Status::SUCCESS, 0));
+        shared.driving.store(u32::from(mine), Ordering::Relaxed);
+        shared.finish_slot(mine, ok(mine), SlotBuf::default());
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        assert!(shared.driver_done.load(Ordering::Relaxed));
+        assert_eq!(shared.slots[usize::from(mine)].lock().phase, Phase::Done);
+        shared.finish_slot(other, ok(other), SlotBuf::default());
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert_eq!(shared.slots[usize::from(other)].lock().phase, Phase::Done);
     }
 
     /// The leader (the caller the socket wakes), finding the engine held by another thread
