@@ -8,7 +8,8 @@
 # spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). For SPDK's
 # nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G): a prefill
 # writes the whole namespace, then ROUNDS (default 3) rounds run, each client in turn at each
-# point, so that the machine's drift reaches every client alike: QD128 from one core
+# point (in the reverse order on even rounds), so that the machine's drift reaches every
+# client alike: QD128 from one core
 # (spdk_nvme_perf -c 0x100, the async API, the queue pairs), QD128 from eight (-c 0xFF00,
 # eight workers with a queue pair each), QD1 latency (-L, the async API). The jobs are those of
 # benches/jobs/async-api-16core.toml, one at a time (--jobs). The CPU topology (lscpu -e), logs,
@@ -76,14 +77,31 @@ side() { # TARGET PORT NQN
     "$bin/nvmeof-bench" "$job" --jobs 4k-randread-qd1-async --repeat 1 --runtime 1s \
         --modes "tcp=127.0.0.1:$port" --nqn "$nqn" > "$out/$t-prefill.log" 2>&1
     for r in $(seq "$rounds"); do
-        point "$t" x1 perf "$r" "$port" "$nqn" -c 0x100 -q 128
-        point "$t" x1 async "$r" "$port" "$nqn" 4k-randread-qd128-async
-        point "$t" x1 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc
-        point "$t" x8 perf "$r" "$port" "$nqn" -c 0xFF00 -q 128
-        point "$t" x8 async "$r" "$port" "$nqn" 4k-randread-qd128-async-8
-        point "$t" x8 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc-8
-        point "$t" qd1 perf "$r" "$port" "$nqn" -c 0x100 -q 1 -L
-        point "$t" qd1 async "$r" "$port" "$nqn" 4k-randread-qd1-async
+        # Odd rounds run the clients of each point in one order, even rounds in the reverse
+        # order, so that a drift of the machine within a round favours no client.
+        local order="perf async rtc"
+        [ $((r % 2)) = 0 ] && order="rtc async perf"
+        for c in $order; do
+            case $c in
+                perf) point "$t" x1 perf "$r" "$port" "$nqn" -c 0x100 -q 128 ;;
+                async) point "$t" x1 async "$r" "$port" "$nqn" 4k-randread-qd128-async ;;
+                rtc) point "$t" x1 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc ;;
+            esac
+        done
+        for c in $order; do
+            case $c in
+                perf) point "$t" x8 perf "$r" "$port" "$nqn" -c 0xFF00 -q 128 ;;
+                async) point "$t" x8 async "$r" "$port" "$nqn" 4k-randread-qd128-async-8 ;;
+                rtc) point "$t" x8 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc-8 ;;
+            esac
+        done
+        for c in $order; do
+            case $c in
+                perf) point "$t" qd1 perf "$r" "$port" "$nqn" -c 0x100 -q 1 -L ;;
+                async) point "$t" qd1 async "$r" "$port" "$nqn" 4k-randread-qd1-async ;;
+                rtc) ;;
+            esac
+        done
     done
 }
 
