@@ -15,8 +15,8 @@
 //!    one caller), and when the socket is empty registers one waiting caller, the *leader*,
 //!    to be woken when it has more. A caller that reads its own completion is not woken for
 //!    it (it looks at its slot once it has read); if no other command is in flight then, it
-//!    returns at once, and the socket is read again by the next caller to wait (or by the queue's task
-//!    on its timer). Commands of one thread go to one queue
+//!    returns at once, and the socket is read again by the next caller to wait (or by the
+//!    queue's task on its timer). Commands of one thread go to one queue
 //!    ([`crate::QueuePolicy::PerThread`]), so this is the thread's own socket and the locks
 //!    on the way are taken without contention. A caller that finds the engine held by
 //!    another thread (tasks of several threads pinned to one queue) leaves the driving to the
@@ -190,6 +190,9 @@ const FLUSH_AFTER: usize = 16;
 /// No command (in [`QueueShared::flush_by`] and [`QueueShared::hint`]).
 const NO_TAG: u32 = u32::MAX;
 
+/// [`QueueShared::driving`] once the driving caller's command has ended.
+const DRIVER_DONE: u32 = u32::MAX - 1;
+
 /// State shared by a queue's engine, its task and its callers.
 pub(crate) struct QueueShared {
     qid: u16,
@@ -204,11 +207,10 @@ pub(crate) struct QueueShared {
     hint: std::sync::atomic::AtomicU32,
     /// The leader's command (see [`Engine::pick_leader`]), or [`NO_TAG`].
     leader: std::sync::atomic::AtomicU32,
-    /// The command whose caller drives the engine now ([`Engine::drive`]), or [`NO_TAG`]:
-    /// its completion is not woken, the caller looks at its slot right after.
+    /// The command whose caller drives the engine now ([`Engine::drive`]), [`DRIVER_DONE`]
+    /// once that command has ended, or [`NO_TAG`]: its completion is not woken, the caller
+    /// looks at its slot right after.
     driving: std::sync::atomic::AtomicU32,
-    /// Whether the driving caller's command ended while it drove.
-    driver_done: std::sync::atomic::AtomicBool,
     /// Where the socket's readiness goes.
     links: Arc<LinkWaker>,
 }
@@ -231,7 +233,7 @@ impl QueueShared {
                 st.phase = Phase::Done;
                 if self.driving.load(Ordering::Relaxed) == u32::from(tag) {
                     // Its caller is the one reading: no wake-up, it looks once it has read.
-                    self.driver_done.store(true, Ordering::Relaxed);
+                    self.driving.store(DRIVER_DONE, Ordering::Relaxed);
                     return;
                 }
                 let waker = st.waker.take();
@@ -274,6 +276,11 @@ impl QueueShared {
         self.leader.store(u32::from(tag), Ordering::Relaxed);
         *self.links.leader.lock() = Some(waker);
         true
+    }
+
+    /// Whether the driving caller's command ended while it drove.
+    fn driver_done(&self) -> bool {
+        self.driving.load(Ordering::Relaxed) == DRIVER_DONE
     }
 
     /// Command slots taken.
@@ -412,7 +419,6 @@ impl Engine {
         self.core.now = Instant::now();
         let driving = me.map_or(NO_TAG, u32::from);
         self.shared.driving.store(driving, Ordering::Relaxed);
-        self.shared.driver_done.store(false, Ordering::Relaxed);
         self.drive_rounds(me);
         self.shared.driving.store(NO_TAG, Ordering::Relaxed);
     }
@@ -429,7 +435,7 @@ impl Engine {
                 self.shared.links.task.notify_one();
             }
             self.pick_leader(me);
-            if self.shared.driver_done.load(Ordering::Relaxed) && self.shared.busy() <= 1 {
+            if self.shared.driver_done() && self.shared.busy() <= 1 {
                 // This caller's command ended and no other command is in flight: its answer
                 // goes back now. The socket is read again (and registered) by the next caller
                 // to wait, or by the task on its timer.
@@ -547,7 +553,6 @@ impl QueueHandle {
             hint: NO_TAG.into(),
             leader: NO_TAG.into(),
             driving: NO_TAG.into(),
-            driver_done: false.into(),
             links: Arc::new(LinkWaker {
                 leader: Mutex::new(None),
                 task: Notify::new(),
@@ -1234,7 +1239,7 @@ mod tests {
         shared.driving.store(u32::from(mine), Ordering::Relaxed);
         shared.finish_slot(mine, ok(mine), SlotBuf::default());
         assert_eq!(count.0.load(Ordering::SeqCst), 0);
-        assert!(shared.driver_done.load(Ordering::Relaxed));
+        assert!(shared.driver_done());
         assert_eq!(shared.slots[usize::from(mine)].lock().phase, Phase::Done);
         shared.finish_slot(other, ok(other), SlotBuf::default());
         assert_eq!(count.0.load(Ordering::SeqCst), 1);
