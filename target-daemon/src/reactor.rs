@@ -8,7 +8,11 @@
 //! busy host's next command is picked up without a wake-up from idle, which on virtual machines
 //! and deep C-states costs tens of microseconds; an idle reactor costs nothing. The window
 //! opens only while commands arrive densely enough for polling to catch them
-//! ([`busy_poll::PollGate`]): sparse traffic does not keep a core spinning.
+//! ([`busy_poll::PollGate`]): sparse traffic does not keep a core spinning. While they do,
+//! the reactor keeps polling for [`HOLD`] windows after the last command, so that a host that
+//! sends in bursts (it reads a batch of answers, then submits the next commands) finds it
+//! awake after each pause; steady traffic slower than the window still sleeps between
+//! commands.
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -88,6 +92,10 @@ impl Pool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stopped;
 
+/// While traffic is dense, a reactor polls for this many poll windows after the last command
+/// (arrivals are still scored against one window).
+pub const HOLD: u32 = 4;
+
 /// The busy-poll state of one reactor thread.
 struct Poller {
     gate: Cell<PollGate>,
@@ -146,7 +154,7 @@ fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Connec
     let poller = (target.settings.poll_us > 0).then(|| {
         let window = Duration::from_micros(u64::from(target.settings.poll_us));
         let p = Rc::new(Poller {
-            gate: Cell::new(PollGate::new(window)),
+            gate: Cell::new(PollGate::with_hold(window, window * HOLD)),
             sleeping: Cell::new(false),
             stop: Cell::new(false),
             wake: Notify::new(),

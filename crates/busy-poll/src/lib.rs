@@ -20,6 +20,14 @@
 //!   submission still polls for its answer, at most one window);
 //! - idle: no activity, so no window, whatever the share.
 //!
+//! A gate may also *hold* the window open longer than it scores by ([`PollGate::with_hold`]):
+//! while traffic is dense, it then polls for the hold after the last activity, and arrivals
+//! are still scored against the window. A peer that sends in bursts (a host that reads a
+//! batch of answers, then submits the next commands) pauses between them for longer than the
+//! window while most arrivals still come within it: the hold keeps the gate polling through
+//! those pauses instead of sleeping and being woken for each burst, and steady traffic that
+//! is merely slower than the window still sleeps (its arrivals are misses).
+//!
 //! Polling after a submission whatever the share matters when the peer sleeps between
 //! messages too: each side's wake-up then makes every answer late, so arrivals score as misses
 //! and neither side would start polling (two sleeping sides on a small virtual machine: ~90 µs
@@ -43,6 +51,8 @@ const SHIFT: u16 = 3;
 #[derive(Debug, Clone, Copy)]
 pub struct PollGate {
     window: Duration,
+    /// How long after the last activity dense traffic is polled for (at least `window`).
+    hold: Duration,
     last: Option<Instant>,
     /// The last submission.
     submitted: Option<Instant>,
@@ -53,8 +63,20 @@ impl PollGate {
     /// A gate with this window; a zero window never polls. Starts closed: polling begins
     /// once a few arrivals show traffic dense enough to pay for it.
     pub fn new(window: Duration) -> Self {
+        Self::with_hold(window, window)
+    }
+
+    /// A gate that scores arrivals against `window` and, while traffic is dense, polls for
+    /// `hold` after the last activity (`window` when `hold` is shorter). A zero window never
+    /// polls.
+    pub fn with_hold(window: Duration, hold: Duration) -> Self {
         PollGate {
             window,
+            hold: if window.is_zero() {
+                Duration::ZERO
+            } else {
+                hold.max(window)
+            },
             last: None,
             submitted: None,
             share: 0,
@@ -82,24 +104,24 @@ impl PollGate {
     }
 
     /// Whether to poll at `now` rather than sleep: within the window of the last submission,
-    /// or within the window of the last activity while recent traffic is dense enough.
+    /// or within the hold of the last activity while recent traffic is dense enough.
     pub fn polling(&self, now: Instant) -> bool {
         !self.remaining(now).is_zero()
     }
 
     /// How long from `now` the window stays open (zero when not polling).
     pub fn remaining(&self, now: Instant) -> Duration {
-        let left = |t: Option<Instant>| {
+        let left = |t: Option<Instant>, span: Duration| {
             t.map_or(Duration::ZERO, |t| {
-                self.window.saturating_sub(now.saturating_duration_since(t))
+                span.saturating_sub(now.saturating_duration_since(t))
             })
         };
         let dense = if self.share >= THRESHOLD {
-            left(self.last)
+            left(self.last, self.hold)
         } else {
             Duration::ZERO
         };
-        left(self.submitted).max(dense)
+        left(self.submitted, self.window).max(dense)
     }
 }
 
@@ -252,6 +274,53 @@ mod tests {
         }
         let n = opened_after.expect("the gate opens");
         assert!(n <= 4, "opened after {n} answers");
+    }
+
+    #[test]
+    fn a_hold_polls_through_the_pauses_of_bursty_traffic_only() {
+        let t = Instant::now();
+        // Bursts: three arrivals 10 us apart, then a pause of 120 us.
+        let bursts = |g: &mut PollGate| {
+            let mut now = t;
+            let mut slept = 0;
+            for _ in 0..40 {
+                now = arrivals(g, now, us(10), 3);
+                if !g.polling(now + us(119)) {
+                    slept += 1;
+                }
+                now += us(110);
+            }
+            slept
+        };
+        let mut plain = PollGate::new(W);
+        let mut held = PollGate::with_hold(W, 4 * W);
+        assert_eq!(
+            bursts(&mut plain),
+            40,
+            "a plain window sleeps in every pause"
+        );
+        assert!(bursts(&mut held) <= 3, "the hold polls through the pauses");
+        assert!(
+            !held.polling(t + Duration::from_secs(1)),
+            "and ends when traffic does"
+        );
+
+        // Steady arrivals every 120 us: all misses, so no hold either.
+        let mut steady = PollGate::with_hold(W, 4 * W);
+        let end = arrivals(&mut steady, t, us(120), 50);
+        assert!(!steady.polling(end));
+        assert_eq!(steady.remaining(end), Duration::ZERO);
+
+        // A submission still polls for one window only.
+        let mut g = PollGate::with_hold(W, 4 * W);
+        g.submitted(t);
+        assert!(g.polling(t + us(49)));
+        assert!(!g.polling(t + us(50)));
+
+        // A zero window never polls, whatever the hold.
+        let mut z = PollGate::with_hold(Duration::ZERO, W);
+        let end = arrivals(&mut z, t, us(1), 100);
+        assert!(!z.polling(end));
     }
 
     #[test]

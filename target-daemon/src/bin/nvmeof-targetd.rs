@@ -77,8 +77,9 @@ struct Args {
     reactors: Option<usize>,
 
     /// Busy-poll window in microseconds: while commands arrive densely, reactors poll their
-    /// connections this long after each before sleeping (lower latency at the cost of CPU
-    /// while busy; default: the config's value, else 50; 0 = event-driven).
+    /// connections this long after each before sleeping, four times as long after the last
+    /// (lower latency at the cost of CPU while busy; default: the config's value, else 50;
+    /// 0 = event-driven).
     #[arg(long, value_name = "US")]
     poll_us: Option<u32>,
 
