@@ -45,6 +45,18 @@ wait_port() {
 }
 
 # One point: CLIENT is perf (spdk_nvme_perf with ARGS) or a job of the job file.
+point_args() { # POINT CLIENT: spdk_nvme_perf's arguments or our job at that point (none: not run)
+    case $1-$2 in
+        x1-perf) echo "-c 0x100 -q 128" ;;
+        x1-async) echo 4k-randread-qd128-async ;;
+        x1-rtc) echo 4k-randread-qd128-rtc ;;
+        x8-perf) echo "-c 0xFF00 -q 128" ;;
+        x8-async) echo 4k-randread-qd128-async-8 ;;
+        x8-rtc) echo 4k-randread-qd128-rtc-8 ;;
+        qd1-perf) echo "-c 0x100 -q 1 -L" ;;
+        qd1-async) echo 4k-randread-qd1-async ;;
+    esac
+}
 point() { # TARGET POINT CLIENT ROUND PORT NQN ARGS...
     local t=$1 pt=$2 client=$3 r=$4 port=$5 nqn=$6
     shift 6
@@ -81,26 +93,15 @@ side() { # TARGET PORT NQN
         # order, so that a drift of the machine within a round favours no client.
         local order="perf async rtc"
         [ $((r % 2)) = 0 ] && order="rtc async perf"
-        for c in $order; do
-            case $c in
-                perf) point "$t" x1 perf "$r" "$port" "$nqn" -c 0x100 -q 128 ;;
-                async) point "$t" x1 async "$r" "$port" "$nqn" 4k-randread-qd128-async ;;
-                rtc) point "$t" x1 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc ;;
-            esac
-        done
-        for c in $order; do
-            case $c in
-                perf) point "$t" x8 perf "$r" "$port" "$nqn" -c 0xFF00 -q 128 ;;
-                async) point "$t" x8 async "$r" "$port" "$nqn" 4k-randread-qd128-async-8 ;;
-                rtc) point "$t" x8 rtc "$r" "$port" "$nqn" 4k-randread-qd128-rtc-8 ;;
-            esac
-        done
-        for c in $order; do
-            case $c in
-                perf) point "$t" qd1 perf "$r" "$port" "$nqn" -c 0x100 -q 1 -L ;;
-                async) point "$t" qd1 async "$r" "$port" "$nqn" 4k-randread-qd1-async ;;
-                rtc) ;;
-            esac
+        for pt in x1 x8 qd1; do
+            for c in $order; do
+                local args
+                args=$(point_args "$pt" "$c")
+                if [ -n "$args" ]; then
+                    # shellcheck disable=SC2086 # the arguments split on purpose
+                    point "$t" "$pt" "$c" "$r" "$port" "$nqn" $args
+                fi
+            done
         done
     done
 }

@@ -62,13 +62,14 @@ def port_filter(port):
 
 def capture(port, seconds, iface):
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
-    keep, fprog = port_filter(port)
+    program, fprog = port_filter(port)
     s.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    del program  # the kernel copied it
     s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
     s.bind((iface, 0))
     s.settimeout(0.2)
-    # Segments already queued before the filter was attached may be of any kind.
+    # Segments queued before the filter was attached may be of any kind: each is checked.
     end = time.monotonic() + seconds
     out = []
     acks = [0, 0]  # segments without payload: from the target, from the host
@@ -91,14 +92,13 @@ def capture(port, seconds, iface):
         ihl = (ip[0] & 0xF) * 4
         total = struct.unpack("!H", ip[2:4])[0]
         tcp = ip[ihl:]
-        sport, dport, seq = struct.unpack("!HHI", tcp[:8])
+        dport, seq = struct.unpack("!HI", tcp[2:8])
         doff = (tcp[12] >> 4) * 4
         payload = total - ihl - doff
         if payload <= 0:
             acks[dport == port] += 1
             continue
         out.append((ts, dport == port, seq, payload))
-    del keep
     return out, acks
 
 

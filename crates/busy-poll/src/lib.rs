@@ -72,11 +72,7 @@ impl PollGate {
     pub fn with_hold(window: Duration, hold: Duration) -> Self {
         PollGate {
             window,
-            hold: if window.is_zero() {
-                Duration::ZERO
-            } else {
-                hold.max(window)
-            },
+            hold: hold.max(window),
             last: None,
             submitted: None,
             share: 0,
