@@ -688,10 +688,11 @@ impl QueueHandle {
                 return Err(e);
             }
         }
-        if matches!(buf, SlotBuf::Lent(_)) {
-            bump(&self.shared.counters.lent_commands, 1);
-        }
-        let pending = Pending { q: self, tag };
+        let pending = Pending {
+            q: self,
+            tag,
+            released: false,
+        };
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
                 self.shared.finish_slot(tag, Err(e.clone()), buf);
@@ -761,6 +762,8 @@ impl QueueHandle {
 pub(crate) struct Pending<'a> {
     q: &'a QueueHandle,
     tag: u16,
+    /// The slot went back already ([`take_lent`](Self::take_lent)).
+    released: bool,
 }
 
 impl Pending<'_> {
@@ -788,6 +791,13 @@ impl Pending<'_> {
         }
         let shared = &self.q.shared;
         let me = u32::from(self.tag);
+        let flush_by = shared.flush_by.load(Ordering::Relaxed);
+        if flush_by != NO_TAG && flush_by != me {
+            // Another caller of this round writes its capsules and drives when next polled
+            // (or when dropped): nothing for this one to do, and no lock to take for it.
+            shared.hint.store(me, Ordering::Relaxed);
+            return Poll::Pending;
+        }
         let Some(mut e) = self.q.engine.try_lock() else {
             // Another thread holds the engine and may not do this caller's part: write the
             // round's capsules (which nobody else does), or read what woke the leader (the
@@ -850,14 +860,23 @@ impl Pending<'_> {
     }
 
     /// The buffer lent with [`QueueHandle::start_lent`], once the command has ended (`None`
-    /// while it is in flight, or for a command without one).
-    pub fn take_lent(&self) -> Option<Lent> {
-        let mut st = self.q.shared.slots[usize::from(self.tag)].lock();
+    /// while it is in flight, or for a command without one). Taking it releases the slot
+    /// (under the same lock): nothing is left to read.
+    pub fn take_lent(&mut self) -> Option<Lent> {
+        let shared = &self.q.shared;
+        let mut st = shared.slots[usize::from(self.tag)].lock();
         if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
             return None;
         }
         let spare = std::mem::take(&mut st.spare);
-        match std::mem::replace(&mut st.buf, spare) {
+        let lent = std::mem::replace(&mut st.buf, spare);
+        st.phase = Phase::Free;
+        st.waker = None;
+        st.result = None;
+        drop(st);
+        self.released = true;
+        shared.release(self.tag);
+        match lent {
             SlotBuf::Lent(l) => Some(l),
             _ => None,
         }
@@ -866,6 +885,9 @@ impl Pending<'_> {
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
+        if self.released {
+            return;
+        }
         let shared = &self.q.shared;
         let mut st = shared.slots[usize::from(self.tag)].lock();
         match st.phase {

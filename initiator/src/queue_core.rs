@@ -74,7 +74,8 @@ pub(crate) struct Request {
     pub timeout: Option<Duration>,
 }
 
-/// Counters of one queue (relaxed atomics written by the queue task).
+/// Counters of one queue: relaxed atomics written only by whoever holds the queue's core (see
+/// [`bump`]), read by anyone.
 #[derive(Default, Debug)]
 pub(crate) struct QueueCounters {
     pub(crate) commands: AtomicU64,
@@ -96,9 +97,11 @@ pub(crate) struct QueueCounters {
     pub(crate) ring_rejected: AtomicU64,
 }
 
-/// Adds `n` to a counter.
+/// Adds `n` to a counter of a queue's core. One writer at a time (the core's holder; the
+/// lock or the thread that hands the core on orders the writers), so a load and a store do
+/// instead of a locked read-modify-write on the path of every command.
 pub(crate) fn bump(a: &AtomicU64, n: u64) {
-    a.fetch_add(n, Ordering::Relaxed);
+    a.store(a.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
 /// Where a read started from a GPU request ring came from: the ring (an index into the queue
@@ -363,6 +366,9 @@ impl<C: Completions> Core<C> {
             self.finish(tag, origin, Err(e), buf);
             return Ok(());
         };
+        if matches!(buf, SlotBuf::Lent(_)) {
+            bump(&self.sink.counters().lent_commands, 1);
+        }
         *entry = Some(Cmd {
             deadline: req.timeout.map(|t| self.now + t),
             req,

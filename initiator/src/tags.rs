@@ -8,6 +8,15 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
+/// Uncounts a caller of [`TagPool::take`] however it ends (a tag, closed, or dropped).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// The free tags of one queue.
 pub(crate) struct TagPool {
     free: Mutex<Vec<u16>>,
@@ -15,6 +24,8 @@ pub(crate) struct TagPool {
     available: AtomicUsize,
     total: usize,
     closed: AtomicBool,
+    /// Callers in [`take`](Self::take) that found no tag: only then does a give notify.
+    waiting: AtomicUsize,
     freed: Notify,
 }
 
@@ -26,22 +37,23 @@ impl TagPool {
             available: AtomicUsize::new(usize::from(n)),
             total: usize::from(n),
             closed: AtomicBool::new(false),
+            waiting: AtomicUsize::new(0),
             freed: Notify::new(),
         }
     }
 
     /// Takes a free tag, waiting while none is; `None` once the pool is closed.
     pub async fn take(&self) -> Option<u16> {
+        if let Some(t) = self.try_take() {
+            return Some(t);
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiting);
         loop {
-            if self.is_closed() {
-                return None;
-            }
-            if let Some(t) = self.try_take() {
-                return Some(t);
-            }
             let freed = self.freed.notified();
             tokio::pin!(freed);
-            // Registered before looking again: a tag given back from now on wakes it.
+            // Counted and registered before looking again: a tag given back from now on
+            // wakes it (a give sees the count, or this look sees the tag).
             freed.as_mut().enable();
             if self.is_closed() {
                 return None;
@@ -82,7 +94,9 @@ impl TagPool {
             free.push(tag);
             self.available.store(free.len(), Ordering::Relaxed);
         }
-        self.freed.notify_one();
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.freed.notify_one();
+        }
     }
 
     /// Gives several tags back.
@@ -95,9 +109,11 @@ impl TagPool {
             free.extend_from_slice(tags);
             self.available.store(free.len(), Ordering::Relaxed);
         }
-        // More than one caller may wait.
-        self.freed.notify_waiters();
-        self.freed.notify_one();
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            // More than one caller may wait.
+            self.freed.notify_waiters();
+            self.freed.notify_one();
+        }
     }
 
     /// Refuses every take from now on and wakes the callers that wait.
@@ -170,6 +186,20 @@ mod tests {
         }
         got.sort_unstable();
         assert_eq!(got, vec![0, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_caller_counts_as_waiting_only_while_it_waits() {
+        let p = Arc::new(TagPool::new(1));
+        let t = p.try_take().unwrap();
+        let waiter = spawn_take(&p).await;
+        assert_eq!(p.waiting.load(Ordering::SeqCst), 1);
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        assert_eq!(p.waiting.load(Ordering::SeqCst), 0);
+        p.give(t);
+        assert_eq!(p.take().await, Some(t));
+        assert_eq!(p.waiting.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test]
