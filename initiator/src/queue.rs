@@ -627,27 +627,37 @@ impl QueueHandle {
 
     /// Takes a slot (waiting for one if all are busy), fills its buffer with `fill` for
     /// host-to-controller data, and hands the command to the queue.
-    pub async fn start<F>(&self, req: Request, fill: F) -> Result<Pending<'_>, Error>
+    pub fn start<F>(
+        &self,
+        req: Request,
+        fill: F,
+    ) -> impl Future<Output = Result<Pending<'_>, Error>>
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
     {
-        self.start_with(req, fill, None).await
+        self.start_with(req, fill, None)
     }
 
     /// Takes a slot and hands over a command whose data the target moves straight to or from
     /// caller-registered memory (NVMe/RDMA). The command holds the memory until it ends (or
     /// until its queue pair is destroyed), whatever happens to the returned [`Pending`].
-    pub async fn start_direct(&self, req: Request, direct: Direct) -> Result<Pending<'_>, Error> {
+    pub fn start_direct(
+        &self,
+        req: Request,
+        direct: Direct,
+    ) -> impl Future<Output = Result<Pending<'_>, Error>> {
         self.start_with(req, |_| Ok(()), Some(Data::Direct(direct)))
-            .await
     }
 
     /// Takes a slot and hands over a read whose data is received into `lent` (at least
     /// `req.len` bytes) instead of the slot's buffer; [`Pending::take_lent`] gives it back.
     /// A lent buffer of a command that is abandoned is dropped when the slot is next used.
-    pub async fn start_lent(&self, req: Request, lent: Lent) -> Result<Pending<'_>, Error> {
+    pub fn start_lent(
+        &self,
+        req: Request,
+        lent: Lent,
+    ) -> impl Future<Output = Result<Pending<'_>, Error>> {
         self.start_with(req, |_| Ok(()), Some(Data::Lent(lent)))
-            .await
     }
 
     async fn start_with<F>(
