@@ -218,6 +218,27 @@ pub enum Stream {
     Tls(Box<SslStream<TcpSock>>),
 }
 
+/// Runs `read` (a non-blocking read of up to `want` bytes) on `s`; when it returns fewer
+/// bytes than `want` (but some), clears the socket's read readiness, which tokio does only
+/// for a read that would block. A read that drained the socket is short; data arriving after
+/// it is a new readiness event of the reactor, which the clear does not undo.
+fn read_draining(
+    s: &TcpStream,
+    want: usize,
+    read: impl FnOnce(&TcpStream) -> io::Result<usize>,
+) -> io::Result<usize> {
+    let mut short = None;
+    let r = s.try_io(Interest::READABLE, || match read(s)? {
+        n if n > 0 && n < want => {
+            short = Some(n);
+            // "Would block" is what makes tokio clear the readiness it read `s` with.
+            Err(io::ErrorKind::WouldBlock.into())
+        }
+        n => Ok(n),
+    });
+    short.map_or(r, Ok)
+}
+
 /// The socket under OpenSSL in a [`Stream::Tls`]: non-blocking reads and writes on the
 /// tokio socket, so that "would block" comes back as OpenSSL's WANT_READ/WANT_WRITE and
 /// clears tokio's readiness.
@@ -361,18 +382,28 @@ impl Stream {
     }
 
     /// Reads without blocking, as [`TcpStream::try_read`]: `Ok(0)` at the end of the stream,
-    /// `WouldBlock` when nothing can be read now.
+    /// `WouldBlock` when nothing can be read now. On plain TCP a read that fills less than
+    /// `buf` took everything the socket had, so it clears the socket's readiness as a read
+    /// that would block does (and as tokio's own `poll_read` does): the next look for data
+    /// waits for the reactor to see more instead of spending a `read` that finds nothing.
     pub fn try_read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Stream::Plain(s) => s.try_read(buf),
+            Stream::Plain(s) => {
+                let want = buf.len();
+                read_draining(s, want, |s| s.try_read(buf))
+            }
             Stream::Tls(s) => s.read(buf),
         }
     }
 
-    /// Reads into several buffers without blocking (TLS: into the first non-empty one).
+    /// Reads into several buffers without blocking (TLS: into the first non-empty one); a
+    /// short read clears the readiness of plain TCP as in [`try_read`](Self::try_read).
     pub fn try_read_vectored(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
         match self {
-            Stream::Plain(s) => s.try_read_vectored(bufs),
+            Stream::Plain(s) => {
+                let want = bufs.iter().map(|b| b.len()).sum();
+                read_draining(s, want, |s| s.try_read_vectored(bufs))
+            }
             Stream::Tls(s) => match bufs.iter_mut().find(|b| !b.is_empty()) {
                 Some(b) => s.read(b),
                 None => Ok(0),

@@ -108,3 +108,32 @@ async fn the_server_names_the_offered_identity_when_it_fails() {
     assert!(m.contains("the peer holds another PSK"), "{m}");
     assert!(m.contains(&format!("NVMe0R01 {HOST} {SUB}")), "{m}");
 }
+
+/// A read that takes less than it asked for drained the socket: the readiness is cleared
+/// (no `read` is spent finding nothing), and data that arrives later sets it again.
+#[tokio::test]
+async fn a_short_plain_read_clears_the_readiness_until_more_arrives() {
+    use std::task::{Context, Waker};
+    use tokio::io::{AsyncWriteExt, Interest};
+
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let mut s = Stream::Plain(l.accept().await.unwrap().0);
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut buf = [0u8; 64];
+    for word in [b"hello", b"again"] {
+        peer.write_all(word).await.unwrap();
+        s.ready(Interest::READABLE).await.unwrap();
+        assert_eq!(s.try_read(&mut buf).unwrap(), word.len());
+        assert_eq!(&buf[..word.len()], word);
+        assert!(s.tcp().poll_read_ready(&mut cx).is_pending());
+    }
+    // A read that fills its buffer leaves the readiness alone: more may wait.
+    peer.write_all(&[7; 100]).await.unwrap();
+    s.ready(Interest::READABLE).await.unwrap();
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    assert_eq!(s.try_read_vectored(&mut iov).unwrap(), 64);
+    assert!(s.tcp().poll_read_ready(&mut cx).is_ready());
+    assert_eq!(s.try_read(&mut buf).unwrap(), 36);
+    assert!(s.tcp().poll_read_ready(&mut cx).is_pending());
+}
