@@ -278,6 +278,12 @@ impl QueueShared {
         true
     }
 
+    /// Leaves the socket's readiness to the queue's task: no caller leads.
+    fn unlead(&self) {
+        self.leader.store(NO_TAG, Ordering::Relaxed);
+        *self.links.leader.lock() = None;
+    }
+
     /// Whether the driving caller's command ended while it drove.
     fn driver_done(&self) -> bool {
         self.driving.load(Ordering::Relaxed) == DRIVER_DONE
@@ -434,13 +440,14 @@ impl Engine {
                 // Ring reads ended: their completion words are the task's to write.
                 self.shared.links.task.notify_one();
             }
-            self.pick_leader(me);
             if self.shared.driver_done() && self.shared.busy() <= 1 {
                 // This caller's command ended and no other command is in flight: its answer
-                // goes back now. The socket is read again (and registered) by the next caller
-                // to wait, or by the task on its timer.
+                // goes back now, and nobody waits to lead. The socket is read again (and
+                // registered) by the next caller to wait, or by the task on its timer.
+                self.shared.unlead();
                 return;
             }
+            self.pick_leader(me);
             let mut cx = Context::from_waker(&self.link_waker);
             match self.live.as_ref() {
                 Some(live) if live.poll_ready(&mut cx) => {}
@@ -467,8 +474,7 @@ impl Engine {
             .flatten()
             .find(|&t| shared.lead(t));
         if pick.is_none() {
-            shared.leader.store(NO_TAG, Ordering::Relaxed);
-            *shared.links.leader.lock() = None;
+            shared.unlead();
         }
     }
 
