@@ -2,7 +2,8 @@
 //!
 //! ```toml
 //! [target]
-//! reactors = 2                      # data-plane threads (default: one per core)
+//! reactors = 2                      # data-plane threads (default: one per core, or per CPU of `cpus`)
+//! cpus = "0-1"                      # pin reactor N to the Nth of these CPUs (default: unpinned)
 //! poll_us = 50                      # busy-poll window after activity (default 50; 0: event-driven)
 //! handshake_timeout = "5s"          # ICReq and Fabrics Connect must be done within this
 //! max_connections = 16384           # open connections on the whole target
@@ -232,8 +233,13 @@ pub struct Config {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TargetSettings {
-    /// Data-plane threads; 0 = one per available core.
+    /// Data-plane threads; 0 = one per CPU of `cpus`, else one per available core.
     pub reactors: usize,
+    /// CPUs to pin the reactors to, written like `"0-7"` or `"0,2,4-6"`: reactor N runs
+    /// only on the Nth CPU of the list (wrapping around when there are more reactors than
+    /// CPUs), as a poll-mode target's core mask does. Unset: the kernel places them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<String>,
     /// Maximum I/O queues per controller.
     pub max_io_queues: u16,
     /// Maximum queue depth (entries) per queue.
@@ -328,10 +334,45 @@ pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
 /// The default busy-poll window of a reactor, in microseconds (`poll_us`).
 pub const DEFAULT_POLL_US: u32 = 50;
 
+/// The highest CPU number a `cpus` list may name.
+pub const MAX_CPU: usize = 4095;
+
+/// Parses a CPU list like `"0-7"` or `"0,2,4-6"` into CPU numbers, in the order written and
+/// without repeats. Errors name what is wrong in one line.
+pub fn parse_cpu_list(list: &str) -> Result<Vec<usize>, String> {
+    let mut cpus: Vec<usize> = Vec::new();
+    for part in list.split(',').map(str::trim) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let num = |v: &str| {
+            v.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&c| c <= MAX_CPU)
+                .ok_or_else(|| {
+                    format!("{part:?} in {list:?}: expected CPU numbers 0-{MAX_CPU}, like 0-7 or 0,2,4-6")
+                })
+        };
+        let (a, b) = (num(a)?, num(b)?);
+        if a > b {
+            return Err(format!(
+                "{part:?} in {list:?}: a range runs upwards, like 4-6"
+            ));
+        }
+        for c in a..=b {
+            if cpus.contains(&c) {
+                return Err(format!("CPU {c} is named twice in {list:?}"));
+            }
+            cpus.push(c);
+        }
+    }
+    Ok(cpus)
+}
+
 impl Default for TargetSettings {
     fn default() -> Self {
         TargetSettings {
             reactors: 0,
+            cpus: None,
             max_io_queues: 64,
             max_queue_depth: 128,
             mdts_kib: 1024,
@@ -759,6 +800,9 @@ impl Config {
                 ));
             }
         }
+        if let Some(list) = &t.cpus {
+            parse_cpu_list(list).map_err(|m| ConfigError::Invalid(format!("target.cpus: {m}")))?;
+        }
         if t.mdts_kib < 4 || !t.mdts_kib.is_power_of_two() || t.mdts_kib > 32 * 1024 {
             return bad(format!(
                 "target.mdts_kib = {}: must be a power of two between 4 and 32768",
@@ -1132,6 +1176,32 @@ pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_lists_parse_in_order_and_refuse_what_names_no_cpu_once() {
+        assert_eq!(parse_cpu_list("0-3").unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(parse_cpu_list("8, 2,4-5").unwrap(), vec![8, 2, 4, 5]);
+        for (list, why) in [
+            ("", "expected CPU numbers"),
+            ("a", "expected CPU numbers"),
+            ("1-", "expected CPU numbers"),
+            ("4096", "expected CPU numbers 0-4095"),
+            ("5-3", "a range runs upwards"),
+            ("0-2,2", "CPU 2 is named twice"),
+        ] {
+            let e = parse_cpu_list(list).unwrap_err();
+            assert!(e.contains(why), "{list:?}: {e}");
+        }
+        let e = Config::from_toml(
+            "[target]\ncpus = \"3-1\"\n[[listener]]\naddress = \"tcp://127.0.0.1:4420\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("target.cpus: \"3-1\" in \"3-1\": a range runs upwards"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_discovery_listener_on_an_io_listener_is_named() {

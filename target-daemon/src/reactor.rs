@@ -48,13 +48,16 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Starts the target's reactor threads (`reactors` in the settings; 0: one per core).
+    /// Starts the target's reactor threads (`reactors` in the settings; 0: one per CPU of
+    /// `cpus`, else one per core), each pinned to its CPU of `cpus` when that is set.
     pub fn start(
         target: &Arc<Target>,
     ) -> Result<(Arc<Pool>, Vec<std::thread::JoinHandle<()>>), StartError> {
-        let n = match target.settings.reactors {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
+        let cpus = reactor_cpus(target.settings.cpus.as_deref())?;
+        let n = match (target.settings.reactors, cpus.len()) {
+            (0, 0) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            (0, c) => c,
+            (n, _) => n,
         };
         let mut senders = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
@@ -62,9 +65,15 @@ impl Pool {
             let (tx, rx) = mpsc::unbounded_channel();
             senders.push(tx);
             let t = Arc::clone(target);
+            let cpu = (!cpus.is_empty()).then(|| cpus[i % cpus.len()]);
             let handle = std::thread::Builder::new()
                 .name(format!("nvmeof-reactor-{i}"))
-                .spawn(move || run(i, t, rx))
+                .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        pin_current_thread(i, cpu);
+                    }
+                    run(i, t, rx)
+                })
                 .map_err(StartError::Reactor)?;
             threads.push(handle);
         }
@@ -85,6 +94,38 @@ impl Pool {
                 c.refuse();
                 Stopped
             })
+    }
+}
+
+/// The CPUs of a `cpus` list (none when unset), each one this process may run on.
+fn reactor_cpus(list: Option<&str>) -> Result<Vec<usize>, StartError> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    let cpus = crate::config::parse_cpu_list(list).map_err(StartError::Cpus)?;
+    let allowed = rustix::thread::sched_getaffinity(None)
+        .map_err(|e| StartError::Cpus(format!("cannot read this process's CPUs: {e}")))?;
+    let usable = |c: usize| c < rustix::thread::CpuSet::MAX_CPU && allowed.is_set(c);
+    if let Some(c) = cpus.iter().find(|&&c| !usable(c)) {
+        let mine: Vec<String> = (0..rustix::thread::CpuSet::MAX_CPU)
+            .filter(|&c| allowed.is_set(c))
+            .map(|c| c.to_string())
+            .collect();
+        return Err(StartError::Cpus(format!(
+            "CPU {c} of {list:?} is not one this process may run on ({})",
+            mine.join(",")
+        )));
+    }
+    Ok(cpus)
+}
+
+/// Pins the calling reactor thread to `cpu` (checked as allowed at start; a failure now is
+/// logged and the reactor runs unpinned).
+fn pin_current_thread(reactor: usize, cpu: usize) {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        error!(reactor, cpu, error = %e, "cannot pin reactor to its CPU; it runs unpinned");
     }
 }
 
@@ -175,4 +216,26 @@ fn run(index: usize, target: Arc<Target>, mut rx: mpsc::UnboundedReceiver<Connec
         POLLER.with(|slot| slot.borrow_mut().take());
     }
     rt.block_on(local);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cpu_out_of_reach_fails_the_start_with_one_line() {
+        // (Pinning itself is tested on the daemon's process, whose threads are all its own.)
+        let mut cfg = crate::testing::config(&["null:1M"]);
+        cfg.target.cpus = Some((rustix::thread::CpuSet::MAX_CPU - 1).to_string());
+        let t = Target::build(&cfg).unwrap();
+        let e = Pool::start(&t)
+            .err()
+            .expect("a CPU out of reach")
+            .to_string();
+        assert!(
+            e.starts_with("target.cpus: CPU") && e.contains("is not one this process may run on"),
+            "{e}"
+        );
+        assert_eq!(reactor_cpus(None).unwrap(), Vec::<usize>::new());
+    }
 }

@@ -81,6 +81,9 @@ pub enum StartError {
     /// A reactor thread could not be started.
     #[error("cannot start reactor thread: {0}")]
     Reactor(std::io::Error),
+    /// The reactors cannot be pinned to the CPUs of `cpus`.
+    #[error("target.cpus: {0}")]
+    Cpus(String),
 }
 
 /// The running target's shared state.

@@ -266,6 +266,92 @@ fn busy_poll_reactors_serve_sleep_when_idle_and_stop() {
     assert_eq!(code, Some(0), "{log}");
 }
 
+/// The CPU numbers of a `Cpus_allowed_list` line of `/proc/.../status` (`0-3,8`).
+fn allowed_cpus(status: &str) -> Vec<usize> {
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list")
+        .trim();
+    let mut cpus = Vec::new();
+    for part in list.split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap());
+    }
+    cpus
+}
+
+#[test]
+fn reactors_are_pinned_to_the_listed_cpus_in_turn() {
+    let mine = allowed_cpus(&std::fs::read_to_string("/proc/self/status").unwrap());
+    // Two CPUs where there are two (one where there is one), three reactors: the third
+    // wraps around to the first CPU.
+    let cpus: Vec<usize> = mine.iter().copied().take(2).collect();
+    let list = cpus
+        .iter()
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let port = free_port();
+    let listen = format!("tcp://127.0.0.1:{port}");
+    let nqn = "nqn.2026-11.io.example:cpus";
+    let args = [
+        "--listen",
+        &listen,
+        "--subsystem",
+        nqn,
+        "--namespace",
+        "mem:16M",
+        "--reactors",
+        "3",
+        "--cpus",
+        &list,
+    ];
+    let t = TargetProcess::spawn(&args, port);
+    let task = format!("/proc/{}/task", t.pid());
+    let mut reactors: Vec<(u64, Vec<usize>)> = std::fs::read_dir(&task)
+        .unwrap()
+        .filter_map(|e| {
+            let tid = e.ok()?.file_name().into_string().ok()?;
+            let comm = std::fs::read_to_string(format!("{task}/{tid}/comm")).ok()?;
+            let status = std::fs::read_to_string(format!("{task}/{tid}/status")).ok()?;
+            comm.starts_with("nvmeof-reactor")
+                .then(|| (tid.parse().unwrap(), allowed_cpus(&status)))
+        })
+        .collect();
+    reactors.sort();
+    let pinned: Vec<Vec<usize>> = reactors.into_iter().map(|(_, c)| c).collect();
+    let want: Vec<Vec<usize>> = (0..3).map(|i| vec![cpus[i % cpus.len()]]).collect();
+    assert_eq!(pinned, want, "reactor CPUs in start order");
+    // And they serve.
+    let (_admin, cntlid) = RawHost::admin(t.addr(), nqn);
+    let mut io = RawHost::io_queue(t.addr(), nqn, cntlid, 1);
+    let mut read = build::read_write(false, 1, 1, 0, 1);
+    read.dptr = SglDescriptor::tcp_transport(4096);
+    assert_eq!(ok_data(io.command(&read, &[], &[])).len(), 4096);
+    let (code, log) = t.terminate();
+    assert_eq!(code, Some(0), "{log}");
+
+    // A CPU this process may not run on fails the start with one line.
+    let out = Command::new(bin_path("nvmeof-targetd"))
+        .args([
+            "--listen",
+            &listen,
+            "--namespace",
+            "null:1M",
+            "--cpus",
+            "4095",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("target.cpus: CPU 4095 of \"4095\" is not one this process may run on"),
+        "{err}"
+    );
+}
+
 #[test]
 fn keep_alive_timeout_tears_the_controller_down() {
     let t = TargetProcess::quick("nqn.2026-11.io.example:ka", &["mem:8M"]);

@@ -72,9 +72,15 @@ struct Args {
     #[arg(long, value_name = "NQN")]
     host: Vec<String>,
 
-    /// Data-plane threads (default: the config's value, else one per core).
+    /// Data-plane threads (default: the config's value, else one per CPU of --cpus, else
+    /// one per core).
     #[arg(long, value_name = "N")]
     reactors: Option<usize>,
+
+    /// Pin reactor N to the Nth of these CPUs, e.g. 0-7 or 0,2,4-6 (wrapping around when
+    /// there are more reactors than CPUs; default: the config's value, else unpinned).
+    #[arg(long, value_name = "LIST")]
+    cpus: Option<String>,
 
     /// Busy-poll window in microseconds: while commands arrive densely, reactors poll their
     /// connections this long after each before sleeping, four times as long after the last
@@ -232,6 +238,9 @@ fn load_config(args: &Args) -> anyhow::Result<(Config, Option<TargetSettings>)> 
     };
     if let Some(n) = args.reactors {
         cfg.target.reactors = n;
+    }
+    if let Some(list) = &args.cpus {
+        cfg.target.cpus = Some(list.clone());
     }
     if let Some(us) = args.poll_us {
         cfg.target.poll_us = us;
