@@ -309,19 +309,28 @@ fn reactors_are_pinned_to_the_listed_cpus_in_turn() {
     ];
     let t = TargetProcess::spawn(&args, port);
     let task = format!("/proc/{}/task", t.pid());
-    let mut reactors: Vec<(u64, Vec<usize>)> = std::fs::read_dir(&task)
-        .unwrap()
-        .filter_map(|e| {
-            let tid = e.ok()?.file_name().into_string().ok()?;
-            let comm = std::fs::read_to_string(format!("{task}/{tid}/comm")).ok()?;
-            let status = std::fs::read_to_string(format!("{task}/{tid}/status")).ok()?;
-            comm.starts_with("nvmeof-reactor")
-                .then(|| (tid.parse().unwrap(), allowed_cpus(&status)))
-        })
-        .collect();
-    reactors.sort();
-    let pinned: Vec<Vec<usize>> = reactors.into_iter().map(|(_, c)| c).collect();
+    let reactor_cpus = || {
+        let mut reactors: Vec<(u64, Vec<usize>)> = std::fs::read_dir(&task)
+            .unwrap()
+            .filter_map(|e| {
+                let tid = e.ok()?.file_name().into_string().ok()?;
+                let comm = std::fs::read_to_string(format!("{task}/{tid}/comm")).ok()?;
+                let status = std::fs::read_to_string(format!("{task}/{tid}/status")).ok()?;
+                comm.starts_with("nvmeof-reactor")
+                    .then(|| (tid.parse().unwrap(), allowed_cpus(&status)))
+            })
+            .collect();
+        reactors.sort();
+        reactors.into_iter().map(|(_, c)| c).collect::<Vec<_>>()
+    };
     let want: Vec<Vec<usize>> = (0..3).map(|i| vec![cpus[i % cpus.len()]]).collect();
+    // Each reactor pins itself as it starts, which may come after the listener is up.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut pinned = reactor_cpus();
+    while pinned != want && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        pinned = reactor_cpus();
+    }
     assert_eq!(pinned, want, "reactor CPUs in start order");
     // And they serve.
     let (_admin, cntlid) = RawHost::admin(t.addr(), nqn);
