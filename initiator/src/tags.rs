@@ -1,7 +1,8 @@
 //! A queue's free command identifiers (tags): callers take one for each command, waiting
 //! while all are in flight; the GPU request rings take what is free without waiting; a tag
 //! comes back when its command's slot is released. One short lock per take and per give, no
-//! semaphore: a caller waits on a [`Notify`] only when none is free.
+//! semaphore: a caller waits on a [`Notify`] only when none is free, and a give notifies only
+//! while a caller waits.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
