@@ -123,18 +123,22 @@ impl TargetProcess {
 
     /// Starts a target on a free port exporting `namespaces` in `nqn` to any host.
     pub fn quick(nqn: &str, namespaces: &[&str]) -> Self {
+        Self::quick_with(nqn, namespaces, &["--reactors", "2"])
+    }
+
+    /// Like [`quick`](Self::quick), with `extra` flags instead of two reactors.
+    pub fn quick_with(nqn: &str, namespaces: &[&str], extra: &[&str]) -> Self {
         let (t, _) = Self::spawn_on_free_ports(1, |ports| {
             let mut args = vec![
                 "--listen".to_string(),
                 format!("tcp://127.0.0.1:{}", ports[0]),
                 "--subsystem".into(),
                 nqn.into(),
-                "--reactors".into(),
-                "2".into(),
             ];
             for ns in namespaces {
                 args.extend(["--namespace".to_string(), ns.to_string()]);
             }
+            args.extend(extra.iter().map(|a| a.to_string()));
             args
         });
         t

@@ -218,22 +218,8 @@ fn sigterm_keeps_acknowledged_writes_and_identity_is_stable() {
 
 #[test]
 fn busy_poll_reactors_serve_sleep_when_idle_and_stop() {
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
     let nqn = "nqn.2026-11.io.example:poll";
-    let args = [
-        "--listen",
-        &listen,
-        "--subsystem",
-        nqn,
-        "--namespace",
-        "mem:16M",
-        "--reactors",
-        "1",
-        "--poll-us",
-        "2000",
-    ];
-    let t = TargetProcess::spawn(&args, port);
+    let t = TargetProcess::quick_with(nqn, &["mem:16M"], &["--reactors", "1", "--poll-us", "2000"]);
     let (_admin, cntlid) = RawHost::admin(t.addr(), nqn);
     let mut io = RawHost::io_queue(t.addr(), nqn, cntlid, 1);
     let data: Vec<u8> = (0..16 * 1024u32).map(|i| (i * 13 % 251) as u8).collect();
@@ -292,22 +278,8 @@ fn reactors_are_pinned_to_the_listed_cpus_in_turn() {
         .map(|c| c.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let port = free_port();
-    let listen = format!("tcp://127.0.0.1:{port}");
     let nqn = "nqn.2026-11.io.example:cpus";
-    let args = [
-        "--listen",
-        &listen,
-        "--subsystem",
-        nqn,
-        "--namespace",
-        "mem:16M",
-        "--reactors",
-        "3",
-        "--cpus",
-        &list,
-    ];
-    let t = TargetProcess::spawn(&args, port);
+    let t = TargetProcess::quick_with(nqn, &["mem:16M"], &["--reactors", "3", "--cpus", &list]);
     let task = format!("/proc/{}/task", t.pid());
     let reactor_cpus = || {
         let mut reactors: Vec<(u64, Vec<usize>)> = std::fs::read_dir(&task)
@@ -342,6 +314,7 @@ fn reactors_are_pinned_to_the_listed_cpus_in_turn() {
     assert_eq!(code, Some(0), "{log}");
 
     // A CPU this process may not run on fails the start with one line.
+    let listen = format!("tcp://127.0.0.1:{}", free_port());
     let out = Command::new(bin_path("nvmeof-targetd"))
         .args([
             "--listen",
