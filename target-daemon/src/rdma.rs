@@ -48,6 +48,7 @@ use crate::engine::{Closed, Engine, Fault, Fetch, Refused, Step, Transport};
 use crate::log_limited;
 use crate::queue::{HostSgl, QueueState};
 use crate::ratelimit::LogKind;
+use crate::reactor::ConnKey;
 use crate::reactor::Pool;
 use crate::target::Target;
 
@@ -248,6 +249,8 @@ struct Conn {
     /// The command engine; a command's tag is its token in [`Wire::cmds`].
     e: Engine<u32>,
     w: Wire,
+    /// This connection to its reactor's poller.
+    key: ConnKey,
 }
 
 /// The transport's side of the engine ([`Transport`]) on one NVMe/RDMA queue pair: the
@@ -309,6 +312,7 @@ pub(crate) async fn serve(target: Arc<Target>, inc: Incoming) {
             broken: None,
             blank: Sqe::from_array(&[0; 64]),
         },
+        key: ConnKey::new(),
     };
     let reason = conn.run().await;
     conn.e.finish(&reason, peer, "rdma");
@@ -345,7 +349,7 @@ impl Conn {
             }
             if !evs.is_empty() {
                 self.e.q.tick();
-                crate::reactor::note_activity();
+                crate::reactor::note_activity(self.key);
             }
             for ev in evs.drain(..) {
                 self.on_event(ev);

@@ -20,8 +20,9 @@
 //! buffers shrink again when the connection goes idle.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Read};
 use std::sync::Arc;
+use std::time::Instant;
 
 use blockdev::{BufPool, IoBuf, SharedPiece};
 use nvme_spec::{Cqe, Sqe};
@@ -39,6 +40,7 @@ use crate::log_limited;
 use crate::memory::Charge;
 use crate::queue::QueueState;
 use crate::ratelimit::LogKind;
+use crate::reactor::{self, ConnKey};
 use crate::target::Target;
 
 /// Stop handling received PDUs while this much waits to be sent: the send buffer of a
@@ -66,6 +68,9 @@ const FLUSH_EVERY: usize = 16;
 const SHARED_READ_MIN: usize = 32 * 1024;
 /// Most slices gathered into one vectored write.
 const FLUSH_IOV: usize = 64;
+/// A connection reading its socket in a loop ([`Conn::spin_receive`]) looks at the clock once
+/// every this many reads that found nothing.
+const SPIN_CLOCK_EVERY: u32 = 16;
 /// How often a connection waiting for the memory budget looks again without being woken.
 const BUDGET_RECHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -95,6 +100,8 @@ struct Conn {
     /// Bytes of the free buffers in `pool`, as of the last turn of the connection's loop (the
     /// pool is counted once per turn, not per PDU).
     pool_cached: usize,
+    /// This connection to its reactor's poller.
+    key: ConnKey,
 }
 
 /// An accepted NVMe/TCP socket on its way to a reactor, with its place in the connection
@@ -177,6 +184,7 @@ pub async fn serve(target: Arc<Target>, stream: TcpStream, permit: Permit) {
         in_flight_bytes: 0,
         charge: Charge::new(&target.memory),
         pool_cached: 0,
+        key: ConnKey::new(),
     };
     let reason = conn.run().await;
     let _ = conn.flush();
@@ -231,6 +239,25 @@ impl Conn {
                 (false, true) => Some(Interest::WRITABLE),
                 (false, false) => None,
             };
+            if can_read
+                && !want_write
+                && !held_back
+                && self.e.closing.is_none()
+                && self.e.in_flight() == 0
+            {
+                // Nothing runs on a backend and nothing waits to be sent: read the next
+                // command the moment it comes if the reactor lets this connection do so.
+                match self.spin_receive() {
+                    Ok(true) => continue,
+                    Ok(false) => {}
+                    Err(reason) => {
+                        if let Some(reason) = self.on_receive_error(reason) {
+                            return reason;
+                        }
+                        continue;
+                    }
+                }
+            }
             // Over the memory budget: look again once another connection gave some back (or
             // after a short while, in case that happened before this connection waited).
             let budget = over_budget.then(|| Arc::clone(self.charge.budget()));
@@ -330,6 +357,49 @@ impl Conn {
         }
     }
 
+    /// While [`reactor::spin_until`] allows (plain TCP only: TLS records are read through
+    /// the stream), reads the socket directly, without waiting for the runtime to report it
+    /// readable, until data comes or the time passes. Returns whether data came (and was
+    /// handled). The runtime's readiness of the socket is left as it was: at worst the next
+    /// wait finds it readable and spends one read that finds nothing.
+    fn spin_receive(&mut self) -> Result<bool, Closed> {
+        if self.stream.is_tls() {
+            return Ok(false);
+        }
+        let Some(until) = reactor::spin_until(self.key) else {
+            return Ok(false);
+        };
+        let sock = socket2::SockRef::from(self.stream.tcp());
+        let mut turns = 0u32;
+        loop {
+            let asked = self.engine.recv_hint(READ_CHUNK);
+            let buf = self.engine.recv_buf(asked);
+            match (&*sock).read(buf) {
+                // The end of the stream, like an error, is left to the runtime's wait to find.
+                Ok(0) => return Ok(false),
+                Ok(n) => {
+                    self.received(n)?;
+                    return Ok(true);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    turns += 1;
+                    if turns % SPIN_CLOCK_EVERY == 0 && Instant::now() >= until {
+                        return Ok(false);
+                    }
+                }
+                Err(_) => return Ok(false),
+            }
+        }
+    }
+
+    /// Takes `n` bytes just read into the receive buffer and handles every complete PDU.
+    fn received(&mut self, n: usize) -> Result<(), Closed> {
+        self.engine.commit_recv(n);
+        self.e.q.tick();
+        reactor::note_activity(self.key);
+        self.handle_events()
+    }
+
     /// Reads what the socket has and handles every complete PDU.
     fn receive(&mut self) -> Result<(), Closed> {
         for _ in 0..4 {
@@ -338,10 +408,7 @@ impl Conn {
             match self.stream.try_read(buf) {
                 Ok(0) => return Err(Closed::HostClosed),
                 Ok(n) => {
-                    self.engine.commit_recv(n);
-                    self.e.q.tick();
-                    crate::reactor::note_activity();
-                    self.handle_events()?;
+                    self.received(n)?;
                     if self.paused || n < asked {
                         break;
                     }

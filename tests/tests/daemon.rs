@@ -252,6 +252,76 @@ fn busy_poll_reactors_serve_sleep_when_idle_and_stop() {
     assert_eq!(code, Some(0), "{log}");
 }
 
+/// An I/O queue's read of `blocks` 4 KiB blocks at `lba`.
+fn read_sqe(lba: u64, blocks: u32) -> Sqe {
+    let mut read = build::read_write(false, 2, 1, lba, blocks);
+    read.dptr = SglDescriptor::tcp_transport(blocks * 4096);
+    read
+}
+
+/// A write of `data` at `lba` through `q`, checked.
+fn write_checked(q: &mut RawHost, lba: u64, data: &[u8]) {
+    let mut w = build::read_write(true, 1, 1, lba, (data.len() / 4096) as u32);
+    w.dptr = SglDescriptor::tcp_transport(data.len() as u32);
+    match q.command(&w, &[], data) {
+        Reply::Completion(c, _) => assert!(c.status().is_success(), "{}", c.status()),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_connection_alone_on_its_reactor_reads_in_a_loop_and_the_others_are_still_served() {
+    // One reactor, its window open between the test's commands: the queue that alone sends
+    // dense commands reads its socket in a loop after each answer; the other queue, and
+    // commands that arrive in pieces, must be served all the same.
+    let nqn = "nqn.2026-11.io.example:spin";
+    let t = TargetProcess::quick_with(nqn, &["mem:16M"], &["--reactors", "1", "--poll-us", "1000"]);
+    let (_admin, cntlid) = RawHost::admin(t.addr(), nqn);
+    let mut a = RawHost::io_queue(t.addr(), nqn, cntlid, 1);
+    let mut b = RawHost::io_queue(t.addr(), nqn, cntlid, 2);
+    let pattern = |seed: u32| -> Vec<u8> {
+        (0..8 * 4096u32)
+            .map(|i| (i.wrapping_mul(seed) % 251) as u8)
+            .collect()
+    };
+    write_checked(&mut a, 0, &pattern(7));
+    for round in 0..400u32 {
+        assert!(
+            ok_data(a.command(&read_sqe(0, 8), &[], &[])) == pattern(7),
+            "round {round}: queue 1's read"
+        );
+        if round % 100 == 99 {
+            // The other queue writes while the first reads in a loop; the first reads it.
+            write_checked(&mut b, 64, &pattern(round));
+            assert!(
+                ok_data(a.command(&read_sqe(64, 8), &[], &[])) == pattern(round),
+                "round {round}: queue 2's write read through queue 1"
+            );
+        }
+    }
+    // A command that arrives in two pieces, split at every place of its 72 bytes: the
+    // reading loop takes the first piece, and the command once the rest came.
+    for split in 1..72 {
+        a.conn
+            .send_capsule_cmd(&read_sqe(0, 1).to_array(), &[])
+            .unwrap();
+        let bytes = a.conn.pending_send().to_vec();
+        a.conn.consume_sent(bytes.len());
+        RawHost::send_raw(&mut a.stream, &bytes[..split]);
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_micros(20) {
+            std::hint::spin_loop();
+        }
+        RawHost::send_raw(&mut a.stream, &bytes[split..]);
+        assert!(
+            ok_data(a.wait(&[])) == pattern(7)[..4096],
+            "a read split after {split} bytes"
+        );
+    }
+    let (code, log) = t.terminate();
+    assert_eq!(code, Some(0), "{log}");
+}
+
 /// The CPU numbers of a `Cpus_allowed_list` line of `/proc/.../status` (`0-3,8`).
 fn allowed_cpus(status: &str) -> Vec<usize> {
     let list = status
