@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use busy_poll::PollGate;
+use busy_poll::{Alone, PollGate, SPIN_MAX};
 use tokio::sync::{Notify, mpsc};
 use tracing::error;
 
@@ -158,36 +158,6 @@ impl ConnKey {
     }
 }
 
-/// Whether one connection alone has been receiving data on a reactor: the last connection
-/// that did, and until when it has not been alone (another one received data within the hold
-/// before that).
-#[derive(Clone, Copy, Debug, Default)]
-struct Alone {
-    last: Option<ConnKey>,
-    shared_until: Option<Instant>,
-}
-
-impl Alone {
-    /// Notes that `conn` received data at `now`.
-    fn arrived(&mut self, conn: ConnKey, now: Instant, hold: Duration) {
-        if self.last != Some(conn) {
-            if self.last.is_some() {
-                self.shared_until = Some(now + hold);
-            }
-            self.last = Some(conn);
-        }
-    }
-
-    /// Whether `conn` is the only connection that received data within the hold before `now`.
-    fn alone(&self, conn: ConnKey, now: Instant) -> bool {
-        self.last == Some(conn) && self.shared_until.is_none_or(|t| now >= t)
-    }
-}
-
-/// The longest a connection reads its socket in a loop before the rest of its reactor runs
-/// again ([`spin_until`]), whatever the poll window.
-pub const SPIN_MAX: Duration = Duration::from_micros(50);
-
 /// The busy-poll state of one reactor thread.
 struct Poller {
     gate: Cell<PollGate>,
@@ -213,7 +183,7 @@ pub(crate) fn note_activity(conn: ConnKey) {
             gate.arrived(now);
             p.gate.set(gate);
             let mut alone = p.alone.get();
-            alone.arrived(conn, now, p.window * HOLD);
+            alone.arrived(conn.0, now, p.window * HOLD);
             p.alone.set(alone);
             if p.sleeping.get() && gate.polling(now) {
                 p.wake.notify_one();
@@ -234,7 +204,7 @@ pub(crate) fn spin_until(conn: ConnKey) -> Option<Instant> {
         let now = Instant::now();
         let left = p.gate.get().remaining(now);
         let spin = left.min(p.window).min(SPIN_MAX);
-        (!left.is_zero() && p.alone.get().alone(conn, now)).then(|| now + spin)
+        (!left.is_zero() && p.alone.get().alone(conn.0, now)).then(|| now + spin)
     })
 }
 
@@ -312,28 +282,5 @@ mod tests {
             "{e}"
         );
         assert_eq!(reactor_cpus(None).unwrap(), Vec::<usize>::new());
-    }
-
-    #[test]
-    fn a_connection_is_alone_until_another_receives_and_again_a_hold_later() {
-        let hold = Duration::from_micros(200);
-        let us = |n| Duration::from_micros(n);
-        let (a, b) = (ConnKey::new(), ConnKey::new());
-        let t = Instant::now();
-        let mut alone = Alone::default();
-        assert!(!alone.alone(a, t), "nobody received anything yet");
-        alone.arrived(a, t, hold);
-        assert!(alone.alone(a, t) && !alone.alone(b, t));
-        alone.arrived(a, t + us(10), hold);
-        assert!(alone.alone(a, t + us(10)));
-
-        // b receives: neither is alone until a hold has passed with only one of them.
-        alone.arrived(b, t + us(20), hold);
-        assert!(!alone.alone(a, t + us(21)) && !alone.alone(b, t + us(21)));
-        alone.arrived(a, t + us(30), hold);
-        assert!(!alone.alone(a, t + us(31)));
-        assert!(!alone.alone(a, t + us(229)), "b was active 200 us before");
-        assert!(alone.alone(a, t + us(230)));
-        assert!(!alone.alone(b, t + us(230)), "a received last");
     }
 }

@@ -20,7 +20,7 @@
 //! buffers shrink again when the connection goes idle.
 
 use std::collections::HashMap;
-use std::io::{self, Read};
+use std::io;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -369,12 +369,11 @@ impl Conn {
         let Some(until) = reactor::spin_until(self.key) else {
             return Ok(false);
         };
-        let sock = socket2::SockRef::from(self.stream.tcp());
         let mut turns = 0u32;
         loop {
             let asked = self.engine.recv_hint(READ_CHUNK);
             let buf = self.engine.recv_buf(asked);
-            match (&*sock).read(buf) {
+            match self.stream.read_now(buf) {
                 // The end of the stream, like an error, is left to the runtime's wait to find.
                 Ok(0) => return Ok(false),
                 Ok(n) => {

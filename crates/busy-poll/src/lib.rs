@@ -47,6 +47,47 @@ const THRESHOLD: u16 = FULL / 4;
 /// Weight of the newest arrival: 1/8.
 const SHIFT: u16 = 3;
 
+/// The longest a party that is [`Alone`] on its thread should read its socket in a loop before
+/// the thread's other work runs again, whatever the window.
+pub const SPIN_MAX: Duration = Duration::from_micros(50);
+
+/// Whether one party (a connection, a queue: any `u64` key) alone has been receiving data on
+/// a thread that several share: the last one that did, and until when it has not been alone
+/// (another one received data within the hold before that). A party alone on its thread may
+/// read its own socket in a loop for a while (at most [`SPIN_MAX`] at a time) instead of
+/// going back to the thread's event loop, which nobody else is then waiting for.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Alone {
+    last: Option<u64>,
+    shared_until: Option<Instant>,
+}
+
+impl Alone {
+    /// Nobody received anything yet.
+    pub const fn new() -> Alone {
+        Alone {
+            last: None,
+            shared_until: None,
+        }
+    }
+
+    /// Notes that `party` received data at `now`; another party's data ends its being alone
+    /// until `hold` after that.
+    pub fn arrived(&mut self, party: u64, now: Instant, hold: Duration) {
+        if self.last != Some(party) {
+            if self.last.is_some() {
+                self.shared_until = Some(now + hold);
+            }
+            self.last = Some(party);
+        }
+    }
+
+    /// Whether `party` is the only one that received data within the hold before `now`.
+    pub fn alone(&self, party: u64, now: Instant) -> bool {
+        self.last == Some(party) && self.shared_until.is_none_or(|t| now >= t)
+    }
+}
+
 /// The busy-poll decision of one queue or thread (see the crate documentation).
 #[derive(Debug, Clone, Copy)]
 pub struct PollGate {
@@ -77,6 +118,11 @@ impl PollGate {
             submitted: None,
             share: 0,
         }
+    }
+
+    /// The window arrivals are scored against.
+    pub fn window(&self) -> Duration {
+        self.window
     }
 
     /// Notes data received at `now`, scoring it against the previous activity.
@@ -138,6 +184,27 @@ mod tests {
             g.arrived(t);
         }
         t
+    }
+
+    #[test]
+    fn a_party_is_alone_until_another_receives_and_again_a_hold_later() {
+        let hold = us(200);
+        let t = Instant::now();
+        let mut alone = Alone::default();
+        assert!(!alone.alone(1, t), "nobody received anything yet");
+        alone.arrived(1, t, hold);
+        assert!(alone.alone(1, t) && !alone.alone(2, t));
+        alone.arrived(1, t + us(10), hold);
+        assert!(alone.alone(1, t + us(10)));
+
+        // 2 receives: neither is alone until a hold has passed with only one of them.
+        alone.arrived(2, t + us(20), hold);
+        assert!(!alone.alone(1, t + us(21)) && !alone.alone(2, t + us(21)));
+        alone.arrived(1, t + us(30), hold);
+        assert!(!alone.alone(1, t + us(31)));
+        assert!(!alone.alone(1, t + us(229)), "2 was active 200 us before");
+        assert!(alone.alone(1, t + us(230)));
+        assert!(!alone.alone(2, t + us(230)), "1 received last");
     }
 
     #[test]

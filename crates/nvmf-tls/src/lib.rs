@@ -396,6 +396,25 @@ impl Stream {
         }
     }
 
+    /// Reads without blocking and without asking the runtime first: on plain TCP a `recv`
+    /// straight on the socket, whether or not the runtime has seen it readable yet, for a
+    /// caller that polls its socket itself; the runtime's readiness is left as it was (a later
+    /// [`try_read`](Self::try_read) may find nothing). TLS: as `try_read`.
+    pub fn read_now(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => (&*socket2::SockRef::from(&*s)).read(buf),
+            Stream::Tls(_) => self.try_read(buf),
+        }
+    }
+
+    /// [`read_now`](Self::read_now) into several buffers.
+    pub fn read_vectored_now(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => (&*socket2::SockRef::from(&*s)).read_vectored(bufs),
+            Stream::Tls(_) => self.try_read_vectored(bufs),
+        }
+    }
+
     /// Reads into several buffers without blocking (TLS: into the first non-empty one); a
     /// short read clears the readiness of plain TCP as in [`try_read`](Self::try_read).
     pub fn try_read_vectored(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {

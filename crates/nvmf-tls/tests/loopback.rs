@@ -137,3 +137,35 @@ async fn a_short_plain_read_clears_the_readiness_until_more_arrives() {
     assert_eq!(s.try_read(&mut buf).unwrap(), 36);
     assert!(s.tcp().poll_read_ready(&mut cx).is_pending());
 }
+
+#[tokio::test]
+async fn a_read_now_takes_data_the_runtime_has_not_reported_yet() {
+    use std::task::{Context, Waker};
+    use tokio::io::AsyncWriteExt;
+
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut peer = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let mut s = Stream::Plain(l.accept().await.unwrap().0);
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut buf = [0u8; 64];
+    // Nothing yet: "would block", straight from the socket.
+    let e = s.read_now(&mut buf).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+    // The readiness is cleared by a read that finds nothing...
+    while s.tcp().poll_read_ready(&mut cx).is_ready() {
+        assert!(s.try_read(&mut buf).is_err());
+    }
+    // ...and data that arrives then is read at once, before the runtime reports it (on
+    // loopback it is in the socket when the peer's write returns).
+    peer.write_all(b"hello").await.unwrap();
+    assert!(
+        s.try_read(&mut buf).is_err(),
+        "try_read waits for the runtime"
+    );
+    assert_eq!(s.read_now(&mut buf).unwrap(), 5);
+    assert_eq!(&buf[..5], b"hello");
+    peer.write_all(b"again").await.unwrap();
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    assert_eq!(s.read_vectored_now(&mut iov).unwrap(), 5);
+    assert_eq!(&buf[..5], b"again");
+}
