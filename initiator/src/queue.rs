@@ -45,7 +45,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use busy_poll::{Alone, PollGate, SPIN_MAX};
+use busy_poll::PollGate;
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -358,17 +358,6 @@ impl std::task::Wake for LinkWaker {
     }
 }
 
-thread_local! {
-    /// Which queue alone received data on this thread lately ([`Engine::spin`]).
-    static ALONE: std::cell::Cell<Alone> = const {
-        std::cell::Cell::new(Alone::new())
-    };
-}
-
-/// A caller reading its link in a loop ([`Engine::spin`]) looks at the clock once every this
-/// many reads that found nothing.
-const SPIN_CLOCK_EVERY: u32 = 16;
-
 /// A queue's core and link, and who drives them (see the module documentation).
 pub(crate) struct Engine {
     core: Core<Arc<QueueShared>>,
@@ -445,7 +434,7 @@ impl Engine {
         for _ in 0..DRIVE_ROUNDS {
             self.flush();
             if self.receive() {
-                self.arrived();
+                self.poll.arrived(self.core.now.into_std());
             }
             if self.core.has_ring_done() {
                 // Ring reads ended: their completion words are the task's to write.
@@ -467,72 +456,6 @@ impl Engine {
         }
         // Still more after several rounds: whoever leads comes back for it.
         self.link_waker.wake_by_ref();
-    }
-
-    /// Notes data received at `core.now`: for the poll gate, and for whether this queue is
-    /// the only one of its thread receiving ([`spin`](Self::spin)).
-    fn arrived(&mut self) {
-        let now = self.core.now.into_std();
-        self.poll.arrived(now);
-        let hold = self.poll.window() * 4;
-        let party = self.party();
-        ALONE.with(|a| {
-            let mut alone = a.get();
-            alone.arrived(party, now, hold);
-            a.set(alone);
-        });
-    }
-
-    /// This queue among the parties of [`ALONE`].
-    fn party(&self) -> u64 {
-        Arc::as_ptr(&self.shared) as usize as u64
-    }
-
-    /// Inside the busy-poll window, when the command of `me` is the only one in flight and
-    /// this queue the only one of its thread that received data lately: reads the link in a
-    /// loop, without going back to the runtime, until that command ends (or [`SPIN_MAX`], or
-    /// the window, passes). The answer is then taken the moment it arrives, with no turn of
-    /// the runtime in between; nobody else waits on this queue, and nothing else on this
-    /// thread received anything lately. Plain NVMe/TCP only ([`Link::reads_now`]).
-    fn spin(&mut self, me: u16) {
-        if self.shared.busy() > 1 || !self.live.as_ref().is_some_and(Link::reads_now) {
-            return;
-        }
-        let now = self.core.now.into_std();
-        let party = self.party();
-        if !ALONE.with(|a| a.get().alone(party, now))
-            || self.shared.slots[usize::from(me)].lock().phase != Phase::Waiting
-        {
-            return;
-        }
-        let until = now + self.poll.remaining(now).min(SPIN_MAX);
-        self.shared.driving.store(u32::from(me), Ordering::Relaxed);
-        let mut turns = 0u32;
-        while let Some(live) = self.live.as_mut() {
-            match live.receive_now(&mut self.core, link::RECEIVE_ALL) {
-                Ok(true) => {
-                    self.core.now = Instant::now();
-                    self.arrived();
-                    if self.shared.driver_done() {
-                        if self.shared.busy() <= 1 {
-                            self.shared.unlead();
-                        }
-                        break;
-                    }
-                }
-                Ok(false) => {
-                    turns += 1;
-                    if turns % SPIN_CLOCK_EVERY == 0 && std::time::Instant::now() >= until {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    self.lose(e);
-                    break;
-                }
-            }
-        }
-        self.shared.driving.store(NO_TAG, Ordering::Relaxed);
     }
 
     /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
@@ -914,9 +837,6 @@ impl Pending<'_> {
             } else if !unsent || flush_by == me {
                 e.drive(Some(self.tag));
                 let spin = e.poll.polling(e.core.now.into_std());
-                if spin {
-                    e.spin(self.tag);
-                }
                 drop(e);
                 if let Some(r) = self.check(cx) {
                     return Poll::Ready(r);

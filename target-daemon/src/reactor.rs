@@ -16,7 +16,7 @@
 //!
 //! A connection that is the only one of its reactor to have received data within the hold
 //! may also, after answering, read its own socket in a loop for up to one window
-//! ([`spin_until`]) instead of going back to the runtime: the next command is taken the moment
+//! (`spin_until`) instead of going back to the runtime: the next command is taken the moment
 //! it arrives, without a turn of the runtime's I/O driver, timers and task queue in between
 //! (on NVMe/TCP, a QD1 read's answer leaves about 0.8 µs sooner). While it does, nothing else
 //! of the reactor runs, so it reads for [`SPIN_MAX`] at most at a time, and a connection

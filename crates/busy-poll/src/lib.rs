@@ -120,11 +120,6 @@ impl PollGate {
         }
     }
 
-    /// The window arrivals are scored against.
-    pub fn window(&self) -> Duration {
-        self.window
-    }
-
     /// Notes data received at `now`, scoring it against the previous activity.
     pub fn arrived(&mut self, now: Instant) {
         let hit = self
