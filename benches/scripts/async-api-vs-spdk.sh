@@ -2,7 +2,11 @@
 # The async API and the queue pairs beside SPDK's host, against SPDK's target and against ours,
 # on a 16-core machine: targets on CPUs 0-7 (8 reactors each), clients on CPUs 8-15.
 #
-#   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS]
+#   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS] [qd1-interleaved]
+#
+# With qd1-interleaved, only the QD1 point runs, and each round starts and stops the two targets
+# in turn (SPDK's first on odd rounds), so that QD1 against one target is measured minutes, not
+# tens of minutes, from QD1 against the other.
 #
 # BIN_DIR holds nvmeof-targetd and nvmeof-bench (release builds); SPDK_DIR holds nvmf_tgt and
 # spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). For SPDK's
@@ -16,7 +20,7 @@
 # the load generator's JSON and every point (points.txt) go to OUT_DIR; the medians per point
 # and client are printed at the end.
 set -u
-out=$1 bin=$2 spdk=$3 rounds=${4:-3}
+out=$1 bin=$2 spdk=$3 rounds=${4:-3} mode=${5:-all}
 mkdir -p "$out"
 # Which CPUs share a physical core (SMT siblings), to read the one-core rows with.
 lscpu -e > "$out/lscpu.txt" 2>&1 || true
@@ -81,13 +85,17 @@ point() { # TARGET POINT CLIENT ROUND PORT NQN ARGS...
     echo "$t $pt $client $r ${iops:-0} ${p50:--} ${p99:--}" | tee -a "$out/points.txt"
 }
 
-side() { # TARGET PORT NQN
-    local t=$1 port=$2 nqn=$3
+prefill() { # TARGET PORT NQN
     # The prefill first, so that every client reads written data: a memory namespace reads
     # blocks never written as zeros without touching namespace memory, which costs its
     # target far less per read.
     "$bin/nvmeof-bench" "$job" --jobs 4k-randread-qd1-async --repeat 1 --runtime 1s \
-        --modes "tcp=127.0.0.1:$port" --nqn "$nqn" > "$out/$t-prefill.log" 2>&1
+        --modes "tcp=127.0.0.1:$2" --nqn "$3" > "$out/$1-prefill.log" 2>&1
+}
+
+side() { # TARGET PORT NQN
+    local t=$1 port=$2 nqn=$3
+    prefill "$t" "$port" "$nqn"
     for r in $(seq "$rounds"); do
         # Odd rounds run the clients of each point in one order, even rounds in the reverse
         # order, so that a drift of the machine within a round favours no client.
@@ -106,16 +114,45 @@ side() { # TARGET PORT NQN
     done
 }
 
-taskset -c 0-7 "$spdk/nvmf_tgt" -m 0xFF --no-huge -s 4096 --json "$out/spdk.json" \
-    > "$out/nvmf_tgt.log" 2>&1 &
-tp=$!
-wait_port 4421 && side spdk 4421 "$nqn_spdk"
-kill -INT $tp; wait $tp
-taskset -c 0-7 "$bin/nvmeof-targetd" --listen tcp://127.0.0.1:4420 -n "$nqn_ours" \
-    --namespace mem:1G --allow-any-host --reactors 8 > "$out/targetd.log" 2>&1 &
-tp=$!
-wait_port 4420 && side ours 4420 "$nqn_ours"
-kill -INT $tp; wait $tp
+start_spdk() {
+    taskset -c 0-7 "$spdk/nvmf_tgt" -m 0xFF --no-huge -s 4096 --json "$out/spdk.json" \
+        > "$out/nvmf_tgt.log" 2>&1 &
+    tp=$!
+    wait_port 4421
+}
+start_ours() {
+    taskset -c 0-7 "$bin/nvmeof-targetd" --listen tcp://127.0.0.1:4420 -n "$nqn_ours" \
+        --namespace mem:1G --allow-any-host --reactors 8 > "$out/targetd.log" 2>&1 &
+    tp=$!
+    wait_port 4420
+}
+qd1_turn() { # TARGET PORT NQN ROUND
+    prefill "$1" "$2" "$3"
+    for c in perf async; do
+        # shellcheck disable=SC2046 # the arguments split on purpose
+        point "$1" qd1 "$c" "$4" "$2" "$3" $(point_args qd1 "$c")
+    done
+}
+
+if [ "$mode" = qd1-interleaved ]; then
+    for r in $(seq "$rounds"); do
+        order="spdk ours"
+        [ $((r % 2)) = 0 ] && order="ours spdk"
+        for t in $order; do
+            if [ "$t" = spdk ]; then
+                start_spdk && qd1_turn spdk 4421 "$nqn_spdk" "$r"
+            else
+                start_ours && qd1_turn ours 4420 "$nqn_ours" "$r"
+            fi
+            kill -INT $tp; wait $tp
+        done
+    done
+else
+    start_spdk && side spdk 4421 "$nqn_spdk"
+    kill -INT $tp; wait $tp
+    start_ours && side ours 4420 "$nqn_ours"
+    kill -INT $tp; wait $tp
+fi
 
 # Medians (and range) per target, point and client.
 echo "target point client: IOPS median (min-max), p50 us, p99 us (medians)"
