@@ -48,8 +48,7 @@ use crate::engine::{Closed, Engine, Fault, Fetch, Refused, Step, Transport};
 use crate::log_limited;
 use crate::queue::{HostSgl, QueueState};
 use crate::ratelimit::LogKind;
-use crate::reactor::ConnKey;
-use crate::reactor::Pool;
+use crate::reactor::{ConnKey, Pool};
 use crate::target::Target;
 
 /// Largest data a non-I/O command may bring (Connect carries 1 KiB).

@@ -194,9 +194,9 @@ pub(crate) fn note_activity(conn: ConnKey) {
 
 /// Until when connection `conn`, which has just answered and waits for nothing but its
 /// socket, may read that socket in a loop rather than go back to the runtime: the end of the
-/// reactor's poll window (one window and [`SPIN_MAX`] at most), while it is the only connection of the reactor
-/// that received data within the hold. `None` when the reactor does not poll now or another
-/// connection is active.
+/// reactor's poll window (one window and [`SPIN_MAX`] at most), while it is the only
+/// connection of the reactor that received data within the hold. `None` when the reactor does
+/// not poll now or another connection is active.
 pub(crate) fn spin_until(conn: ConnKey) -> Option<Instant> {
     POLLER.with(|p| {
         let p = p.borrow();

@@ -63,14 +63,6 @@ pub struct Alone {
 }
 
 impl Alone {
-    /// Nobody received anything yet.
-    pub const fn new() -> Alone {
-        Alone {
-            last: None,
-            shared_until: None,
-        }
-    }
-
     /// Notes that `party` received data at `now`; another party's data ends its being alone
     /// until `hold` after that.
     pub fn arrived(&mut self, party: u64, now: Instant, hold: Duration) {
