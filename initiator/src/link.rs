@@ -124,6 +124,26 @@ impl Link {
         }
     }
 
+    /// [`receive`](Self::receive) without waiting for the runtime to have seen the link
+    /// readable, for a caller that polls it in a loop: over plain NVMe/TCP a `recv` straight on
+    /// the socket ([`TcpConn::receive_now`]); otherwise as `receive`.
+    pub fn receive_now<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        budget: usize,
+    ) -> Result<bool, Error> {
+        match self {
+            Link::Tcp(t) => t.receive_now(core, budget),
+            Link::Rdma(r) => r.process(core),
+        }
+    }
+
+    /// Whether [`receive_now`](Self::receive_now) reads the connection without the runtime
+    /// (plain NVMe/TCP), so that polling it in a loop can catch data sooner.
+    pub fn reads_now(&self) -> bool {
+        matches!(self, Link::Tcp(t) if !t.stream.is_tls())
+    }
+
     /// Hands `core` what arrived already (without reading the connection).
     pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<(), Error> {
         match self {

@@ -45,7 +45,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use busy_poll::PollGate;
+use busy_poll::{Alone, OneInFlight, PollGate, SPIN_MAX};
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -358,6 +358,17 @@ impl std::task::Wake for LinkWaker {
     }
 }
 
+thread_local! {
+    /// Which queue alone received data on this thread lately ([`Engine::spin`]).
+    static ALONE: std::cell::Cell<Alone> = const {
+        std::cell::Cell::new(Alone::new())
+    };
+}
+
+/// A caller reading its link in a loop ([`Engine::spin`]) looks at the clock once every this
+/// many reads that found nothing.
+const SPIN_CLOCK_EVERY: u32 = 16;
+
 /// A queue's core and link, and who drives them (see the module documentation).
 pub(crate) struct Engine {
     core: Core<Arc<QueueShared>>,
@@ -378,6 +389,8 @@ pub(crate) struct Engine {
     link_waker: Waker,
     /// Commands submitted since the last write ([`FLUSH_AFTER`]).
     unflushed: usize,
+    /// Whether this queue's callers wait for one answer at a time ([`spin`](Self::spin)).
+    one: OneInFlight,
 }
 
 impl Engine {
@@ -386,7 +399,9 @@ impl Engine {
     fn submit(&mut self, cmd: (u16, Request, SlotBuf, Option<Direct>, Option<RingSlot>)) {
         let (tag, req, buf, direct, origin) = cmd;
         self.newest = Some(tag);
-        self.poll.submitted(self.core.now.into_std());
+        let now = self.core.now.into_std();
+        self.poll.submitted(now);
+        self.one.submitted(self.shared.busy(), now);
         let sent = (self.core).submit(self.live.as_mut(), tag, req, buf, direct, origin);
         if let Err(e) = sent {
             self.lose(e);
@@ -434,7 +449,7 @@ impl Engine {
         for _ in 0..DRIVE_ROUNDS {
             self.flush();
             if self.receive() {
-                self.poll.arrived(self.core.now.into_std());
+                self.arrived();
             }
             if self.core.has_ring_done() {
                 // Ring reads ended: their completion words are the task's to write.
@@ -456,6 +471,85 @@ impl Engine {
         }
         // Still more after several rounds: whoever leads comes back for it.
         self.link_waker.wake_by_ref();
+    }
+
+    /// Notes data received at `core.now`: for the poll gate, and for whether this queue is
+    /// the only one of its thread receiving ([`spin`](Self::spin)).
+    fn arrived(&mut self) {
+        let now = self.core.now.into_std();
+        self.poll.arrived(now);
+        let hold = self.spin_hold();
+        let party = self.party();
+        ALONE.with(|a| {
+            let mut alone = a.get();
+            alone.arrived(party, now, hold);
+            a.set(alone);
+        });
+    }
+
+    /// How long another queue's data on this thread, or a second command in flight on this
+    /// queue, keeps [`spin`](Self::spin) from looping: four windows.
+    fn spin_hold(&self) -> Duration {
+        self.poll.window() * 4
+    }
+
+    /// This queue among the parties of [`ALONE`].
+    fn party(&self) -> u64 {
+        Arc::as_ptr(&self.shared) as usize as u64
+    }
+
+    /// Inside the busy-poll window, when the command of `me` is the only one in flight, no
+    /// command was submitted beside another one within the hold (the caller waits for one
+    /// answer at a time, [`OneInFlight`]) and this queue is the only one of its thread that
+    /// received data lately: reads the link in a loop, without going back to the runtime,
+    /// until that command ends (or [`SPIN_MAX`], or the window, passes). The answer is then
+    /// taken the moment it arrives, with no turn of the runtime in between; nobody else waits
+    /// on this queue, and nothing else on this thread received anything lately. A busy queue
+    /// drained to one command for a moment does not loop: its caller's other work (the copies
+    /// to the GPU of the reads that ended, the next submissions) would wait behind the loop.
+    /// Plain NVMe/TCP only ([`Link::reads_now`]).
+    fn spin(&mut self, me: u16) {
+        if self.shared.busy() > 1 || !self.live.as_ref().is_some_and(Link::reads_now) {
+            return;
+        }
+        let now = self.core.now.into_std();
+        if !self.one.alone(now, self.spin_hold()) {
+            return;
+        }
+        let party = self.party();
+        if !ALONE.with(|a| a.get().alone(party, now))
+            || self.shared.slots[usize::from(me)].lock().phase != Phase::Waiting
+        {
+            return;
+        }
+        let until = now + self.poll.remaining(now).min(SPIN_MAX);
+        self.shared.driving.store(u32::from(me), Ordering::Relaxed);
+        let mut turns = 0u32;
+        while let Some(live) = self.live.as_mut() {
+            match live.receive_now(&mut self.core, link::RECEIVE_ALL) {
+                Ok(true) => {
+                    self.core.now = Instant::now();
+                    self.arrived();
+                    if self.shared.driver_done() {
+                        if self.shared.busy() <= 1 {
+                            self.shared.unlead();
+                        }
+                        break;
+                    }
+                }
+                Ok(false) => {
+                    turns += 1;
+                    if turns % SPIN_CLOCK_EVERY == 0 && std::time::Instant::now() >= until {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    self.lose(e);
+                    break;
+                }
+            }
+        }
+        self.shared.driving.store(NO_TAG, Ordering::Relaxed);
     }
 
     /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
@@ -582,6 +676,7 @@ impl QueueHandle {
             poll: PollGate::new(cfg.busy_poll),
             link_waker: Waker::from(Arc::clone(&shared.links)),
             unflushed: 0,
+            one: OneInFlight::default(),
         }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
         let (ctl_tx, ctl_rx) = mpsc::unbounded_channel();
@@ -708,6 +803,7 @@ impl QueueHandle {
             q: self,
             tag,
             released: false,
+            looked: false,
         };
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
@@ -780,6 +876,9 @@ pub(crate) struct Pending<'a> {
     tag: u16,
     /// The slot went back already ([`take_lent`](Self::take_lent)).
     released: bool,
+    /// Its caller polled it before: the poll that submitted it went back to the runtime once,
+    /// so that the caller's other commands (futures beside this one) were submitted too.
+    looked: bool,
 }
 
 impl Pending<'_> {
@@ -837,6 +936,13 @@ impl Pending<'_> {
             } else if !unsent || flush_by == me {
                 e.drive(Some(self.tag));
                 let spin = e.poll.polling(e.core.now.into_std());
+                if spin && self.looked {
+                    // Not on the first poll: a caller with more commands to submit (the
+                    // futures beside this one) submits them first, and its queue is then
+                    // no longer one command deep.
+                    e.spin(self.tag);
+                }
+                self.looked = true;
                 drop(e);
                 if let Some(r) = self.check(cx) {
                     return Poll::Ready(r);
@@ -1232,10 +1338,18 @@ mod tests {
     }
 
     async fn connect(addr: TargetAddr) -> (Controller, crate::Namespace) {
+        connect_polling(addr, crate::options::DEFAULT_BUSY_POLL).await
+    }
+
+    async fn connect_polling(
+        addr: TargetAddr,
+        busy_poll: Duration,
+    ) -> (Controller, crate::Namespace) {
         let host =
             HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
         let mut o = ConnectOptions::new(addr, NQN, host);
         o.io_queues = Some(1);
+        o.busy_poll = busy_poll;
         let ctrl = Controller::connect(o).await.expect("connect");
         let ns = ctrl.namespace(1).await.expect("namespace");
         (ctrl, ns)
@@ -1325,6 +1439,51 @@ mod tests {
             }
         }
         assert!(checked, "no read waited");
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// A caller that waits for one answer at a time reads its socket in a loop for it, but not
+    /// on the poll that submitted its command: a caller with more commands to submit (futures
+    /// beside this one) submits them first, and its queue is then no longer one command deep.
+    #[tokio::test]
+    async fn a_lone_caller_reads_in_a_loop_only_after_its_first_look() {
+        let (_target, addr) = target();
+        // A window long enough for the answer of a debug build on a busy machine.
+        let (ctrl, ns) = connect_polling(addr, Duration::from_millis(100)).await;
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        let waker = Waker::from(Arc::new(Count::default()));
+        let mut cx = Context::from_waker(&waker);
+        // This queue received last on this thread, a hold (four windows) ago: alone.
+        let mut buf = vec![0u8; 4096];
+        ns.read(0, &mut buf).await.expect("read");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let reads = 40;
+        let mut first_pending = 0;
+        for lba in 0..reads {
+            let mut p = q
+                .start(ns.request(false, lba * 8, 4096, false), |_| Ok(()))
+                .await
+                .expect("start");
+            // The first look writes, reads what is there and goes back to the runtime: the
+            // answer of a read just sent is not there yet.
+            if p.poll_complete(&mut cx).is_ready() {
+                continue;
+            }
+            first_pending += 1;
+            // The next looks read the socket themselves until the answer comes: without
+            // going back to the runtime in between, nothing else would see it arrive.
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while p.poll_complete(&mut cx).is_pending() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the answer was not read in a loop"
+                );
+            }
+        }
+        assert!(
+            first_pending * 4 >= reads * 3,
+            "the first look waited for the answer: {first_pending} of {reads} left it pending"
+        );
         ctrl.disconnect().await.expect("disconnect");
     }
 

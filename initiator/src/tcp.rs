@@ -175,6 +175,25 @@ impl TcpConn {
         core: &mut Core<C>,
         budget: usize,
     ) -> Result<bool, Error> {
+        self.receive_with(core, budget, false)
+    }
+
+    /// [`receive`](Self::receive) without waiting for the runtime to have seen the socket
+    /// readable (plain TCP: a `recv` straight on it; see [`Stream::read_now`]).
+    pub fn receive_now<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        budget: usize,
+    ) -> Result<bool, Error> {
+        self.receive_with(core, budget, true)
+    }
+
+    fn receive_with<C: Completions>(
+        &mut self,
+        core: &mut Core<C>,
+        budget: usize,
+        now: bool,
+    ) -> Result<bool, Error> {
         let mut got = false;
         let mut left = budget.max(SMALL_READ);
         for _ in 0..8 {
@@ -191,7 +210,12 @@ impl TcpConn {
                     io::IoSliceMut::new(&mut *dst),
                     io::IoSliceMut::new(&mut spare[..spare_len]),
                 ];
-                let n = match self.stream.try_read_vectored(&mut iov) {
+                let read = if now {
+                    self.stream.read_vectored_now(&mut iov)
+                } else {
+                    self.stream.try_read_vectored(&mut iov)
+                };
+                let n = match read {
                     Ok(0) => {
                         return Err(Error::lost(&self.addr, "the target closed the connection"));
                     }
@@ -229,7 +253,12 @@ impl TcpConn {
             let buf = self.engine.recv_buf(want);
             let want = want.min(buf.len());
             let buf = &mut buf[..want];
-            match self.stream.try_read(buf) {
+            let read = if now {
+                self.stream.read_now(buf)
+            } else {
+                self.stream.try_read(buf)
+            };
+            match read {
                 Ok(0) => {
                     // Handle what arrived before the close (a TermReq explains it).
                     self.process(core)?;

@@ -63,6 +63,14 @@ pub struct Alone {
 }
 
 impl Alone {
+    /// Nobody received anything yet.
+    pub const fn new() -> Alone {
+        Alone {
+            last: None,
+            shared_until: None,
+        }
+    }
+
     /// Notes that `party` received data at `now`; another party's data ends its being alone
     /// until `hold` after that.
     pub fn arrived(&mut self, party: u64, now: Instant, hold: Duration) {
@@ -77,6 +85,31 @@ impl Alone {
     /// Whether `party` is the only one that received data within the hold before `now`.
     pub fn alone(&self, party: u64, now: Instant) -> bool {
         self.last == Some(party) && self.shared_until.is_none_or(|t| now >= t)
+    }
+}
+
+/// Whether a queue has had at most one command in flight for a while: its caller waits for
+/// one answer at a time (a QD1 loop), rather than finding a busy queue drained for a moment
+/// (while its caller's other work, which a loop would hold up, refills it). Only such a
+/// caller reads its socket in a loop for its answer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OneInFlight {
+    /// When a command was last submitted with another one in flight.
+    crowded_at: Option<Instant>,
+}
+
+impl OneInFlight {
+    /// Notes a submission at `now` that left `in_flight` commands in flight (itself included).
+    pub fn submitted(&mut self, in_flight: usize, now: Instant) {
+        if in_flight > 1 {
+            self.crowded_at = Some(now);
+        }
+    }
+
+    /// Whether no submission within `hold` before `now` found another command in flight.
+    pub fn alone(&self, now: Instant, hold: Duration) -> bool {
+        self.crowded_at
+            .is_none_or(|t| now.saturating_duration_since(t) >= hold)
     }
 }
 
@@ -110,6 +143,11 @@ impl PollGate {
             submitted: None,
             share: 0,
         }
+    }
+
+    /// The window arrivals are scored against.
+    pub fn window(&self) -> Duration {
+        self.window
     }
 
     /// Notes data received at `now`, scoring it against the previous activity.
@@ -192,6 +230,25 @@ mod tests {
         assert!(!alone.alone(1, t + us(229)), "2 was active 200 us before");
         assert!(alone.alone(1, t + us(230)));
         assert!(!alone.alone(2, t + us(230)), "1 received last");
+    }
+
+    #[test]
+    fn one_in_flight_only_after_a_hold_without_a_second_command() {
+        let hold = us(200);
+        let t = Instant::now();
+        let mut one = OneInFlight::default();
+        assert!(one.alone(t, hold), "nothing was ever in flight beside another");
+        one.submitted(1, t);
+        assert!(one.alone(t + us(1), hold));
+
+        // A busy queue drained to one command for a moment is not a QD1 caller.
+        one.submitted(64, t + us(10));
+        one.submitted(1, t + us(20));
+        assert!(!one.alone(t + us(20), hold));
+        assert!(!one.alone(t + us(209), hold));
+        assert!(one.alone(t + us(210), hold));
+        one.submitted(2, t + us(300));
+        assert!(!one.alone(t + us(301), hold));
     }
 
     #[test]

@@ -407,6 +407,14 @@ impl Stream {
         }
     }
 
+    /// [`read_now`](Self::read_now) into several buffers.
+    pub fn read_vectored_now(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(s) => (&*socket2::SockRef::from(&*s)).read_vectored(bufs),
+            Stream::Tls(_) => self.try_read_vectored(bufs),
+        }
+    }
+
     /// Reads into several buffers without blocking (TLS: into the first non-empty one); a
     /// short read clears the readiness of plain TCP as in [`try_read`](Self::try_read).
     pub fn try_read_vectored(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {

@@ -164,4 +164,8 @@ async fn a_read_now_takes_data_the_runtime_has_not_reported_yet() {
     );
     assert_eq!(s.read_now(&mut buf).unwrap(), 5);
     assert_eq!(&buf[..5], b"hello");
+    peer.write_all(b"again").await.unwrap();
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    assert_eq!(s.read_vectored_now(&mut iov).unwrap(), 5);
+    assert_eq!(&buf[..5], b"again");
 }
