@@ -21,7 +21,9 @@
 //!    on the way are taken without contention. A caller that finds the engine held by
 //!    another thread (tasks of several threads pinned to one queue) leaves the driving to the
 //!    holder, except the two parts nobody else does: the caller that is to write its round's
-//!    capsules, and the leader, come back once the runtime had its turn.
+//!    capsules, and the leader, come back once the runtime had its turn. Within the busy-poll
+//!    window a caller whose command is alone on its queue (a caller waiting for one answer at
+//!    a time) reads the socket in a loop from its second look on ([`Engine::spin`]).
 //!
 //! The queue's task drives the rest: control messages from the supervisor (attach a new
 //! connection, detach, fail, close), the deadline timer, GPU request rings

@@ -237,7 +237,10 @@ mod tests {
         let hold = us(200);
         let t = Instant::now();
         let mut one = OneInFlight::default();
-        assert!(one.alone(t, hold), "nothing was ever in flight beside another");
+        assert!(
+            one.alone(t, hold),
+            "nothing was ever in flight beside another"
+        );
         one.submitted(1, t);
         assert!(one.alone(t + us(1), hold));
 
