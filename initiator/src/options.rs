@@ -296,9 +296,9 @@ pub struct ConnectOptions {
     /// at most one window per submission and an idle queue no CPU. An async caller that
     /// waits for one answer at a time (its command the only one in flight on its queue, and
     /// no second one lately), on a thread where no other queue received data lately, reads
-    /// the socket itself in a loop for its answer (plain NVMe/TCP, [`busy_poll::SPIN_MAX`] at
-    /// most at a time) instead of yielding to the runtime between looks; nothing else runs on
-    /// its thread meanwhile. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
+    /// the socket itself in a loop for its answer from its second look on (plain NVMe/TCP,
+    /// [`busy_poll::SPIN_MAX`] at most at a time) instead of yielding to the runtime between
+    /// looks; nothing else runs on its thread meanwhile. Default [`DEFAULT_BUSY_POLL`]; zero = purely event-driven.
     pub busy_poll: Duration,
     /// Poll window of the GPU request rings a queue serves (`Controller::attach_gpu_rings`):
     /// after the last request taken or completion written, the queue keeps checking its rings
