@@ -1355,6 +1355,9 @@ mod tests {
         let mut o = ConnectOptions::new(addr, NQN, host);
         o.io_queues = Some(1);
         o.busy_poll = busy_poll;
+        // No keep-alive within a test: its answer on the admin queue would end an I/O queue's
+        // being alone on the thread.
+        o.kato = Duration::from_secs(60);
         let ctrl = Controller::connect(o).await.expect("connect");
         let ns = ctrl.namespace(1).await.expect("namespace");
         (ctrl, ns)
