@@ -47,7 +47,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use busy_poll::{Alone, OneInFlight, PollGate, SPIN_MAX};
+use busy_poll::{Alone, OneInFlight, PollGate, SPIN_CLOCK_EVERY, SPIN_MAX};
 use nvme_spec::Cqe;
 use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -369,10 +369,6 @@ thread_local! {
         std::cell::Cell::new(Alone::new())
     };
 }
-
-/// A caller reading its link in a loop ([`Engine::spin`]) looks at the clock once every this
-/// many reads that found nothing.
-const SPIN_CLOCK_EVERY: u32 = 16;
 
 /// A queue's core and link, and who drives them (see the module documentation).
 pub(crate) struct Engine {

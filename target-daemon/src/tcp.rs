@@ -68,9 +68,6 @@ const FLUSH_EVERY: usize = 16;
 const SHARED_READ_MIN: usize = 32 * 1024;
 /// Most slices gathered into one vectored write.
 const FLUSH_IOV: usize = 64;
-/// A connection reading its socket in a loop ([`Conn::spin_receive`]) looks at the clock once
-/// every this many reads that found nothing.
-const SPIN_CLOCK_EVERY: u32 = 16;
 /// How often a connection waiting for the memory budget looks again without being woken.
 const BUDGET_RECHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -382,7 +379,7 @@ impl Conn {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     turns += 1;
-                    if turns % SPIN_CLOCK_EVERY == 0 && Instant::now() >= until {
+                    if turns % busy_poll::SPIN_CLOCK_EVERY == 0 && Instant::now() >= until {
                         return Ok(false);
                     }
                 }

@@ -51,6 +51,10 @@ const SHIFT: u16 = 3;
 /// the thread's other work runs again, whatever the window.
 pub const SPIN_MAX: Duration = Duration::from_micros(50);
 
+/// A party reading its socket in a loop looks at the clock (for [`SPIN_MAX`] and its window)
+/// once every this many reads that found nothing, not on every one.
+pub const SPIN_CLOCK_EVERY: u32 = 16;
+
 /// Whether one party (a connection, a queue: any `u64` key) alone has been receiving data on
 /// a thread that several share: the last one that did, and until when it has not been alone
 /// (another one received data within the hold before that). A party alone on its thread may
