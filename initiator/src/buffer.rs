@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use nvmf_rdma::{Access, ProtectionDomain, Registered, RemoteKey};
+use nvmf_tcp::RxBytes;
 
 use crate::Error;
 
@@ -215,6 +216,25 @@ pub(crate) enum SlotBuf {
     /// The data slot of a GPU request ring's request (one NVMe/TCP read), received into
     /// directly.
     Ring(gpu_ring::SlotData),
+    /// Read data left in the NVMe/TCP receive buffer it arrived in, for the command's caller
+    /// to copy out (one copy where receiving into `heap` first would make two); `heap` is
+    /// the slot's own buffer, unused meanwhile.
+    Kept {
+        /// The slot's buffer.
+        heap: Vec<u8>,
+        /// The data.
+        data: RxBytes,
+    },
+}
+
+/// `heap` holding `data` at its front.
+fn settle(mut heap: Vec<u8>, data: &RxBytes) -> Vec<u8> {
+    let d = data.as_slice();
+    if heap.len() < d.len() {
+        heap.resize(d.len(), 0);
+    }
+    heap[..d.len()].copy_from_slice(d);
+    heap
 }
 
 impl Default for SlotBuf {
@@ -224,23 +244,55 @@ impl Default for SlotBuf {
 }
 
 impl SlotBuf {
-    /// The whole buffer.
+    /// The whole buffer (kept read data: just the data).
     pub fn as_slice(&self) -> &[u8] {
         match self {
             SlotBuf::Heap(v) => v,
             SlotBuf::Registered(r) => r.get(),
             SlotBuf::Lent(l) => l.bytes(),
             SlotBuf::Ring(r) => r.as_ref(),
+            SlotBuf::Kept { data, .. } => data.as_slice(),
         }
     }
 
-    /// The whole buffer, writable.
+    /// The whole buffer, writable (kept read data is copied into the slot's buffer first).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if let SlotBuf::Kept { heap, data } = self {
+            *self = SlotBuf::Heap(settle(std::mem::take(heap), data));
+        }
         match self {
-            SlotBuf::Heap(v) => v,
+            SlotBuf::Heap(v) | SlotBuf::Kept { heap: v, .. } => v,
             SlotBuf::Registered(r) => r.bytes_mut(),
             SlotBuf::Lent(l) => l.bytes_mut(),
             SlotBuf::Ring(r) => r.as_mut(),
+        }
+    }
+
+    /// Whether the buffer is the slot's own, unregistered and empty of kept data.
+    pub fn is_heap(&self) -> bool {
+        matches!(self, SlotBuf::Heap(_))
+    }
+
+    /// Leaves read data `data` where it was received instead of in this buffer (the slot's
+    /// own, [`is_heap`](Self::is_heap)); any other buffer gets a copy.
+    pub fn keep(&mut self, data: RxBytes) {
+        match std::mem::take(self) {
+            SlotBuf::Heap(heap) => *self = SlotBuf::Kept { heap, data },
+            mut other => {
+                let d = data.as_slice();
+                if let Some(dst) = other.as_mut_slice().get_mut(..d.len()) {
+                    dst.copy_from_slice(d);
+                }
+                *self = other;
+            }
+        }
+    }
+
+    /// Lets kept read data go (once its caller has read it, or left): the slot's buffer
+    /// again.
+    pub fn unkeep(&mut self) {
+        if let SlotBuf::Kept { heap, .. } = self {
+            *self = SlotBuf::Heap(std::mem::take(heap));
         }
     }
 
@@ -249,6 +301,7 @@ impl SlotBuf {
     pub fn into_vec(self) -> Vec<u8> {
         match self {
             SlotBuf::Heap(v) => v,
+            SlotBuf::Kept { heap, data } => settle(heap, &data),
             SlotBuf::Registered(r) => r.detach().0.into_vec(),
             SlotBuf::Lent(_) | SlotBuf::Ring(_) => Vec::new(),
         }
@@ -262,6 +315,7 @@ impl SlotBuf {
         }
         let mut v = match std::mem::take(self) {
             SlotBuf::Heap(v) => v,
+            SlotBuf::Kept { heap, data } => settle(heap, &data),
             SlotBuf::Registered(r) => r.detach().0.into_vec(),
             lent @ (SlotBuf::Lent(_) | SlotBuf::Ring(_)) => {
                 let have = lent.as_slice().len();
@@ -289,6 +343,7 @@ impl SlotBuf {
         if !ok {
             let mut v = match std::mem::take(self) {
                 SlotBuf::Heap(v) => v,
+                SlotBuf::Kept { heap, data } => settle(heap, &data),
                 SlotBuf::Registered(r) => r.detach().0.into_vec(),
                 lent @ (SlotBuf::Lent(_) | SlotBuf::Ring(_)) => {
                     *self = lent;
@@ -309,7 +364,7 @@ impl SlotBuf {
             SlotBuf::Registered(r) => r.remote_key(0, len).map(|k| (k, !ok)).ok_or_else(|| {
                 nvmf_rdma::Error::Invalid(format!("{len} bytes do not fit one keyed SGL"))
             }),
-            SlotBuf::Heap(_) | SlotBuf::Lent(_) | SlotBuf::Ring(_) => {
+            SlotBuf::Heap(_) | SlotBuf::Lent(_) | SlotBuf::Ring(_) | SlotBuf::Kept { .. } => {
                 Err(nvmf_rdma::Error::Invalid("buffer not registered".into()))
             }
         }

@@ -171,6 +171,10 @@ pub struct QueueStats {
     pub in_place_bytes: u64,
     /// Reads whose data went into a buffer lent by the caller (see `ReadDest::lend`).
     pub lent_commands: u64,
+    /// NVMe/TCP reads whose data its caller copied straight out of the connection's receive
+    /// buffer (reads into a caller's slice, one data PDU each, not lent): one copy, where
+    /// copying it into the command's buffer first would make two.
+    pub kept_reads: u64,
     /// NVMe/TCP reads the controller completed with their last data PDU (its SUCCESS flag,
     /// sent only with SQ flow control off): no response capsule came for them.
     pub data_completions: u64,
@@ -250,6 +254,7 @@ impl QueueShared {
             Phase::Abandoned => {
                 st.phase = Phase::Free;
                 st.waker = None;
+                st.buf.unkeep();
                 drop(st);
                 self.release(tag);
             }
@@ -324,6 +329,7 @@ impl QueueStats {
             buffer_registrations: g(&c.buffer_registrations),
             in_place_bytes: g(&c.in_place_bytes),
             lent_commands: g(&c.lent_commands),
+            kept_reads: g(&c.kept_reads),
             data_completions: g(&c.data_completions),
             ring_reads: g(&c.ring_reads),
             ring_rejected: g(&c.ring_rejected),
@@ -338,6 +344,12 @@ impl Completions for Arc<QueueShared> {
 
     fn counters(&self) -> &QueueCounters {
         &self.counters
+    }
+
+    fn keeps_read_data(&self) -> bool {
+        // Callers copy read data out of their slot (`Pending::with_data`): from where it was
+        // received, that is one copy instead of two.
+        true
     }
 }
 
@@ -1018,6 +1030,7 @@ impl Drop for Pending<'_> {
                 st.phase = Phase::Free;
                 st.waker = None;
                 st.result = None;
+                st.buf.unkeep();
                 drop(st);
                 shared.release(self.tag);
             }

@@ -92,6 +92,7 @@ pub(crate) struct QueueCounters {
     pub(crate) buffer_registrations: AtomicU64,
     pub(crate) in_place_bytes: AtomicU64,
     pub(crate) lent_commands: AtomicU64,
+    pub(crate) kept_reads: AtomicU64,
     pub(crate) data_completions: AtomicU64,
     pub(crate) ring_reads: AtomicU64,
     pub(crate) ring_rejected: AtomicU64,
@@ -150,6 +151,12 @@ pub(crate) trait Completions {
     fn finish(&mut self, tag: u16, result: Result<Cqe, Error>, buf: SlotBuf);
     /// The queue's counters.
     fn counters(&self) -> &QueueCounters;
+    /// Whether a read's data may stay in the NVMe/TCP receive buffer it arrived in until its
+    /// caller copies it out ([`SlotBuf::Kept`]): where callers copy read data out of the
+    /// slot's buffer anyway, this saves a copy.
+    fn keeps_read_data(&self) -> bool {
+        false
+    }
 }
 
 /// The link contract as the core sees it: how a command reaches the wire.
@@ -228,6 +235,11 @@ impl<C: Completions> Core<C> {
     /// The queue's counters.
     pub fn counters(&self) -> &QueueCounters {
         self.sink.counters()
+    }
+
+    /// Whether read data may stay where it was received ([`Completions::keeps_read_data`]).
+    pub fn keeps_read_data(&self) -> bool {
+        self.sink.keeps_read_data()
     }
 
     /// Where completions go.

@@ -291,8 +291,35 @@ impl TcpConn {
         core.on_response(self, Cqe::new(cccid, Status::SUCCESS, 0))
     }
 
+    /// Leaves the data of the C2HData just decoded, all of read `cccid`'s, in the receive
+    /// buffer for its caller (or copies it into the command's buffer when the connection
+    /// keeps as much as it may).
+    fn keep_data<C: Completions>(&mut self, core: &mut Core<C>, cccid: u16) {
+        let kept = self.engine.keep_last_data();
+        let Some(cmd) = core.cmd_mut(cccid) else {
+            return;
+        };
+        let n = match kept {
+            Some(k) => {
+                let n = k.as_slice().len();
+                cmd.buf.keep(k);
+                bump(&core.counters().kept_reads, 1);
+                n
+            }
+            None => {
+                let d = self.engine.last_data();
+                if let Some(dst) = cmd.buf.as_mut_slice().get_mut(..d.len()) {
+                    dst.copy_from_slice(d);
+                }
+                d.len()
+            }
+        };
+        bump(&core.counters().bytes_read, n as u64);
+    }
+
     /// Hands every PDU the engine has decoded so far to `core`: read data into the command's
-    /// buffer, write data sent on R2T, completions.
+    /// buffer (or left where it was received, for its caller to copy out), write data sent
+    /// on R2T, completions.
     pub fn process<C: Completions>(&mut self, core: &mut Core<C>) -> Result<(), Error> {
         loop {
             let ev = match self.engine.next_event() {
@@ -317,12 +344,27 @@ impl TcpConn {
                     last,
                     success,
                 } => {
+                    let keeps = core.keeps_read_data();
+                    let mut keep = false;
                     if let Some(cmd) = core.cmd_mut(cccid) {
-                        let off = datao as usize;
-                        if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len()) {
-                            dst.copy_from_slice(data);
+                        // All of a read's data in one piece, for the slot's own buffer: its
+                        // caller copies it out of the receive buffer (one copy, not two).
+                        keep = keeps
+                            && datao == 0
+                            && !data.is_empty()
+                            && data.len() == cmd.req.len as usize
+                            && cmd.buf.is_heap();
+                        if !keep {
+                            let off = datao as usize;
+                            if let Some(dst) = cmd.buf.as_mut_slice().get_mut(off..off + data.len())
+                            {
+                                dst.copy_from_slice(data);
+                            }
+                            bump(&core.counters().bytes_read, data.len() as u64);
                         }
-                        bump(&core.counters().bytes_read, data.len() as u64);
+                    }
+                    if keep {
+                        self.keep_data(core, cccid);
                     }
                     if last && success {
                         self.complete_by_data(core, cccid)?;

@@ -664,6 +664,71 @@ async fn reads_land_in_buffers_the_destination_lends() {
     }
 }
 
+/// Reads into a caller's slice whose data comes in one PDU are copied once, straight out of
+/// the connection's receive buffer (kept there until the caller reads them), with and
+/// without data digests, many in flight on one queue; reads split over several PDUs or
+/// commands are copied as before; slots that held kept data serve writes and reads after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slice_reads_are_copied_once_from_where_they_arrived() {
+    let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 512);
+    for dd in [false, true] {
+        let mut o = options(t.target_addr());
+        o.data_digest = dd;
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+        let blocks = 256usize;
+        let data = pattern(31 + u64::from(dd), 0, blocks * 4096);
+        ns.write(0, &data).await.expect("write");
+        let before = ctrl.queue_stats()[1];
+        let mut reads = tokio::task::JoinSet::new();
+        for task in 0..32usize {
+            let ns = ns.clone();
+            reads.spawn(async move {
+                let mut got = Vec::new();
+                for i in 0..16usize {
+                    let b = (task * 37 + i * 101) % blocks;
+                    let mut buf = vec![0u8; 4096];
+                    ns.read(b as u64, &mut buf).await.expect("read");
+                    got.push((b, buf));
+                }
+                got
+            });
+        }
+        let mut n = 0;
+        while let Some(got) = reads.join_next().await {
+            for (b, buf) in got.expect("task") {
+                assert!(
+                    buf == data[b * 4096..(b + 1) * 4096],
+                    "block {b}, digest {dd}"
+                );
+                n += 1;
+            }
+        }
+        assert_eq!(n, 32 * 16);
+        let after = ctrl.queue_stats()[1];
+        let kept = after.kept_reads - before.kept_reads;
+        assert!(
+            kept > 0 && kept <= 512,
+            "{kept} of 512 reads kept, digest {dd}"
+        );
+
+        // Slots that held kept data: writes, then reads of one PDU and of several.
+        let fresh = pattern(77, 0, 64 * 4096);
+        ns.write(0, &fresh).await.expect("write");
+        let mut one = vec![0u8; 4096];
+        ns.read(5, &mut one).await.expect("read");
+        assert!(one == fresh[5 * 4096..6 * 4096]);
+        let mut many = vec![0u8; 64 * 4096];
+        ns.read(0, &mut many).await.expect("read");
+        assert!(many == fresh);
+        let mut split = vec![0u8; 1 << 20];
+        ns.read(0, &mut split).await.expect("read");
+        assert!(split[..64 * 4096] == fresh[..]);
+        assert!(split[64 * 4096..] == data[64 * 4096..]);
+        ctrl.disconnect().await.expect("disconnect");
+    }
+}
+
 /// A `Vec<u8>` read in one command lends itself: the data lands straight in the vector (no
 /// copy from the queue's buffer), the vector comes back filled, and an error status gives it
 /// back with its length. A read split over several commands copies into it as before.

@@ -13,8 +13,8 @@ use crate::digest::{DataDigest, read_digest};
 use crate::encode::{Digests, PduHeader, pda_alignment};
 use crate::error::{ProtocolError, SendError, Violation};
 use crate::rx::{
-    FirstPdu, Frame, RecvBuffer, Side, check_common_header, check_first_pdu, check_header_digest,
-    offending_header_len, parse_term_req,
+    FirstPdu, Frame, RecvBuffer, RxBytes, Side, check_common_header, check_first_pdu,
+    check_header_digest, offending_header_len, parse_term_req,
 };
 use crate::tagmap::{TagMap, tag_map};
 
@@ -253,6 +253,9 @@ pub struct HostConn {
     cmds: TagMap<HostCmd>,
     /// DATAL of the last C2HData header accepted.
     last_datal: u32,
+    /// Where in the receive buffer the data of the last C2HData piece returned is, until
+    /// more is received.
+    last_data: Range<usize>,
 }
 
 impl HostConn {
@@ -275,6 +278,7 @@ impl HostConn {
             tx_pos: 0,
             cmds,
             last_datal: 0,
+            last_data: 0..0,
         }
     }
 
@@ -304,6 +308,7 @@ impl HostConn {
     /// Free space to read socket bytes into, at least `min` bytes. Pass the number of bytes
     /// written to [`commit_recv`](Self::commit_recv).
     pub fn recv_buf(&mut self, min: usize) -> &mut [u8] {
+        self.last_data = 0..0;
         self.rx.spare(min, self.need)
     }
 
@@ -371,6 +376,7 @@ impl HostConn {
 
     /// Copies received bytes in (convenient for tests and simple callers).
     pub fn feed(&mut self, bytes: &[u8]) {
+        self.last_data = 0..0;
         self.rx.extend(bytes);
     }
 
@@ -383,9 +389,34 @@ impl HostConn {
         }
         match self.step() {
             Ok(None) => Ok(None),
-            Ok(Some(ev)) => Ok(Some(self.materialize(ev))),
+            Ok(Some(ev)) => {
+                self.last_data = match &ev {
+                    Ev::C2h { data, .. } => data.clone(),
+                    _ => 0..0,
+                };
+                Ok(Some(self.materialize(ev)))
+            }
             Err(v) => Err(self.fail(v)),
         }
+    }
+
+    /// Keeps the data of the [`HostEvent::C2HData`] that [`next_event`](Self::next_event)
+    /// returned last where it was received, so that its command's reader copies it out
+    /// later instead of the caller copying it into the command's buffer now. `None` when the
+    /// last event was not C2HData with data, bytes were received since, or the connection
+    /// already keeps as much as it may (then copy the data).
+    pub fn keep_last_data(&self) -> Option<RxBytes> {
+        if self.last_data.is_empty() {
+            return None;
+        }
+        self.rx.keep(self.last_data.clone())
+    }
+
+    /// The data of the [`HostEvent::C2HData`] that [`next_event`](Self::next_event) returned
+    /// last (empty once more bytes were received): for a caller that could not
+    /// [keep](Self::keep_last_data) it.
+    pub fn last_data(&self) -> &[u8] {
+        self.rx.raw().get(self.last_data.clone()).unwrap_or(&[])
     }
 
     fn materialize(&self, ev: Ev) -> HostEvent<'_> {

@@ -54,4 +54,5 @@ pub use encode::{Digests, MAX_HEADER_LEN, PduHeader, pda_alignment};
 pub use error::{ConfigError, ProtocolError, SendError};
 pub use host::{DataCommit, HostConfig, HostConn, HostEvent, HostParams, PendingData};
 pub use nvme_spec::tcp::FatalErrorStatus;
+pub use rx::RxBytes;
 pub use target::{Responder, TargetConfig, TargetConn, TargetEvent, TargetParams};

@@ -5,26 +5,64 @@ use nvme_spec::tcp::{
     TERM_REQ_MAX_PLEN, TermReqHeader, flags,
 };
 
+use std::sync::Arc;
+
 use crate::digest::{crc32c, read_digest};
 use crate::error::Violation;
 
 /// A receive buffer: bytes `start..end` of `buf` are received and not yet consumed.
 ///
 /// The buffer is allocated once; it grows only when one PDU does not fit, and consumed bytes
-/// are reclaimed by moving the unconsumed tail to the front when room is needed.
+/// are reclaimed by moving the unconsumed tail to the front when room is needed. Received
+/// bytes can be kept past their consumption ([`keep`](Self::keep)): the backing store they
+/// are in is then never written again, and the next receive goes into another one (one
+/// whose kept bytes were all dropped, or a new one).
 #[derive(Debug)]
 pub(crate) struct RecvBuffer {
-    buf: Vec<u8>,
+    buf: Arc<Vec<u8>>,
     start: usize,
     end: usize,
+    /// Backing stores given up while bytes were kept in them, for reuse once nothing keeps
+    /// them: at most [`MAX_RETIRED`] with kept bytes (one more for the one receive after
+    /// keeping stopped) and one without.
+    retired: Vec<Arc<Vec<u8>>>,
+}
+
+/// Backing stores with kept bytes in them, beside the current one, past which
+/// [`RecvBuffer::keep`] keeps nothing more (the bytes are then copied by their reader).
+pub(crate) const MAX_RETIRED: usize = 4;
+
+/// Bytes of a receive buffer kept after they were consumed: the data of a C2HData PDU that
+/// its command's reader copies out later, instead of it being copied into the command's
+/// buffer first. Holding them holds the receive buffer's backing store they are in.
+#[derive(Clone)]
+pub struct RxBytes {
+    buf: Arc<Vec<u8>>,
+    range: std::ops::Range<usize>,
+}
+
+impl RxBytes {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.buf.get(self.range.clone()).unwrap_or(&[])
+    }
+}
+
+impl std::fmt::Debug for RxBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RxBytes")
+            .field("len", &self.range.len())
+            .finish()
+    }
 }
 
 impl RecvBuffer {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
-            buf: vec![0; capacity.max(CH_LEN)],
+            buf: Arc::new(vec![0; capacity.max(CH_LEN)]),
             start: 0,
             end: 0,
+            retired: Vec::new(),
         }
     }
 
@@ -62,6 +100,23 @@ impl RecvBuffer {
         }
     }
 
+    /// Keeps bytes `range` (absolute, as [`raw`](Self::raw)) of the current backing store,
+    /// consumed or not, until the returned handle and its clones are dropped; `None` when
+    /// [`MAX_RETIRED`] stores already hold kept bytes or the range is outside the store.
+    pub fn keep(&self, range: std::ops::Range<usize>) -> Option<RxBytes> {
+        if range.end > self.buf.len() {
+            return None;
+        }
+        let holding = self.retired.iter().filter(|b| Arc::strong_count(b) > 1);
+        if holding.count() >= MAX_RETIRED {
+            return None;
+        }
+        Some(RxBytes {
+            buf: Arc::clone(&self.buf),
+            range,
+        })
+    }
+
     /// Size of the backing store.
     pub fn capacity(&self) -> usize {
         self.buf.len()
@@ -72,7 +127,8 @@ impl RecvBuffer {
         if self.len() == 0 {
             self.start = 0;
             self.end = 0;
-            self.buf = vec![0; capacity.max(CH_LEN)];
+            self.buf = Arc::new(vec![0; capacity.max(CH_LEN)]);
+            self.retired.clear();
         }
     }
 
@@ -82,28 +138,63 @@ impl RecvBuffer {
         self.end = 0;
     }
 
+    /// Makes the backing store writable: a store with kept bytes in it is retired and
+    /// replaced (by a retired one nothing keeps any more, or a new one of at least `size`
+    /// bytes) with the unconsumed bytes moved to its front.
+    fn writable(&mut self, size: usize) {
+        if Arc::get_mut(&mut self.buf).is_none() {
+            let size = size.max(self.buf.len());
+            let free = self
+                .retired
+                .iter()
+                .position(|b| Arc::strong_count(b) == 1 && b.len() >= size);
+            let mut fresh = match free {
+                Some(i) => self.retired.swap_remove(i),
+                None => Arc::new(vec![0; size]),
+            };
+            let used = self.len();
+            Arc::make_mut(&mut fresh)[..used].copy_from_slice(&self.buf[self.start..self.end]);
+            let old = std::mem::replace(&mut self.buf, fresh);
+            self.start = 0;
+            self.end = used;
+            // Keep one store nothing keeps for the next change; let the others go.
+            let mut idle = 0;
+            self.retired.retain(|b| {
+                let unkept = Arc::strong_count(b) == 1;
+                idle += usize::from(unkept);
+                !unkept || idle <= 1
+            });
+            self.retired.push(old);
+        }
+    }
+
     /// Free space after the received bytes: at least `min` bytes (at least 1), and enough
     /// that `need` bytes counted from the first unconsumed byte fit.
     pub fn spare(&mut self, min: usize, need: usize) -> &mut [u8] {
         let min = min.max(1);
         let used = self.len();
         let want = (used + min).max(need);
-        if self.buf.len() - self.start < want || self.buf.len() - self.end < min {
-            if self.start > 0 {
-                self.buf.copy_within(self.start..self.end, 0);
-                self.start = 0;
-                self.end = used;
+        self.writable(want);
+        let (start, end) = (self.start, self.end);
+        // Unique after `writable`: no copy is made.
+        let buf = Arc::make_mut(&mut self.buf);
+        if buf.len() - start < want || buf.len() - end < min {
+            if start > 0 {
+                buf.copy_within(start..end, 0);
             }
-            if self.buf.len() < want {
+            if buf.len() < want {
                 // A new zeroed allocation rather than `resize`: large ones come as fresh
                 // pages that become resident only as bytes arrive in them.
-                let grown = want.max(self.buf.len() + self.buf.len() / 2);
-                let mut buf = vec![0; grown];
-                buf[..used].copy_from_slice(&self.buf[..used]);
-                self.buf = buf;
+                let grown = want.max(buf.len() + buf.len() / 2);
+                let mut grown = vec![0; grown];
+                grown[..used].copy_from_slice(&buf[..used]);
+                *buf = grown;
             }
+            self.start = 0;
+            self.end = used;
         }
-        &mut self.buf[self.end..]
+        let end = self.end;
+        &mut Arc::make_mut(&mut self.buf)[end..]
     }
 
     /// Marks `n` bytes written into [`spare`](Self::spare) as received. `n` is clamped to the
@@ -463,5 +554,86 @@ mod tests {
             (plen.fei, plen.reason),
             (CommonHeader::OFFSET_PLEN, "ICResp PLEN is not 128")
         );
+    }
+
+    /// Receives `bytes` the way a connection does: into the spare room, then committed.
+    fn receive(rx: &mut RecvBuffer, bytes: &[u8]) {
+        rx.spare(bytes.len(), 0)[..bytes.len()].copy_from_slice(bytes);
+        rx.commit(bytes.len());
+    }
+
+    #[test]
+    fn kept_bytes_stay_as_received_while_the_buffer_receives_on() {
+        let mut rx = RecvBuffer::with_capacity(64);
+        receive(&mut rx, b"0123456789abcdef");
+        let kept = rx.keep(4..12).unwrap();
+        // The first 12 bytes consumed; "cdef" is the start of an unfinished PDU.
+        rx.consume(12);
+        assert_eq!(rx.retired.len(), 0);
+        receive(&mut rx, &[b'x'; 60]);
+        // The store with kept bytes was retired; the unconsumed bytes moved to the front of
+        // a fresh one.
+        assert_eq!(kept.as_slice(), b"456789ab");
+        assert_eq!(rx.retired.len(), 1);
+        assert_eq!(&rx.data()[..4], b"cdef");
+        assert_eq!(rx.len(), 64);
+        rx.consume(64);
+        receive(&mut rx, &[b'y'; 64]);
+        assert_eq!(kept.as_slice(), b"456789ab");
+
+        // Once nothing keeps it, the retired store is written again instead of a new one.
+        let retired = Arc::as_ptr(&rx.retired[0]);
+        let again = rx.keep(0..8).unwrap();
+        drop(kept);
+        rx.consume(64);
+        receive(&mut rx, b"z");
+        assert_eq!(Arc::as_ptr(&rx.buf), retired);
+        assert_eq!(rx.data(), b"z");
+        assert_eq!(again.as_slice(), &[b'y'; 8]);
+    }
+
+    #[test]
+    fn keeping_stops_at_the_retired_store_limit_and_unkept_stores_are_reused() {
+        let mut rx = RecvBuffer::with_capacity(32);
+        let mut kept = Vec::new();
+        for round in 0..MAX_RETIRED + 2 {
+            receive(&mut rx, &[round as u8; 32]);
+            match rx.keep(0..32) {
+                Some(k) => kept.push(k),
+                None => assert_eq!(round, MAX_RETIRED, "kept past the limit"),
+            }
+            rx.consume(32);
+            if round == MAX_RETIRED {
+                break;
+            }
+        }
+        assert_eq!(kept.len(), MAX_RETIRED);
+        assert!(rx.retired.len() <= MAX_RETIRED + 1);
+        for (round, k) in kept.iter().enumerate() {
+            assert_eq!(k.as_slice(), &[round as u8; 32]);
+        }
+        // Nothing keeps anything: receiving goes on in the same store, at most one idle
+        // store is held beside it after the next change.
+        kept.clear();
+        receive(&mut rx, b"abc");
+        assert_eq!(rx.data(), b"abc");
+        let k = rx.keep(0..3).unwrap();
+        rx.consume(3);
+        receive(&mut rx, b"def");
+        assert_eq!(k.as_slice(), b"abc");
+        assert_eq!(rx.data(), b"def");
+        assert!(rx.retired.len() <= 2, "{} stores held", rx.retired.len());
+        // Shrinking an idle buffer lets the retired stores go.
+        rx.consume(3);
+        rx.shrink_to(16);
+        assert!(rx.retired.is_empty());
+        assert_eq!(k.as_slice(), b"abc");
+    }
+
+    #[test]
+    fn nothing_is_kept_outside_the_store() {
+        let rx = RecvBuffer::with_capacity(16);
+        assert!(rx.keep(8..17).is_none());
+        assert_eq!(rx.keep(8..16).unwrap().as_slice().len(), 8);
     }
 }
