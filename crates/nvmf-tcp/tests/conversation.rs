@@ -462,6 +462,58 @@ fn c2h_data_received_in_place() {
 /// Until the ICReq is accepted a connection holds no more receive space than the ICReq needs
 /// (a flood of connections that never finish it costs little memory); afterwards only what
 /// the host sends.
+/// C2HData kept where it was received (`keep_last_data`) stays as it arrived while the host
+/// goes on receiving (into other backing stores once the one holding it would be written
+/// again), with and without digests; what is kept is what the event and `last_data` showed;
+/// once bytes were received after the event, nothing is kept.
+#[test]
+fn c2h_data_kept_where_it_was_received() {
+    for d in ALL_DIGESTS {
+        let (mut h, mut t) = connect(d, &mut |n| n);
+        let mut kept = Vec::new();
+        for round in 0..6u8 {
+            for cid in 0..4u16 {
+                h.send_capsule_cmd(&sqe(0x02, cid, SGL_TCP, 100), &[])
+                    .unwrap();
+            }
+            let _ = to_target(&mut t, &take_host_tx(&mut h), &mut |n| n);
+            for cid in 0..4u16 {
+                let data = pattern(100, round * 4 + cid as u8);
+                t.send_c2h_data(cid, 0, &data, true, true).unwrap();
+            }
+            let wire = take_target_tx(&mut t);
+            // Received the way a socket is read: as much as the spare room takes.
+            let mut pos = 0;
+            while pos < wire.len() {
+                let buf = h.recv_buf(1);
+                let n = buf.len().min(wire.len() - pos);
+                buf[..n].copy_from_slice(&wire[pos..pos + n]);
+                h.commit_recv(n);
+                pos += n;
+                loop {
+                    let got = match h.next_event().expect("host protocol error") {
+                        None => break,
+                        Some(nvmf_tcp::HostEvent::C2HData { data, .. }) => data.to_vec(),
+                        Some(_) => continue,
+                    };
+                    assert_eq!(h.last_data(), &got[..]);
+                    if let Some(k) = h.keep_last_data() {
+                        kept.push((got, k));
+                    }
+                }
+            }
+            assert_eq!(h.outstanding_commands(), 0, "{d:?} round {round}");
+        }
+        assert!(kept.len() >= 4, "{d:?}: kept {}", kept.len());
+        for (got, k) in &kept {
+            assert_eq!(k.as_slice(), &got[..], "{d:?}");
+        }
+        let _ = h.recv_buf(1);
+        assert!(h.last_data().is_empty());
+        assert!(h.keep_last_data().is_none());
+    }
+}
+
 #[test]
 fn receive_space_is_small_until_the_icreq() {
     let mut h = HostConn::new(host_config(ALL_DIGESTS[0]));
