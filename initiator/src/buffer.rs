@@ -273,19 +273,17 @@ impl SlotBuf {
         matches!(self, SlotBuf::Heap(_))
     }
 
-    /// Leaves read data `data` where it was received instead of in this buffer (the slot's
-    /// own, [`is_heap`](Self::is_heap)); any other buffer gets a copy.
-    pub fn keep(&mut self, data: RxBytes) {
-        match std::mem::take(self) {
-            SlotBuf::Heap(heap) => *self = SlotBuf::Kept { heap, data },
-            mut other => {
-                let d = data.as_slice();
-                if let Some(dst) = other.as_mut_slice().get_mut(..d.len()) {
-                    dst.copy_from_slice(d);
-                }
-                *self = other;
-            }
-        }
+    /// Leaves read data `data` where it was received instead of in this buffer, which must
+    /// be the slot's own ([`is_heap`](Self::is_heap)); any other gives `data` back.
+    pub fn keep(&mut self, data: RxBytes) -> Result<(), RxBytes> {
+        let SlotBuf::Heap(heap) = self else {
+            return Err(data);
+        };
+        *self = SlotBuf::Kept {
+            heap: std::mem::take(heap),
+            data,
+        };
+        Ok(())
     }
 
     /// Lets kept read data go (once its caller has read it, or left): the slot's buffer

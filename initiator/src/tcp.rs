@@ -295,26 +295,20 @@ impl TcpConn {
     /// buffer for its caller (or copies it into the command's buffer when the connection
     /// keeps as much as it may).
     fn keep_data<C: Completions>(&mut self, core: &mut Core<C>, cccid: u16) {
-        let kept = self.engine.keep_last_data();
         let Some(cmd) = core.cmd_mut(cccid) else {
             return;
         };
-        let n = match kept {
-            Some(k) => {
-                let n = k.as_slice().len();
-                cmd.buf.keep(k);
-                bump(&core.counters().kept_reads, 1);
-                n
-            }
-            None => {
-                let d = self.engine.last_data();
-                if let Some(dst) = cmd.buf.as_mut_slice().get_mut(..d.len()) {
-                    dst.copy_from_slice(d);
-                }
-                d.len()
-            }
-        };
-        bump(&core.counters().bytes_read, n as u64);
+        let n = self.engine.last_data().len();
+        let kept = self
+            .engine
+            .keep_last_data()
+            .is_some_and(|k| cmd.buf.keep(k).is_ok());
+        if !kept && let Some(dst) = cmd.buf.as_mut_slice().get_mut(..n) {
+            dst.copy_from_slice(self.engine.last_data());
+        }
+        let c = core.counters();
+        bump(&c.kept_reads, u64::from(kept));
+        bump(&c.bytes_read, n as u64);
     }
 
     /// Hands every PDU the engine has decoded so far to `core`: read data into the command's

@@ -8,7 +8,7 @@ use common::{NQN, TestTarget, host, options, pattern};
 use nvmeof_initiator::nvme_spec::fabrics::DISCOVERY_NQN;
 use nvmeof_initiator::nvme_spec::status::{generic, specific};
 use nvmeof_initiator::{
-    Controller, ControllerEvent, ControllerState, DiscoveryOptions, Error, discover,
+    Controller, ControllerEvent, ControllerState, DiscoveryOptions, Error, Namespace, discover,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -604,6 +604,15 @@ impl nvmeof_initiator::ReadDest for Lender {
     }
 }
 
+/// A controller of `t` with data digests on or off, and namespace 1 on its first I/O queue.
+async fn first_io_queue(t: &TestTarget, data_digest: bool) -> (Controller, Namespace) {
+    let mut o = options(t.target_addr());
+    o.data_digest = data_digest;
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+    (ctrl, ns)
+}
+
 /// Reads into a destination that lends its buffers: every command's data lands in the lent
 /// buffer (none is copied in), every buffer comes back (filled on success, not filled on an
 /// error status), large PDUs are received straight from the socket into the buffer, and a
@@ -613,10 +622,7 @@ impl nvmeof_initiator::ReadDest for Lender {
 async fn reads_land_in_buffers_the_destination_lends() {
     let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 512);
     for dd in [false, true] {
-        let mut o = options(t.target_addr());
-        o.data_digest = dd;
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+        let (ctrl, ns) = first_io_queue(&t, dd).await;
         let len = (2 << 20) + 3 * 4096;
         let data = pattern(21 + u64::from(dd), 7 * 4096, len);
         ns.write(7, &data).await.expect("write");
@@ -672,10 +678,7 @@ async fn reads_land_in_buffers_the_destination_lends() {
 async fn slice_reads_are_copied_once_from_where_they_arrived() {
     let t = TestTarget::start(&["mem:32M"], |s| s.mdts_kib = 512);
     for dd in [false, true] {
-        let mut o = options(t.target_addr());
-        o.data_digest = dd;
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace").on_queue(0);
+        let (ctrl, ns) = first_io_queue(&t, dd).await;
         let blocks = 256usize;
         let data = pattern(31 + u64::from(dd), 0, blocks * 4096);
         ns.write(0, &data).await.expect("write");
