@@ -806,18 +806,19 @@ impl QueueHandle {
                 }
             }
         };
-        if direct.is_none() {
-            if let Err(e) = buf.ensure(len) {
-                self.shared.finish_slot(tag, Err(e.clone()), buf);
-                return Err(e);
-            }
-        }
+        // From here on, returning drops the command's `Pending`, which frees the slot.
         let pending = Pending {
             q: self,
             tag,
             released: false,
             looked: false,
         };
+        if direct.is_none() {
+            if let Err(e) = buf.ensure(len) {
+                self.shared.finish_slot(tag, Err(e.clone()), buf);
+                return Err(e);
+            }
+        }
         if req.dir == DataDir::FromHost && direct.is_none() {
             if let Err(e) = fill(&mut buf.as_mut_slice()[..len]) {
                 self.shared.finish_slot(tag, Err(e.clone()), buf);
@@ -1530,6 +1531,22 @@ mod tests {
                 .await
                 .expect("the read ends")
                 .expect("read");
+        }
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// A command refused before it leaves (a lent buffer too short for its read) gives its
+    /// slot back.
+    #[tokio::test]
+    async fn a_command_refused_before_it_leaves_gives_its_slot_back() {
+        let (_target, addr) = target();
+        let (ctrl, ns) = connect(addr).await;
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        for _ in 0..q.slots() + 1 {
+            let short = Lent::Vec(vec![0u8; 512]);
+            let r = q.start_lent(ns.request(false, 0, 4096, false), short).await;
+            assert!(matches!(r, Err(Error::InvalidArgument(_))), "refused");
+            assert_eq!(q.shared.busy(), 0, "slot given back");
         }
         ctrl.disconnect().await.expect("disconnect");
     }
