@@ -11,10 +11,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cli::{Daemon, args, cli, json_of, list};
-use common::{HOSTNQN, host, pattern};
+use common::{HOSTNQN, Mode, Proxy, host, pattern};
 use nvmeof_initiator::{
-    BlockingQueuePair, ConnectOptions, Controller, DiscoveryOptions, Namespace, QueuePair,
-    ReconnectPolicy, TargetAddr, Timeouts, discover,
+    BlockingQueuePair, Completion, ConnectOptions, Controller, ControllerState, DiscoveryOptions,
+    Error, Namespace, QueuePair, ReconnectPolicy, TargetAddr, Timeouts, discover,
 };
 
 const KNQN: &str = "nqn.2014-08.org.nvmexpress:nvmeof-direct-initiator-interop";
@@ -252,6 +252,9 @@ async fn kernel_nvmet_tcp_target() {
     eprintln!("  namespace 77: {e}");
     ctrl.disconnect().await.expect("disconnect");
 
+    eprintln!("connections cut with commands in flight:");
+    reconnect_against_kernel(port).await;
+
     eprintln!("GPU request rings (CPU stand-in of the device side):");
     gpu_rings_against_kernel(port).await;
 
@@ -344,6 +347,145 @@ async fn queue_pairs_against_kernel(ns: &Namespace) {
     });
     let qid = read.await.expect("blocking queue pair thread");
     eprintln!("  verified through queue pairs {} and {qid}", qp.qid());
+}
+
+/// Waits until `n` completions are in `out` (each wait bounded).
+async fn collect(qp: &mut QueuePair, out: &mut Vec<Completion>, n: usize) {
+    while out.len() < n {
+        let got = qp
+            .wait(out, n - out.len(), Some(Duration::from_secs(60)))
+            .await;
+        assert!(got > 0 || out.len() >= n, "no completion within 60 s");
+    }
+}
+
+/// Reconnect and retry against nvmet, through a proxy that holds back what the host sends and
+/// then cuts every connection: through the shared queues and through a run-to-completion queue
+/// pair, reads in flight are sent again in the new association and return the data, writes in
+/// flight fail with `Interrupted` and never reach the target, and I/O goes on; with writes
+/// allowed to be retried (`retry_writes`), writes in flight are sent again and land.
+async fn reconnect_against_kernel(port: u16) {
+    let proxy = Proxy::start(([127, 0, 0, 1], port).into()).await;
+    for retry_writes in [false, true] {
+        let mut o = options(port);
+        o.addr = proxy.target_addr();
+        o.io_queues = Some(1);
+        o.queue_pairs = 1;
+        o.retry_writes = retry_writes;
+        let ctrl = Controller::connect(o)
+            .await
+            .expect("connect through the proxy");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        let bs = ns.block_size() as usize;
+        // A region the other checks leave alone: 64 blocks read back, and blocks for writes.
+        let base = ns.num_blocks() - 4096 + if retry_writes { 2048 } else { 0 };
+        let seed = 500 + u64::from(retry_writes) * 10;
+        let data = pattern(seed, base, 64 * bs);
+        ns.write(base, &data).await.expect("write");
+        let wl = base + 1024;
+        let old = pattern(seed + 1, wl, 4 * bs);
+        ns.write(wl, &old).await.expect("write");
+        let mut qp = QueuePair::open(&ns).await.expect("open a queue pair");
+
+        proxy.set_mode(Mode::Blackhole);
+        let new = |i: u64| pattern(seed + 2, wl + i, bs);
+        let writer = {
+            let (ns, d) = (ns.clone(), new(0));
+            tokio::spawn(async move { ns.write(wl, &d).await })
+        };
+        let reader = {
+            let ns = ns.clone();
+            tokio::spawn(async move {
+                let mut back = vec![0u8; 64 * bs];
+                ns.read(base, &mut back).await.map(|()| back)
+            })
+        };
+        for i in 0..4u64 {
+            qp.read(base + i * 16, vec![0; 16 * bs], i)
+                .expect("submit read");
+        }
+        for i in 1..3u64 {
+            qp.write(wl + i, new(i), 3 + i).expect("submit write");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut done = Vec::new();
+        qp.poll(&mut done);
+        assert!(
+            done.is_empty() && !writer.is_finished() && !reader.is_finished(),
+            "commands held back by the proxy ended"
+        );
+        proxy.set_mode(Mode::Forward);
+        proxy.kill_all();
+
+        let back = reader.await.expect("task").expect("read sent again");
+        assert!(back == data, "shared queue read after the reconnect");
+        let w = writer.await.expect("task");
+        collect(&mut qp, &mut done, 6).await;
+        done.sort_by_key(|c| c.user_data);
+        for c in &done[..4] {
+            c.result.as_ref().expect("queue pair read sent again");
+            let off = c.user_data as usize * 16 * bs;
+            assert!(
+                c.buf == data[off..off + 16 * bs],
+                "queue pair read {}",
+                c.user_data
+            );
+        }
+        let mut back = vec![0u8; 4 * bs];
+        if retry_writes {
+            w.expect("shared queue write sent again");
+            for c in &done[4..] {
+                c.result.as_ref().expect("queue pair write sent again");
+            }
+            ns.read(wl, &mut back).await.expect("read");
+            for i in 0..3u64 {
+                let o = i as usize * bs;
+                assert!(back[o..o + bs] == new(i)[..], "retried write {i} landed");
+            }
+        } else {
+            assert!(
+                matches!(
+                    w,
+                    Err(Error::Interrupted {
+                        command: "Write",
+                        ..
+                    })
+                ),
+                "{w:?}"
+            );
+            for c in &done[4..] {
+                assert!(
+                    matches!(c.result, Err(Error::Interrupted { .. })),
+                    "{:?}",
+                    c.result
+                );
+                assert_eq!(c.buf.len(), bs, "an interrupted write's buffer comes back");
+            }
+            ns.read(wl, &mut back).await.expect("read");
+            assert!(back == old, "an interrupted write reached the target");
+        }
+        assert!(ctrl.reconnects() >= 1);
+        ctrl.wait_for_state(Duration::from_secs(60), |s| {
+            *s == ControllerState::Connected
+        })
+        .await
+        .expect("connected again");
+        // Both APIs go on in the new association.
+        qp.read(base, vec![0; bs], 9).expect("submit");
+        done.clear();
+        collect(&mut qp, &mut done, 1).await;
+        assert!(done[0].result.is_ok() && done[0].buf == data[..bs]);
+        eprintln!(
+            "  retry_writes {retry_writes}: reads sent again, writes {} ({} reconnect(s))",
+            if retry_writes {
+                "sent again"
+            } else {
+                "interrupted"
+            },
+            ctrl.reconnects()
+        );
+        ctrl.disconnect().await.expect("disconnect");
+    }
 }
 
 /// Reads that threads acting as warps put in GPU request rings (the CPU stand-in of the device
