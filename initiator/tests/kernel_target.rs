@@ -11,10 +11,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cli::{Daemon, args, cli, json_of, list};
-use common::{HOSTNQN, Mode, Proxy, host, pattern};
+use common::{HOSTNQN, Mode, Proxy, collect_through, host, pattern};
 use nvmeof_initiator::{
-    BlockingQueuePair, Completion, ConnectOptions, Controller, ControllerState, DiscoveryOptions,
-    Error, Namespace, QueuePair, ReconnectPolicy, TargetAddr, Timeouts, discover,
+    BlockingQueuePair, ConnectOptions, Controller, ControllerState, DiscoveryOptions, Error,
+    Namespace, QueuePair, ReconnectPolicy, TargetAddr, Timeouts, discover,
 };
 
 const KNQN: &str = "nqn.2014-08.org.nvmexpress:nvmeof-direct-initiator-interop";
@@ -349,16 +349,6 @@ async fn queue_pairs_against_kernel(ns: &Namespace) {
     eprintln!("  verified through queue pairs {} and {qid}", qp.qid());
 }
 
-/// Waits until `n` completions are in `out` (each wait bounded).
-async fn collect(qp: &mut QueuePair, out: &mut Vec<Completion>, n: usize) {
-    while out.len() < n {
-        let got = qp
-            .wait(out, n - out.len(), Some(Duration::from_secs(60)))
-            .await;
-        assert!(got > 0 || out.len() >= n, "no completion within 60 s");
-    }
-}
-
 /// Reconnect and retry against nvmet, through a proxy that holds back what the host sends and
 /// then cuts every connection: through the shared queues and through a run-to-completion queue
 /// pair, reads in flight are sent again in the new association and return the data, writes in
@@ -407,8 +397,11 @@ async fn reconnect_against_kernel(port: u16) {
         for i in 1..3u64 {
             qp.write(wl + i, new(i), 3 + i).expect("submit write");
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Sent now (a queue pair writes its capsules when polled), so that the proxy swallows
+        // them while it holds everything back.
         let mut done = Vec::new();
+        qp.poll(&mut done);
+        tokio::time::sleep(Duration::from_millis(500)).await;
         qp.poll(&mut done);
         assert!(
             done.is_empty() && !writer.is_finished() && !reader.is_finished(),
@@ -420,7 +413,7 @@ async fn reconnect_against_kernel(port: u16) {
         let back = reader.await.expect("task").expect("read sent again");
         assert!(back == data, "shared queue read after the reconnect");
         let w = writer.await.expect("task");
-        collect(&mut qp, &mut done, 6).await;
+        collect_through(&mut qp, &mut done, 6).await;
         done.sort_by_key(|c| c.user_data);
         for c in &done[..4] {
             c.result.as_ref().expect("queue pair read sent again");
@@ -473,7 +466,7 @@ async fn reconnect_against_kernel(port: u16) {
         // Both APIs go on in the new association.
         qp.read(base, vec![0; bs], 9).expect("submit");
         done.clear();
-        collect(&mut qp, &mut done, 1).await;
+        collect_through(&mut qp, &mut done, 1).await;
         assert!(done[0].result.is_ok() && done[0].buf == data[..bs]);
         eprintln!(
             "  retry_writes {retry_writes}: reads sent again, writes {} ({} reconnect(s))",

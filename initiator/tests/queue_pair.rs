@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Mode, Proxy, TestTarget, options, pattern};
+use common::{Mode, Proxy, TestTarget, collect_through, options, pattern};
 use nvmeof_initiator::nvme_spec::status::generic;
 use nvmeof_initiator::{BlockingQueuePair, Completion, Controller, Error, QueuePair};
 
@@ -198,23 +198,6 @@ async fn blocking_queue_pair_on_a_plain_thread() {
 /// A file namespace in `dir`, which outlives a target restart.
 fn file_backend(dir: &std::path::Path) -> String {
     format!("file:{},size=16M,direct=off", dir.join("ns1.img").display())
-}
-
-/// Waits until `qp` has `n` completions in `out` whatever happens to its connection: every
-/// wait is bounded, and the loop ends after `limit` waits without one.
-async fn collect_through(qp: &mut QueuePair, out: &mut Vec<Completion>, n: usize) {
-    let mut idle = 0;
-    while out.len() < n {
-        let got = qp
-            .wait(out, n - out.len(), Some(Duration::from_secs(1)))
-            .await;
-        idle = if got == 0 { idle + 1 } else { 0 };
-        assert!(
-            idle < 60,
-            "no completion within 60 s ({} of {n})",
-            out.len()
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

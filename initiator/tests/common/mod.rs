@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
 
-use nvmeof_initiator::{ConnectOptions, HostIdentity, ReconnectPolicy, TargetAddr, Timeouts};
+use nvmeof_initiator::{
+    Completion, ConnectOptions, HostIdentity, QueuePair, ReconnectPolicy, TargetAddr, Timeouts,
+};
 use nvmeof_target::config::TargetSettings;
 use nvmeof_target::{Config, RunningTarget, Target};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -228,5 +230,22 @@ async fn pump(
                 }
             }
         }
+    }
+}
+
+/// Waits until `qp` has `n` completions in `out` whatever happens to its connection (waits of
+/// one second, through reconnects); fails after 60 s without a completion.
+pub async fn collect_through(qp: &mut QueuePair, out: &mut Vec<Completion>, n: usize) {
+    let mut idle = 0;
+    while out.len() < n {
+        let got = qp
+            .wait(out, n - out.len(), Some(Duration::from_secs(1)))
+            .await;
+        idle = if got == 0 { idle + 1 } else { 0 };
+        assert!(
+            idle < 60,
+            "no completion within 60 s ({} of {n})",
+            out.len()
+        );
     }
 }
