@@ -1,68 +1,89 @@
 //! A queue's free command identifiers (tags): callers take one for each command, waiting
 //! while all are in flight; the GPU request rings take what is free without waiting; a tag
 //! comes back when its command's slot is released. One short lock per take and per give, no
-//! semaphore: a caller waits on a [`Notify`] only when none is free, and a give notifies only
-//! while a caller waits.
+//! semaphore. A caller that finds none free joins a queue of waiting callers, under the same
+//! lock, and a tag given back goes straight to the oldest of them (it is not put back for
+//! anyone to take): the caller is woken once, with its tag, and never looks again in vain.
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
 
 use parking_lot::Mutex;
-use tokio::sync::Notify;
-
-/// Uncounts a caller of [`TagPool::take`] however it ends (a tag, closed, or dropped).
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 /// The free tags of one queue.
 pub(crate) struct TagPool {
-    free: Mutex<Vec<u16>>,
+    inner: Mutex<Inner>,
     /// `free.len()`, readable without the lock.
     available: AtomicUsize,
     total: usize,
     closed: AtomicBool,
-    /// Callers in [`take`](Self::take) that found no tag: only then does a give notify.
-    waiting: AtomicUsize,
-    freed: Notify,
+}
+
+struct Inner {
+    free: Vec<u16>,
+    /// Waiting callers, oldest first (keys of `waits`). Never non-empty while `free` is not.
+    queue: VecDeque<usize>,
+    /// The waiting callers' entries, by key (`None`: vacant, its key in `vacant`).
+    waits: Vec<Option<Wait>>,
+    vacant: Vec<usize>,
+}
+
+/// A waiting caller: what wakes it, and the tag handed to it.
+struct Wait {
+    waker: Waker,
+    tag: Option<u16>,
+}
+
+impl Inner {
+    /// Hands `tag` to the oldest waiting caller (returning its waker, to be woken once the
+    /// lock is let go), or puts it back.
+    fn give(&mut self, tag: u16) -> Option<Waker> {
+        while let Some(key) = self.queue.pop_front() {
+            if let Some(Some(w)) = self.waits.get_mut(key) {
+                w.tag = Some(tag);
+                // Woken once: the entry keeps a waker that does nothing.
+                return Some(std::mem::replace(&mut w.waker, Waker::noop().clone()));
+            }
+        }
+        self.free.push(tag);
+        None
+    }
+
+    /// Ends the wait of `key`: its entry goes, and the tag handed to it, if any, is returned.
+    fn leave(&mut self, key: usize) -> Option<u16> {
+        let w = self.waits.get_mut(key).and_then(Option::take)?;
+        self.vacant.push(key);
+        if w.tag.is_none() {
+            self.queue.retain(|&k| k != key);
+        }
+        w.tag
+    }
 }
 
 impl TagPool {
     /// A pool of the tags `0..n` (taken lowest first).
     pub fn new(n: u16) -> Self {
         TagPool {
-            free: Mutex::new((0..n).rev().collect()),
+            inner: Mutex::new(Inner {
+                free: (0..n).rev().collect(),
+                queue: VecDeque::new(),
+                waits: Vec::new(),
+                vacant: Vec::new(),
+            }),
             available: AtomicUsize::new(usize::from(n)),
             total: usize::from(n),
             closed: AtomicBool::new(false),
-            waiting: AtomicUsize::new(0),
-            freed: Notify::new(),
         }
     }
 
     /// Takes a free tag, waiting while none is; `None` once the pool is closed.
-    pub async fn take(&self) -> Option<u16> {
-        if let Some(t) = self.try_take() {
-            return Some(t);
-        }
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waiting = Waiting(&self.waiting);
-        loop {
-            let freed = self.freed.notified();
-            tokio::pin!(freed);
-            // Counted and registered before looking again: a tag given back from now on
-            // wakes it (a give sees the count, or this look sees the tag).
-            freed.as_mut().enable();
-            if self.is_closed() {
-                return None;
-            }
-            if let Some(t) = self.try_take() {
-                return Some(t);
-            }
-            freed.await;
+    pub fn take(&self) -> Take<'_> {
+        Take {
+            pool: self,
+            key: None,
         }
     }
 
@@ -71,9 +92,9 @@ impl TagPool {
         if self.is_closed() {
             return None;
         }
-        let mut free = self.free.lock();
-        let t = free.pop()?;
-        self.available.store(free.len(), Ordering::Relaxed);
+        let mut inner = self.inner.lock();
+        let t = inner.free.pop()?;
+        self.available.store(inner.free.len(), Ordering::Relaxed);
         Some(t)
     }
 
@@ -82,45 +103,59 @@ impl TagPool {
         if max == 0 || self.is_closed() || self.available.load(Ordering::Relaxed) == 0 {
             return;
         }
-        let mut free = self.free.lock();
+        let mut inner = self.inner.lock();
+        let free = &mut inner.free;
         let at = free.len() - max.min(free.len());
         out.extend(free.drain(at..));
         self.available.store(free.len(), Ordering::Relaxed);
     }
 
-    /// Gives a tag back.
+    /// Gives a tag back: to the oldest waiting caller, if one waits.
     pub fn give(&self, tag: u16) {
-        {
-            let mut free = self.free.lock();
-            free.push(tag);
-            self.available.store(free.len(), Ordering::Relaxed);
-        }
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            self.freed.notify_one();
+        let waker = {
+            let mut inner = self.inner.lock();
+            let w = inner.give(tag);
+            self.available.store(inner.free.len(), Ordering::Relaxed);
+            w
+        };
+        if let Some(w) = waker {
+            w.wake();
         }
     }
 
-    /// Gives several tags back.
+    /// Gives several tags back (to waiting callers first, oldest first).
     pub fn give_many(&self, tags: &[u16]) {
         if tags.is_empty() {
             return;
         }
+        let mut wake = Vec::new();
         {
-            let mut free = self.free.lock();
-            free.extend_from_slice(tags);
-            self.available.store(free.len(), Ordering::Relaxed);
+            let mut inner = self.inner.lock();
+            for &t in tags {
+                wake.extend(inner.give(t));
+            }
+            self.available.store(inner.free.len(), Ordering::Relaxed);
         }
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            // More than one caller may wait.
-            self.freed.notify_waiters();
-            self.freed.notify_one();
+        for w in wake {
+            w.wake();
         }
     }
 
     /// Refuses every take from now on and wakes the callers that wait.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
-        self.freed.notify_waiters();
+        let wake: Vec<Waker> = {
+            let inner = self.inner.lock();
+            inner
+                .waits
+                .iter()
+                .flatten()
+                .map(|w| w.waker.clone())
+                .collect()
+        };
+        for w in wake {
+            w.wake();
+        }
     }
 
     /// Whether the pool is closed.
@@ -128,10 +163,94 @@ impl TagPool {
         self.closed.load(Ordering::SeqCst)
     }
 
-    /// Tags taken and not given back.
+    /// Tags taken and not given back (a tag handed to a waiting caller counts as taken).
     pub fn in_use(&self) -> usize {
         self.total
             .saturating_sub(self.available.load(Ordering::Relaxed))
+    }
+
+    /// Callers waiting for a tag.
+    #[cfg(test)]
+    fn waiting(&self) -> usize {
+        self.inner.lock().queue.len()
+    }
+}
+
+/// [`TagPool::take`]: a tag, or `None` once the pool is closed. Dropped while it waits, it
+/// leaves the queue (a tag already handed to it goes to the next waiting caller).
+pub(crate) struct Take<'a> {
+    pool: &'a TagPool,
+    /// Its entry among the waiting callers, once it waits.
+    key: Option<usize>,
+}
+
+impl Future for Take<'_> {
+    type Output = Option<u16>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<u16>> {
+        let pool = self.pool;
+        let mut inner = pool.inner.lock();
+        // Read under the lock: `close` sets it before it takes the lock to wake the waiting
+        // callers, so a caller that registers after that sees it.
+        let closed = pool.is_closed();
+        if let Some(key) = self.key {
+            if closed {
+                self.key = None;
+                if let Some(t) = inner.leave(key) {
+                    drop(inner);
+                    pool.give(t);
+                }
+                return Poll::Ready(None);
+            }
+            let Some(Some(w)) = inner.waits.get_mut(key) else {
+                self.key = None;
+                return Poll::Ready(None);
+            };
+            if w.tag.is_some() {
+                self.key = None;
+                return Poll::Ready(inner.leave(key));
+            }
+            if !w.waker.will_wake(cx.waker()) {
+                w.waker = cx.waker().clone();
+            }
+            return Poll::Pending;
+        }
+        if closed {
+            return Poll::Ready(None);
+        }
+        if let Some(t) = inner.free.pop() {
+            pool.available.store(inner.free.len(), Ordering::Relaxed);
+            return Poll::Ready(Some(t));
+        }
+        let wait = Wait {
+            waker: cx.waker().clone(),
+            tag: None,
+        };
+        let key = match inner.vacant.pop() {
+            Some(k) if k < inner.waits.len() => {
+                inner.waits[k] = Some(wait);
+                k
+            }
+            _ => {
+                inner.waits.push(Some(wait));
+                inner.waits.len() - 1
+            }
+        };
+        inner.queue.push_back(key);
+        self.key = Some(key);
+        Poll::Pending
+    }
+}
+
+impl Drop for Take<'_> {
+    fn drop(&mut self) {
+        let Some(key) = self.key.take() else {
+            return;
+        };
+        let handed = self.pool.inner.lock().leave(key);
+        if let Some(t) = handed {
+            self.pool.give(t);
+        }
     }
 }
 
@@ -194,13 +313,54 @@ mod tests {
         let p = Arc::new(TagPool::new(1));
         let t = p.try_take().unwrap();
         let waiter = spawn_take(&p).await;
-        assert_eq!(p.waiting.load(Ordering::SeqCst), 1);
+        assert_eq!(p.waiting(), 1);
         waiter.abort();
         assert!(waiter.await.unwrap_err().is_cancelled());
-        assert_eq!(p.waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(p.waiting(), 0);
         p.give(t);
         assert_eq!(p.take().await, Some(t));
-        assert_eq!(p.waiting.load(Ordering::SeqCst), 0);
+        assert_eq!(p.waiting(), 0);
+    }
+
+    /// A tag given back goes to the oldest waiting caller, not to whoever asks next.
+    #[tokio::test]
+    async fn a_tag_given_back_goes_to_the_oldest_waiting_caller() {
+        let p = Arc::new(TagPool::new(2));
+        let (a, b) = (p.try_take().unwrap(), p.try_take().unwrap());
+        let first = spawn_take(&p).await;
+        let second = spawn_take(&p).await;
+        assert_eq!(p.waiting(), 2);
+        p.give(b);
+        assert_eq!(p.try_take(), None, "handed over, not put back");
+        assert_eq!(first.await.unwrap(), Some(b));
+        assert!(!second.is_finished());
+        p.give(a);
+        assert_eq!(second.await.unwrap(), Some(a));
+        assert_eq!(p.in_use(), 2);
+    }
+
+    /// A caller dropped after a tag was handed to it, before it looked, passes the tag on to
+    /// the next waiting caller; with nobody waiting, the tag is free again.
+    #[test]
+    fn a_tag_handed_to_a_caller_that_is_gone_goes_on() {
+        let p = TagPool::new(1);
+        let t = p.try_take().unwrap();
+        let waker = Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        let mut first = Box::pin(p.take());
+        let mut second = Box::pin(p.take());
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        assert!(second.as_mut().poll(&mut cx).is_pending());
+        p.give(t);
+        drop(first);
+        assert_eq!(second.as_mut().poll(&mut cx), Poll::Ready(Some(t)));
+        drop(second);
+        let mut third = Box::pin(p.take());
+        assert!(third.as_mut().poll(&mut cx).is_pending());
+        p.give(t);
+        drop(third);
+        assert_eq!((p.waiting(), p.in_use()), (0, 0));
+        assert_eq!(p.try_take(), Some(t));
     }
 
     #[tokio::test]
