@@ -1,10 +1,10 @@
 //! A queue's free command identifiers (tags): callers take one for each command, waiting
 //! while all are in flight; the GPU request rings take what is free without waiting (callers
 //! that wait come first: while they do, no tag is free); a tag comes back when its command's
-//! slot is released. One short lock per take and per give, no
-//! semaphore. A caller that finds none free joins a queue of waiting callers, under the same
-//! lock, and a tag given back goes straight to the oldest of them (it is not put back for
-//! anyone to take): the caller is woken once, with its tag, and never looks again in vain.
+//! slot is released. One short lock per take and per give, no semaphore. A caller that finds
+//! none free joins a queue of waiting callers, under the same lock, and a tag given back goes
+//! straight to the oldest of them (it is not put back for anyone to take): the caller is woken
+//! once, with its tag, and never looks again in vain.
 
 use std::collections::VecDeque;
 use std::future::Future;
