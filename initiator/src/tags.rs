@@ -364,6 +364,43 @@ mod tests {
         assert_eq!(p.try_take(), Some(t));
     }
 
+    /// Many callers on several threads taking and giving back far more often than there are
+    /// tags, some of them giving up their wait: every take ends, no tag is lost or doubled.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn many_callers_share_few_tags_without_losing_one() {
+        let p = Arc::new(TagPool::new(8));
+        let held: Arc<Vec<AtomicBool>> = Arc::new((0..8).map(|_| AtomicBool::new(false)).collect());
+        let mut tasks = Vec::new();
+        for c in 0..64u32 {
+            let (p, held) = (Arc::clone(&p), Arc::clone(&held));
+            tasks.push(tokio::spawn(async move {
+                for i in 0..500u32 {
+                    if (c + i) % 7 == 0 {
+                        // Give up a wait now and then (a tag handed to it meanwhile goes on).
+                        let r = tokio::time::timeout(Duration::from_micros(50), p.take()).await;
+                        if let Ok(Some(t)) = r {
+                            p.give(t);
+                        }
+                        continue;
+                    }
+                    let t = p.take().await.expect("open pool");
+                    let was = held[usize::from(t)].swap(true, Ordering::SeqCst);
+                    assert!(!was, "tag {t} handed out twice");
+                    tokio::task::yield_now().await;
+                    held[usize::from(t)].store(false, Ordering::SeqCst);
+                    p.give(t);
+                }
+            }));
+        }
+        for t in tasks {
+            tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .expect("every caller gets its tags")
+                .expect("caller");
+        }
+        assert_eq!((p.waiting(), p.in_use()), (0, 0));
+    }
+
     #[tokio::test]
     async fn closing_ends_the_wait_and_refuses_takes() {
         let p = Arc::new(TagPool::new(1));
