@@ -34,8 +34,9 @@
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
 //! allocate. A caller that finds every slot taken waits in line ([`crate::tags`]): a tag given
-//! back goes straight to the oldest waiting caller, which is woken once, with it. Every command has a deadline (except Asynchronous Event Requests), checked by
-//! the task on a timer: a target that stops answering gives a timeout error, never a hang.
+//! back goes straight to the oldest waiting caller, which is woken once, with it. Every
+//! command has a deadline (except Asynchronous Event Requests), checked by the task on a
+//! timer: a target that stops answering gives a timeout error, never a hang.
 //!
 //! When the link is lost the core keeps reads (and everything idempotent) to resend on the
 //! next link and fails writes with [`Error::Interrupted`] (unless writes may be retried);
