@@ -6,7 +6,9 @@
 //! into pinned memory) and an asynchronous host-to-device copy from that slot is enqueued on
 //! the stream as soon as the command completes, so the copy of one command runs while the next
 //! command's data is still arriving. A slot is reused only after the copy that reads it has finished
-//! (an event per slot). A read is complete only when its copies into device memory are done.
+//! (the stream writes a [`StreamMark`] ticket after each slot's work; waiting for a slot is a
+//! load of that word, not a driver call). A read is complete only when its copies into device
+//! memory are done.
 //!
 //! - [`GpuStaging::dest`] makes a [`ReadDest`] over a device slice, usable with the initiator's
 //!   one read API ([`Namespace::read_into`]); [`GpuStaging::synchronize`] then waits, without
@@ -31,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use ::gpu::{
     DeviceSlice, DeviceSliceMut, GpuContext, GpuError, GpuEvent, GpuStream, HostPinned,
-    PinnedBuffer,
+    PinnedBuffer, StreamMark,
 };
 use nvmeof_cuda_kernels::{
     KernelError, KernelWorkspace, MappedStage, NvmfKernels, ScatterCopy, StageFlight, StageRefused,
@@ -375,13 +377,16 @@ struct Slot {
     /// again on next use).
     host: Option<PinnedBuffer>,
     stage: Option<BatchStage>,
+    /// The staging's mark ticket written after the slot's last work (0: none yet).
+    ticket: u32,
+    /// Events around the slot's work, recorded only with [`StagingConfig::timing`].
     start: GpuEvent,
-    done: Arc<GpuEvent>,
+    done: GpuEvent,
 }
 
 /// The mapped pinned memory a slot receives a batch of reads into, which the scatter kernel
 /// reads in place: the host's, or read by the slot's last kernel (the stage is the host's
-/// again once the slot's `done` event has passed).
+/// again once the stream has passed the slot's ticket).
 enum BatchStage {
     Idle(MappedStage),
     Flight(StageFlight),
@@ -396,6 +401,8 @@ pub struct GpuStaging {
     cfg: StagingConfig,
     slots: Vec<Slot>,
     ring: SlotRing,
+    /// Written by the stream after each slot's work: how far the stream got.
+    mark: StreamMark,
     kernels: Option<(Arc<NvmfKernels>, KernelWorkspace)>,
     copies: Vec<ScatterCopy>,
     stats: StagingStats,
@@ -409,6 +416,61 @@ impl std::fmt::Debug for GpuStaging {
             .field("busy", &self.ring.busy_len())
             .finish()
     }
+}
+
+/// How many times [`wait_mark`] looks at the mark, yielding in between, before it waits on the
+/// blocking pool: a few milliseconds, longer than a slot's copy or scatter takes when the GPU
+/// is not busy with other work.
+const MARK_LOOKS: u32 = 4096;
+
+/// Every how many looks a wait asks the driver whether the stream failed (a failed stream never
+/// writes its ticket) or has finished.
+const MARK_CHECK_EVERY: u32 = 256;
+
+/// Waits until `stream` has written `ticket` to `mark` without blocking the runtime thread:
+/// looks at the mark (one load), yielding to other tasks in between, asks the driver now and
+/// then whether the stream failed, and after [`MARK_LOOKS`] looks waits for the stream on the
+/// blocking pool. Outside a tokio runtime that last wait blocks the calling thread.
+async fn wait_mark(mark: &StreamMark, stream: &GpuStream, ticket: u32) -> Result<(), GpuError> {
+    for look in 1..=MARK_LOOKS {
+        if mark.passed(ticket) {
+            return Ok(());
+        }
+        if look % MARK_CHECK_EVERY == 0 && stream.is_idle()? {
+            return Ok(());
+        }
+        tokio::task::yield_now().await;
+    }
+    if mark.passed(ticket) {
+        return Ok(());
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return stream.synchronize();
+    };
+    let stream = stream.clone();
+    match rt.spawn_blocking(move || stream.synchronize()).await {
+        Ok(r) => r,
+        Err(e) => Err(GpuError::Driver {
+            call: "cuStreamSynchronize",
+            code: 0,
+            name: String::from("join"),
+            description: e.to_string(),
+        }),
+    }
+}
+
+/// [`wait_mark`] on the calling thread: spins on the mark, asking the driver now and then
+/// whether the stream failed or has finished.
+fn wait_mark_blocking(mark: &StreamMark, stream: &GpuStream, ticket: u32) -> Result<(), GpuError> {
+    let mut looks = 0u32;
+    while !mark.passed(ticket) {
+        looks = looks.wrapping_add(1);
+        if looks % MARK_CHECK_EVERY == 0 && stream.is_idle()? {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    Ok(())
 }
 
 /// Waits for `event` without blocking the runtime thread on the GPU: polls it a few times,
@@ -446,8 +508,9 @@ impl GpuStaging {
                 Ok(Slot {
                     host: Some(ctx.alloc_pinned(cfg.slot_bytes)?),
                     stage: None,
+                    ticket: 0,
                     start: ctx.new_event(cfg.timing)?,
-                    done: Arc::new(ctx.new_event(cfg.timing)?),
+                    done: ctx.new_event(cfg.timing)?,
                 })
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -457,6 +520,7 @@ impl GpuStaging {
             cfg,
             slots,
             ring: SlotRing::new(cfg.slots),
+            mark: ctx.new_mark()?,
             kernels: None,
             copies: Vec::new(),
             stats: StagingStats::default(),
@@ -536,11 +600,22 @@ impl GpuStaging {
             return Ok(());
         };
         let t = Instant::now();
-        wait_event(&self.slots[last].done).await?;
+        wait_mark(&self.mark, &self.stream, self.slots[last].ticket).await?;
         self.stats.gpu_wait += t.elapsed();
         while let Some(slot) = self.ring.retire_oldest() {
             self.account(slot);
         }
+        Ok(())
+    }
+
+    /// Marks slot `idx` as having work on the stream, enqueued just before: the stream writes
+    /// the slot's ticket once that work is done.
+    fn submitted(&mut self, idx: usize) -> Result<(), GpuError> {
+        if self.cfg.timing {
+            self.stream.record(&self.slots[idx].done)?;
+        }
+        self.slots[idx].ticket = self.mark.enqueue(&self.stream)?;
+        self.ring.submitted(idx);
         Ok(())
     }
 
@@ -561,9 +636,10 @@ impl GpuStaging {
             return Ok(slot);
         }
         let oldest = self.ring.oldest_busy().ok_or_else(|| invalid("no slots"))?;
-        if !self.slots[oldest].done.is_complete()? {
+        let ticket = self.slots[oldest].ticket;
+        if !self.mark.passed(ticket) {
             let t = Instant::now();
-            self.slots[oldest].done.synchronize()?;
+            wait_mark_blocking(&self.mark, &self.stream, ticket)?;
             self.stats.gpu_wait += t.elapsed();
             self.stats.blocking_waits += 1;
         }
@@ -577,7 +653,7 @@ impl GpuStaging {
         }
         let oldest = self.ring.oldest_busy().ok_or_else(|| invalid("no slots"))?;
         let t = Instant::now();
-        wait_event(&self.slots[oldest].done).await?;
+        wait_mark(&self.mark, &self.stream, self.slots[oldest].ticket).await?;
         self.stats.gpu_wait += t.elapsed();
         self.retire_and_take()
     }
@@ -643,8 +719,7 @@ impl GpuStaging {
             self.stream.record(&slot.start)?;
         }
         self.stream.copy_h2d_async(&host.slice(..n)?, dst)?;
-        self.stream.record(&slot.done)?;
-        self.ring.submitted(idx);
+        self.submitted(idx)?;
         self.stats.h2d_bytes += n as u64;
         self.stats.copies += 1;
         Ok(())
@@ -781,8 +856,7 @@ impl GpuStaging {
                 return Err(error.into());
             }
         }
-        self.stream.record(&slot.done)?;
-        self.ring.submitted(idx);
+        self.submitted(idx)?;
         self.stats.h2d_bytes += total as u64;
         self.stats.scatters += 1;
         Ok(())
@@ -857,8 +931,7 @@ impl GpuStaging {
                     }
                     self.stream
                         .copy_d2h_async(&src.slice(next..next + n)?, &mut host.slice_mut(..n)?)?;
-                    self.stream.record(&slot.done)?;
-                    self.ring.submitted(idx);
+                    self.submitted(idx)?;
                     self.stats.d2h_bytes += n as u64;
                     self.stats.copies += 1;
                     next += n;
@@ -867,7 +940,7 @@ impl GpuStaging {
                     break;
                 };
                 let t = Instant::now();
-                wait_event(&self.slots[idx].done).await?;
+                wait_mark(&self.mark, &self.stream, self.slots[idx].ticket).await?;
                 self.stats.gpu_wait += t.elapsed();
                 if self.ring.retire_oldest() != Some(idx) {
                     return Err(invalid("staging slots retired out of order"));
