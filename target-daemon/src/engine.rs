@@ -226,7 +226,9 @@ pub enum Step<T> {
     /// Fetch the command's data from the host ([`Fetch::len`] bytes), then hand it to
     /// [`Engine::fetched`] (or the fault to [`Engine::fetch_failed`]).
     Fetch(Fetch<T>),
-    /// The command was answered and the connection closes ([`Engine::closing`] is set).
+    /// The connection closes ([`Engine::closing`] is set): the command was answered, or
+    /// left unanswered because its controller is gone (the host sends it again after it
+    /// reconnects).
     Close,
 }
 
@@ -468,6 +470,17 @@ impl<T: 'static> Engine<T> {
                 Step::Close
             }
             Submit::Held => Step::Held(tag),
+            Submit::Abandon => {
+                if self.closing.is_none() {
+                    debug!(
+                        peer = %self.q.origin.peer,
+                        qid = self.q.qid,
+                        "controller torn down: closing the queue, commands left unanswered for the host to send again"
+                    );
+                }
+                self.close(Closed::Local("controller torn down"));
+                Step::Close
+            }
             Submit::Io(req) if req.op.host_data_len() > 0 => Step::Fetch(Fetch { tag, req }),
             Submit::Io(req) => self.start(w, tag, req),
         };
@@ -1141,6 +1154,31 @@ mod tests {
             figures.subsystems[crate::testing::NQN].keep_alive_expiries,
             1
         );
+    }
+
+    #[test]
+    fn commands_on_a_torn_down_controller_are_left_for_the_next_association() {
+        let (admin, mut io) = queues(&["mem:1M,bs=512"]);
+        io.command(read(1, 1, 0, 1), &[]);
+        assert!(io.answer().status().is_success());
+        // The admin queue's connection ends (the target shutting down, a keep-alive expiry):
+        // a command that reaches an I/O queue before it notices is not answered with an error
+        // the host may not retry; the queue closes and the host sends it again after it
+        // reconnects.
+        let ctrl = admin.e.q.ctrl.clone().unwrap();
+        assert!(ctrl.tear_down());
+        io.command(read(2, 1, 0, 1), &[]);
+        assert_eq!(io.step(), "close");
+        assert!(io.w.sent.is_empty(), "answered: {:?}", io.w.sent);
+        assert!(matches!(
+            io.e.closing,
+            Some(Closed::Local("controller torn down"))
+        ));
+        // Nothing runs: the connection may go at once.
+        assert!(matches!(
+            io.e.drained(true),
+            Some(Closed::Local("controller torn down"))
+        ));
     }
 
     #[test]

@@ -96,6 +96,11 @@ pub enum Submit {
     CompleteAndClose(Cqe),
     /// Nothing now: the command completes later through the controller's event channel.
     Held,
+    /// No answer: the queue's controller is gone (its admin queue closed, its keep-alive
+    /// timer ran out, the target is shutting down), so the queue closes without answering.
+    /// The host sends the command again in its next association; an error status with Do Not
+    /// Retry would fail it instead.
+    Abandon,
     /// Run this data-plane request.
     Io(IoRequest),
 }
@@ -255,7 +260,7 @@ impl QueueState {
                 Submit::Complete(c)
                 | Submit::CompleteWithData(_, c)
                 | Submit::CompleteAndClose(c) => Some(c.status()),
-                Submit::Held | Submit::Io(_) => None,
+                Submit::Held | Submit::Abandon | Submit::Io(_) => None,
             };
             match (m.admin(), status) {
                 (Some(a), status) => a.record(sqe.opcode, status),
@@ -340,10 +345,7 @@ impl QueueState {
     fn submit_to(&mut self, ctrl: &Arc<Controller>, sqe: &Sqe, icd: &[u8]) -> Submit {
         let cid = sqe.cid();
         if ctrl.is_torn_down() {
-            return status_cqe(
-                cid,
-                Status::generic(generic::COMMAND_SEQUENCE_ERROR).with_dnr(),
-            );
+            return Submit::Abandon;
         }
         if let Some(reply) = self.auth_gate(ctrl, sqe, icd) {
             return reply;

@@ -900,6 +900,7 @@ mod tests {
             Submit::Complete(c) | Submit::CompleteAndClose(c) | Submit::CompleteWithData(_, c) => c,
             Submit::Io(_) => Cqe::new(sqe.cid(), Status::SUCCESS, 0),
             Submit::Held => panic!("held"),
+            Submit::Abandon => panic!("abandoned: the controller is gone"),
         }
     }
 

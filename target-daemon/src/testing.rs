@@ -77,6 +77,7 @@ pub fn status(s: Submit) -> Status {
             c.status()
         }
         Submit::Held => panic!("held"),
+        Submit::Abandon => panic!("abandoned: the controller is gone"),
         Submit::Io(_) => Status::SUCCESS,
     }
 }
