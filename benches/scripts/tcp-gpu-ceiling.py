@@ -1,6 +1,6 @@
 """Loopback TCP into GPU memory, the most a staged NVMe/TCP read path can move.
 
-    python3 benches/scripts/tcp-gpu-ceiling.py [STREAMS] [SECONDS]
+    python3 benches/scripts/tcp-gpu-ceiling.py [STREAMS] [SECONDS] [--why]
 
 STREAMS sender/receiver process pairs (default 8) move 1 MiB messages over 127.0.0.1, senders
 pinned to cores [0, STREAMS), receivers to [STREAMS, 2*STREAMS), as the raw loopback ceiling
@@ -9,6 +9,12 @@ pinned host memory (two 1 MiB buffers used in turn) and copies every message to 
 with an asynchronous copy, waiting (without spinning) for a buffer's previous copy before it
 reads into it again. The `gpu` row is what loopback TCP plus one copy to the GPU per byte can
 move with these cores: no NVMe/TCP, no PDU parsing. Needs CuPy for the `gpu` row.
+
+With `--why`, rows that take the `gpu` row apart: `pinned`, received into the pinned buffers
+with no copy; `gpu-other`, the same copies and waits as `gpu` but each copies another pinned
+buffer (the GPU's copy engine reads as much, just not the bytes the receiver wrote); and
+`host+copier`, the `host` row while one more process copies a 1 GiB pinned buffer to the GPU
+without pause (its rate printed beside).
 """
 import multiprocessing as mp
 import os
@@ -30,7 +36,7 @@ def sender(port, cpu, secs):
     s.close()
 
 
-def receiver(ls, cpu, q, gpu):
+def receiver(ls, cpu, q, gpu, what="gpu"):
     os.sched_setaffinity(0, {cpu})
     if gpu:
         import cupy
@@ -43,6 +49,12 @@ def receiver(ls, cpu, q, gpu):
         stream = cupy.cuda.Stream(non_blocking=True)
         events = [None, None]
         bufs = [memoryview(h) for h in host]
+        other = host
+        if what == "gpu-other":
+            other = [
+                numpy.frombuffer(cupy.cuda.alloc_pinned_memory(MSG), dtype=numpy.uint8, count=MSG)
+                for _ in range(2)
+            ]
     else:
         bufs = [memoryview(bytearray(MSG)) for _ in range(2)]
     c, _ = ls.accept()
@@ -61,9 +73,9 @@ def receiver(ls, cpu, q, gpu):
         n += got
         if got < MSG:
             break
-        if gpu:
+        if gpu and what != "pinned":
             cupy.cuda.runtime.memcpyAsync(
-                dev.data.ptr, host[i].ctypes.data, MSG, 1, stream.ptr
+                dev.data.ptr, other[i].ctypes.data, MSG, 1, stream.ptr
             )
             events[i] = cupy.cuda.Event(block=True, disable_timing=True)
             events[i].record(stream)
@@ -71,15 +83,48 @@ def receiver(ls, cpu, q, gpu):
     q.put((n, time.time() - t0))
 
 
-def run(n, secs, gpu):
+def copier(cpu, secs, q, ready):
+    """Copies a 1 GiB pinned buffer to the GPU, 64 MiB at a time, for `secs` seconds."""
+    os.sched_setaffinity(0, {cpu})
+    import cupy
+    import numpy
+
+    cupy.cuda.Device(0).use()
+    total, chunk = 1 << 30, 64 << 20
+    src = numpy.frombuffer(cupy.cuda.alloc_pinned_memory(total), dtype=numpy.uint8, count=total)
+    src[:] = 1
+    dev = cupy.empty(chunk, dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ready.set()
+    moved, off, t0 = 0, 0, time.time()
+    while time.time() < t0 + secs:
+        for _ in range(8):
+            cupy.cuda.runtime.memcpyAsync(dev.data.ptr, src.ctypes.data + off, chunk, 1, stream.ptr)
+            moved += chunk
+            off = (off + chunk) % total
+        done = cupy.cuda.Event(block=True, disable_timing=True)
+        done.record(stream)
+        done.synchronize()
+    q.put(moved / (time.time() - t0) / 1e9)
+
+
+def run(n, secs, gpu, what=None):
+    what = what or ("gpu" if gpu else "host")
     q = mp.Queue()
     procs = []
+    side = None
+    if what == "host+copier":
+        cq, ready = mp.Queue(), mp.Event()
+        # On the last receiver's core: it mostly waits for its copies.
+        side = mp.Process(target=copier, args=(2 * n - 1, secs + 1.5, cq, ready))
+        side.start()
+        ready.wait()
     for i in range(n):
         ls = socket.socket()
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
         port = ls.getsockname()[1]
-        r = mp.Process(target=receiver, args=(ls, n + i, q, gpu))
+        r = mp.Process(target=receiver, args=(ls, n + i, q, gpu, what))
         r.start()
         s = mp.Process(target=sender, args=(port, i, secs))
         s.start()
@@ -89,17 +134,25 @@ def run(n, secs, gpu):
         p.join()
     total = sum(b for b, _ in res)
     dt = max(t for _, t in res)
-    where = "gpu" if gpu else "host"
+    extra = ""
+    if side is not None:
+        extra = f" (the copier moved {cq.get():.1f} GB/s to the GPU meanwhile)"
+        side.join()
     print(
-        f"{where}: loopback TCP, {n} stream(s), senders on cores 0-{n - 1}, "
-        f"receivers on {n}-{2 * n - 1}: {total / dt / 1e9:.1f} GB/s",
+        f"{what}: loopback TCP, {n} stream(s), senders on cores 0-{n - 1}, "
+        f"receivers on {n}-{2 * n - 1}: {total / dt / 1e9:.1f} GB/s{extra}",
         flush=True,
     )
 
 
 if __name__ == "__main__":
     mp.set_start_method("spawn")
-    streams = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 4
+    args = [a for a in sys.argv[1:] if a != "--why"]
+    streams = int(args[0]) if args else 8
+    seconds = float(args[1]) if len(args) > 1 else 4
     run(streams, seconds, False)
     run(streams, seconds, True)
+    if "--why" in sys.argv[1:]:
+        run(streams, seconds, True, "pinned")
+        run(streams, seconds, True, "gpu-other")
+        run(streams, seconds, False, "host+copier")
