@@ -444,14 +444,23 @@ async fn wait_mark(mark: &StreamMark, stream: &GpuStream, ticket: u32) -> Result
     if mark.passed(ticket) {
         return Ok(());
     }
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return stream.synchronize();
-    };
     let stream = stream.clone();
-    match rt.spawn_blocking(move || stream.synchronize()).await {
+    off_the_runtime("cuStreamSynchronize", move || stream.synchronize()).await
+}
+
+/// Runs the blocking `wait` (a `call` of the driver) on the blocking pool, or on the calling
+/// thread outside a tokio runtime.
+async fn off_the_runtime(
+    call: &'static str,
+    wait: impl FnOnce() -> Result<(), GpuError> + Send + 'static,
+) -> Result<(), GpuError> {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return wait();
+    };
+    match rt.spawn_blocking(wait).await {
         Ok(r) => r,
         Err(e) => Err(GpuError::Driver {
-            call: "cuStreamSynchronize",
+            call,
             code: 0,
             name: String::from("join"),
             description: e.to_string(),
@@ -483,19 +492,8 @@ pub async fn wait_event(event: &Arc<GpuEvent>) -> Result<(), GpuError> {
         }
         tokio::task::yield_now().await;
     }
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return event.synchronize();
-    };
     let event = Arc::clone(event);
-    match rt.spawn_blocking(move || event.synchronize()).await {
-        Ok(r) => r,
-        Err(e) => Err(GpuError::Driver {
-            call: "cuEventSynchronize",
-            code: 0,
-            name: String::from("join"),
-            description: e.to_string(),
-        }),
-    }
+    off_the_runtime("cuEventSynchronize", move || event.synchronize()).await
 }
 
 impl GpuStaging {
