@@ -170,6 +170,14 @@ impl TagPool {
             .saturating_sub(self.available.load(Ordering::Relaxed))
     }
 
+    /// Ends the wait of `key`, passing on a tag handed to it meanwhile.
+    fn leave(&self, key: usize) {
+        let handed = self.inner.lock().leave(key);
+        if let Some(t) = handed {
+            self.give(t);
+        }
+    }
+
     /// Callers waiting for a tag.
     #[cfg(test)]
     fn waiting(&self) -> usize {
@@ -196,11 +204,9 @@ impl Future for Take<'_> {
         let closed = pool.is_closed();
         if let Some(key) = self.key {
             if closed {
+                drop(inner);
                 self.key = None;
-                if let Some(t) = inner.leave(key) {
-                    drop(inner);
-                    pool.give(t);
-                }
+                pool.leave(key);
                 return Poll::Ready(None);
             }
             let Some(Some(w)) = inner.waits.get_mut(key) else {
@@ -245,12 +251,8 @@ impl Future for Take<'_> {
 
 impl Drop for Take<'_> {
     fn drop(&mut self) {
-        let Some(key) = self.key.take() else {
-            return;
-        };
-        let handed = self.pool.inner.lock().leave(key);
-        if let Some(t) = handed {
-            self.pool.give(t);
+        if let Some(key) = self.key.take() {
+            self.pool.leave(key);
         }
     }
 }
