@@ -310,6 +310,14 @@ impl std::fmt::Debug for Controller {
     }
 }
 
+/// Command slots of an I/O queue of `depth` entries: twice the commands the entries hold, so
+/// that callers with more commands in flight than the queue takes wait in the queue's core
+/// (sent as responses free entries) rather than for a slot. Command identifiers stay below
+/// 0x8000.
+fn io_slots(depth: u16) -> u16 {
+    depth.saturating_sub(1).saturating_mul(2).clamp(1, 0x7FFF)
+}
+
 thread_local! {
     static QUEUE_HINT: Cell<usize> = const { Cell::new(usize::MAX) };
 }
@@ -345,6 +353,7 @@ impl Controller {
             QueueConfig {
                 qid: 0,
                 slots: ADMIN_QUEUE_ENTRIES - 1,
+                window: ADMIN_QUEUE_ENTRIES - 1,
                 addr: addr.clone(),
                 retry_writes: false,
                 scan_period: scan(opts.timeouts.admin),
@@ -359,7 +368,8 @@ impl Controller {
                 QueueHandle::spawn(
                     QueueConfig {
                         qid,
-                        slots: depth - 1,
+                        slots: io_slots(depth),
+                        window: depth - 1,
                         addr: addr.clone(),
                         retry_writes: opts.retry_writes,
                         scan_period: scan(opts.timeouts.io),

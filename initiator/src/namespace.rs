@@ -138,7 +138,7 @@ impl Namespace {
 
     /// Number of commands of one transfer kept in flight together.
     fn window(q: &QueueHandle) -> usize {
-        (q.slots() / 2).clamp(1, 32)
+        (q.window() / 2).clamp(1, 32)
     }
 
     /// Reads `buf.len()` bytes (a multiple of the block size) starting at block `lba`.

@@ -33,8 +33,12 @@
 //! through the channel.
 //!
 //! Tags come from a free list and buffers stay with their slot, so steady-state I/O does not
-//! allocate. A caller that finds every slot taken waits in line ([`crate::tags`]): a tag given
-//! back goes straight to the oldest waiting caller, which is woken once, with it. Every
+//! allocate. An I/O queue has twice as many slots as its entries hold commands: commands
+//! beyond the entries wait in the core, in order, and each response sends the next one
+//! (SPDK's queued requests), so a caller keeping more commands in flight than the queue
+//! holds (QD128 on a 128-entry queue) costs no extra wake-up per command. A caller that
+//! finds every slot taken waits in line ([`crate::tags`]): a tag given back goes straight to
+//! the oldest waiting caller, which is woken once, with it. Every
 //! command has a deadline (except Asynchronous Event Requests), checked by the task on a
 //! timer: a target that stops answering gives a timeout error, never a hang.
 //!
@@ -430,6 +434,7 @@ impl Engine {
         let Some(live) = self.live.as_mut() else {
             return;
         };
+        self.core.written();
         if let Err(e) = live.try_flush() {
             let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
             self.lose(err);
@@ -456,6 +461,7 @@ impl Engine {
         let driving = me.map_or(NO_TAG, u32::from);
         self.shared.driving.store(driving, Ordering::Relaxed);
         self.drive_rounds(me);
+        self.flush_if_nothing_out();
         self.shared.driving.store(NO_TAG, Ordering::Relaxed);
     }
 
@@ -564,7 +570,18 @@ impl Engine {
                 }
             }
         }
+        self.flush_if_nothing_out();
         self.shared.driving.store(NO_TAG, Ordering::Relaxed);
+    }
+
+    /// Writes the capsules the link holds when no other command is out on the wire: the
+    /// responses of a drive made room for waiting commands, and no answer would come to
+    /// write them with the next round. Otherwise they go with the next write (the round's
+    /// writer, or the next drive), in one system call with the callers' next commands.
+    fn flush_if_nothing_out(&mut self) {
+        if self.core.nothing_out() && self.live.as_ref().is_some_and(Link::has_unsent) {
+            self.flush();
+        }
     }
 
     /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
@@ -623,6 +640,7 @@ impl Engine {
 pub(crate) struct QueueHandle {
     shared: Arc<QueueShared>,
     engine: Arc<Mutex<Engine>>,
+    window: u16,
     sub_tx: mpsc::UnboundedSender<Submission>,
     ctl_tx: mpsc::UnboundedSender<QueueCtl>,
 }
@@ -630,8 +648,11 @@ pub(crate) struct QueueHandle {
 /// Settings of a queue task.
 pub(crate) struct QueueConfig {
     pub qid: u16,
-    /// Command slots (commands in flight at most).
+    /// Command slots (commands taken at once at most).
     pub slots: u16,
+    /// Commands on the wire at most (the queue's entries less one); the others wait in the
+    /// core.
+    pub window: u16,
     pub addr: String,
     pub retry_writes: bool,
     /// How often deadlines are checked.
@@ -679,7 +700,8 @@ impl QueueHandle {
             n,
             cfg.retry_writes,
             cfg.qid == 0,
-        );
+        )
+        .with_window(cfg.window.min(n));
         let engine = Arc::new(Mutex::new(Engine {
             core,
             live: None,
@@ -713,6 +735,7 @@ impl QueueHandle {
         QueueHandle {
             shared,
             engine,
+            window: cfg.window.clamp(1, n),
             sub_tx,
             ctl_tx,
         }
@@ -729,8 +752,14 @@ impl QueueHandle {
     }
 
     /// Number of command slots.
+    #[cfg(test)]
     pub fn slots(&self) -> usize {
         self.shared.slots.len()
+    }
+
+    /// Commands the queue puts on the wire at once, at most.
+    pub fn window(&self) -> usize {
+        usize::from(self.window)
     }
 
     fn closed_error(&self) -> Error {
@@ -1385,6 +1414,7 @@ mod tests {
             QueueConfig {
                 qid: 1,
                 slots: 4,
+                window: 4,
                 addr: "127.0.0.1:4420".into(),
                 retry_writes: false,
                 scan_period: Duration::from_secs(1),
@@ -1533,6 +1563,51 @@ mod tests {
                 .await
                 .expect("the read ends")
                 .expect("read");
+        }
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// A caller with more commands than the queue's entries hold gets a slot for each at
+    /// once; the queue puts no more on the wire than the entries hold and sends the others as
+    /// answers come back.
+    #[tokio::test]
+    async fn commands_beyond_the_entries_wait_in_the_queue_not_for_a_slot() {
+        let (_target, addr) = target();
+        let host =
+            HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
+        let mut o = ConnectOptions::new(addr, NQN, host);
+        o.io_queues = Some(1);
+        o.queue_depth = 4;
+        o.kato = Duration::from_secs(60);
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        for i in 0..6u8 {
+            let block = [i + 1; 4096];
+            ns.write(u64::from(i) * 8, &block).await.expect("write");
+        }
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        assert_eq!(q.window(), 3, "4 entries hold 3 commands");
+        let mut pending = Vec::new();
+        for i in 0..6u64 {
+            let start = q.start(ns.request(false, i * 8, 4096, false), |_| Ok(()));
+            let p = tokio::time::timeout(Duration::from_secs(5), start)
+                .await
+                .expect("a slot without waiting for an answer")
+                .expect("start");
+            pending.push(p);
+            let on_wire = q.engine.lock().core.on_wire();
+            assert!(on_wire <= 3, "{on_wire} commands on the wire");
+        }
+        for (i, mut p) in pending.into_iter().enumerate() {
+            tokio::time::timeout(Duration::from_secs(5), p.wait())
+                .await
+                .expect("the read ends")
+                .expect("read");
+            let want = i as u8 + 1;
+            assert!(
+                p.with_data(4096, |d| d.iter().all(|&b| b == want)),
+                "read {i}"
+            );
         }
         ctrl.disconnect().await.expect("disconnect");
     }

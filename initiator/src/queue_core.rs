@@ -18,7 +18,11 @@
 //! with a timeout and asks for the link to be reset; after a link loss, commands that may be
 //! resent (reads, idempotent admin commands, writes where allowed) go back to the head of the
 //! waiting list in their order and are sent first on the next link, the others fail; a
-//! transient transport error is retried up to [`MAX_ATTEMPTS`] sends.
+//! transient transport error is retried up to [`MAX_ATTEMPTS`] sends; no more commands are on
+//! the wire than the queue's entries hold (its window, [`Core::with_window`]): a command
+//! submitted while the window is full waits in the same list, in order, and is sent when a
+//! response frees its room (the queue may have more command identifiers than entries, so
+//! that a caller with more commands than the queue holds does not wait for an identifier).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -200,8 +204,15 @@ pub(crate) struct Core<C> {
     sink: C,
     addr: String,
     cmds: Vec<Option<Cmd>>,
-    /// Commands not sent on the current link, in submission order.
+    /// Commands not sent on the current link (no link, or the window full), in order.
     waiting: VecDeque<u16>,
+    /// Commands on the wire at most (the queue's entries less one).
+    window: u16,
+    /// Commands on the wire now.
+    on_wire: u16,
+    /// Commands put on the link since the link last wrote out what it holds
+    /// ([`written`](Self::written)).
+    unwritten: u16,
     failed: Option<Error>,
     retry_writes: bool,
     admin: bool,
@@ -219,12 +230,39 @@ impl<C: Completions> Core<C> {
             addr,
             cmds: (0..slots).map(|_| None).collect(),
             waiting: VecDeque::with_capacity(usize::from(slots)),
+            window: slots,
+            on_wire: 0,
+            unwritten: 0,
             failed: None,
             retry_writes,
             admin,
             ring_done: Vec::with_capacity(usize::from(slots)),
             now: Instant::now(),
         }
+    }
+
+    /// Puts at most `window` commands on the wire at once (default: one per identifier); the
+    /// others wait their turn in submission order.
+    pub fn with_window(mut self, window: u16) -> Self {
+        self.window = window.max(1);
+        self
+    }
+
+    /// Commands on the wire.
+    #[cfg(test)]
+    pub fn on_wire(&self) -> u16 {
+        self.on_wire
+    }
+
+    /// The link wrote out the commands put on it so far.
+    pub fn written(&mut self) {
+        self.unwritten = 0;
+    }
+
+    /// Whether no command is out on the wire but those the link still holds unwritten: then
+    /// no answer will come until the link writes them.
+    pub fn nothing_out(&self) -> bool {
+        self.on_wire <= self.unwritten
     }
 
     /// The target address (for errors).
@@ -287,6 +325,9 @@ impl<C: Completions> Core<C> {
         let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::take) else {
             return;
         };
+        if cmd.sent {
+            self.on_wire = self.on_wire.saturating_sub(1);
+        }
         // Release registered memory before the caller wakes up: it may read the bytes at once.
         drop(cmd.direct);
         self.finish(tag, cmd.origin, result, cmd.buf);
@@ -330,8 +371,9 @@ impl<C: Completions> Core<C> {
         let Some(cmd) = self.cmds.get_mut(usize::from(tag)).and_then(Option::as_mut) else {
             return Ok(());
         };
+        let was_sent = cmd.sent;
         let c = self.sink.counters();
-        match link.send(tag, cmd, c) {
+        let r = match link.send(tag, cmd, c) {
             Ok(Ok(())) => {
                 if cmd.attempts > 0 {
                     bump(&c.retries, 1);
@@ -344,7 +386,7 @@ impl<C: Completions> Core<C> {
             }
             Ok(Err(e)) => {
                 self.complete(tag, Err(e));
-                Ok(())
+                return Ok(());
             }
             Err(e) => {
                 // Part of it may have reached the wire: the link loss that follows decides
@@ -353,12 +395,29 @@ impl<C: Completions> Core<C> {
                 cmd.attempts = cmd.attempts.saturating_add(1);
                 Err(e)
             }
+        };
+        if !was_sent {
+            self.on_wire += 1;
         }
+        self.unwritten = self.unwritten.saturating_add(1);
+        r
+    }
+
+    /// Sends waiting commands, oldest first, while the window has room. `Err`: the link
+    /// broke (what was not sent keeps waiting for the link loss that follows).
+    fn send_waiting<W: Wire>(&mut self, link: &mut W) -> Result<(), Error> {
+        while self.on_wire < self.window {
+            let Some(tag) = self.waiting.pop_front() else {
+                break;
+            };
+            self.send(link, tag)?;
+        }
+        Ok(())
     }
 
     /// Event: a caller (or, with `origin`, a GPU request ring) submitted command `tag` (a free
-    /// identifier) with its buffer. Sent at once on `link` if there is one and nothing waits
-    /// before it. `Err`: the link broke.
+    /// identifier) with its buffer. Sent at once on `link` if there is one, nothing waits
+    /// before it and the window has room. `Err`: the link broke.
     pub fn submit<W: Wire>(
         &mut self,
         link: Option<&mut W>,
@@ -392,7 +451,9 @@ impl<C: Completions> Core<C> {
             attempts: 0,
         });
         match link {
-            Some(link) if self.waiting.is_empty() => self.send(link, tag),
+            Some(link) if self.waiting.is_empty() && self.on_wire < self.window => {
+                self.send(link, tag)
+            }
             _ => {
                 self.waiting.push_back(tag);
                 Ok(())
@@ -400,9 +461,10 @@ impl<C: Completions> Core<C> {
         }
     }
 
-    /// Event: a completion arrived on `link` for `cqe.cid()`. Completes the command, or sends
-    /// it again after a transient transport error it may be retried on; a completion for a
-    /// command not on the wire is ignored. `Err`: the link broke while resending.
+    /// Event: a completion arrived on `link` for `cqe.cid()`. Completes the command (and sends
+    /// the oldest waiting command in its room), or sends it again after a transient transport
+    /// error it may be retried on; a completion for a command not on the wire is ignored.
+    /// `Err`: the link broke while sending.
     pub fn on_response<W: Wire>(&mut self, link: &mut W, mut cqe: Cqe) -> Result<(), Error> {
         let tag = cqe.cid();
         let Some(cmd) = self.sent_cmd(tag) else {
@@ -418,7 +480,7 @@ impl<C: Completions> Core<C> {
             return self.send(link, tag);
         }
         self.complete(tag, Ok(cqe));
-        Ok(())
+        self.send_waiting(link)
     }
 
     /// Event: the link is gone (`reason`). Commands on the wire that may be resent go back
@@ -437,6 +499,7 @@ impl<C: Completions> Core<C> {
                 if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
                     c.sent = false;
                 }
+                self.on_wire = self.on_wire.saturating_sub(1);
                 resend.push(tag);
                 continue;
             }
@@ -455,15 +518,15 @@ impl<C: Completions> Core<C> {
         for tag in resend.into_iter().rev() {
             self.waiting.push_front(tag);
         }
+        // Nothing is on the wire without a link.
+        self.on_wire = 0;
+        self.unwritten = 0;
     }
 
-    /// Event: a new link is up. Sends everything waiting, in order. `Err`: the link broke
-    /// (what was not sent keeps waiting for the link loss that follows).
+    /// Event: a new link is up. Sends what waits, in order, as far as the window goes.
+    /// `Err`: the link broke (what was not sent keeps waiting for the link loss that follows).
     pub fn link_restored<W: Wire>(&mut self, link: &mut W) -> Result<(), Error> {
-        while let Some(tag) = self.waiting.pop_front() {
-            self.send(link, tag)?;
-        }
-        Ok(())
+        self.send_waiting(link)
     }
 
     /// Fails every command now and every later submission with `err`.
@@ -678,6 +741,76 @@ mod tests {
         tags.sort_unstable();
         assert_eq!(tags, [0, 2, 5]);
         assert_eq!(core.counters().retries.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn commands_beyond_the_window_wait_and_leave_as_responses_make_room() {
+        let callers = Arc::new(Callers::default());
+        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false).with_window(2);
+        let mut link = Link::default();
+        for tag in 0..5 {
+            submit(&mut core, Some(&mut link), tag, read(None));
+        }
+        assert_eq!(link.sent, [0, 1], "two on the wire, three wait");
+        assert_eq!(core.on_wire(), 2);
+        // Each response sends the oldest waiting command in its room.
+        core.on_response(&mut link, ok(1)).unwrap();
+        assert_eq!(link.sent, [0, 1, 2]);
+        // A transient error resends in place: it takes no more room.
+        let transient = Status::generic(generic::TRANSIENT_TRANSPORT_ERROR);
+        core.on_response(&mut link, Cqe::new(0, transient, 0))
+            .unwrap();
+        assert_eq!(link.sent, [0, 1, 2, 0]);
+        assert_eq!(core.on_wire(), 2);
+        // A response for a command that is not on the wire makes no room.
+        core.on_response(&mut link, ok(4)).unwrap();
+        assert_eq!(core.on_wire(), 2);
+        assert_eq!(link.sent.len(), 4);
+        // The link goes: the two on the wire go back to the head of the line, before the two
+        // that never left, and a new link takes two again.
+        core.link_lost(&lost());
+        assert_eq!(core.on_wire(), 0);
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [0, 2]);
+        for tag in [0, 2, 3] {
+            core.on_response(&mut new, ok(tag)).unwrap();
+        }
+        assert_eq!(new.sent, [0, 2, 3, 4]);
+        core.on_response(&mut new, ok(4)).unwrap();
+        assert_eq!(core.on_wire(), 0);
+        let mut done: Vec<u16> = callers.take().into_iter().map(|(t, _)| t).collect();
+        done.sort_unstable();
+        assert_eq!(done, [0, 1, 2, 3, 4], "each once");
+    }
+
+    #[test]
+    fn a_refused_command_or_a_timeout_frees_its_room() {
+        let callers = Arc::new(Callers::default());
+        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false).with_window(1);
+        let mut link = Link {
+            refuse: true,
+            ..Link::default()
+        };
+        // Refused by the link: it never took the room, so the next command leaves at once.
+        submit(&mut core, Some(&mut link), 0, read(None));
+        assert_eq!(core.on_wire(), 0);
+        submit(
+            &mut core,
+            Some(&mut link),
+            1,
+            read(Some(Duration::from_millis(10))),
+        );
+        submit(&mut core, Some(&mut link), 2, read(None));
+        assert_eq!(link.sent, [1]);
+        // The command on the wire times out: its room is free once the link is reset.
+        core.now += Duration::from_millis(20);
+        assert!(core.expire(Some(&mut link)).is_some());
+        assert_eq!(core.on_wire(), 0);
+        core.link_lost(&lost());
+        let mut new = Link::default();
+        core.link_restored(&mut new).unwrap();
+        assert_eq!(new.sent, [2]);
     }
 
     #[test]
