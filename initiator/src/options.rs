@@ -257,7 +257,8 @@ pub struct ConnectOptions {
     /// fewer.
     pub queue_pairs: u16,
     /// Entries per I/O queue to ask for; the controller's CAP.MQES + 1 caps it. One entry is
-    /// kept free, so `queue_depth - 1` commands are in flight per queue at most.
+    /// kept free, so `queue_depth - 1` commands are on the wire per queue at most; a queue
+    /// takes twice that many at once, the others waiting in the queue for room.
     pub queue_depth: u16,
     /// Keep alive timeout asked for at Connect; Keep Alive is sent every half of it.
     pub kato: Duration,
