@@ -195,7 +195,8 @@ pub struct Timeouts {
     /// Each admin command (Connect, Property Get/Set, Identify, Get Log Page, Keep Alive…).
     pub admin: Duration,
     /// Each I/O command, from the moment it is handed to its queue until it completes
-    /// (including time spent waiting for a reconnect and a retry).
+    /// (including time spent waiting for room among the queue's entries, for a reconnect and
+    /// for a retry).
     pub io: Duration,
     /// Waiting for CSTS.SHST after a shutdown request at disconnect.
     pub shutdown: Duration,
