@@ -353,7 +353,6 @@ impl Controller {
             QueueConfig {
                 qid: 0,
                 slots: ADMIN_QUEUE_ENTRIES - 1,
-                window: ADMIN_QUEUE_ENTRIES - 1,
                 addr: addr.clone(),
                 retry_writes: false,
                 scan_period: scan(opts.timeouts.admin),
@@ -369,7 +368,6 @@ impl Controller {
                     QueueConfig {
                         qid,
                         slots: io_slots(depth),
-                        window: depth - 1,
                         addr: addr.clone(),
                         retry_writes: opts.retry_writes,
                         scan_period: scan(opts.timeouts.io),

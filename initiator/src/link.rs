@@ -45,6 +45,14 @@ impl Link {
         }
     }
 
+    /// The queue's entries: `entries() - 1` commands fit on the wire at once.
+    pub fn entries(&self) -> u16 {
+        match self {
+            Link::Tcp(t) => t.entries,
+            Link::Rdma(r) => r.entries,
+        }
+    }
+
     /// Sets the largest write sent in the capsule.
     pub fn set_icd_limit(&mut self, icd_limit: usize) {
         match self {

@@ -49,7 +49,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -212,6 +212,8 @@ const DRIVER_DONE: u32 = u32::MAX - 1;
 pub(crate) struct QueueShared {
     qid: u16,
     slots: Box<[Mutex<SlotState>]>,
+    /// Commands the current link takes on the wire at once ([`QueueHandle::window`]).
+    window: AtomicUsize,
     tags: TagPool,
     counters: QueueCounters,
     closed_error: Mutex<Option<Error>>,
@@ -640,7 +642,6 @@ impl Engine {
 pub(crate) struct QueueHandle {
     shared: Arc<QueueShared>,
     engine: Arc<Mutex<Engine>>,
-    window: u16,
     sub_tx: mpsc::UnboundedSender<Submission>,
     ctl_tx: mpsc::UnboundedSender<QueueCtl>,
 }
@@ -648,11 +649,9 @@ pub(crate) struct QueueHandle {
 /// Settings of a queue task.
 pub(crate) struct QueueConfig {
     pub qid: u16,
-    /// Command slots (commands taken at once at most).
+    /// Command slots (commands taken at once at most; those beyond what the link's entries
+    /// hold wait in the core).
     pub slots: u16,
-    /// Commands on the wire at most (the queue's entries less one); the others wait in the
-    /// core.
-    pub window: u16,
     pub addr: String,
     pub retry_writes: bool,
     /// How often deadlines are checked.
@@ -685,6 +684,7 @@ impl QueueHandle {
             tags: TagPool::new(n),
             counters: QueueCounters::default(),
             closed_error: Mutex::new(None),
+            window: AtomicUsize::new(usize::from(n)),
             flush_by: NO_TAG.into(),
             hint: NO_TAG.into(),
             leader: NO_TAG.into(),
@@ -700,8 +700,7 @@ impl QueueHandle {
             n,
             cfg.retry_writes,
             cfg.qid == 0,
-        )
-        .with_window(cfg.window.min(n));
+        );
         let engine = Arc::new(Mutex::new(Engine {
             core,
             live: None,
@@ -735,7 +734,6 @@ impl QueueHandle {
         QueueHandle {
             shared,
             engine,
-            window: cfg.window.clamp(1, n),
             sub_tx,
             ctl_tx,
         }
@@ -757,9 +755,10 @@ impl QueueHandle {
         self.shared.slots.len()
     }
 
-    /// Commands the queue puts on the wire at once, at most.
+    /// Commands the queue puts on the wire at once, at most (its current link's entries less
+    /// one; its slots before the first link).
     pub fn window(&self) -> usize {
-        usize::from(self.window)
+        self.shared.window.load(Ordering::Relaxed)
     }
 
     fn closed_error(&self) -> Error {
@@ -1288,6 +1287,11 @@ impl Task {
                     e.core.link_lost(&reason);
                 }
                 let mut live = *live;
+                e.core.set_window(live.entries().saturating_sub(1));
+                let window = usize::from(live.entries().saturating_sub(1));
+                self.shared
+                    .window
+                    .store(window.clamp(1, self.shared.slots.len()), Ordering::Relaxed);
                 e.generation = generation;
                 e.callers_drive = live.callers_drive();
                 bump(&self.shared.counters.connections, 1);
@@ -1414,7 +1418,6 @@ mod tests {
             QueueConfig {
                 qid: 1,
                 slots: 4,
-                window: 4,
                 addr: "127.0.0.1:4420".into(),
                 retry_writes: false,
                 scan_period: Duration::from_secs(1),

@@ -241,11 +241,12 @@ impl<C: Completions> Core<C> {
         }
     }
 
-    /// Puts at most `window` commands on the wire at once (default: one per identifier); the
-    /// others wait their turn in submission order.
-    pub fn with_window(mut self, window: u16) -> Self {
-        self.window = window.max(1);
-        self
+    /// Puts at most `window` commands on the wire at once (at most one per identifier, the
+    /// default); the others wait their turn in submission order. Set for each link, whose
+    /// queue may hold fewer entries after a reconnect.
+    pub fn set_window(&mut self, window: u16) {
+        let ids = u16::try_from(self.cmds.len()).unwrap_or(u16::MAX);
+        self.window = window.clamp(1, ids.max(1));
     }
 
     /// Commands on the wire.
@@ -746,7 +747,8 @@ mod tests {
     #[test]
     fn commands_beyond_the_window_wait_and_leave_as_responses_make_room() {
         let callers = Arc::new(Callers::default());
-        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false).with_window(2);
+        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false);
+        core.set_window(2);
         let mut link = Link::default();
         for tag in 0..5 {
             submit(&mut core, Some(&mut link), tag, read(None));
@@ -767,16 +769,19 @@ mod tests {
         assert_eq!(core.on_wire(), 2);
         assert_eq!(link.sent.len(), 4);
         // The link goes: the two on the wire go back to the head of the line, before the two
-        // that never left, and a new link takes two again.
+        // that never left; the new link's queue holds one command (the controller came back
+        // with fewer entries), so they leave one by one.
         core.link_lost(&lost());
         assert_eq!(core.on_wire(), 0);
+        core.set_window(1);
         let mut new = Link::default();
         core.link_restored(&mut new).unwrap();
-        assert_eq!(new.sent, [0, 2]);
-        for tag in [0, 2, 3] {
+        assert_eq!(new.sent, [0]);
+        for (tag, sent) in [(0, 2), (2, 3), (3, 4)] {
             core.on_response(&mut new, ok(tag)).unwrap();
+            assert_eq!(new.sent.last(), Some(&sent));
+            assert_eq!(core.on_wire(), 1);
         }
-        assert_eq!(new.sent, [0, 2, 3, 4]);
         core.on_response(&mut new, ok(4)).unwrap();
         assert_eq!(core.on_wire(), 0);
         let mut done: Vec<u16> = callers.take().into_iter().map(|(t, _)| t).collect();
@@ -787,7 +792,8 @@ mod tests {
     #[test]
     fn a_refused_command_or_a_timeout_frees_its_room() {
         let callers = Arc::new(Callers::default());
-        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false).with_window(1);
+        let mut core = Core::new(Arc::clone(&callers), "t".into(), 8, false, false);
+        core.set_window(1);
         let mut link = Link {
             refuse: true,
             ..Link::default()

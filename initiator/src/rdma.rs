@@ -78,6 +78,8 @@ pub(crate) struct RdmaConn {
     pub icd_limit: usize,
     /// Completions taken from the completion queue (reused).
     cqes: Vec<Cqe>,
+    /// The queue's entries (its Connect's queue size).
+    pub entries: u16,
 }
 
 /// `sqe` with its data described by one keyed SGL data block for `remote`.
@@ -181,6 +183,7 @@ impl RdmaConn {
             addr: addr_s,
             icd_limit: 0,
             cqes: Vec::with_capacity(usize::from(depth)),
+            entries: depth,
         })
     }
 

@@ -37,6 +37,8 @@ pub(crate) struct TcpConn {
     pub addr: String,
     /// Largest write sent in the capsule (0 until the queue is handed to its task).
     pub icd_limit: usize,
+    /// The queue's entries (its ICReq's and Connect's queue size).
+    pub entries: u16,
 }
 
 impl TcpConn {
@@ -101,6 +103,7 @@ impl TcpConn {
             engine,
             addr: addr_s.clone(),
             icd_limit: 0,
+            entries: depth,
         };
         tcp.flush(
             deadline,
