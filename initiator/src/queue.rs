@@ -1288,10 +1288,8 @@ impl Task {
                 }
                 let mut live = *live;
                 e.core.set_window(live.entries().saturating_sub(1));
-                let window = usize::from(live.entries().saturating_sub(1));
-                self.shared
-                    .window
-                    .store(window.clamp(1, self.shared.slots.len()), Ordering::Relaxed);
+                let window = usize::from(e.core.window());
+                self.shared.window.store(window, Ordering::Relaxed);
                 e.generation = generation;
                 e.callers_drive = live.callers_drive();
                 bump(&self.shared.counters.connections, 1);

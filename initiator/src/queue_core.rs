@@ -249,6 +249,11 @@ impl<C: Completions> Core<C> {
         self.window = window.clamp(1, ids.max(1));
     }
 
+    /// Commands put on the wire at once, at most.
+    pub fn window(&self) -> u16 {
+        self.window
+    }
+
     /// Commands on the wire.
     #[cfg(test)]
     pub fn on_wire(&self) -> u16 {
