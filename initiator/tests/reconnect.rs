@@ -335,3 +335,55 @@ async fn reads_across_a_graceful_target_restart_all_succeed() {
     ctrl.disconnect().await.expect("disconnect");
     t2.shutdown().await;
 }
+
+/// The target comes back with smaller queues (its maximum queue depth lowered from 64 to 32
+/// entries): the reconnected queue puts no more commands on the wire than the new entries
+/// hold (the target ends a connection that goes past its queue size), so 48 readers keep
+/// reading through it without another reconnect and without a failed read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_shrink_when_the_target_comes_back_with_fewer_entries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = file_backend(dir.path());
+    let mut t = TestTarget::start(&[&spec], |s| s.max_queue_depth = 64);
+    let addr = t.addr;
+    let mut o = options(t.target_addr());
+    o.io_queues = Some(1);
+    o.queue_depth = 64;
+    let ctrl = Controller::connect(o).await.expect("connect");
+    assert_eq!(ctrl.info().queue_depth, 64);
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    let data = std::sync::Arc::new(pattern(51, 0, 256 * 4096));
+    ns.write(0, &data).await.expect("write");
+    ns.flush().await.expect("flush");
+
+    t.shutdown().await;
+    let mut t2 = TestTarget::start_on(addr, &[&spec], |s| s.max_queue_depth = 32);
+    wait_connected(&ctrl).await;
+    assert_eq!(ctrl.info().queue_depth, 32);
+    let reconnects = ctrl.reconnects();
+    let readers: Vec<_> = (0..48u64)
+        .map(|k| {
+            let (ns, data) = (ns.clone(), data.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                for i in 0..50u64 {
+                    let lba = (k * 50 + i) * 7 % 256;
+                    ns.read(lba, &mut buf)
+                        .await
+                        .map_err(|e| format!("read of block {lba}: {e}"))?;
+                    let at = lba as usize * 4096;
+                    if buf[..] != data[at..at + 4096] {
+                        return Err(format!("block {lba}: wrong data"));
+                    }
+                }
+                Ok::<(), String>(())
+            })
+        })
+        .collect();
+    for r in readers {
+        r.await.expect("task").expect("every read succeeds");
+    }
+    assert_eq!(ctrl.reconnects(), reconnects, "no connection was lost");
+    ctrl.disconnect().await.expect("disconnect");
+    t2.shutdown().await;
+}
