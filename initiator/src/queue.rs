@@ -408,6 +408,8 @@ pub(crate) struct Engine {
     poll: PollGate,
     /// [`QueueShared::links`] as a waker.
     link_waker: Waker,
+    /// Commands submitted since the last write ([`FLUSH_AFTER`]).
+    unflushed: usize,
     /// Whether this queue's callers wait for one answer at a time ([`spin`](Self::spin)).
     one: OneInFlight,
 }
@@ -429,6 +431,7 @@ impl Engine {
 
     /// Writes what waits to be sent, as far as the socket takes it.
     fn flush(&mut self) {
+        self.unflushed = 0;
         self.shared.flush_by.store(NO_TAG, Ordering::Relaxed);
         let Some(live) = self.live.as_mut() else {
             return;
@@ -708,6 +711,7 @@ impl QueueHandle {
             newest: None,
             poll: PollGate::new(cfg.busy_poll),
             link_waker: Waker::from(Arc::clone(&shared.links)),
+            unflushed: 0,
             one: OneInFlight::default(),
         }));
         let (sub_tx, sub_rx) = mpsc::unbounded_channel();
@@ -880,7 +884,8 @@ impl QueueHandle {
         }
         e.core.now = Instant::now();
         e.submit((sub.tag, sub.req, sub.buf, sub.direct, None));
-        if self.shared.busy() <= 1 || e.core.unwritten() >= FLUSH_AFTER {
+        e.unflushed += 1;
+        if self.shared.busy() <= 1 || e.unflushed >= FLUSH_AFTER {
             e.flush();
         }
         None
@@ -1547,7 +1552,7 @@ mod tests {
                 .await
                 .expect("start");
             pending.push(p);
-            let waiting = q.engine.lock().core.unwritten();
+            let waiting = q.engine.lock().unflushed;
             assert!(
                 waiting < FLUSH_AFTER,
                 "{waiting} capsules wait after {} submissions",

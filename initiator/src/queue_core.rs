@@ -260,11 +260,6 @@ impl<C: Completions> Core<C> {
         self.on_wire
     }
 
-    /// Commands put on the link since it last wrote out what it holds.
-    pub fn unwritten(&self) -> usize {
-        usize::from(self.unwritten)
-    }
-
     /// The link wrote out the commands put on it so far.
     pub fn written(&mut self) {
         self.unwritten = 0;
