@@ -436,7 +436,6 @@ impl Engine {
         let Some(live) = self.live.as_mut() else {
             return;
         };
-        self.core.written();
         if let Err(e) = live.try_flush() {
             let err = Error::lost(self.core.addr(), format!("send failed: {e}"));
             self.lose(err);
@@ -463,7 +462,6 @@ impl Engine {
         let driving = me.map_or(NO_TAG, u32::from);
         self.shared.driving.store(driving, Ordering::Relaxed);
         self.drive_rounds(me);
-        self.flush_if_nothing_out();
         self.shared.driving.store(NO_TAG, Ordering::Relaxed);
     }
 
@@ -572,18 +570,7 @@ impl Engine {
                 }
             }
         }
-        self.flush_if_nothing_out();
         self.shared.driving.store(NO_TAG, Ordering::Relaxed);
-    }
-
-    /// Writes the capsules the link holds when no other command is out on the wire: the
-    /// responses of a drive made room for waiting commands, and no answer would come to
-    /// write them with the next round. Otherwise they go with the next write (the round's
-    /// writer, or the next drive), in one system call with the callers' next commands.
-    fn flush_if_nothing_out(&mut self) {
-        if self.core.nothing_out() && self.live.as_ref().is_some_and(Link::has_unsent) {
-            self.flush();
-        }
     }
 
     /// Keeps the leader while its command waits; otherwise makes the caller of `me`, else
@@ -1610,6 +1597,48 @@ mod tests {
                 "read {i}"
             );
         }
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// A response that makes room for a command waiting in the core has it written by the
+    /// same drive: a link with bytes to send is ready again as soon as the socket takes them,
+    /// and the next round writes them.
+    #[tokio::test]
+    async fn a_command_a_response_releases_is_written_by_the_same_drive() {
+        let (_target, addr) = target();
+        let host =
+            HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
+        let mut o = ConnectOptions::new(addr, NQN, host);
+        o.io_queues = Some(1);
+        o.queue_depth = 2;
+        o.kato = Duration::from_secs(60);
+        let ctrl = Controller::connect(o).await.expect("connect");
+        let ns = ctrl.namespace(1).await.expect("namespace");
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        assert_eq!(q.window(), 1);
+        let read = |lba| ns.request(false, lba, 4096, false);
+        let mut first = q.start(read(0), |_| Ok(())).await.expect("start");
+        let mut second = q.start(read(8), |_| Ok(())).await.expect("start");
+        assert_eq!(
+            q.engine.lock().core.on_wire(),
+            1,
+            "the second waits for room"
+        );
+        tokio::time::timeout(Duration::from_secs(5), first.wait())
+            .await
+            .expect("the first read ends")
+            .expect("read");
+        {
+            let e = q.engine.lock();
+            assert_eq!(e.core.on_wire(), 1, "the second took the room");
+            let unsent = e.live.as_ref().is_some_and(Link::has_unsent);
+            assert!(!unsent, "and was written");
+        }
+        tokio::time::timeout(Duration::from_secs(5), second.wait())
+            .await
+            .expect("the second read ends")
+            .expect("read");
+        drop((first, second));
         ctrl.disconnect().await.expect("disconnect");
     }
 

@@ -210,9 +210,6 @@ pub(crate) struct Core<C> {
     window: u16,
     /// Commands on the wire now.
     on_wire: u16,
-    /// Commands put on the link since the link last wrote out what it holds
-    /// ([`written`](Self::written)).
-    unwritten: u16,
     failed: Option<Error>,
     retry_writes: bool,
     admin: bool,
@@ -232,7 +229,6 @@ impl<C: Completions> Core<C> {
             waiting: VecDeque::with_capacity(usize::from(slots)),
             window: slots,
             on_wire: 0,
-            unwritten: 0,
             failed: None,
             retry_writes,
             admin,
@@ -258,17 +254,6 @@ impl<C: Completions> Core<C> {
     #[cfg(test)]
     pub fn on_wire(&self) -> u16 {
         self.on_wire
-    }
-
-    /// The link wrote out the commands put on it so far.
-    pub fn written(&mut self) {
-        self.unwritten = 0;
-    }
-
-    /// Whether no command is out on the wire but those the link still holds unwritten: then
-    /// no answer will come until the link writes them.
-    pub fn nothing_out(&self) -> bool {
-        self.on_wire <= self.unwritten
     }
 
     /// The target address (for errors).
@@ -405,7 +390,6 @@ impl<C: Completions> Core<C> {
         if !was_sent {
             self.on_wire += 1;
         }
-        self.unwritten = self.unwritten.saturating_add(1);
         r
     }
 
@@ -526,7 +510,6 @@ impl<C: Completions> Core<C> {
         }
         // Nothing is on the wire without a link.
         self.on_wire = 0;
-        self.unwritten = 0;
     }
 
     /// Event: a new link is up. Sends what waits, in order, as far as the window goes.
