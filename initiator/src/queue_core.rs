@@ -19,7 +19,7 @@
 //! resent (reads, idempotent admin commands, writes where allowed) go back to the head of the
 //! waiting list in their order and are sent first on the next link, the others fail; a
 //! transient transport error is retried up to [`MAX_ATTEMPTS`] sends; no more commands are on
-//! the wire than the queue's entries hold (its window, [`Core::with_window`]): a command
+//! the wire than the link's queue entries hold (the window, [`Core::set_window`]): a command
 //! submitted while the window is full waits in the same list, in order, and is sent when a
 //! response frees its room (the queue may have more command identifiers than entries, so
 //! that a caller with more commands than the queue holds does not wait for an identifier).
