@@ -1,9 +1,9 @@
-//! File backend: opening and sizing, durability across reopen and process crash, errors.
+//! File backend: opening and sizing, durability across reopen, errors (durability across a
+//! process crash: `file_crash.rs`).
 
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use blockdev::{
     AnyBackend, Backend, BackendError, BackendSpec, FileBackend, FileSpec, IoBuf, StatusHint, open,
@@ -131,45 +131,6 @@ fn flushed_writes_are_in_the_file_blocking_engine() {
 fn flushed_writes_are_in_the_file_buffered() {
     let dir = tempfile::tempdir().unwrap();
     write_flush_reopen(dir.path(), ",direct=off");
-}
-
-const CRASH_ENV: &str = "BLOCKDEV_CRASH_CHILD_PATH";
-
-/// Run by `acknowledged_writes_survive_a_process_crash` in a child process: writes, flushes,
-/// then aborts without any cleanup.
-#[test]
-#[ignore = "helper: runs only as the child of acknowledged_writes_survive_a_process_crash"]
-fn crash_child() {
-    let path = std::env::var(CRASH_ENV).expect("run by the crash test");
-    let b = open(&file_spec(Path::new(&path), ",size=1M")).unwrap();
-    common::current_thread().block_on(async {
-        for i in 0..16u64 {
-            let (res, _) = b.write(i * 8, pattern_buf(i as u8, i * 8, 8, 4096)).await;
-            res.unwrap();
-        }
-        b.flush().await.unwrap();
-    });
-    std::process::abort();
-}
-
-#[test]
-fn acknowledged_writes_survive_a_process_crash() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ns.img");
-    let status = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "crash_child", "--nocapture"])
-        .env(CRASH_ENV, &path)
-        .status()
-        .unwrap();
-    assert!(!status.success(), "the child must have aborted");
-    let data = std::fs::read(&path).unwrap();
-    for i in 0..16u64 {
-        let at = (i * 8 * 4096) as usize;
-        assert!(
-            data[at..at + 8 * 4096] == pattern_buf(i as u8, i * 8, 8, 4096)[..],
-            "write {i} lost"
-        );
-    }
 }
 
 #[test]
