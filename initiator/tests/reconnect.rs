@@ -357,7 +357,7 @@ async fn queues_shrink_when_the_target_comes_back_with_fewer_entries() {
     ns.flush().await.expect("flush");
 
     t.shutdown().await;
-    let mut t2 = TestTarget::start_on(addr, &[&spec], |s| s.max_queue_depth = 32);
+    let mut t2 = TestTarget::restart_on(addr, &[&spec], |s| s.max_queue_depth = 32);
     wait_connected(&ctrl).await;
     assert_eq!(ctrl.info().queue_depth, 32);
     let reconnects = ctrl.reconnects();

@@ -42,6 +42,36 @@ impl TestTarget {
         namespaces: &[&str],
         tweak: impl FnOnce(&mut TargetSettings),
     ) -> TestTarget {
+        Self::from_config(&Self::config(listen, namespaces, tweak))
+    }
+
+    /// [`start_on`](Self::start_on) in place of a target just shut down: the last references
+    /// to its file namespaces may still be going (with its tasks), and with them the claims
+    /// on the files, so a namespace file still in use is tried again, for up to 10 s.
+    pub fn restart_on(
+        listen: SocketAddr,
+        namespaces: &[&str],
+        tweak: impl Fn(&mut TargetSettings),
+    ) -> TestTarget {
+        let cfg = Self::config(listen, namespaces, tweak);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match Target::build(&cfg) {
+                Ok(target) => return Self::run(&cfg, target),
+                Err(e) if e.to_string().contains("in use") => {
+                    assert!(std::time::Instant::now() < deadline, "target build: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("target build: {e:?}"),
+            }
+        }
+    }
+
+    fn config(
+        listen: SocketAddr,
+        namespaces: &[&str],
+        tweak: impl FnOnce(&mut TargetSettings),
+    ) -> Config {
         let listen = format!("tcp://{listen}").parse().expect("listen address");
         let ns: Vec<_> = namespaces
             .iter()
@@ -50,12 +80,15 @@ impl TestTarget {
         let mut cfg = Config::quick(&[listen], NQN, &ns, true, &[]).expect("config");
         cfg.target.reactors = 1;
         tweak(&mut cfg.target);
-        Self::from_config(&cfg)
+        cfg
     }
 
     /// Starts a target with the configuration `cfg`.
     pub fn from_config(cfg: &Config) -> TestTarget {
-        let target = Target::build(cfg).expect("target build");
+        Self::run(cfg, Target::build(cfg).expect("target build"))
+    }
+
+    fn run(cfg: &Config, target: Arc<Target>) -> TestTarget {
         let listeners = nvmeof_target::launcher::bind(cfg).expect("target bind");
         let addr = listeners[0].addr.addr;
         let running = RunningTarget::start(target, listeners).expect("target start");
