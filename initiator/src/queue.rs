@@ -1380,11 +1380,19 @@ mod tests {
         addr: TargetAddr,
         busy_poll: Duration,
     ) -> (Controller, crate::Namespace) {
+        connect_with(addr, |o| o.busy_poll = busy_poll).await
+    }
+
+    /// One I/O queue, options adjusted by `tweak`.
+    async fn connect_with(
+        addr: TargetAddr,
+        tweak: impl FnOnce(&mut ConnectOptions),
+    ) -> (Controller, crate::Namespace) {
         let host =
             HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
         let mut o = ConnectOptions::new(addr, NQN, host);
         o.io_queues = Some(1);
-        o.busy_poll = busy_poll;
+        tweak(&mut o);
         // No keep-alive within a test: its answer on the admin queue would end an I/O queue's
         // being alone on the thread.
         o.kato = Duration::from_secs(60);
@@ -1561,14 +1569,7 @@ mod tests {
     #[tokio::test]
     async fn commands_beyond_the_entries_wait_in_the_queue_not_for_a_slot() {
         let (_target, addr) = target();
-        let host =
-            HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
-        let mut o = ConnectOptions::new(addr, NQN, host);
-        o.io_queues = Some(1);
-        o.queue_depth = 4;
-        o.kato = Duration::from_secs(60);
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace");
+        let (ctrl, ns) = connect_with(addr, |o| o.queue_depth = 4).await;
         for i in 0..6u8 {
             let block = [i + 1; 4096];
             ns.write(u64::from(i) * 8, &block).await.expect("write");
@@ -1606,14 +1607,7 @@ mod tests {
     #[tokio::test]
     async fn a_command_a_response_releases_is_written_by_the_same_drive() {
         let (_target, addr) = target();
-        let host =
-            HostIdentity::new("nqn.2014-08.org.nvmexpress:uuid:queue-unit", [7; 16]).expect("host");
-        let mut o = ConnectOptions::new(addr, NQN, host);
-        o.io_queues = Some(1);
-        o.queue_depth = 2;
-        o.kato = Duration::from_secs(60);
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace");
+        let (ctrl, ns) = connect_with(addr, |o| o.queue_depth = 2).await;
         let q = ctrl.io_queue(Some(0)).expect("queue");
         assert_eq!(q.window(), 1);
         let read = |lba| ns.request(false, lba, 4096, false);

@@ -489,7 +489,6 @@ impl<C: Completions> Core<C> {
                 if let Some(c) = self.cmds[usize::from(tag)].as_mut() {
                     c.sent = false;
                 }
-                self.on_wire = self.on_wire.saturating_sub(1);
                 resend.push(tag);
                 continue;
             }

@@ -1,9 +1,10 @@
 #!/bin/bash
-# Many short paired rounds at one client core, QD128, one queue pair: old async, new async and
-# spdk_nvme_perf in a rotating order, against nvmeof-targetd and SPDK's nvmf_tgt (8 reactors/
-# cores on CPUs 0-7, clients on CPU 8). usage: abmany.sh ROUNDS
+# Many short paired rounds at one client core, QD128, one queue pair: the async API of builds A
+# and B and spdk_nvme_perf in a rotating order, against nvmeof-targetd (of build B) and SPDK's
+# nvmf_tgt (8 reactors/cores on CPUs 0-7, clients on CPU 8). The builds are folders of .devbin.
+#   abmany.sh ROUNDS [A B]        (paired/: old new2; unwritten-count/: new2 final)
 set -u
-D=.devbin; R=${1:-8}
+D=.devbin; R=${1:-8}; A=${2:-old}; B=${3:-new2}
 JOB=benches/jobs/async-api-16core.toml
 cat > $OUT/spdk.json <<JSON
 {"subsystems":[
@@ -31,13 +32,13 @@ run1() { # T PORT NQN WHO
   echo "$1 $4 $r $v" | tee -a $OUT/points.txt
 }
 side() { # T PORT NQN
-  $D/new2/nvmeof-bench $JOB --jobs 4k-randread-qd1-async --repeat 1 --runtime 1s --modes tcp=127.0.0.1:$2 --nqn $3 > $OUT/$1-prefill.log 2>&1
+  $D/$B/nvmeof-bench $JOB --jobs 4k-randread-qd1-async --repeat 1 --runtime 1s --modes tcp=127.0.0.1:$2 --nqn $3 > $OUT/$1-prefill.log 2>&1
   for r in $(seq $R); do
-    case $((r % 3)) in 1) o="old new2 perf";; 2) o="new2 perf old";; 0) o="perf old new2";; esac
+    case $((r % 3)) in 1) o="$A $B perf";; 2) o="$B perf $A";; 0) o="perf $A $B";; esac
     for w in $o; do run1 $1 $2 $3 $w; done
   done
 }
-taskset -c 0-7 $D/new2/nvmeof-targetd --listen tcp://127.0.0.1:4420 -n nqn.2026-11.io.nvmeof-direct:bench \
+taskset -c 0-7 $D/$B/nvmeof-targetd --listen tcp://127.0.0.1:4420 -n nqn.2026-11.io.nvmeof-direct:bench \
   --namespace mem:1G --allow-any-host --reactors 8 > $OUT/targetd.log 2>&1 &
 tp=$!; wait_port 4420 && side ours 4420 nqn.2026-11.io.nvmeof-direct:bench
 kill -INT $tp; wait $tp
