@@ -159,28 +159,44 @@ impl Namespace {
         // Lent buffers are received into over NVMe/TCP; over NVMe/RDMA the target writes into
         // registered memory only.
         let lend = self.ctrl.shared().limits.lends_buffers;
-        if total <= max {
-            let req = self.rw_request(false, lba, total);
-            let mut lent = if lend { dest.lend(0, total) } else { None };
-            if let Some(short) = lent.take_if(|b| b.bytes().len() < total) {
-                // Too short to be of use: receive into the queue's buffer instead.
-                dest.take_back(0, total, short, false)
-                    .map_err(buffer_error)?;
-            }
-            let Some(buf) = lent else {
-                let (_, r) = q
-                    .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
-                    .await?;
-                return r.map_err(buffer_error);
-            };
-            let mut p = q.start_lent(req, buf).await?;
-            let result = p.wait().await.and_then(|cqe| check("Read", &cqe));
-            if let Some(buf) = p.take_lent() {
-                dest.take_back(0, total, buf, result.is_ok())
-                    .map_err(buffer_error)?;
-            }
-            return result;
+        if total > max {
+            // The commands in flight of a split read live on the heap: the future of every
+            // read stays small (a caller's future is moved into place by copying).
+            return Box::pin(self.read_split(q, lba, dest, max, lend)).await;
         }
+        let req = self.rw_request(false, lba, total);
+        let mut lent = if lend { dest.lend(0, total) } else { None };
+        if let Some(short) = lent.take_if(|b| b.bytes().len() < total) {
+            // Too short to be of use: receive into the queue's buffer instead.
+            dest.take_back(0, total, short, false)
+                .map_err(buffer_error)?;
+        }
+        let Some(buf) = lent else {
+            let (_, r) = q
+                .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
+                .await?;
+            return r.map_err(buffer_error);
+        };
+        let mut p = q.start_lent(req, buf).await?;
+        let result = p.wait().await.and_then(|cqe| check("Read", &cqe));
+        if let Some(buf) = p.take_lent() {
+            dest.take_back(0, total, buf, result.is_ok())
+                .map_err(buffer_error)?;
+        }
+        result
+    }
+
+    /// [`read_into`](Self::read_into) of more than `max` bytes: up to a window of commands of
+    /// `max` bytes in flight.
+    async fn read_split<D: ReadDest + ?Sized>(
+        &self,
+        q: &QueueHandle,
+        lba: u64,
+        dest: &mut D,
+        max: usize,
+        lend: bool,
+    ) -> Result<(), Error> {
+        let total = dest.len();
         let window = Self::window(q);
         let mut inflight: VecDeque<(usize, usize, Pending<'_>)> = VecDeque::with_capacity(window);
         let mut off = 0usize;

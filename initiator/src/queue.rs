@@ -48,6 +48,7 @@
 //! a new link over.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
@@ -756,8 +757,9 @@ impl QueueHandle {
             .unwrap_or(Error::Closed)
     }
 
-    /// Takes a slot (waiting for one if all are busy), fills its buffer with `fill` for
-    /// host-to-controller data, and hands the command to the queue.
+    /// Takes a slot, fills its buffer with `fill` for host-to-controller data, and hands the
+    /// command to the queue: at once when a slot is free (before the returned future is
+    /// polled), otherwise once the future has waited for one.
     pub fn start<F>(
         &self,
         req: Request,
@@ -791,8 +793,34 @@ impl QueueHandle {
         self.start_with(req, |_| Ok(()), Some(Data::Lent(lent)))
     }
 
-    async fn start_with<F>(
+    /// Hands the command over at once when a slot is free (the returned future is then
+    /// ready); otherwise the future waits for a slot and hands it over then. The wait is
+    /// boxed: it is rare (a queue has twice as many slots as its link takes commands), and
+    /// the future every command awaits stays a few words long instead of carrying the
+    /// request, the data and the wait (the caller's own future, which holds it, is moved
+    /// into place by copying on every command).
+    fn start_with<F>(
         &self,
+        req: Request,
+        fill: F,
+        data: Option<Data>,
+    ) -> Start<'_, impl Future<Output = Result<Pending<'_>, Error>>>
+    where
+        F: FnOnce(&mut [u8]) -> Result<(), Error>,
+    {
+        match self.shared.tags.try_take() {
+            Some(tag) => Start::Now(Some(self.start_tagged(tag, req, fill, data))),
+            None => Start::Later(Box::pin(async move {
+                let tag = (self.shared.tags.take().await).ok_or_else(|| self.closed_error())?;
+                self.start_tagged(tag, req, fill, data)
+            })),
+        }
+    }
+
+    /// [`start_with`](Self::start_with) once slot `tag` is taken.
+    fn start_tagged<F>(
+        &self,
+        tag: u16,
         req: Request,
         fill: F,
         data: Option<Data>,
@@ -800,10 +828,6 @@ impl QueueHandle {
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
     {
-        let tag = match self.shared.tags.try_take() {
-            Some(tag) => tag,
-            None => (self.shared.tags.take().await).ok_or_else(|| self.closed_error())?,
-        };
         let slot = &self.shared.slots[usize::from(tag)];
         let len = req.len as usize;
         let (mut buf, direct) = {
@@ -869,7 +893,12 @@ impl QueueHandle {
         if !e.callers_drive {
             return Some(sub);
         }
-        e.core.now = Instant::now();
+        if e.unflushed == 0 {
+            // The first command since the last write reads the clock (for deadlines and the
+            // poll gate); the others of its round, submitted before the round is written
+            // (by their callers' next polls), use the same reading.
+            e.core.now = Instant::now();
+        }
         e.submit((sub.tag, sub.req, sub.buf, sub.direct, None));
         e.unflushed += 1;
         if self.shared.busy() <= 1 || e.unflushed >= FLUSH_AFTER {
@@ -879,8 +908,14 @@ impl QueueHandle {
     }
 
     /// Runs one command to completion. A completion with an error status is an
-    /// [`Error::Status`]; read data is passed to `out` before the slot is released.
-    pub async fn execute<F, O, R>(&self, req: Request, fill: F, out: O) -> Result<(Cqe, R), Error>
+    /// [`Error::Status`]; read data is passed to `out` before the slot is released. Like
+    /// [`start`](Self::start), hands the command over at the call when a slot is free.
+    pub fn execute<F, O, R>(
+        &self,
+        req: Request,
+        fill: F,
+        out: O,
+    ) -> impl Future<Output = Result<(Cqe, R), Error>>
     where
         F: FnOnce(&mut [u8]) -> Result<(), Error>,
         O: FnOnce(&[u8]) -> R,
@@ -888,14 +923,17 @@ impl QueueHandle {
         let len = req.len as usize;
         let admin = self.shared.qid == 0;
         let name = command_name(admin, req.sqe.opcode, req.sqe.fctype());
-        let mut p = self.start(req, fill).await?;
-        let cqe = p.wait().await?;
-        let status = cqe.status();
-        if !status.is_success() {
-            return Err(Error::status_of(name, status));
+        let start = self.start(req, fill);
+        async move {
+            let mut p = start.await?;
+            let cqe = p.wait().await?;
+            let status = cqe.status();
+            if !status.is_success() {
+                return Err(Error::status_of(name, status));
+            }
+            let r = p.with_data(len, out);
+            Ok((cqe, r))
         }
-        let r = p.with_data(len, out);
-        Ok((cqe, r))
     }
 }
 
@@ -910,6 +948,27 @@ pub(crate) struct Pending<'a> {
     /// Its caller polled it before: the poll that submitted it went back to the runtime once,
     /// so that the caller's other commands (futures beside this one) were submitted too.
     looked: bool,
+}
+
+/// What [`QueueHandle::start`] and its siblings return: the command handed over already
+/// (a slot was free when it was called), or the wait for a slot.
+pub(crate) enum Start<'a, W> {
+    /// Handed over (or refused) at the call: the result, until polled.
+    Now(Option<Result<Pending<'a>, Error>>),
+    /// Waiting for a slot.
+    Later(Pin<Box<W>>),
+}
+
+impl<'a, W: Future<Output = Result<Pending<'a>, Error>>> Future for Start<'a, W> {
+    type Output = Result<Pending<'a>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            // Polled again after it gave its result: nothing more comes.
+            Start::Now(r) => Poll::Ready(r.take().unwrap_or(Err(Error::Closed))),
+            Start::Later(w) => w.as_mut().poll(cx),
+        }
+    }
 }
 
 impl Pending<'_> {
