@@ -853,6 +853,7 @@ impl QueueHandle {
             tag,
             released: false,
             looked: false,
+            lent: None,
         };
         if direct.is_none() {
             if let Err(e) = buf.ensure(len) {
@@ -948,6 +949,9 @@ pub(crate) struct Pending<'a> {
     /// Its caller polled it before: the poll that submitted it went back to the runtime once,
     /// so that the caller's other commands (futures beside this one) were submitted too.
     looked: bool,
+    /// The buffer lent with [`QueueHandle::start_lent`], taken (and the slot released) by the
+    /// look that found the command ended, under the same lock.
+    lent: Option<Lent>,
 }
 
 /// What [`QueueHandle::start`] and its siblings return: the command handed over already
@@ -972,12 +976,30 @@ impl<'a, W: Future<Output = Result<Pending<'a>, Error>>> Future for Start<'a, W>
 }
 
 impl Pending<'_> {
-    /// The result when the command has ended; registers the caller's waker otherwise.
-    fn check(&self, cx: &mut Context<'_>) -> Option<Result<Cqe, Error>> {
+    /// The result when the command has ended; registers the caller's waker otherwise. An
+    /// ended command with a lent buffer gives it back here and releases its slot: nothing
+    /// is left to read (see [`take_lent`](Self::take_lent)).
+    fn check(&mut self, cx: &mut Context<'_>) -> Option<Result<Cqe, Error>> {
         let shared = &self.q.shared;
         let mut st = shared.slots[usize::from(self.tag)].lock();
         if st.phase == Phase::Done {
-            return Some(st.result.take().unwrap_or(Err(Error::Closed)));
+            let result = st.result.take().unwrap_or(Err(Error::Closed));
+            if matches!(st.buf, SlotBuf::Lent(_)) {
+                let spare = std::mem::take(&mut st.spare);
+                self.lent = match std::mem::replace(&mut st.buf, spare) {
+                    SlotBuf::Lent(l) => Some(l),
+                    _ => None,
+                };
+                st.phase = Phase::Free;
+                st.waker = None;
+                drop(st);
+                // The round's capsules first: once released, the tag may name another
+                // command.
+                self.ended();
+                self.released = true;
+                shared.release(self.tag);
+            }
+            return Some(result);
         }
         if !st.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
             st.waker = Some(cx.waker().clone());
@@ -991,7 +1013,9 @@ impl Pending<'_> {
 
     fn poll_complete(&mut self, cx: &mut Context<'_>) -> Poll<Result<Cqe, Error>> {
         if let Some(r) = self.check(cx) {
-            self.ended();
+            if !self.released {
+                self.ended();
+            }
             return Poll::Ready(r);
         }
         let shared = &self.q.shared;
@@ -1072,9 +1096,13 @@ impl Pending<'_> {
     }
 
     /// The buffer lent with [`QueueHandle::start_lent`], once the command has ended (`None`
-    /// while it is in flight, or for a command without one). Taking it releases the slot
-    /// (under the same lock): nothing is left to read.
+    /// while it is in flight, or for a command without one). The slot is released with it
+    /// (by the wait that saw the command end, or here, under the same lock): nothing is
+    /// left to read.
     pub fn take_lent(&mut self) -> Option<Lent> {
+        if let Some(l) = self.lent.take() {
+            return Some(l);
+        }
         let shared = &self.q.shared;
         let mut st = shared.slots[usize::from(self.tag)].lock();
         if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
@@ -1708,6 +1736,34 @@ mod tests {
             assert!(matches!(r, Err(Error::InvalidArgument(_))), "refused");
             assert_eq!(q.shared.busy(), 0, "slot given back");
         }
+        ctrl.disconnect().await.expect("disconnect");
+    }
+
+    /// The wait that sees a lent read end gives the buffer back and frees the slot under the
+    /// slot's one lock: the slot is free before the caller takes the buffer, and the buffer
+    /// holds the data.
+    #[tokio::test]
+    async fn a_lent_read_is_given_back_by_the_wait_that_sees_it_end() {
+        let (_target, addr) = target();
+        let (ctrl, ns) = connect(addr).await;
+        ns.write(16, &[7u8; 4096]).await.expect("write");
+        let q = ctrl.io_queue(Some(0)).expect("queue");
+        let lent = Lent::Vec(vec![0u8; 4096]);
+        let mut p = q
+            .start_lent(ns.request(false, 16, 4096, false), lent)
+            .await
+            .expect("start");
+        assert_eq!(q.shared.busy(), 1);
+        let cqe = p.wait().await.expect("read");
+        assert!(cqe.status().is_success());
+        assert_eq!(q.shared.busy(), 0, "the slot went back with the wait");
+        match p.take_lent() {
+            Some(Lent::Vec(v)) => assert!(v.iter().all(|&b| b == 7), "the read's data"),
+            _ => panic!("the lent buffer comes back"),
+        }
+        assert!(p.take_lent().is_none(), "given back once");
+        drop(p);
+        assert_eq!(q.shared.busy(), 0);
         ctrl.disconnect().await.expect("disconnect");
     }
 
