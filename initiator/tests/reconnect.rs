@@ -5,10 +5,50 @@ mod common;
 use std::time::Duration;
 
 use common::{Mode, Proxy, TestTarget, options, pattern};
-use nvmeof_initiator::{Controller, ControllerState, Error};
+use nvmeof_initiator::{ConnectOptions, Controller, ControllerState, Error, Namespace, TargetAddr};
 
 fn file_backend(dir: &std::path::Path) -> String {
     format!("file:{},size=16M,direct=off", dir.join("ns1.img").display())
+}
+
+/// A controller on `addr` (options adjusted by `tweak`) and its namespace 1.
+async fn connect(
+    addr: TargetAddr,
+    tweak: impl FnOnce(&mut ConnectOptions),
+) -> (Controller, Namespace) {
+    let mut o = options(addr);
+    tweak(&mut o);
+    let ctrl = Controller::connect(o).await.expect("connect");
+    let ns = ctrl.namespace(1).await.expect("namespace");
+    (ctrl, ns)
+}
+
+/// One I/O queue (options adjusted by `tweak` too).
+fn one_queue(tweak: impl FnOnce(&mut ConnectOptions)) -> impl FnOnce(&mut ConnectOptions) {
+    |o| {
+        o.io_queues = Some(1);
+        tweak(o);
+    }
+}
+
+/// Writes `len` bytes of pattern `seed` from block 0 and flushes them: what reads must return.
+async fn fill(ns: &Namespace, seed: u64, len: usize) -> Vec<u8> {
+    let data = pattern(seed, 0, len);
+    ns.write(0, &data).await.expect("write");
+    ns.flush().await.expect("flush");
+    data
+}
+
+/// Reads 4 KiB block `lba` into `buf` and checks it against `data` (from block 0).
+async fn read_block(ns: &Namespace, lba: u64, buf: &mut [u8], data: &[u8]) -> Result<(), String> {
+    ns.read(lba, buf)
+        .await
+        .map_err(|e| format!("read of block {lba}: {e}"))?;
+    let at = lba as usize * 4096;
+    if buf[..] != data[at..at + 4096] {
+        return Err(format!("block {lba}: wrong data"));
+    }
+    Ok(())
 }
 
 async fn wait_connected(ctrl: &Controller) {
@@ -25,14 +65,8 @@ async fn reconnects_after_the_target_restarts() {
     let spec = file_backend(dir.path());
     let mut t = TestTarget::start(&[&spec], |_| {});
     let port_addr = t.addr;
-    let ctrl = Controller::connect(options(t.target_addr()))
-        .await
-        .expect("connect");
-    let first_cntlid = ctrl.info().cntlid;
-    let ns = ctrl.namespace(1).await.expect("namespace");
-    let data = pattern(21, 0, 256 * 1024);
-    ns.write(0, &data).await.expect("write");
-    ns.flush().await.expect("flush");
+    let (ctrl, ns) = connect(t.target_addr(), |_| {}).await;
+    let data = fill(&ns, 21, 256 * 1024).await;
 
     t.shutdown().await;
     ctrl.wait_for_state(Duration::from_secs(10), |s| {
@@ -50,13 +84,11 @@ async fn reconnects_after_the_target_restarts() {
         })
     };
     tokio::time::sleep(Duration::from_millis(700)).await;
-    let mut t2 = TestTarget::start_on(port_addr, &[&spec], |_| {});
+    let mut t2 = TestTarget::restart_on(port_addr, &[&spec], |_| {});
     wait_connected(&ctrl).await;
     let back = reader.await.expect("task").expect("read after restart");
     assert!(back == data, "data read after the restart differs");
     assert!(ctrl.reconnects() >= 1);
-    // The restarted target numbers controllers from scratch; the association is new anyway.
-    let _ = first_cntlid;
     let mut again = vec![0u8; 4096];
     ns.read(10, &mut again).await.expect("read");
     assert!(again[..] == data[10 * 4096..11 * 4096]);
@@ -74,13 +106,8 @@ async fn target_restart_with_io_in_flight() {
     let mut t = TestTarget::start(&[&spec], |_| {});
     let target_addr = t.addr;
     let proxy = Proxy::start(target_addr).await;
-    let mut o = options(proxy.target_addr());
-    o.io_queues = Some(1);
-    let ctrl = Controller::connect(o).await.expect("connect");
-    let ns = ctrl.namespace(1).await.expect("namespace");
-    let data = pattern(31, 0, 128 * 1024);
-    ns.write(0, &data).await.expect("write");
-    ns.flush().await.expect("flush");
+    let (ctrl, ns) = connect(proxy.target_addr(), one_queue(|_| {})).await;
+    let data = fill(&ns, 31, 128 * 1024).await;
 
     proxy.set_mode(Mode::Blackhole);
     let writer = {
@@ -105,7 +132,7 @@ async fn target_restart_with_io_in_flight() {
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!reader.is_finished(), "the read waits for the target");
-    let mut t2 = TestTarget::start_on(target_addr, &[&spec], |_| {});
+    let mut t2 = TestTarget::restart_on(target_addr, &[&spec], |_| {});
     let back = reader.await.expect("task").expect("read after the restart");
     assert!(back == data);
     wait_connected(&ctrl).await;
@@ -120,12 +147,8 @@ async fn target_restart_with_io_in_flight() {
 async fn inflight_write_fails_and_inflight_read_is_retried() {
     let t = TestTarget::start(&["mem:16M"], |_| {});
     let proxy = Proxy::start(t.addr).await;
-    let mut o = options(proxy.target_addr());
-    o.io_queues = Some(1);
-    let ctrl = Controller::connect(o).await.expect("connect");
-    let ns = ctrl.namespace(1).await.expect("namespace");
-    let data = pattern(5, 0, 64 * 1024);
-    ns.write(0, &data).await.expect("write");
+    let (ctrl, ns) = connect(proxy.target_addr(), one_queue(|_| {})).await;
+    let data = fill(&ns, 5, 64 * 1024).await;
 
     proxy.set_mode(Mode::Blackhole);
     let writer = {
@@ -165,11 +188,7 @@ async fn inflight_write_fails_and_inflight_read_is_retried() {
 async fn writes_are_retried_when_allowed() {
     let t = TestTarget::start(&["mem:16M"], |_| {});
     let proxy = Proxy::start(t.addr).await;
-    let mut o = options(proxy.target_addr());
-    o.io_queues = Some(1);
-    o.retry_writes = true;
-    let ctrl = Controller::connect(o).await.expect("connect");
-    let ns = ctrl.namespace(1).await.expect("namespace");
+    let (ctrl, ns) = connect(proxy.target_addr(), one_queue(|o| o.retry_writes = true)).await;
     proxy.set_mode(Mode::Blackhole);
     let payload = pattern(8, 0, 64 * 1024);
     let writer = {
@@ -193,11 +212,8 @@ async fn writes_are_retried_when_allowed() {
 async fn silent_target_gives_a_timeout() {
     let t = TestTarget::start(&["mem:16M"], |_| {});
     let proxy = Proxy::start(t.addr).await;
-    let mut o = options(proxy.target_addr());
-    o.io_queues = Some(1);
-    o.timeouts.io = Duration::from_millis(800);
-    let ctrl = Controller::connect(o).await.expect("connect");
-    let ns = ctrl.namespace(1).await.expect("namespace");
+    let timeout = one_queue(|o| o.timeouts.io = Duration::from_millis(800));
+    let (ctrl, ns) = connect(proxy.target_addr(), timeout).await;
     proxy.set_mode(Mode::Blackhole);
     let start = std::time::Instant::now();
     let mut buf = vec![0u8; 4096];
@@ -227,10 +243,7 @@ async fn connection_cut_mid_transfer() {
     let proxy = Proxy::start(t.addr).await;
     let data = pattern(9, 0, 512 * 1024);
     {
-        let mut o = options(proxy.target_addr());
-        o.io_queues = Some(1);
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace");
+        let (ctrl, ns) = connect(proxy.target_addr(), one_queue(|_| {})).await;
         ns.write(0, &data).await.expect("write");
         let sent = proxy.to_host.load(std::sync::atomic::Ordering::SeqCst);
         proxy
@@ -245,11 +258,8 @@ async fn connection_cut_mid_transfer() {
         ctrl.disconnect().await.expect("disconnect");
     }
     {
-        let mut o = options(proxy.target_addr());
-        o.io_queues = Some(1);
-        o.reconnect = nvmeof_initiator::ReconnectPolicy::never();
-        let ctrl = Controller::connect(o).await.expect("connect");
-        let ns = ctrl.namespace(1).await.expect("namespace");
+        let never = one_queue(|o| o.reconnect = nvmeof_initiator::ReconnectPolicy::never());
+        let (ctrl, ns) = connect(proxy.target_addr(), never).await;
         let sent = proxy.to_host.load(std::sync::atomic::Ordering::SeqCst);
         proxy
             .cut_after
@@ -280,13 +290,8 @@ async fn reads_across_a_graceful_target_restart_all_succeed() {
     let spec = file_backend(dir.path());
     let mut t = TestTarget::start(&[&spec], |s| s.reactors = 2);
     let addr = t.addr;
-    let ctrl = Controller::connect(options(t.target_addr()))
-        .await
-        .expect("connect");
-    let ns = ctrl.namespace(1).await.expect("namespace");
-    let data = Arc::new(pattern(41, 0, 1 << 20));
-    ns.write(0, &data).await.expect("write");
-    ns.flush().await.expect("flush");
+    let (ctrl, ns) = connect(t.target_addr(), |_| {}).await;
+    let data = Arc::new(fill(&ns, 41, 1 << 20).await);
 
     let stop = Arc::new(AtomicBool::new(false));
     let reads = Arc::new(AtomicU64::new(0));
@@ -297,15 +302,8 @@ async fn reads_across_a_graceful_target_restart_all_succeed() {
                 let mut buf = vec![0u8; 4096];
                 let mut i = k;
                 while !stop.load(Ordering::Relaxed) {
-                    let lba = (i * 37) % 256;
+                    read_block(&ns, (i * 37) % 256, &mut buf, &data).await?;
                     i += 1;
-                    ns.read(lba, &mut buf)
-                        .await
-                        .map_err(|e| format!("read of block {lba}: {e}"))?;
-                    let at = lba as usize * 4096;
-                    if buf[..] != data[at..at + 4096] {
-                        return Err(format!("block {lba}: wrong data"));
-                    }
                     reads.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok::<(), String>(())
@@ -316,7 +314,7 @@ async fn reads_across_a_graceful_target_restart_all_succeed() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     t.shutdown().await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut t2 = TestTarget::start_on(addr, &[&spec], |s| s.reactors = 2);
+    let mut t2 = TestTarget::restart_on(addr, &[&spec], |s| s.reactors = 2);
     wait_connected(&ctrl).await;
     let after = reads.load(Ordering::Relaxed);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -346,15 +344,9 @@ async fn queues_shrink_when_the_target_comes_back_with_fewer_entries() {
     let spec = file_backend(dir.path());
     let mut t = TestTarget::start(&[&spec], |s| s.max_queue_depth = 64);
     let addr = t.addr;
-    let mut o = options(t.target_addr());
-    o.io_queues = Some(1);
-    o.queue_depth = 64;
-    let ctrl = Controller::connect(o).await.expect("connect");
+    let (ctrl, ns) = connect(t.target_addr(), one_queue(|o| o.queue_depth = 64)).await;
     assert_eq!(ctrl.info().queue_depth, 64);
-    let ns = ctrl.namespace(1).await.expect("namespace");
-    let data = std::sync::Arc::new(pattern(51, 0, 256 * 4096));
-    ns.write(0, &data).await.expect("write");
-    ns.flush().await.expect("flush");
+    let data = std::sync::Arc::new(fill(&ns, 51, 256 * 4096).await);
 
     t.shutdown().await;
     let mut t2 = TestTarget::restart_on(addr, &[&spec], |s| s.max_queue_depth = 32);
@@ -367,14 +359,7 @@ async fn queues_shrink_when_the_target_comes_back_with_fewer_entries() {
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
                 for i in 0..50u64 {
-                    let lba = (k * 50 + i) * 7 % 256;
-                    ns.read(lba, &mut buf)
-                        .await
-                        .map_err(|e| format!("read of block {lba}: {e}"))?;
-                    let at = lba as usize * 4096;
-                    if buf[..] != data[at..at + 4096] {
-                        return Err(format!("block {lba}: wrong data"));
-                    }
+                    read_block(&ns, (k * 50 + i) * 7 % 256, &mut buf, &data).await?;
                 }
                 Ok::<(), String>(())
             })
