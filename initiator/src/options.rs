@@ -196,7 +196,8 @@ pub struct Timeouts {
     pub admin: Duration,
     /// Each I/O command, from the moment it is handed to its queue until it completes
     /// (including time spent waiting for room among the queue's entries, for a reconnect and
-    /// for a retry).
+    /// for a retry). Commands handed over together, before the queue next writes, share one
+    /// clock reading: the first one's.
     pub io: Duration,
     /// Waiting for CSTS.SHST after a shutdown request at disconnect.
     pub shutdown: Duration,
