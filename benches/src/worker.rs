@@ -373,7 +373,7 @@ impl<P: IoPath> Slots<'_, P> {
             // nanoseconds, counted in this read's latency). A write's fill, a verified read's
             // check or a turn given to the scheduler in between take a fresh reading.
             let start = match ended.take() {
-                Some(t) if read && !spec.verify => t,
+                Some(t) if read => t,
                 _ => Instant::now(),
             };
             let (r, b) = if read {
@@ -398,7 +398,7 @@ impl<P: IoPath> Slots<'_, P> {
                 p
             })
             .await;
-            if spec.iodepth > 1 && read && !turned {
+            if spec.iodepth > 1 && read && !spec.verify && !turned {
                 ended = Some(end);
             }
         }

@@ -985,19 +985,7 @@ impl Pending<'_> {
         if st.phase == Phase::Done {
             let result = st.result.take().unwrap_or(Err(Error::Closed));
             if matches!(st.buf, SlotBuf::Lent(_)) {
-                let spare = std::mem::take(&mut st.spare);
-                self.lent = match std::mem::replace(&mut st.buf, spare) {
-                    SlotBuf::Lent(l) => Some(l),
-                    _ => None,
-                };
-                st.phase = Phase::Free;
-                st.waker = None;
-                drop(st);
-                // The round's capsules first: once released, the tag may name another
-                // command.
-                self.ended();
-                self.released = true;
-                shared.release(self.tag);
+                self.lent = self.give_back_lent(st);
             }
             return Some(result);
         }
@@ -1100,22 +1088,30 @@ impl Pending<'_> {
     /// (by the wait that saw the command end, or here, under the same lock): nothing is
     /// left to read.
     pub fn take_lent(&mut self) -> Option<Lent> {
-        if let Some(l) = self.lent.take() {
-            return Some(l);
+        if self.released {
+            // Given back by the wait already; the slot may be another command's now.
+            return self.lent.take();
         }
-        let shared = &self.q.shared;
-        let mut st = shared.slots[usize::from(self.tag)].lock();
+        let st = self.q.shared.slots[usize::from(self.tag)].lock();
         if st.phase != Phase::Done || !matches!(st.buf, SlotBuf::Lent(_)) {
             return None;
         }
+        self.give_back_lent(st)
+    }
+
+    /// Takes the lent buffer out of this command's ended slot `st` (locked) and releases
+    /// the slot.
+    fn give_back_lent(&mut self, mut st: parking_lot::MutexGuard<'_, SlotState>) -> Option<Lent> {
         let spare = std::mem::take(&mut st.spare);
         let lent = std::mem::replace(&mut st.buf, spare);
         st.phase = Phase::Free;
         st.waker = None;
         st.result = None;
         drop(st);
+        // The round's capsules first: once released, the tag may name another command.
+        self.ended();
         self.released = true;
-        shared.release(self.tag);
+        self.q.shared.release(self.tag);
         match lent {
             SlotBuf::Lent(l) => Some(l),
             _ => None,
