@@ -30,8 +30,9 @@
 //! says `prefill = true`, and its reads are verified only after such a prefill.
 //!
 //! `api = "rtc"` runs a job's workers over the initiator's run-to-completion queue pairs (one
-//! `QueuePair` per worker and namespace, driven by the worker) instead of the default `api =
-//! "async"` (`Namespace::read`/`write` on the controller's shared queues); the das mode
+//! `QueuePair` per worker, namespace and queue the worker is given of `queue_pairs`, driven
+//! by the worker) instead of the default `api = "async"` (`Namespace::read`/`write` on the
+//! controller's shared queues); the das mode
 //! ignores it, `dest = "gpu"` refuses it. A queue pair holds one command less than the
 //! controller's queue size, and an `iodepth` above that runs at the queue pair's depth.
 //! `issue = "gpu"` has GPU threads issue the reads (see [`Issue`]). `chase = true` (with `rw =
@@ -273,7 +274,8 @@ pub enum Api {
     /// `Namespace::read`/`write` futures on the controller's shared queues.
     #[default]
     Async,
-    /// One run-to-completion `QueuePair` per worker and namespace, driven by the worker.
+    /// Run-to-completion `QueuePair`s driven by the worker: one per namespace and queue the
+    /// worker is given of `queue_pairs` (at least one).
     Rtc,
 }
 

@@ -8,7 +8,8 @@
 //!   `t * K + k` is namespace `k` of target `t` (`K` namespaces per target).
 //!
 //! With `api = "rtc"` a [`TcpPath`] also keeps queue IDs for the workers' own run-to-completion
-//! queue pairs ([`IoPath::queue_pair_namespace`]), one per worker and namespace.
+//! queue pairs ([`IoPath::queue_pair_namespace`]): one per namespace and queue of each worker
+//! (a job's `queue_pairs` shared out among its workers, at least one each).
 //!
 //! Both take and return owned buffers, so a worker keeps `iodepth` buffers and never
 //! allocates per I/O.

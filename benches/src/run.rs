@@ -667,7 +667,9 @@ fn measure_in_mode(
                 busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
                 sq_flow_control: plan.sq_flow_control,
                 rtc_pairs: if point.api == Api::Rtc {
-                    (point.numjobs * point.namespaces).min(u32::from(u16::MAX / 2)) as u16
+                    // One per namespace and queue of each worker (`queues_of`).
+                    (point.numjobs.max(u32::from(point.queue_pairs)) * point.namespaces)
+                        .min(u32::from(u16::MAX / 2)) as u16
                 } else {
                     0
                 },

@@ -78,8 +78,8 @@ pub struct WorkerSpec {
     pub rng_seed: u64,
     /// Bytes to complete while measuring, then stop (`None`: until the phase says stop).
     pub budget: Option<u64>,
-    /// Drive the path's run-to-completion queue pairs (one per namespace) instead of its
-    /// shared queues (`api = "rtc"`).
+    /// Drive run-to-completion queue pairs of its own (one per namespace and entry of
+    /// `queues`, taken in turn) instead of the path's shared queues (`api = "rtc"`).
     pub rtc: bool,
     /// Reads chase pointers: each buffer's next read is at the offset its previous read's
     /// first word names ([`chase_offset`]), so every read waits for the data of the one before.
@@ -422,8 +422,10 @@ fn take_budget(phase: u8, spec: &WorkerSpec, issued_in_measure: &mut u64) -> boo
 /// when it was submitted.
 type Issued = (bool, usize, u64, bool, Instant);
 
-/// [`run`] over run-to-completion queue pairs: the worker owns one queue pair per namespace,
-/// submits into its `iodepth` buffers and reaps completions itself (no queue task).
+/// [`run`] over run-to-completion queue pairs: the worker owns one queue pair per namespace
+/// and entry of its `queues` (the job's `queue_pairs` shared out among its workers, as the
+/// async API's queues are), submits into its `iodepth` buffers, each I/O to a namespace's
+/// next pair in turn, and reaps completions itself (no queue task).
 async fn run_rtc<P: IoPath>(
     path: Arc<P>,
     spec: WorkerSpec,
@@ -438,7 +440,9 @@ async fn run_rtc<P: IoPath>(
         out.io_errors += 1;
         out.first_io_error.get_or_insert(e);
     };
-    let mut qps = Vec::with_capacity(spec.namespaces);
+    // Namespace `ns`'s pairs are `qps[ns * per_ns..][..per_ns]`.
+    let per_ns = spec.queues.len().max(1);
+    let mut qps = Vec::with_capacity(spec.namespaces * per_ns);
     for ns in 0..spec.namespaces {
         let Some(n) = path.queue_pair_namespace(ns) else {
             fail(
@@ -447,11 +451,13 @@ async fn run_rtc<P: IoPath>(
             );
             return out;
         };
-        match QueuePair::open(n).await {
-            Ok(q) => qps.push(q),
-            Err(e) => {
-                fail(&mut out, format!("cannot open a queue pair: {e}"));
-                return out;
+        for _ in 0..per_ns {
+            match QueuePair::open(n).await {
+                Ok(q) => qps.push(q),
+                Err(e) => {
+                    fail(&mut out, format!("cannot open a queue pair: {e}"));
+                    return out;
+                }
             }
         }
     }
@@ -461,10 +467,14 @@ async fn run_rtc<P: IoPath>(
         .map(|g| u64::from(g.block_size))
         .collect();
     let mut offsets = OffsetGen::new(&spec);
-    // A queue pair holds one command less than its queue size: a deeper job runs at the
-    // queue pair's depth, as the async API waits for a free slot.
+    // A queue pair holds one command less than its queue size: a deeper job runs at its
+    // queue pairs' depth, as the async API waits for a free slot.
     let pair_depth = qps.iter().map(QueuePair::depth).min().unwrap_or(1);
-    let depth = (spec.iodepth as usize).min(pair_depth);
+    let depth = (spec.iodepth as usize).min(pair_depth * per_ns);
+    // Each namespace's pair for its next I/O.
+    let mut turn = vec![0usize; spec.namespaces];
+    // The pair waited on when none had anything (in turn, so that no pair waits behind another).
+    let mut wait_next = 0usize;
     let mut free: Vec<Vec<u8>> = (0..depth).map(|_| vec![0u8; spec.bs as usize]).collect();
     let mut issued: Vec<Option<Issued>> = vec![None; depth];
     let mut free_ids: Vec<usize> = (0..depth).rev().collect();
@@ -484,10 +494,14 @@ async fn run_rtc<P: IoPath>(
                     pattern.fill(offset, &mut buf);
                 }
                 let lba = offset / block[ns];
+                // One of the namespace's pairs has room: `depth` is at most their room together.
+                let pairs = &mut qps[ns * per_ns..][..per_ns];
+                let k = next_pair(&mut turn[ns], per_ns, |k| pairs[k].in_flight() < pair_depth);
+                let qp = &mut pairs[k];
                 let r = if read {
-                    qps[ns].read(lba, buf, id as u64)
+                    qp.read(lba, buf, id as u64)
                 } else {
-                    qps[ns].write(lba, buf, id as u64)
+                    qp.write(lba, buf, id as u64)
                 };
                 if let Err(rej) = r {
                     fail(
@@ -512,8 +526,15 @@ async fn run_rtc<P: IoPath>(
         } else {
             let got: usize = qps.iter_mut().map(|q| q.poll(&mut done)).sum();
             if got == 0 {
-                if let Some(q) = qps.iter_mut().find(|q| q.in_flight() > 0) {
-                    q.wait(&mut done, 1, Some(Duration::from_micros(200))).await;
+                let n = qps.len();
+                let busy = (0..n)
+                    .map(|i| (wait_next + i) % n)
+                    .find(|&i| qps[i].in_flight() > 0);
+                if let Some(i) = busy {
+                    wait_next = (i + 1) % n;
+                    qps[i]
+                        .wait(&mut done, 1, Some(Duration::from_micros(200)))
+                        .await;
                 }
             }
         }
@@ -539,6 +560,18 @@ async fn run_rtc<P: IoPath>(
         }
     }
     out
+}
+
+/// Of `n` queue pairs, the one after the last used (`turn`) that has room, or the next in
+/// turn if none has; `turn` moves past it.
+fn next_pair(turn: &mut usize, n: usize, has_room: impl Fn(usize) -> bool) -> usize {
+    let n = n.max(1);
+    let k = (0..n)
+        .map(|i| (*turn + i) % n)
+        .find(|&k| has_room(k))
+        .unwrap_or(*turn % n);
+    *turn = (k + 1) % n;
+    k
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -846,6 +879,23 @@ mod tests {
             assert!(n.ops > 0);
         }
         assert_eq!(two.per_ns[0].ops + two.per_ns[1].ops, 256);
+    }
+
+    /// A queue-pair worker's I/Os to one namespace go to its pairs in turn, past a full one.
+    #[test]
+    fn queue_pairs_are_taken_in_turn_past_full_ones() {
+        let mut turn = 0;
+        let picks: Vec<usize> = (0..5).map(|_| next_pair(&mut turn, 3, |_| true)).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1]);
+        // Pair 2 is full: the turn skips it.
+        assert_eq!(next_pair(&mut turn, 3, |k| k != 2), 0);
+        assert_eq!(turn, 1);
+        // None has room (not reached by the worker): the next in turn.
+        assert_eq!(next_pair(&mut turn, 3, |_| false), 1);
+        // One pair: always it.
+        let mut t = 0;
+        assert_eq!(next_pair(&mut t, 1, |_| true), 0);
+        assert_eq!(next_pair(&mut t, 1, |_| false), 0);
     }
 
     #[test]

@@ -44,7 +44,8 @@ rw = "randrw"
 rwmixread = 60
 bs = "8k"
 iodepth = 4
-numjobs = 2
+numjobs = 1
+queue_pairs = 2
 api = "rtc"
 "#;
 
