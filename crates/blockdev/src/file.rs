@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
-use crate::sys::{self, uring};
+use crate::sys::{self, BackingFile, uring};
 use crate::{
     Backend, BackendError, BufResult, DEFAULT_BLOCK_SIZE, FileSpec, IoBuf, IoEngine, IoOp,
     check_range, check_transfer, validate_block_size,
@@ -51,7 +51,7 @@ const ZERO_WRITE: u8 = 2;
 
 /// A regular file or a block device used as a namespace.
 pub struct FileBackend {
-    file: Arc<File>,
+    file: Arc<BackingFile>,
     path: PathBuf,
     block_size: u32,
     num_blocks: u64,
@@ -113,12 +113,13 @@ fn open_with_fallback(
     Ok((file, false))
 }
 
-/// Claims `file` for this backend alone: an exclusive `flock` held while it stays open, so a
-/// second namespace or a second daemon on the same file or device is refused, naming the
-/// process that holds it.
-fn claim(file: &File, path: &Path) -> Result<(), BackendError> {
+/// Claims `file` for this backend alone: an exclusive `flock`, given up when the last
+/// reference to the file is dropped ([`BackingFile`]), so a second namespace or a second daemon
+/// on the same file or device is refused, naming the process that holds it. Returns whether
+/// the file is claimed (not where the file system has no `flock`).
+fn claim(file: &File, path: &Path) -> Result<bool, BackendError> {
     match sys::try_lock_exclusive(file) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
             let holder = file
                 .metadata()
@@ -144,7 +145,7 @@ fn claim(file: &File, path: &Path) -> Result<(), BackendError> {
         // File systems without flock support cannot be claimed; the file is still usable.
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "cannot lock; not claimed exclusively");
-            Ok(())
+            Ok(false)
         }
     }
 }
@@ -228,9 +229,7 @@ impl FileBackend {
             }
             r => r?,
         };
-        if spec.exclusive {
-            claim(&file, path)?;
-        }
+        let mut claimed = spec.exclusive && claim(&file, path)?;
         let meta = file.metadata().map_err(|e| open_error(path, e))?;
         let file_type = meta.file_type();
         let block_device = file_type.is_block_device();
@@ -291,9 +290,7 @@ impl FileBackend {
                     // The claim belongs to the descriptor being replaced: release it first.
                     drop(file);
                     (file, _) = open_with_fallback(path, false, false, open)?;
-                    if spec.exclusive {
-                        claim(&file, path)?;
-                    }
+                    claimed = spec.exclusive && claim(&file, path)?;
                     direct = false;
                 }
             }
@@ -317,7 +314,7 @@ impl FileBackend {
             )));
         }
         Ok(FileBackend {
-            file: Arc::new(file),
+            file: Arc::new(BackingFile::new(file, claimed)),
             path: path.to_path_buf(),
             block_size,
             num_blocks: size / u64::from(block_size),
@@ -830,6 +827,27 @@ mod tests {
         .unwrap();
         drop(first);
         FileBackend::open(&FileSpec::new(&path)).unwrap();
+    }
+
+    /// The claim goes with the last backend using the file, even while the open file
+    /// description lives on: the kernel may hold it a moment longer (an io_uring request lets
+    /// go of its file after posting its completion), which a second descriptor of it stands in
+    /// for here.
+    #[test]
+    fn the_claim_goes_with_the_last_backend_using_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ns.img");
+        let first = FileBackend::open(&spec(&path, 1 << 20)).unwrap();
+        let grown = first.grown(2 << 20).unwrap();
+        let description = first.file.try_clone().unwrap();
+        drop(first);
+        let err = FileBackend::open(&FileSpec::new(&path))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("is in use by this process"), "{err}");
+        drop(grown);
+        FileBackend::open(&FileSpec::new(&path)).unwrap();
+        drop(description);
     }
 
     #[test]

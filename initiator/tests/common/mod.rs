@@ -45,28 +45,6 @@ impl TestTarget {
         Self::from_config(&Self::config(listen, namespaces, tweak))
     }
 
-    /// [`start_on`](Self::start_on) in place of a target just shut down: the last references
-    /// to its file namespaces may still be going (with its tasks), and with them the claims
-    /// on the files, so a namespace file still in use is tried again, for up to 10 s.
-    pub fn restart_on(
-        listen: SocketAddr,
-        namespaces: &[&str],
-        tweak: impl Fn(&mut TargetSettings),
-    ) -> TestTarget {
-        let cfg = Self::config(listen, namespaces, tweak);
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            match Target::build(&cfg) {
-                Ok(target) => return Self::run(&cfg, target),
-                Err(e) if e.to_string().contains("in use") => {
-                    assert!(std::time::Instant::now() < deadline, "target build: {e}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => panic!("target build: {e:?}"),
-            }
-        }
-    }
-
     fn config(
         listen: SocketAddr,
         namespaces: &[&str],

@@ -71,19 +71,69 @@ pub(crate) fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> io::Re
 }
 
 /// Takes an exclusive advisory lock on `file` without waiting (`flock(LOCK_EX | LOCK_NB)`).
-/// Fails with `EWOULDBLOCK` while another open file description holds one. The lock lasts as
-/// long as this open file description.
+/// Fails with `EWOULDBLOCK` while another open file description holds one. The lock lasts
+/// until it is given up ([`unlock`]) or the open file description is released.
 pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<()> {
+    flock(file, libc::LOCK_EX | libc::LOCK_NB)
+}
+
+/// Gives up the advisory lock this open file description holds on `file` (`flock(LOCK_UN)`);
+/// succeeds when it holds none.
+pub(crate) fn unlock(file: &File) -> io::Result<()> {
+    flock(file, libc::LOCK_UN)
+}
+
+fn flock(file: &File, operation: libc::c_int) -> io::Result<()> {
     loop {
         // SAFETY: flock takes only integers; the descriptor is borrowed from `file` and stays
         // open for the call.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        let rc = unsafe { libc::flock(file.as_raw_fd(), operation) };
         if rc == 0 {
             return Ok(());
         }
         let err = io::Error::last_os_error();
         if err.raw_os_error() != Some(libc::EINTR) {
             return Err(err);
+        }
+    }
+}
+
+/// An open file or block device shared by the backends that use it and the io_uring
+/// operations in flight on it, with the exclusive lock taken on it if it was claimed
+/// ([`try_lock_exclusive`]).
+///
+/// The lock is given up when the last reference is dropped, not left to the kernel's release
+/// of the open file description: that can come a moment after the descriptor is closed (an
+/// io_uring request lets go of its file after posting its completion, sometimes from a worker
+/// thread or a deferred work item), and a claim left held until then would refuse a new
+/// backend on the same file opened right after this one is gone.
+pub(crate) struct BackingFile {
+    file: File,
+    claimed: bool,
+}
+
+impl BackingFile {
+    /// Wraps `file`; `claimed` says whether it holds a lock to give up when dropped.
+    pub(crate) fn new(file: File, claimed: bool) -> BackingFile {
+        BackingFile { file, claimed }
+    }
+}
+
+impl std::ops::Deref for BackingFile {
+    type Target = File;
+
+    fn deref(&self) -> &File {
+        &self.file
+    }
+}
+
+impl Drop for BackingFile {
+    fn drop(&mut self) {
+        if self.claimed
+            && let Err(e) = unlock(&self.file)
+        {
+            // The claim then goes when the kernel releases the file.
+            tracing::warn!(error = %e, "cannot give up the claim on a file");
         }
     }
 }

@@ -17,7 +17,6 @@
 //! cannot wait) before its memory and the buffers are released.
 
 use std::cell::RefCell;
-use std::fs::File;
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -33,6 +32,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
+use super::BackingFile;
 use crate::IoBuf;
 
 /// Submission queue entries per ring (the completion queue gets twice as many).
@@ -83,7 +83,7 @@ enum SlotState {
 struct Slot {
     state: SlotState,
     buf: Option<IoBuf>,
-    file: Option<Arc<File>>,
+    file: Option<Arc<BackingFile>>,
 }
 
 struct RingState {
@@ -265,7 +265,7 @@ impl Ring {
     /// buffer) and pushes it.
     fn submit_op(
         self: Arc<Self>,
-        file: &Arc<File>,
+        file: &Arc<BackingFile>,
         buf: Option<IoBuf>,
         build: impl FnOnce(types::Fd, Option<&mut IoBuf>) -> squeue::Entry,
     ) -> Result<Op, (io::Error, Option<IoBuf>)> {
@@ -420,7 +420,7 @@ fn current_ring() -> Result<Arc<Ring>, RingError> {
 pub(crate) type SubmitError = (RingError, Option<IoBuf>);
 
 fn submit(
-    file: &Arc<File>,
+    file: &Arc<BackingFile>,
     buf: Option<IoBuf>,
     build: impl FnOnce(types::Fd, Option<&mut IoBuf>) -> squeue::Entry,
 ) -> Result<Op, SubmitError> {
@@ -438,7 +438,7 @@ fn einval() -> RingError {
 
 /// Reads `len` bytes at file `offset` into `buf[start..start + len]`.
 pub(crate) fn read_at(
-    file: &Arc<File>,
+    file: &Arc<BackingFile>,
     offset: u64,
     buf: IoBuf,
     start: usize,
@@ -462,7 +462,7 @@ pub(crate) fn read_at(
 /// Writes `buf[start..start + len]` at file `offset`; with `dsync` the write completes only
 /// once the data is durable (`RWF_DSYNC`, as `pwritev2` takes it).
 pub(crate) fn write_at(
-    file: &Arc<File>,
+    file: &Arc<BackingFile>,
     offset: u64,
     buf: IoBuf,
     start: usize,
@@ -489,7 +489,7 @@ pub(crate) fn write_at(
 }
 
 /// `fdatasync(2)` of the file.
-pub(crate) fn fdatasync(file: &Arc<File>) -> Result<Op, SubmitError> {
+pub(crate) fn fdatasync(file: &Arc<BackingFile>) -> Result<Op, SubmitError> {
     submit(file, None, |fd, _| {
         opcode::Fsync::new(fd)
             .flags(types::FsyncFlags::DATASYNC)
@@ -499,7 +499,7 @@ pub(crate) fn fdatasync(file: &Arc<File>) -> Result<Op, SubmitError> {
 
 /// `fallocate(2)` of `len` bytes at `offset` with `mode`.
 pub(crate) fn fallocate(
-    file: &Arc<File>,
+    file: &Arc<BackingFile>,
     mode: i32,
     offset: u64,
     len: u64,
