@@ -2,7 +2,10 @@
 # The async API and the queue pairs beside SPDK's host, against SPDK's target and against ours,
 # on a 16-core machine: targets on CPUs 0-7 (8 reactors each), clients on CPUs 8-15.
 #
-#   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS] [qd1-interleaved]
+#   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS] [MODE]
+#
+# MODE is all (the default: SPDK's target, then ours), spdk or ours (one target only: run the
+# two in turn on one machine start to stay under a time limit per command), or qd1-interleaved.
 #
 # With qd1-interleaved, only the QD1 point runs, and each round starts and stops the two targets
 # in turn (SPDK's first on odd rounds), so that QD1 against one target is measured minutes, not
@@ -54,6 +57,9 @@ point_args() { # POINT CLIENT: spdk_nvme_perf's arguments or our job at that poi
         x1-perf) echo "-c 0x100 -q 128" ;;
         x1-async) echo 4k-randread-qd128-async ;;
         x1-rtc) echo 4k-randread-qd128-rtc ;;
+        q2-perf) echo "-c 0x100 -q 128 -P 2" ;;
+        q2-async) echo 4k-randread-qd128-async-q2 ;;
+        q2-rtc) echo 4k-randread-qd128-rtc-q2 ;;
         x8-perf) echo "-c 0xFF00 -q 128" ;;
         x8-async) echo 4k-randread-qd128-async-8 ;;
         x8-rtc) echo 4k-randread-qd128-rtc-8 ;;
@@ -101,7 +107,7 @@ side() { # TARGET PORT NQN
         # order, so that a drift of the machine within a round favours no client.
         local order="perf async rtc"
         [ $((r % 2)) = 0 ] && order="rtc async perf"
-        for pt in x1 x8 qd1; do
+        for pt in x1 q2 x8 qd1; do
             for c in $order; do
                 local args
                 args=$(point_args "$pt" "$c")
@@ -148,10 +154,14 @@ if [ "$mode" = qd1-interleaved ]; then
         done
     done
 else
-    start_spdk && side spdk 4421 "$nqn_spdk"
-    kill -INT $tp; wait $tp
-    start_ours && side ours 4420 "$nqn_ours"
-    kill -INT $tp; wait $tp
+    if [ "$mode" != ours ]; then
+        start_spdk && side spdk 4421 "$nqn_spdk"
+        kill -INT $tp; wait $tp
+    fi
+    if [ "$mode" != spdk ]; then
+        start_ours && side ours 4420 "$nqn_ours"
+        kill -INT $tp; wait $tp
+    fi
 fi
 
 # Medians (and range) per target, point and client.
