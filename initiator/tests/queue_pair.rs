@@ -159,12 +159,16 @@ async fn blocking_queue_pair_on_a_plain_thread() {
     let data = pattern(3, 0, 512 * BS);
     ns.write(0, &data).await.expect("write");
 
+    // Both pairs open at once (a pair closed before the other opens gives its queue ID back).
+    let both_open = std::sync::Arc::new(std::sync::Barrier::new(2));
     let threads: Vec<_> = (0..2u64)
         .map(|k| {
             let ns = ns.clone();
             let data = data.clone();
+            let both_open = both_open.clone();
             std::thread::spawn(move || {
                 let mut qp = BlockingQueuePair::open(&ns).expect("open");
+                both_open.wait();
                 let mut done = Vec::new();
                 let mut verified = 0;
                 // Reads of 2 blocks, 16 in flight, reaped with poll and wait by turns.
