@@ -562,8 +562,8 @@ async fn run_rtc<P: IoPath>(
     out
 }
 
-/// Of `n` queue pairs, the one after the last used (`turn`) that has room, or the next in
-/// turn if none has; `turn` moves past it.
+/// Of `n` queue pairs, the first from `turn` on (in turn, wrapping) that has room, or `turn`'s
+/// own if none has; `turn` moves past the one chosen.
 fn next_pair(turn: &mut usize, n: usize, has_room: impl Fn(usize) -> bool) -> usize {
     let n = n.max(1);
     let k = (0..n)
