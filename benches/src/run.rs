@@ -667,9 +667,16 @@ fn measure_in_mode(
                 busy_poll: Duration::from_micros(u64::from(plan.client_poll_us)),
                 sq_flow_control: plan.sq_flow_control,
                 rtc_pairs: if point.api == Api::Rtc {
-                    // One per namespace and queue of each worker (`queues_of`).
-                    (point.numjobs.max(u32::from(point.queue_pairs)) * point.namespaces)
-                        .min(u32::from(u16::MAX / 2)) as u16
+                    // One per namespace and queue of each worker (as `run_rtc` opens them).
+                    let numjobs = point.numjobs as usize;
+                    let per_ns: usize = (0..numjobs)
+                        .map(|w| {
+                            queues_of(w, numjobs, usize::from(point.queue_pairs))
+                                .len()
+                                .max(1)
+                        })
+                        .sum();
+                    (per_ns * point.namespaces as usize).min(usize::from(u16::MAX / 2)) as u16
                 } else {
                     0
                 },

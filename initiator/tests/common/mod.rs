@@ -63,10 +63,7 @@ impl TestTarget {
 
     /// Starts a target with the configuration `cfg`.
     pub fn from_config(cfg: &Config) -> TestTarget {
-        Self::run(cfg, Target::build(cfg).expect("target build"))
-    }
-
-    fn run(cfg: &Config, target: Arc<Target>) -> TestTarget {
+        let target = Target::build(cfg).expect("target build");
         let listeners = nvmeof_target::launcher::bind(cfg).expect("target bind");
         let addr = listeners[0].addr.addr;
         let running = RunningTarget::start(target, listeners).expect("target start");
