@@ -1,13 +1,14 @@
 //! The `gpu` destination: read data lands in GPU memory.
 //!
 //! [`GpuPath`] wraps a mode's path; a read completes only once its data is in device memory.
-//! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a gather per worker: each read is
-//! received into host memory (over NVMe/TCP straight from the socket), copied into the
-//! worker's packed stage of mapped pinned memory, and the reads that complete together leave
-//! for the GPU as one batch: one scatter kernel that reads the stage in place over the bus
-//! and writes each block to its buffer's place in the worker's device memory, with one stream
-//! mark the host polls with a load, instead of a copy, an event and event polls per read (the copy engine takes microseconds
-//! per copy however small, and every driver call costs the CPU a microsecond or more).
+//! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a gather per worker: each buffer owns
+//! a part of the worker's mapped pinned memory, each read is received into its buffer's part
+//! (over NVMe/TCP straight from the socket), and the reads that complete together leave for
+//! the GPU as one batch: one scatter kernel that reads those parts in place over the bus and
+//! writes each block to its buffer's place in the worker's device memory, with one stream mark
+//! the host polls with a load, instead of a copy, an event and event polls per read (the copy
+//! engine takes microseconds per copy however small, and every driver call costs the CPU a
+//! microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
 //! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
 //! its blocks into the receiving buffer (the best local path, as `gpu_loader`'s RAM -> HBM).
@@ -24,11 +25,11 @@ use std::time::{Duration, Instant};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
 use nvmeof_initiator::gpu::cuda::{
-    DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, PinnedBuffer,
+    DeviceBuffer, DeviceSlice, GpuContext, GpuError, GpuEvent, GpuStream, PinnedBuffer, PinnedChunk,
 };
-use nvmeof_initiator::gpu::kernels::{MappedStage, NvmfKernels, ScatterCopy, StageFlight};
+use nvmeof_initiator::gpu::kernels::{ChunkFlight, MappedStage, NvmfKernels};
 use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig, wait_event};
-use nvmeof_initiator::{Namespace, ReadDest};
+use nvmeof_initiator::{BufferError, Lent, LentBuffer, Namespace, ReadDest};
 use parking_lot::Mutex;
 
 use crate::path::{DasPath, IoPath, NsGeometry, PathError, TcpPath};
@@ -156,12 +157,13 @@ pub struct GpuBuf<B> {
 
 /// The GPU side of a buffer.
 enum GpuParts {
-    /// A small block: received into `landing`, then gathered into device slot `id` of its
-    /// worker's [`Gather`].
+    /// A small block: received into `landing` (part `id` of its worker's [`Gather`]'s mapped
+    /// memory; `None` while a read or a batch holds it), then scattered from there to device
+    /// slot `id`.
     Gathered {
         gather: Arc<Gather>,
         id: usize,
-        landing: Vec<u8>,
+        landing: Option<PinnedChunk>,
         back: Option<Back>,
     },
     /// A large block: received into the staging's pinned slot, then copied into `dev`.
@@ -190,17 +192,18 @@ const MAX_FLIGHTS: usize = 2;
 /// A batch leaves once it holds a quarter of the worker's buffers, or this long after it opened.
 const GATHER_WAIT: Duration = Duration::from_micros(200);
 
-/// Batches the transfers to the GPU of one worker's small reads (see the module docs). A read
-/// copies its block into the open batch's stage (mapped pinned memory) and waits. The batch
-/// leaves once it holds a quarter of the worker's buffers or has waited [`GATHER_WAIT`], unless
-/// [`MAX_FLIGHTS`] batches are already in flight: then reads gather until one finishes (a
-/// group commit: the busier the stream, the larger the batches). A batch is one scatter
-/// kernel that reads the stage in place over the bus and one stream mark: a launch and the
-/// mark's write per batch are what the driver costs, so full batches leave the CPU to the
-/// network. One waiting read polls the oldest batch's mark (and the open batch's age), yielding
-/// between looks; when a batch is done, its reads end, the batch that gathered meanwhile
-/// leaves if it is due, and the other waiters are woken. A worker's reads all run on its one
-/// task, so the lock is not contended.
+/// Batches the transfers to the GPU of one worker's small reads (see the module docs). Each
+/// buffer owns a part of the worker's mapped pinned memory; a read receives into its part,
+/// puts the part into the open batch and waits. The batch leaves once it holds a quarter of
+/// the worker's buffers or has waited [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are
+/// already in flight: then reads gather until one finishes (a group commit: the busier the
+/// stream, the larger the batches). A batch is one scatter kernel that reads the parts in
+/// place over the bus and one stream mark: a launch and the mark's write per batch are what
+/// the driver costs, so full batches leave the CPU to the network. One waiting read polls the
+/// oldest batch's mark (and the open batch's age), yielding between looks; when a batch is
+/// done, its reads get their parts back and are woken, the batch that gathered meanwhile
+/// leaves if it is due, and a poller that is done hands the polling to a read still waiting.
+/// A worker's reads all run on its one task, so the lock is not contended.
 struct Gather {
     stream: GpuStream,
     kernels: Arc<NvmfKernels>,
@@ -211,67 +214,84 @@ struct Gather {
 struct GatherState {
     /// The worker's device memory: buffer `id` owns bytes `id * bs..(id + 1) * bs`.
     dest: DeviceBuffer,
-    /// Stages (mapped pinned memory the scatter kernel reads in place, each room for every
-    /// buffer's block) that are neither open nor in flight.
+    /// Stages for batches' plans (mapped pinned memory the scatter kernel reads in place)
+    /// that are neither open nor in flight.
     free: Vec<MappedStage>,
-    /// The open batch's stage and its reads in packing order.
+    /// The open batch's stage, its reads and their parts, in the same order.
     open: Option<MappedStage>,
     members: Vec<usize>,
+    parts: Vec<PinnedChunk>,
     flights: VecDeque<Flight>,
-    /// The scatter list of the batch being sent, and member lists to reuse.
-    copies: Vec<ScatterCopy>,
-    spare: Vec<Vec<usize>>,
+    /// The device offsets of the batch being sent, and lists to reuse.
+    offsets: Vec<u64>,
+    spare: Vec<(Vec<usize>, Vec<PinnedChunk>)>,
     /// Reads whose batch finished (or the error it met), by buffer id.
-    done: Vec<Option<Result<(), String>>>,
+    done: Vec<Option<Done>>,
     /// Whether a waiting read polls the oldest batch.
     polling: bool,
-    waiters: Vec<Waker>,
+    /// The wakers of the reads that wait while another polls, by buffer id.
+    waiting: Vec<Option<Waker>>,
     /// When the open batch opened.
     opened_at: Instant,
 }
 
 struct Flight {
-    stage: StageFlight,
+    chunks: ChunkFlight,
     members: Vec<usize>,
 }
 
+/// How a read's batch ended, and its buffer's part when it came back.
+struct Done {
+    result: Result<(), String>,
+    landing: Option<PinnedChunk>,
+}
+
 impl Gather {
+    /// A gather for `buffers` buffers of `bs` bytes, and each buffer's part of its mapped
+    /// memory, by buffer id.
     fn new(
         ctx: &GpuContext,
         kernels: Arc<NvmfKernels>,
         bs: usize,
         buffers: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<(Self, Vec<PinnedChunk>), String> {
         let e = |e: GpuError| e.to_string();
         let stream = ctx.new_stream().map_err(e)?;
         let bytes = bs * buffers;
+        let parts = ctx
+            .alloc_pinned_mapped(bytes)
+            .and_then(|m| m.into_host())
+            .and_then(|h| h.into_chunks(bs))
+            .map_err(e)?;
         let free = (0..=MAX_FLIGHTS)
-            .map(|_| kernels.new_stage(bytes, buffers).map_err(|e| e.to_string()))
+            .map(|_| kernels.new_stage(0, buffers).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, String>>()?;
         let state = GatherState {
             dest: ctx.alloc(bytes).map_err(e)?,
             free,
             open: None,
             members: Vec::with_capacity(buffers),
+            parts: Vec::with_capacity(buffers),
             flights: VecDeque::new(),
-            copies: Vec::with_capacity(buffers),
+            offsets: Vec::with_capacity(buffers),
             spare: Vec::new(),
             done: (0..buffers).map(|_| None).collect(),
             polling: false,
-            waiters: Vec::new(),
+            waiting: (0..buffers).map(|_| None).collect(),
             opened_at: Instant::now(),
         };
-        Ok(Gather {
+        let gather = Gather {
             stream,
             kernels,
             bs,
             state: Mutex::new(state),
-        })
+        };
+        Ok((gather, parts))
     }
 
-    /// Packs buffer `id`'s block into the open batch, and sends the batch if it is full
-    /// enough.
-    fn push(&self, id: usize, data: &[u8]) -> Result<(), String> {
+    /// Puts buffer `id`'s part, holding its block, into the open batch, and sends the batch if
+    /// it is full enough.
+    fn push(&self, id: usize, part: PinnedChunk) -> Result<(), String> {
         let mut st = self.state.lock();
         st.done[id] = None;
         if st.open.is_none() {
@@ -280,12 +300,8 @@ impl Gather {
             st.open = Some(stage);
             st.opened_at = Instant::now();
         }
-        let at = st.members.len() * self.bs;
-        let Some(stage) = st.open.as_mut() else {
-            return Err(String::from("no open batch"));
-        };
-        stage.data_mut()[at..at + data.len()].copy_from_slice(data);
         st.members.push(id);
+        st.parts.push(part);
         self.try_send(&mut st);
         Ok(())
     }
@@ -301,111 +317,155 @@ impl Gather {
         }
     }
 
-    /// Sends the open batch: one scatter kernel that reads the packed blocks in place.
+    /// Sends the open batch: one scatter kernel that reads its parts in place.
     fn flush(&self, st: &mut GatherState) {
         let Some(stage) = st.open.take() else {
             return;
         };
-        let spare = st.spare.pop().unwrap_or_default();
-        let members = std::mem::replace(&mut st.members, spare);
+        let (spare_members, spare_parts) = st.spare.pop().unwrap_or_default();
+        let members = std::mem::replace(&mut st.members, spare_members);
+        let parts = std::mem::replace(&mut st.parts, spare_parts);
         let bs = self.bs as u64;
-        st.copies.clear();
-        st.copies
-            .extend(members.iter().enumerate().map(|(k, &id)| ScatterCopy {
-                src_offset: k as u64 * bs,
-                dst_offset: id as u64 * bs,
-                len: bs,
-            }));
-        let GatherState { dest, copies, .. } = st;
-        let r = self
-            .kernels
-            .scatter_staged(&self.stream, stage, &mut dest.as_slice_mut(), copies);
+        st.offsets.clear();
+        st.offsets.extend(members.iter().map(|&id| id as u64 * bs));
+        let GatherState { dest, offsets, .. } = st;
+        let r = self.kernels.scatter_chunks(
+            &self.stream,
+            stage,
+            parts,
+            &mut dest.as_slice_mut(),
+            offsets,
+        );
         match r {
-            Ok(stage) => st.flights.push_back(Flight { stage, members }),
+            Ok(chunks) => st.flights.push_back(Flight { chunks, members }),
             Err(refused) => {
                 let e = refused.error.to_string();
                 st.free.push(refused.stage);
-                for &id in &members {
-                    st.done[id] = Some(Err(e.clone()));
+                let mut members = members;
+                let mut parts = refused.chunks;
+                for (id, part) in members.drain(..).zip(parts.drain(..)) {
+                    end_read(st, id, Err(e.clone()), Some(part));
                 }
-                st.spare.push(members);
-                wake_all(st);
+                st.spare.push((members, parts));
             }
         }
     }
 
     /// Ends the finished batches, oldest first, and sends the open batch if it is due.
     fn retire(&self, st: &mut GatherState) {
-        let mut any = false;
         while let Some(f) = st.flights.front_mut() {
-            let done = f.stage.is_done();
+            let done = f.chunks.is_done();
             if matches!(done, Ok(false)) {
                 break;
             }
             let Some(f) = st.flights.pop_front() else {
                 break;
             };
-            let r = done
-                .and_then(|_| f.stage.finish())
-                .map(|stage| st.free.push(stage));
-            let r = r.map_err(|e| e.to_string());
             let mut members = f.members;
-            for &id in &members {
-                st.done[id] = Some(r.clone());
-            }
-            members.clear();
-            st.spare.push(members);
-            any = true;
+            let r = done.and_then(|_| f.chunks.finish());
+            let mut parts = match r {
+                Ok((stage, mut parts)) => {
+                    st.free.push(stage);
+                    for (id, part) in members.drain(..).zip(parts.drain(..)) {
+                        end_read(st, id, Ok(()), Some(part));
+                    }
+                    parts
+                }
+                Err(e) => {
+                    // The stream failed: the parts went with the batch.
+                    let e = e.to_string();
+                    for id in members.drain(..) {
+                        end_read(st, id, Err(e.clone()), None);
+                    }
+                    Vec::new()
+                }
+            };
+            parts.clear();
+            st.spare.push((members, parts));
         }
         self.try_send(st);
-        if any {
-            wake_all(st);
-        }
     }
 }
 
-fn wake_all(st: &mut GatherState) {
-    st.polling = false;
-    for w in st.waiters.drain(..) {
+/// Records how read `id`'s batch ended and wakes the read if it waits.
+fn end_read(
+    st: &mut GatherState,
+    id: usize,
+    result: Result<(), String>,
+    landing: Option<PinnedChunk>,
+) {
+    st.done[id] = Some(Done { result, landing });
+    if let Some(w) = st.waiting[id].take() {
         w.wake();
     }
 }
 
-/// Waits until buffer `id`'s packed block is in device memory. One waiting read at a time
-/// is the poller: it looks at the oldest batch's mark and the open batch's age between
-/// yields; the others wait to be woken.
+/// Gives up the polling: wakes one read still waiting for its batch (the oldest batch's
+/// first, else the open batch's) to poll next.
+fn hand_over(st: &mut GatherState) {
+    st.polling = false;
+    let GatherState {
+        flights,
+        members,
+        waiting,
+        ..
+    } = st;
+    let next = flights
+        .iter()
+        .flat_map(|f| f.members.iter())
+        .chain(members.iter())
+        .find_map(|&id| waiting[id].take());
+    if let Some(w) = next {
+        w.wake();
+    }
+}
+
+/// Waits until buffer `id`'s block is in device memory, then hands back how it ended and the
+/// buffer's part. One waiting read at a time is the poller: it looks at the oldest batch's
+/// mark and the open batch's age between yields; the others wait to be woken, each when its
+/// own batch is done.
 struct GatherWait<'a> {
     gather: &'a Gather,
     id: usize,
     polling: bool,
 }
 
+impl GatherWait<'_> {
+    /// Returns the read's ending, handing the polling on if this read held it or was to take
+    /// it (`polled`: it was woken to poll, or found no one polling, and looked at the
+    /// batches itself): the reads still waiting were left to it.
+    fn finish(&mut self, st: &mut GatherState, done: Done, polled: bool) -> Poll<Done> {
+        if self.polling || polled {
+            self.polling = false;
+            hand_over(st);
+        }
+        Poll::Ready(done)
+    }
+}
+
 impl Future for GatherWait<'_> {
-    type Output = Result<(), String>;
+    type Output = Done;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let g = self.gather;
         let mut st = g.state.lock();
-        if let Some(r) = st.done[self.id].take() {
-            if self.polling {
-                wake_all(&mut st);
-            }
-            return Poll::Ready(r);
+        let id = self.id;
+        if let Some(d) = st.done[id].take() {
+            return self.finish(&mut st, d, false);
         }
         if st.polling && !self.polling {
-            st.waiters.push(cx.waker().clone());
+            match &mut st.waiting[id] {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                w => *w = Some(cx.waker().clone()),
+            }
             return Poll::Pending;
         }
         g.retire(&mut st);
-        if let Some(r) = st.done[self.id].take() {
-            if self.polling {
-                // Someone else polls for the rest.
-                self.polling = false;
-                wake_all(&mut st);
-            }
-            return Poll::Ready(r);
+        if let Some(d) = st.done[id].take() {
+            return self.finish(&mut st, d, true);
         }
         // Look again once the runtime had its turn.
+        st.waiting[id] = None;
         st.polling = true;
         self.polling = true;
         cx.waker().wake_by_ref();
@@ -415,10 +475,73 @@ impl Future for GatherWait<'_> {
 
 impl Drop for GatherWait<'_> {
     fn drop(&mut self) {
-        // Hand on the polling.
+        let mut st = self.gather.state.lock();
+        st.waiting[self.id] = None;
         if self.polling {
-            wake_all(&mut self.gather.state.lock());
+            hand_over(&mut st);
         }
+    }
+}
+
+/// A read's destination that lends its buffer's part, so that the data is received straight
+/// into it.
+struct PartDest(Option<PinnedChunk>);
+
+/// A part lent to a command.
+struct LentPart(PinnedChunk);
+
+impl LentBuffer for LentPart {
+    fn bytes(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+impl ReadDest for PartDest {
+    fn len(&self) -> usize {
+        self.0.as_ref().map_or(0, PinnedChunk::len)
+    }
+
+    fn write_at(&mut self, offset: usize, data: &[u8]) -> Result<(), BufferError> {
+        let part = self.0.as_mut().ok_or("the part is lent")?;
+        part.as_mut_slice()
+            .get_mut(offset..offset + data.len())
+            .ok_or("offset outside the part")?
+            .copy_from_slice(data);
+        Ok(())
+    }
+
+    fn lend(&mut self, offset: usize, len: usize) -> Option<Lent> {
+        if offset != 0 || len != self.len() {
+            return None;
+        }
+        let part = self.0.take()?;
+        Some(Lent::Other(Box::new(LentPart(part))))
+    }
+
+    fn take_back(
+        &mut self,
+        offset: usize,
+        len: usize,
+        buf: Lent,
+        filled: bool,
+    ) -> Result<(), BufferError> {
+        let _ = (offset, len, filled);
+        let Lent::Other(buf) = buf else {
+            return Err("a buffer this part did not lend".into());
+        };
+        let Ok(part) = buf.into_any().downcast::<LentPart>() else {
+            return Err("a buffer this part did not lend".into());
+        };
+        self.0 = Some(part.0);
+        Ok(())
     }
 }
 
@@ -477,16 +600,26 @@ async fn read_to_gpu<S: BlockSource>(
             landing,
             back,
         } => {
-            src.read_blocks(lba, landing)
-                .await
-                .map_err(|e| e.to_string())?;
-            gather.push(*id, landing)?;
-            GatherWait {
+            let part = landing
+                .take()
+                .ok_or("the buffer's part went with an earlier read")?;
+            let mut dest = PartDest(Some(part));
+            let r = src.read_blocks(lba, &mut dest).await;
+            // A read that lost its lent part (its connection failed) leaves none.
+            let part = dest.0.ok_or("the read kept the buffer's part")?;
+            if let Err(e) = r {
+                *landing = Some(part);
+                return Err(e.to_string());
+            }
+            gather.push(*id, part)?;
+            let done = GatherWait {
                 gather,
                 id: *id,
                 polling: false,
             }
-            .await?;
+            .await;
+            *landing = done.landing;
+            done.result?;
             if let Some(b) = back {
                 let at = *id * gather.bs;
                 {
@@ -521,8 +654,12 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
         let gather = (len <= GATHER_MAX_BLOCK).then(|| {
             self.kernels()
                 .and_then(|k| Gather::new(&self.ctx, k, len, n))
-                .map(Arc::new)
+                .map(|(g, parts)| (Arc::new(g), parts))
         });
+        let (gather, mut parts) = match gather {
+            Some(Ok((g, parts))) => (Some(Ok(g)), parts.into_iter()),
+            other => (other.map(|r| r.map(|(g, _)| g)), Vec::new().into_iter()),
+        };
         (0..n)
             .map(|id| {
                 let gpu = match &gather {
@@ -530,7 +667,7 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
                         .map(|back| GpuParts::Gathered {
                             gather: Arc::clone(g),
                             id,
-                            landing: vec![0; len],
+                            landing: parts.next(),
                             back,
                         })
                         .map_err(|e| e.to_string()),

@@ -84,6 +84,17 @@ pub enum KernelError {
         /// Copies the stage's plan room holds.
         room: usize,
     },
+    /// A chunk scatter was given a different number of destination offsets than chunks.
+    #[error("{chunks} chunks but {offsets} destination offsets")]
+    ChunkCount {
+        /// Chunks given.
+        chunks: usize,
+        /// Destination offsets given.
+        offsets: usize,
+    },
+    /// A chunk scatter was given parts of more than one allocation (the kernel reads one).
+    #[error("the chunks of one scatter must come from one allocation")]
+    ChunksOfSeveralRegions,
     /// The number of chunks or the encoded work list does not fit in memory sizes.
     #[error("work list too large")]
     PlanTooLarge,

@@ -36,7 +36,7 @@ pub use kernels::{
 };
 pub use pattern::VerifyReport;
 pub use plan::{ByteRange, CHUNK_SIZE, PatternRegion, ScatterCopy, WorkItem, WorkPlan};
-pub use staged::{MappedStage, StageFlight, StageRefused};
+pub use staged::{ChunkFlight, ChunksRefused, MappedStage, StageFlight, StageRefused};
 
 #[cfg(test)]
 mod tests {
@@ -50,5 +50,6 @@ mod tests {
         assert_send_sync::<KernelWorkspace>();
         assert_send_sync::<MappedStage>();
         assert_send_sync::<StageFlight>();
+        assert_send_sync::<ChunkFlight>();
     }
 }

@@ -1,9 +1,12 @@
-//! Scatters that read their source in place: packed blocks in mapped pinned host memory, read
-//! by the scatter kernel over the bus, with the plan beside them. A batch costs one launch and
-//! one stream mark: no copy to the device, no plan upload, no per-buffer tracking, and the host
-//! sees the batch done with a load, not a driver call.
+//! Scatters that read their source in place: blocks in mapped pinned host memory, read by the
+//! scatter kernel over the bus, with the plan in mapped memory too. A batch costs one launch
+//! and one stream mark: no copy to the device, no plan upload, no per-buffer tracking, and the
+//! host sees the batch done with a load, not a driver call. The blocks are either packed into
+//! the stage beside the plan ([`NvmfKernels::scatter_staged`]) or parts of one mapped
+//! allocation that the host received them into ([`NvmfKernels::scatter_chunks`]), which saves
+//! the packing copy.
 
-use gpu::{DeviceSliceMut, GpuStream, HostPinned, LaunchArgs, StreamMark};
+use gpu::{DeviceSliceMut, GpuStream, HostPinned, LaunchArgs, PinnedChunk, StreamMark};
 
 use crate::error::KernelError;
 use crate::kernels::NvmfKernels;
@@ -117,6 +120,43 @@ impl StageFlight {
     }
 }
 
+/// A batch [`NvmfKernels::scatter_chunks`] did not enqueue: why, and the stage and chunks
+/// back (no kernel reads them).
+#[derive(Debug)]
+pub struct ChunksRefused {
+    /// Why.
+    pub error: KernelError,
+    /// The stage, the host's again.
+    pub stage: MappedStage,
+    /// The chunks, the host's again, in the order given.
+    pub chunks: Vec<PinnedChunk>,
+}
+
+/// Chunks whose scatter is enqueued, with the stage holding its plan: both come back through
+/// [`finish`](Self::finish). Dropped unfinished, it waits for the kernel before the chunks go.
+#[derive(Debug)]
+pub struct ChunkFlight {
+    // Dropped first: waits for the kernel before the chunks can free their memory.
+    flight: StageFlight,
+    chunks: Vec<PinnedChunk>,
+}
+
+impl ChunkFlight {
+    /// Whether the kernel reading the chunks has finished (does not block; see
+    /// [`StageFlight::is_done`]).
+    pub fn is_done(&mut self) -> Result<bool, KernelError> {
+        self.flight.is_done()
+    }
+
+    /// The stage and the chunks (in the order given) again, once the kernel has finished
+    /// (waits for it if need be). On an error the chunks are dropped (once nothing reads
+    /// them): the stream failed and their data never reached the destination.
+    pub fn finish(self) -> Result<(MappedStage, Vec<PinnedChunk>), KernelError> {
+        let ChunkFlight { flight, chunks } = self;
+        Ok((flight.finish()?, chunks))
+    }
+}
+
 impl NvmfKernels {
     /// A stage of `data` bytes (mapped pinned memory) whose batches hold up to `copies`
     /// copies.
@@ -146,20 +186,90 @@ impl NvmfKernels {
     pub fn scatter_staged(
         &self,
         stream: &GpuStream,
+        stage: MappedStage,
+        dst: &mut DeviceSliceMut<'_>,
+        copies: &[ScatterCopy],
+    ) -> Result<StageFlight, Box<StageRefused>> {
+        let src = (stage.ptr, stage.data as u64);
+        self.enqueue_staged(stream, stage, src, dst, copies)
+    }
+
+    /// Enqueues on `stream` one kernel that copies each of `chunks` (parts of one mapped
+    /// allocation, [`HostPinned::into_chunks`], read in place over the bus) whole to its offset
+    /// in `dst_offsets`, with `stage` (any data area; a stage of `new_stage(0, copies)` is
+    /// enough) holding the plan. The chunks and the stage are in flight until the kernel has
+    /// run ([`ChunkFlight::finish`] hands them back); on an error they are handed back with
+    /// nothing reading them.
+    pub fn scatter_chunks(
+        &self,
+        stream: &GpuStream,
+        stage: MappedStage,
+        chunks: Vec<PinnedChunk>,
+        dst: &mut DeviceSliceMut<'_>,
+        dst_offsets: &[u64],
+    ) -> Result<ChunkFlight, Box<ChunksRefused>> {
+        let refused = |error, stage, chunks| {
+            Err(Box::new(ChunksRefused {
+                error,
+                stage,
+                chunks,
+            }))
+        };
+        if chunks.len() != dst_offsets.len() {
+            let e = KernelError::ChunkCount {
+                chunks: chunks.len(),
+                offsets: dst_offsets.len(),
+            };
+            return refused(e, stage, chunks);
+        }
+        let Some(first) = chunks.first() else {
+            return match self.enqueue_staged(stream, stage, (0, 0), dst, &[]) {
+                Ok(flight) => Ok(ChunkFlight { flight, chunks }),
+                Err(r) => refused(r.error, r.stage, chunks),
+            };
+        };
+        let Some(base) = first.mapped_device_ptr() else {
+            return refused(KernelError::NotMapped, stage, chunks);
+        };
+        if !chunks.iter().all(|c| c.same_region(first)) {
+            return refused(KernelError::ChunksOfSeveralRegions, stage, chunks);
+        }
+        let src = (base, first.region_len() as u64);
+        let copies: Vec<ScatterCopy> = chunks
+            .iter()
+            .zip(dst_offsets)
+            .map(|(c, &dst_offset)| ScatterCopy {
+                src_offset: c.offset() as u64,
+                dst_offset,
+                len: c.len() as u64,
+            })
+            .collect();
+        match self.enqueue_staged(stream, stage, src, dst, &copies) {
+            Ok(flight) => Ok(ChunkFlight { flight, chunks }),
+            Err(r) => refused(r.error, r.stage, chunks),
+        }
+    }
+
+    /// Enqueues the scatter of `copies` from mapped memory at device address `src.0` of
+    /// `src.1` bytes, with the plan in `stage`, and the stage's mark after it.
+    fn enqueue_staged(
+        &self,
+        stream: &GpuStream,
         mut stage: MappedStage,
+        (src_ptr, src_len): (u64, u64),
         dst: &mut DeviceSliceMut<'_>,
         copies: &[ScatterCopy],
     ) -> Result<StageFlight, Box<StageRefused>> {
         let refused = |error, stage| Err(Box::new(StageRefused { error, stage }));
-        let plan = match self.encode_staged(stream, &mut stage, dst, copies) {
+        let plan = match self.encode_staged(stream, &mut stage, src_len, dst, copies) {
             Ok(p) => p,
             Err(e) => return refused(e, stage),
         };
         if !plan.is_empty() {
             let plan_at = stage.plan_at() as u64;
             let mut args = LaunchArgs::new();
-            args.u64(stage.ptr)
-                .u64(stage.data as u64)
+            args.u64(src_ptr)
+                .u64(src_len)
                 .buffer_mut(dst)
                 .u64(stage.ptr + plan_at)
                 .u64(plan.encoded_len() as u64)
@@ -187,6 +297,7 @@ impl NvmfKernels {
         &self,
         stream: &GpuStream,
         stage: &mut MappedStage,
+        src_len: u64,
         dst: &DeviceSliceMut<'_>,
         copies: &[ScatterCopy],
     ) -> Result<WorkPlan, KernelError> {
@@ -199,7 +310,7 @@ impl NvmfKernels {
                 room: stage.copies,
             });
         }
-        validate_scatter(stage.data as u64, dst.len() as u64, copies)?;
+        validate_scatter(src_len, dst.len() as u64, copies)?;
         let plan = WorkPlan::new(
             copies.iter().map(|c| (c.src_offset, c.dst_offset, c.len)),
             CHUNK_SIZE,

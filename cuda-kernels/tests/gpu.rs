@@ -832,3 +832,177 @@ fn gpu_scatter_staged_reads_mapped_memory_in_place() {
         .error;
     assert!(matches!(e, KernelError::SourceOutOfBounds { .. }), "{e}");
 }
+
+#[test]
+fn gpu_scatter_chunks_reads_the_parts_received_into_in_place() {
+    let Some(g) = setup("gpu_scatter_chunks_reads_the_parts_received_into_in_place") else {
+        return;
+    };
+    let stream = g.ctx.new_stream().unwrap();
+    let bs = 4096usize + 3;
+    let buffers = 64usize;
+    let mut dst = g.ctx.alloc(bs * buffers).unwrap();
+    dst.as_slice_mut().fill(0).unwrap();
+    // One part per buffer of one mapped allocation, each always scattered to its buffer's
+    // place; every round, the parts not in flight are written while the others are read.
+    let region = g.ctx.alloc_pinned_mapped(bs * buffers).unwrap();
+    let mut parts: Vec<Option<gpu::PinnedChunk>> = region
+        .into_host()
+        .unwrap()
+        .into_chunks(bs)
+        .unwrap()
+        .into_iter()
+        .map(Some)
+        .collect();
+    let mut stages = vec![
+        g.kernels.new_stage(0, buffers).unwrap(),
+        g.kernels.new_stage(0, buffers).unwrap(),
+    ];
+    let mut expect = vec![None; buffers];
+    let mut flights: Vec<(nvmeof_cuda_kernels::ChunkFlight, Vec<usize>)> = Vec::new();
+    for round in 0..6usize {
+        let stage = match stages.pop() {
+            Some(s) => s,
+            None => {
+                let (f, ids) = flights.remove(0);
+                let (stage, back) = f.finish().unwrap();
+                for (id, c) in ids.into_iter().zip(back) {
+                    assert_eq!(c.offset(), id * bs, "a part came back to the wrong buffer");
+                    parts[id] = Some(c);
+                }
+                stage
+            }
+        };
+        // This round's buffers, among those not in flight, in a shuffled order.
+        let ids: Vec<usize> = (0..buffers)
+            .map(|k| (k * 37 + round * 5) % buffers)
+            .filter(|&id| parts[id].is_some())
+            .take(buffers / 4)
+            .collect();
+        let mut chunks = Vec::new();
+        let mut offsets = Vec::new();
+        for &id in &ids {
+            let ns = ((round * 1000 + id) * bs) as u64;
+            let mut c = parts[id].take().unwrap();
+            c.as_mut_slice().copy_from_slice(&pattern_vec(5, ns, bs));
+            chunks.push(c);
+            offsets.push((id * bs) as u64);
+            expect[id] = Some(ns);
+        }
+        let flight = g
+            .kernels
+            .scatter_chunks(&stream, stage, chunks, &mut dst.as_slice_mut(), &offsets)
+            .map_err(|r| r.error)
+            .unwrap();
+        flights.push((flight, ids));
+    }
+    for (mut f, _) in flights {
+        while !f.is_done().unwrap() {
+            std::thread::yield_now();
+        }
+        let (stage, _) = f.finish().unwrap();
+        assert_eq!(stage.copies(), buffers);
+    }
+    let host = dst.to_vec().unwrap();
+    for (id, ns) in expect.iter().enumerate() {
+        let got = &host[id * bs..][..bs];
+        match ns {
+            Some(ns) => assert!(
+                verify_pattern(5, *ns, got).is_ok(),
+                "buffer {id} holds the wrong round's block"
+            ),
+            None => assert!(got.iter().all(|&b| b == 0), "buffer {id} written"),
+        }
+    }
+
+    // Bad batches come back with the stage and the chunks, nothing enqueued.
+    let two = g
+        .ctx
+        .alloc_pinned_mapped(2 * bs)
+        .unwrap()
+        .into_host()
+        .unwrap()
+        .into_chunks(bs)
+        .unwrap();
+    let stage = g.kernels.new_stage(0, 1).unwrap();
+    let r = g
+        .kernels
+        .scatter_chunks(
+            &stream,
+            stage,
+            two,
+            &mut dst.as_slice_mut(),
+            &[0, bs as u64],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(r.error, KernelError::StageFull { copies: 2, room: 1 }),
+        "{}",
+        r.error
+    );
+    let (stage, mut two) = (r.stage, r.chunks);
+    assert_eq!(two.len(), 2);
+    let r = g
+        .kernels
+        .scatter_chunks(&stream, stage, two, &mut dst.as_slice_mut(), &[0])
+        .unwrap_err();
+    assert!(
+        matches!(
+            r.error,
+            KernelError::ChunkCount {
+                chunks: 2,
+                offsets: 1
+            }
+        ),
+        "{}",
+        r.error
+    );
+    let (stage, back) = (r.stage, r.chunks);
+    two = back;
+    let other = g
+        .ctx
+        .alloc_pinned_mapped(bs)
+        .unwrap()
+        .into_host()
+        .unwrap()
+        .into_chunks(bs)
+        .unwrap();
+    let mixed = vec![two.pop().unwrap(), other.into_iter().next().unwrap()];
+    let r = g
+        .kernels
+        .scatter_chunks(&stream, stage, mixed, &mut dst.as_slice_mut(), &[0, 0])
+        .unwrap_err();
+    assert!(
+        matches!(r.error, KernelError::ChunksOfSeveralRegions),
+        "{}",
+        r.error
+    );
+    let plain = g
+        .ctx
+        .alloc_pinned(bs)
+        .unwrap()
+        .into_host()
+        .unwrap()
+        .into_chunks(bs)
+        .unwrap();
+    let r = g
+        .kernels
+        .scatter_chunks(&stream, r.stage, plain, &mut dst.as_slice_mut(), &[0])
+        .unwrap_err();
+    assert!(matches!(r.error, KernelError::NotMapped), "{}", r.error);
+    let r = g
+        .kernels
+        .scatter_chunks(
+            &stream,
+            r.stage,
+            two,
+            &mut dst.as_slice_mut(),
+            &[bs as u64 * buffers as u64],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(r.error, KernelError::DestinationOutOfBounds { .. }),
+        "{}",
+        r.error
+    );
+}

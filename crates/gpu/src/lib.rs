@@ -48,7 +48,7 @@ pub use error::{GpuError, GpuResult};
 pub use mark::StreamMark;
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, EXPORTABLE_GRANULARITY, HostPinned, PinnedBuffer,
-    PinnedSlice, PinnedSliceMut, check_range, device_of_pointer, resolve_range,
+    PinnedChunk, PinnedSlice, PinnedSliceMut, check_range, device_of_pointer, resolve_range,
 };
 pub use module::{
     CodeTarget, CompiledModule, Kernel, LaunchArgs, LaunchConfig, Module, ParamInfo, compile,

@@ -801,6 +801,97 @@ impl HostPinned {
     }
 }
 
+impl HostPinned {
+    /// Splits the memory into owned parts of `chunk` bytes each (the last may be shorter), for
+    /// example one per buffer that a network receive lands in and a kernel then reads through
+    /// the mapped address ([`PinnedChunk::mapped_device_ptr`]). The allocation is freed with
+    /// its last part.
+    pub fn into_chunks(self, chunk: usize) -> GpuResult<Vec<PinnedChunk>> {
+        if chunk == 0 {
+            return Err(GpuError::EmptyAllocation);
+        }
+        let len = self.buf.len;
+        let region = Arc::new(self.buf);
+        Ok((0..len)
+            .step_by(chunk)
+            .map(|offset| PinnedChunk {
+                region: Arc::clone(&region),
+                offset,
+                len: chunk.min(len - offset),
+            })
+            .collect())
+    }
+}
+
+/// A part of a pinned allocation split by [`HostPinned::into_chunks`]: plain memory for the
+/// host, like [`HostPinned`], disjoint from every other part. No device copy can be enqueued
+/// on it; kernels reach mapped memory through [`mapped_device_ptr`](Self::mapped_device_ptr),
+/// and an API that lets a kernel read a part takes it by value until the kernel has run (as
+/// `nvmeof_cuda_kernels`' `scatter_chunks` does).
+pub struct PinnedChunk {
+    region: Arc<PinnedBuffer>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for PinnedChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedChunk")
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl PinnedChunk {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: parts are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where the part starts in its allocation.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Length of the whole allocation.
+    pub fn region_len(&self) -> usize {
+        self.region.len
+    }
+
+    /// The address kernels use for the allocation's first byte (not this part's) when it was
+    /// allocated mapped ([`GpuContext::alloc_pinned_mapped`]).
+    pub fn mapped_device_ptr(&self) -> Option<u64> {
+        self.region.mapped
+    }
+
+    /// Whether both parts come from the same allocation.
+    pub fn same_region(&self, other: &PinnedChunk) -> bool {
+        Arc::ptr_eq(&self.region, &other.region)
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the allocation came from a `HostPinned` (no device copy in flight) and is
+        // reachable only through its parts, which expose no device copy view; parts cover
+        // disjoint ranges inside the allocation's `len` initialised bytes, and `&self`
+        // excludes writers of this one.
+        unsafe { std::slice::from_raw_parts(self.region.addr_at(self.offset), self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes the access to this part exclusive, and
+        // no other part overlaps it.
+        unsafe { std::slice::from_raw_parts_mut(self.region.addr_at(self.offset), self.len) }
+    }
+}
+
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
         let _ = self.ctx.bind();

@@ -236,6 +236,51 @@ fn gpu_pinned_and_async_copies_on_several_streams() {
 }
 
 #[test]
+fn gpu_pinned_chunks_split_one_mapped_allocation() {
+    let ctx = ctx_or_skip!("gpu_pinned_chunks_split_one_mapped_allocation");
+    let host = ctx.alloc_pinned_mapped(10_000).unwrap();
+    let base = host.mapped_device_ptr().unwrap();
+    let mut chunks = host.into_host().unwrap().into_chunks(4096).unwrap();
+    assert_eq!(
+        chunks
+            .iter()
+            .map(|c| (c.offset(), c.len()))
+            .collect::<Vec<_>>(),
+        [(0, 4096), (4096, 4096), (8192, 1808)]
+    );
+    for c in &chunks {
+        assert_eq!(c.region_len(), 10_000);
+        assert_eq!(c.mapped_device_ptr(), Some(base));
+        assert!(c.same_region(&chunks[0]));
+        assert!(c.as_slice().iter().all(|&b| b == 0), "not zeroed");
+    }
+    // Each part writes only its own bytes.
+    for (k, c) in chunks.iter_mut().enumerate() {
+        c.as_mut_slice().fill(k as u8 + 1);
+    }
+    for (k, c) in chunks.iter().enumerate() {
+        assert!(c.as_slice().iter().all(|&b| b == k as u8 + 1));
+    }
+    // Another allocation is another region; plain pinned memory has no mapped address.
+    let other = ctx.alloc_pinned(4096).unwrap().into_host().unwrap();
+    let other = other.into_chunks(4096).unwrap();
+    assert!(!other[0].same_region(&chunks[0]));
+    assert_eq!(other[0].mapped_device_ptr(), None);
+    assert!(matches!(
+        ctx.alloc_pinned(16)
+            .unwrap()
+            .into_host()
+            .unwrap()
+            .into_chunks(0),
+        Err(GpuError::EmptyAllocation)
+    ));
+    // The allocation lives until its last part goes.
+    let last = chunks.pop().unwrap();
+    drop(chunks);
+    assert!(last.as_slice().iter().all(|&b| b == 3));
+}
+
+#[test]
 fn gpu_stream_mark_passes_after_the_work_before_it() {
     let ctx = ctx_or_skip!("gpu_stream_mark_passes_after_the_work_before_it");
     let stream = ctx.new_stream().unwrap();
