@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use blockdev::{AnyBackend, Backend, IoBuf};
@@ -32,6 +32,7 @@ use nvmeof_initiator::gpu::{BlockSource, GpuStaging, StagingConfig, wait_event};
 use nvmeof_initiator::{BufferError, Lent, LentBuffer, Namespace, ReadDest};
 use parking_lot::Mutex;
 
+use crate::gather::{Batches, Waits};
 use crate::path::{DasPath, IoPath, NsGeometry, PathError, TcpPath};
 
 /// A path whose namespaces can feed a [`GpuStaging`].
@@ -194,24 +195,26 @@ const GATHER_WAIT: Duration = Duration::from_micros(200);
 
 /// Batches the transfers to the GPU of one worker's small reads (see the module docs). Each
 /// buffer owns a part of the worker's mapped pinned memory; a read receives into its part,
-/// puts the part into the open batch and waits. The batch leaves once it holds a quarter of
-/// the worker's buffers or has waited [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are
-/// already in flight: then reads gather until one finishes (a group commit: the busier the
-/// stream, the larger the batches). A batch is one scatter kernel that reads the parts in
-/// place over the bus and one stream mark: a launch and the mark's write per batch are what
-/// the driver costs, so full batches leave the CPU to the network. One waiting read polls the
-/// oldest batch's mark (and the open batch's age), yielding between looks; when a batch is
-/// done, its reads get their parts back and are woken, the batch that gathered meanwhile
-/// leaves if it is due, and a poller that is done hands the polling to a read still waiting.
-/// A worker's reads all run on its one task, so the lock is not contended.
+/// puts the part into the open batch and waits ([`Waits`]: one waiting read polls, the
+/// others are woken when their batch ends). The batch leaves once it holds a quarter of the
+/// worker's buffers or has waited [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are already
+/// in flight: then reads gather until one finishes (a group commit: the busier the stream,
+/// the larger the batches). A batch is one scatter kernel that reads the parts in place over
+/// the bus and one stream mark: a launch and the mark's write per batch are what the driver
+/// costs, so full batches leave the CPU to the network. A worker's reads all run on its one
+/// task, so the lock is not contended.
 struct Gather {
+    bs: usize,
+    state: Mutex<Waits<GpuBatches>>,
+}
+
+/// A worker's batches on their way to the GPU.
+struct GpuBatches {
     stream: GpuStream,
     kernels: Arc<NvmfKernels>,
     bs: usize,
-    state: Mutex<GatherState>,
-}
-
-struct GatherState {
+    /// The worker's buffers.
+    buffers: usize,
     /// The worker's device memory: buffer `id` owns bytes `id * bs..(id + 1) * bs`.
     dest: DeviceBuffer,
     /// Stages for batches' plans (mapped pinned memory the scatter kernel reads in place)
@@ -225,12 +228,6 @@ struct GatherState {
     /// The device offsets of the batch being sent, and lists to reuse.
     offsets: Vec<u64>,
     spare: Vec<(Vec<usize>, Vec<PinnedChunk>)>,
-    /// Reads whose batch finished (or the error it met), by buffer id.
-    done: Vec<Option<Done>>,
-    /// Whether a waiting read polls the oldest batch.
-    polling: bool,
-    /// The wakers of the reads that wait while another polls, by buffer id.
-    waiting: Vec<Option<Waker>>,
     /// When the open batch opened.
     opened_at: Instant,
 }
@@ -245,6 +242,9 @@ struct Done {
     result: Result<(), String>,
     landing: Option<PinnedChunk>,
 }
+
+/// Ends read `id` of a batch (see [`Waits::with_batches`]).
+type End<'a> = &'a mut dyn FnMut(usize, Done);
 
 impl Gather {
     /// A gather for `buffers` buffers of `bs` bytes, and each buffer's part of its mapped
@@ -266,7 +266,11 @@ impl Gather {
         let free = (0..=MAX_FLIGHTS)
             .map(|_| kernels.new_stage(0, buffers).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, String>>()?;
-        let state = GatherState {
+        let batches = GpuBatches {
+            stream,
+            kernels,
+            bs,
+            buffers,
             dest: ctx.alloc(bytes).map_err(e)?,
             free,
             open: None,
@@ -275,16 +279,11 @@ impl Gather {
             flights: VecDeque::new(),
             offsets: Vec::with_capacity(buffers),
             spare: Vec::new(),
-            done: (0..buffers).map(|_| None).collect(),
-            polling: false,
-            waiting: (0..buffers).map(|_| None).collect(),
             opened_at: Instant::now(),
         };
         let gather = Gather {
-            stream,
-            kernels,
             bs,
-            state: Mutex::new(state),
+            state: Mutex::new(Waits::new(batches, buffers)),
         };
         Ok((gather, parts))
     }
@@ -293,81 +292,105 @@ impl Gather {
     /// it is full enough.
     fn push(&self, id: usize, part: PinnedChunk) -> Result<(), String> {
         let mut st = self.state.lock();
-        st.done[id] = None;
-        if st.open.is_none() {
+        st.join(id);
+        st.with_batches(|b, end| b.push(id, part, end))
+    }
+}
+
+impl GpuBatches {
+    /// See [`Gather::push`].
+    fn push(&mut self, id: usize, part: PinnedChunk, end: End<'_>) -> Result<(), String> {
+        if self.open.is_none() {
             // At most MAX_FLIGHTS stages are in flight: one is free.
-            let stage = st.free.pop().ok_or("no free staging area")?;
-            st.open = Some(stage);
-            st.opened_at = Instant::now();
+            let stage = self.free.pop().ok_or("no free staging area")?;
+            self.open = Some(stage);
+            self.opened_at = Instant::now();
         }
-        st.members.push(id);
-        st.parts.push(part);
-        self.try_send(&mut st);
+        self.members.push(id);
+        self.parts.push(part);
+        self.try_send(end);
         Ok(())
     }
 
     /// Sends the open batch once it holds a quarter of the worker's buffers or has waited
     /// [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are in flight.
-    fn try_send(&self, st: &mut GatherState) {
-        if st.open.is_some()
-            && st.flights.len() < MAX_FLIGHTS
-            && (st.members.len() * 4 >= st.done.len() || st.opened_at.elapsed() >= GATHER_WAIT)
+    fn try_send(&mut self, end: End<'_>) {
+        if self.open.is_some()
+            && self.flights.len() < MAX_FLIGHTS
+            && (self.members.len() * 4 >= self.buffers || self.opened_at.elapsed() >= GATHER_WAIT)
         {
-            self.flush(st);
+            self.flush(end);
         }
     }
 
     /// Sends the open batch: one scatter kernel that reads its parts in place.
-    fn flush(&self, st: &mut GatherState) {
-        let Some(stage) = st.open.take() else {
+    fn flush(&mut self, end: End<'_>) {
+        let Some(stage) = self.open.take() else {
             return;
         };
-        let (spare_members, spare_parts) = st.spare.pop().unwrap_or_default();
-        let members = std::mem::replace(&mut st.members, spare_members);
-        let parts = std::mem::replace(&mut st.parts, spare_parts);
+        let (spare_members, spare_parts) = self.spare.pop().unwrap_or_default();
+        let members = std::mem::replace(&mut self.members, spare_members);
+        let parts = std::mem::replace(&mut self.parts, spare_parts);
         let bs = self.bs as u64;
-        st.offsets.clear();
-        st.offsets.extend(members.iter().map(|&id| id as u64 * bs));
-        let GatherState { dest, offsets, .. } = st;
+        self.offsets.clear();
+        self.offsets
+            .extend(members.iter().map(|&id| id as u64 * bs));
         let r = self.kernels.scatter_chunks(
             &self.stream,
             stage,
             parts,
-            &mut dest.as_slice_mut(),
-            offsets,
+            &mut self.dest.as_slice_mut(),
+            &self.offsets,
         );
         match r {
-            Ok(chunks) => st.flights.push_back(Flight { chunks, members }),
+            Ok(chunks) => self.flights.push_back(Flight { chunks, members }),
             Err(refused) => {
                 let e = refused.error.to_string();
-                st.free.push(refused.stage);
+                self.free.push(refused.stage);
                 let mut members = members;
                 let mut parts = refused.chunks;
                 for (id, part) in members.drain(..).zip(parts.drain(..)) {
-                    end_read(st, id, Err(e.clone()), Some(part));
+                    let result = Err(e.clone());
+                    end(
+                        id,
+                        Done {
+                            result,
+                            landing: Some(part),
+                        },
+                    );
                 }
-                st.spare.push((members, parts));
+                self.spare.push((members, parts));
             }
         }
     }
+}
+
+impl Batches for GpuBatches {
+    type Done = Done;
 
     /// Ends the finished batches, oldest first, and sends the open batch if it is due.
-    fn retire(&self, st: &mut GatherState) {
-        while let Some(f) = st.flights.front_mut() {
+    fn retire(&mut self, end: End<'_>) {
+        while let Some(f) = self.flights.front_mut() {
             let done = f.chunks.is_done();
             if matches!(done, Ok(false)) {
                 break;
             }
-            let Some(f) = st.flights.pop_front() else {
+            let Some(f) = self.flights.pop_front() else {
                 break;
             };
             let mut members = f.members;
             let r = done.and_then(|_| f.chunks.finish());
             let mut parts = match r {
                 Ok((stage, mut parts)) => {
-                    st.free.push(stage);
+                    self.free.push(stage);
                     for (id, part) in members.drain(..).zip(parts.drain(..)) {
-                        end_read(st, id, Ok(()), Some(part));
+                        end(
+                            id,
+                            Done {
+                                result: Ok(()),
+                                landing: Some(part),
+                            },
+                        );
                     }
                     parts
                 }
@@ -375,111 +398,54 @@ impl Gather {
                     // The stream failed: the parts went with the batch.
                     let e = e.to_string();
                     for id in members.drain(..) {
-                        end_read(st, id, Err(e.clone()), None);
+                        end(
+                            id,
+                            Done {
+                                result: Err(e.clone()),
+                                landing: None,
+                            },
+                        );
                     }
                     Vec::new()
                 }
             };
             parts.clear();
-            st.spare.push((members, parts));
+            self.spare.push((members, parts));
         }
-        self.try_send(st);
+        self.try_send(end);
     }
-}
 
-/// Records how read `id`'s batch ended and wakes the read if it waits.
-fn end_read(
-    st: &mut GatherState,
-    id: usize,
-    result: Result<(), String>,
-    landing: Option<PinnedChunk>,
-) {
-    st.done[id] = Some(Done { result, landing });
-    if let Some(w) = st.waiting[id].take() {
-        w.wake();
-    }
-}
-
-/// Gives up the polling: wakes one read still waiting for its batch (the oldest batch's
-/// first, else the open batch's) to poll next.
-fn hand_over(st: &mut GatherState) {
-    st.polling = false;
-    let GatherState {
-        flights,
-        members,
-        waiting,
-        ..
-    } = st;
-    let next = flights
-        .iter()
-        .flat_map(|f| f.members.iter())
-        .chain(members.iter())
-        .find_map(|&id| waiting[id].take());
-    if let Some(w) = next {
-        w.wake();
+    fn pending(&self) -> impl Iterator<Item = usize> + '_ {
+        self.flights
+            .iter()
+            .flat_map(|f| f.members.iter().copied())
+            .chain(self.members.iter().copied())
     }
 }
 
 /// Waits until buffer `id`'s block is in device memory, then hands back how it ended and the
-/// buffer's part. One waiting read at a time is the poller: it looks at the oldest batch's
-/// mark and the open batch's age between yields; the others wait to be woken, each when its
-/// own batch is done.
+/// buffer's part (see [`Waits::poll_wait`]).
 struct GatherWait<'a> {
     gather: &'a Gather,
     id: usize,
     polling: bool,
 }
 
-impl GatherWait<'_> {
-    /// Returns the read's ending, handing the polling on if this read held it or was to take
-    /// it (`polled`: it was woken to poll, or found no one polling, and looked at the
-    /// batches itself): the reads still waiting were left to it.
-    fn finish(&mut self, st: &mut GatherState, done: Done, polled: bool) -> Poll<Done> {
-        if self.polling || polled {
-            self.polling = false;
-            hand_over(st);
-        }
-        Poll::Ready(done)
-    }
-}
-
 impl Future for GatherWait<'_> {
     type Output = Done;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let g = self.gather;
-        let mut st = g.state.lock();
-        let id = self.id;
-        if let Some(d) = st.done[id].take() {
-            return self.finish(&mut st, d, false);
-        }
-        if st.polling && !self.polling {
-            match &mut st.waiting[id] {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                w => *w = Some(cx.waker().clone()),
-            }
-            return Poll::Pending;
-        }
-        g.retire(&mut st);
-        if let Some(d) = st.done[id].take() {
-            return self.finish(&mut st, d, true);
-        }
-        // Look again once the runtime had its turn.
-        st.waiting[id] = None;
-        st.polling = true;
-        self.polling = true;
-        cx.waker().wake_by_ref();
-        Poll::Pending
+        let this = &mut *self;
+        this.gather
+            .state
+            .lock()
+            .poll_wait(this.id, &mut this.polling, cx)
     }
 }
 
 impl Drop for GatherWait<'_> {
     fn drop(&mut self) {
-        let mut st = self.gather.state.lock();
-        st.waiting[self.id] = None;
-        if self.polling {
-            hand_over(&mut st);
-        }
+        self.gather.state.lock().leave(self.id, self.polling);
     }
 }
 
@@ -626,8 +592,9 @@ async fn read_to_gpu<S: BlockSource>(
                     // Enqueued under the lock, in stream order after the scatter; the wait
                     // happens without it.
                     let st = gather.state.lock();
-                    let dev = st.dest.slice(at..at + host.len()).map_err(e)?;
-                    start_back(&gather.stream, dev, b).map_err(e)?;
+                    let g = &st.batches;
+                    let dev = g.dest.slice(at..at + host.len()).map_err(e)?;
+                    start_back(&g.stream, dev, b).map_err(e)?;
                 }
                 finish_back(b, host).await.map_err(e)?;
             }

@@ -19,6 +19,7 @@
 //! | [`hist`] | latency histograms and their summaries |
 //! | [`path`] | the I/O paths: DAS backends, NVMe/TCP through the initiator |
 //! | [`gpu`] | the `gpu` destination: reads into GPU memory through pinned staging |
+//! | [`gather`] | the turns of the reads that wait for batches (the `gpu` destination's gather) |
 //! | [`fabric`] | starting or naming the target of the fabric modes |
 //! | [`iscsi`] | the iscsi modes: tgt started here, the path through `iscsi-initiator` |
 //! | [`worker`] | the workers that keep `iodepth` I/Os in flight |
@@ -35,6 +36,7 @@
 
 pub mod cpu;
 pub mod fabric;
+pub mod gather;
 pub mod gpu;
 pub mod gpu_issue;
 pub mod hist;
