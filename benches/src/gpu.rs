@@ -2,12 +2,13 @@
 //!
 //! [`GpuPath`] wraps a mode's path; a read completes only once its data is in device memory.
 //! Small blocks (up to [`GATHER_MAX_BLOCK`]) go through a gather per worker: each buffer owns
-//! a part of the worker's mapped pinned memory, each read is received into its buffer's part
-//! (over NVMe/TCP straight from the socket), and the reads that complete together leave for
-//! the GPU as one batch: one scatter kernel that reads those parts in place over the bus and
-//! writes each block to its buffer's place in the worker's device memory, with one stream mark
-//! the host polls with a load, instead of a copy, an event and event polls per read (the copy
-//! engine takes microseconds per copy however small, and every driver call costs the CPU a
+//! a part of the worker's mapped pinned memory, which its read lends to the queue (over
+//! NVMe/TCP the queue puts the data there from its receive buffer, or from the socket for
+//! PDUs of 8 KiB and more), and the reads that complete together leave for the GPU as one
+//! batch: one scatter kernel that reads those parts in place over the bus and writes each
+//! block to its buffer's place in the worker's device memory, with one stream mark the host
+//! polls with a load, instead of a copy, an event and event polls per read (the copy engine
+//! takes microseconds per copy however small, and every driver call costs the CPU a
 //! microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
 //! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
@@ -449,7 +450,7 @@ impl Drop for GatherWait<'_> {
     }
 }
 
-/// A read's destination that lends its buffer's part, so that the data is received straight
+/// A read's destination that lends its buffer's part, so that the data is put straight
 /// into it.
 struct PartDest(Option<PinnedChunk>);
 
