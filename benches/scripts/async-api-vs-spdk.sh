@@ -4,21 +4,24 @@
 #
 #   benches/scripts/async-api-vs-spdk.sh OUT_DIR BIN_DIR SPDK_DIR [ROUNDS] [MODE]
 #
-# MODE is all (the default: SPDK's target, then ours), spdk or ours (one target only: run the
-# two in turn on one machine start to stay under a time limit per command), or qd1-interleaved.
+# MODE is all (the default: SPDK's target, then ours, then QD1 with the targets in turn), spdk
+# or ours (one target only, QD1 included: run the two in turn on one machine start to stay under
+# a time limit per command), or qd1-interleaved (QD1 with the targets in turn only).
 #
-# With qd1-interleaved, only the QD1 point runs, and each round starts and stops the two targets
-# in turn (SPDK's first on odd rounds), so that QD1 against one target is measured minutes, not
-# tens of minutes, from QD1 against the other.
+# QD1 with the targets in turn: each round starts and stops the two targets in turn (SPDK's
+# first on odd rounds) and measures QD1 against each, so that QD1 against one target is measured
+# a minute, not tens of minutes, from QD1 against the other (a drifting machine start moved
+# QD1 by more than the targets differ when the rounds against one target ran after all those
+# against the other).
 #
 # BIN_DIR holds nvmeof-targetd and nvmeof-bench (release builds); SPDK_DIR holds nvmf_tgt and
 # spdk_nvme_perf, built from SPDK's public source (both run with --no-huge). For SPDK's
 # nvmf_tgt (1 GiB malloc bdev, 4 KiB blocks) and then for nvmeof-targetd (mem:1G): a prefill
 # writes the whole namespace, then ROUNDS (default 3) rounds run, each client in turn at each
 # point (in the reverse order on even rounds), so that the machine's drift reaches every
-# client alike: QD128 from one core
-# (spdk_nvme_perf -c 0x100, the async API, the queue pairs), QD128 from eight (-c 0xFF00,
-# eight workers with a queue pair each), QD1 latency (-L, the async API). The jobs are those of
+# client alike: QD128 from one core (spdk_nvme_perf -c 0x100, the async API, the queue pairs),
+# the same with two queue pairs (-P 2), QD128 from eight (-c 0xFF00, eight workers with a queue
+# pair each), QD1 latency (-L, the async API; with the targets in turn in mode all). The jobs are those of
 # benches/jobs/async-api-16core.toml, one at a time (--jobs). The CPU topology (lscpu -e), logs,
 # the load generator's JSON and every point (points.txt) go to OUT_DIR; the medians per point
 # and client are printed at the end.
@@ -99,15 +102,15 @@ prefill() { # TARGET PORT NQN
         --modes "tcp=127.0.0.1:$2" --nqn "$3" > "$out/$1-prefill.log" 2>&1
 }
 
-side() { # TARGET PORT NQN
-    local t=$1 port=$2 nqn=$3
+side() { # TARGET PORT NQN POINTS
+    local t=$1 port=$2 nqn=$3 points=$4
     prefill "$t" "$port" "$nqn"
     for r in $(seq "$rounds"); do
         # Odd rounds run the clients of each point in one order, even rounds in the reverse
         # order, so that a drift of the machine within a round favours no client.
         local order="perf async rtc"
         [ $((r % 2)) = 0 ] && order="rtc async perf"
-        for pt in x1 q2 x8 qd1; do
+        for pt in $points; do
             for c in $order; do
                 local args
                 args=$(point_args "$pt" "$c")
@@ -140,9 +143,9 @@ qd1_turn() { # TARGET PORT NQN ROUND
     done
 }
 
-if [ "$mode" = qd1-interleaved ]; then
+qd1_interleaved() {
     for r in $(seq "$rounds"); do
-        order="spdk ours"
+        local order="spdk ours"
         [ $((r % 2)) = 0 ] && order="ours spdk"
         for t in $order; do
             if [ "$t" = spdk ]; then
@@ -153,16 +156,30 @@ if [ "$mode" = qd1-interleaved ]; then
             kill -INT $tp; wait $tp
         done
     done
-else
-    if [ "$mode" != ours ]; then
-        start_spdk && side spdk 4421 "$nqn_spdk"
+}
+
+case $mode in
+    qd1-interleaved) qd1_interleaved ;;
+    all)
+        start_spdk && side spdk 4421 "$nqn_spdk" "x1 q2 x8"
         kill -INT $tp; wait $tp
-    fi
-    if [ "$mode" != spdk ]; then
-        start_ours && side ours 4420 "$nqn_ours"
+        start_ours && side ours 4420 "$nqn_ours" "x1 q2 x8"
         kill -INT $tp; wait $tp
-    fi
-fi
+        qd1_interleaved
+        ;;
+    spdk)
+        start_spdk && side spdk 4421 "$nqn_spdk" "x1 q2 x8 qd1"
+        kill -INT $tp; wait $tp
+        ;;
+    ours)
+        start_ours && side ours 4420 "$nqn_ours" "x1 q2 x8 qd1"
+        kill -INT $tp; wait $tp
+        ;;
+    *)
+        echo "unknown mode $mode: all, spdk, ours or qd1-interleaved" >&2
+        exit 2
+        ;;
+esac
 
 # Medians (and range) per target, point and client.
 echo "target point client: IOPS median (min-max), p50 us, p99 us (medians)"
