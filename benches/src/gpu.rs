@@ -205,7 +205,6 @@ const GATHER_WAIT: Duration = Duration::from_micros(200);
 /// costs, so full batches leave the CPU to the network. A worker's reads all run on its one
 /// task, so the lock is not contended.
 struct Gather {
-    bs: usize,
     state: Mutex<Waits<GpuBatches>>,
 }
 
@@ -283,7 +282,6 @@ impl Gather {
             opened_at: Instant::now(),
         };
         let gather = Gather {
-            bs,
             state: Mutex::new(Waits::new(batches, buffers)),
         };
         Ok((gather, parts))
@@ -430,6 +428,8 @@ struct GatherWait<'a> {
     gather: &'a Gather,
     id: usize,
     polling: bool,
+    /// Whether the wait ended (nothing left to give up when it goes).
+    ended: bool,
 }
 
 impl Future for GatherWait<'_> {
@@ -437,16 +437,22 @@ impl Future for GatherWait<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
-        this.gather
+        let r = this
+            .gather
             .state
             .lock()
-            .poll_wait(this.id, &mut this.polling, cx)
+            .poll_wait(this.id, &mut this.polling, cx);
+        this.ended = r.is_ready();
+        r
     }
 }
 
 impl Drop for GatherWait<'_> {
     fn drop(&mut self) {
-        self.gather.state.lock().leave(self.id, self.polling);
+        // An ended wait neither polls nor waits to be woken: no lock per read for it.
+        if !self.ended {
+            self.gather.state.lock().leave(self.id, self.polling);
+        }
     }
 }
 
@@ -583,17 +589,18 @@ async fn read_to_gpu<S: BlockSource>(
                 gather,
                 id: *id,
                 polling: false,
+                ended: false,
             }
             .await;
             *landing = done.landing;
             done.result?;
             if let Some(b) = back {
-                let at = *id * gather.bs;
                 {
                     // Enqueued under the lock, in stream order after the scatter; the wait
                     // happens without it.
                     let st = gather.state.lock();
                     let g = &st.batches;
+                    let at = *id * g.bs;
                     let dev = g.dest.slice(at..at + host.len()).map_err(e)?;
                     start_back(&g.stream, dev, b).map_err(e)?;
                 }
