@@ -222,19 +222,19 @@ impl NvmfKernels {
             };
             return refused(e, stage, chunks);
         }
-        let Some(first) = chunks.first() else {
-            return match self.enqueue_staged(stream, stage, (0, 0), dst, &[]) {
-                Ok(flight) => Ok(ChunkFlight { flight, chunks }),
-                Err(r) => refused(r.error, r.stage, chunks),
-            };
+        // No chunks: nothing to read, only the mark.
+        let src = match chunks.first() {
+            None => (0, 0),
+            Some(first) => {
+                let Some(base) = first.mapped_device_ptr() else {
+                    return refused(KernelError::NotMapped, stage, chunks);
+                };
+                if !chunks.iter().all(|c| c.same_region(first)) {
+                    return refused(KernelError::ChunksOfSeveralRegions, stage, chunks);
+                }
+                (base, first.region_len() as u64)
+            }
         };
-        let Some(base) = first.mapped_device_ptr() else {
-            return refused(KernelError::NotMapped, stage, chunks);
-        };
-        if !chunks.iter().all(|c| c.same_region(first)) {
-            return refused(KernelError::ChunksOfSeveralRegions, stage, chunks);
-        }
-        let src = (base, first.region_len() as u64);
         let copies: Vec<ScatterCopy> = chunks
             .iter()
             .zip(dst_offsets)
