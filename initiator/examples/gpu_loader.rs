@@ -587,11 +587,8 @@ async fn rand_host<S: BlockSource>(
             *l = (x % chunks) * per_io;
         }
         let t = Instant::now();
-        let reads = buf
-            .chunks_mut(io)
-            .zip(&lbas)
-            .map(|(b, &lba)| src.read_blocks(lba, b));
-        futures_util::future::try_join_all(reads).await?;
+        let mut reads: Vec<_> = lbas.iter().copied().zip(buf.chunks_mut(io)).collect();
+        src.read_many(&mut reads).await?;
         source += t.elapsed();
         bytes += (n * io) as u64;
         ios += n as u64;

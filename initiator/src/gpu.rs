@@ -290,6 +290,20 @@ pub trait BlockSource: Sync {
         lba: u64,
         dest: &mut D,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Reads each `(lba, dest)` of `reads`: `dest.len()` bytes starting at block `lba`, all
+    /// in flight together. The default joins one [`read_blocks`](Self::read_blocks) future
+    /// per read; a [`Namespace`] sends them as one batch ([`Namespace::read_many`]).
+    fn read_many(
+        &self,
+        reads: &mut [(u64, &mut [u8])],
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        let reads: Vec<_> = reads
+            .iter_mut()
+            .map(|(lba, dest)| self.read_blocks(*lba, &mut **dest))
+            .collect();
+        async move { futures_util::future::try_join_all(reads).await.map(|_| ()) }
+    }
 }
 
 impl BlockSource for Namespace {
@@ -303,6 +317,13 @@ impl BlockSource for Namespace {
         dest: &mut D,
     ) -> impl Future<Output = Result<(), Error>> + Send {
         self.read_into(lba, dest)
+    }
+
+    fn read_many(
+        &self,
+        reads: &mut [(u64, &mut [u8])],
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        self.read_all(reads)
     }
 }
 
@@ -824,13 +845,13 @@ impl GpuStaging {
         let t = Instant::now();
         let received = {
             let mut rest = &mut stage.data_mut()[..total];
-            let mut pending = Vec::with_capacity(reads.len());
+            let mut parts = Vec::with_capacity(reads.len());
             for r in reads {
                 let (head, tail) = rest.split_at_mut(r.blocks as usize * bs);
                 rest = tail;
-                pending.push(src.read_blocks(r.lba, head));
+                parts.push((r.lba, head));
             }
-            futures_util::future::try_join_all(pending).await
+            src.read_many(&mut parts).await
         };
         self.stats.source += t.elapsed();
         let slot = &mut self.slots[idx];

@@ -7,7 +7,7 @@ use nvme_spec::command::build;
 use nvme_spec::opcode::io;
 use nvme_spec::{Cqe, Sqe};
 
-use crate::buffer::{ReadDest, WriteSource, buffer_error};
+use crate::buffer::{Lent, ReadDest, WriteSource, buffer_error};
 use crate::queue::{DataDir, Pending, QueueHandle, Request, Retry};
 use crate::registered::{Direct, RegionMem, check_range as check_buffer_range, split};
 use crate::{Controller, Error, NamespaceInfo, RegisteredBuffer};
@@ -155,23 +155,15 @@ impl Namespace {
         let total = dest.len();
         self.check_len(lba, total)?;
         let q = self.queue()?;
-        let max = self.max_chunk();
-        // Lent buffers are received into over NVMe/TCP; over NVMe/RDMA the target writes into
-        // registered memory only.
-        let lend = self.ctrl.shared().limits.lends_buffers;
-        if total > max {
+        if total > self.max_chunk() {
             // The commands in flight of a split read live on the heap: the future of every
             // read stays small (a caller's future is moved into place by copying).
-            return Box::pin(self.read_split(q, lba, dest, max, lend)).await;
+            let window = Self::window(q);
+            return Box::pin(self.read_pieces(q, &mut [(lba, dest)], window)).await;
         }
         let req = self.rw_request(false, lba, total);
-        let mut lent = if lend { dest.lend(0, total) } else { None };
-        if let Some(short) = lent.take_if(|b| b.bytes().len() < total) {
-            // Too short to be of use: receive into the queue's buffer instead.
-            dest.take_back(0, total, short, false)
-                .map_err(buffer_error)?;
-        }
-        let Some(buf) = lent else {
+        let lend = self.ctrl.shared().limits.lends_buffers;
+        let Some(buf) = lend_buffer(lend, dest, 0, total)? else {
             let (_, r) = q
                 .execute(req, |_| Ok(()), |d: &[u8]| dest.write_at(0, d))
                 .await?;
@@ -186,41 +178,79 @@ impl Namespace {
         result
     }
 
-    /// [`read_into`](Self::read_into) of more than `max` bytes: up to a window of commands of
-    /// `max` bytes in flight.
-    async fn read_split<D: ReadDest + ?Sized>(
+    /// Reads many ranges at once: each `(lba, dest)` reads `dest.len()` bytes (a non-zero
+    /// multiple of the block size) starting at block `lba`. The commands are in flight
+    /// together on one queue, as many as it has free slots (ranges above the controller's
+    /// maximum transfer are split), and this one future waits for them, oldest first. Every
+    /// range is checked before any command is sent. On the first failure the reads not yet
+    /// ended are abandoned and the error is returned; the destinations of reads that did not
+    /// end hold unspecified bytes.
+    ///
+    /// A batch of small reads costs less this way than a [`read_into`](Self::read_into)
+    /// future per read joined together (`futures::future::try_join_all` and the like): no
+    /// allocation or wake-up per read, and each command is looked at when it is the oldest
+    /// left, usually once.
+    pub async fn read_many<'b, D: ReadDest + ?Sized + 'b>(
+        &self,
+        reads: impl IntoIterator<Item = (u64, &'b mut D)>,
+    ) -> Result<(), Error> {
+        let mut reads: Vec<(u64, &'b mut D)> = reads.into_iter().collect();
+        self.read_all(&mut reads).await
+    }
+
+    /// [`read_many`](Self::read_many) of a slice of ranges.
+    pub(crate) async fn read_all<D: ReadDest + ?Sized>(
+        &self,
+        reads: &mut [(u64, &mut D)],
+    ) -> Result<(), Error> {
+        for (lba, dest) in reads.iter() {
+            self.check_len(*lba, dest.len())?;
+        }
+        let q = self.queue()?;
+        self.read_pieces(q, reads, q.slots()).await
+    }
+
+    /// Reads the checked ranges `reads` in commands of at most [`max_chunk`](Self::max_chunk)
+    /// bytes, up to `window` of them in flight. A command waits for a slot only when none of
+    /// the caller's is in flight: the slots it holds are looked at (and given back) first.
+    async fn read_pieces<D: ReadDest + ?Sized>(
         &self,
         q: &QueueHandle,
-        lba: u64,
-        dest: &mut D,
-        max: usize,
-        lend: bool,
+        reads: &mut [(u64, &mut D)],
+        window: usize,
     ) -> Result<(), Error> {
-        let total = dest.len();
-        let window = Self::window(q);
-        let mut inflight: VecDeque<(usize, usize, Pending<'_>)> = VecDeque::with_capacity(window);
-        let mut off = 0usize;
-        while off < total || !inflight.is_empty() {
-            if off < total && inflight.len() < window {
-                let n = max.min(total - off);
-                let req = self.rw_request(false, lba + (off >> self.shift) as u64, n);
-                let lent = if lend { dest.lend(off, n) } else { None };
-                let p = match lent {
-                    Some(buf) if buf.bytes().len() >= n => q.start_lent(req, buf).await,
-                    Some(buf) => {
-                        // Too short to be of use: receive into the queue's buffer instead.
-                        dest.take_back(off, n, buf, false).map_err(buffer_error)?;
-                        q.start(req, |_| Ok(())).await
-                    }
-                    None => q.start(req, |_| Ok(())).await,
+        let max = self.max_chunk();
+        let lend = self.ctrl.shared().limits.lends_buffers;
+        // (range, offset in it, length, command), oldest first.
+        let mut inflight: VecDeque<(usize, usize, usize, Pending<'_>)> =
+            VecDeque::with_capacity(window.min(reads.len()));
+        // The next command: range `i` from byte `off`.
+        let (mut i, mut off) = (0usize, 0usize);
+        loop {
+            if i < reads.len() && inflight.len() < window {
+                let (lba, dest) = &mut reads[i];
+                let len = dest.len();
+                let n = max.min(len - off);
+                let req = self.rw_request(false, *lba + (off >> self.shift) as u64, n);
+                let lend_one = || lend_buffer(lend, &mut **dest, off, n);
+                let started = if inflight.is_empty() {
+                    Some(q.start_read(req, lend_one).await)
+                } else {
+                    q.try_start_read(req, lend_one)
                 };
-                inflight.push_back((off, n, p?));
-                off += n;
-                continue;
+                if let Some(p) = started {
+                    inflight.push_back((i, off, n, p?));
+                    off += n;
+                    if off == len {
+                        (i, off) = (i + 1, 0);
+                    }
+                    continue;
+                }
             }
-            let Some((o, n, mut p)) = inflight.pop_front() else {
-                break;
+            let Some((r, o, n, mut p)) = inflight.pop_front() else {
+                return Ok(());
             };
+            let dest = &mut *reads[r].1;
             let result = p.wait().await.and_then(|cqe| check("Read", &cqe));
             if let Some(buf) = p.take_lent() {
                 dest.take_back(o, n, buf, result.is_ok())
@@ -232,7 +262,6 @@ impl Namespace {
                     .map_err(buffer_error)?;
             }
         }
-        Ok(())
     }
 
     /// Writes `buf` (a multiple of the block size) starting at block `lba`.
@@ -593,6 +622,27 @@ fn check_range(lba: u64, blocks: u64) -> Result<(), Error> {
         None => Err(Error::InvalidArgument(format!(
             "block range {lba} + {blocks} overflows"
         ))),
+    }
+}
+
+/// The buffer `dest` lends for bytes `off..off + n` of a read (`None` when `lend` is off, or
+/// it lends none); one too short to be of use goes back, and the data goes to the queue's
+/// buffer instead.
+fn lend_buffer<D: ReadDest + ?Sized>(
+    lend: bool,
+    dest: &mut D,
+    off: usize,
+    n: usize,
+) -> Result<Option<Lent>, Error> {
+    if !lend {
+        return Ok(None);
+    }
+    match dest.lend(off, n) {
+        Some(short) if short.bytes().len() < n => {
+            dest.take_back(off, n, short, false).map_err(buffer_error)?;
+            Ok(None)
+        }
+        lent => Ok(lent),
     }
 }
 

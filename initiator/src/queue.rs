@@ -738,7 +738,6 @@ impl QueueHandle {
     }
 
     /// Number of command slots.
-    #[cfg(test)]
     pub fn slots(&self) -> usize {
         self.shared.slots.len()
     }
@@ -791,6 +790,47 @@ impl QueueHandle {
         lent: Lent,
     ) -> impl Future<Output = Result<Pending<'_>, Error>> {
         self.start_with(req, |_| Ok(()), Some(Data::Lent(lent)))
+    }
+
+    /// Hands a read over when a slot is free now (`None` when none is, and `lend` is not
+    /// called): its data is received into the buffer `lend` gives, or into the slot's buffer
+    /// when it gives none. A caller with commands of its own in flight starts the next one
+    /// this way, so it never waits for a slot while holding slots it has yet to look at.
+    pub(crate) fn try_start_read(
+        &self,
+        req: Request,
+        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
+    ) -> Option<Result<Pending<'_>, Error>> {
+        let tag = self.shared.tags.try_take()?;
+        Some(self.start_read_tagged(tag, req, lend))
+    }
+
+    /// [`try_start_read`](Self::try_start_read), waiting for a slot when none is free.
+    pub(crate) async fn start_read(
+        &self,
+        req: Request,
+        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
+    ) -> Result<Pending<'_>, Error> {
+        let tag = match self.shared.tags.try_take() {
+            Some(tag) => tag,
+            None => (self.shared.tags.take().await).ok_or_else(|| self.closed_error())?,
+        };
+        self.start_read_tagged(tag, req, lend)
+    }
+
+    fn start_read_tagged(
+        &self,
+        tag: u16,
+        req: Request,
+        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
+    ) -> Result<Pending<'_>, Error> {
+        match lend() {
+            Ok(lent) => self.start_tagged(tag, req, |_| Ok(()), lent.map(Data::Lent)),
+            Err(e) => {
+                self.shared.release(tag);
+                Err(e)
+            }
+        }
     }
 
     /// Hands the command over at once when a slot is free (the returned future is then

@@ -182,3 +182,114 @@ async fn threads_that_share_a_queue_all_get_their_reads() {
     assert!(commands >= 3200);
     ctrl.disconnect().await.expect("disconnect");
 }
+
+/// `read_many`: 3,000 scattered 4 KiB reads (far more than the queue's slots) and two 1 MiB
+/// ranges above the controller's maximum transfer (64 KiB), into slices and into vectors (lent to the
+/// queue), in one future; every byte checked.
+#[tokio::test]
+async fn read_many_reads_scattered_ranges_in_one_future() {
+    let t = TestTarget::start(&["mem:16M"], |s| s.mdts_kib = 64);
+    let (ctrl, ns, data) = filled(&t, 1).await;
+    let lbas: Vec<u64> = (0..3000u64).map(|i| (i * 37) % BLOCKS).collect();
+    let mut buf = vec![0u8; lbas.len() * 4096];
+    let reads = lbas.iter().copied().zip(buf.chunks_mut(4096));
+    tokio::time::timeout(Duration::from_secs(60), ns.read_many(reads))
+        .await
+        .expect("read_many ends")
+        .expect("read_many");
+    for (lba, b) in lbas.iter().zip(buf.chunks(4096)) {
+        let at = (lba * 4096) as usize;
+        assert!(b == &data[at..at + 4096], "block {lba} differs");
+    }
+    // Vectors lend themselves to the queue; the 1 MiB ranges are split.
+    let ranges = [(3u64, 256usize), (700, 1), (500, 256), (1023, 1)];
+    let mut vecs: Vec<Vec<u8>> = ranges.iter().map(|r| vec![0u8; r.1 * 4096]).collect();
+    let before = ctrl.queue_stats()[1].commands;
+    ns.read_many(ranges.iter().map(|r| r.0).zip(vecs.iter_mut()))
+        .await
+        .expect("read_many into vectors");
+    for ((lba, blocks), v) in ranges.iter().zip(&vecs) {
+        let at = (lba * 4096) as usize;
+        assert!(
+            v[..] == data[at..at + blocks * 4096],
+            "range at {lba} differs"
+        );
+    }
+    let sent = ctrl.queue_stats()[1].commands - before;
+    assert_eq!(sent, 2 * 16 + 2, "the 1 MiB ranges go in 64 KiB commands");
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+/// Bad ranges are refused before anything is sent: none of the batch's reads goes out.
+#[tokio::test]
+async fn read_many_refuses_a_batch_with_a_bad_range_before_sending() {
+    let t = TestTarget::start(&["mem:16M"], |_| {});
+    let (ctrl, ns, _) = filled(&t, 1).await;
+    let before = ctrl.queue_stats()[1].commands;
+    let mut bufs = [vec![0u8; 4096], vec![0u8; 4096], vec![0u8; 100]];
+    let [a, b, c] = &mut bufs;
+    let r = ns
+        .read_many([(0u64, &mut a[..]), (1, &mut b[..]), (2, &mut c[..])])
+        .await;
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let [a, b, _] = &mut bufs;
+    let r = ns
+        .read_many([(0u64, &mut a[..]), (u64::MAX, &mut b[..])])
+        .await;
+    assert!(r.is_err(), "a range past the end was accepted");
+    assert_eq!(ctrl.queue_stats()[1].commands, before);
+    ctrl.disconnect().await.expect("disconnect");
+}
+
+/// Batches of several tasks on one queue, each far larger than the queue's slots, in a
+/// current-thread and a multi-thread runtime: a batch waits for a slot only when it holds
+/// none whose command it has not looked at, so batches never wait on each other's slots.
+#[test]
+fn read_many_batches_sharing_a_queue_all_end() {
+    for threads in [1usize, 4] {
+        let rt = if threads == 1 {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+        } else {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .enable_all()
+                .build()
+        }
+        .expect("runtime");
+        rt.block_on(async {
+            let t = TestTarget::start(&["mem:16M"], |_| {});
+            let (ctrl, ns, data) = filled(&t, 1).await;
+            let data = std::sync::Arc::new(data);
+            let mut tasks = tokio::task::JoinSet::new();
+            for w in 0..8u64 {
+                let (ns, data) = (ns.clone(), std::sync::Arc::clone(&data));
+                tasks.spawn(async move {
+                    for round in 0..4u64 {
+                        let lbas: Vec<u64> = (0..500u64)
+                            .map(|i| (w * 131 + round * 7 + i * 17) % BLOCKS)
+                            .collect();
+                        let mut buf = vec![0u8; lbas.len() * 4096];
+                        ns.read_many(lbas.iter().copied().zip(buf.chunks_mut(4096)))
+                            .await
+                            .expect("read_many");
+                        for (lba, b) in lbas.iter().zip(buf.chunks(4096)) {
+                            let at = (lba * 4096) as usize;
+                            assert!(b == &data[at..at + 4096], "task {w}: block {lba} differs");
+                        }
+                    }
+                });
+            }
+            let all = async {
+                while let Some(r) = tasks.join_next().await {
+                    r.expect("task");
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(60), all)
+                .await
+                .unwrap_or_else(|_| panic!("{threads} threads: batches sharing a queue hang"));
+            ctrl.disconnect().await.expect("disconnect");
+        });
+    }
+}

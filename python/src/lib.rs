@@ -1279,16 +1279,15 @@ impl Namespace {
                 if let Some(r) = shared.pair_read(ns, jobs) {
                     return r;
                 }
-                let ios = jobs.iter().map(|&(lba, addr, len)| {
+                let reads = jobs.iter().map(|&(lba, addr, len)| {
                     // SAFETY: each region is pinned by its exporter, held by the caller until
                     // after this call, writable and at least `len` bytes long, and no two
                     // overlap (the caller checked), so each slice is the only reference to
                     // its bytes.
                     let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                    ns.read(lba, buf)
+                    (lba, buf)
                 });
-                l.rt.block_on(futures_util::future::try_join_all(ios))
-                    .map(|_| ())
+                l.rt.block_on(ns.read_many(reads))
             });
         }
         let shared = &self.shared;
@@ -1313,7 +1312,7 @@ impl Namespace {
                 {
                     let mut rest = &mut pinned.as_mut_slice()?[..staged];
                     let mut at = 0usize;
-                    let mut ios = Vec::with_capacity(jobs.len());
+                    let mut reads = Vec::with_capacity(jobs.len());
                     for (&(lba, addr, len), &c) in jobs.iter().zip(is_cuda) {
                         let buf: &mut [u8] = if c {
                             let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
@@ -1325,9 +1324,9 @@ impl Namespace {
                             // SAFETY: as for host-only reads above.
                             unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
                         };
-                        ios.push(ns.read(lba, buf));
+                        reads.push((lba, buf));
                     }
-                    l.rt.block_on(futures_util::future::try_join_all(ios))?;
+                    l.rt.block_on(ns.read_many(reads))?;
                 }
                 let mut bufs = Vec::with_capacity(copies.len());
                 for &(at, addr, len) in &copies {
@@ -1479,14 +1478,14 @@ impl Namespace {
         }
         let ns = (*self.ns).clone();
         let work = async move {
-            let ios = jobs.iter().map(|&(lba, addr, len)| {
+            let reads = jobs.iter().map(|&(lba, addr, len)| {
                 // SAFETY: each region is pinned by its `Lent` in `lent` until it drops below,
                 // after every read completed or was dropped; regions are writable, `len`
                 // bytes long and do not overlap (checked above).
                 let buf = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) };
-                ns.read(lba, buf)
+                (lba, buf)
             });
-            let r = futures_util::future::try_join_all(ios).await.map(|_| ());
+            let r = ns.read_many(reads).await;
             drop(lent);
             r
         };
