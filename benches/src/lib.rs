@@ -23,6 +23,7 @@
 //! | [`fabric`] | starting or naming the target of the fabric modes |
 //! | [`iscsi`] | the iscsi modes: tgt started here, the path through `iscsi-initiator` |
 //! | [`worker`] | the workers that keep `iodepth` I/Os in flight |
+//! | [`slots`] | a worker's I/O slot futures polled together, a waker per slot |
 //! | [`run`] | the coordinator: phases, CPU accounting, measurements |
 //! | [`cpu`] | per-thread CPU time from /proc, pinning |
 //! | [`load`] | the busy-host CPU and memory-bandwidth load |
@@ -47,6 +48,7 @@ pub mod path;
 pub mod pattern;
 pub mod report;
 pub mod run;
+pub mod slots;
 pub mod svg;
 pub mod worker;
 

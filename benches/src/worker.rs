@@ -299,7 +299,7 @@ pub async fn run<P: IoPath>(
         state: &state,
     };
     let bufs = path.alloc_set(spec.bs as usize, spec.iodepth as usize);
-    futures_util::future::join_all(bufs.into_iter().map(|buf| w.slot(buf))).await;
+    crate::slots::join(bufs.into_iter().map(|buf| w.slot(buf))).await;
     state.into_inner().out.one_namespace()
 }
 
