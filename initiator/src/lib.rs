@@ -212,6 +212,7 @@ mod tests {
         send(&ns.read(0, buf));
         send(&ns.write(0, src));
         send(&ns.read_into(0, v));
+        send(&ns.read_many([(0, &mut *buf), (8, &mut *v)]));
         send(&ns.flush());
         send(&ns.write_zeroes(0, 1));
         send(&ns.deallocate(0, 1));
