@@ -222,8 +222,9 @@ impl Namespace {
         let max = self.max_chunk();
         let lend = self.ctrl.shared().limits.lends_buffers;
         // (range, offset in it, length, command), oldest first.
+        let commands: usize = reads.iter().map(|(_, d)| d.len().div_ceil(max)).sum();
         let mut inflight: VecDeque<(usize, usize, usize, Pending<'_>)> =
-            VecDeque::with_capacity(window.min(reads.len()));
+            VecDeque::with_capacity(window.min(commands));
         // The next command: range `i` from byte `off`.
         let (mut i, mut off) = (0usize, 0usize);
         loop {
