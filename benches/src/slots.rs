@@ -221,26 +221,24 @@ mod tests {
     }
 
     async fn self_waking_slots() {
-        {
-            let flag = Arc::new(AtomicBool::new(false));
-            let futs = (0..4).map(|_| {
-                let flag = Arc::clone(&flag);
-                std::future::poll_fn(move |cx| {
-                    if flag.load(Ordering::Relaxed) {
-                        Poll::Ready(())
-                    } else {
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
-                    }
-                })
-            });
-            let setter = tokio::spawn({
-                let flag = Arc::clone(&flag);
-                async move { flag.store(true, Ordering::Relaxed) }
-            });
-            join(futs).await;
-            setter.await.unwrap();
-        }
+        let flag = Arc::new(AtomicBool::new(false));
+        let futs = (0..4).map(|_| {
+            let flag = Arc::clone(&flag);
+            std::future::poll_fn(move |cx| {
+                if flag.load(Ordering::Relaxed) {
+                    Poll::Ready(())
+                } else {
+                    cx.waker().wake_by_ref();
+                    Poll::Pending
+                }
+            })
+        });
+        let setter = tokio::spawn({
+            let flag = Arc::clone(&flag);
+            async move { flag.store(true, Ordering::Relaxed) }
+        });
+        join(futs).await;
+        setter.await.unwrap();
     }
 
     /// A slot that ends at once, beside ones that end later, and an empty set.

@@ -802,35 +802,24 @@ impl QueueHandle {
         lend: impl FnOnce() -> Result<Option<Lent>, Error>,
     ) -> Option<Result<Pending<'_>, Error>> {
         let tag = self.shared.tags.try_take()?;
-        Some(self.start_read_tagged(tag, req, lend))
-    }
-
-    /// [`try_start_read`](Self::try_start_read), waiting for a slot when none is free.
-    pub(crate) async fn start_read(
-        &self,
-        req: Request,
-        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
-    ) -> Result<Pending<'_>, Error> {
-        let tag = match self.shared.tags.try_take() {
-            Some(tag) => tag,
-            None => (self.shared.tags.take().await).ok_or_else(|| self.closed_error())?,
-        };
-        self.start_read_tagged(tag, req, lend)
-    }
-
-    fn start_read_tagged(
-        &self,
-        tag: u16,
-        req: Request,
-        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
-    ) -> Result<Pending<'_>, Error> {
-        match lend() {
+        Some(match lend() {
             Ok(lent) => self.start_tagged(tag, req, |_| Ok(()), lent.map(Data::Lent)),
             Err(e) => {
                 self.shared.release(tag);
                 Err(e)
             }
-        }
+        })
+    }
+
+    /// [`try_start_read`](Self::try_start_read), waiting for a slot when none is free (the
+    /// lent buffer waits with the command).
+    pub(crate) async fn start_read(
+        &self,
+        req: Request,
+        lend: impl FnOnce() -> Result<Option<Lent>, Error>,
+    ) -> Result<Pending<'_>, Error> {
+        let lent = lend()?;
+        self.start_with(req, |_| Ok(()), lent.map(Data::Lent)).await
     }
 
     /// Hands the command over at once when a slot is free (the returned future is then
