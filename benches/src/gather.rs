@@ -1,13 +1,21 @@
 //! Waiting for batches: the reads of one worker whose data leaves together (the `gpu`
 //! destination's gather, [`crate::gpu`]) wait for their batch to end, and one of them at a
-//! time is the *poller*: it looks at the batches between yields (ending those that finished
-//! and sending what is due), while the others wait to be woken, each when its own batch ends.
-//! A read that leaves while it polls, or that was to poll (it was woken to, or found no one
-//! polling and looked itself), hands the polling to a read still waiting, so a read never
-//! waits with no poller. [`Batches`] is what is waited for; this module only keeps the turns,
-//! and runs without a GPU (its unit tests drive it with synthetic batches).
+//! time is the *poller*: it looks at the batches (ending those that finished and sending what
+//! is due), while the others wait to be woken, each when its own batch ends. While many of the
+//! worker's reads are on their way from the network ([`Waits::depart`]: a quarter of them, and
+//! at least [`PARK_MIN`]) the poller looks again when the next one arrives ([`Waits::arrive`]),
+//! so that a busy worker does not spin on its batches; with fewer, arrivals may be far apart
+//! and it looks between yields. A read that leaves while it polls, or that
+//! was to poll (it was woken to, or found no one polling and looked itself), hands the polling
+//! to a read still waiting, so a read never waits with no poller. [`Batches`] is what is
+//! waited for; this module only keeps the turns, and runs without a GPU (its unit tests drive
+//! it with synthetic batches).
 
 use std::task::{Context, Poll, Waker};
+
+/// The fewest reads on their way for which a poller waits for the next arrival instead of
+/// looking between yields (with fewer, the next one may be a network round trip away).
+pub const PARK_MIN: usize = 16;
 
 /// The batches reads wait for.
 pub trait Batches {
@@ -32,6 +40,12 @@ pub struct Waits<B: Batches> {
     polling: bool,
     /// The wakers of the reads that wait while another polls, by read id.
     waiting: Vec<Option<Waker>>,
+    /// Reads on their way from the network that will join a batch or go.
+    arriving: usize,
+    /// From how many reads on their way the poller waits for arrivals.
+    park_at: usize,
+    /// The poller's waker while it waits for the next arrival.
+    parked: Option<Waker>,
 }
 
 /// Records how read `id`'s batch ended and wakes the read if it waits.
@@ -50,6 +64,25 @@ impl<B: Batches> Waits<B> {
             done: (0..reads).map(|_| None).collect(),
             polling: false,
             waiting: (0..reads).map(|_| None).collect(),
+            arriving: 0,
+            park_at: (reads / 4).max(PARK_MIN),
+            parked: None,
+        }
+    }
+
+    /// A read leaves for the network: while enough are on their way, until they
+    /// [arrive](Self::arrive), a poller that found nothing ended waits for arrivals instead of
+    /// looking again at once.
+    pub fn depart(&mut self) {
+        self.arriving += 1;
+    }
+
+    /// A read that [departed](Self::depart) is back (to join a batch, or gone): the poller, if
+    /// it waits for arrivals, looks again.
+    pub fn arrive(&mut self) {
+        self.arriving = self.arriving.saturating_sub(1);
+        if let Some(w) = &self.parked {
+            w.wake_by_ref();
         }
     }
 
@@ -75,7 +108,8 @@ impl<B: Batches> Waits<B> {
 
     /// One look of read `id`'s wait; `polling` is the wait's own record of whether it is
     /// the poller. Ready with the read's ending once its batch ended; the poller asks to
-    /// be polled again at once.
+    /// be polled again at the next arrival while many reads are on their way, otherwise at
+    /// once.
     pub fn poll_wait(
         &mut self,
         id: usize,
@@ -96,11 +130,20 @@ impl<B: Batches> Waits<B> {
         if let Some(d) = self.done[id].take() {
             return self.finish(polling, true, d);
         }
-        // Look again once the runtime had its turn.
         self.waiting[id] = None;
         self.polling = true;
         *polling = true;
-        cx.waker().wake_by_ref();
+        if self.arriving >= self.park_at {
+            // Look again when the next read arrives (its join may send the open batch).
+            match &mut self.parked {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                p => *p = Some(cx.waker().clone()),
+            }
+        } else {
+            // Look again once the runtime had its turn.
+            self.parked = None;
+            cx.waker().wake_by_ref();
+        }
         Poll::Pending
     }
 
@@ -126,6 +169,7 @@ impl<B: Batches> Waits<B> {
     /// first) to poll next.
     fn hand_over(&mut self) {
         self.polling = false;
+        self.parked = None;
         let Waits {
             batches, waiting, ..
         } = self;
@@ -300,6 +344,68 @@ mod tests {
     }
 
     #[test]
+    fn the_poller_waits_for_arrivals_while_reads_are_on_their_way() {
+        let w = Waits::new(Synthetic::default(), 256);
+        assert_eq!(
+            (w.park_at, Waits::new(Synthetic::default(), 8).park_at),
+            (64, PARK_MIN)
+        );
+        let mut w = Waits::new(Synthetic::default(), 3);
+        w.park_at = 1;
+        let mut reads: Vec<Read> = (0..3).map(|_| Read::new()).collect();
+        w.depart();
+        w.depart();
+        join(&mut w, &mut reads, &[0]);
+        w.batches.send();
+        assert!(reads[0].polling);
+        assert!(
+            !reads[0].flag.0.load(Ordering::SeqCst),
+            "the poller spins while reads are on their way"
+        );
+        // An arrival wakes it; it looks and, one read still on its way, waits again; at two
+        // it would look between yields.
+        w.arrive();
+        join(&mut w, &mut reads, &[1]);
+        assert!(
+            reads[0].flag.0.load(Ordering::SeqCst),
+            "an arrival woke no one"
+        );
+        poll(&mut w, &mut reads, 0);
+        assert!(!reads[0].flag.0.load(Ordering::SeqCst));
+        w.park_at = 2;
+        poll(&mut w, &mut reads, 0);
+        assert!(
+            reads[0].flag.0.load(Ordering::SeqCst),
+            "the poller waits for arrivals with too few on their way"
+        );
+        w.park_at = 1;
+        poll(&mut w, &mut reads, 0);
+        // The last one goes without joining: the poller looks, and with no read on its way
+        // looks again between yields.
+        w.arrive();
+        poll(&mut w, &mut reads, 0);
+        assert!(
+            reads[0].flag.0.load(Ordering::SeqCst),
+            "no read is on its way and the poller waits"
+        );
+        w.batches.send();
+        w.batches.finish(0);
+        w.batches.finish(1);
+        run(&mut w, &mut reads, &mut |_| 0, 100);
+        assert_eq!(reads[0].ended, Some(0));
+        assert_eq!(reads[1].ended, Some(1));
+        // A new poller that leaves hands over with no waker of its kept for arrivals.
+        w.depart();
+        join(&mut w, &mut reads, &[2]);
+        assert!(reads[2].polling && w.parked.is_some());
+        w.leave(2, true);
+        assert!(
+            w.parked.is_none(),
+            "a poller that left is still woken by arrivals"
+        );
+    }
+
+    #[test]
     fn a_read_woken_to_poll_that_finds_its_batch_ended_hands_the_polling_on() {
         // Read 0 polls batch A; read 1 (batch B) and read 2 (open) wait. A ends: read 0
         // leaves and wakes read 1 to poll. B ends before read 1 looks: read 1's look ends
@@ -333,9 +439,10 @@ mod tests {
 
     #[test]
     fn every_read_ends_whatever_the_order_of_ends_and_looks() {
-        // Synthetic runs: reads join, batches leave and end, and woken reads are polled, all
-        // in pseudo-random orders; after each step a read that still waits has someone to
-        // look for it, and at the end every read has its own ending.
+        // Synthetic runs: reads leave for the network and come back (or go), join, batches
+        // leave and end, and woken reads are polled, all in pseudo-random orders; after each
+        // step a read that still waits has someone to look for it (or a poller that an
+        // arrival will wake), and at the end every read has its own ending.
         let mut seed = 0x9E37_79B9_7F4A_7C15u64;
         let mut rand = move |n: usize| {
             seed ^= seed << 13;
@@ -346,17 +453,38 @@ mod tests {
         for _ in 0..300 {
             let n = 1 + rand(12);
             let mut w = Waits::new(Synthetic::default(), n);
+            w.park_at = 1 + rand(3);
             let mut reads: Vec<Read> = (0..n).map(|_| Read::new()).collect();
             let mut ended = 0;
             let mut joined = vec![false; n];
+            let mut away = vec![false; n];
             for _ in 0..2000 {
-                match rand(4) {
+                match rand(6) {
                     0 => {
                         let free: Vec<usize> = (0..n).filter(|&i| !joined[i]).collect();
                         if !free.is_empty() {
                             let id = free[rand(free.len())];
                             joined[id] = true;
+                            if away[id] {
+                                away[id] = false;
+                                w.arrive();
+                            }
                             join(&mut w, &mut reads, &[id]);
+                        }
+                    }
+                    4 => {
+                        let free: Vec<usize> = (0..n).filter(|&i| !joined[i] && !away[i]).collect();
+                        if !free.is_empty() {
+                            away[free[rand(free.len())]] = true;
+                            w.depart();
+                        }
+                    }
+                    5 => {
+                        // A read on its way fails, or its future goes.
+                        let gone: Vec<usize> = (0..n).filter(|&i| away[i]).collect();
+                        if !gone.is_empty() {
+                            away[gone[rand(gone.len())]] = false;
+                            w.arrive();
                         }
                     }
                     1 => w.batches.send(),
@@ -372,10 +500,12 @@ mod tests {
                     }
                 }
                 let waits = reads.iter().any(|r| r.waiting);
+                let parked = w.arriving >= w.park_at && w.parked.is_some();
                 assert!(
-                    !waits || someone_looks(&reads),
+                    !waits || someone_looks(&reads) || parked,
                     "a read waits and no one will look"
                 );
+                assert_eq!(w.arriving, away.iter().filter(|&&a| a).count());
                 for (id, r) in reads.iter_mut().enumerate() {
                     if r.ended.take().is_some() {
                         ended += 1;
@@ -386,7 +516,11 @@ mod tests {
                     break;
                 }
             }
-            // Let everything leave and end.
+            // Let every read on its way arrive, and everything leave and end.
+            for a in away.iter_mut().filter(|a| **a) {
+                *a = false;
+                w.arrive();
+            }
             for _ in 0..100 {
                 w.batches.send();
                 for k in 0..w.batches.flights.len() {

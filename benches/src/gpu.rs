@@ -196,7 +196,8 @@ const GATHER_WAIT: Duration = Duration::from_micros(200);
 
 /// Batches the transfers to the GPU of one worker's small reads (see the module docs). Each
 /// buffer owns a part of the worker's mapped pinned memory; a read receives into its part,
-/// puts the part into the open batch and waits ([`Waits`]: one waiting read polls, the
+/// puts the part into the open batch and waits ([`Waits`]: one waiting read polls, at each
+/// read that arrives from the network or, when none is on its way, between yields; the
 /// others are woken when their batch ends). The batch leaves once it holds a quarter of the
 /// worker's buffers or has waited [`GATHER_WAIT`], unless [`MAX_FLIGHTS`] batches are already
 /// in flight: then reads gather until one finishes (a group commit: the busier the stream,
@@ -287,12 +288,33 @@ impl Gather {
         Ok((gather, parts))
     }
 
-    /// Puts buffer `id`'s part, holding its block, into the open batch, and sends the batch if
-    /// it is full enough.
-    fn push(&self, id: usize, part: PinnedChunk) -> Result<(), String> {
+    /// A read leaves for the network; it arrives when it joins a batch ([`push`](Self::push))
+    /// or when the [`Trip`] goes (the read failed or was dropped).
+    fn depart(&self) -> Trip<'_> {
+        self.state.lock().depart();
+        Trip(Some(self))
+    }
+
+    /// Puts buffer `id`'s part, holding its block, into the open batch (its read back from
+    /// the network: `trip` ends), and sends the batch if it is full enough.
+    fn push(&self, id: usize, part: PinnedChunk, mut trip: Trip<'_>) -> Result<(), String> {
+        trip.0 = None;
         let mut st = self.state.lock();
+        st.arrive();
         st.join(id);
         st.with_batches(|b, end| b.push(id, part, end))
+    }
+}
+
+/// A read of a [`Gather`]'s worker on its way from the network ([`Gather::depart`]); dropped
+/// before it joins a batch, it counts as arrived.
+struct Trip<'a>(Option<&'a Gather>);
+
+impl Drop for Trip<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.take() {
+            g.state.lock().arrive();
+        }
     }
 }
 
@@ -577,6 +599,7 @@ async fn read_to_gpu<S: BlockSource>(
                 .take()
                 .ok_or("the buffer's part went with an earlier read")?;
             let mut dest = PartDest(Some(part));
+            let trip = gather.depart();
             let r = src.read_blocks(lba, &mut dest).await;
             // A read that lost its lent part (its connection failed) leaves none.
             let part = dest.0.ok_or("the read kept the buffer's part")?;
@@ -584,7 +607,7 @@ async fn read_to_gpu<S: BlockSource>(
                 *landing = Some(part);
                 return Err(e.to_string());
             }
-            gather.push(*id, part)?;
+            gather.push(*id, part, trip)?;
             let done = GatherWait {
                 gather,
                 id: *id,
