@@ -5,11 +5,11 @@
 //! worker's reads are on their way from the network ([`Waits::depart`]: a quarter of them, and
 //! at least [`PARK_MIN`]) the poller looks again when the next one arrives ([`Waits::arrive`]),
 //! so that a busy worker does not spin on its batches; with fewer, arrivals may be far apart
-//! and it looks between yields. A read that leaves while it polls, or that
-//! was to poll (it was woken to, or found no one polling and looked itself), hands the polling
-//! to a read still waiting, so a read never waits with no poller. [`Batches`] is what is
-//! waited for; this module only keeps the turns, and runs without a GPU (its unit tests drive
-//! it with synthetic batches).
+//! and it looks between yields. A read that leaves while it polls, or that was to poll (it was
+//! woken to, or found no one polling and looked itself), hands the polling to a read still
+//! waiting, so a read never waits with no poller. [`Batches`] is what is waited for; this
+//! module only keeps the turns, and runs without a GPU (its unit tests drive it with synthetic
+//! batches).
 
 use std::task::{Context, Poll, Waker};
 
