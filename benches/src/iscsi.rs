@@ -57,8 +57,15 @@ pub struct TgtSpec {
 pub struct Tgt {
     child: Child,
     addr: SocketAddr,
+    /// Its control port.
+    ctl: u16,
     _log: tempfile::NamedTempFile,
 }
+
+/// The control ports of the tgtd instances this process runs. Every start of this process
+/// tries the same ports: starts take turns, and each skips the ports held here, so that two
+/// at once never race for one port (the loser's tgtadm met a tgtd that was going away).
+static HELD: parking_lot::Mutex<Vec<u16>> = parking_lot::Mutex::new(Vec::new());
 
 /// `name` on `PATH` or in the sbin directories (where Debian puts tgtd and tgtadm, and which
 /// a user's `PATH` may lack).
@@ -116,7 +123,11 @@ impl Tgt {
         // tgtd takes control ports up to 32767.
         let base = 100 + (std::process::id() % 3000) as u16 * 8;
         let mut last = String::new();
+        let mut held = HELD.lock();
         for ctl in base..base + 8 {
+            if held.contains(&ctl) {
+                continue;
+            }
             let log = tempfile::Builder::new()
                 .prefix("nvmeof-bench-tgtd-")
                 .suffix(".log")
@@ -169,12 +180,15 @@ impl Tgt {
             let mut tgt = Tgt {
                 child,
                 addr,
+                ctl,
                 _log: log,
             };
             if let Err(e) = configure(&tgtadm, ctl, spec, &luns) {
+                drop(held);
                 tgt.kill();
                 return Err(e);
             }
+            held.push(ctl);
             // tgtd holds its backing files open: their names go now, so their memory is
             // freed when tgtd ends, however the load generator ends.
             drop(files);
@@ -200,6 +214,7 @@ impl Tgt {
         // tgtd ignores SIGTERM while it serves targets: it holds nothing worth a clean stop.
         let _ = self.child.kill();
         let _ = self.child.wait();
+        HELD.lock().retain(|&c| c != self.ctl);
     }
 
     /// Stops tgtd (the memory of its backing files goes with it).
