@@ -14,7 +14,8 @@ With `--why`, rows that take the `gpu` row apart: `pinned`, received into the pi
 with no copy; `gpu-other`, the same copies and waits as `gpu` but each copies another pinned
 buffer (the GPU's copy engine reads as much, just not the bytes the receiver wrote); and
 `host+copier`, the `host` row while one more process copies a 1 GiB pinned buffer to the GPU
-without pause (its rate printed beside).
+without pause (its rate printed beside); `lag`, the `gpu` row with four buffers in turn, each
+MiB copied only once LAG more MiB (2) have been received after it.
 """
 import multiprocessing as mp
 import os
@@ -23,6 +24,8 @@ import sys
 import time
 
 MSG = 1 << 20
+# How many messages the `lag` row receives after one before copying it to the GPU.
+LAG = 2
 
 
 def sender(port, cpu, secs):
@@ -43,17 +46,19 @@ def receiver(ls, cpu, q, gpu, what="gpu"):
         import numpy
 
         cupy.cuda.Device(0).use()
-        pinned = [cupy.cuda.alloc_pinned_memory(MSG) for _ in range(2)]
+        lag = LAG if what == "lag" else 0
+        nbuf = lag + 2
+        pinned = [cupy.cuda.alloc_pinned_memory(MSG) for _ in range(nbuf)]
         host = [numpy.frombuffer(p, dtype=numpy.uint8, count=MSG) for p in pinned]
         dev = cupy.empty(MSG, dtype=cupy.uint8)
         stream = cupy.cuda.Stream(non_blocking=True)
-        events = [None, None]
+        events = [None] * nbuf
         bufs = [memoryview(h) for h in host]
         other = host
         if what == "gpu-other":
             other = [
                 numpy.frombuffer(cupy.cuda.alloc_pinned_memory(MSG), dtype=numpy.uint8, count=MSG)
-                for _ in range(2)
+                for _ in range(nbuf)
             ]
     else:
         bufs = [memoryview(bytearray(MSG)) for _ in range(2)]
@@ -62,6 +67,7 @@ def receiver(ls, cpu, q, gpu, what="gpu"):
     while True:
         if gpu and events[i] is not None:
             events[i].synchronize()
+            events[i] = None
         got = 0
         while got < MSG:
             k = c.recv_into(bufs[i][got:])
@@ -73,13 +79,15 @@ def receiver(ls, cpu, q, gpu, what="gpu"):
         n += got
         if got < MSG:
             break
-        if gpu and what != "pinned":
+        # With a lag, the message received `lag` messages ago is copied.
+        j = (i - lag) % nbuf if gpu else i
+        if gpu and what != "pinned" and n > lag * MSG:
             cupy.cuda.runtime.memcpyAsync(
-                dev.data.ptr, other[i].ctypes.data, MSG, 1, stream.ptr
+                dev.data.ptr, other[j].ctypes.data, MSG, 1, stream.ptr
             )
-            events[i] = cupy.cuda.Event(block=True, disable_timing=True)
-            events[i].record(stream)
-        i ^= 1
+            events[j] = cupy.cuda.Event(block=True, disable_timing=True)
+            events[j].record(stream)
+        i = (i + 1) % (nbuf if gpu else 2)
     q.put((n, time.time() - t0))
 
 
@@ -156,3 +164,4 @@ if __name__ == "__main__":
         run(streams, seconds, True, "pinned")
         run(streams, seconds, True, "gpu-other")
         run(streams, seconds, False, "host+copier")
+        run(streams, seconds, True, "lag")

@@ -11,7 +11,8 @@
 //! takes microseconds per copy however small, and every driver call costs the CPU a
 //! microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
-//! receives straight into its pinned slot, then one copy). In DAS mode a memory backend copies
+//! receives straight into its pinned slot, then one copy; with `copy_lag` the copy waits until
+//! that many bytes more of the worker's data have landed, or none is on its way: [`crate::lag`]). In DAS mode a memory backend copies
 //! its blocks into the receiving buffer (the best local path, as `gpu_loader`'s RAM -> HBM).
 //! With verify on, every read's device data is copied back (asynchronously, into pinned
 //! memory) and checked against the pattern. Writes (the prefill included) go through the
@@ -34,6 +35,7 @@ use nvmeof_initiator::{BufferError, Lent, LentBuffer, Namespace, ReadDest};
 use parking_lot::Mutex;
 
 use crate::gather::{Batches, Waits};
+use crate::lag::Lag;
 use crate::path::{DasPath, IoPath, NsGeometry, PathError, TcpPath};
 
 /// A path whose namespaces can feed a [`GpuStaging`].
@@ -120,19 +122,24 @@ pub struct GpuPath<P> {
     inner: Arc<P>,
     ctx: GpuContext,
     verify: bool,
+    /// Bytes of a worker's other reads that land before a large read's copy leaves.
+    copy_lag: u64,
     /// The scatter kernel, compiled when the first gather is made.
     kernels: OnceLock<Result<Arc<NvmfKernels>, String>>,
 }
 
 impl<P: GpuSource> GpuPath<P> {
-    /// Wraps `inner` on GPU 0. Fails when there is no CUDA driver or GPU.
-    pub fn new(inner: Arc<P>, verify: bool) -> Result<Self, PathError> {
+    /// Wraps `inner` on GPU 0; large reads' copies wait for `copy_lag` bytes of their worker's
+    /// other reads to land ([`crate::lag`]; 0: they leave at once). Fails when there is no
+    /// CUDA driver or GPU.
+    pub fn new(inner: Arc<P>, verify: bool, copy_lag: u64) -> Result<Self, PathError> {
         let ctx =
             GpuContext::new(0).map_err(|e| PathError::Setup(format!("destination gpu: {e}")))?;
         Ok(GpuPath {
             inner,
             ctx,
             verify,
+            copy_lag,
             kernels: OnceLock::new(),
         })
     }
@@ -168,10 +175,12 @@ enum GpuParts {
         landing: Option<PinnedChunk>,
         back: Option<Back>,
     },
-    /// A large block: received into the staging's pinned slot, then copied into `dev`.
+    /// A large block: received into the staging's pinned slot, then copied into `dev` (after
+    /// its worker's [`Lag`], if it has one).
     Staged {
         staging: Box<GpuStaging>,
         dev: DeviceBuffer,
+        lag: Option<Arc<Lag>>,
         back: Option<Back>,
     },
 }
@@ -541,7 +550,12 @@ impl ReadDest for PartDest {
 }
 
 /// The GPU side of a large buffer: its own staging and device memory.
-fn staged(ctx: &GpuContext, len: usize, verify: bool) -> Result<GpuParts, String> {
+fn staged(
+    ctx: &GpuContext,
+    len: usize,
+    lag: Option<Arc<Lag>>,
+    verify: bool,
+) -> Result<GpuParts, String> {
     let e = |e: GpuError| e.to_string();
     let cfg = StagingConfig {
         slots: 2,
@@ -551,6 +565,7 @@ fn staged(ctx: &GpuContext, len: usize, verify: bool) -> Result<GpuParts, String
     Ok(GpuParts::Staged {
         staging: Box::new(GpuStaging::new(ctx, cfg).map_err(|e| e.to_string())?),
         dev: ctx.alloc(len).map_err(e)?,
+        lag,
         back: back(ctx, len, verify).map_err(e)?,
     })
 }
@@ -578,11 +593,21 @@ async fn read_to_gpu<S: BlockSource>(
 ) -> Result<(), String> {
     let e = |e: GpuError| e.to_string();
     match g {
-        GpuParts::Staged { staging, dev, back } => {
-            staging
-                .read(src, lba, dev.as_slice_mut())
-                .await
-                .map_err(|e| e.to_string())?;
+        GpuParts::Staged {
+            staging,
+            dev,
+            lag,
+            back,
+        } => {
+            let r = match lag {
+                Some(lag) => {
+                    let trip = lag.depart();
+                    let gate = move |bytes| trip.land(bytes);
+                    staging.read_gated(src, lba, dev.as_slice_mut(), gate).await
+                }
+                None => staging.read(src, lba, dev.as_slice_mut()).await,
+            };
+            r.map_err(|e| e.to_string())?;
             if let Some(b) = back {
                 start_back(staging.stream(), dev.slice(..host.len()).map_err(e)?, b).map_err(e)?;
                 finish_back(b, host).await.map_err(e)?;
@@ -654,6 +679,8 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
                 .and_then(|k| Gather::new(&self.ctx, k, len, n))
                 .map(|(g, parts)| (Arc::new(g), parts))
         });
+        let lag = (len > GATHER_MAX_BLOCK && self.copy_lag > 0)
+            .then(|| Arc::new(Lag::new(self.copy_lag)));
         let (gather, mut parts) = match gather {
             Some(Ok((g, parts))) => (Some(Ok(g)), parts.into_iter()),
             other => (other.map(|r| r.map(|(g, _)| g)), Vec::new().into_iter()),
@@ -670,7 +697,7 @@ impl<P: GpuSource> IoPath for GpuPath<P> {
                         })
                         .map_err(|e| e.to_string()),
                     Some(Err(e)) => Err(e.clone()),
-                    None => staged(&self.ctx, len, self.verify),
+                    None => staged(&self.ctx, len, lag.clone(), self.verify),
                 };
                 GpuBuf {
                     host: self.inner.alloc(len),

@@ -688,6 +688,9 @@ pub struct Section {
     pub load_threads: Option<u32>,
     /// Memory the busy-host load copies through (all threads together).
     pub load_mem: Option<Bytes>,
+    /// With `dest = "gpu"`, blocks over 64 KiB: how many bytes of a worker's other reads land
+    /// before a read's copy to the GPU leaves (0, the default: at once).
+    pub copy_lag: Option<Bytes>,
 }
 
 /// A parsed job file.
@@ -863,6 +866,10 @@ pub struct Point {
     pub load_threads: u32,
     /// Busy-load memory in bytes.
     pub load_mem: u64,
+    /// Bytes of a worker's other reads that land before a large read's copy to the GPU leaves
+    /// (`dest = "gpu"`; 0: at once).
+    #[serde(default)]
+    pub copy_lag: u64,
 }
 
 impl Point {
@@ -895,6 +902,9 @@ impl Point {
         }
         if self.issue == Issue::Cpu && self.dest == Dest::Gpu {
             s.push_str(" into-gpu");
+            if self.copy_lag > 0 {
+                s.push_str(&format!(" lag{}", short_size(self.copy_lag)));
+            }
         }
         if self.issue == Issue::Gpu {
             match self.ring_mode {
@@ -1511,6 +1521,17 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
     if !(1 << 20..=64 << 30).contains(&load_mem) {
         return Err(invalid(name, "load_mem", "must be 1M..=64G"));
     }
+    let copy_lag = pick(&j.copy_lag, &g.copy_lag).map_or(0, |b| b.0);
+    if copy_lag > 1 << 30 {
+        return Err(invalid(name, "copy_lag", "must be 0..=1G"));
+    }
+    if copy_lag > 0 && dest != Dest::Gpu {
+        return Err(invalid(
+            name,
+            "copy_lag",
+            "delays copies to the GPU: use it with dest = \"gpu\"",
+        ));
+    }
     let description = pick(&j.description, &None);
     // Host load x issuer x ring mode; CPU-issued points use no ring: one point, not one per
     // mode.
@@ -1561,6 +1582,7 @@ fn expand(name: &str, g: &Section, j: &Section, ov: &Overrides) -> Result<Vec<Po
                                     host_load,
                                     load_threads,
                                     load_mem,
+                                    copy_lag,
                                 });
                             }
                         }
@@ -1637,6 +1659,11 @@ mod tests {
         assert_eq!(c.points[1].label(), "randread 4k qd1 x1 gpu-chase");
         let g = plan("[[job]]\nrw = \"read\"\ndest = \"gpu\"").unwrap();
         assert_eq!(g.points[0].label(), "read 4k qd1 x1 into-gpu");
+        assert_eq!(g.points[0].copy_lag, 0);
+        let l =
+            plan("[[job]]\nrw = \"read\"\nbs = \"1m\"\ndest = \"gpu\"\ncopy_lag = \"2m\"").unwrap();
+        assert_eq!(l.points[0].copy_lag, 2 << 20);
+        assert_eq!(l.points[0].label(), "read 1m qd1 x1 into-gpu lag2m");
         let m = plan(
             "[[job]]\nname = \"m\"\nrw = \"randread\"\nissue = [\"cpu\", \"gpu\"]\nring_mode = [\"pull\", \"push\", \"device\"]\n",
         )
@@ -1896,6 +1923,8 @@ mod tests {
             ("[global]\n", "no [[job]]"),
             ("[[job]]\napi = \"sync\"", "api"),
             ("[[job]]\napi = \"rtc\"\ndest = \"gpu\"", "dest = host"),
+            ("[[job]]\ncopy_lag = \"1m\"", "use it with dest = \"gpu\""),
+            ("[[job]]\ndest = \"gpu\"\ncopy_lag = \"2g\"", "0..=1G"),
         ] {
             let err = plan(text)
                 .err()

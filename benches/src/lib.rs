@@ -43,6 +43,7 @@ pub mod gpu_issue;
 pub mod hist;
 pub mod iscsi;
 pub mod job;
+pub mod lag;
 pub mod load;
 pub mod path;
 pub mod pattern;

@@ -830,7 +830,11 @@ fn measure_into<P: GpuSource>(
         );
     }
     // A chase needs each read's data back on the host (its first word names the next read).
-    match GpuPath::new(Arc::clone(path), point.verify || point.chase) {
+    match GpuPath::new(
+        Arc::clone(path),
+        point.verify || point.chase,
+        point.copy_lag,
+    ) {
         Err(e) => failed(repeat, e.to_string()),
         Ok(gpu) => measure(
             rt,

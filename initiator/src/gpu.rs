@@ -591,6 +591,8 @@ impl GpuStaging {
             staging: self,
             dst,
             lent: Vec::new(),
+            hold: false,
+            held: Vec::new(),
         }
     }
 
@@ -608,6 +610,46 @@ impl GpuStaging {
             src.read_blocks(lba, &mut dest).await
         };
         self.stats.source += t.elapsed();
+        result?;
+        self.synchronize().await
+    }
+
+    /// Like [`read`](Self::read), but the copies of the data received straight into pinned
+    /// slots are enqueued only once `gate` (given how many bytes are waiting) has resolved.
+    ///
+    /// Over loopback, a host that copies each MiB to the GPU the moment its receiving core
+    /// wrote it moves about a quarter less than one that lets a few more MiB arrive first
+    /// (`benches/scripts/tcp-gpu-ceiling.py --why`, the `lag` row); a caller with several
+    /// reads in flight on one thread can have `gate` wait until that much more has arrived.
+    /// The slots held meanwhile are neither free nor copying; when a command finds none free
+    /// the held copies are enqueued at once.
+    pub async fn read_gated<S, F, G>(
+        &mut self,
+        src: &S,
+        lba: u64,
+        dst: DeviceSliceMut<'_>,
+        gate: G,
+    ) -> Result<(), GpuIoError>
+    where
+        S: BlockSource,
+        G: FnOnce(usize) -> F,
+        F: Future<Output = ()>,
+    {
+        let t = Instant::now();
+        let mut source = Duration::ZERO;
+        let result = async {
+            let mut dest = self.dest(dst);
+            dest.hold = true;
+            let r = src.read_blocks(lba, &mut dest).await;
+            source = t.elapsed();
+            r?;
+            if !dest.held.is_empty() {
+                gate(dest.held_bytes()).await;
+            }
+            dest.release_held()
+        }
+        .await;
+        self.stats.source += source;
         result?;
         self.synchronize().await
     }
@@ -994,6 +1036,45 @@ pub struct GpuReadDest<'s, 'd> {
     dst: DeviceSliceMut<'d>,
     /// Slots lent to commands and not yet back.
     lent: Vec<usize>,
+    /// Whether the copies of slots that come back filled wait for [`Self::release_held`].
+    hold: bool,
+    /// Filled slots whose copies wait: slot, offset in `dst`, length.
+    held: Vec<(usize, usize, usize)>,
+}
+
+impl GpuReadDest<'_, '_> {
+    /// Bytes received into slots whose copies are held.
+    fn held_bytes(&self) -> usize {
+        self.held.iter().map(|&(_, _, len)| len).sum()
+    }
+
+    /// Enqueues the held copies, in the order their commands completed.
+    fn release_held(&mut self) -> Result<(), GpuIoError> {
+        let mut held = std::mem::take(&mut self.held).into_iter();
+        while let Some((idx, offset, len)) = held.next() {
+            let submitted = self
+                .dst
+                .slice_mut(offset..offset + len)
+                .map_err(GpuIoError::from)
+                .and_then(|mut dst| self.staging.submit_h2d(idx, len, &mut dst));
+            if let Err(e) = submitted {
+                self.staging.ring.give_back(idx);
+                for (idx, _, _) in held {
+                    self.staging.ring.give_back(idx);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Before taking a slot: with none free, the held copies go now, so that a slot frees up.
+    fn unhold_if_full(&mut self) -> Result<(), GpuIoError> {
+        if !self.held.is_empty() && self.staging.ring.free.is_empty() {
+            self.release_held()?;
+        }
+        Ok(())
+    }
 }
 
 /// A staging slot's pinned memory while a command receives into it.
@@ -1023,6 +1104,10 @@ impl Drop for GpuReadDest<'_, '_> {
         for idx in self.lent.drain(..) {
             self.staging.ring.give_back(idx);
         }
+        // Held copies never enqueued (the read failed or went): the slots are free again.
+        for (idx, _, _) in self.held.drain(..) {
+            self.staging.ring.give_back(idx);
+        }
     }
 }
 
@@ -1046,6 +1131,7 @@ impl ReadDest for GpuReadDest<'_, '_> {
         {
             return Err("offset outside the device buffer".into());
         }
+        self.unhold_if_full()?;
         let slot = self.staging.cfg.slot_bytes;
         for (i, piece) in data.chunks(slot).enumerate() {
             let off = offset + i * slot;
@@ -1062,6 +1148,7 @@ impl ReadDest for GpuReadDest<'_, '_> {
         if !fits || len == 0 || len > self.staging.cfg.slot_bytes {
             return None;
         }
+        self.unhold_if_full().ok()?;
         // No free slot and none being copied (all lent): the command uses its own buffer.
         let slot = self.staging.lend_slot().ok()?;
         self.lent.push(slot.idx);
@@ -1087,6 +1174,11 @@ impl ReadDest for GpuReadDest<'_, '_> {
         staging.slots[idx].host = Some(host.into_pinned());
         if !filled {
             staging.ring.give_back(idx);
+            return Ok(());
+        }
+        if self.hold {
+            staging.stats.lent_bytes += len as u64;
+            self.held.push((idx, offset, len));
             return Ok(());
         }
         let submitted = self
