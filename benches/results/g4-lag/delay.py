@@ -4,18 +4,12 @@ optionally a cache hint over each message right after it was received (libflush.
 
     python3 delay.py HOW:LAG[,HOW:LAG...]    HOW: none, demote, flushopt, wb
 """
+import importlib
 import multiprocessing as mp, os, socket, sys, time
-MSG = 1 << 20
 
-def sender(port, cpu, secs):
-    os.sched_setaffinity(0, {cpu})
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(os.urandom(MSG)))
-    end = time.time() + secs
-    while time.time() < end:
-        s.sendall(buf)
-    s.close()
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../scripts"))
+sender = importlib.import_module("tcp-gpu-ceiling").sender
+MSG = 1 << 20
 
 def receiver(ls, cpu, q, delay, msg, how):
     os.sched_setaffinity(0, {cpu})
