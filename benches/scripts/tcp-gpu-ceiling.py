@@ -41,13 +41,13 @@ def sender(port, cpu, secs):
 
 def receiver(ls, cpu, q, gpu, what="gpu"):
     os.sched_setaffinity(0, {cpu})
+    lag = LAG if what == "lag" else 0
+    nbuf = lag + 2
     if gpu:
         import cupy
         import numpy
 
         cupy.cuda.Device(0).use()
-        lag = LAG if what == "lag" else 0
-        nbuf = lag + 2
         pinned = [cupy.cuda.alloc_pinned_memory(MSG) for _ in range(nbuf)]
         host = [numpy.frombuffer(p, dtype=numpy.uint8, count=MSG) for p in pinned]
         dev = cupy.empty(MSG, dtype=cupy.uint8)
@@ -61,7 +61,7 @@ def receiver(ls, cpu, q, gpu, what="gpu"):
                 for _ in range(nbuf)
             ]
     else:
-        bufs = [memoryview(bytearray(MSG)) for _ in range(2)]
+        bufs = [memoryview(bytearray(MSG)) for _ in range(nbuf)]
     c, _ = ls.accept()
     n, t0, i = 0, None, 0
     while True:
@@ -80,14 +80,14 @@ def receiver(ls, cpu, q, gpu, what="gpu"):
         if got < MSG:
             break
         # With a lag, the message received `lag` messages ago is copied.
-        j = (i - lag) % nbuf if gpu else i
+        j = (i - lag) % nbuf
         if gpu and what != "pinned" and n > lag * MSG:
             cupy.cuda.runtime.memcpyAsync(
                 dev.data.ptr, other[j].ctypes.data, MSG, 1, stream.ptr
             )
             events[j] = cupy.cuda.Event(block=True, disable_timing=True)
             events[j].record(stream)
-        i = (i + 1) % (nbuf if gpu else 2)
+        i = (i + 1) % nbuf
     q.put((n, time.time() - t0))
 
 

@@ -12,8 +12,9 @@
 //! microsecond or more).
 //! Larger blocks go one by one through a [`GpuStaging`] per buffer (the NVMe/TCP queue
 //! receives straight into its pinned slot, then one copy; with `copy_lag` the copy waits until
-//! that many bytes more of the worker's data have landed, or none is on its way: [`crate::lag`]). In DAS mode a memory backend copies
-//! its blocks into the receiving buffer (the best local path, as `gpu_loader`'s RAM -> HBM).
+//! that many bytes more of the worker's data have landed, or none is on its way:
+//! [`crate::lag`]). In DAS mode a memory backend copies its blocks into the receiving buffer
+//! (the best local path, as `gpu_loader`'s RAM -> HBM).
 //! With verify on, every read's device data is copied back (asynchronously, into pinned
 //! memory) and checked against the pattern. Writes (the prefill included) go through the
 //! wrapped path from host memory.

@@ -113,13 +113,12 @@ impl Future for LagWait<'_> {
         if st.ready(self.until) {
             return Poll::Ready(());
         }
-        match st
+        let known = st
             .waiting
-            .iter_mut()
-            .find(|(u, w)| *u == self.until && w.will_wake(cx.waker()))
-        {
-            Some(_) => {}
-            None => st.waiting.push((self.until, cx.waker().clone())),
+            .iter()
+            .any(|(u, w)| *u == self.until && w.will_wake(cx.waker()));
+        if !known {
+            st.waiting.push((self.until, cx.waker().clone()));
         }
         Poll::Pending
     }

@@ -174,6 +174,11 @@ impl SlotRing {
         }
     }
 
+    /// Whether a slot is free.
+    fn has_free(&self) -> bool {
+        !self.free.is_empty()
+    }
+
     /// A free slot, if any.
     fn take_free(&mut self) -> Option<usize> {
         self.free.pop()
@@ -1070,7 +1075,7 @@ impl GpuReadDest<'_, '_> {
 
     /// Before taking a slot: with none free, the held copies go now, so that a slot frees up.
     fn unhold_if_full(&mut self) -> Result<(), GpuIoError> {
-        if !self.held.is_empty() && self.staging.ring.free.is_empty() {
+        if !self.held.is_empty() && !self.staging.ring.has_free() {
             self.release_held()?;
         }
         Ok(())
